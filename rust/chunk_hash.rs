@@ -1,0 +1,211 @@
+//! Prefix keys: the 63-bit identity of "the first c tokens of this prompt in this namespace".
+//!
+//! key(c) = first 63 bits of SHA-256(namespace_digest || tokens[0..c) as little-endian u32).
+//! All lengths of one prompt are produced in a single pass over the tokens: the hasher state is
+//! cloned at every requested boundary, so a route pays one SHA-256 pass over its longest prefix.
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{CoreError, Result};
+
+/// Marks "no key" (a length beyond the prompt). Keys are 63-bit, so this never collides.
+pub const NO_KEY: u64 = u64::MAX;
+
+/// Domain separator so namespace digests can never equal a digest of anything else we hash.
+const NS_DOMAIN: &[u8] = b"kvcompass-ns-v1";
+
+/// Digest of (model, tenant): different models or sharing groups never share an entry.
+///
+/// Each string is length-prefixed (u32 LE) so ("ab", "c") and ("a", "bc") differ.
+pub fn namespace_digest(model: &str, tenant: &str) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(NS_DOMAIN);
+    h.update((model.len() as u32).to_le_bytes());
+    h.update(model.as_bytes());
+    h.update((tenant.len() as u32).to_le_bytes());
+    h.update(tenant.as_bytes());
+    h.finalize().into()
+}
+
+/// The first 63 bits (big-endian) of a SHA-256 digest.
+#[inline]
+pub fn key_from_digest(d: &[u8]) -> u64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&d[..8]);
+    u64::from_be_bytes(b) >> 1
+}
+
+/// The owning shard of a key.
+#[inline]
+pub fn shard_of(key: u64, shards: u32) -> u32 {
+    (key % shards as u64) as u32
+}
+
+#[inline]
+fn feed(h: &mut Sha256, tokens: &[u32]) {
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: u32 has no padding and any byte pattern is a valid u8; on a little-endian
+        // target the in-memory bytes are exactly the little-endian encoding we hash.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(tokens.as_ptr() as *const u8, std::mem::size_of_val(tokens))
+        };
+        h.update(bytes);
+    }
+    #[cfg(not(target_endian = "little"))]
+    for t in tokens {
+        h.update(t.to_le_bytes());
+    }
+}
+
+/// Keys of `tokens[..c]` for every `c` in `lengths` (any order, duplicates allowed), written to
+/// `out[i]` for `lengths[i]`; lengths beyond the prompt give [`NO_KEY`]. One hashing pass.
+pub fn prefix_keys_into(ns: &[u8; 32], tokens: &[u32], lengths: &[u32], out: &mut [u64]) -> Result<()> {
+    if out.len() != lengths.len() {
+        return Err(CoreError::InvalidArgument(format!(
+            "output holds {} keys for {} lengths",
+            out.len(),
+            lengths.len()
+        )));
+    }
+    if let Some(&z) = lengths.iter().find(|&&c| c == 0) {
+        return Err(CoreError::InvalidArgument(format!("prefix length {z}: lengths must be >= 1")));
+    }
+    // Visit lengths in ascending order without allocating when they already are sorted
+    // (the common case: a level plan is sorted).
+    let sorted = lengths.windows(2).all(|w| w[0] <= w[1]);
+    let order: Vec<usize>;
+    let idx: &mut dyn Iterator<Item = usize> = if sorted {
+        &mut (0..lengths.len())
+    } else {
+        let mut o: Vec<usize> = (0..lengths.len()).collect();
+        o.sort_by_key(|&i| lengths[i]);
+        order = o;
+        &mut order.iter().copied()
+    };
+    let mut h = Sha256::new();
+    h.update(ns);
+    let mut done = 0usize;
+    for i in idx {
+        let c = lengths[i] as usize;
+        if c > tokens.len() {
+            out[i] = NO_KEY;
+            continue;
+        }
+        if c > done {
+            feed(&mut h, &tokens[done..c]);
+            done = c;
+        }
+        out[i] = key_from_digest(&h.clone().finalize());
+    }
+    Ok(())
+}
+
+/// Keys of `tokens[..c]` for every `c` in `lengths`; see [`prefix_keys_into`].
+pub fn prefix_keys(ns: &[u8; 32], tokens: &[u32], lengths: &[u32]) -> Result<Vec<u64>> {
+    let mut out = vec![0u64; lengths.len()];
+    prefix_keys_into(ns, tokens, lengths, &mut out)?;
+    Ok(out)
+}
+
+/// Batch form: prompt `i` is `tokens[offsets[i]..offsets[i+1]]`. Returns a row-major
+/// `(prompts, lengths)` matrix of keys.
+pub fn prefix_keys_batch(ns: &[u8; 32], tokens: &[u32], offsets: &[u64], lengths: &[u32]) -> Result<Vec<u64>> {
+    if offsets.is_empty() {
+        return Err(CoreError::InvalidArgument("offsets must hold at least one element".into()));
+    }
+    let n = offsets.len() - 1;
+    let mut out = vec![0u64; n * lengths.len()];
+    for i in 0..n {
+        let (a, b) = (offsets[i], offsets[i + 1]);
+        if a > b || b > tokens.len() as u64 {
+            return Err(CoreError::InvalidArgument(format!(
+                "offsets[{i}..={}] = {a}..{b} is not a range within {} tokens",
+                i + 1,
+                tokens.len()
+            )));
+        }
+        let row = &mut out[i * lengths.len()..(i + 1) * lengths.len()];
+        prefix_keys_into(ns, &tokens[a as usize..b as usize], lengths, row)?;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hex(d: &[u8]) -> String {
+        d.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Known answers computed independently with Python's hashlib (see tests/test_chunk_hash.py
+    /// for the same derivation written out in Python).
+    #[test]
+    fn namespace_known_answer() {
+        let d = namespace_digest("llama-3.1-8b", "public");
+        assert_eq!(hex(&d), KAT_NS_HEX);
+    }
+
+    #[test]
+    fn prefix_known_answer() {
+        let ns = namespace_digest("llama-3.1-8b", "public");
+        let tokens: Vec<u32> = (0..8u32).map(|i| i * 1000 + 7).collect();
+        let keys = prefix_keys(&ns, &tokens, &[1, 4, 8, 9]).unwrap();
+        assert_eq!(keys[0], KAT_KEY_1);
+        assert_eq!(keys[1], KAT_KEY_4);
+        assert_eq!(keys[2], KAT_KEY_8);
+        assert_eq!(keys[3], NO_KEY);
+    }
+
+    #[test]
+    fn one_pass_equals_separate_hashes_and_order_is_irrelevant() {
+        let ns = namespace_digest("m", "t");
+        let tokens: Vec<u32> = (0..300u32).map(|i| i.wrapping_mul(2654435761)).collect();
+        let lengths = [256u32, 1, 64, 300, 64, 128];
+        let keys = prefix_keys(&ns, &tokens, &lengths).unwrap();
+        for (i, &c) in lengths.iter().enumerate() {
+            let mut h = Sha256::new();
+            h.update(ns);
+            for t in &tokens[..c as usize] {
+                h.update(t.to_le_bytes());
+            }
+            assert_eq!(keys[i], key_from_digest(&h.finalize()));
+            assert_eq!(keys[i] >> 63, 0);
+        }
+    }
+
+    #[test]
+    fn namespaces_separate_and_strings_are_length_prefixed() {
+        assert_ne!(namespace_digest("ab", "c"), namespace_digest("a", "bc"));
+        let t = [1u32, 2, 3];
+        let a = prefix_keys(&namespace_digest("m", "a"), &t, &[3]).unwrap();
+        let b = prefix_keys(&namespace_digest("m", "b"), &t, &[3]).unwrap();
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn batch_matches_single_and_checks_offsets() {
+        let ns = namespace_digest("m", "t");
+        let tokens: Vec<u32> = (0..50).collect();
+        let offsets = [0u64, 10, 10, 50];
+        let lengths = [1u32, 5, 20];
+        let got = prefix_keys_batch(&ns, &tokens, &offsets, &lengths).unwrap();
+        for i in 0..3 {
+            let p = &tokens[offsets[i] as usize..offsets[i + 1] as usize];
+            assert_eq!(&got[i * 3..i * 3 + 3], prefix_keys(&ns, p, &lengths).unwrap().as_slice());
+        }
+        assert!(prefix_keys_batch(&ns, &tokens, &[0, 60], &lengths).is_err());
+        assert!(prefix_keys_batch(&ns, &tokens, &[5, 2], &lengths).is_err());
+        assert!(prefix_keys(&ns, &tokens, &[0]).is_err());
+    }
+}
+
+#[cfg(test)]
+const KAT_NS_HEX: &str = "0ace51f96917c52aa632830dec8e10c8d747cc92c623086cbff9b5c3f913459b";
+#[cfg(test)]
+const KAT_KEY_1: u64 = 0x448b_8915_9a03_a245;
+#[cfg(test)]
+const KAT_KEY_4: u64 = 0x4be1_0151_a51b_4959;
+#[cfg(test)]
+const KAT_KEY_8: u64 = 0x3c9a_63d3_757b_21ad;

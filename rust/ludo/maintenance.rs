@@ -1,0 +1,936 @@
+//! The maintenance-side Ludo table: the single writer of one (table, shard).
+//!
+//! It keeps the keys (for collision-free updates and rebuilds) and a mirror of the keyless view.
+//! Every change is expressed as a patch [`Op`], applied to the mirror through the same code a
+//! remote view runs, and appended to the pending batch; so a view that applies the batches in
+//! order is byte-identical to [`LudoTable::view`].
+//!
+//! Inserts that cannot be placed (an Othello cycle, or no cuckoo path within depth 5) go to a
+//! small keyed fallback that both sides consult first, so they never fail and never block
+//! readers. Once the fallback exceeds its limit, or the table is full, the table is rebuilt
+//! (new seed, or doubled capacity) and a snapshot replaces the pending batch.
+
+use super::hash::{self, Seeds};
+use super::othello::{Forest, Join, NIL};
+use super::view::{Geometry, LudoView};
+use super::{MAX_CUCKOO_DEPTH, SLOTS};
+use crate::error::{CoreError, Result};
+use crate::patch::{self, BatchHeader, Op, Step, PERM_EMPTY};
+
+const EMPTY: u64 = u64::MAX;
+
+/// Construction parameters of a table.
+#[derive(Clone, Copy, Debug)]
+pub struct TableConfig {
+    pub table: u32,
+    pub shard: u32,
+    pub epoch: u64,
+    pub capacity: u64,
+    pub value_bits: u8,
+    pub fp_bits: u8,
+    pub seed: u64,
+    /// Growth stops here with [`CoreError::Capacity`].
+    pub max_capacity: u64,
+    /// Fallback entries tolerated before a rebuild.
+    pub fallback_limit: usize,
+}
+
+impl Default for TableConfig {
+    fn default() -> Self {
+        TableConfig { table: 0, shard: 0, epoch: 1, capacity: 1024, value_bits: 32, fp_bits: 0, seed: 0, max_capacity: 1 << 32, fallback_limit: 64 }
+    }
+}
+
+/// What an insert did (for statistics and tests).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    Bucket { moves: usize },
+    Fallback,
+    Updated,
+}
+
+#[derive(Clone, Debug)]
+pub struct LudoTable {
+    cfg: TableConfig,
+    geo: Geometry,
+    seeds: Seeds,
+    view: LudoView,
+    keys: Vec<u64>,
+    vals: Vec<u64>,
+    edge: Vec<u32>,
+    forest: Forest,
+    live: u64,
+    seq: u64,
+    pending: Vec<u8>,
+    pending_ops: u32,
+    quiet: bool,
+    rebuilds: u64,
+    /// Scratch for the cuckoo search (bucket, parent index, slot moved out of the parent).
+    bfs: Vec<(u32, u32, u8)>,
+    visited: Vec<u32>,
+    flips: Vec<u32>,
+}
+
+impl LudoTable {
+    pub fn new(cfg: TableConfig) -> Result<Self> {
+        if cfg.max_capacity < cfg.capacity {
+            return Err(CoreError::Capacity { needed: cfg.capacity, max: cfg.max_capacity });
+        }
+        let geo = Geometry::for_capacity(cfg.capacity, cfg.value_bits, cfg.fp_bits, cfg.seed)?;
+        let slots = geo.n_buckets as usize * SLOTS;
+        Ok(LudoTable {
+            cfg,
+            geo,
+            seeds: Seeds::from_table_seed(geo.seed),
+            view: LudoView::empty(cfg.table, cfg.shard, cfg.epoch, geo)?,
+            keys: vec![EMPTY; slots],
+            vals: vec![0; slots],
+            edge: vec![NIL; slots],
+            forest: Forest::new(geo.ma, geo.mb),
+            live: 0,
+            seq: 0,
+            pending: Vec::new(),
+            pending_ops: 0,
+            quiet: false,
+            rebuilds: 0,
+            bfs: Vec::new(),
+            visited: Vec::new(),
+            flips: Vec::new(),
+        })
+    }
+
+    /// Bulk build from (key, value) pairs without emitting patches; views start from
+    /// [`Self::export_snapshot`]. Later pairs win over earlier ones with the same key.
+    pub fn build(mut cfg: TableConfig, entries: &[(u64, u64)]) -> Result<Self> {
+        cfg.capacity = cfg.capacity.max(entries.len() as u64);
+        let mut t = LudoTable::new(cfg)?;
+        t.quiet = true;
+        for &(k, v) in entries {
+            t.set(k, v)?;
+        }
+        t.quiet = false;
+        t.pending.clear();
+        t.pending_ops = 0;
+        Ok(t)
+    }
+
+    // ---- accessors --------------------------------------------------------------------------
+
+    pub fn config(&self) -> &TableConfig {
+        &self.cfg
+    }
+    pub fn geometry(&self) -> Geometry {
+        self.geo
+    }
+    /// The writer's mirror of the keyless view (what every edge must converge to).
+    pub fn view(&self) -> &LudoView {
+        &self.view
+    }
+    pub fn len(&self) -> u64 {
+        self.live + self.view.fallback_len() as u64
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn capacity(&self) -> u64 {
+        self.geo.capacity()
+    }
+    pub fn fallback_len(&self) -> usize {
+        self.view.fallback_len()
+    }
+    pub fn rebuilds(&self) -> u64 {
+        self.rebuilds
+    }
+    pub fn epoch(&self) -> u64 {
+        self.cfg.epoch
+    }
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+    pub fn pending_ops(&self) -> u32 {
+        self.pending_ops
+    }
+    pub fn value_bits(&self) -> u8 {
+        self.geo.value_bits
+    }
+
+    pub fn memory_bytes(&self) -> usize {
+        std::mem::size_of::<Self>()
+            + self.view.memory_bytes()
+            - std::mem::size_of::<LudoView>()
+            + 8 * (self.keys.capacity() + self.vals.capacity())
+            + 4 * (self.edge.capacity() + self.visited.capacity() + self.flips.capacity())
+            + 12 * self.bfs.capacity()
+            + self.pending.capacity()
+            + self.forest.memory_bytes()
+    }
+
+    fn check_key(key: u64) -> Result<()> {
+        if key >> 63 != 0 {
+            return Err(CoreError::InvalidKey(key));
+        }
+        Ok(())
+    }
+
+    fn check_value(&self, value: u64) -> Result<()> {
+        if value & !self.geo.value_mask() != 0 {
+            return Err(CoreError::ValueTooWide { value, bits: self.geo.value_bits as u32 });
+        }
+        Ok(())
+    }
+
+    /// Slot index of `key` in the bucket arrays, if it sits in a bucket.
+    #[inline]
+    fn find_slot(&self, key: u64) -> Option<usize> {
+        let (b0, b1) = hash::buckets(key, &self.seeds, self.geo.n_buckets);
+        for b in [b0, b1] {
+            let base = b as usize * SLOTS;
+            for s in base..base + SLOTS {
+                if self.keys[s] == key {
+                    return Some(s);
+                }
+            }
+        }
+        None
+    }
+
+    #[inline]
+    fn fallback_get(&self, key: u64) -> Option<u64> {
+        self.view.fallback_get(key)
+    }
+
+    /// The value stored for `key` (keyed: no false hits).
+    pub fn get(&self, key: u64) -> Option<u64> {
+        if let Some(s) = self.find_slot(key) {
+            return Some(self.vals[s]);
+        }
+        self.fallback_get(key)
+    }
+
+    // ---- emission ---------------------------------------------------------------------------
+
+    fn emit(&mut self, op: Op) {
+        self.view.apply_op(&op);
+        if !self.quiet {
+            patch::encode_op(&op, &mut self.pending);
+            self.pending_ops += 1;
+        }
+    }
+
+    /// Close the pending ops into the next batch of this (table, shard), if there are any.
+    pub fn take_batch(&mut self) -> Option<Vec<u8>> {
+        if self.pending_ops == 0 {
+            return None;
+        }
+        self.seq += 1;
+        let h = BatchHeader { table: self.cfg.table, shard: self.cfg.shard, epoch: self.cfg.epoch, seq: self.seq, n_ops: self.pending_ops };
+        let out = patch::encode_batch(&h, &self.pending);
+        self.pending.clear();
+        self.pending_ops = 0;
+        self.view.set_position(self.cfg.epoch, self.seq);
+        Some(out)
+    }
+
+    /// A snapshot batch stamped with the last emitted seq: a view that applies it and then every
+    /// later batch converges. Refused while ops are pending (take the batch first), because the
+    /// snapshot would already contain edits whose batch the view would then apply twice.
+    pub fn export_snapshot(&self) -> Result<Vec<u8>> {
+        if self.pending_ops != 0 {
+            return Err(CoreError::InvalidArgument(format!("{} ops are pending; take the batch before exporting a snapshot", self.pending_ops)));
+        }
+        let mut p = Vec::new();
+        patch::encode_op(&Op::Snapshot { state: self.view.state_bytes() }, &mut p);
+        let h = BatchHeader { table: self.cfg.table, shard: self.cfg.shard, epoch: self.cfg.epoch, seq: self.seq, n_ops: 1 };
+        Ok(patch::encode_batch(&h, &p))
+    }
+
+    /// Start a new epoch (a restarted writer): seq restarts at 0 and the next batch is a
+    /// snapshot, so views that notice the epoch change resync from it.
+    pub fn start_epoch(&mut self, epoch: u64) -> Result<()> {
+        if epoch <= self.cfg.epoch {
+            return Err(CoreError::InvalidArgument(format!("new epoch {epoch} must exceed the current epoch {}", self.cfg.epoch)));
+        }
+        self.cfg.epoch = epoch;
+        self.seq = 0;
+        self.view.set_position(epoch, 0);
+        self.pending.clear();
+        self.pending_ops = 0;
+        Ok(())
+    }
+
+    // ---- writes -----------------------------------------------------------------------------
+
+    /// Upsert; a value of 0 removes the key.
+    pub fn set(&mut self, key: u64, value: u64) -> Result<Placement> {
+        Self::check_key(key)?;
+        self.check_value(value)?;
+        if value == 0 {
+            self.remove(key)?;
+            return Ok(Placement::Updated);
+        }
+        if let Some(s) = self.find_slot(key) {
+            if self.vals[s] != value {
+                self.vals[s] = value;
+                let (bucket, slot) = ((s / SLOTS) as u32, (s % SLOTS) as u8);
+                self.emit(Op::SetValue { bucket, slot, value });
+            }
+            return Ok(Placement::Updated);
+        }
+        if let Some(old) = self.fallback_get(key) {
+            if old != value {
+                self.emit(Op::FallbackSet { key, value });
+            }
+            return Ok(Placement::Updated);
+        }
+        self.insert_new(key, value)
+    }
+
+    /// Insert a key that must not exist yet.
+    pub fn insert(&mut self, key: u64, value: u64) -> Result<Placement> {
+        Self::check_key(key)?;
+        self.check_value(value)?;
+        if value == 0 {
+            return Err(CoreError::InvalidArgument("cannot insert value 0 (it means absent)".into()));
+        }
+        if self.get(key).is_some() {
+            return Err(CoreError::InvalidArgument(format!("key {key:#x} is already in the table")));
+        }
+        self.insert_new(key, value)
+    }
+
+    /// Change the value of a key that must exist; 0 removes it.
+    pub fn update(&mut self, key: u64, value: u64) -> Result<Placement> {
+        Self::check_key(key)?;
+        if self.get(key).is_none() {
+            return Err(CoreError::KeyNotFound(key));
+        }
+        self.set(key, value)
+    }
+
+    /// Remove a key; returns its old value, or None if it was absent.
+    pub fn remove(&mut self, key: u64) -> Result<Option<u64>> {
+        Self::check_key(key)?;
+        if let Some(s) = self.find_slot(key) {
+            let old = self.vals[s];
+            self.forest.remove_edge(self.edge[s]);
+            self.keys[s] = EMPTY;
+            self.vals[s] = 0;
+            self.edge[s] = NIL;
+            self.live -= 1;
+            self.emit(Op::ClearSlot { bucket: (s / SLOTS) as u32, slot: (s % SLOTS) as u8 });
+            return Ok(Some(old));
+        }
+        if let Some(old) = self.fallback_get(key) {
+            self.emit(Op::FallbackRemove { key });
+            return Ok(Some(old));
+        }
+        Ok(None)
+    }
+
+    /// Set one worker's 2-bit tier field of `key` (0 absent, 1 VRAM, 2 DRAM). Creates the key on
+    /// its first holder and removes it when its last holder leaves. Returns the new value.
+    pub fn set_field(&mut self, key: u64, field: u32, tier: u8) -> Result<u64> {
+        Self::check_key(key)?;
+        let fields = self.geo.value_bits as u32 / 2;
+        if field >= fields {
+            return Err(CoreError::InvalidField { field, fields });
+        }
+        if tier > 2 {
+            return Err(CoreError::InvalidTier(tier));
+        }
+        let cur = self.get(key).unwrap_or(0);
+        let new = (cur & !(3u64 << (2 * field))) | ((tier as u64) << (2 * field));
+        if new != cur {
+            self.set(key, new)?;
+        }
+        Ok(new)
+    }
+
+    /// Validate a whole batch of field ops before applying any, so a bad op leaves the table
+    /// unchanged; then apply them in order. Ops cancelled within the batch cost nothing on the
+    /// wire because unchanged values emit nothing.
+    pub fn apply_field_ops(&mut self, keys: &[u64], fields: &[u32], tiers: &[u8]) -> Result<usize> {
+        if keys.len() != fields.len() || keys.len() != tiers.len() {
+            return Err(CoreError::InvalidArgument(format!("{} keys, {} fields, {} tiers: lengths must match", keys.len(), fields.len(), tiers.len())));
+        }
+        let nf = self.geo.value_bits as u32 / 2;
+        for i in 0..keys.len() {
+            Self::check_key(keys[i])?;
+            if fields[i] >= nf {
+                return Err(CoreError::InvalidField { field: fields[i], fields: nf });
+            }
+            if tiers[i] > 2 {
+                return Err(CoreError::InvalidTier(tiers[i]));
+            }
+        }
+        // Growth cannot be validated up front without simulating the batch; a capacity failure
+        // mid-batch is reported and what was applied before it stays applied (and is emitted).
+        for i in 0..keys.len() {
+            self.set_field(keys[i], fields[i], tiers[i])?;
+        }
+        Ok(keys.len())
+    }
+
+    // ---- insertion internals ----------------------------------------------------------------
+
+    fn insert_new(&mut self, key: u64, value: u64) -> Result<Placement> {
+        if self.len() + 1 > self.geo.capacity() {
+            self.grow(self.len() + 1)?;
+        }
+        let (b0, b1) = hash::buckets(key, &self.seeds, self.geo.n_buckets);
+        let (ia, ib) = hash::othello_edge(key, &self.seeds, self.geo.ma, self.geo.mb);
+        let (u, v) = self.forest.nodes(ia, ib);
+        let placed = match self.forest.check_join(u, v) {
+            Join::Cycle => None,
+            Join::Free => self.cuckoo_place(key, value, b0, b1, u, v),
+        };
+        match placed {
+            Some(moves) => {
+                self.live += 1;
+                Ok(Placement::Bucket { moves })
+            }
+            None => {
+                self.emit(Op::FallbackSet { key, value });
+                if self.view.fallback_len() > self.cfg.fallback_limit {
+                    self.rebuild(self.geo.capacity(), self.geo.seed.wrapping_add(1))?;
+                }
+                Ok(Placement::Fallback)
+            }
+        }
+    }
+
+    fn occupants(&self, bucket: u32) -> ([u64; SLOTS], usize) {
+        let base = bucket as usize * SLOTS;
+        let mut ks = [EMPTY; SLOTS];
+        let mut n = 0;
+        for s in 0..SLOTS {
+            if self.keys[base + s] != EMPTY {
+                ks[n] = self.keys[base + s];
+                n += 1;
+            }
+        }
+        (ks, n)
+    }
+
+    /// Can `key` join `bucket` (a free slot, and a slot seed that separates all its keys)?
+    fn can_place(&self, bucket: u32, key: u64) -> bool {
+        let (mut ks, n) = self.occupants(bucket);
+        if n == SLOTS {
+            return false;
+        }
+        let g = &self.geo;
+        let cur = self.view.seed_at(g, bucket);
+        let s = hash::slot(key, &self.seeds, cur);
+        if self.keys[bucket as usize * SLOTS + s] == EMPTY {
+            return true;
+        }
+        ks[n] = key;
+        hash::find_seed(&ks[..n + 1], &self.seeds).is_some()
+    }
+
+    /// Put (key, value, edge) into `bucket`, re-seeding it if needed. Returns the view step
+    /// (without flips). Caller guarantees [`Self::can_place`].
+    fn place(&mut self, bucket: u32, key: u64, value: u64, edge: u32) -> Step {
+        let base = bucket as usize * SLOTS;
+        let cur = self.view.seed_at(&self.geo, bucket);
+        let s_cur = hash::slot(key, &self.seeds, cur);
+        let mut perm = [PERM_EMPTY; SLOTS];
+        let (seed, slot) = if self.keys[base + s_cur] == EMPTY {
+            for (j, p) in perm.iter_mut().enumerate() {
+                if self.keys[base + j] != EMPTY {
+                    *p = j as u8;
+                }
+            }
+            (cur, s_cur)
+        } else {
+            let (mut ks, n) = self.occupants(bucket);
+            ks[n] = key;
+            let seed = hash::find_seed(&ks[..n + 1], &self.seeds).unwrap_or(cur);
+            let old_k: [u64; SLOTS] = std::array::from_fn(|j| self.keys[base + j]);
+            let old_v: [u64; SLOTS] = std::array::from_fn(|j| self.vals[base + j]);
+            let old_e: [u32; SLOTS] = std::array::from_fn(|j| self.edge[base + j]);
+            for j in 0..SLOTS {
+                self.keys[base + j] = EMPTY;
+                self.vals[base + j] = 0;
+                self.edge[base + j] = NIL;
+            }
+            for j in 0..SLOTS {
+                if old_k[j] != EMPTY {
+                    let t = hash::slot(old_k[j], &self.seeds, seed);
+                    perm[t] = j as u8;
+                    self.keys[base + t] = old_k[j];
+                    self.vals[base + t] = old_v[j];
+                    self.edge[base + t] = old_e[j];
+                }
+            }
+            (seed, hash::slot(key, &self.seeds, seed))
+        };
+        self.keys[base + slot] = key;
+        self.vals[base + slot] = value;
+        self.edge[base + slot] = edge;
+        Step { bucket, seed, perm, slot: slot as u8, value, fp: hash::fingerprint(key, &self.seeds, self.geo.fp_bits) as u16, flips: Vec::new() }
+    }
+
+    fn apply_step(&mut self, step: &Step) {
+        // Apply to the mirror immediately: later steps read the Othello bits it flips.
+        self.view.apply_op(&Op::InsertPath { steps: vec![step.clone()] });
+    }
+
+    /// Find room for a new key whose Othello edge (u, v) joins two separate components, moving
+    /// up to MAX_CUCKOO_DEPTH keys. Returns the number of moves, or None (nothing changed).
+    fn cuckoo_place(&mut self, key: u64, value: u64, b0: u32, b1: u32, u: u32, v: u32) -> Option<usize> {
+        // Breadth-first over buckets: entry i = (bucket, parent entry, slot of the key in the
+        // parent bucket that moves into this bucket).
+        self.bfs.clear();
+        self.visited.clear();
+        let (c0, c1) = (self.occupants(b0).1, self.occupants(b1).1);
+        // Prefer the emptier candidate so buckets fill evenly.
+        let first = if c1 < c0 { [b1, b0] } else { [b0, b1] };
+        for &b in &first {
+            if self.can_place(b, key) {
+                return Some(self.finish_insert(key, value, b, b0, u, v, &[]));
+            }
+        }
+        for &b in &first {
+            self.bfs.push((b, u32::MAX, 0));
+            self.visited.push(b);
+        }
+        let mut head = 0;
+        let mut depth_end = self.bfs.len();
+        let mut depth = 0;
+        while head < self.bfs.len() {
+            if head == depth_end {
+                depth += 1;
+                depth_end = self.bfs.len();
+                if depth >= MAX_CUCKOO_DEPTH {
+                    break;
+                }
+            }
+            let (x, _, _) = self.bfs[head];
+            for s in 0..SLOTS {
+                let k = self.keys[x as usize * SLOTS + s];
+                let (k0, k1) = hash::buckets(k, &self.seeds, self.geo.n_buckets);
+                let y = if k0 == x { k1 } else { k0 };
+                if self.visited.contains(&y) {
+                    continue;
+                }
+                if self.can_place(y, k) {
+                    // Path found: collect (from bucket, slot, to bucket) root-first.
+                    let mut path = vec![(x, s as u8, y)];
+                    let mut i = head;
+                    while self.bfs[i].1 != u32::MAX {
+                        let (bx, p, ps) = self.bfs[i];
+                        path.push((self.bfs[p as usize].0, ps, bx));
+                        i = p as usize;
+                    }
+                    let root = self.bfs[i].0;
+                    path.reverse();
+                    return Some(self.finish_insert(key, value, root, b0, u, v, &path));
+                }
+                self.visited.push(y);
+                self.bfs.push((y, head as u32, s as u8));
+            }
+            head += 1;
+        }
+        None
+    }
+
+    /// Execute a cuckoo path (root-first list of (from, slot, to)) deepest move first, then put
+    /// the new key into `root`, and emit the whole thing as one InsertPath op.
+    fn finish_insert(&mut self, key: u64, value: u64, root: u32, b0: u32, u: u32, v: u32, path: &[(u32, u8, u32)]) -> usize {
+        let mut steps = Vec::with_capacity(path.len() + 1);
+        for &(from, slot, to) in path.iter().rev() {
+            let s = from as usize * SLOTS + slot as usize;
+            let (k, val, e) = (self.keys[s], self.vals[s], self.edge[s]);
+            self.keys[s] = EMPTY;
+            self.vals[s] = 0;
+            self.edge[s] = NIL;
+            let mut step = self.place(to, k, val, e);
+            // The key now lives in its other candidate bucket: toggle its class bit.
+            self.flips.clear();
+            let mut fl = std::mem::take(&mut self.flips);
+            self.forest.toggle_flips(e, &mut fl);
+            step.flips = fl.clone();
+            self.flips = fl;
+            self.apply_step(&step);
+            steps.push(step);
+        }
+        let want = if root == b0 { 0 } else { 1 };
+        let (ia, ib) = hash::othello_edge(key, &self.seeds, self.geo.ma, self.geo.mb);
+        let mut flips = Vec::new();
+        if self.view.othello_bit(ia, ib) != want {
+            self.forest.join_flips(u, v, &mut flips);
+        }
+        let e = self.forest.add_edge(u, v);
+        let mut step = self.place(root, key, value, e);
+        step.flips = flips;
+        self.apply_step(&step);
+        steps.push(step);
+        let op = Op::InsertPath { steps };
+        if !self.quiet {
+            patch::encode_op(&op, &mut self.pending);
+            self.pending_ops += 1;
+        }
+        path.len()
+    }
+
+    // ---- rebuilds ---------------------------------------------------------------------------
+
+    fn grow(&mut self, needed: u64) -> Result<()> {
+        let mut cap = self.geo.capacity().max(1);
+        while cap < needed {
+            cap = cap.saturating_mul(2);
+        }
+        let cap = cap.max(needed).min(self.cfg.max_capacity);
+        if cap < needed {
+            return Err(CoreError::Capacity { needed, max: self.cfg.max_capacity });
+        }
+        self.rebuild(cap, self.geo.seed.wrapping_add(1))
+    }
+
+    /// All live (key, value) pairs, bucket entries first, then fallback entries.
+    pub fn entries(&self) -> Vec<(u64, u64)> {
+        let mut out: Vec<(u64, u64)> = self.keys.iter().zip(&self.vals).filter(|(k, _)| **k != EMPTY).map(|(k, v)| (*k, *v)).collect();
+        out.extend_from_slice(self.view.fallback_entries());
+        out
+    }
+
+    /// Rebuild into a fresh geometry (new seed and/or capacity) and replace the pending batch
+    /// with a snapshot of the result. Retries seeds until the fallback is small.
+    pub fn rebuild(&mut self, capacity: u64, mut seed: u64) -> Result<()> {
+        let entries = self.entries();
+        let mut capacity = capacity.max(entries.len() as u64);
+        let mut tries = 0;
+        let fresh = loop {
+            let cfg = TableConfig { capacity, seed, ..self.cfg };
+            let mut t = LudoTable::new(cfg)?;
+            t.quiet = true;
+            // Keep the rebuilt table from recursing into rebuilds of its own.
+            t.cfg.fallback_limit = usize::MAX;
+            for &(k, v) in &entries {
+                t.set(k, v)?;
+            }
+            t.cfg.fallback_limit = self.cfg.fallback_limit;
+            if t.view.fallback_len() <= self.cfg.fallback_limit / 2 {
+                break t;
+            }
+            tries += 1;
+            seed = seed.wrapping_add(1);
+            if tries % 4 == 0 {
+                capacity = capacity.saturating_mul(2).min(self.cfg.max_capacity);
+            }
+            if tries > 16 {
+                break t;
+            }
+        };
+        let (epoch, seq, rebuilds) = (self.cfg.epoch, self.seq, self.rebuilds + 1);
+        let quiet = self.quiet;
+        let fallback_limit = self.cfg.fallback_limit;
+        *self = fresh;
+        self.cfg.fallback_limit = fallback_limit;
+        self.cfg.epoch = epoch;
+        self.seq = seq;
+        self.view.set_position(epoch, seq);
+        self.rebuilds = rebuilds;
+        self.quiet = quiet;
+        self.pending.clear();
+        self.pending_ops = 0;
+        if !quiet {
+            patch::encode_op(&Op::Snapshot { state: self.view.state_bytes() }, &mut self.pending);
+            self.pending_ops = 1;
+        }
+        Ok(())
+    }
+
+    /// Keyed consistency check (tests and diagnostics): every stored key resolves through the
+    /// keyless view to its own value.
+    pub fn verify(&self) -> Result<()> {
+        for (k, v) in self.entries() {
+            let got = self.view.lookup(k);
+            if got != v {
+                return Err(CoreError::InvalidArgument(format!("key {k:#x}: view returns {got:#x}, table holds {v:#x}")));
+            }
+        }
+        Ok(())
+    }
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::patch::decode_batch;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
+
+    fn cfg(capacity: u64, fp_bits: u8, value_bits: u8) -> TableConfig {
+        TableConfig { capacity, fp_bits, value_bits, fallback_limit: 4, ..TableConfig::default() }
+    }
+
+    /// A remote view that starts from the writer's initial snapshot and then sees only batches.
+    fn follower(t: &LudoTable) -> LudoView {
+        let mut v = LudoView::new(t.cfg.table, t.cfg.shard);
+        v.apply_batch(&t.export_snapshot().unwrap()).unwrap();
+        v
+    }
+
+    fn check(t: &LudoTable, model: &HashMap<u64, u64>, v: &LudoView) {
+        assert_eq!(t.len(), model.len() as u64);
+        for (&k, &val) in model {
+            assert_eq!(t.get(k), Some(val), "keyed get of {k:#x}");
+            assert_eq!(t.view().lookup(k), val, "mirror lookup of {k:#x}");
+            assert_eq!(v.lookup(k), val, "follower lookup of {k:#x}");
+        }
+        assert_eq!(v.state_bytes(), t.view().state_bytes(), "follower diverged from writer");
+        let mut snap = LudoView::new(t.cfg.table, t.cfg.shard);
+        snap.apply_batch(&t.export_snapshot().unwrap()).unwrap();
+        assert_eq!(snap.state_bytes(), v.state_bytes(), "patch-built view differs from a fresh snapshot");
+    }
+
+    #[test]
+    fn fills_to_95_percent_with_rare_fallbacks() {
+        let mut t = LudoTable::new(TableConfig { capacity: 20_000, ..TableConfig::default() }).unwrap();
+        let cap = t.capacity();
+        let mut v = follower(&t);
+        let mut model = HashMap::new();
+        for i in 0..cap {
+            let k = hash::mix64(i) >> 1;
+            t.insert(k, (i % 0xffff) + 1).unwrap();
+            model.insert(k, (i % 0xffff) + 1);
+            if i % 97 == 0 {
+                if let Some(b) = t.take_batch() {
+                    v.apply_batch(&b).unwrap();
+                }
+            }
+        }
+        if let Some(b) = t.take_batch() {
+            v.apply_batch(&b).unwrap();
+        }
+        assert_eq!(t.capacity(), cap, "no growth needed up to capacity");
+        assert!(t.rebuilds() <= 1, "rebuilds {}", t.rebuilds());
+        check(&t, &model, &v);
+        t.verify().unwrap();
+    }
+
+    #[test]
+    fn grows_past_capacity_and_views_follow_through_snapshots() {
+        let mut t = LudoTable::new(cfg(8, 0, 32)).unwrap();
+        let mut v = follower(&t);
+        let mut model = HashMap::new();
+        for i in 0..500u64 {
+            t.set(i * 7 + 1, i + 1).unwrap();
+            model.insert(i * 7 + 1, i + 1);
+            if let Some(b) = t.take_batch() {
+                v.apply_batch(&b).unwrap();
+            }
+        }
+        assert!(t.rebuilds() >= 5);
+        assert!(t.capacity() >= 500);
+        check(&t, &model, &v);
+    }
+
+    #[test]
+    fn hard_maximum_is_a_capacity_error_and_changes_nothing() {
+        let mut t = LudoTable::new(TableConfig { capacity: 16, max_capacity: 16, ..TableConfig::default() }).unwrap();
+        let mut last = None;
+        for i in 0..100u64 {
+            match t.set(i + 1, 1) {
+                Ok(_) => {}
+                Err(e) => {
+                    last = Some((i, e));
+                    break;
+                }
+            }
+        }
+        let (i, e) = last.expect("capacity must run out");
+        assert!(matches!(e, CoreError::Capacity { max: 16, .. }), "{e:?}");
+        let before = t.view().state_bytes();
+        assert!(t.set(i + 1, 1).is_err());
+        assert_eq!(t.view().state_bytes(), before);
+    }
+
+    #[test]
+    fn fingerprints_answer_absent_for_unknown_keys() {
+        let mut t = LudoTable::new(TableConfig { capacity: 4000, fp_bits: 8, ..TableConfig::default() }).unwrap();
+        for i in 0..3800u64 {
+            t.insert(hash::mix64(i) >> 1, 1).unwrap();
+        }
+        let mut false_hits = 0;
+        for i in 0..20_000u64 {
+            false_hits += (t.view().lookup(hash::mix64(i + 1_000_000) >> 1) != 0) as u32;
+        }
+        // ~occupancy / 255 = 0.37%: allow generous slack, but far below the ~95% of f = 0.
+        assert!(false_hits < 200, "false hits {false_hits}");
+    }
+
+    #[test]
+    fn fields_set_and_clear_tiers_and_reject_bad_input_unchanged() {
+        let mut t = LudoTable::new(cfg(64, 0, 32)).unwrap();
+        assert_eq!(t.set_field(10, 3, 1).unwrap(), 1 << 6);
+        assert_eq!(t.set_field(10, 0, 2).unwrap(), (1 << 6) | 2);
+        assert_eq!(t.set_field(10, 3, 0).unwrap(), 2);
+        assert_eq!(t.set_field(10, 0, 0).unwrap(), 0);
+        assert!(t.is_empty());
+        t.take_batch();
+        let before = t.view().state_bytes();
+        assert_eq!(t.set_field(10, 16, 1), Err(CoreError::InvalidField { field: 16, fields: 16 }));
+        assert_eq!(t.set_field(10, 0, 3), Err(CoreError::InvalidTier(3)));
+        assert_eq!(t.set_field(1 << 63, 0, 1), Err(CoreError::InvalidKey(1 << 63)));
+        assert!(t.apply_field_ops(&[1, 2, 3], &[0, 1, 2], &[1, 1, 3]).is_err());
+        assert!(t.set(5, 1 << 40).is_err());
+        assert_eq!(t.view().state_bytes(), before);
+        assert_eq!(t.pending_ops(), 0);
+        let mut w = LudoTable::new(cfg(64, 0, 64)).unwrap();
+        assert_eq!(w.set_field(1, 31, 2).unwrap(), 2 << 62);
+    }
+
+    #[test]
+    fn gap_duplicate_reorder_and_stale_epoch_are_detected() {
+        let mut t = LudoTable::new(cfg(64, 0, 32)).unwrap();
+        let mut v = follower(&t);
+        let mut batches = Vec::new();
+        for i in 0..5u64 {
+            t.set(i + 1, 1).unwrap();
+            batches.push(t.take_batch().unwrap());
+        }
+        v.apply_batch(&batches[0]).unwrap();
+        let before = v.state_bytes();
+        assert_eq!(v.apply_batch(&batches[2]), Err(CoreError::SequenceGap { epoch: 1, expected: 2, got: 3 }));
+        assert!(matches!(v.apply_batch(&batches[0]), Err(CoreError::StalePatch { .. })));
+        assert_eq!(v.state_bytes(), before);
+        assert_eq!(v.seq(), 1);
+        for b in &batches[1..] {
+            v.apply_batch(b).unwrap();
+        }
+        assert_eq!(v.state_bytes(), t.view().state_bytes());
+        // A restarted writer: new epoch, deltas refused until the snapshot arrives.
+        t.start_epoch(2).unwrap();
+        t.set(100, 2).unwrap();
+        let delta = t.take_batch().unwrap();
+        assert_eq!(v.apply_batch(&delta), Err(CoreError::EpochChanged { epoch: 1, got_epoch: 2 }));
+        let mut t2 = t.clone();
+        t2.set(101, 2).unwrap();
+        let later = t2.take_batch().unwrap();
+        let snap = t2.export_snapshot().unwrap();
+        v.apply_batch(&snap).unwrap();
+        assert_eq!((v.epoch(), v.seq()), (2, 2));
+        assert!(matches!(v.apply_batch(&later), Err(CoreError::StalePatch { .. })));
+        assert_eq!(v.state_bytes(), t2.view().state_bytes());
+        let mut other = LudoView::new(9, 0);
+        assert!(matches!(other.apply_batch(&snap), Err(CoreError::WrongTable { .. })));
+    }
+
+    #[test]
+    fn snapshot_refused_while_ops_pending() {
+        let mut t = LudoTable::new(cfg(64, 0, 32)).unwrap();
+        t.set(1, 1).unwrap();
+        assert!(t.export_snapshot().is_err());
+        t.take_batch().unwrap();
+        assert!(t.export_snapshot().is_ok());
+    }
+
+    #[test]
+    fn bulk_build_matches_entries() {
+        let entries: Vec<(u64, u64)> = (0..5000u64).map(|i| (hash::mix64(i) >> 1, (i & 0xff) + 1)).collect();
+        let t = LudoTable::build(TableConfig { capacity: 0, ..TableConfig::default() }, &entries).unwrap();
+        assert_eq!(t.len(), 5000);
+        assert_eq!(t.pending_ops(), 0);
+        t.verify().unwrap();
+        let v = follower(&t);
+        for &(k, val) in &entries {
+            assert_eq!(v.lookup(k), val);
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    enum Action {
+        Set(u16, u64),
+        Remove(u16),
+        Field(u16, u8, u8),
+        Flush,
+    }
+
+    fn action() -> impl Strategy<Value = Action> {
+        prop_oneof![
+            4 => (any::<u16>(), 1u64..1 << 20).prop_map(|(k, v)| Action::Set(k % 600, v)),
+            2 => any::<u16>().prop_map(|k| Action::Remove(k % 600)),
+            3 => (any::<u16>(), 0u8..16, 0u8..3).prop_map(|(k, f, t)| Action::Field(k % 600, f, t)),
+            1 => Just(Action::Flush),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+        /// After any operation sequence (small capacities force growth, fallbacks and rebuilds),
+        /// the follower view equals the writer byte for byte and every live key reads its value.
+        #[test]
+        fn follower_converges_and_agrees(actions in proptest::collection::vec(action(), 1..400), cap in 1u64..40, fp in prop_oneof![Just(0u8), Just(8u8)]) {
+            let mut t = LudoTable::new(cfg(cap, fp, 32)).unwrap();
+            let mut v = follower(&t);
+            let mut model: HashMap<u64, u64> = HashMap::new();
+            // Keys drawn from a small space collide in buckets and Othello cells often.
+            let key = |k: u16| hash::mix64(k as u64) >> 1;
+            for a in actions {
+                match a {
+                    Action::Set(k, val) => { t.set(key(k), val).unwrap(); model.insert(key(k), val); }
+                    Action::Remove(k) => { let old = t.remove(key(k)).unwrap(); prop_assert_eq!(old, model.remove(&key(k))); }
+                    Action::Field(k, f, tier) => {
+                        let cur = model.get(&key(k)).copied().unwrap_or(0);
+                        let new = (cur & !(3 << (2 * f))) | ((tier as u64) << (2 * f));
+                        prop_assert_eq!(t.set_field(key(k), f as u32, tier).unwrap(), new);
+                        if new == 0 { model.remove(&key(k)); } else { model.insert(key(k), new); }
+                    }
+                    Action::Flush => if let Some(b) = t.take_batch() { v.apply_batch(&b).unwrap(); },
+                }
+            }
+            if let Some(b) = t.take_batch() { v.apply_batch(&b).unwrap(); }
+            check(&t, &model, &v);
+        }
+
+        /// Dropping any one batch is detected as a gap; resync by replaying from the gap
+        /// converges.
+        #[test]
+        fn any_dropped_batch_is_a_gap(n in 2usize..20, drop in 0usize..20) {
+            let drop = drop % n;
+            let mut t = LudoTable::new(cfg(16, 0, 32)).unwrap();
+            let mut v = follower(&t);
+            let mut batches = Vec::new();
+            for i in 0..n as u64 { t.set(i * 3 + 1, i + 1).unwrap(); batches.push(t.take_batch().unwrap()); }
+            let mut gap = None;
+            for (i, b) in batches.iter().enumerate() {
+                if i == drop { continue; }
+                match v.apply_batch(b) {
+                    Ok(_) => {}
+                    Err(CoreError::SequenceGap { expected, got, .. }) => { gap = Some((expected, got)); break; }
+                    Err(e) => return Err(TestCaseError::fail(format!("{e:?}"))),
+                }
+            }
+            if drop + 1 < n {
+                prop_assert_eq!(gap, Some((drop as u64 + 1, drop as u64 + 2)));
+            }
+            for b in &batches[drop..] { let _ = v.apply_batch(b); }
+            prop_assert_eq!(v.state_bytes(), t.view().state_bytes());
+            let h = decode_batch(batches.last().unwrap()).unwrap().header;
+            prop_assert_eq!(v.seq(), h.seq);
+        }
+
+        /// Arbitrary bytes, and corrupted real batches, leave a view byte-identical.
+        #[test]
+        fn garbage_leaves_view_unchanged(bytes in proptest::collection::vec(any::<u8>(), 0..300), flip in any::<usize>()) {
+            let mut t = LudoTable::new(cfg(32, 8, 32)).unwrap();
+            let mut v = follower(&t);
+            for i in 0..10u64 { t.set(i + 1, i + 1).unwrap(); }
+            let good = t.take_batch().unwrap();
+            let before = v.state_bytes();
+            prop_assert!(v.apply_batch(&bytes).is_err());
+            let mut bad = good.clone();
+            let i = flip % bad.len();
+            bad[i] ^= 1 << (flip % 8);
+            prop_assert!(v.apply_batch(&bad).is_err());
+            prop_assert!(v.apply_batch(&good[..good.len() - 1]).is_err());
+            prop_assert_eq!(v.state_bytes(), before);
+            v.apply_batch(&good).unwrap();
+            prop_assert_eq!(v.state_bytes(), t.view().state_bytes());
+        }
+    }
+}

@@ -1,0 +1,23 @@
+//! The Ludo discovery index: a keyed maintenance table (the single writer of a (table, shard))
+//! and the keyless view every edge replicates.
+//!
+//! Layout and algorithm follow Shi & Qian, "Ludo hashing" (POMACS 2020): 4-slot cuckoo buckets
+//! with a per-bucket slot seed, two candidate buckets per key, and an Othello classifier that
+//! tells a keyless reader which of the two buckets holds a key.
+
+pub mod hash;
+pub mod maintenance;
+pub mod othello;
+pub mod view;
+
+pub use maintenance::LudoTable;
+pub use view::{Geometry, LudoView};
+
+/// Slots per bucket.
+pub const SLOTS: usize = 4;
+/// Target occupancy that sizes the bucket array.
+pub const MAX_LOAD: f64 = 0.95;
+/// Largest per-bucket slot seed; 255 is never used so a corrupt seed byte is detectable.
+pub const MAX_SEED: u8 = 254;
+/// Deepest cuckoo displacement path the insert will search.
+pub const MAX_CUCKOO_DEPTH: usize = 5;
