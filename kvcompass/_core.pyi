@@ -1,0 +1,264 @@
+"""Type stubs for the Rust extension ``kvcompass._core`` (checked by ``mypy.stubtest``)."""
+
+from __future__ import annotations
+
+from typing import final
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "NO_KEY",
+    "PATCH_VERSION",
+    "namespace_digest",
+    "prefix_keys",
+    "prefix_keys_batch",
+    "shard_of",
+    "LudoTable",
+    "LudoView",
+    "ApplyResult",
+    "decode_batch_header",
+    "Router",
+    "RouteResult",
+    "bench_lookup_ns",
+    "bench_remove_insert_ns",
+    "bench_update_ns",
+    "bench_route_ns",
+    "bench_sha256_ns",
+]
+
+NO_KEY: int
+"""Marks a prefix length beyond the prompt (keys are 63-bit, so this never collides)."""
+PATCH_VERSION: int
+"""The patch wire-format version this build reads and writes."""
+
+def namespace_digest(model: str, tenant: str) -> bytes:
+    """SHA-256 digest of (model, tenant): the namespace all keys of that sharing group live in."""
+
+def prefix_keys(namespace: bytes, tokens: npt.NDArray[np.uint32], lengths: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint64]:
+    """Keys of ``tokens[:c]`` for each ``c`` in ``lengths``, in one SHA-256 pass; ``NO_KEY`` past the prompt."""
+
+def prefix_keys_batch(
+    namespace: bytes, tokens: npt.NDArray[np.uint32], offsets: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint32]
+) -> npt.NDArray[np.uint64]:
+    """Prompt ``i`` is ``tokens[offsets[i]:offsets[i+1]]``; returns a (prompts, lengths) uint64 array."""
+
+def shard_of(key: int, shards: int) -> int:
+    """The shard that owns ``key`` (``key % shards``)."""
+
+def decode_batch_header(batch: bytes) -> dict[str, int]:
+    """Header of an encoded batch (table, shard, epoch, seq, n_ops); raises MalformedPatchError."""
+
+@final
+class LudoTable:
+    """The single writer of one (table, shard): keyed Ludo table plus a mirror of the keyless view.
+
+    Every change becomes a patch edit; ``take_batch`` closes them into the next sequenced batch.
+    """
+
+    def __new__(
+        cls,
+        table: int = 0,
+        shard: int = 0,
+        epoch: int = 1,
+        capacity: int = 1024,
+        value_bits: int = 32,
+        fp_bits: int = 0,
+        seed: int = 0,
+        max_capacity: int = ...,
+        fallback_limit: int = 64,
+    ) -> LudoTable: ...
+    @staticmethod
+    def build(
+        keys: npt.NDArray[np.uint64],
+        values: npt.NDArray[np.uint64],
+        table: int = 0,
+        shard: int = 0,
+        epoch: int = 1,
+        capacity: int = 0,
+        value_bits: int = 32,
+        fp_bits: int = 0,
+        seed: int = 0,
+        max_capacity: int = ...,
+        fallback_limit: int = 64,
+    ) -> LudoTable:
+        """Bulk build (later duplicates win); emits no patches: views start from ``export_snapshot``."""
+    def insert(self, key: int, value: int) -> str:
+        """Insert a new key; returns "bucket" or "fallback". Raises if the key exists."""
+    def update(self, key: int, value: int) -> None:
+        """Change an existing key's value (KeyNotFoundError if absent); 0 removes it."""
+    def set(self, key: int, value: int) -> str:
+        """Upsert; 0 removes. Returns "bucket", "fallback" or "updated"."""
+    def remove(self, key: int) -> int | None:
+        """Remove a key; returns its old value, or None if absent."""
+    def get(self, key: int) -> int | None:
+        """Keyed read: no false hits."""
+    def __contains__(self, key: int, /) -> bool: ...
+    def __len__(self) -> int: ...
+    def set_field(self, key: int, field: int, tier: int) -> int:
+        """Set one worker's 2-bit tier field; returns the key's new value."""
+    def apply_field_ops(self, keys: npt.NDArray[np.uint64], fields: npt.NDArray[np.uint32], tiers: npt.NDArray[np.uint8]) -> int:
+        """Validate then apply many field ops with the GIL released; returns how many."""
+    def take_batch(self) -> bytes | None:
+        """Close pending edits into the next batch; None when nothing changed."""
+    def export_snapshot(self) -> bytes:
+        """A snapshot batch at the last emitted seq (refused while edits are pending)."""
+    def start_epoch(self, epoch: int) -> None:
+        """Begin a new epoch (restarted writer); seq restarts at 0."""
+    def rebuild(self, capacity: int | None = None) -> None:
+        """Rebuild now with a new seed; the next batch carries a snapshot."""
+    def view_lookup(self, key: int) -> int:
+        """Keyless lookup through the mirror view (what an edge would answer)."""
+    def view_state(self) -> bytes:
+        """The mirror view's canonical state bytes."""
+    def digest(self) -> bytes:
+        """SHA-256 of the mirror view's state."""
+    def entries(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+        """All live (keys, values)."""
+    def verify(self) -> None:
+        """Raise unless every key resolves through the keyless mirror to its own value."""
+    @property
+    def table(self) -> int: ...
+    @property
+    def shard(self) -> int: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def value_bits(self) -> int: ...
+    @property
+    def fp_bits(self) -> int: ...
+    @property
+    def fallback_len(self) -> int: ...
+    @property
+    def rebuilds(self) -> int: ...
+    @property
+    def pending_ops(self) -> int: ...
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes held by the writer (keys, values, Othello forest, mirror view)."""
+    @property
+    def view_memory_bytes(self) -> int:
+        """Bytes a replica of this table's view holds."""
+
+@final
+class ApplyResult:
+    """Outcome of applying a batch to a view."""
+
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def ops(self) -> int: ...
+    @property
+    def snapshot(self) -> bool: ...
+
+@final
+class LudoView:
+    """An edge's keyless replica of one (table, shard); shared by reference with Routers."""
+
+    def __new__(cls, table: int, shard: int) -> LudoView: ...
+    def apply_batch(self, batch: bytes) -> ApplyResult:
+        """Apply the next batch (or a snapshot not older than the view); raises PatchError and changes nothing otherwise."""
+    def lookup(self, key: int) -> int:
+        """Value under ``key``; 0 means no holder (a false hit is possible without fingerprints)."""
+    def lookup_batch(self, keys: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+        """Prefetching batch lookup with the GIL released."""
+    def state_bytes(self) -> bytes: ...
+    def digest(self) -> bytes: ...
+    def count_entries(self) -> int:
+        """Occupied slots plus fallback entries (a full scan)."""
+    def geometry(self) -> dict[str, int] | None:
+        """The view's shape, or None before the first snapshot."""
+    @property
+    def table(self) -> int: ...
+    @property
+    def shard(self) -> int: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def initialised(self) -> bool: ...
+    @property
+    def fallback_len(self) -> int: ...
+    @property
+    def memory_bytes(self) -> int: ...
+
+@final
+class RouteResult:
+    """The decision for one request and the per-worker evidence behind it."""
+
+    @property
+    def winner(self) -> int: ...
+    @property
+    def score(self) -> float: ...
+    @property
+    def matches(self) -> npt.NDArray[np.uint32]: ...
+    @property
+    def tiers(self) -> npt.NDArray[np.uint8]: ...
+    @property
+    def scores(self) -> npt.NDArray[np.float64]: ...
+
+@final
+class Router:
+    """Runs the lookup-and-score loop over shared views in one call with the GIL released.
+
+    ``plan[r]`` lists the ascending prefix lengths queried toward region ``r``; each table is
+    ``(region, workers, shard_views)`` where ``workers[f]`` is the global worker index of field f.
+    """
+
+    def __new__(cls, plan: list[list[int]], tables: list[tuple[int, npt.NDArray[np.uint32], list[LudoView]]]) -> Router: ...
+    def route(
+        self,
+        tokens: npt.NDArray[np.uint32],
+        namespace: bytes,
+        region: npt.NDArray[np.uint32],
+        beta: npt.NDArray[np.float64],
+        wan: npt.NDArray[np.float64],
+        tq: npt.NDArray[np.float64],
+        belief: npt.NDArray[np.float64],
+        gamma: float = 0.005,
+        lam: float = 0.0,
+        closure: bool = True,
+    ) -> RouteResult:
+        """score(w) = wan + tq + (1+lam)*beta*(L - b*m) + gamma*b*m*[tier == DRAM]; argmin wins."""
+    @property
+    def n_tables(self) -> int: ...
+    @property
+    def plan(self) -> list[list[int]]: ...
+
+def bench_lookup_ns(view: LudoView, keys: npt.NDArray[np.uint64], block: int = 256) -> npt.NDArray[np.float64]:
+    """Mean ns per single-key lookup, one sample per block (timed in Rust)."""
+
+def bench_remove_insert_ns(
+    table: LudoTable, old: npt.NDArray[np.uint64], new: npt.NDArray[np.uint64], value: int
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """Per-op ns of (insert, remove) pairs at steady occupancy (timed in Rust)."""
+
+def bench_update_ns(table: LudoTable, keys: npt.NDArray[np.uint64], block: int = 256) -> npt.NDArray[np.float64]:
+    """Mean ns per value update, one sample per block (timed in Rust)."""
+
+def bench_route_ns(
+    router: Router,
+    tokens: npt.NDArray[np.uint32],
+    namespace: bytes,
+    region: npt.NDArray[np.uint32],
+    beta: npt.NDArray[np.float64],
+    wan: npt.NDArray[np.float64],
+    tq: npt.NDArray[np.float64],
+    belief: npt.NDArray[np.float64],
+    n: int,
+    gamma: float = 0.005,
+    lam: float = 0.0,
+    closure: bool = True,
+) -> npt.NDArray[np.float64]:
+    """Per-call ns of the route loop (timed in Rust, no FFI)."""
+
+def bench_sha256_ns(tokens: npt.NDArray[np.uint32], n: int) -> npt.NDArray[np.float64]:
+    """Per-call ns of a plain SHA-256 of the tokens' bytes."""
+

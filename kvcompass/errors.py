@@ -1,0 +1,129 @@
+"""Exceptions raised by KVCompass.
+
+The Rust core returns one error enum; ``rust/python/errors.rs`` maps each variant to exactly one
+class here, with the variant's fields as attributes, so callers can branch on the type and read
+``.expected``/``.got`` instead of parsing messages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "KVCompassError",
+    "PatchError",
+    "SequenceGapError",
+    "StalePatchError",
+    "EpochChangedError",
+    "WrongTableError",
+    "MalformedPatchError",
+    "UninitialisedViewError",
+    "CapacityError",
+    "InvalidKeyError",
+    "InvalidValueError",
+    "InvalidTierError",
+    "InvalidFieldError",
+    "KeyNotFoundError",
+    "InvalidArgumentError",
+]
+
+
+class KVCompassError(Exception):
+    """Base class: every error KVCompass raises on purpose."""
+
+    def __init__(self, message: str, **attrs: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        for name, value in attrs.items():
+            setattr(self, name, value)
+
+
+class PatchError(KVCompassError):
+    """A patch batch was refused; the view is unchanged."""
+
+
+class SequenceGapError(PatchError):
+    """Batches were lost: the view needs ``expected`` but received ``got`` (replay from ``expected``)."""
+
+    epoch: int
+    expected: int
+    got: int
+
+
+class StalePatchError(PatchError):
+    """A duplicate or older batch (already applied); safe to drop."""
+
+    epoch: int
+    seq: int
+    got_epoch: int
+    got_seq: int
+
+
+class EpochChangedError(PatchError):
+    """The writer restarted under a new epoch; resync from a snapshot."""
+
+    epoch: int
+    got_epoch: int
+
+
+class WrongTableError(PatchError):
+    """The batch belongs to a different (table, shard)."""
+
+    table: int
+    shard: int
+    got_table: int
+    got_shard: int
+
+
+class MalformedPatchError(PatchError, ValueError):
+    """Bytes that are not a valid batch (truncated, corrupt, wrong version, out of range)."""
+
+
+class UninitialisedViewError(PatchError):
+    """A delta reached a view that has never received a snapshot."""
+
+
+class CapacityError(KVCompassError):
+    """The table would have to grow past its hard maximum; nothing was changed."""
+
+    needed: int
+    max: int
+
+
+class InvalidKeyError(KVCompassError, ValueError):
+    """Keys are 63-bit; the top bit is reserved."""
+
+    key: int
+
+
+class InvalidValueError(KVCompassError, ValueError):
+    """A value wider than the table's value width."""
+
+    value: int
+    bits: int
+
+
+class InvalidTierError(KVCompassError, ValueError):
+    """Tier outside 0 (absent), 1 (VRAM), 2 (DRAM)."""
+
+    tier: int
+
+
+class InvalidFieldError(KVCompassError, ValueError):
+    """A worker field index outside the table's worker group."""
+
+    field: int
+    fields: int
+
+
+class KeyNotFoundError(KVCompassError, KeyError):
+    """An update addressed a key the table does not hold."""
+
+    key: int
+
+    def __str__(self) -> str:  # KeyError would otherwise repr() the message
+        return self.message
+
+
+class InvalidArgumentError(KVCompassError, ValueError):
+    """An argument outside its documented range."""

@@ -1,0 +1,357 @@
+//! `LudoTable` (the writer of one (table, shard)) and `LudoView` (an edge's keyless replica).
+
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use numpy::{IntoPyArray, PyArray1};
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use super::arrays::{u32_vec, u64_vec, u8_vec};
+use super::errors::core_err;
+use crate::ludo::maintenance::{LudoTable, Placement, TableConfig};
+use crate::ludo::view::LudoView;
+
+fn poisoned() -> PyErr {
+    PyRuntimeError::new_err("internal lock poisoned by an earlier panic")
+}
+
+/// The writer of one (table, shard): keyed Ludo table plus a mirror of the keyless view.
+#[pyclass(name = "LudoTable", module = "kvcompass._core", frozen)]
+pub struct PyLudoTable {
+    inner: RwLock<LudoTable>,
+}
+
+impl PyLudoTable {
+    /// Run `f` with the table locked for writing (for callers inside the bindings).
+    pub(crate) fn with_table<T>(&self, f: impl FnOnce(&mut LudoTable) -> T) -> PyResult<T> {
+        let mut g = self.w()?;
+        Ok(f(&mut g))
+    }
+    fn r(&self) -> PyResult<RwLockReadGuard<'_, LudoTable>> {
+        self.inner.read().map_err(|_| poisoned())
+    }
+    fn w(&self) -> PyResult<RwLockWriteGuard<'_, LudoTable>> {
+        self.inner.write().map_err(|_| poisoned())
+    }
+}
+
+fn placement_str(p: Placement) -> &'static str {
+    match p {
+        Placement::Bucket { .. } => "bucket",
+        Placement::Fallback => "fallback",
+        Placement::Updated => "updated",
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn config(table: u32, shard: u32, epoch: u64, capacity: u64, value_bits: u8, fp_bits: u8, seed: u64, max_capacity: u64, fallback_limit: usize) -> TableConfig {
+    TableConfig { table, shard, epoch, capacity, value_bits, fp_bits, seed, max_capacity, fallback_limit }
+}
+
+#[pymethods]
+impl PyLudoTable {
+    #[new]
+    #[pyo3(signature = (table=0, shard=0, epoch=1, capacity=1024, value_bits=32, fp_bits=0, seed=0, max_capacity=1u64 << 32, fallback_limit=64))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(table: u32, shard: u32, epoch: u64, capacity: u64, value_bits: u8, fp_bits: u8, seed: u64, max_capacity: u64, fallback_limit: usize) -> PyResult<Self> {
+        let t = LudoTable::new(config(table, shard, epoch, capacity, value_bits, fp_bits, seed, max_capacity, fallback_limit)).map_err(core_err)?;
+        Ok(PyLudoTable { inner: RwLock::new(t) })
+    }
+
+    /// Bulk build from parallel key/value arrays (later duplicates win); emits no patches.
+    #[staticmethod]
+    #[pyo3(signature = (keys, values, table=0, shard=0, epoch=1, capacity=0, value_bits=32, fp_bits=0, seed=0, max_capacity=1u64 << 32, fallback_limit=64))]
+    #[allow(clippy::too_many_arguments)]
+    fn build(py: Python<'_>, keys: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>, table: u32, shard: u32, epoch: u64, capacity: u64, value_bits: u8, fp_bits: u8, seed: u64, max_capacity: u64, fallback_limit: usize) -> PyResult<Self> {
+        let k = u64_vec("keys", keys)?;
+        let v = u64_vec("values", values)?;
+        if k.len() != v.len() {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!("{} keys but {} values", k.len(), v.len())));
+        }
+        let cfg = config(table, shard, epoch, capacity, value_bits, fp_bits, seed, max_capacity, fallback_limit);
+        let t = py.detach(|| {
+            let entries: Vec<(u64, u64)> = k.into_iter().zip(v).collect();
+            LudoTable::build(cfg, &entries)
+        });
+        Ok(PyLudoTable { inner: RwLock::new(t.map_err(core_err)?) })
+    }
+
+    /// Insert a new key (error if present). Returns "bucket" or "fallback".
+    fn insert(&self, key: u64, value: u64) -> PyResult<&'static str> {
+        Ok(placement_str(self.w()?.insert(key, value).map_err(core_err)?))
+    }
+    /// Change an existing key's value (KeyNotFoundError if absent); 0 removes it.
+    fn update(&self, key: u64, value: u64) -> PyResult<()> {
+        self.w()?.update(key, value).map_err(core_err)?;
+        Ok(())
+    }
+    /// Upsert; 0 removes.
+    fn set(&self, key: u64, value: u64) -> PyResult<&'static str> {
+        Ok(placement_str(self.w()?.set(key, value).map_err(core_err)?))
+    }
+    /// Remove a key; returns its old value or None.
+    fn remove(&self, key: u64) -> PyResult<Option<u64>> {
+        self.w()?.remove(key).map_err(core_err)
+    }
+    /// Keyed read (no false hits).
+    fn get(&self, key: u64) -> PyResult<Option<u64>> {
+        Ok(self.r()?.get(key))
+    }
+    fn __contains__(&self, key: u64) -> PyResult<bool> {
+        Ok(self.r()?.get(key).is_some())
+    }
+    fn __len__(&self) -> PyResult<usize> {
+        Ok(self.r()?.len() as usize)
+    }
+    /// Set one worker's 2-bit tier field; returns the key's new value.
+    fn set_field(&self, key: u64, field: u32, tier: u8) -> PyResult<u64> {
+        self.w()?.set_field(key, field, tier).map_err(core_err)
+    }
+    /// Apply many field ops (validated first, GIL released); returns how many were applied.
+    fn apply_field_ops(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, fields: &Bound<'_, PyAny>, tiers: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let k = u64_vec("keys", keys)?;
+        let f = u32_vec("fields", fields)?;
+        let t = u8_vec("tiers", tiers)?;
+        py.detach(|| self.with_table(|g| g.apply_field_ops(&k, &f, &t)))?.map_err(core_err)
+    }
+    /// Close the pending edits into the next sequenced batch; None when nothing changed.
+    fn take_batch<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        Ok(self.w()?.take_batch().map(|b| PyBytes::new(py, &b)))
+    }
+    /// A snapshot batch at the last emitted seq (refused while edits are pending).
+    fn export_snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let g = self.r()?;
+        let b = py.detach(|| g.export_snapshot()).map_err(core_err)?;
+        Ok(PyBytes::new(py, &b))
+    }
+    /// Begin a new epoch (a restarted writer); seq restarts at 0.
+    fn start_epoch(&self, epoch: u64) -> PyResult<()> {
+        self.w()?.start_epoch(epoch).map_err(core_err)
+    }
+    /// Rebuild now (new seed, same or given capacity); the next batch carries a snapshot.
+    #[pyo3(signature = (capacity=None))]
+    fn rebuild(&self, capacity: Option<u64>) -> PyResult<()> {
+        let mut g = self.w()?;
+        let cap = capacity.unwrap_or(g.capacity());
+        let seed = g.geometry().seed.wrapping_add(1);
+        g.rebuild(cap, seed).map_err(core_err)
+    }
+    /// Keyless lookup through the writer's mirror view (what an edge would answer).
+    fn view_lookup(&self, key: u64) -> PyResult<u64> {
+        Ok(self.r()?.view().lookup(key))
+    }
+    /// The mirror view's canonical state bytes.
+    fn view_state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        Ok(PyBytes::new(py, &self.r()?.view().state_bytes()))
+    }
+    /// SHA-256 of the mirror view's state: equal digests mean identical views.
+    fn digest<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        Ok(PyBytes::new(py, &self.r()?.view().digest()))
+    }
+    /// All live (keys, values) as two uint64 arrays.
+    fn entries<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<u64>>)> {
+        let e = self.r()?.entries();
+        let (k, v): (Vec<u64>, Vec<u64>) = e.into_iter().unzip();
+        Ok((k.into_pyarray(py), v.into_pyarray(py)))
+    }
+    /// Check every key resolves through the keyless mirror to its own value.
+    fn verify(&self) -> PyResult<()> {
+        self.r()?.verify().map_err(core_err)
+    }
+    #[getter]
+    fn table(&self) -> PyResult<u32> {
+        Ok(self.r()?.config().table)
+    }
+    #[getter]
+    fn shard(&self) -> PyResult<u32> {
+        Ok(self.r()?.config().shard)
+    }
+    #[getter]
+    fn epoch(&self) -> PyResult<u64> {
+        Ok(self.r()?.epoch())
+    }
+    #[getter]
+    fn seq(&self) -> PyResult<u64> {
+        Ok(self.r()?.seq())
+    }
+    #[getter]
+    fn capacity(&self) -> PyResult<u64> {
+        Ok(self.r()?.capacity())
+    }
+    #[getter]
+    fn value_bits(&self) -> PyResult<u8> {
+        Ok(self.r()?.value_bits())
+    }
+    #[getter]
+    fn fp_bits(&self) -> PyResult<u8> {
+        Ok(self.r()?.geometry().fp_bits)
+    }
+    #[getter]
+    fn fallback_len(&self) -> PyResult<usize> {
+        Ok(self.r()?.fallback_len())
+    }
+    #[getter]
+    fn rebuilds(&self) -> PyResult<u64> {
+        Ok(self.r()?.rebuilds())
+    }
+    #[getter]
+    fn pending_ops(&self) -> PyResult<u32> {
+        Ok(self.r()?.pending_ops())
+    }
+    /// Bytes held by the writer (keys, values, Othello forest, mirror view).
+    #[getter]
+    fn memory_bytes(&self) -> PyResult<usize> {
+        Ok(self.r()?.memory_bytes())
+    }
+    /// Bytes a replica of this table's view holds.
+    #[getter]
+    fn view_memory_bytes(&self) -> PyResult<usize> {
+        Ok(self.r()?.view().memory_bytes())
+    }
+    fn __repr__(&self) -> PyResult<String> {
+        let g = self.r()?;
+        Ok(format!("LudoTable(table={}, shard={}, epoch={}, seq={}, len={}, capacity={}, value_bits={}, fp_bits={})", g.config().table, g.config().shard, g.epoch(), g.seq(), g.len(), g.capacity(), g.value_bits(), g.geometry().fp_bits))
+    }
+}
+
+/// Outcome of applying a batch to a view.
+#[pyclass(name = "ApplyResult", module = "kvcompass._core", frozen, get_all)]
+pub struct PyApplyResult {
+    epoch: u64,
+    seq: u64,
+    ops: u32,
+    snapshot: bool,
+}
+
+#[pymethods]
+impl PyApplyResult {
+    fn __repr__(&self) -> String {
+        format!("ApplyResult(epoch={}, seq={}, ops={}, snapshot={})", self.epoch, self.seq, self.ops, if self.snapshot { "True" } else { "False" })
+    }
+}
+
+/// An edge's keyless replica of one (table, shard). Shared (not copied) with Routers.
+#[pyclass(name = "LudoView", module = "kvcompass._core", frozen)]
+pub struct PyLudoView {
+    pub(crate) inner: Arc<RwLock<LudoView>>,
+}
+
+impl PyLudoView {
+    fn r(&self) -> PyResult<RwLockReadGuard<'_, LudoView>> {
+        self.inner.read().map_err(|_| poisoned())
+    }
+}
+
+#[pymethods]
+impl PyLudoView {
+    #[new]
+    fn new(table: u32, shard: u32) -> Self {
+        PyLudoView { inner: Arc::new(RwLock::new(LudoView::new(table, shard))) }
+    }
+
+    /// Apply one encoded batch: only the next seq of the current epoch, or a snapshot not older
+    /// than the view. Raises a PatchError subclass and leaves the view unchanged otherwise.
+    fn apply_batch(&self, py: Python<'_>, batch: &[u8]) -> PyResult<PyApplyResult> {
+        let bytes = batch.to_vec();
+        let inner = self.inner.clone();
+        let a = py
+            .detach(move || {
+                let mut g = inner.write().map_err(|_| crate::error::CoreError::InvalidArgument("lock poisoned".into()))?;
+                g.apply_batch(&bytes)
+            })
+            .map_err(core_err)?;
+        Ok(PyApplyResult { epoch: a.epoch, seq: a.seq, ops: a.ops, snapshot: a.snapshot })
+    }
+    /// The value under `key` (0 = no holder; may be a structural false hit without fingerprints).
+    fn lookup(&self, key: u64) -> PyResult<u64> {
+        Ok(self.r()?.lookup(key))
+    }
+    /// Batch lookup with prefetching (GIL released); uint64 in, uint64 out.
+    fn lookup_batch<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<u64>>> {
+        let k = u64_vec("keys", keys)?;
+        let g = self.r()?;
+        let out = py.detach(|| {
+            let mut out = vec![0u64; k.len()];
+            g.lookup_batch(&k, &mut out);
+            out
+        });
+        Ok(out.into_pyarray(py))
+    }
+    fn state_bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        Ok(PyBytes::new(py, &self.r()?.state_bytes()))
+    }
+    fn digest<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        Ok(PyBytes::new(py, &self.r()?.digest()))
+    }
+    /// Occupied slots plus fallback entries (a full scan).
+    fn count_entries(&self) -> PyResult<u64> {
+        Ok(self.r()?.count_entries())
+    }
+    /// Shape of the view as a dict, or None before the first snapshot.
+    fn geometry<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(g) = self.r()?.geometry() else { return Ok(None) };
+        let d = PyDict::new(py);
+        d.set_item("value_bits", g.value_bits)?;
+        d.set_item("fp_bits", g.fp_bits)?;
+        d.set_item("seed", g.seed)?;
+        d.set_item("n_buckets", g.n_buckets)?;
+        d.set_item("ma", g.ma)?;
+        d.set_item("mb", g.mb)?;
+        d.set_item("capacity", g.capacity())?;
+        Ok(Some(d))
+    }
+    #[getter]
+    fn table(&self) -> PyResult<u32> {
+        Ok(self.r()?.table())
+    }
+    #[getter]
+    fn shard(&self) -> PyResult<u32> {
+        Ok(self.r()?.shard())
+    }
+    #[getter]
+    fn epoch(&self) -> PyResult<u64> {
+        Ok(self.r()?.epoch())
+    }
+    #[getter]
+    fn seq(&self) -> PyResult<u64> {
+        Ok(self.r()?.seq())
+    }
+    #[getter]
+    fn initialised(&self) -> PyResult<bool> {
+        Ok(self.r()?.is_initialised())
+    }
+    #[getter]
+    fn fallback_len(&self) -> PyResult<usize> {
+        Ok(self.r()?.fallback_len())
+    }
+    #[getter]
+    fn memory_bytes(&self) -> PyResult<usize> {
+        Ok(self.r()?.memory_bytes())
+    }
+    fn __repr__(&self) -> PyResult<String> {
+        let g = self.r()?;
+        Ok(format!("LudoView(table={}, shard={}, epoch={}, seq={}, initialised={})", g.table(), g.shard(), g.epoch(), g.seq(), if g.is_initialised() { "True" } else { "False" }))
+    }
+}
+
+/// Decode a batch's header (checks framing and checksum) without applying it.
+#[pyfunction]
+fn decode_batch_header<'py>(py: Python<'py>, batch: &[u8]) -> PyResult<Bound<'py, PyDict>> {
+    let h = crate::patch::decode_header(batch).map_err(core_err)?;
+    let d = PyDict::new(py);
+    d.set_item("table", h.table)?;
+    d.set_item("shard", h.shard)?;
+    d.set_item("epoch", h.epoch)?;
+    d.set_item("seq", h.seq)?;
+    d.set_item("n_ops", h.n_ops)?;
+    Ok(d)
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyLudoTable>()?;
+    m.add_class::<PyLudoView>()?;
+    m.add_class::<PyApplyResult>()?;
+    m.add_function(wrap_pyfunction!(decode_batch_header, m)?)?;
+    Ok(())
+}
