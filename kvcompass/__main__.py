@@ -1,0 +1,3 @@
+from kvcompass.cli import main
+
+raise SystemExit(main())
