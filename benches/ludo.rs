@@ -21,7 +21,7 @@ const BATCH: usize = 1024;
 /// Drain the writer's pending buffer once it holds this many ops.
 const DRAIN_AT: u32 = 4096;
 
-/// Deterministic xorshift-free PRNG: SplitMix64 over a counter.
+/// Deterministic PRNG: SplitMix64 over a counter.
 struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> u64 {
@@ -29,7 +29,7 @@ impl Rng {
         mix64(self.0)
     }
     fn below(&mut self, n: usize) -> usize {
-        ((self.next() >> 32) * n as u64 >> 32) as usize
+        (((self.next() >> 32) * n as u64) >> 32) as usize
     }
 }
 

@@ -1,0 +1,93 @@
+"""Plain helpers shared by the test modules (imported as ``_support``; not fixtures).
+
+The wire-format helpers re-implement the documented batch framing (rust/patch.rs) so tests can
+forge batches with a valid checksum around a chosen payload.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import numpy as np
+import numpy.typing as npt
+
+import kvcompass as kc
+
+# "KVCP" | version u8 | flags u8 | reserved u16 | table u32 | shard u32 | epoch u64 | seq u64
+#        | n_ops u32 | payload_len u32 | payload | crc32 u32
+HEADER_LEN = 4 + 1 + 1 + 2 + 4 + 4 + 8 + 8 + 4 + 4
+TAG_SET_VALUE = 1
+TAG_SNAPSHOT = 6
+
+
+def frame(table: int, shard: int, epoch: int, seq: int, n_ops: int, payload: bytes, *, version: int | None = None, flags: int = 0) -> bytes:
+    """Encode a batch around ``payload`` exactly as the writer frames it (CRC-32 over the rest)."""
+    v = kc.PATCH_VERSION if version is None else version
+    body = b"KVCP" + struct.pack("<BBHIIQQII", v, flags, 0, table, shard, epoch, seq, n_ops, len(payload)) + payload
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def split(batch: bytes) -> tuple[dict[str, int], bytes]:
+    """(header fields, payload) of a well-formed batch, decoded independently of the library."""
+    _, _, _, _, table, shard, epoch, seq, n_ops, plen = struct.unpack_from("<4sBBHIIQQII", batch)
+    return {"table": table, "shard": shard, "epoch": epoch, "seq": seq, "n_ops": n_ops}, batch[HEADER_LEN : HEADER_LEN + plen]
+
+
+def reframe(batch: bytes, payload: bytes) -> bytes:
+    """The same header around a different payload, with a correct length and checksum."""
+    h, _ = split(batch)
+    return frame(h["table"], h["shard"], h["epoch"], h["seq"], h["n_ops"], payload)
+
+
+def snapshot_frame(state: bytes, *, table: int = 0, shard: int = 0, epoch: int = 1, seq: int = 0) -> bytes:
+    """A snapshot batch carrying ``state`` (the bytes of ``LudoView.state_bytes``)."""
+    return frame(table, shard, epoch, seq, 1, bytes([TAG_SNAPSHOT]) + struct.pack("<Q", len(state)) + state)
+
+
+def unique_keys(seed: int, n: int) -> npt.NDArray[np.uint64]:
+    """``n`` distinct, nonzero 63-bit keys, deterministic in ``seed``."""
+    rng = np.random.default_rng(seed)
+    out = np.unique(rng.integers(1, 2**63, size=n + n // 8 + 16, dtype=np.uint64))
+    rng.shuffle(out)
+    assert len(out) >= n
+    return np.ascontiguousarray(out[:n])
+
+
+def follower(t: kc.LudoTable) -> kc.LudoView:
+    """An edge view of ``t`` started from its snapshot (``t`` must have nothing pending)."""
+    v = kc.LudoView(t.table, t.shard)
+    r = v.apply_batch(t.export_snapshot())
+    assert r.snapshot
+    return v
+
+
+def flush(t: kc.LudoTable, *views: kc.LudoView) -> bytes | None:
+    """Take the table's next batch (if any) and apply it to every view."""
+    b = t.take_batch()
+    if b is not None:
+        for v in views:
+            v.apply_batch(b)
+    return b
+
+
+def table_state(t: kc.LudoTable) -> tuple[object, ...]:
+    """Everything a rejected call must leave unchanged."""
+    keys, values = t.entries()
+    order = np.argsort(keys)
+    return (
+        t.digest(),
+        t.view_state(),
+        t.pending_ops,
+        t.seq,
+        t.epoch,
+        len(t),
+        t.capacity,
+        t.rebuilds,
+        tuple(keys[order].tolist()),
+        tuple(values[order].tolist()),
+    )
+
+
+def view_state(v: kc.LudoView) -> tuple[object, ...]:
+    return (v.digest(), v.state_bytes(), v.epoch, v.seq, v.initialised, v.fallback_len)
