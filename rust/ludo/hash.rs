@@ -62,10 +62,38 @@ pub fn othello_edge(key: u64, seeds: &Seeds, ma: u32, mb: u32) -> (u32, u32) {
     (reduce(h as u32, ma), reduce((h >> 32) as u32, mb))
 }
 
+/// Odd multipliers of the per-bucket slot hash family, one per seed (a fixed random table, so
+/// the writer and every view agree without sending it).
+const SLOT_MULS: [u64; 256] = {
+    let mut t = [0u64; 256];
+    let mut i = 0;
+    while i < 256 {
+        let mut z = (i as u64 + 1).wrapping_mul(GOLDEN);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        t[i] = (z ^ (z >> 31)) | 1;
+        i += 1;
+    }
+    t
+};
+
+/// The key's slot hash: mixed once, then each seed costs one multiply (multiply-shift family),
+/// which keeps the seed search of a re-seeded bucket cheap.
+#[inline(always)]
+pub fn slot_hash(key: u64, seeds: &Seeds) -> u64 {
+    hash_with(key, seeds.slot)
+}
+
+/// Slot (0..4) of a key with slot hash `h` in a bucket whose seed is `s`.
+#[inline(always)]
+pub fn slot_of(h: u64, s: u8) -> usize {
+    (h.wrapping_mul(SLOT_MULS[s as usize]) >> 62) as usize
+}
+
 /// The key's slot in a bucket whose slot seed is `s`.
 #[inline(always)]
 pub fn slot(key: u64, seeds: &Seeds, s: u8) -> usize {
-    (hash_with(key ^ seeds.slot, s as u64 + 1) >> 62) as usize
+    slot_of(slot_hash(key, seeds), s)
 }
 
 /// The key's f-bit fingerprint; never 0 (0 marks an empty slot).
@@ -84,11 +112,21 @@ pub fn fingerprint(key: u64, seeds: &Seeds, fp_bits: u8) -> u64 {
 
 /// The smallest seed that sends `keys` to pairwise distinct slots, if any does.
 pub fn find_seed(keys: &[u64], seeds: &Seeds) -> Option<u8> {
-    debug_assert!(keys.len() <= 4);
+    let mut h = [0u64; 4];
+    let n = keys.len().min(4);
+    for i in 0..n {
+        h[i] = slot_hash(keys[i], seeds);
+    }
+    find_seed_h(&h[..n])
+}
+
+/// [`find_seed`] over precomputed slot hashes.
+pub fn find_seed_h(h: &[u64]) -> Option<u8> {
+    debug_assert!(h.len() <= 4);
     'seed: for s in 0..=super::MAX_SEED {
         let mut used = 0u8;
-        for &k in keys {
-            let bit = 1u8 << slot(k, seeds, s);
+        for &x in h {
+            let bit = 1u8 << slot_of(x, s);
             if used & bit != 0 {
                 continue 'seed;
             }

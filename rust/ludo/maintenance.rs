@@ -5,15 +5,20 @@
 //! remote view runs, and appended to the pending batch; so a view that applies the batches in
 //! order is byte-identical to [`LudoTable::view`].
 //!
-//! Inserts that cannot be placed (an Othello cycle, or no cuckoo path within depth 5) go to a
-//! small keyed fallback that both sides consult first, so they never fail and never block
-//! readers. Once the fallback exceeds its limit, or the table is full, the table is rebuilt
-//! (new seed, or doubled capacity) and a snapshot replaces the pending batch.
+//! Inserts that cannot be placed (an Othello cycle, no cuckoo path within depth 5, or no slot
+//! seed for a re-seeded bucket) go to a small keyed fallback that both sides consult first, so
+//! they never fail and never block readers. Once the fallback exceeds its limit, or the table is
+//! full, the table is rebuilt (new seed, or doubled capacity) and a snapshot replaces the
+//! pending batch.
+//!
+//! Layout: one 64-byte line per bucket holds its four keys and values, so a keyed find touches
+//! two lines; seeds and occupancy live in a 2-byte-per-bucket array that stays cache-resident,
+//! which makes the cuckoo search's "does this bucket have room" test nearly free.
 
 use super::hash::{self, Seeds};
-use super::othello::{Forest, Join, NIL};
+use super::othello::{Forest, Join};
 use super::view::{Geometry, LudoView};
-use super::{MAX_CUCKOO_DEPTH, SLOTS};
+use super::{prefetch, MAX_CUCKOO_DEPTH, SLOTS};
 use crate::error::{CoreError, Result};
 use crate::patch::{self, BatchHeader, Op, Step, PERM_EMPTY};
 
@@ -49,15 +54,29 @@ pub enum Placement {
     Updated,
 }
 
+#[derive(Clone, Copy, Debug)]
+#[repr(C, align(64))]
+struct Bucket {
+    keys: [u64; SLOTS],
+    vals: [u64; SLOTS],
+}
+
+const EMPTY_BUCKET: Bucket = Bucket { keys: [EMPTY; SLOTS], vals: [0; SLOTS] };
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Meta {
+    seed: u8,
+    count: u8,
+}
+
 #[derive(Clone, Debug)]
 pub struct LudoTable {
     cfg: TableConfig,
     geo: Geometry,
     seeds: Seeds,
     view: LudoView,
-    keys: Vec<u64>,
-    vals: Vec<u64>,
-    edge: Vec<u32>,
+    buckets: Vec<Bucket>,
+    meta: Vec<Meta>,
     forest: Forest,
     live: u64,
     seq: u64,
@@ -65,10 +84,9 @@ pub struct LudoTable {
     pending_ops: u32,
     quiet: bool,
     rebuilds: u64,
-    /// Scratch for the cuckoo search (bucket, parent index, slot moved out of the parent).
+    /// Scratch for the cuckoo search: (bucket, parent entry, slot moved out of the parent).
     bfs: Vec<(u32, u32, u8)>,
     visited: Vec<u32>,
-    flips: Vec<u32>,
 }
 
 impl LudoTable {
@@ -77,15 +95,14 @@ impl LudoTable {
             return Err(CoreError::Capacity { needed: cfg.capacity, max: cfg.max_capacity });
         }
         let geo = Geometry::for_capacity(cfg.capacity, cfg.value_bits, cfg.fp_bits, cfg.seed)?;
-        let slots = geo.n_buckets as usize * SLOTS;
+        let nb = geo.n_buckets as usize;
         Ok(LudoTable {
             cfg,
             geo,
             seeds: Seeds::from_table_seed(geo.seed),
             view: LudoView::empty(cfg.table, cfg.shard, cfg.epoch, geo)?,
-            keys: vec![EMPTY; slots],
-            vals: vec![0; slots],
-            edge: vec![NIL; slots],
+            buckets: vec![EMPTY_BUCKET; nb],
+            meta: vec![Meta::default(); nb],
             forest: Forest::new(geo.ma, geo.mb),
             live: 0,
             seq: 0,
@@ -95,7 +112,6 @@ impl LudoTable {
             rebuilds: 0,
             bfs: Vec::new(),
             visited: Vec::new(),
-            flips: Vec::new(),
         })
     }
 
@@ -155,11 +171,10 @@ impl LudoTable {
     }
 
     pub fn memory_bytes(&self) -> usize {
-        std::mem::size_of::<Self>()
-            + self.view.memory_bytes()
-            - std::mem::size_of::<LudoView>()
-            + 8 * (self.keys.capacity() + self.vals.capacity())
-            + 4 * (self.edge.capacity() + self.visited.capacity() + self.flips.capacity())
+        std::mem::size_of::<Self>() + self.view.memory_bytes() - std::mem::size_of::<LudoView>()
+            + std::mem::size_of::<Bucket>() * self.buckets.capacity()
+            + std::mem::size_of::<Meta>() * self.meta.capacity()
+            + 4 * self.visited.capacity()
             + 12 * self.bfs.capacity()
             + self.pending.capacity()
             + self.forest.memory_bytes()
@@ -179,19 +194,44 @@ impl LudoTable {
         Ok(())
     }
 
-    /// Slot index of `key` in the bucket arrays, if it sits in a bucket.
+    /// (bucket, slot) of `key` if it sits in a bucket.
     #[inline]
-    fn find_slot(&self, key: u64) -> Option<usize> {
+    fn find_slot(&self, key: u64) -> Option<(u32, usize)> {
         let (b0, b1) = hash::buckets(key, &self.seeds, self.geo.n_buckets);
         for b in [b0, b1] {
-            let base = b as usize * SLOTS;
-            for s in base..base + SLOTS {
-                if self.keys[s] == key {
-                    return Some(s);
+            let bk = &self.buckets[b as usize];
+            for s in 0..SLOTS {
+                if bk.keys[s] == key {
+                    return Some((b, s));
                 }
             }
         }
         None
+    }
+
+    /// The key's Othello edge as forest nodes.
+    #[inline]
+    fn edge_of(&self, key: u64) -> (u32, u32) {
+        let (ia, ib) = hash::othello_edge(key, &self.seeds, self.geo.ma, self.geo.mb);
+        self.forest.nodes(ia, ib)
+    }
+
+    /// Warm everything a write of `key` may touch: both bucket lines, both view records and
+    /// Othello cells, and the key's two forest nodes.
+    #[inline]
+    fn prefetch_op(&self, key: u64) {
+        self.prefetch_buckets(key);
+        self.view.prefetch_key(key);
+        let (u, v) = self.edge_of(key);
+        self.forest.prefetch_nodes(u, v);
+    }
+
+    /// Issue the reads of both candidate bucket lines together.
+    #[inline]
+    fn prefetch_buckets(&self, key: u64) {
+        let (b0, b1) = hash::buckets(key, &self.seeds, self.geo.n_buckets);
+        prefetch(&self.buckets, b0 as usize);
+        prefetch(&self.buckets, b1 as usize);
     }
 
     #[inline]
@@ -201,8 +241,9 @@ impl LudoTable {
 
     /// The value stored for `key` (keyed: no false hits).
     pub fn get(&self, key: u64) -> Option<u64> {
-        if let Some(s) = self.find_slot(key) {
-            return Some(self.vals[s]);
+        self.prefetch_buckets(key);
+        if let Some((b, s)) = self.find_slot(key) {
+            return Some(self.buckets[b as usize].vals[s]);
         }
         self.fallback_get(key)
     }
@@ -244,8 +285,8 @@ impl LudoTable {
         Ok(patch::encode_batch(&h, &p))
     }
 
-    /// Start a new epoch (a restarted writer): seq restarts at 0 and the next batch is a
-    /// snapshot, so views that notice the epoch change resync from it.
+    /// Start a new epoch (a restarted writer): seq restarts at 0 and pending edits are dropped,
+    /// since views that notice the epoch change resync from a snapshot of this state.
     pub fn start_epoch(&mut self, epoch: u64) -> Result<()> {
         if epoch <= self.cfg.epoch {
             return Err(CoreError::InvalidArgument(format!("new epoch {epoch} must exceed the current epoch {}", self.cfg.epoch)));
@@ -268,11 +309,12 @@ impl LudoTable {
             self.remove(key)?;
             return Ok(Placement::Updated);
         }
-        if let Some(s) = self.find_slot(key) {
-            if self.vals[s] != value {
-                self.vals[s] = value;
-                let (bucket, slot) = ((s / SLOTS) as u32, (s % SLOTS) as u8);
-                self.emit(Op::SetValue { bucket, slot, value });
+        self.prefetch_buckets(key);
+        self.view.prefetch_key(key);
+        if let Some((b, s)) = self.find_slot(key) {
+            if self.buckets[b as usize].vals[s] != value {
+                self.buckets[b as usize].vals[s] = value;
+                self.emit(Op::SetValue { bucket: b, slot: s as u8, value });
             }
             return Ok(Placement::Updated);
         }
@@ -310,14 +352,19 @@ impl LudoTable {
     /// Remove a key; returns its old value, or None if it was absent.
     pub fn remove(&mut self, key: u64) -> Result<Option<u64>> {
         Self::check_key(key)?;
-        if let Some(s) = self.find_slot(key) {
-            let old = self.vals[s];
-            self.forest.remove_edge(self.edge[s]);
-            self.keys[s] = EMPTY;
-            self.vals[s] = 0;
-            self.edge[s] = NIL;
+        self.prefetch_buckets(key);
+        self.view.prefetch_key(key);
+        let (u, v) = self.edge_of(key);
+        self.forest.prefetch_nodes(u, v);
+        if let Some((b, s)) = self.find_slot(key) {
+            let bi = b as usize;
+            let old = self.buckets[bi].vals[s];
+            self.forest.remove_edge(u, v);
+            self.buckets[bi].keys[s] = EMPTY;
+            self.buckets[bi].vals[s] = 0;
+            self.meta[bi].count -= 1;
             self.live -= 1;
-            self.emit(Op::ClearSlot { bucket: (s / SLOTS) as u32, slot: (s % SLOTS) as u8 });
+            self.emit(Op::ClearSlot { bucket: b, slot: s as u8 });
             return Ok(Some(old));
         }
         if let Some(old) = self.fallback_get(key) {
@@ -365,7 +412,16 @@ impl LudoTable {
         }
         // Growth cannot be validated up front without simulating the batch; a capacity failure
         // mid-batch is reported and what was applied before it stays applied (and is emitted).
+        // Pipeline the memory traffic: warm the lines op i+AHEAD will touch while op i runs,
+        // so a batch costs about one cache miss per op in throughput instead of in latency.
+        const AHEAD: usize = 8;
+        for &k in keys.iter().take(AHEAD) {
+            self.prefetch_op(k);
+        }
         for i in 0..keys.len() {
+            if let Some(&k) = keys.get(i + AHEAD) {
+                self.prefetch_op(k);
+            }
             self.set_field(keys[i], fields[i], tiers[i])?;
         }
         Ok(keys.len())
@@ -380,6 +436,8 @@ impl LudoTable {
         let (b0, b1) = hash::buckets(key, &self.seeds, self.geo.n_buckets);
         let (ia, ib) = hash::othello_edge(key, &self.seeds, self.geo.ma, self.geo.mb);
         let (u, v) = self.forest.nodes(ia, ib);
+        self.forest.prefetch_nodes(u, v);
+        self.view.prefetch_key(key);
         let placed = match self.forest.check_join(u, v) {
             Join::Cycle => None,
             Join::Free => self.cuckoo_place(key, value, b0, b1, u, v),
@@ -399,98 +457,93 @@ impl LudoTable {
         }
     }
 
-    fn occupants(&self, bucket: u32) -> ([u64; SLOTS], usize) {
-        let base = bucket as usize * SLOTS;
-        let mut ks = [EMPTY; SLOTS];
+    /// The slot seed `bucket` needs after losing the key in slot `out` (if any) and gaining
+    /// `key`: the current seed when it already separates them, else the smallest one that does.
+    fn seed_for(&self, bucket: u32, out: Option<usize>, key: u64) -> Option<u8> {
+        let bk = &self.buckets[bucket as usize];
+        let cur = self.meta[bucket as usize].seed;
+        let hk = hash::slot_hash(key, &self.seeds);
+        let s_new = hash::slot_of(hk, cur);
+        if bk.keys[s_new] == EMPTY || out == Some(s_new) {
+            return Some(cur);
+        }
+        let mut h = [0u64; SLOTS];
         let mut n = 0;
         for s in 0..SLOTS {
-            if self.keys[base + s] != EMPTY {
-                ks[n] = self.keys[base + s];
+            if bk.keys[s] != EMPTY && out != Some(s) {
+                h[n] = hash::slot_hash(bk.keys[s], &self.seeds);
                 n += 1;
             }
         }
-        (ks, n)
-    }
-
-    /// Can `key` join `bucket` (a free slot, and a slot seed that separates all its keys)?
-    fn can_place(&self, bucket: u32, key: u64) -> bool {
-        let (mut ks, n) = self.occupants(bucket);
         if n == SLOTS {
-            return false;
+            return None;
         }
-        let g = &self.geo;
-        let cur = self.view.seed_at(g, bucket);
-        let s = hash::slot(key, &self.seeds, cur);
-        if self.keys[bucket as usize * SLOTS + s] == EMPTY {
-            return true;
-        }
-        ks[n] = key;
-        hash::find_seed(&ks[..n + 1], &self.seeds).is_some()
+        h[n] = hk;
+        hash::find_seed_h(&h[..n + 1])
     }
 
-    /// Put (key, value, edge) into `bucket`, re-seeding it if needed. Returns the view step
-    /// (without flips). Caller guarantees [`Self::can_place`].
-    fn place(&mut self, bucket: u32, key: u64, value: u64, edge: u32) -> Step {
-        let base = bucket as usize * SLOTS;
-        let cur = self.view.seed_at(&self.geo, bucket);
-        let s_cur = hash::slot(key, &self.seeds, cur);
+    /// Put (key, value) into `bucket` with slot seed `seed` (from [`Self::seed_for`]),
+    /// moving the bucket's other keys to their slots under that seed. Returns the view step
+    /// (without flips).
+    fn place(&mut self, bucket: u32, seed: u8, key: u64, value: u64) -> Step {
+        let bi = bucket as usize;
         let mut perm = [PERM_EMPTY; SLOTS];
-        let (seed, slot) = if self.keys[base + s_cur] == EMPTY {
+        let old = self.buckets[bi];
+        if seed == self.meta[bi].seed {
             for (j, p) in perm.iter_mut().enumerate() {
-                if self.keys[base + j] != EMPTY {
+                if old.keys[j] != EMPTY {
                     *p = j as u8;
                 }
             }
-            (cur, s_cur)
         } else {
-            let (mut ks, n) = self.occupants(bucket);
-            ks[n] = key;
-            let seed = hash::find_seed(&ks[..n + 1], &self.seeds).unwrap_or(cur);
-            let old_k: [u64; SLOTS] = std::array::from_fn(|j| self.keys[base + j]);
-            let old_v: [u64; SLOTS] = std::array::from_fn(|j| self.vals[base + j]);
-            let old_e: [u32; SLOTS] = std::array::from_fn(|j| self.edge[base + j]);
+            self.buckets[bi] = EMPTY_BUCKET;
             for j in 0..SLOTS {
-                self.keys[base + j] = EMPTY;
-                self.vals[base + j] = 0;
-                self.edge[base + j] = NIL;
-            }
-            for j in 0..SLOTS {
-                if old_k[j] != EMPTY {
-                    let t = hash::slot(old_k[j], &self.seeds, seed);
+                if old.keys[j] != EMPTY {
+                    let t = hash::slot(old.keys[j], &self.seeds, seed);
                     perm[t] = j as u8;
-                    self.keys[base + t] = old_k[j];
-                    self.vals[base + t] = old_v[j];
-                    self.edge[base + t] = old_e[j];
+                    self.buckets[bi].keys[t] = old.keys[j];
+                    self.buckets[bi].vals[t] = old.vals[j];
                 }
             }
-            (seed, hash::slot(key, &self.seeds, seed))
-        };
-        self.keys[base + slot] = key;
-        self.vals[base + slot] = value;
-        self.edge[base + slot] = edge;
+            self.meta[bi].seed = seed;
+        }
+        let slot = hash::slot(key, &self.seeds, seed);
+        debug_assert_eq!(self.buckets[bi].keys[slot], EMPTY);
+        self.buckets[bi].keys[slot] = key;
+        self.buckets[bi].vals[slot] = value;
+        self.meta[bi].count += 1;
         Step { bucket, seed, perm, slot: slot as u8, value, fp: hash::fingerprint(key, &self.seeds, self.geo.fp_bits) as u16, flips: Vec::new() }
-    }
-
-    fn apply_step(&mut self, step: &Step) {
-        // Apply to the mirror immediately: later steps read the Othello bits it flips.
-        self.view.apply_op(&Op::InsertPath { steps: vec![step.clone()] });
     }
 
     /// Find room for a new key whose Othello edge (u, v) joins two separate components, moving
     /// up to MAX_CUCKOO_DEPTH keys. Returns the number of moves, or None (nothing changed).
     fn cuckoo_place(&mut self, key: u64, value: u64, b0: u32, b1: u32, u: u32, v: u32) -> Option<usize> {
+        let (c0, c1) = (self.meta[b0 as usize].count, self.meta[b1 as usize].count);
+        // Prefer the emptier candidate so buckets fill evenly.
+        let first = if c1 < c0 { [b1, b0] } else { [b0, b1] };
+        for &b in &first {
+            if let Some(seed) = self.seed_for(b, None, key) {
+                return Some(self.finish_insert(key, value, b, b0, u, v, &[], &[seed]));
+            }
+        }
+        // Most paths are one move long: warm the lines such a move touches (the alternative
+        // bucket, its view record, the moved key's Othello nodes) for all eight candidates at
+        // once, so their misses overlap instead of queueing behind each other.
+        for &b in &first {
+            for s in 0..SLOTS {
+                let k = self.buckets[b as usize].keys[s];
+                let (k0, k1) = hash::buckets(k, &self.seeds, self.geo.n_buckets);
+                let y = if k0 == b { k1 } else { k0 };
+                prefetch(&self.buckets, y as usize);
+                self.view.prefetch_bucket(y);
+                let (ku, kv) = self.edge_of(k);
+                self.forest.prefetch_nodes(ku, kv);
+            }
+        }
         // Breadth-first over buckets: entry i = (bucket, parent entry, slot of the key in the
         // parent bucket that moves into this bucket).
         self.bfs.clear();
         self.visited.clear();
-        let (c0, c1) = (self.occupants(b0).1, self.occupants(b1).1);
-        // Prefer the emptier candidate so buckets fill evenly.
-        let first = if c1 < c0 { [b1, b0] } else { [b0, b1] };
-        for &b in &first {
-            if self.can_place(b, key) {
-                return Some(self.finish_insert(key, value, b, b0, u, v, &[]));
-            }
-        }
         for &b in &first {
             self.bfs.push((b, u32::MAX, 0));
             self.visited.push(b);
@@ -506,15 +559,16 @@ impl LudoTable {
                     break;
                 }
             }
-            let (x, _, _) = self.bfs[head];
+            let x = self.bfs[head].0;
             for s in 0..SLOTS {
-                let k = self.keys[x as usize * SLOTS + s];
+                let k = self.buckets[x as usize].keys[s];
                 let (k0, k1) = hash::buckets(k, &self.seeds, self.geo.n_buckets);
                 let y = if k0 == x { k1 } else { k0 };
                 if self.visited.contains(&y) {
                     continue;
                 }
-                if self.can_place(y, k) {
+                self.visited.push(y);
+                if self.meta[y as usize].count < SLOTS as u8 {
                     // Path found: collect (from bucket, slot, to bucket) root-first.
                     let mut path = vec![(x, s as u8, y)];
                     let mut i = head;
@@ -525,9 +579,13 @@ impl LudoTable {
                     }
                     let root = self.bfs[i].0;
                     path.reverse();
-                    return Some(self.finish_insert(key, value, root, b0, u, v, &path));
+                    // Every bucket on the path must get a slot seed for its new key set before
+                    // anything moves (fails with probability ~1e-11; then keep searching).
+                    if let Some(seeds) = self.path_seeds(key, root, &path) {
+                        return Some(self.finish_insert(key, value, root, b0, u, v, &path, &seeds));
+                    }
+                    continue;
                 }
-                self.visited.push(y);
                 self.bfs.push((y, head as u32, s as u8));
             }
             head += 1;
@@ -535,24 +593,38 @@ impl LudoTable {
         None
     }
 
+    /// Slot seeds for each destination of a root-first path, in execution order (deepest move
+    /// first, the root last). None if some bucket has no separating seed.
+    fn path_seeds(&self, key: u64, root: u32, path: &[(u32, u8, u32)]) -> Option<Vec<u8>> {
+        let mut seeds = Vec::with_capacity(path.len() + 1);
+        for i in (0..path.len()).rev() {
+            let (from, slot, to) = path[i];
+            let k = self.buckets[from as usize].keys[slot as usize];
+            // `to` loses the key that moves one step deeper, if it is an intermediate bucket.
+            let out = path.get(i + 1).map(|&(_, s, _)| s as usize);
+            seeds.push(self.seed_for(to, out, k)?);
+        }
+        seeds.push(self.seed_for(root, path.first().map(|&(_, s, _)| s as usize), key)?);
+        Some(seeds)
+    }
+
     /// Execute a cuckoo path (root-first list of (from, slot, to)) deepest move first, then put
     /// the new key into `root`, and emit the whole thing as one InsertPath op.
-    fn finish_insert(&mut self, key: u64, value: u64, root: u32, b0: u32, u: u32, v: u32, path: &[(u32, u8, u32)]) -> usize {
+    #[allow(clippy::too_many_arguments)]
+    fn finish_insert(&mut self, key: u64, value: u64, root: u32, b0: u32, u: u32, v: u32, path: &[(u32, u8, u32)], seeds: &[u8]) -> usize {
         let mut steps = Vec::with_capacity(path.len() + 1);
-        for &(from, slot, to) in path.iter().rev() {
-            let s = from as usize * SLOTS + slot as usize;
-            let (k, val, e) = (self.keys[s], self.vals[s], self.edge[s]);
-            self.keys[s] = EMPTY;
-            self.vals[s] = 0;
-            self.edge[s] = NIL;
-            let mut step = self.place(to, k, val, e);
+        for (n, &(from, slot, to)) in path.iter().rev().enumerate() {
+            let (fi, si) = (from as usize, slot as usize);
+            let (k, val) = (self.buckets[fi].keys[si], self.buckets[fi].vals[si]);
+            self.buckets[fi].keys[si] = EMPTY;
+            self.buckets[fi].vals[si] = 0;
+            self.meta[fi].count -= 1;
+            let mut step = self.place(to, seeds[n], k, val);
             // The key now lives in its other candidate bucket: toggle its class bit.
-            self.flips.clear();
-            let mut fl = std::mem::take(&mut self.flips);
-            self.forest.toggle_flips(e, &mut fl);
-            step.flips = fl.clone();
-            self.flips = fl;
-            self.apply_step(&step);
+            let (ku, kv) = self.edge_of(k);
+            self.forest.toggle_flips(ku, kv, &mut step.flips);
+            // Apply now: later steps read the Othello bits this one flips.
+            self.view.apply_step(&step);
             steps.push(step);
         }
         let want = if root == b0 { 0 } else { 1 };
@@ -561,14 +633,13 @@ impl LudoTable {
         if self.view.othello_bit(ia, ib) != want {
             self.forest.join_flips(u, v, &mut flips);
         }
-        let e = self.forest.add_edge(u, v);
-        let mut step = self.place(root, key, value, e);
+        self.forest.add_edge(u, v);
+        let mut step = self.place(root, seeds[path.len()], key, value);
         step.flips = flips;
-        self.apply_step(&step);
+        self.view.apply_step(&step);
         steps.push(step);
-        let op = Op::InsertPath { steps };
         if !self.quiet {
-            patch::encode_op(&op, &mut self.pending);
+            patch::encode_op(&Op::InsertPath { steps }, &mut self.pending);
             self.pending_ops += 1;
         }
         path.len()
@@ -590,7 +661,14 @@ impl LudoTable {
 
     /// All live (key, value) pairs, bucket entries first, then fallback entries.
     pub fn entries(&self) -> Vec<(u64, u64)> {
-        let mut out: Vec<(u64, u64)> = self.keys.iter().zip(&self.vals).filter(|(k, _)| **k != EMPTY).map(|(k, v)| (*k, *v)).collect();
+        let mut out = Vec::with_capacity(self.len() as usize);
+        for bk in &self.buckets {
+            for s in 0..SLOTS {
+                if bk.keys[s] != EMPTY {
+                    out.push((bk.keys[s], bk.vals[s]));
+                }
+            }
+        }
         out.extend_from_slice(self.view.fallback_entries());
         out
     }

@@ -21,3 +21,16 @@ pub const MAX_LOAD: f64 = 0.95;
 pub const MAX_SEED: u8 = 254;
 /// Deepest cuckoo displacement path the insert will search.
 pub const MAX_CUCKOO_DEPTH: usize = 5;
+
+/// Hint the CPU to fetch `arr[idx]`'s cache line now: the index structures are larger than the
+/// caches, and overlapping independent misses is most of what makes a lookup or write fast.
+#[inline(always)]
+pub(crate) fn prefetch<T>(arr: &[T], idx: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if idx < arr.len() {
+        // SAFETY: the pointer is in bounds; a prefetch never faults and has no other effect.
+        unsafe { std::arch::x86_64::_mm_prefetch(arr.as_ptr().add(idx) as *const i8, std::arch::x86_64::_MM_HINT_T0) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (arr, idx);
+}

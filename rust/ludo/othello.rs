@@ -5,34 +5,42 @@
 //! changes the bit of any edge inside it. So the writer keeps the real forest (adjacency lists),
 //! refuses an edge that would close a cycle (the table's keyed fallback takes that key), and
 //! uses a union-find as a fast "certainly not connected" filter. Deletions cannot split
-//! union-find sets, so the sets over-approximate components; a BFS confirms before a key is
+//! union-find sets, so the sets over-approximate components; a tree walk confirms before a key is
 //! refused, and the sets are rebuilt once enough deletions have made them stale.
+//!
+//! Layout: one 16-byte record per node holds up to three neighbours and the union-find link (or,
+//! at a root, the set size), so visiting a node costs one cache line; the ~1% of nodes with more
+//! than three neighbours keep the rest in a side map. Edges need no identity of their own: the
+//! graph has no parallel edges (a second key on the same two cells closes a cycle and is
+//! refused), so an edge is its pair of endpoints, recomputable from the key.
 
+use std::collections::HashMap;
+
+use super::prefetch;
 use crate::patch::FLIP_B;
 
 pub const NIL: u32 = u32::MAX;
+const ROOT: u32 = 1 << 31;
+const INLINE: usize = 3;
 
 #[derive(Clone, Copy, Debug)]
-struct Edge {
-    a: u32,
-    b: u32,
-    next_a: u32,
-    next_b: u32,
+#[repr(C)]
+struct Node {
+    nbr: [u32; INLINE],
+    /// Union-find: the parent node, or `ROOT | set size` at a root.
+    up: u32,
 }
+
+const FRESH: Node = Node { nbr: [NIL; INLINE], up: ROOT | 1 };
 
 #[derive(Clone, Debug)]
 pub struct Forest {
     ma: u32,
-    head: Vec<u32>,
-    edges: Vec<Edge>,
-    free: Vec<u32>,
-    parent: Vec<u32>,
-    size: Vec<u32>,
-    mark: Vec<u32>,
-    stamp: u32,
+    nodes: Vec<Node>,
+    overflow: HashMap<u32, Vec<u32>>,
     live: u64,
     stale: u64,
-    queue: Vec<u32>,
+    queue: Vec<(u32, u32)>,
 }
 
 /// Result of asking whether an edge may join the forest.
@@ -45,20 +53,7 @@ pub enum Join {
 
 impl Forest {
     pub fn new(ma: u32, mb: u32) -> Self {
-        let n = ma as usize + mb as usize;
-        Forest {
-            ma,
-            head: vec![NIL; n],
-            edges: Vec::new(),
-            free: Vec::new(),
-            parent: (0..n as u32).collect(),
-            size: vec![1; n],
-            mark: vec![0; n],
-            stamp: 0,
-            live: 0,
-            stale: 0,
-            queue: Vec::new(),
-        }
+        Forest { ma, nodes: vec![FRESH; ma as usize + mb as usize], overflow: HashMap::new(), live: 0, stale: 0, queue: Vec::new() }
     }
 
     /// Graph node of A cell `ia` / B cell `ib`.
@@ -78,12 +73,23 @@ impl Forest {
     }
 
     fn find(&mut self, mut x: u32) -> u32 {
-        while self.parent[x as usize] != x {
-            let p = self.parent[x as usize];
-            self.parent[x as usize] = self.parent[p as usize];
-            x = p;
+        loop {
+            let p = self.nodes[x as usize].up;
+            if p & ROOT != 0 {
+                return x;
+            }
+            let gp = self.nodes[p as usize].up;
+            if gp & ROOT != 0 {
+                return p;
+            }
+            // Path halving.
+            self.nodes[x as usize].up = gp;
+            x = gp;
         }
-        x
+    }
+
+    fn set_size(&self, root: u32) -> u32 {
+        self.nodes[root as usize].up & !ROOT
     }
 
     fn union(&mut self, x: u32, y: u32) {
@@ -91,47 +97,59 @@ impl Forest {
         if rx == ry {
             return;
         }
-        let (big, small) = if self.size[rx as usize] >= self.size[ry as usize] { (rx, ry) } else { (ry, rx) };
-        self.parent[small as usize] = big;
-        self.size[big as usize] += self.size[small as usize];
+        let (sx, sy) = (self.set_size(rx), self.set_size(ry));
+        let (big, small) = if sx >= sy { (rx, ry) } else { (ry, rx) };
+        self.nodes[small as usize].up = big;
+        self.nodes[big as usize].up = ROOT | (sx + sy).min(ROOT - 1);
     }
 
-    fn next_stamp(&mut self) -> u32 {
-        self.stamp = self.stamp.wrapping_add(1);
-        if self.stamp == 0 {
-            self.mark.fill(0);
-            self.stamp = 1;
+    /// Neighbours of `x` into `out` (inline ones, then any overflow).
+    #[inline]
+    fn for_each_nbr(&self, x: u32, mut f: impl FnMut(u32)) {
+        let n = &self.nodes[x as usize];
+        for &y in &n.nbr {
+            if y == NIL {
+                return;
+            }
+            f(y);
         }
-        self.stamp
-    }
-
-    /// BFS the real component of `start`, not crossing edge `skip`, into `self.queue`.
-    /// Returns true if `target` was reached.
-    fn bfs(&mut self, start: u32, skip: u32, target: u32) -> bool {
-        let st = self.next_stamp();
-        self.queue.clear();
-        self.queue.push(start);
-        self.mark[start as usize] = st;
-        let mut i = 0;
-        let mut found = start == target;
-        while i < self.queue.len() {
-            let x = self.queue[i];
-            i += 1;
-            let mut e = self.head[x as usize];
-            while e != NIL {
-                let ed = self.edges[e as usize];
-                let (other, next) = if ed.a == x { (ed.b, ed.next_a) } else { (ed.a, ed.next_b) };
-                if e != skip && self.mark[other as usize] != st {
-                    self.mark[other as usize] = st;
-                    if other == target {
-                        found = true;
-                    }
-                    self.queue.push(other);
-                }
-                e = next;
+        if let Some(more) = self.overflow.get(&x) {
+            for &y in more {
+                f(y);
             }
         }
+    }
+
+    /// Walk the tree of `start`, never stepping to `from` first (the side of edge
+    /// (start, from) that holds `start`), into `self.queue`. Returns true if `target` was
+    /// reached. The graph is a forest, so remembering each node's parent is enough to never
+    /// revisit one.
+    fn walk(&mut self, start: u32, from: u32, target: u32) -> bool {
+        let mut q = std::mem::take(&mut self.queue);
+        q.clear();
+        q.push((start, from));
+        let mut i = 0;
+        let mut found = start == target;
+        while i < q.len() {
+            let (x, parent) = q[i];
+            i += 1;
+            self.for_each_nbr(x, |y| {
+                if y != parent {
+                    found |= y == target;
+                    prefetch(&self.nodes, y as usize);
+                    q.push((y, x));
+                }
+            });
+        }
+        self.queue = q;
         found
+    }
+
+    /// Warm the node records an insert of edge (u, v) will touch, so their misses overlap.
+    #[inline]
+    pub fn prefetch_nodes(&self, u: u32, v: u32) {
+        prefetch(&self.nodes, u as usize);
+        prefetch(&self.nodes, v as usize);
     }
 
     /// May an edge (u, v) be added without closing a cycle?
@@ -139,7 +157,7 @@ impl Forest {
         if self.find(u) != self.find(v) {
             return Join::Free;
         }
-        if self.bfs(u, NIL, v) {
+        if self.walk(u, NIL, v) {
             Join::Cycle
         } else {
             Join::Free
@@ -150,102 +168,167 @@ impl Forest {
     /// smaller (by union-find estimate) of the two components, flipped whole.
     pub fn join_flips(&mut self, u: u32, v: u32, out: &mut Vec<u32>) {
         let (ru, rv) = (self.find(u), self.find(v));
-        let start = if self.size[ru as usize] <= self.size[rv as usize] { u } else { v };
-        self.bfs(start, NIL, NIL);
-        for i in 0..self.queue.len() {
-            out.push(self.cell(self.queue[i]));
-        }
+        let start = if self.set_size(ru) <= self.set_size(rv) { u } else { v };
+        self.walk(start, NIL, NIL);
+        out.extend(self.queue.iter().map(|&(x, _)| self.cell(x)));
     }
 
-    /// Cells to flip so that existing edge `e` (and no other edge) changes its bit: one side of
-    /// the tree once `e` is cut.
-    pub fn toggle_flips(&mut self, e: u32, out: &mut Vec<u32>) {
-        let ed = self.edges[e as usize];
-        self.bfs(ed.a, e, NIL);
-        for i in 0..self.queue.len() {
-            out.push(self.cell(self.queue[i]));
-        }
+    /// Cells to flip so that existing edge (u, v) (and no other edge) changes its bit: u's side
+    /// of the tree once the edge is cut.
+    pub fn toggle_flips(&mut self, u: u32, v: u32, out: &mut Vec<u32>) {
+        self.walk(u, v, NIL);
+        out.extend(self.queue.iter().map(|&(x, _)| self.cell(x)));
     }
 
-    pub fn add_edge(&mut self, u: u32, v: u32) -> u32 {
-        let ed = Edge { a: u, b: v, next_a: self.head[u as usize], next_b: self.head[v as usize] };
-        let id = match self.free.pop() {
-            Some(id) => {
-                self.edges[id as usize] = ed;
-                id
+    fn push_nbr(&mut self, x: u32, y: u32) {
+        let n = &mut self.nodes[x as usize];
+        for slot in n.nbr.iter_mut() {
+            if *slot == NIL {
+                *slot = y;
+                return;
             }
-            None => {
-                self.edges.push(ed);
-                (self.edges.len() - 1) as u32
-            }
-        };
-        self.head[u as usize] = id;
-        self.head[v as usize] = id;
-        self.union(u, v);
-        self.live += 1;
-        id
+        }
+        self.overflow.entry(x).or_default().push(y);
     }
 
-    fn unlink(&mut self, node: u32, e: u32) {
-        let mut prev = NIL;
-        let mut cur = self.head[node as usize];
-        while cur != NIL {
-            let ed = self.edges[cur as usize];
-            let next = if ed.a == node { ed.next_a } else { ed.next_b };
-            if cur == e {
-                if prev == NIL {
-                    self.head[node as usize] = next;
-                } else {
-                    let p = &mut self.edges[prev as usize];
-                    if p.a == node {
-                        p.next_a = next;
-                    } else {
-                        p.next_b = next;
-                    }
+    fn drop_nbr(&mut self, x: u32, y: u32) {
+        if let Some(more) = self.overflow.get_mut(&x) {
+            if let Some(i) = more.iter().position(|&z| z == y) {
+                more.swap_remove(i);
+                if more.is_empty() {
+                    self.overflow.remove(&x);
                 }
                 return;
             }
-            prev = cur;
-            cur = next;
+        }
+        let refill = self.overflow.get_mut(&x).and_then(|m| m.pop());
+        if self.overflow.get(&x).is_some_and(|m| m.is_empty()) {
+            self.overflow.remove(&x);
+        }
+        let n = &mut self.nodes[x as usize];
+        let Some(i) = n.nbr.iter().position(|&z| z == y) else { return };
+        let last = n.nbr.iter().rposition(|&z| z != NIL).unwrap_or(i);
+        n.nbr[i] = n.nbr[last];
+        n.nbr[last] = NIL;
+        if let Some(r) = refill {
+            n.nbr[INLINE - 1] = r;
         }
     }
 
-    pub fn remove_edge(&mut self, e: u32) {
-        let ed = self.edges[e as usize];
-        self.unlink(ed.a, e);
-        self.unlink(ed.b, e);
-        self.free.push(e);
+    pub fn add_edge(&mut self, u: u32, v: u32) {
+        self.push_nbr(u, v);
+        self.push_nbr(v, u);
+        self.union(u, v);
+        self.live += 1;
+    }
+
+    pub fn remove_edge(&mut self, u: u32, v: u32) {
+        self.drop_nbr(u, v);
+        self.drop_nbr(v, u);
         self.live -= 1;
         self.stale += 1;
-        if self.stale > self.live.max(1024) {
+        // Stale links merge sets until every insert needs a confirming walk; re-deriving the sets
+        // costs one pass, so do it once deletions have made a comparable number of links stale.
+        if self.stale > self.live.max(1024) / 2 {
             self.rebuild_sets();
         }
     }
 
     /// Recompute union-find sets from the real forest so they stop over-approximating.
     fn rebuild_sets(&mut self) {
-        for (i, p) in self.parent.iter_mut().enumerate() {
-            *p = i as u32;
+        for n in self.nodes.iter_mut() {
+            n.up = ROOT | 1;
         }
-        self.size.fill(1);
-        let mut free = std::mem::take(&mut self.free);
-        free.sort_unstable();
-        let mut fi = 0;
-        for e in 0..self.edges.len() as u32 {
-            if fi < free.len() && free[fi] == e {
-                fi += 1;
-                continue;
+        for x in 0..self.nodes.len() as u32 {
+            let mut ys = [NIL; INLINE];
+            ys.copy_from_slice(&self.nodes[x as usize].nbr);
+            for y in ys {
+                if y != NIL && y > x {
+                    self.union(x, y);
+                }
             }
-            let ed = self.edges[e as usize];
-            self.union(ed.a, ed.b);
+            if let Some(more) = self.overflow.get(&x).cloned() {
+                for y in more {
+                    if y > x {
+                        self.union(x, y);
+                    }
+                }
+            }
         }
-        self.free = free;
         self.stale = 0;
     }
 
     pub fn memory_bytes(&self) -> usize {
         std::mem::size_of::<Self>()
-            + 4 * (self.head.capacity() + self.free.capacity() + self.parent.capacity() + self.size.capacity() + self.mark.capacity() + self.queue.capacity())
-            + std::mem::size_of::<Edge>() * self.edges.capacity()
+            + std::mem::size_of::<Node>() * self.nodes.capacity()
+            + 8 * self.queue.capacity()
+            + self.overflow.capacity() * (4 + std::mem::size_of::<Vec<u32>>() + 1)
+            + self.overflow.values().map(|v| 4 * v.capacity()).sum::<usize>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Against a brute-force connectivity oracle: joins are refused exactly when they close
+        /// a cycle, and toggle flips change exactly the toggled edge's parity.
+        #[test]
+        fn forest_matches_oracle(ops in proptest::collection::vec((0u32..6, 0u32..6, any::<bool>()), 1..200)) {
+            let (ma, mb) = (6u32, 6u32);
+            let mut f = Forest::new(ma, mb);
+            let mut edges: Vec<(u32, u32)> = Vec::new();
+            let mut bits = vec![0u8; 12];
+            let connected = |edges: &[(u32, u32)], a: u32, b: u32| {
+                let mut seen = vec![false; 12];
+                let mut st = vec![a];
+                seen[a as usize] = true;
+                while let Some(x) = st.pop() {
+                    for &(p, q) in edges {
+                        for (s, t) in [(p, q), (q, p)] {
+                            if s == x && !seen[t as usize] { seen[t as usize] = true; st.push(t); }
+                        }
+                    }
+                }
+                seen[b as usize]
+            };
+            for (ia, ib, add) in ops {
+                let (u, v) = f.nodes(ia, ib);
+                if add || edges.is_empty() {
+                    let cyc = connected(&edges, u, v);
+                    match f.check_join(u, v) {
+                        Join::Cycle => prop_assert!(cyc),
+                        Join::Free => {
+                            prop_assert!(!cyc);
+                            let mut fl = Vec::new();
+                            f.join_flips(u, v, &mut fl);
+                            let before: Vec<u8> = edges.iter().map(|&(p, q)| bits[p as usize] ^ bits[q as usize]).collect();
+                            for c in fl { let n = if c & FLIP_B != 0 { (c & !FLIP_B) + ma } else { c }; bits[n as usize] ^= 1; }
+                            let after: Vec<u8> = edges.iter().map(|&(p, q)| bits[p as usize] ^ bits[q as usize]).collect();
+                            prop_assert_eq!(before, after);
+                            f.add_edge(u, v);
+                            edges.push((u, v));
+                        }
+                    }
+                } else {
+                    let i = (ia as usize * 7 + ib as usize) % edges.len();
+                    let (p, q) = edges[i];
+                    let mut fl = Vec::new();
+                    f.toggle_flips(p, q, &mut fl);
+                    let before: Vec<u8> = edges.iter().map(|&(a, b)| bits[a as usize] ^ bits[b as usize]).collect();
+                    for c in fl { let n = if c & FLIP_B != 0 { (c & !FLIP_B) + ma } else { c }; bits[n as usize] ^= 1; }
+                    let after: Vec<u8> = edges.iter().map(|&(a, b)| bits[a as usize] ^ bits[b as usize]).collect();
+                    for j in 0..edges.len() {
+                        prop_assert_eq!(before[j] != after[j], j == i);
+                    }
+                    if ib % 2 == 0 {
+                        f.remove_edge(p, q);
+                        edges.swap_remove(i);
+                    }
+                }
+            }
+        }
     }
 }

@@ -9,6 +9,7 @@
 use sha2::{Digest, Sha256};
 
 use super::hash::{self, Seeds};
+use super::prefetch;
 use super::{MAX_LOAD, MAX_SEED, SLOTS};
 use crate::error::{CoreError, Result};
 use crate::patch::{self, Batch, Op, Reader, Step, FLIP_B, PERM_EMPTY};
@@ -269,6 +270,28 @@ impl LudoView {
         arr[(i >> 6) as usize] ^= 1 << (i & 63);
     }
 
+    /// Warm the cache lines a lookup or write of `key` will touch (both candidate records and
+    /// both Othello cells), so their misses overlap instead of queueing.
+    #[inline]
+    pub fn prefetch_key(&self, key: u64) {
+        let Some(g) = self.geo.as_ref() else { return };
+        let (b0, b1) = hash::buckets(key, &self.seeds, g.n_buckets);
+        let (ia, ib) = hash::othello_edge(key, &self.seeds, g.ma, g.mb);
+        let rb = g.record_bits();
+        prefetch(&self.words, (b0 as usize * rb) >> 6);
+        prefetch(&self.words, (b1 as usize * rb) >> 6);
+        prefetch(&self.oa, (ia >> 6) as usize);
+        prefetch(&self.ob, (ib >> 6) as usize);
+    }
+
+    /// Warm one bucket record.
+    #[inline]
+    pub fn prefetch_bucket(&self, bucket: u32) {
+        if let Some(g) = self.geo.as_ref() {
+            prefetch(&self.words, (bucket as usize * g.record_bits()) >> 6);
+        }
+    }
+
     /// Where the classifier sends `key`.
     #[inline(always)]
     pub fn probe(&self, key: u64) -> Option<Probe> {
@@ -310,12 +333,7 @@ impl LudoView {
             out[..n].fill(0);
             return;
         };
-        if !self.fallback.is_empty() {
-            for i in 0..n {
-                out[i] = self.lookup(keys[i]);
-            }
-            return;
-        }
+        let has_fallback = !self.fallback.is_empty();
         let rb = g.record_bits();
         let mut pos = [(0u32, 0u32, 0u32, 0u32); GROUP];
         let mut i = 0;
@@ -334,6 +352,12 @@ impl LudoView {
             for j in 0..m {
                 let (b0, b1, ia, ib) = pos[j];
                 let k = keys[i + j];
+                if has_fallback {
+                    if let Some(v) = self.fallback_get(k) {
+                        out[i + j] = v;
+                        continue;
+                    }
+                }
                 let b = if self.othello_bit(ia, ib) == 0 { b0 } else { b1 };
                 let s = self.seed_at(g, b);
                 let slot = hash::slot(k, &self.seeds, s);
@@ -352,7 +376,51 @@ impl LudoView {
         Ok(())
     }
 
-    /// Geometric validation of one op against `g`, so that applying it cannot fail.
+    /// Validate a batch's ops in order against this view, so applying them cannot fail and
+    /// cannot produce a state no writer could have (e.g. a value in an empty slot). Slot
+    /// occupancy of buckets touched earlier in the batch is tracked in a small overlay.
+    fn validate_ops(&self, g: &Geometry, ops: &[Op]) -> Result<()> {
+        let mut overlay: std::collections::HashMap<u32, u8> = std::collections::HashMap::new();
+        let occupied = |ov: &std::collections::HashMap<u32, u8>, b: u32| -> u8 {
+            ov.get(&b).copied().unwrap_or_else(|| (0..SLOTS).fold(0u8, |m, j| m | (((self.value_at(g, b, j) != 0) as u8) << j)))
+        };
+        for op in ops {
+            Self::validate_op(g, op)?;
+            match op {
+                Op::SetValue { bucket, slot, .. } => {
+                    if occupied(&overlay, *bucket) & (1 << slot) == 0 {
+                        return Err(CoreError::MalformedPatch(format!("set-value into empty slot {slot} of bucket {bucket}")));
+                    }
+                }
+                Op::ClearSlot { bucket, slot } => {
+                    let m = occupied(&overlay, *bucket) & !(1 << slot);
+                    overlay.insert(*bucket, m);
+                }
+                Op::InsertPath { steps } => {
+                    for st in steps {
+                        let old = occupied(&overlay, st.bucket);
+                        let mut m = 0u8;
+                        for (j, &p) in st.perm.iter().enumerate() {
+                            if p < PERM_EMPTY {
+                                if old & (1 << p) == 0 {
+                                    return Err(CoreError::MalformedPatch(format!("slot permutation of bucket {} moves empty slot {p}", st.bucket)));
+                                }
+                                m |= 1 << j;
+                            }
+                        }
+                        if m & (1 << st.slot) != 0 {
+                            return Err(CoreError::MalformedPatch(format!("insert step overwrites occupied slot {} of bucket {}", st.slot, st.bucket)));
+                        }
+                        overlay.insert(st.bucket, m | (1 << st.slot));
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Geometric validation of one op against `g`.
     fn validate_op(g: &Geometry, op: &Op) -> Result<()> {
         let bad = |m: String| Err(CoreError::MalformedPatch(m));
         let bucket_ok = |b: u32| b < g.n_buckets;
@@ -421,6 +489,22 @@ impl LudoView {
         }
     }
 
+    /// Apply one validated insert step: re-seed the bucket (slot j takes old slot perm[j]), write
+    /// the new slot, flip the Othello cells.
+    pub(crate) fn apply_step(&mut self, st: &Step) {
+        let Some(g) = self.geo else { return };
+        let old: [(u64, u64); SLOTS] = std::array::from_fn(|j| (self.value_at(&g, st.bucket, j), self.fp_at(&g, st.bucket, j)));
+        for (j, &p) in st.perm.iter().enumerate() {
+            let (v, f) = if p < PERM_EMPTY { old[p as usize] } else { (0, 0) };
+            self.set_slot(&g, st.bucket, j, v, f);
+        }
+        self.set_seed(&g, st.bucket, st.seed);
+        self.set_slot(&g, st.bucket, st.slot as usize, st.value, st.fp as u64);
+        for &c in &st.flips {
+            self.flip(c);
+        }
+    }
+
     /// Apply one already-validated, non-snapshot op. Shared by the writer (on its own mirror)
     /// and by every remote view, which is what keeps them byte-identical.
     pub(crate) fn apply_op(&mut self, op: &Op) {
@@ -436,16 +520,7 @@ impl LudoView {
             Op::ClearSlot { bucket, slot } => self.set_slot(&g, *bucket, *slot as usize, 0, 0),
             Op::InsertPath { steps } => {
                 for st in steps {
-                    let old: [(u64, u64); SLOTS] = std::array::from_fn(|j| (self.value_at(&g, st.bucket, j), self.fp_at(&g, st.bucket, j)));
-                    for (j, &p) in st.perm.iter().enumerate() {
-                        let (v, f) = if p < PERM_EMPTY { old[p as usize] } else { (0, 0) };
-                        self.set_slot(&g, st.bucket, j, v, f);
-                    }
-                    self.set_seed(&g, st.bucket, st.seed);
-                    self.set_slot(&g, st.bucket, st.slot as usize, st.value, st.fp as u64);
-                    for &c in &st.flips {
-                        self.flip(c);
-                    }
+                    self.apply_step(st);
                 }
             }
             Op::FallbackSet { key, value } => match self.fallback.binary_search_by_key(key, |e| e.0) {
@@ -479,9 +554,7 @@ impl LudoView {
             }
             let mut fresh = LudoView::from_state(self.table, self.shard, state)?;
             let g = fresh.geo.ok_or(CoreError::Uninitialised)?;
-            for op in &batch.ops[1..] {
-                Self::validate_op(&g, op)?;
-            }
+            fresh.validate_ops(&g, &batch.ops[1..])?;
             for op in &batch.ops[1..] {
                 fresh.apply_op(op);
             }
@@ -500,9 +573,7 @@ impl LudoView {
         if h.seq != self.seq + 1 {
             return Err(CoreError::SequenceGap { epoch: self.epoch, expected: self.seq + 1, got: h.seq });
         }
-        for op in &batch.ops {
-            Self::validate_op(&g, op)?;
-        }
+        self.validate_ops(&g, &batch.ops)?;
         for op in &batch.ops {
             self.apply_op(op);
         }
@@ -646,16 +717,6 @@ fn tail_nonzero(words: &[u64], used_bits: usize) -> bool {
     words.get(i..).is_some_and(|t| t.iter().any(|&w| w != 0))
 }
 
-#[inline(always)]
-fn prefetch<T>(arr: &[T], idx: usize) {
-    #[cfg(target_arch = "x86_64")]
-    if idx < arr.len() {
-        // SAFETY: the pointer is in bounds; prefetch never faults and has no other effect.
-        unsafe { std::arch::x86_64::_mm_prefetch(arr.as_ptr().add(idx) as *const i8, std::arch::x86_64::_MM_HINT_T0) }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (arr, idx);
-}
 
 impl crate::score::TierLookup for LudoView {
     #[inline]
