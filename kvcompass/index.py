@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 from kvcompass import _core
 
-__all__ = ["Namespace", "Tier", "pack_tiers", "tier_of", "unpack_tiers", "as_tokens"]
+__all__ = ["Namespace", "Tier", "as_lengths", "as_tokens", "pack_tiers", "tier_of", "unpack_tiers"]
 
 
 class Tier(enum.IntEnum):
@@ -39,18 +39,27 @@ class Namespace:
 
     def keys(self, tokens: Sequence[int] | npt.NDArray[np.uint32], lengths: Sequence[int] | npt.NDArray[np.uint32]) -> npt.NDArray[np.uint64]:
         """Keys of ``tokens[:c]`` for each ``c`` (``NO_KEY`` past the prompt)."""
-        return _core.prefix_keys(self.digest, as_tokens(tokens), np.asarray(lengths, dtype=np.uint32))
+        return _core.prefix_keys(self.digest, as_tokens(tokens), as_lengths(lengths))
 
 
 def as_tokens(tokens: Sequence[int] | npt.NDArray[np.uint32]) -> npt.NDArray[np.uint32]:
     """Token ids as a contiguous uint32 array, refusing values that do not fit (no wraparound)."""
-    if isinstance(tokens, np.ndarray) and tokens.dtype == np.uint32:
-        return np.ascontiguousarray(tokens)
-    arr = np.asarray(tokens)
+    return _as_u32("tokens", tokens)
+
+
+def as_lengths(lengths: Sequence[int] | npt.NDArray[np.uint32]) -> npt.NDArray[np.uint32]:
+    """Prefix lengths as a contiguous uint32 array, refusing values that do not fit."""
+    return _as_u32("lengths", lengths)
+
+
+def _as_u32(name: str, values: Sequence[int] | npt.NDArray[np.uint32]) -> npt.NDArray[np.uint32]:
+    arr = np.asarray(values)
     if arr.ndim != 1:
-        raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
+        raise ValueError(f"{name} must be one-dimensional, got shape {arr.shape}")
+    if arr.dtype == np.uint32:
+        return np.ascontiguousarray(arr)
     if arr.size and (arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
-        raise ValueError("tokens must be integers in 0..2**32-1")
+        raise ValueError(f"{name} must be integers in 0..2**32-1")
     return np.ascontiguousarray(arr, dtype=np.uint32)
 
 

@@ -239,8 +239,12 @@ impl LudoTable {
         self.view.fallback_get(key)
     }
 
-    /// The value stored for `key` (keyed: no false hits).
+    /// The value stored for `key` (keyed: no false hits). Keys outside 63 bits are never stored
+    /// (and one of them is the empty-slot marker), so they read as absent.
     pub fn get(&self, key: u64) -> Option<u64> {
+        if key >> 63 != 0 {
+            return None;
+        }
         self.prefetch_buckets(key);
         if let Some((b, s)) = self.find_slot(key) {
             return Some(self.buckets[b as usize].vals[s]);
@@ -285,8 +289,9 @@ impl LudoTable {
         Ok(patch::encode_batch(&h, &p))
     }
 
-    /// Start a new epoch (a restarted writer): seq restarts at 0 and pending edits are dropped,
-    /// since views that notice the epoch change resync from a snapshot of this state.
+    /// Start a new epoch (a restarted writer): seq restarts at 0 and pending edits are dropped.
+    /// Views refuse this epoch's deltas ([`CoreError::EpochChanged`]) until they have applied
+    /// [`Self::export_snapshot`] of it, which is how they resync.
     pub fn start_epoch(&mut self, epoch: u64) -> Result<()> {
         if epoch <= self.cfg.epoch {
             return Err(CoreError::InvalidArgument(format!("new epoch {epoch} must exceed the current epoch {}", self.cfg.epoch)));
@@ -430,6 +435,9 @@ impl LudoTable {
     // ---- insertion internals ----------------------------------------------------------------
 
     fn insert_new(&mut self, key: u64, value: u64) -> Result<Placement> {
+        if self.len() + 1 > self.cfg.max_capacity {
+            return Err(CoreError::Capacity { needed: self.len() + 1, max: self.cfg.max_capacity });
+        }
         if self.len() + 1 > self.geo.capacity() {
             self.grow(self.len() + 1)?;
         }

@@ -121,8 +121,9 @@ impl PyLudoTable {
     }
     /// A snapshot batch at the last emitted seq (refused while edits are pending).
     fn export_snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let g = self.r()?;
-        let b = py.detach(|| g.export_snapshot()).map_err(core_err)?;
+        // Never hold the lock across re-taking the GIL: a writer holding the GIL would wait on
+        // the lock while this thread waits on the GIL.
+        let b = py.detach(|| self.r().map(|g| g.export_snapshot()))?.map_err(core_err)?;
         Ok(PyBytes::new(py, &b))
     }
     /// Begin a new epoch (a restarted writer); seq restarts at 0.
@@ -270,12 +271,14 @@ impl PyLudoView {
     /// Batch lookup with prefetching (GIL released); uint64 in, uint64 out.
     fn lookup_batch<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<u64>>> {
         let k = u64_vec("keys", keys)?;
-        let g = self.r()?;
+        // The read lock is taken and dropped inside the GIL-free section (see export_snapshot).
         let out = py.detach(|| {
-            let mut out = vec![0u64; k.len()];
-            g.lookup_batch(&k, &mut out);
-            out
-        });
+            self.r().map(|g| {
+                let mut out = vec![0u64; k.len()];
+                g.lookup_batch(&k, &mut out);
+                out
+            })
+        })?;
         Ok(out.into_pyarray(py))
     }
     fn state_bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {

@@ -90,6 +90,11 @@ impl PyRouter {
     /// tables: (region, workers: uint32 array of global worker indices per field, [LudoView per shard]).
     #[new]
     fn new(plan: Vec<Vec<u32>>, tables: Vec<(u32, Bound<'_, PyAny>, Vec<PyRef<'_, PyLudoView>>)>) -> PyResult<Self> {
+        for (r, lengths) in plan.iter().enumerate() {
+            if lengths.first() == Some(&0) || lengths.windows(2).any(|w| w[0] >= w[1]) {
+                return Err(PyValueError::new_err(format!("plan[{r}] must be strictly ascending lengths >= 1, got {lengths:?}")));
+            }
+        }
         let mut specs = Vec::with_capacity(tables.len());
         let mut views = Vec::new();
         for (i, (region, workers, shards)) in tables.into_iter().enumerate() {
@@ -136,7 +141,7 @@ impl PyRouter {
         Ok(PyRouteResult { winner: win.winner, score: win.score, matches: m.into_pyarray(py).unbind(), tiers: t.into_pyarray(py).unbind(), scores: s.into_pyarray(py).unbind() })
     }
 
-    /// Number of tables and of shard views this router reads.
+    /// Number of tables this router reads.
     #[getter]
     fn n_tables(&self) -> usize {
         self.tables.len()

@@ -1,0 +1,39 @@
+"""The typing surface: the hand-written stub matches the compiled module, and the Python
+package type-checks under ``mypy --strict``.
+
+Both run mypy in a subprocess of the test interpreter with caching disabled (``os.devnull``),
+so they neither depend on nor disturb a shared ``.mypy_cache``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mypy")
+
+ROOT = Path(__file__).resolve().parents[1]
+STRICT_FILES = ["kvcompass/index.py", "kvcompass/errors.py", "kvcompass/__init__.py"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_package_ships_typing_markers() -> None:
+    assert (ROOT / "kvcompass" / "py.typed").is_file()
+    assert (ROOT / "kvcompass" / "_core.pyi").is_file()
+
+
+def test_stubtest_core() -> None:
+    p = run("-m", "mypy.stubtest", "kvcompass._core", "--mypy-config-file", str(ROOT / "pyproject.toml"))
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_mypy_strict_package() -> None:
+    p = run("-m", "mypy", "--strict", "--cache-dir", os.devnull, *STRICT_FILES)
+    assert p.returncode == 0, p.stdout + p.stderr
