@@ -16,6 +16,7 @@
 //! which makes the cuckoo search's "does this bucket have room" test nearly free.
 
 use super::hash::{self, Seeds};
+use super::mem::{HugeBuf, Plain};
 use super::othello::{Forest, Join};
 use super::view::{Geometry, LudoView};
 use super::{prefetch, MAX_CUCKOO_DEPTH, SLOTS};
@@ -61,6 +62,11 @@ struct Bucket {
     vals: [u64; SLOTS],
 }
 
+// SAFETY: integers only, no padding (8 x u64).
+unsafe impl Plain for Bucket {}
+// SAFETY: two u8, no padding.
+unsafe impl Plain for Meta {}
+
 const EMPTY_BUCKET: Bucket = Bucket { keys: [EMPTY; SLOTS], vals: [0; SLOTS] };
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -75,8 +81,8 @@ pub struct LudoTable {
     geo: Geometry,
     seeds: Seeds,
     view: LudoView,
-    buckets: Vec<Bucket>,
-    meta: Vec<Meta>,
+    buckets: HugeBuf<Bucket>,
+    meta: HugeBuf<Meta>,
     forest: Forest,
     live: u64,
     seq: u64,
@@ -101,8 +107,8 @@ impl LudoTable {
             geo,
             seeds: Seeds::from_table_seed(geo.seed),
             view: LudoView::empty(cfg.table, cfg.shard, cfg.epoch, geo)?,
-            buckets: vec![EMPTY_BUCKET; nb],
-            meta: vec![Meta::default(); nb],
+            buckets: HugeBuf::filled(nb, EMPTY_BUCKET),
+            meta: HugeBuf::filled(nb, Meta::default()),
             forest: Forest::new(geo.ma, geo.mb),
             live: 0,
             seq: 0,
@@ -172,8 +178,8 @@ impl LudoTable {
 
     pub fn memory_bytes(&self) -> usize {
         std::mem::size_of::<Self>() + self.view.memory_bytes() - std::mem::size_of::<LudoView>()
-            + std::mem::size_of::<Bucket>() * self.buckets.capacity()
-            + std::mem::size_of::<Meta>() * self.meta.capacity()
+            + self.buckets.bytes()
+            + self.meta.bytes()
             + 4 * self.visited.capacity()
             + 12 * self.bfs.capacity()
             + self.pending.capacity()
@@ -670,7 +676,7 @@ impl LudoTable {
     /// All live (key, value) pairs, bucket entries first, then fallback entries.
     pub fn entries(&self) -> Vec<(u64, u64)> {
         let mut out = Vec::with_capacity(self.len() as usize);
-        for bk in &self.buckets {
+        for bk in self.buckets.iter() {
             for s in 0..SLOTS {
                 if bk.keys[s] != EMPTY {
                     out.push((bk.keys[s], bk.vals[s]));

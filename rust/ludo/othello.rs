@@ -16,6 +16,7 @@
 
 use std::collections::HashMap;
 
+use super::mem::{HugeBuf, Plain};
 use super::prefetch;
 use crate::patch::FLIP_B;
 
@@ -31,12 +32,15 @@ struct Node {
     up: u32,
 }
 
+// SAFETY: four u32, no padding.
+unsafe impl Plain for Node {}
+
 const FRESH: Node = Node { nbr: [NIL; INLINE], up: ROOT | 1 };
 
 #[derive(Clone, Debug)]
 pub struct Forest {
     ma: u32,
-    nodes: Vec<Node>,
+    nodes: HugeBuf<Node>,
     overflow: HashMap<u32, Vec<u32>>,
     live: u64,
     stale: u64,
@@ -53,7 +57,7 @@ pub enum Join {
 
 impl Forest {
     pub fn new(ma: u32, mb: u32) -> Self {
-        Forest { ma, nodes: vec![FRESH; ma as usize + mb as usize], overflow: HashMap::new(), live: 0, stale: 0, queue: Vec::new() }
+        Forest { ma, nodes: HugeBuf::filled(ma as usize + mb as usize, FRESH), overflow: HashMap::new(), live: 0, stale: 0, queue: Vec::new() }
     }
 
     /// Graph node of A cell `ia` / B cell `ib`.
@@ -260,7 +264,7 @@ impl Forest {
 
     pub fn memory_bytes(&self) -> usize {
         std::mem::size_of::<Self>()
-            + std::mem::size_of::<Node>() * self.nodes.capacity()
+            + self.nodes.bytes()
             + 8 * self.queue.capacity()
             + self.overflow.capacity() * (4 + std::mem::size_of::<Vec<u32>>() + 1)
             + self.overflow.values().map(|v| 4 * v.capacity()).sum::<usize>()

@@ -9,6 +9,7 @@
 use sha2::{Digest, Sha256};
 
 use super::hash::{self, Seeds};
+use super::mem::HugeBuf;
 use super::prefetch;
 use super::{MAX_LOAD, MAX_SEED, SLOTS};
 use crate::error::{CoreError, Result};
@@ -151,9 +152,9 @@ pub struct LudoView {
     seq: u64,
     geo: Option<Geometry>,
     seeds: Seeds,
-    words: Vec<u64>,
-    oa: Vec<u64>,
-    ob: Vec<u64>,
+    words: HugeBuf<u64>,
+    oa: HugeBuf<u64>,
+    ob: HugeBuf<u64>,
     /// Keys the writer could not place (Othello cycle or no cuckoo path) until its next rebuild;
     /// sorted by key so the encoding is canonical.
     fallback: Vec<(u64, u64)>,
@@ -162,7 +163,7 @@ pub struct LudoView {
 impl LudoView {
     /// An empty view bound to (table, shard); it answers nothing until a snapshot arrives.
     pub fn new(table: u32, shard: u32) -> Self {
-        LudoView { table, shard, epoch: 0, seq: 0, geo: None, seeds: Seeds::from_table_seed(0), words: Vec::new(), oa: Vec::new(), ob: Vec::new(), fallback: Vec::new() }
+        LudoView { table, shard, epoch: 0, seq: 0, geo: None, seeds: Seeds::from_table_seed(0), words: HugeBuf::filled(0, 0), oa: HugeBuf::filled(0, 0), ob: HugeBuf::filled(0, 0), fallback: Vec::new() }
     }
 
     /// A view with the given geometry and all slots empty (what a fresh writer starts from).
@@ -175,9 +176,9 @@ impl LudoView {
             seq: 0,
             geo: Some(geo),
             seeds: Seeds::from_table_seed(geo.seed),
-            words: vec![0; geo.bucket_words()],
-            oa: vec![0; (geo.ma as usize).div_ceil(64)],
-            ob: vec![0; (geo.mb as usize).div_ceil(64)],
+            words: HugeBuf::filled(geo.bucket_words(), 0),
+            oa: HugeBuf::filled((geo.ma as usize).div_ceil(64), 0),
+            ob: HugeBuf::filled((geo.mb as usize).div_ceil(64), 0),
             fallback: Vec::new(),
         })
     }
@@ -315,6 +316,11 @@ impl LudoView {
         }
         let (b0, b1) = hash::buckets(key, &self.seeds, g.n_buckets);
         let (ia, ib) = hash::othello_edge(key, &self.seeds, g.ma, g.mb);
+        // Both candidate records are known before the classifier answers: start all four reads
+        // now so they cost one memory latency, not two dependent ones.
+        let rb = g.record_bits();
+        prefetch(&self.words, (b0 as usize * rb) >> 6);
+        prefetch(&self.words, (b1 as usize * rb) >> 6);
         let b = if self.othello_bit(ia, ib) == 0 { b0 } else { b1 };
         let s = self.seed_at(g, b);
         let slot = hash::slot(key, &self.seeds, s);
@@ -642,9 +648,13 @@ impl LudoView {
         if r.remaining() != need {
             return Err(bad(&format!("{} bytes of arrays, geometry needs {need}", r.remaining())));
         }
-        let mut read_words = |n: usize, what: &str| -> Result<Vec<u64>> {
+        let mut read_words = |n: usize, what: &str| -> Result<HugeBuf<u64>> {
             let b = r.bytes(n * 8, what)?;
-            Ok(b.chunks_exact(8).map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect())
+            let mut out = HugeBuf::filled(n, 0u64);
+            for (w, c) in out.iter_mut().zip(b.chunks_exact(8)) {
+                *w = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+            }
+            Ok(out)
         };
         let words = read_words(nw, "buckets")?;
         let oa = read_words(na, "othello A")?;
@@ -688,7 +698,7 @@ impl LudoView {
 
     /// Heap plus inline bytes held by this view.
     pub fn memory_bytes(&self) -> usize {
-        std::mem::size_of::<Self>() + 8 * (self.words.capacity() + self.oa.capacity() + self.ob.capacity()) + 16 * self.fallback.capacity()
+        std::mem::size_of::<Self>() + self.words.bytes() + self.oa.bytes() + self.ob.bytes() + 16 * self.fallback.capacity()
     }
 
     /// Occupied bucket slots plus fallback entries (a view scan; for statistics, not hot paths).
