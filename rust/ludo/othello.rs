@@ -45,6 +45,7 @@ pub struct Forest {
     live: u64,
     stale: u64,
     queue: Vec<(u32, u32)>,
+    queue_b: Vec<(u32, u32)>,
 }
 
 /// Result of asking whether an edge may join the forest.
@@ -57,7 +58,7 @@ pub enum Join {
 
 impl Forest {
     pub fn new(ma: u32, mb: u32) -> Self {
-        Forest { ma, nodes: HugeBuf::filled(ma as usize + mb as usize, FRESH), overflow: HashMap::new(), live: 0, stale: 0, queue: Vec::new() }
+        Forest { ma, nodes: HugeBuf::filled(ma as usize + mb as usize, FRESH), overflow: HashMap::new(), live: 0, stale: 0, queue: Vec::new(), queue_b: Vec::new() }
     }
 
     /// Graph node of A cell `ia` / B cell `ib`.
@@ -169,19 +170,56 @@ impl Forest {
     }
 
     /// Cells to flip so that a new edge (u, v) between two components changes its bit: the
-    /// smaller (by union-find estimate) of the two components, flipped whole.
+    /// smaller of the two components, flipped whole.
     pub fn join_flips(&mut self, u: u32, v: u32, out: &mut Vec<u32>) {
-        let (ru, rv) = (self.find(u), self.find(v));
-        let start = if self.set_size(ru) <= self.set_size(rv) { u } else { v };
-        self.walk(start, NIL, NIL);
-        out.extend(self.queue.iter().map(|&(x, _)| self.cell(x)));
+        self.walk_smaller(u, NIL, v, NIL, out);
     }
 
-    /// Cells to flip so that existing edge (u, v) (and no other edge) changes its bit: u's side
-    /// of the tree once the edge is cut.
+    /// Cells to flip so that existing edge (u, v) (and no other edge) changes its bit: the
+    /// smaller side of the tree once the edge is cut.
     pub fn toggle_flips(&mut self, u: u32, v: u32, out: &mut Vec<u32>) {
-        self.walk(u, v, NIL);
-        out.extend(self.queue.iter().map(|&(x, _)| self.cell(x)));
+        self.walk_smaller(u, v, v, u, out);
+    }
+
+    /// Walk the trees of `a` (not stepping to `from_a` first) and of `b` in lockstep, one node
+    /// each in turn, and emit the cells of whichever finishes first: flipping either side is
+    /// correct, and this costs at most twice the smaller side instead of the larger one.
+    fn walk_smaller(&mut self, a: u32, from_a: u32, b: u32, from_b: u32, out: &mut Vec<u32>) {
+        let mut qa = std::mem::take(&mut self.queue);
+        let mut qb = std::mem::take(&mut self.queue_b);
+        qa.clear();
+        qb.clear();
+        qa.push((a, from_a));
+        qb.push((b, from_b));
+        let (mut ia, mut ib) = (0, 0);
+        let done = loop {
+            if ia == qa.len() {
+                break 0;
+            }
+            let (x, parent) = qa[ia];
+            ia += 1;
+            self.for_each_nbr(x, |y| {
+                if y != parent {
+                    prefetch(&self.nodes, y as usize);
+                    qa.push((y, x));
+                }
+            });
+            if ib == qb.len() {
+                break 1;
+            }
+            let (x, parent) = qb[ib];
+            ib += 1;
+            self.for_each_nbr(x, |y| {
+                if y != parent {
+                    prefetch(&self.nodes, y as usize);
+                    qb.push((y, x));
+                }
+            });
+        };
+        let side = if done == 0 { &qa } else { &qb };
+        out.extend(side.iter().map(|&(x, _)| self.cell(x)));
+        self.queue = qa;
+        self.queue_b = qb;
     }
 
     fn push_nbr(&mut self, x: u32, y: u32) {
@@ -265,7 +303,7 @@ impl Forest {
     pub fn memory_bytes(&self) -> usize {
         std::mem::size_of::<Self>()
             + self.nodes.bytes()
-            + 8 * self.queue.capacity()
+            + 8 * (self.queue.capacity() + self.queue_b.capacity())
             + self.overflow.capacity() * (4 + std::mem::size_of::<Vec<u32>>() + 1)
             + self.overflow.values().map(|v| 4 * v.capacity()).sum::<usize>()
     }
