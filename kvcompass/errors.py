@@ -25,6 +25,11 @@ __all__ = [
     "InvalidFieldError",
     "KeyNotFoundError",
     "InvalidArgumentError",
+    "TopologyError",
+    "UnknownWorkerError",
+    "ForbiddenWriteError",
+    "InvalidEventError",
+    "AgentSequenceError",
 ]
 
 
@@ -127,3 +132,34 @@ class KeyNotFoundError(KVCompassError, KeyError):
 
 class InvalidArgumentError(KVCompassError, ValueError):
     """An argument outside its documented range."""
+
+
+class TopologyError(KVCompassError, ValueError):
+    """A topology file or definition is invalid; the message names the field and the mistake."""
+
+
+class UnknownWorkerError(KVCompassError, KeyError):
+    """A worker id that the topology does not know."""
+
+    worker: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ForbiddenWriteError(KVCompassError, PermissionError):
+    """A worker tried to write a field that belongs to another worker; nothing was changed."""
+
+    worker: str
+
+
+class InvalidEventError(KVCompassError, ValueError):
+    """An engine KV event (or batch) that cannot be decoded or violates the schema; the agent's
+    state is unchanged."""
+
+
+class AgentSequenceError(KVCompassError):
+    """Key-op batches from an agent arrived out of order (a gap or an old incarnation)."""
+
+    expected: int
+    got: int
