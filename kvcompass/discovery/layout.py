@@ -13,7 +13,22 @@ from dataclasses import dataclass, field
 
 from kvcompass.errors import UnknownWorkerError
 
-__all__ = ["FieldRef", "IndexLayout", "TableSpec"]
+__all__ = ["FieldRef", "IndexLayout", "TableSpec", "WorkerSpec", "ROLES"]
+
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """One inference worker as the discovery plane sees it."""
+
+    id: str
+    region: str
+    role: str = "both"
+    beta_ms_per_token: float = 0.085
+    vram_tokens: int = 0
+    dram_tokens: int = 0
+    endpoint: str = ""
 
 
 @dataclass(frozen=True, slots=True)
