@@ -181,6 +181,18 @@ impl Forest {
         self.walk_smaller(u, v, v, u, out);
     }
 
+    /// Queue the children of walk entry `i` (its neighbours except the one it came from).
+    #[inline]
+    fn expand(&self, q: &mut Vec<(u32, u32)>, i: usize) {
+        let (x, parent) = q[i];
+        self.for_each_nbr(x, |y| {
+            if y != parent {
+                prefetch(&self.nodes, y as usize);
+                q.push((y, x));
+            }
+        });
+    }
+
     /// Walk the trees of `a` (not stepping to `from_a` first) and of `b` in lockstep, one node
     /// each in turn, and emit the cells of whichever finishes first: flipping either side is
     /// correct, and this costs at most twice the smaller side instead of the larger one.
@@ -196,25 +208,13 @@ impl Forest {
             if ia == qa.len() {
                 break 0;
             }
-            let (x, parent) = qa[ia];
+            self.expand(&mut qa, ia);
             ia += 1;
-            self.for_each_nbr(x, |y| {
-                if y != parent {
-                    prefetch(&self.nodes, y as usize);
-                    qa.push((y, x));
-                }
-            });
             if ib == qb.len() {
                 break 1;
             }
-            let (x, parent) = qb[ib];
+            self.expand(&mut qb, ib);
             ib += 1;
-            self.for_each_nbr(x, |y| {
-                if y != parent {
-                    prefetch(&self.nodes, y as usize);
-                    qb.push((y, x));
-                }
-            });
         };
         let side = if done == 0 { &qa } else { &qb };
         out.extend(side.iter().map(|&(x, _)| self.cell(x)));
