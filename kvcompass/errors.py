@@ -30,6 +30,8 @@ __all__ = [
     "ForbiddenWriteError",
     "InvalidEventError",
     "AgentSequenceError",
+    "WrongShardError",
+    "StaleIncarnationError",
 ]
 
 
@@ -163,3 +165,23 @@ class AgentSequenceError(KVCompassError):
 
     expected: int
     got: int
+
+
+class WrongShardError(KVCompassError, ValueError):
+    """A key-op batch (or one of its keys) addressed to another shard; nothing was changed.
+
+    ``key`` is the offending key, or None when the batch itself names another shard.
+    """
+
+    shard: int
+    got_shard: int
+    key: int | None
+
+
+class StaleIncarnationError(AgentSequenceError):
+    """A batch from an older incarnation of an agent (a zombie process); drop it.
+
+    ``expected``/``got`` are incarnations here: the current one and the batch's.
+    """
+
+    worker: str

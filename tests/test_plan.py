@@ -1,0 +1,242 @@
+"""The level plan: the paper's formulas on hand-computed cases, registration as the union over
+edges, the table layout, the JSON schema, and that the Rust Router accepts what the plan gives."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvcompass as kc
+from kvcompass.discovery.plan import LevelPlan, own_region_levels, remote_levels, round_up
+from kvcompass.discovery.topology import BUNDLED_RTT, load_topology, topology_from_dict
+from kvcompass.errors import TopologyError, UnknownWorkerError
+
+RTT: dict[str, dict[str, float]] = {
+    "a": {"a": 1.0, "b": 100.0, "c": 200.0},
+    "b": {"a": 110.0, "b": 2.0, "c": 150.0},
+    "c": {"a": 200.0, "b": 150.0, "c": 3.0},
+}
+
+
+def plan_of(**changes: Any) -> LevelPlan:
+    d: dict[str, Any] = {
+        "rtt_ms": copy.deepcopy(RTT),
+        "regions": {"a": {}, "b": {}},
+        "workers": [
+            {"id": "a0", "region": "a", "beta_ms_per_token": 0.1},
+            {"id": "b0", "region": "b", "beta_ms_per_token": 0.05},
+        ],
+    }
+    d.update(changes)
+    return LevelPlan(topology_from_dict(d))
+
+
+# ------------------------------------------------------------------ formulas
+
+
+def test_round_up() -> None:
+    assert round_up(1000, 16) == 1008
+    assert round_up(1008, 16) == 1008
+    assert round_up(1008.0000000001, 16) == 1008  # float noise must not add a block
+    assert round_up(0.0, 16) == 16 and round_up(3, 16) == 16  # at least one block
+
+
+def test_remote_levels_hand_computed() -> None:
+    # n1 = 100 ms / 0.1 ms/token = 1000; steps of n1/2; each rounded up to 16.
+    assert remote_levels(100.0, 0.1, levels=6, block_size=16, max_prefix=131072) == (1008, 1504, 2000, 2512, 3008, 3504)
+
+
+def test_remote_levels_merge_after_rounding() -> None:
+    # n1 = 5 tokens: 5, 7.5, 10, 12.5, 15 all round to one block, 17.5 to two.
+    assert remote_levels(0.5, 0.1, levels=6, block_size=16, max_prefix=131072) == (16, 32)
+
+
+def test_remote_levels_drop_lengths_beyond_max_prefix() -> None:
+    assert remote_levels(100.0, 0.1, levels=6, block_size=16, max_prefix=2500) == (1008, 1504, 2000)
+
+
+def test_own_region_levels_double_from_the_rounded_minimum() -> None:
+    assert own_region_levels(256, levels=6, block_size=16, max_prefix=131072) == (256, 512, 1024, 2048, 4096, 8192)
+    assert own_region_levels(100, levels=3, block_size=16, max_prefix=131072) == (112, 224, 448)
+    assert own_region_levels(256, levels=6, block_size=16, max_prefix=1024) == (256, 512, 1024)
+
+
+# ------------------------------------------------------------------ plan
+
+
+def test_remote_n1_is_rtt_over_the_target_regions_beta() -> None:
+    p = plan_of()
+    # a -> b: RTT 100 ms (the round trip, not one-way), beta_b 0.05: n1 = 2000.
+    assert p.n1("a", "b") == pytest.approx(2000.0)
+    assert p.lengths("a", "b") == (2000, 3008, 4000, 5008, 6000, 7008)
+    # b -> a: RTT 110 ms in that direction, beta_a 0.1: n1 = 1100.
+    assert p.lengths("b", "a") == (1104, 1664, 2208, 2752, 3312, 3856)
+
+
+def test_own_region_uses_the_minimum_not_n1() -> None:
+    p = plan_of()
+    assert p.lengths("a", "a") == p.lengths("b", "b") == (256, 512, 1024, 2048, 4096, 8192)
+
+
+def test_options_shape_the_plan() -> None:
+    p = plan_of(block_size=64, levels=3, own_region_min=100)
+    assert p.lengths("a", "a") == (128, 256, 512)
+    assert p.lengths("a", "b") == (2048, 3008, 4032)
+
+
+def test_region_beta_is_the_mean_over_indexed_workers() -> None:
+    workers = [
+        {"id": "a0", "region": "a", "beta_ms_per_token": 0.1},
+        {"id": "b0", "region": "b", "beta_ms_per_token": 0.1},
+        {"id": "b1", "region": "b", "beta_ms_per_token": 0.3},
+        {"id": "b2", "region": "b", "beta_ms_per_token": 9.0, "role": "decode"},  # not indexed
+    ]
+    p = plan_of(workers=workers)
+    assert p.beta("b") == pytest.approx(0.2)
+    assert p.lengths("a", "b")[0] == round_up(100.0 / 0.2, 16)
+
+
+def test_registration_is_the_union_over_edges() -> None:
+    p = plan_of(regions={"a": {}, "b": {}, "c": {}}, workers=[{"id": "c0", "region": "c"}, {"id": "a0", "region": "a"}])
+    for r in ("a", "c"):
+        union = sorted({c for o in p.edge_regions for c in p.lengths(o, r)})
+        assert list(p.registration(r)) == union
+        assert all(set(p.lengths(o, r)) <= set(p.registration(r)) for o in p.edge_regions)
+    assert p.registration("b") == ()  # an edge-only region registers nothing
+
+
+def test_a_region_without_edges_queries_nothing_but_is_found() -> None:
+    p = plan_of(regions={"a": {}, "b": {"edges": 0}})
+    assert p.edge_regions == ("a",)
+    assert p.registration("b") == p.lengths("a", "b")  # only a's edge queries toward b
+    assert p.registration("a") == p.lengths("a", "a")
+    with pytest.raises(TopologyError, match=r"region 'b' runs no edge"):
+        p.lengths("b", "a")
+
+
+def test_unknown_regions_are_errors() -> None:
+    p = plan_of()
+    for call in (lambda: p.lengths("a", "z"), lambda: p.lengths("z", "a"), lambda: p.registration("z"), lambda: p.beta("z")):
+        with pytest.raises(TopologyError, match=r"region 'z' is not defined"):
+            call()
+
+
+def test_testbed_plan_from_the_bundled_matrix() -> None:
+    p = LevelPlan(load_topology("testbed-14x3", rtt_path=BUNDLED_RTT))
+    # us-east-1 <-> eu-central-1: 92.905 ms / 0.085 ms/token = 1093 tokens.
+    assert p.lengths("us", "eu") == (1104, 1648, 2192, 2736, 3280, 3840)
+    assert p.lengths("eu", "us") == p.lengths("us", "eu")  # symmetric matrix, equal betas
+    assert p.lengths("asia", "asia") == (256, 512, 1024, 2048, 4096, 8192)
+    assert all(c % 16 == 0 for o in p.edge_regions for r in p.target_regions for c in p.lengths(o, r))
+    assert len(p.registration("us")) == 18
+
+
+# ------------------------------------------------------------------ layout
+
+
+def big(n: int, value_bits: int) -> LevelPlan:
+    workers = [{"id": "a0", "region": "a"}] + [{"id": f"b{i}", "region": "b"} for i in range(n)]
+    return plan_of(workers=workers, value_bits=value_bits)
+
+
+def test_layout_groups_of_16_for_u32() -> None:
+    lay = big(30, 32).layout()
+    assert [(t.table_id, t.region, len(t.workers)) for t in lay.tables] == [(0, "a", 1), (1, "b", 16), (2, "b", 14)]
+    assert lay.tables[2].workers[0] == "b16"  # worker order kept
+    assert lay.field_of("b17").table_id == 2 and lay.field_of("b17").field == 1
+
+
+def test_layout_groups_of_32_for_u64() -> None:
+    lay = big(33, 64).layout()
+    assert [len(t.workers) for t in lay.tables] == [1, 32, 1] and lay.value_bits == 64
+
+
+def test_layout_carries_shards_and_fingerprints() -> None:
+    lay = plan_of(shards=3, fp_bits=0).layout()
+    assert (lay.shards, lay.fp_bits, lay.value_bits) == (3, 0, 32)
+
+
+def test_disaggregated_layout_indexes_only_prefill_workers() -> None:
+    p = LevelPlan(load_topology("testbed-pd-10x3", rtt_path=BUNDLED_RTT))
+    lay = p.layout()
+    assert len(lay.workers) == 7 and all("-p" in w for w in lay.workers)
+    with pytest.raises(UnknownWorkerError):
+        lay.field_of("us-d0")
+
+
+def test_decode_only_region_is_not_a_target() -> None:
+    p = plan_of(workers=[{"id": "a0", "region": "a", "role": "prefill"}, {"id": "b0", "region": "b", "role": "decode"}])
+    assert p.target_regions == ("a",)
+    assert p.lengths("a", "b") == () and p.registration("b") == ()
+    assert p.router_plan("b") == [list(p.lengths("b", "a")), []]
+
+
+@pytest.mark.parametrize(("name", "tables"), [("testbed-14x3", 3), ("paper-64x8", 8), ("paper-128x16", 16)])
+def test_builtin_layouts(name: str, tables: int) -> None:
+    p = LevelPlan(load_topology(name, rtt_path=BUNDLED_RTT))
+    lay = p.layout()
+    assert len(lay.tables) == tables  # one table per region
+    assert [t.region for t in lay.tables] == list(p.topology.region_names)
+    assert len(lay.workers) == len(p.topology.workers)
+
+
+# ------------------------------------------------------------------ JSON
+
+
+def test_to_json_schema() -> None:
+    p = LevelPlan(load_topology("testbed-pd-10x3", rtt_path=BUNDLED_RTT))
+    j = json.loads(json.dumps(p.to_json()))
+    assert {"block_size", "beta_ms_per_token", "rtt_ms", "plan", "registration", "tables"} <= set(j)
+    assert j["block_size"] == 16
+    assert j["beta_ms_per_token"] == {"us": 0.085, "eu": 0.085, "asia": 0.085}
+    assert j["rtt_ms"]["us"]["eu"] == 92.905 and j["rtt_ms"]["us"]["us"] == 5.506
+    assert j["plan"]["eu"]["us"] == list(p.lengths("eu", "us"))
+    assert j["registration"]["asia"] == list(p.registration("asia"))
+    assert j["tables"] == {"us": [["us-p0", "us-p1", "us-p2"]], "eu": [["eu-p0", "eu-p1"]], "asia": [["asia-p0", "asia-p1"]]}
+    assert (j["value_bits"], j["shards"], j["levels"]) == (32, 4, 6)
+
+
+def test_to_json_keys_follow_edges_and_targets() -> None:
+    p = plan_of(regions={"a": {}, "b": {"edges": 0}, "c": {}}, workers=[{"id": "a0", "region": "a"}, {"id": "b0", "region": "b"}])
+    j = p.to_json()
+    assert list(j["plan"]) == ["a", "c"]  # edge regions
+    assert list(j["plan"]["c"]) == ["a", "b"]  # regions with indexed workers
+    assert list(j["tables"]) == ["a", "b"] and j["tables"]["b"] == [["b0"]]
+
+
+# ------------------------------------------------------------------ the Rust router accepts the plan
+
+
+def test_router_finds_a_holder_with_the_plan_and_layout(namespace: kc.Namespace, rng: np.random.Generator) -> None:
+    p = LevelPlan(load_topology("testbed-pd-10x3", rtt_path=BUNDLED_RTT))
+    t = p.topology
+    lay = p.layout()
+    names = list(lay.workers)
+    writers = {(s.table_id, sh): kc.LudoTable(s.table_id, sh, capacity=256, value_bits=lay.value_bits, fp_bits=lay.fp_bits) for s in lay.tables for sh in range(lay.shards)}
+    views = {k: kc.LudoView(*k) for k in writers}
+    for k, w in writers.items():
+        views[k].apply_batch(w.export_snapshot())
+    tokens = rng.integers(0, 100_000, size=6000, dtype=np.uint32)
+    holder = "eu-p1"
+    ref = lay.field_of(holder)
+    keys = namespace.keys(tokens, p.registration("eu"))
+    for key in keys[keys != kc.NO_KEY]:
+        writers[(ref.table_id, kc.shard_of(int(key), lay.shards))].set_field(int(key), ref.field, int(kc.Tier.VRAM))
+    for k, w in writers.items():
+        b = w.take_batch()
+        if b is not None:
+            views[k].apply_batch(b)
+    region = np.array([t.region_index(next(w.region for w in t.workers if w.id == n)) for n in names], dtype=np.uint32)
+    tables = [(t.region_index(s.region), np.array([names.index(n) for n in s.workers], dtype=np.uint32), [views[(s.table_id, sh)] for sh in range(lay.shards)]) for s in lay.tables]
+    for edge in p.edge_regions:
+        router = kc.Router(p.router_plan(edge), tables)
+        zeros = np.zeros(len(names))
+        res = router.route(tokens, namespace.digest, region, np.full(len(names), 0.085), zeros, zeros, np.ones(len(names)))
+        # The holder is found at the longest length this edge queries toward eu that fits.
+        want = max(c for c in p.lengths(edge, "eu") if c <= len(tokens))
+        assert int(res.matches[names.index(holder)]) == want
+        assert res.winner == names.index(holder)
