@@ -1,0 +1,756 @@
+"""The edge node's logic: replicated views, routing, and what it learns from responses.
+
+One :class:`Edge` per edge node, sans-I/O: the gRPC services and the simulator drive the same
+object, passing time in as ``now`` (seconds, non-decreasing) and moving bytes themselves.
+
+* **Views.** One keyless :class:`~kvcompass.LudoView` per (table, shard), fed by
+  :meth:`Edge.apply_patch`. A lost batch leaves the view *behind*: the outcome carries a
+  :class:`ResyncAction` naming the view's current (epoch, seq), which is exactly what the
+  maintenance unit's ``resume(table, epoch, seq)`` takes; its answer goes back through
+  :meth:`Edge.apply_patch`. While any view is behind or was never bootstrapped,
+  :attr:`Edge.healthy` is False (routing still works on the last consistent state).
+* **Routing.** :meth:`Edge.route` runs the Rust lookup-and-score loop over every view,
+
+      score(w) = WAN(o, w) + Tq(w) + (1 + lambda) beta_w (L - b_w m_w) + gamma b_w m_w [t_w = DRAM]
+
+  with lambda = min(lambda_max, min_w Tq(w) / tau), then draws the winner uniformly among the
+  workers within ``tie_ms`` of the best score (so edges sharing a stale estimate do not herd).
+* **Speculative entries.** The chosen worker is entered, for ``speculative_ttl_s``, as holding
+  the prompt at every plan length toward its region that fits: a small private writer + view per
+  logical table that the router reads as one more table with the same workers (the loop keeps
+  the longest claim per worker). It covers the gap until the worker's own KV event is indexed.
+* **Learning.** :meth:`Edge.on_response` folds the cache belief and any piggybacked queue vector;
+  :meth:`Edge.set_local_queue`, :meth:`Edge.on_broadcast` and :meth:`Edge.broadcast_due` run the
+  queue exchange (see :mod:`kvcompass.discovery.queues`).
+* **Hotness and migration.** Every route that is a local miss counts toward its prefix family;
+  a hot family whose triggering request satisfies the paper's rule queues a migration, and
+  :meth:`Edge.migration_actions` hands out actions toward persistently idle workers (see
+  :mod:`kvcompass.discovery.migration`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field, replace
+from typing import Literal, Mapping, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcompass import _core
+from kvcompass.discovery.belief import CacheBelief
+from kvcompass.discovery.hotness import HotnessTracker
+from kvcompass.discovery.layout import IndexLayout, WorkerSpec
+from kvcompass.discovery.migration import MigrationAction, MigrationPlanner, evaluate_trigger
+from kvcompass.discovery.params import EdgeParams
+from kvcompass.discovery.queues import BroadcastSchedule, QueueEstimates
+from kvcompass.errors import (
+    EpochChangedError,
+    InvalidArgumentError,
+    MalformedPatchError,
+    SequenceGapError,
+    StalePatchError,
+    TopologyError,
+    UninitialisedViewError,
+    UnknownWorkerError,
+    WrongTableError,
+)
+from kvcompass.index import Namespace, Tier, as_tokens
+
+__all__ = [
+    "Decision",
+    "Edge",
+    "EdgeStats",
+    "PatchOutcome",
+    "QueueBroadcast",
+    "ResyncAction",
+    "ScoreTerms",
+]
+
+ResyncKind = Literal["replay", "snapshot"]
+PatchStatus = Literal["applied", "stale", "gap", "snapshot_needed", "malformed", "wrong_table"]
+
+# Speculative entries live in private tables: 16-bit fingerprints make a false claim from them
+# (a never-registered prompt reading another entry's slot) ~occupancy * 2^-16 per level.
+_SPEC_FP_BITS = 16
+_SPEC_CAPACITY = 256
+_TIERS = (Tier.ABSENT, Tier.VRAM, Tier.DRAM, Tier.ABSENT)  # 3 is reserved: the core reads it as absent
+
+
+@dataclass(frozen=True, slots=True)
+class ResyncAction:
+    """A (table, shard) view needs repair: ask the maintenance unit of ``shard`` for
+    ``resume(table, epoch, seq)`` and feed every batch it returns to :meth:`Edge.apply_patch`.
+
+    ``(epoch, seq)`` is the view's current position: the last batch it applied ((0, 0) if it
+    was never bootstrapped). ``kind`` says what the edge expects back: ``replay`` (the batches
+    after ``seq`` of that epoch) or ``snapshot`` (the epoch changed or the view is empty); the
+    unit may answer a replay with a snapshot when its log no longer reaches back, which is fine.
+    """
+
+    table: int
+    shard: int
+    kind: ResyncKind
+    epoch: int
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class PatchOutcome:
+    """What :meth:`Edge.apply_patch` did with one batch.
+
+    ``applied``: the view advanced (``snapshot`` if the batch was one). ``stale``: already
+    applied, dropped. ``gap``/``snapshot_needed``: refused, the view is behind; ``resync`` is
+    set the first time (later refusals while the same repair is outstanding leave it None: see
+    :meth:`Edge.pending_resyncs` to retry). ``malformed``/``wrong_table``: refused, ``error``
+    says why. A refused batch never changes a view.
+    """
+
+    status: PatchStatus
+    table: int | None = None
+    shard: int | None = None
+    epoch: int | None = None
+    seq: int | None = None
+    ops: int = 0
+    snapshot: bool = False
+    resync: ResyncAction | None = None
+    error: str | None = None
+
+    @property
+    def applied(self) -> bool:
+        return self.status == "applied"
+
+
+@dataclass(frozen=True, slots=True)
+class QueueBroadcast:
+    """This region's per-worker queue vector (ms), due toward ``target_region``."""
+
+    source_region: str
+    target_region: str
+    vector: dict[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreTerms:
+    """The winner's score, term by term (ms); ``wan + queue + prefill + reload == score``."""
+
+    wan: float
+    queue: float
+    prefill: float
+    reload: float
+    lam: float
+    belief: float
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where one request goes, and why."""
+
+    worker: str
+    worker_index: int
+    region: str
+    expected_match: int
+    """Tokens the index claims the worker holds (before the belief discount)."""
+    tier: Tier
+    score: float
+    terms: ScoreTerms
+    tie_broken: bool
+    """Several workers were within ``tie_ms`` of the best and the winner was drawn among them."""
+    candidates: int
+    """How many workers were within ``tie_ms`` of the best (1 = a clear winner)."""
+    prompt_tokens: int
+    local_match: int
+    """The longest match of any own-region worker (0 = no local holder)."""
+    family: int | None = field(default=None, repr=False)
+    """The prefix family's key (the key at the shortest own-region plan length); None when the
+    prompt is shorter than that or migration is off (hotness is then not tracked)."""
+
+
+@dataclass(slots=True)
+class EdgeStats:
+    """Counters since the edge started (a copy; see :attr:`Edge.stats`)."""
+
+    batches_applied: int = 0
+    snapshots_applied: int = 0
+    stale_batches: int = 0
+    gaps: int = 0
+    epoch_changes: int = 0
+    malformed_batches: int = 0
+    wrong_table_batches: int = 0
+    resyncs_requested: int = 0
+    routes: int = 0
+    ties: int = 0
+    speculative_registered: int = 0
+    speculative_expired: int = 0
+    responses: int = 0
+    queue_samples_ignored: int = 0
+    broadcasts_sent: int = 0
+    broadcasts_suppressed: int = 0
+    local_misses: int = 0
+    migrations_emitted: int = 0
+    migrations_no_target: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Header:
+    table: int
+    shard: int
+    epoch: int
+    seq: int
+
+    def outcome(self, status: PatchStatus, resync: ResyncAction | None = None, error: str | None = None) -> PatchOutcome:
+        return PatchOutcome(status, self.table, self.shard, self.epoch, self.seq, resync=resync, error=error)
+
+
+@dataclass(slots=True)
+class _Behind:
+    kind: ResyncKind
+    target: tuple[int, int]
+    """A position (epoch, seq) the writer is known to have reached: repaired once the view is there."""
+
+
+class _Speculative:
+    """Private writer + follower view for the speculative entries of one logical table."""
+
+    __slots__ = ("writer", "view")
+
+    def __init__(self, table: int, value_bits: int) -> None:
+        self.writer = _core.LudoTable(table=table, shard=0, capacity=_SPEC_CAPACITY, value_bits=value_bits, fp_bits=_SPEC_FP_BITS)
+        self.view = _core.LudoView(table, 0)
+        self.view.apply_batch(self.writer.export_snapshot())
+
+    def flush(self) -> None:
+        b = self.writer.take_batch()
+        if b is not None:
+            self.view.apply_batch(b)
+
+
+def _fitting(lengths: Sequence[int], n: int) -> list[int]:
+    return [c for c in lengths if c <= n]
+
+
+class Edge:
+    """One edge node's lookup unit, router and learner.
+
+    ``workers`` are exactly the indexed workers in ``layout.workers`` order; ``plan[r]`` the
+    ascending prefix lengths this edge queries toward region ``r`` (every worker region and the
+    edge's own); ``rtt_ms[r]`` the RTT from this edge's region to ``r`` (own region: the
+    in-region RTT). ``seed`` seeds the only randomness (tie-breaks, migration targets).
+    """
+
+    def __init__(
+        self,
+        region: str,
+        layout: IndexLayout,
+        workers: Sequence[WorkerSpec],
+        plan: Mapping[str, Sequence[int]],
+        rtt_ms: Mapping[str, float],
+        params: EdgeParams = EdgeParams(),
+        seed: int = 0,
+    ) -> None:
+        self._params = params
+        self._region = region
+        self._layout = layout
+        self._check_workers(layout, workers, params)
+        if not params.fingerprints and layout.fp_bits != 0:
+            raise TopologyError(
+                f"EdgeParams(fingerprints=False) needs views without fingerprints, but the layout has fp_bits={layout.fp_bits}; "
+                "build writers and edges with kvcompass.discovery.params.layout_for(layout, params)"
+            )
+
+        regions = list(dict.fromkeys([region, *(t.region for t in layout.tables)]))
+        self._regions = tuple(regions)
+        ridx = {r: i for i, r in enumerate(regions)}
+        for r in regions:
+            if r not in rtt_ms:
+                raise TopologyError(f"rtt_ms has no entry for region {r!r}")
+            if r not in plan:
+                raise TopologyError(f"plan has no entry for region {r!r}")
+        for r, x in rtt_ms.items():
+            if not (math.isfinite(x) and x >= 0):
+                raise TopologyError(f"rtt_ms[{r!r}] = {x}: must be finite and >= 0")
+        full_plan: dict[str, tuple[int, ...]] = {}
+        for r in regions:
+            lengths = tuple(int(c) for c in plan[r])
+            if any(c < 1 for c in lengths) or any(a >= b for a, b in zip(lengths, lengths[1:])):
+                raise TopologyError(f"plan[{r!r}] = {list(lengths)}: must be strictly ascending lengths >= 1")
+            full_plan[r] = lengths
+        if not full_plan[region]:
+            raise TopologyError(f"plan[{region!r}] (the own region) is empty: it names prefix families")
+        # No cross-region reuse: nothing is looked up toward other regions ...
+        self._plan = {r: (c if params.cross_region or r == region else ()) for r, c in full_plan.items()}
+        self._plan_lists = [list(self._plan[r]) for r in regions]
+        self._family_length = full_plan[region][0]
+
+        self._ids = tuple(w.id for w in workers)
+        self._index = {w: i for i, w in enumerate(self._ids)}
+        self._worker_region = tuple(w.region for w in workers)
+        n = len(workers)
+        self._region_idx = np.array([ridx[w.region] for w in workers], dtype=np.uint32)
+        self._beta = np.array([w.beta_ms_per_token for w in workers], dtype=np.float64)
+        rtt = np.array([float(rtt_ms[w.region]) for w in workers], dtype=np.float64)
+        self._wan = params.wan_fraction * rtt
+        # n1 toward each worker: the shortest match worth crossing to it (paper section 3.2).
+        self._n1 = rtt / self._beta
+        self._local = np.array([w.region == region for w in workers], dtype=np.bool_)
+        self._local_idx = [int(i) for i in np.flatnonzero(self._local)]
+        # Python copies for per-winner reads (numpy scalar indexing is slow on the hot path).
+        self._beta_l: list[float] = self._beta.tolist()
+        self._wan_l: list[float] = self._wan.tolist()
+        self._region_l: list[int] = self._region_idx.tolist()
+        self._local_l: list[bool] = self._local.tolist()
+        # ... and only own-region workers may win.
+        self._eligible = np.ones(n, dtype=np.bool_) if params.cross_region else self._local.copy()
+        if not self._eligible.any():
+            raise TopologyError(f"no worker may serve: cross_region is off and region {region!r} has no indexed worker")
+        self._all_eligible = bool(self._eligible.all())
+        self._ineligible_inf = np.where(self._eligible, 0.0, math.inf)
+        self._zeros = np.zeros(n, dtype=np.float64)
+        self._ones = np.ones(n, dtype=np.float64)
+        self._gamma = params.gamma_ms_per_token if params.tier_aware else 0.0
+
+        # (table id, field) of each worker, and the global worker index of each table's fields.
+        self._field = [layout.field_of(w) for w in self._ids]
+        self._table_workers = [np.array([self._index[w] for w in t.workers], dtype=np.uint32) for t in layout.tables]
+        self._table_region = [ridx[t.region] for t in layout.tables]
+        self._views: dict[tuple[int, int], _core.LudoView] = {
+            (t.table_id, s): _core.LudoView(t.table_id, s) for t in layout.tables for s in range(layout.shards)
+        }
+        self._spec = [_Speculative(t.table_id, layout.value_bits) for t in layout.tables]
+        self._spec_expiry: dict[tuple[int, int, int], float] = {}
+        self._spec_heap: list[tuple[float, int, int, int, tuple[int, ...]]] = []
+        self._spec_serial = 0
+        self._router = self._build_router()
+
+        self._behind: dict[tuple[int, int], _Behind] = {}
+        self._n = EdgeStats()
+        self._rng = np.random.default_rng(seed)
+        self._queues = QueueEstimates(n, params.queue_weight, params.idle_threshold_ms)
+        self._lam, self._lam_version = 0.0, -1
+        self._belief = CacheBelief(n, params.belief_weight, params.belief_initial)
+        others = sorted({r for r in rtt_ms if r != region} | {r for r in regions if r != region})
+        self._broadcast = BroadcastSchedule(others, params.broadcast_period_s)
+        self._hotness = HotnessTracker(params.hot_misses, params.hot_window_s)
+        self._planner = MigrationPlanner(self._ids, self._worker_region, params.migration_cooldown_s, params.hot_window_s, self._rng)
+
+    @staticmethod
+    def _check_workers(layout: IndexLayout, workers: Sequence[WorkerSpec], params: EdgeParams) -> None:
+        ids = tuple(w.id for w in workers)
+        if ids != layout.workers:
+            raise TopologyError(f"workers must be exactly the layout's workers in order {list(layout.workers)}, got {list(ids)}")
+        by_id = {w.id: w for w in workers}
+        for t in layout.tables:
+            for wid in t.workers:
+                spec = by_id[wid]
+                if spec.region != t.region:
+                    raise TopologyError(f"worker {wid!r} is in region {spec.region!r} but its table {t.table_id} is in {t.region!r}")
+        for w in workers:
+            if w.role == "decode":
+                raise TopologyError(f"worker {w.id!r} is a decode worker: only prefill workers are indexed and routed to (paper appendix C)")
+            if params.disaggregated and w.role != "prefill":
+                raise TopologyError(f"disaggregated mode: worker {w.id!r} has role {w.role!r}, every indexed worker must be 'prefill'")
+            if not (math.isfinite(w.beta_ms_per_token) and w.beta_ms_per_token > 0):
+                raise TopologyError(f"worker {w.id!r}: beta_ms_per_token = {w.beta_ms_per_token} must be finite and > 0")
+
+    def _build_router(self) -> _core.Router:
+        tables: list[tuple[int, npt.NDArray[np.uint32], list[_core.LudoView]]] = []
+        for t in self._layout.tables:
+            shards = [self._views[(t.table_id, s)] for s in range(self._layout.shards)]
+            tables.append((self._table_region[t.table_id], self._table_workers[t.table_id], shards))
+        for t in self._layout.tables:
+            tables.append((self._table_region[t.table_id], self._table_workers[t.table_id], [self._spec[t.table_id].view]))
+        return _core.Router(self._plan_lists, tables)
+
+    # -- identity ----------------------------------------------------------------------------------
+
+    @property
+    def region(self) -> str:
+        return self._region
+
+    @property
+    def params(self) -> EdgeParams:
+        return self._params
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        """Worker ids in index order (the order of every per-worker array)."""
+        return self._ids
+
+    @property
+    def plan(self) -> dict[str, tuple[int, ...]]:
+        """The lengths this edge actually queries per region (after the cross-region switch)."""
+        return dict(self._plan)
+
+    def worker_index(self, worker: str) -> int:
+        try:
+            return self._index[worker]
+        except KeyError:
+            raise UnknownWorkerError(f"unknown worker {worker!r}", worker=worker) from None
+
+    def n1(self, worker: str) -> float:
+        """RTT(o, region of ``worker``) / beta of ``worker``: the shortest match worth crossing to it."""
+        return float(self._n1[self.worker_index(worker)])
+
+    @property
+    def stats(self) -> EdgeStats:
+        self._n.broadcasts_suppressed = self._broadcast.suppressed
+        self._n.migrations_emitted = self._planner.emitted
+        self._n.migrations_no_target = self._planner.no_target
+        return replace(self._n)
+
+    # -- views and patches ---------------------------------------------------------------------------
+
+    def view(self, table: int, shard: int) -> _core.LudoView:
+        """The live view of (table, shard) (for digests and metrics; apply batches via the edge)."""
+        try:
+            return self._views[(table, shard)]
+        except KeyError:
+            raise InvalidArgumentError(f"no view ({table}, {shard}): the layout has {len(self._layout.tables)} tables x {self._layout.shards} shards") from None
+
+    @property
+    def behind(self) -> frozenset[tuple[int, int]]:
+        """(table, shard) views known to miss batches, until repaired."""
+        return frozenset(self._behind)
+
+    @property
+    def uninitialised(self) -> frozenset[tuple[int, int]]:
+        """(table, shard) views that never received a snapshot."""
+        return frozenset(k for k, v in self._views.items() if not v.initialised)
+
+    @property
+    def healthy(self) -> bool:
+        """Every view bootstrapped and none behind (health turns NOT_SERVING otherwise)."""
+        return not self._behind and all(v.initialised for v in self._views.values())
+
+    def pending_resyncs(self) -> list[ResyncAction]:
+        """Every repair still needed, in (table, shard) order: re-send them if answers got lost."""
+        out = []
+        for key in sorted(self._views):
+            v = self._views[key]
+            b = self._behind.get(key)
+            if b is not None:
+                out.append(ResyncAction(key[0], key[1], b.kind, v.epoch, v.seq))
+            elif not v.initialised:
+                out.append(ResyncAction(key[0], key[1], "snapshot", 0, 0))
+        return out
+
+    def apply_patch(self, data: bytes) -> PatchOutcome:
+        """Apply one encoded batch to the view it names; never raises for a bad batch."""
+        try:
+            h = _core.decode_batch_header(data)
+        except MalformedPatchError as e:
+            self._n.malformed_batches += 1
+            return PatchOutcome("malformed", error=str(e))
+        key = (h["table"], h["shard"])
+        base = _Header(key[0], key[1], h["epoch"], h["seq"])
+        view = self._views.get(key)
+        if view is None:
+            self._n.wrong_table_batches += 1
+            return base.outcome("wrong_table", error=f"no view ({key[0]}, {key[1]}) in this layout")
+        try:
+            r = view.apply_batch(data)
+        except SequenceGapError as e:
+            self._n.gaps += 1
+            return self._fell_behind(key, "replay", (e.epoch, e.got), base, str(e))
+        except StalePatchError:
+            self._n.stale_batches += 1
+            return base.outcome("stale")
+        except EpochChangedError as e:
+            self._n.epoch_changes += 1
+            return self._fell_behind(key, "snapshot", (h["epoch"], h["seq"]), base, str(e))
+        except UninitialisedViewError as e:
+            return self._fell_behind(key, "snapshot", (h["epoch"], h["seq"]), base, str(e))
+        except WrongTableError as e:
+            self._n.wrong_table_batches += 1
+            return base.outcome("wrong_table", error=str(e))
+        except MalformedPatchError as e:
+            self._n.malformed_batches += 1
+            return base.outcome("malformed", error=str(e))
+        return self._applied(key, r)
+
+    def bootstrap(self, table: int, shard: int, snapshot: bytes) -> PatchOutcome:
+        """Replace the view of (table, shard) by one built from ``snapshot`` alone (whatever the
+        old view held). Raises on anything that is not a valid snapshot of that (table, shard)."""
+        key = (table, shard)
+        self.view(table, shard)
+        h = _core.decode_batch_header(snapshot)
+        if (h["table"], h["shard"]) != key:
+            raise WrongTableError(
+                f"snapshot of ({h['table']}, {h['shard']}) offered for ({table}, {shard})",
+                table=table,
+                shard=shard,
+                got_table=h["table"],
+                got_shard=h["shard"],
+            )
+        fresh = _core.LudoView(table, shard)
+        r = fresh.apply_batch(snapshot)
+        if not r.snapshot:  # pragma: no cover - an empty view accepts nothing else
+            raise UninitialisedViewError("bootstrap needs a snapshot batch")
+        self._views[key] = fresh
+        self._router = self._build_router()
+        return self._applied(key, r)
+
+    def _applied(self, key: tuple[int, int], r: _core.ApplyResult) -> PatchOutcome:
+        self._n.batches_applied += 1
+        self._n.snapshots_applied += int(r.snapshot)
+        v = self._views[key]
+        resync = None
+        b = self._behind.get(key)
+        if b is not None:
+            if (v.epoch, v.seq) >= b.target:
+                del self._behind[key]
+            elif b.kind == "snapshot" and v.epoch == b.target[0]:
+                # The new epoch's snapshot landed but the writer is further on: replay the rest.
+                b.kind = "replay"
+                resync = ResyncAction(key[0], key[1], "replay", v.epoch, v.seq)
+                self._n.resyncs_requested += 1
+        return PatchOutcome("applied", key[0], key[1], r.epoch, r.seq, r.ops, r.snapshot, resync)
+
+    def _fell_behind(self, key: tuple[int, int], kind: ResyncKind, target: tuple[int, int], base: _Header, err: str) -> PatchOutcome:
+        prev = self._behind.get(key)
+        if prev is None:
+            self._behind[key] = _Behind(kind, target)
+            emit = True
+        else:
+            emit = kind == "snapshot" and prev.kind == "replay"
+            prev.target = max(prev.target, target)
+            if emit:
+                prev.kind = "snapshot"
+        v = self._views[key]
+        resync = None
+        if emit:
+            resync = ResyncAction(key[0], key[1], kind, v.epoch, v.seq)
+            self._n.resyncs_requested += 1
+        status: PatchStatus = "gap" if kind == "replay" else "snapshot_needed"
+        return base.outcome(status, resync=resync, error=err)
+
+    # -- routing ---------------------------------------------------------------------------------
+
+    def capacity_price(self) -> float:
+        """lambda = min(lambda_max, min over servable workers of Tq / tau); 0 without load awareness."""
+        if not self._params.load_aware:
+            return 0.0
+        # Estimates change far less often than requests arrive: recompute only after a change.
+        if self._lam_version != self._queues.version:
+            tq = self._queues.values
+            m = float(tq.min()) if self._all_eligible else float(tq[self._eligible].min())
+            self._lam = min(self._params.lambda_max, m / self._params.tau_ms)
+            self._lam_version = self._queues.version
+        return self._lam
+
+    def route(self, tokens: npt.NDArray[np.uint32] | Sequence[int], namespace: Namespace | bytes, now: float) -> Decision:
+        """Pick the worker for one prompt (see the module docs); registers the speculative entry
+        and counts hotness as side effects."""
+        p = self._params
+        self._expire(now)
+        toks = as_tokens(tokens)
+        ns = namespace.digest if isinstance(namespace, Namespace) else bytes(namespace)
+        tq = self._queues.values if p.load_aware else self._zeros
+        lam = self.capacity_price()
+        belief = self._belief.values if p.belief else self._ones
+        res = self._router.route(toks, ns, self._region_idx, self._beta, self._wan, tq, belief, gamma=self._gamma, lam=lam, closure=p.closure)
+        if self._all_eligible:
+            scores, best = res.scores, res.score
+        else:
+            scores = res.scores + self._ineligible_inf
+            best = float(scores.min())
+        cand = (scores <= best + p.tie_ms).nonzero()[0]
+        n_cand = len(cand)
+        # random() in [0, 1): a uniform index, at a third of integers()' call cost.
+        w = int(cand[int(self._rng.random() * n_cand)]) if n_cand > 1 else int(cand[0])
+        self._n.routes += 1
+        self._n.ties += n_cand > 1
+
+        matches = res.matches
+        ml: list[int] = matches.tolist()
+        m = ml[w]
+        tier = _TIERS[int(res.tiers[w])]
+        b = float(belief[w])
+        L = len(toks)
+        # Same operation order as the core, so the terms add up to the score bit for bit.
+        remaining = L - b * m
+        prefill = (1.0 + lam) * self._beta_l[w] * remaining if remaining > 0 else 0.0
+        reload = self._gamma * b * m if tier == Tier.DRAM else 0.0
+        terms = ScoreTerms(wan=self._wan_l[w], queue=float(tq[w]), prefill=prefill, reload=reload, lam=lam, belief=b)
+        local_match = max([ml[i] for i in self._local_idx], default=0)
+
+        spec_lengths = _fitting(self._plan_lists[self._region_l[w]], L) if p.speculative_ttl_s > 0 else []
+        if spec_lengths and m >= spec_lengths[-1] and tier == Tier.VRAM:
+            spec_lengths = []  # already claimed in full (by the index or a live entry): nothing to add
+        track = p.migration and L >= self._family_length
+        family: int | None = None
+        if spec_lengths or track:
+            lengths = sorted(set(spec_lengths) | ({self._family_length} if track else set()))
+            keys = _core.prefix_keys(ns, toks, np.array(lengths, dtype=np.uint32)).tolist()
+            by_len = dict(zip(lengths, keys))
+            if spec_lengths:
+                self._speculate(w, [by_len[c] for c in spec_lengths], now)
+            if track:
+                family = by_len[self._family_length]
+                if not (self._local_l[w] and m > 0):
+                    self._n.local_misses += 1
+                    if self._hotness.observe_miss(family, now) and not self._planner.cooling(family, now):
+                        trig = evaluate_trigger(self._local, matches, res.scores, tq, self._n1, w)
+                        if trig is not None:
+                            self._planner.offer(family, trig, ns, toks, now)
+
+        return Decision(
+            worker=self._ids[w],
+            worker_index=w,
+            region=self._worker_region[w],
+            expected_match=m,
+            tier=tier,
+            score=float(res.scores[w]),
+            terms=terms,
+            tie_broken=n_cand > 1,
+            candidates=n_cand,
+            prompt_tokens=L,
+            local_match=local_match,
+            family=family,
+        )
+
+    # -- speculative entries ---------------------------------------------------------------------------
+
+    @property
+    def speculative_entries(self) -> int:
+        """Live (table, key, field) speculative entries."""
+        return len(self._spec_expiry)
+
+    def _speculate(self, w: int, keys: list[int], now: float) -> None:
+        ref = self._field[w]
+        t, f = ref.table_id, ref.field
+        writer = self._spec[t].writer
+        expires = now + self._params.speculative_ttl_s
+        vram = int(Tier.VRAM)
+        for k in keys:
+            entry = (t, k, f)
+            if entry not in self._spec_expiry:
+                writer.set_field(k, f, vram)
+                self._n.speculative_registered += 1
+            self._spec_expiry[entry] = expires
+        # One heap record per registration; the serial keeps records comparable without keys.
+        self._spec_serial += 1
+        heapq.heappush(self._spec_heap, (expires, self._spec_serial, t, f, tuple(keys)))
+        self._spec[t].flush()
+
+    def expire(self, now: float) -> int:
+        """Drop speculative entries whose TTL ran out by ``now`` (also done on every route);
+        returns how many."""
+        return self._expire(now)
+
+    def _expire(self, now: float) -> int:
+        heap = self._spec_heap
+        if not heap or heap[0][0] > now:
+            return 0
+        dirty: set[int] = set()
+        gone = 0
+        absent = int(Tier.ABSENT)
+        while heap and heap[0][0] <= now:
+            expires, _, t, f, keys = heapq.heappop(heap)
+            writer = self._spec[t].writer
+            for k in keys:
+                # A refreshed entry left an older record behind: only its latest expiry counts.
+                if self._spec_expiry.get((t, k, f)) == expires:
+                    del self._spec_expiry[(t, k, f)]
+                    writer.set_field(k, f, absent)
+                    dirty.add(t)
+                    gone += 1
+        for t in dirty:
+            self._spec[t].flush()
+        self._n.speculative_expired += gone
+        return gone
+
+    # -- belief and queue estimates -----------------------------------------------------------------
+
+    def belief(self, worker: str) -> float:
+        return self._belief[self.worker_index(worker)]
+
+    def queue_estimate(self, worker: str) -> float:
+        """The current estimate (ms), whether or not load awareness is on."""
+        return self._queues[self.worker_index(worker)]
+
+    def queue_age(self, worker: str, now: float) -> float:
+        """Seconds since the last sample for ``worker`` (inf if none)."""
+        return self._queues.age(self.worker_index(worker), now)
+
+    def set_local_queue(self, worker: str, tq_ms: float, now: float) -> None:
+        """A live queue reading of an own-region worker."""
+        i = self.worker_index(worker)
+        if not self._local[i]:
+            raise InvalidArgumentError(f"worker {worker!r} is in region {self._worker_region[i]!r}, not this edge's {self._region!r}: use on_response/on_broadcast")
+        self._queues.set_live(i, tq_ms, now)
+
+    def on_response(self, worker: str, claimed_tokens: int, reused_tokens: int, queue_vector: Mapping[str, float] | None, now: float) -> None:
+        """A response from ``worker``: the edge had claimed ``claimed_tokens`` (the decision's
+        ``expected_match``), the worker reports ``reused_tokens``; a remote worker's response
+        may carry its region's queue vector (worker id -> ms)."""
+        i = self.worker_index(worker)
+        self._n.responses += 1
+        self._belief.observe(i, int(claimed_tokens), int(reused_tokens))
+        if queue_vector and not self._local[i]:
+            self._fold_vector(self._worker_region[i], queue_vector, now)
+
+    def on_broadcast(self, region: str, vector: Mapping[str, float], now: float) -> None:
+        """A periodic queue vector from ``region`` (our own region's is ignored: it is read live)."""
+        if region == self._region:
+            return
+        self._fold_vector(region, vector, now)
+
+    def _fold_vector(self, region: str, vector: Mapping[str, float], now: float) -> None:
+        # Validate every sample first so a bad vector changes nothing.
+        items: list[tuple[int, float]] = []
+        for wid, x in vector.items():
+            v = float(x)
+            if not (math.isfinite(v) and v >= 0):
+                raise InvalidArgumentError(f"queue vector of {region!r}: {wid!r} = {x!r} ms must be finite and >= 0")
+            i = self._index.get(wid)
+            if i is None or self._worker_region[i] != region:
+                self._n.queue_samples_ignored += 1
+                continue
+            items.append((i, v))
+        for i, v in items:
+            self._queues.fold(i, v, now)
+
+    def local_vector(self) -> dict[str, float]:
+        """This region's per-worker queue vector (ms), as piggybacked and broadcast."""
+        return self._queues.vector(self._local_idx, [self._ids[i] for i in self._local_idx])
+
+    def note_piggyback_sent(self, target_region: str, now: float) -> None:
+        """A response carrying :meth:`local_vector` left toward ``target_region`` at ``now``:
+        the next broadcast there is suppressed if due within Delta."""
+        try:
+            self._broadcast.note_piggyback(target_region, now)
+        except KeyError:
+            raise InvalidArgumentError(f"unknown region {target_region!r}") from None
+
+    def piggyback_vector(self, target_region: str, now: float) -> dict[str, float]:
+        """:meth:`local_vector` for a response about to leave toward ``target_region`` (recorded)."""
+        self.note_piggyback_sent(target_region, now)
+        return self.local_vector()
+
+    def broadcast_due(self, now: float) -> list[QueueBroadcast]:
+        """Broadcasts to send now: every other region, every Delta, unless it just got a piggyback."""
+        targets = self._broadcast.due(now)
+        if not targets:
+            return []
+        vec = self.local_vector()
+        self._n.broadcasts_sent += len(targets)
+        return [QueueBroadcast(self._region, r, dict(vec)) for r in targets]
+
+    # -- hotness and migration ------------------------------------------------------------------------
+
+    def is_hot(self, family: int, now: float) -> bool:
+        return self._hotness.is_hot(family, now)
+
+    def persistently_idle(self, worker: str, now: float) -> bool:
+        """Whether ``worker``'s estimate has been at zero for ``idle_window_s``."""
+        return self._queues.persistently_idle(self.worker_index(worker), now, self._params.idle_window_s)
+
+    def migration_actions(self, now: float) -> list[MigrationAction]:
+        """Actions for the families that turned hot since the last call, each toward a
+        persistently idle own-region worker; none without one, none with migration off."""
+        if not self._params.migration:
+            return []
+        idle = [i for i in self._local_idx if self._queues.persistently_idle(i, now, self._params.idle_window_s)]
+        return self._planner.resolve(now, idle)

@@ -1,0 +1,158 @@
+"""Queue estimates an edge keeps for every worker, and when it broadcasts its own region's
+(paper section 3.4).
+
+* Own region: read live. The driver reports each local worker's queue with
+  :meth:`QueueEstimates.set_live`; the newest report replaces the estimate.
+* Remote regions: two channels. A response from a remote worker piggybacks that region's
+  per-worker queue vector; each region also broadcasts its vector every Delta. Both fold into
+  the estimate with an EWMA of weight ``w`` on the new sample (the first sample of a worker
+  replaces the initial 0).
+* Unknown: a worker no sample has reached yet reads 0 (idle); the first broadcast (within
+  Delta of start) replaces that.
+* Staleness: estimates do not decay with age; they hold until the next sample. In normal
+  operation the broadcast bounds every estimate's age by about Delta + one-way latency; a region
+  that stops reporting is more likely partitioned or failed than idle, and decaying its queue
+  toward 0 would steer traffic into it. :meth:`QueueEstimates.age` exposes the age so drivers
+  and health checks can flag a silent region.
+* Idleness: per worker, the time since the estimate last went to (about) zero; a worker is
+  *persistently idle* once it has stayed there for a window. Only such a worker may receive a
+  migrated replica.
+
+:class:`BroadcastSchedule` decides, per target region, when this region's vector is due: every
+Delta, unless a piggybacked vector already went to that region within the last Delta.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["BroadcastSchedule", "QueueEstimates"]
+
+# Slack for "Delta has passed": a driver ticking every Delta accumulates float error
+# (0.1 + 0.2 > 0.3), which must not push a broadcast to the following tick.
+_EPS_S = 1e-9
+
+
+def _check_sample(tq_ms: float) -> float:
+    x = float(tq_ms)
+    if not (math.isfinite(x) and x >= 0):
+        raise ValueError(f"queue estimate {tq_ms!r} ms must be finite and >= 0")
+    return x
+
+
+class QueueEstimates:
+    """Per-worker queue estimates (ms) with their ages and idle tracking."""
+
+    __slots__ = ("_tq", "_at", "_idle_since", "_weight", "_idle_ms", "version")
+
+    def __init__(self, n_workers: int, weight: float, idle_threshold_ms: float) -> None:
+        if not 0 < weight <= 1:
+            raise ValueError(f"queue weight {weight} must be in (0, 1]")
+        self._tq = np.zeros(n_workers, dtype=np.float64)
+        # Time of the last sample; -inf = never heard of (its estimate is the initial 0).
+        self._at = np.full(n_workers, -math.inf, dtype=np.float64)
+        # Since when the estimate has been at zero; nan = not idle (or never reported).
+        self._idle_since = np.full(n_workers, math.nan, dtype=np.float64)
+        self._weight = float(weight)
+        self._idle_ms = float(idle_threshold_ms)
+        self.version = 0
+        """Bumped on every change, so readers can cache what they derive from the estimates."""
+
+    @property
+    def values(self) -> npt.NDArray[np.float64]:
+        """The live per-worker array (the route loop reads it directly; do not write to it)."""
+        return self._tq
+
+    def __getitem__(self, index: int) -> float:
+        return float(self._tq[index])
+
+    def known(self, index: int) -> bool:
+        """Whether any sample for this worker has arrived."""
+        return bool(self._at[index] > -math.inf)
+
+    def age(self, index: int, now: float) -> float:
+        """Seconds since this worker's last sample (inf if none ever arrived)."""
+        return now - float(self._at[index])
+
+    def set_live(self, index: int, tq_ms: float, now: float) -> None:
+        """A live reading (own region): replaces the estimate."""
+        self._store(index, _check_sample(tq_ms), now)
+
+    def fold(self, index: int, tq_ms: float, now: float) -> float:
+        """A remote sample (piggyback or broadcast): EWMA with weight ``w``; returns the estimate."""
+        x = _check_sample(tq_ms)
+        if self.known(index):
+            x = (1.0 - self._weight) * float(self._tq[index]) + self._weight * x
+        self._store(index, x, now)
+        return x
+
+    def _store(self, index: int, x: float, now: float) -> None:
+        self.version += 1
+        self._tq[index] = x
+        self._at[index] = max(float(self._at[index]), now)
+        if x <= self._idle_ms:
+            if math.isnan(self._idle_since[index]):
+                self._idle_since[index] = now
+        else:
+            self._idle_since[index] = math.nan
+
+    def idle_for(self, index: int, now: float) -> float:
+        """How long the estimate has been at zero (0 when it is not)."""
+        since = float(self._idle_since[index])
+        return 0.0 if math.isnan(since) else max(0.0, now - since)
+
+    def persistently_idle(self, index: int, now: float, window_s: float) -> bool:
+        """At zero for at least ``window_s`` (a worker never reported is not idle: unknown)."""
+        since = float(self._idle_since[index])
+        return not math.isnan(since) and now - since >= window_s
+
+    def vector(self, indices: Sequence[int], ids: Sequence[str]) -> dict[str, float]:
+        """``{ids[i]: estimate of indices[i]}``: a region's queue vector to send."""
+        return {w: float(self._tq[i]) for i, w in zip(indices, ids)}
+
+
+class BroadcastSchedule:
+    """When this region's queue vector is due toward each other region.
+
+    A target is due once Delta has passed since its last broadcast (or at once, the first
+    time); a due broadcast is suppressed when a piggybacked vector reached that region within
+    the last Delta, and the period restarts either way.
+    """
+
+    __slots__ = ("_period", "_next", "_piggy", "suppressed")
+
+    def __init__(self, targets: Sequence[str], period_s: float) -> None:
+        if not (math.isfinite(period_s) and period_s > 0):
+            raise ValueError(f"broadcast period {period_s} s must be finite and > 0")
+        self._period = float(period_s)
+        self._next = {r: -math.inf for r in targets}
+        self._piggy = {r: -math.inf for r in targets}
+        self.suppressed = 0
+        """Broadcasts skipped because a piggyback made them redundant."""
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return tuple(self._next)
+
+    def note_piggyback(self, region: str, now: float) -> None:
+        """A response carrying this region's vector was sent toward ``region`` at ``now``."""
+        if region not in self._piggy:
+            raise KeyError(region)
+        self._piggy[region] = max(self._piggy[region], now)
+
+    def due(self, now: float) -> list[str]:
+        """Targets to broadcast to now (in a stable order); advances their periods."""
+        out: list[str] = []
+        for r, nxt in self._next.items():
+            if now + _EPS_S < nxt:
+                continue
+            self._next[r] = now + self._period
+            if now - self._piggy[r] < self._period:
+                self.suppressed += 1
+            else:
+                out.append(r)
+        return out

@@ -1,0 +1,144 @@
+"""Queue estimates: live own region, EWMA of piggybacked and broadcast remote vectors, and the
+broadcast schedule with piggyback suppression (paper section 3.4)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import kvcompass as kc
+from kvcompass.discovery.edge import Edge, QueueBroadcast
+from kvcompass.discovery.layout import IndexLayout, TableSpec, WorkerSpec
+from kvcompass.discovery.params import EdgeParams
+from kvcompass.discovery.queues import BroadcastSchedule, QueueEstimates
+from kvcompass.errors import InvalidArgumentError, UnknownWorkerError
+
+
+def test_remote_samples_fold_with_weight_w_and_the_first_replaces() -> None:
+    q = QueueEstimates(2, weight=0.5, idle_threshold_ms=1.0)
+    assert q[0] == 0.0 and not q.known(0) and q.age(0, 5.0) == math.inf
+    assert q.fold(0, 100.0, 1.0) == 100.0
+    assert q.fold(0, 20.0, 2.0) == 60.0
+    assert q.fold(0, 0.0, 3.0) == 30.0
+    assert q.age(0, 3.5) == 0.5
+    q.set_live(1, 42.0, 1.0)
+    q.set_live(1, 7.0, 2.0)  # live readings replace
+    assert q.values.tolist() == [30.0, 7.0]
+
+
+def test_persistent_idleness_needs_the_whole_window_at_zero() -> None:
+    q = QueueEstimates(1, weight=0.5, idle_threshold_ms=1.0)
+    assert not q.persistently_idle(0, 10.0, 1.0)  # never reported: unknown, not idle
+    q.set_live(0, 0.0, 1.0)
+    q.set_live(0, 0.5, 1.5)  # still "at zero" (below the threshold): the clock keeps running
+    assert not q.persistently_idle(0, 1.9, 1.0)
+    assert q.persistently_idle(0, 2.0, 1.0) and q.idle_for(0, 2.5) == 1.5
+    q.set_live(0, 30.0, 2.6)  # busy: the clock resets
+    q.set_live(0, 0.0, 2.7)
+    assert not q.persistently_idle(0, 3.5, 1.0)
+    assert q.persistently_idle(0, 3.7, 1.0)
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
+def test_bad_samples_are_refused(bad: float) -> None:
+    q = QueueEstimates(1, 0.5, 1.0)
+    with pytest.raises(ValueError):
+        q.fold(0, bad, 0.0)
+    with pytest.raises(ValueError):
+        q.set_live(0, bad, 0.0)
+    assert not q.known(0)
+
+
+def test_broadcast_every_period_unless_a_piggyback_went_there() -> None:
+    s = BroadcastSchedule(["B", "C"], period_s=0.1)
+    assert s.due(0.0) == ["B", "C"]
+    assert s.due(0.05) == []
+    s.note_piggyback("B", 0.06)
+    assert s.due(0.1) == ["C"]  # B got our vector 40 ms ago
+    assert s.suppressed == 1
+    assert s.due(0.2) == ["B", "C"]  # the piggyback is now older than Delta
+    with pytest.raises(KeyError):
+        s.note_piggyback("Z", 0.0)
+    with pytest.raises(ValueError):
+        BroadcastSchedule(["B"], 0.0)
+
+
+def make_edge(params: EdgeParams = EdgeParams()) -> Edge:
+    layout = IndexLayout((TableSpec(0, "A", ("a0", "a1")), TableSpec(1, "B", ("b0", "b1")), TableSpec(2, "C", ("c0",))))
+    specs = [WorkerSpec("a0", "A"), WorkerSpec("a1", "A"), WorkerSpec("b0", "B"), WorkerSpec("b1", "B"), WorkerSpec("c0", "C")]
+    e = Edge("A", layout, specs, {"A": [256], "B": [2048], "C": [2048]}, {"A": 1.0, "B": 100.0, "C": 150.0}, params)
+    for t in layout.tables:
+        e.bootstrap(t.table_id, 0, kc.LudoTable(table=t.table_id).export_snapshot())
+    return e
+
+
+def test_edge_folds_piggybacked_vectors_of_remote_responses_only() -> None:
+    e = make_edge()
+    e.on_response("b0", 1024, 1024, {"b0": 80.0, "b1": 10.0}, now=1.0)
+    e.on_response("b1", 0, 0, {"b0": 40.0, "b1": 30.0}, now=2.0)
+    assert (e.queue_estimate("b0"), e.queue_estimate("b1")) == (60.0, 20.0)
+    assert e.queue_age("b0", 2.5) == 0.5 and e.queue_age("c0", 2.5) == math.inf
+    # Entries outside the serving region, or unknown, are ignored and counted.
+    e.on_response("b0", 0, 0, {"c0": 99.0, "zz": 1.0, "b0": 60.0}, now=3.0)
+    assert e.queue_estimate("c0") == 0.0 and e.queue_estimate("b0") == 60.0
+    assert e.stats.queue_samples_ignored == 2
+    # A local worker's response carries nothing the edge does not read live.
+    e.set_local_queue("a0", 5.0, 3.0)
+    e.on_response("a0", 0, 0, {"a0": 500.0}, now=3.0)
+    assert e.queue_estimate("a0") == 5.0
+    # A bad vector changes nothing.
+    with pytest.raises(InvalidArgumentError):
+        e.on_broadcast("B", {"b0": 1.0, "b1": -5.0}, 4.0)
+    assert e.queue_estimate("b0") == 60.0
+    e.on_broadcast("C", {"c0": 12.0}, 4.0)
+    e.on_broadcast("A", {"a0": 999.0}, 4.0)  # our own region's broadcast: read live instead
+    assert (e.queue_estimate("c0"), e.queue_estimate("a0")) == (12.0, 5.0)
+    assert e.stats.responses == 4
+
+
+def test_edge_broadcasts_its_region_vector_with_suppression() -> None:
+    e = make_edge()
+    e.set_local_queue("a0", 3.0, 0.0)
+    assert e.broadcast_due(0.0) == [QueueBroadcast("A", "B", {"a0": 3.0, "a1": 0.0}), QueueBroadcast("A", "C", {"a0": 3.0, "a1": 0.0})]
+    assert e.piggyback_vector("C", 0.15) == {"a0": 3.0, "a1": 0.0}
+    assert [b.target_region for b in e.broadcast_due(0.2)] == ["B"]
+    assert [b.target_region for b in e.broadcast_due(0.3)] == ["B", "C"]
+    st = e.stats
+    assert (st.broadcasts_sent, st.broadcasts_suppressed) == (5, 1)
+    with pytest.raises(InvalidArgumentError):
+        e.note_piggyback_sent("Z", 0.0)
+
+
+def test_edge_queue_api_validates_workers() -> None:
+    e = make_edge()
+    with pytest.raises(UnknownWorkerError):
+        e.set_local_queue("zz", 1.0, 0.0)
+    with pytest.raises(InvalidArgumentError, match="not this edge"):
+        e.set_local_queue("b0", 1.0, 0.0)
+    with pytest.raises(UnknownWorkerError):
+        e.on_response("zz", 0, 0, None, 0.0)
+
+
+def test_remote_estimates_feed_the_score() -> None:
+    e = make_edge(EdgeParams(tie_ms=0.0))
+    # Nothing is held anywhere; a0 and a1 are swamped, so the cheaper remote region wins.
+    e.set_local_queue("a0", 1000.0, 0.0)
+    e.set_local_queue("a1", 1000.0, 0.0)
+    e.on_broadcast("B", {"b0": 300.0, "b1": 200.0}, 0.0)
+    p = np.arange(100, dtype=np.uint32)
+    d = e.route(p, kc.Namespace("m"), 0.0)
+    assert (d.worker, d.terms.queue, d.terms.wan) == ("c0", 0.0, 75.0)
+    e.on_broadcast("C", {"c0": 400.0}, 0.1)
+    d = e.route(p, kc.Namespace("m"), 0.1)
+    assert (d.worker, d.terms.queue) == ("b1", 200.0)
+
+
+def test_a_driver_ticking_every_period_broadcasts_every_tick() -> None:
+    s = BroadcastSchedule(["B"], period_s=0.1)
+    t, sent = 0.0, 0
+    for _ in range(50):
+        sent += len(s.due(t))
+        t += 0.1  # accumulates float error: 0.1 + 0.1 + 0.1 > 0.3
+    assert sent == 50
