@@ -18,7 +18,8 @@ pytest.importorskip("mypy")
 
 ROOT = Path(__file__).resolve().parents[1]
 STRICT_FILES = ["kvcompass/index.py", "kvcompass/errors.py", "kvcompass/__init__.py", "kvcompass/discovery/maintenance.py", "kvcompass/discovery/topology.py", "kvcompass/discovery/plan.py", "kvcompass/cli.py", "kvcompass/demo.py"]
-STRICT_FILES += [f"kvcompass/discovery/{m}.py" for m in ("edge", "belief", "queues", "hotness", "migration", "params")]
+STRICT_FILES += [f"kvcompass/discovery/{m}.py" for m in ("edge", "belief", "queues", "hotness", "migration", "params", "plane", "layout", "ops")]
+STRICT_FILES += [f"kvcompass/agent/{m}.py" for m in ("__init__", "events", "agent")]
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -469,6 +469,21 @@ class Edge:
             return base.outcome("malformed", error=str(e))
         return self._applied(key, r)
 
+    def note_writer_position(self, table: int, shard: int, epoch: int, seq: int) -> ResyncAction | None:
+        """The writer of (table, shard) says it has emitted up to (epoch, seq) (a heartbeat on
+        the patch stream). A lost *last* batch is otherwise invisible until the next one
+        arrives; this turns it into a resync action at once. None when the view is current or a
+        repair is already outstanding."""
+        v = self.view(table, shard)
+        if not v.initialised:
+            target_kind: ResyncKind = "snapshot"
+        elif (v.epoch, v.seq) >= (epoch, seq):
+            return None
+        else:
+            target_kind = "replay" if epoch == v.epoch else "snapshot"
+        base = _Header(table, shard, epoch, seq)
+        return self._fell_behind((table, shard), target_kind, (epoch, seq), base, "writer is ahead").resync
+
     def bootstrap(self, table: int, shard: int, snapshot: bytes) -> PatchOutcome:
         """Replace the view of (table, shard) by one built from ``snapshot`` alone (whatever the
         old view held). Raises on anything that is not a valid snapshot of that (table, shard)."""

@@ -1,0 +1,53 @@
+"""Engine adapters: turn a vLLM / SGLang engine's KV events into key ops for the index.
+
+:mod:`kvcompass.agent.events` decodes (and encodes) the engines' ZMQ/msgpack wire format;
+:mod:`kvcompass.agent.agent` holds :class:`WorkerAgent`, the sans-I/O state machine that keys
+prefixes from token ids, tracks tiers and engine incarnations, and emits
+:class:`~kvcompass.discovery.ops.KeyOpBatch` batches.
+"""
+
+from __future__ import annotations
+
+from kvcompass.agent.agent import AgentOutput, AgentStats, ReplayRequest, WorkerAgent, medium_tier
+from kvcompass.agent.events import (
+    REPLAY_END_SEQ,
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    EngineBatch,
+    Event,
+    EventBatch,
+    decode_message,
+    decode_payload,
+    decode_replay,
+    encode_batch,
+    encode_payload,
+    encode_replay,
+    encode_replay_end,
+    encode_replay_request,
+)
+
+__all__ = [
+    "REPLAY_END_SEQ",
+    "AgentOutput",
+    "AgentStats",
+    "AllBlocksCleared",
+    "BlockHash",
+    "BlockRemoved",
+    "BlockStored",
+    "EngineBatch",
+    "Event",
+    "EventBatch",
+    "ReplayRequest",
+    "WorkerAgent",
+    "decode_message",
+    "decode_payload",
+    "decode_replay",
+    "encode_batch",
+    "encode_payload",
+    "encode_replay",
+    "encode_replay_end",
+    "encode_replay_request",
+    "medium_tier",
+]

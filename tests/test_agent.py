@@ -1,0 +1,608 @@
+"""The worker agent: keys, tiers, incarnations, gaps and replays, refusals, and a model check.
+
+The model check runs random store / remove / clear / restart histories through a reference
+engine (a block cache keyed by content that publishes vLLM-format messages), delivers them
+with losses, late arrivals and re-deliveries, serves the agent's replay requests from the
+engine's ring, and checks that the key ops the agent emitted, applied to a plain dict, hold
+exactly the keys (with tiers) that the engine's cache implies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import event, given, note
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+
+import kvcompass as kc
+from kvcompass.agent import (
+    AgentOutput,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ReplayRequest,
+    WorkerAgent,
+    encode_batch,
+    encode_replay,
+    encode_replay_end,
+    medium_tier,
+)
+from kvcompass.discovery.ops import KeyOpBatch
+from kvcompass.errors import InvalidArgumentError, InvalidEventError
+
+NS = kc.Namespace("llama-3.1-8b", "public")
+FIXTURES = json.loads((Path(__file__).parent / "fixtures" / "engine_messages.json").read_text())["streams"]
+
+
+def frames_of(m: dict[str, Any]) -> list[bytes]:
+    return [bytes.fromhex(f) for f in m["frames"]]
+
+
+def keys_of(tokens: list[int], lengths: list[int]) -> list[int]:
+    return [int(k) for k in NS.keys(np.array(tokens, dtype=np.uint32), [c for c in lengths if c <= len(tokens)])]
+
+
+class Sink:
+    """A maintenance unit's view of one worker: applies batches, checking their sequencing."""
+
+    def __init__(self, shards: int) -> None:
+        self.shards = shards
+        self.keys: dict[int, int] = {}
+        self.incarnation: int | None = None
+        self.next: dict[int, int] = {}
+
+    def apply(self, batches: tuple[KeyOpBatch, ...] | AgentOutput) -> None:
+        if isinstance(batches, AgentOutput):
+            batches = batches.batches
+        for b in batches:
+            if b.incarnation != self.incarnation:
+                assert self.incarnation is None or b.incarnation > self.incarnation
+                self.incarnation, self.next = b.incarnation, {}
+            assert b.seq == self.next.get(b.shard, 1), (b.shard, b.seq, self.next)
+            assert b.reset or b.seq > 1  # an incarnation opens every shard with a reset
+            self.next[b.shard] = b.seq + 1
+            if b.reset:
+                self.keys = {k: t for k, t in self.keys.items() if k % self.shards != b.shard}
+            for k, t in zip(b.keys.tolist(), b.tiers.tolist()):
+                assert kc.shard_of(k, self.shards) == b.shard
+                if t:
+                    self.keys[k] = t
+                else:
+                    self.keys.pop(k, None)
+
+
+def agent(lengths: list[int], shards: int = 3, **kw: Any) -> WorkerAgent:
+    return WorkerAgent("w0", NS, lengths, shards, **kw)
+
+
+def msg(seq: int, *events: Any, ts: float | None = None, **kw: Any) -> list[bytes]:
+    return encode_batch(list(events), seq, float(seq) if ts is None else ts, **kw)
+
+
+T = list(range(1000, 1016))
+LENGTHS = [1, 3, 4, 6, 8, 10, 12, 16]
+
+
+def tiers(sink: Sink, tokens: list[int], lengths: list[int]) -> list[int]:
+    return [sink.keys.get(k, 0) for k in keys_of(tokens, lengths)]
+
+
+# ---- keys -----------------------------------------------------------------------------------
+
+
+def test_keys_are_prefix_keys_at_registration_lengths_only() -> None:
+    a, sink = agent(LENGTHS, shards=3), Sink(3)
+    out = a.on_message(msg(0, BlockStored((1, 2, 3), None, tuple(T[:12]), 4)))
+    assert out.replay is None
+    sink.apply(out)
+    assert [b.shard for b in out.batches] == [0, 1, 2] and all(b.reset and b.seq == 1 for b in out.batches)
+    expect = dict.fromkeys(keys_of(T[:12], LENGTHS), 1)
+    assert sink.keys == expect == {k: int(t) for k, t in a.held().items()}
+    assert len(expect) == 7  # 1, 3, 4, 6, 8, 10, 12
+    out = a.on_message(msg(1, BlockStored((4,), 3, tuple(T[12:16]), 4)))
+    sink.apply(out)
+    assert sink.keys == dict.fromkeys(keys_of(T, LENGTHS), 1)
+    assert sum(len(b.keys) for b in out.batches) == 1  # only length 16 is new
+    assert all(b.seq == 2 and not b.reset for b in out.batches)
+
+
+def test_in_block_lengths_and_unaligned_blocks() -> None:
+    # SGLang cuts a node into pages; the last one may be short, so block sizes vary.
+    a, sink = agent(LENGTHS), Sink(3)
+    sink.apply(a.on_message(msg(0, BlockStored((1,), None, tuple(T[:5]), 5), BlockStored((2,), 1, tuple(T[5:7]), 2))))
+    sink.apply(a.on_message(msg(1, BlockStored((3, 4), 2, tuple(T[7:13]), 3))))
+    assert sink.keys == dict.fromkeys(keys_of(T[:13], LENGTHS), 1)
+
+
+def test_fixture_vllm_stream_offload_eviction_and_restart() -> None:
+    a, sink = agent(LENGTHS, shards=2), Sink(2)
+    s = [frames_of(m) for m in FIXTURES["vllm_map"]]
+    sink.apply(a.on_message(s[0]))
+    assert tiers(sink, T, LENGTHS) == [1, 1, 1, 1, 1, 0, 0, 0]
+    sink.apply(a.on_message(s[1]))  # block 2 on the GPU; blocks 0-1 also copied to the CPU
+    assert tiers(sink, T, LENGTHS) == [1, 1, 1, 1, 1, 1, 1, 0]
+    sink.apply(a.on_message(s[2]))  # block 2 evicted; blocks 0-1 leave the GPU but stay on the CPU
+    assert tiers(sink, T, LENGTHS) == [2, 2, 2, 2, 2, 0, 0, 0]
+    assert a.incarnation == 1 and a.last_seq == 2
+    out = a.on_message(s[3])  # seq 0 again: the engine restarted
+    sink.apply(out)
+    assert a.incarnation == 2 and a.stats.restarts == 1
+    assert [(b.shard, b.seq, b.reset, b.incarnation) for b in out.batches] == [(0, 1, True, 2), (1, 1, True, 2)]
+    u = list(range(2000, 2008))
+    assert sink.keys == dict.fromkeys(keys_of(u[:4], LENGTHS), 1)
+    sink.apply(a.on_message(s[4]))  # the new engine reuses an old hash value for new content
+    assert sink.keys == dict.fromkeys(keys_of(u, LENGTHS), 1)
+
+
+def test_fixture_gap_filled_by_replay_applies_in_order() -> None:
+    a, sink = agent(LENGTHS, shards=2), Sink(2)
+    s = [frames_of(m) for m in FIXTURES["vllm_array"]]
+    sink.apply(a.on_message(s[0]))
+    sink.apply(a.on_message(s[1]))
+    assert tiers(sink, T, LENGTHS) == [1, 1, 1, 1, 1, 0, 0, 0]
+    out = a.on_message(s[2])  # seq 3: seq 2 was lost
+    assert out.replay == ReplayRequest(2) and out.batches == ()
+    assert out.replay.frame() == (2).to_bytes(8, "big")
+    assert a.replay_pending == ReplayRequest(2) and a.buffered == 1 and a.stats.gaps == 1
+    before = dict(sink.keys)
+    out = a.on_replay(s[3])  # seq 2 stores blocks 2-3, then buffered seq 3 removes block 1 and clears
+    sink.apply(out)
+    assert a.last_seq == 3 and a.buffered == 0 and a.replay_pending is None
+    assert sink.keys == {} and set(k for b in out.batches for k in b.keys.tolist()) == set(before)
+    assert a.on_replay(s[4]).batches == () and a.stats.duplicates == 1
+    assert a.on_replay(s[5]) == AgentOutput()
+    assert a.stats.resyncs == 0
+
+
+def test_fixture_sglang_signed_hashes_short_page_and_clear() -> None:
+    a, sink = agent(LENGTHS), Sink(3)
+    s = [frames_of(m) for m in FIXTURES["sglang"]]
+    sink.apply(a.on_message(s[0]))
+    assert sink.keys == dict.fromkeys(keys_of(T[:11], LENGTHS), 1)
+    sink.apply(a.on_message(s[1]))  # the last two pages evicted, leaf first
+    assert sink.keys == dict.fromkeys(keys_of(T[:4], LENGTHS), 1)
+    sink.apply(a.on_message(s[2]))
+    assert sink.keys == {} and len(a) == 0 and a.stats.clears == 1
+
+
+def test_fixture_lora_and_extra_keys_blocks_are_not_indexed() -> None:
+    a, sink = agent(LENGTHS), Sink(3)
+    sink.apply(a.on_message(frames_of(FIXTURES["vllm_bytes"][0])))
+    assert sink.keys == dict.fromkeys(keys_of(T[:8], LENGTHS), 1)
+    assert a.stats.unindexed == 1 and a.stats.unknown_removals == 0
+
+
+# ---- tiers and chains ------------------------------------------------------------------------
+
+
+def test_medium_tier_mapping() -> None:
+    assert [medium_tier(m) for m in (None, "GPU", "gpu", "CPU", "CPU_PINNED", "cpu", "DISK", "LMCACHE", "")] == [1, 1, 1, 2, 2, 2, 0, 0, 0]
+
+
+def test_tier_is_worst_along_the_chain_and_best_across_media() -> None:
+    a, sink = agent(LENGTHS), Sink(3)
+    sink.apply(a.on_message(msg(0, BlockStored((1, 2), None, tuple(T[:8]), 4, medium="GPU"))))
+    sink.apply(a.on_message(msg(1, BlockStored((1,), None, tuple(T[:4]), 4, medium="CPU"), BlockRemoved((1,), "GPU"))))
+    assert tiers(sink, T[:8], LENGTHS) == [2, 2, 2, 2, 2]  # block 2 is on the GPU, but block 1 needs a reload
+    sink.apply(a.on_message(msg(2, BlockStored((1,), None, tuple(T[:4]), 4))))  # back on the GPU (no medium: GPU)
+    assert tiers(sink, T[:8], LENGTHS) == [1, 1, 1, 1, 1]
+    sink.apply(a.on_message(msg(3, BlockStored((2,), 1, tuple(T[4:8]), 4, medium="DISK"), BlockRemoved((2,), None))))
+    assert tiers(sink, T[:8], LENGTHS) == [1, 1, 1, 0, 0]  # disk is not indexed
+    assert a.stats.unknown_removals == 0
+
+
+def test_interior_eviction_withdraws_descendants_until_restored() -> None:
+    a, sink = agent(LENGTHS), Sink(3)
+    sink.apply(a.on_message(msg(0, BlockStored((1, 2, 3), None, tuple(T[:12]), 4))))
+    sink.apply(a.on_message(msg(1, BlockRemoved((1,)))))
+    assert tiers(sink, T[:12], LENGTHS) == [0] * 7 and len(a) == 3  # block 1 stays as a tombstone
+    sink.apply(a.on_message(msg(2, BlockStored((1,), None, tuple(T[:4]), 4, medium="CPU"))))
+    assert tiers(sink, T[:12], LENGTHS) == [2] * 7
+    sink.apply(a.on_message(msg(3, BlockRemoved((1,), "CPU"), BlockRemoved((3,)), BlockRemoved((2,)))))
+    assert sink.keys == {} and len(a) == 0  # tombstones go with their last child
+
+
+def test_orphans_are_keyed_when_their_parent_arrives() -> None:
+    a, sink = agent(LENGTHS), Sink(3)
+    sink.apply(a.on_message(msg(0, BlockStored((3,), 2, tuple(T[8:12]), 4), BlockStored((2,), 1, tuple(T[4:8]), 4))))
+    assert sink.keys == {} and a.stats.orphans == 2
+    sink.apply(a.on_message(msg(1, BlockStored((1,), None, tuple(T[:4]), 4))))
+    assert sink.keys == dict.fromkeys(keys_of(T[:12], LENGTHS), 1) and a.stats.adopted == 2
+
+
+def test_orphan_removed_before_adoption_is_forgotten() -> None:
+    a = agent(LENGTHS)
+    a.on_message(msg(0, BlockStored((2,), 1, tuple(T[4:8]), 4)))
+    a.on_message(msg(1, BlockRemoved((2,))))
+    assert len(a) == 0
+    a.on_message(msg(2, BlockStored((1,), None, tuple(T[:4]), 4)))
+    assert set(a.held()) == set(keys_of(T[:4], LENGTHS)) and a.stats.adopted == 0
+
+
+def test_lora_blocks_and_their_descendants_are_not_indexed() -> None:
+    a, sink = agent(LENGTHS), Sink(3)
+    sink.apply(a.on_message(msg(0, BlockStored((1,), None, tuple(T[:4]), 4, lora_id=3), BlockStored((2,), 1, tuple(T[4:8]), 4))))
+    sink.apply(a.on_message(msg(1, BlockStored((5,), None, tuple(T[:4]), 4, extra_keys=(("img", 1),)))))
+    assert sink.keys == {} and a.stats.unindexed == 3
+    # an orphan adopted by an unindexed parent is unindexed too
+    a.on_message(msg(2, BlockStored((7,), 6, tuple(T[4:8]), 4), BlockStored((6,), None, tuple(T[:4]), 4, lora_name="x")))
+    assert a.held() == {} and a.stats.unindexed == 5
+
+
+def test_same_hash_in_another_group_is_another_block() -> None:
+    a = agent(LENGTHS)
+    a.on_message(msg(0, BlockStored((1,), None, tuple(T[:4]), 4, group_idx=0), BlockStored((1,), None, tuple(T[:4]), 4, group_idx=1)))
+    a.on_message(msg(1, BlockRemoved((1,), group_idx=1)))
+    assert set(a.held()) == set(keys_of(T[:4], LENGTHS)) and len(a) == 1
+
+
+def test_two_chains_with_one_prefix_share_the_key() -> None:
+    # the same 8 tokens cut 4+4 (one engine) and as 8 (a different block size): one key, two holders
+    a = agent([8])
+    a.on_message(msg(0, BlockStored((1, 2), None, tuple(T[:8]), 4), BlockStored((9,), None, tuple(T[:8]), 8, medium="CPU")))
+    (k,) = keys_of(T[:8], [8])
+    assert a.held() == {k: 1}
+    a.on_message(msg(1, BlockRemoved((2,))))
+    assert a.held() == {k: 2}
+    a.on_message(msg(2, BlockRemoved((9,), "CPU")))
+    assert a.held() == {}
+
+
+def test_engine_oddities_are_counted_not_raised() -> None:
+    a = agent(LENGTHS)
+    a.on_message(msg(0, BlockStored((1,), None, tuple(T[:4]), 4)))
+    d = a.digest()
+    a.on_message(msg(1, BlockRemoved((99,)), BlockRemoved((1,), "CPU")))
+    assert a.stats.unknown_removals == 2
+    a.on_message(msg(2, BlockStored((1, 5), 7, tuple(T[:8]), 4)))  # hash 1 under another parent
+    assert a.stats.conflicts == 1 and len(a) == 1
+    assert a.digest() != d  # only seq bookkeeping moved
+    assert set(a.held()) == set(keys_of(T[:4], LENGTHS))
+
+
+def test_adoption_cycle_is_refused_quietly() -> None:
+    a = agent(LENGTHS)
+    a.on_message(msg(0, BlockStored((1,), 2, tuple(T[:4]), 4), BlockStored((2,), 1, tuple(T[4:8]), 4)))
+    assert a.held() == {} and a.stats.conflicts == 1
+    a.on_message(msg(1, BlockRemoved((1,)), BlockRemoved((2,))))
+    a.full_report()
+
+
+# ---- sequencing -------------------------------------------------------------------------------
+
+
+def test_redelivery_is_ignored_and_other_bytes_under_an_old_seq_are_a_restart() -> None:
+    a, sink = agent(LENGTHS), Sink(3)
+    m0 = msg(0, BlockStored((1,), None, tuple(T[:4]), 4))
+    sink.apply(a.on_message(m0))
+    sink.apply(a.on_message(msg(1, BlockStored((2,), 1, tuple(T[4:8]), 4))))
+    d = a.digest()
+    assert a.on_message(m0) == AgentOutput() and a.stats.duplicates == 1 and a.digest() == d
+    out = a.on_message(msg(0, BlockStored((1,), None, tuple(T[:4]), 4), ts=99.0))  # same seq, new bytes
+    sink.apply(out)
+    assert a.incarnation == 2 and {b.shard for b in out.batches if b.reset} == {0, 1, 2}
+    assert sink.keys == dict.fromkeys(keys_of(T[:4], LENGTHS), 1)
+
+
+def test_restart_seen_after_its_first_messages_asks_for_them() -> None:
+    a, sink = agent(LENGTHS), Sink(3)
+    for s in range(4):
+        sink.apply(a.on_message(msg(s, BlockStored((s + 1,), s or None, tuple(T[4 * s : 4 * s + 4]), 4))))
+    out = a.on_message(msg(2, BlockStored((50,), None, (7, 7, 7, 7), 4), ts=-1.0))  # a new engine's seq 2
+    sink.apply(out)
+    assert out.replay == ReplayRequest(0) and a.incarnation == 2
+    assert sink.keys == {} and all(b.reset for b in out.batches)
+    sink.apply(a.on_replay(encode_replay(0, msg(0, AllBlocksCleared(), ts=-3.0)[2])))
+    sink.apply(a.on_replay(encode_replay(1, msg(1, BlockStored((40,), None, tuple(T[:4]), 4), ts=-2.0)[2])))
+    sink.apply(a.on_replay(encode_replay(2, msg(2, BlockStored((50,), None, (7, 7, 7, 7), 4), ts=-1.0)[2])))
+    assert a.on_replay(encode_replay_end()).batches == ()
+    assert sink.keys == dict.fromkeys(keys_of(T[:4], LENGTHS) + keys_of([7] * 4, LENGTHS), 1)
+
+
+def test_agent_started_mid_stream_asks_from_zero_then_resyncs() -> None:
+    a, sink = agent(LENGTHS), Sink(3)
+    out = a.on_message(msg(7, BlockStored((8,), None, tuple(T[:4]), 4)))
+    assert out.replay == ReplayRequest(0)
+    assert [(b.reset, len(b.keys)) for b in out.batches] == [(True, 0)] * 3  # a new agent clears its worker early
+    sink.apply(out)
+    # the ring starts at 5: not enough
+    sink.apply(a.on_replay(encode_replay(5, msg(5, BlockStored((6,), None, tuple(T[4:8]), 4))[2])))
+    sink.apply(a.on_replay(encode_replay(6, msg(6, BlockRemoved((6,)))[2])))
+    assert sink.keys == {} and a.buffered == 3
+    out = a.on_replay(encode_replay_end())
+    sink.apply(out)
+    assert a.stats.resyncs == 1 and a.last_seq == 7 and a.buffered == 0
+    assert all(b.reset for b in out.batches) and {b.shard for b in out.batches} == {0, 1, 2}
+    assert sink.keys == dict.fromkeys(keys_of(T[:4], LENGTHS), 1)
+    sink.apply(a.on_message(msg(8, BlockRemoved((8,)))))
+    assert sink.keys == {}
+
+
+def test_replay_failed_resyncs_with_or_without_forgetting() -> None:
+    for forget in (False, True):
+        a, sink = agent(LENGTHS), Sink(3)
+        sink.apply(a.on_message(msg(0, BlockStored((1,), None, tuple(T[:4]), 4))))
+        assert a.on_message(msg(2, BlockStored((9,), None, (5, 5, 5, 5), 4))).replay == ReplayRequest(1)
+        out = a.on_replay_failed(forget=forget)
+        sink.apply(out)
+        assert all(b.reset for b in out.batches) and a.last_seq == 2
+        expect = keys_of([5] * 4, LENGTHS) + ([] if forget else keys_of(T[:4], LENGTHS))
+        assert sink.keys == dict.fromkeys(expect, 1)
+    assert a.on_replay_failed() == AgentOutput()
+
+
+def test_second_gap_during_a_replay_waits_for_the_same_replay() -> None:
+    a, sink = agent(LENGTHS), Sink(3)
+    frames = [msg(s, BlockStored((s + 1,), s or None, tuple(T[4 * s : 4 * s + 4]), 4)) for s in range(4)]
+    sink.apply(a.on_message(frames[0]))
+    assert a.on_message(frames[2]).replay == ReplayRequest(1)
+    assert a.on_message(frames[3]).replay is None and a.buffered == 2
+    sink.apply(a.on_replay(encode_replay(1, frames[1][2])))
+    assert a.buffered == 0 and sink.keys == dict.fromkeys(keys_of(T, LENGTHS), 1)
+
+
+def test_buffer_overflow_resyncs() -> None:
+    a, sink = agent(LENGTHS, max_buffered=2), Sink(3)
+    sink.apply(a.on_message(msg(0, BlockStored((1,), None, tuple(T[:4]), 4))))
+    assert a.on_message(msg(2, BlockStored((2,), 1, tuple(T[4:8]), 4))).replay == ReplayRequest(1)
+    a.on_message(msg(3, AllBlocksCleared()))
+    out = a.on_message(msg(4, BlockStored((3,), None, tuple(T[:4]), 4)))
+    sink.apply(out)
+    assert a.stats.resyncs == 1 and a.buffered == 0 and a.replay_pending is None and a.last_seq == 4
+    assert sink.keys == dict.fromkeys(keys_of(T[:4], LENGTHS), 1)
+    # the replay's late answers are harmless now
+    assert a.on_replay(encode_replay(1, msg(1, AllBlocksCleared())[2])).batches == ()
+    assert a.on_replay(encode_replay_end()) == AgentOutput()
+
+
+def test_full_report_is_idempotent() -> None:
+    a, sink = agent(LENGTHS), Sink(3)
+    sink.apply(a.on_message(msg(0, BlockStored((1, 2), None, tuple(T[:8]), 4), BlockStored((3,), 2, tuple(T[8:12]), 4, medium="CPU"))))
+    r1, r2 = a.full_report(), a.full_report()
+    assert [b.shard for b in r1] == [0, 1, 2] and all(b.reset for b in r1 + r2)
+    assert [(b.keys.tolist(), b.tiers.tolist()) for b in r1] == [(b.keys.tolist(), b.tiers.tolist()) for b in r2]
+    assert [b.seq for b in r2] == [b.seq + 1 for b in r1]
+    fresh = Sink(3)
+    fresh.incarnation, fresh.next = 1, {s: r1[s].seq for s in range(3)}
+    fresh.apply(r1)
+    sink.apply(r1)
+    sink.apply(r2)
+    assert fresh.keys == sink.keys == {k: int(t) for k, t in a.held().items()}
+
+
+# ---- refusals -----------------------------------------------------------------------------------
+
+
+def test_malformed_messages_leave_the_agent_unchanged() -> None:
+    a = agent(LENGTHS, block_size=4)
+    a.on_message(msg(0, BlockStored((1,), None, tuple(T[:4]), 4)))
+    d, last = a.digest(), a.last_seq
+    good = msg(1, BlockStored((2,), 1, tuple(T[4:8]), 4))
+    bad = [
+        good[:2],
+        [good[0], good[1][:7], good[2]],
+        [good[0], good[1], good[2][:-1]],
+        [good[0], good[1], b"\x92\xcb" + b"\x00" * 8 + b"\x91\x92\xabBlockStored\x91\x01"],
+        msg(1, BlockStored((2,), 1, tuple(T[4:6]), 2)),  # the wrong block size for this agent
+        msg(1, BlockStored((2,), 1, tuple(T[4:8]), 4), BlockStored((3,), 2, (1, 2, 3, 4), 4), BlockRemoved((1,)))[:2]
+        + [encode_batch([BlockStored((2,), 1, tuple(T[4:8]), 4)], 1)[2][:-2]],
+    ]
+    for i, frames in enumerate(bad, start=1):
+        with pytest.raises(InvalidEventError):
+            a.on_message(frames)
+        assert a.stats.malformed == i and a.digest() == d and a.last_seq == last
+    with pytest.raises(InvalidEventError, match="expects 4"):
+        a.on_replay(encode_replay(1, msg(1, BlockStored((2,), 1, tuple(T[4:6]), 2))[2]))
+    with pytest.raises(InvalidEventError):
+        a.on_replay([b"\x00"])
+    assert a.digest() == d and a.stats.malformed == len(bad) + 2
+    assert a.on_message(good).batches and a.stats.messages == 2
+
+
+def test_a_refused_message_is_recovered_through_the_replay_path() -> None:
+    a, sink = agent(LENGTHS), Sink(3)
+    sink.apply(a.on_message(msg(0, BlockStored((1,), None, tuple(T[:4]), 4))))
+    with pytest.raises(InvalidEventError):
+        a.on_message([b"", (1).to_bytes(8, "big"), b"\xc1"])
+    out = a.on_message(msg(2, BlockStored((3,), None, (9, 9, 9, 9), 4)))
+    assert out.replay == ReplayRequest(1)
+    with pytest.raises(InvalidEventError):
+        a.on_replay([(1).to_bytes(8, "big"), b"\xc1"])
+    sink.apply(a.on_replay(encode_replay(2, msg(2, BlockStored((3,), None, (9, 9, 9, 9), 4))[2])))
+    sink.apply(a.on_replay(encode_replay_end()))
+    assert a.stats.resyncs == 1
+    assert sink.keys == dict.fromkeys(keys_of(T[:4], LENGTHS) + keys_of([9] * 4, LENGTHS), 1)
+
+
+@pytest.mark.parametrize(
+    ("args", "kw"),
+    [
+        (("", NS, [4]), {}),
+        (("w", NS, [0, 4]), {}),
+        (("w", NS, [2**32]), {}),
+        (("w", NS, [4], 0), {}),
+        (("w", NS, [4]), {"window": 0}),
+        (("w", NS, [4]), {"max_buffered": 0}),
+        (("w", NS, [4]), {"incarnation": -1}),
+        (("w", NS, [4]), {"block_size": 0}),
+    ],
+)
+def test_constructor_validates(args: tuple[Any, ...], kw: dict[str, Any]) -> None:
+    with pytest.raises(InvalidArgumentError):
+        WorkerAgent(*args, **kw)
+
+
+def test_registration_lengths_are_sorted_and_deduplicated() -> None:
+    a = WorkerAgent("w", NS, [8, 4, 8], incarnation=5)
+    assert a.registration_lengths == (4, 8) and a.incarnation == 5
+    out = a.on_message(msg(0, AllBlocksCleared()))
+    assert [(b.incarnation, b.reset, len(b.keys)) for b in out.batches] == [(5, True, 0)]
+
+
+# ---- the model check --------------------------------------------------------------------------
+
+BS = 2
+MEDIA = [None, "GPU", "CPU", "cpu_pinned", "DISK"]
+
+
+@dataclass
+class Engine:
+    """A block cache keyed by content (the chain of tokens up to a block's end), publishing
+    vLLM-format messages with per-process random hashes, as a real engine does."""
+
+    form: str
+    style: str
+    incarnation: int = 0
+    cache: dict[tuple[int, ...], set[str]] = field(default_factory=dict)
+    ring: list[list[bytes]] = field(default_factory=list)
+    ts: float = 0.0
+
+    def h(self, content: tuple[int, ...]) -> int:
+        return int.from_bytes(hashlib.blake2b(repr((self.incarnation, content)).encode(), digest_size=8).digest(), "big")
+
+    def publish(self, events: list[Any]) -> list[bytes]:
+        self.ts += 1.0
+        frames = encode_batch(events, len(self.ring), self.ts, 0, form=self.form, hash_style=self.style)  # type: ignore[arg-type]
+        self.ring.append(frames)
+        return frames
+
+    def store(self, p: list[int], i: int, k: int, medium: str | None) -> Any:
+        blocks = [tuple(p[: (j + 1) * BS]) for j in range(i, k)]
+        for b in blocks:
+            self.cache.setdefault(b, set()).add("GPU" if medium is None else medium.upper())
+        parent = self.h(tuple(p[: i * BS])) if i else None
+        return BlockStored(tuple(self.h(b) for b in blocks), parent, tuple(p[i * BS : k * BS]), BS, medium=medium)
+
+    def remove(self, p: list[int], j: int, medium: str | None) -> Any:
+        b = tuple(p[: (j + 1) * BS])
+        held = self.cache.get(b, set())
+        held.discard("GPU" if medium is None else medium.upper())
+        if not held:
+            self.cache.pop(b, None)
+        return BlockRemoved((self.h(b),), medium)
+
+    def implied(self, prompts: list[list[int]], lengths: list[int]) -> dict[int, int]:
+        """Every registration-length prefix whose every block is cached in an indexed medium."""
+        out: dict[int, int] = {}
+        for p in prompts:
+            for c, key in zip([c for c in lengths if c <= len(p)], keys_of(p, lengths)):
+                worst = 0
+                for j in range(-(-c // BS)):
+                    best = min((t for t in (int(medium_tier(m)) for m in self.cache.get(tuple(p[: (j + 1) * BS]), ())) if t), default=0)
+                    if not best:
+                        break
+                    worst = max(worst, best)
+                else:
+                    out[key] = worst
+        return out
+
+
+# Weighted by repetition: mostly stores, some removals, rare clears and restarts, so that
+# histories build up state worth checking.
+store_op = st.tuples(st.just("store"), st.integers(0, 5), st.integers(0, 4), st.integers(1, 5), st.sampled_from(MEDIA))
+remove_op = st.tuples(st.just("remove"), st.integers(0, 5), st.integers(0, 4), st.sampled_from(MEDIA))
+op = st.sampled_from(["store"] * 6 + ["remove"] * 3 + ["clear"]).flatmap(
+    lambda kind: store_op if kind == "store" else remove_op if kind == "remove" else st.just(("clear",))
+)
+message = st.lists(op, min_size=1, max_size=3)
+send = st.tuples(st.just("send"), message, st.sampled_from(["ok", "ok", "ok", "drop", "drop", "dup", "late"]), st.integers(0, 2))
+step = st.sampled_from(["send"] * 12 + ["restart"]).flatmap(lambda kind: send if kind == "send" else st.just(("restart",)))
+
+
+@hsettings(max_examples=4 * hsettings.default.max_examples)  # cheap: ~10 ms an example
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 2), min_size=2 * BS, max_size=5 * BS).map(lambda p: p[: len(p) // BS * BS]), min_size=1, max_size=6),
+    lengths=st.lists(st.integers(1, 10), min_size=1, max_size=6),
+    steps=st.lists(step, min_size=1, max_size=30),
+    form=st.sampled_from(["array", "map"]),
+    style=st.sampled_from(["int", "signed", "bytes"]),
+    shards=st.integers(1, 4),
+)
+def test_agent_matches_the_engine_cache(
+    prompts: list[list[int]], lengths: list[int], steps: list[Any], form: str, style: str, shards: int
+) -> None:
+    engine = Engine(form, style)
+    a, sink = WorkerAgent("w0", NS, lengths, shards), Sink(shards)
+    undelivered: list[int] = []  # seqs of the current engine not yet seen live
+    pending: list[tuple[int, ReplayRequest]] = []  # (steps left before serving, request)
+    delivered: list[list[bytes]] = []
+
+    def serve(req: ReplayRequest) -> None:
+        for s in range(req.start_seq, len(engine.ring)):
+            sink.apply(a.on_replay(encode_replay(s, engine.ring[s][2])))
+        sink.apply(a.on_replay(encode_replay_end()))
+
+    def deliver(frames: list[bytes], delay: int) -> None:
+        out = a.on_message(frames)
+        sink.apply(out)
+        if out.replay is not None:
+            pending.append((delay, out.replay))
+
+    def settle() -> None:
+        while pending:
+            serve(pending.pop(0)[1])
+
+    for n, s in enumerate(steps):
+        if s[0] == "restart":
+            settle()
+            engine.incarnation += 1
+            engine.cache.clear()
+            engine.ring.clear()
+            undelivered.clear()
+            continue
+        _, ops, fate, delay = s
+        events: list[Any] = []
+        for o in ops:
+            if o[0] == "clear":
+                engine.cache.clear()
+                events.append(AllBlocksCleared())
+                continue
+            p = prompts[o[1] % len(prompts)]
+            nb = len(p) // BS
+            if o[0] == "store":
+                i = o[2] % nb
+                events.append(engine.store(p, i, max(i + 1, min(nb, o[3])), o[4]))
+            else:
+                events.append(engine.remove(p, o[2] % nb, o[3]))
+        frames = engine.publish(events)
+        last_of_incarnation = n + 1 == len(steps) or steps[n + 1][0] == "restart"
+        first_of_incarnation = len(engine.ring) == 1
+        if fate == "drop" and not last_of_incarnation and not first_of_incarnation:
+            undelivered.append(len(engine.ring) - 1)
+        else:
+            deliver(frames, delay)
+            delivered.append(frames)
+            if fate == "dup":
+                deliver(frames, delay)
+            elif fate == "late" and undelivered:
+                deliver(engine.ring[undelivered.pop(0)], delay)
+        ready = [r for d, r in pending if d == 0]
+        pending[:] = [(d - 1, r) for d, r in pending if d > 0]
+        for r in ready:
+            serve(r)
+        if not pending and a.buffered == 0 and a.last_seq == len(engine.ring) - 1:
+            expect = engine.implied(prompts, lengths)
+            note(f"step {n}: {s}")
+            assert sink.keys == expect
+    settle()
+    if not engine.ring:  # the engine restarted last: the agent learns it from the next message
+        deliver(engine.publish([]), 0)
+    expect = engine.implied(prompts, lengths)
+    assert sink.keys == expect
+    assert {k: int(t) for k, t in a.held().items()} == expect
+    assert a.stats.malformed == 0 and a.stats.resyncs == 0
+    for name in ("restarts", "replay_requests", "duplicates", "orphans", "adopted", "unknown_removals", "clears"):
+        event(f"{name}: {'some' if getattr(a.stats, name) else 'none'}")
+    event(f"tiers held: {sorted(set(expect.values()))}")
+    report = Sink(shards)
+    batches = a.full_report()
+    report.incarnation, report.next = batches[0].incarnation, {b.shard: b.seq for b in batches}
+    report.apply(batches)
+    assert report.keys == expect

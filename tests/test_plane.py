@@ -1,0 +1,115 @@
+"""End to end, in one process: engine KV events (vLLM wire bytes) -> worker agent -> maintenance
+units -> patches -> every edge -> route. Checks the pieces agree on keys, sequencing and the
+joint score, which the per-module tests cannot."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcompass.agent import BlockRemoved, BlockStored, WorkerAgent, encode_batch
+from kvcompass.discovery.plane import LocalPlane
+from kvcompass.discovery.topology import load_topology
+from kvcompass.index import Namespace, Tier
+
+NS = Namespace("llama-3.1-8b", "e2e")
+BLOCK = 16
+
+
+@pytest.fixture()
+def plane() -> LocalPlane:
+    return LocalPlane(load_topology("testbed-14x3"), seed=3)
+
+
+def agent_for(plane: LocalPlane, worker: str) -> WorkerAgent:
+    region = next(w.region for w in plane.topology.workers if w.id == worker)
+    return WorkerAgent(worker, NS, plane.plan.registration(region), plane.layout.shards, block_size=BLOCK)
+
+
+def stored(tokens: np.ndarray, base: int, medium: str = "GPU") -> BlockStored:
+    n = len(tokens) // BLOCK
+    return BlockStored(tuple(range(base, base + n)), None, tuple(int(t) for t in tokens[: n * BLOCK]), BLOCK, None, medium)
+
+
+def feed(plane: LocalPlane, agent: WorkerAgent, frames: list[bytes]) -> None:
+    out = agent.on_message(frames)
+    assert out.replay is None
+    for b in out.batches:
+        plane.ingest(b, sender=b.worker)
+    plane.propagate()
+
+
+def test_remote_prefix_is_found_and_routed_to_when_it_saves_more_than_the_rtt(plane: LocalPlane) -> None:
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(0, 100_000, size=4096, dtype=np.uint32)
+    asia = agent_for(plane, "asia-0")
+    feed(plane, asia, encode_batch([stored(prompt, 1000)], seq=0))
+    assert plane.converged()
+
+    d = plane.edges["us"].route(prompt, NS, now=0.0)
+    # us -> asia plan tops out at 3536 <= 4096 tokens: asia-0 saves 0.085 * 3536 = 300 ms of
+    # prefill for 0.5 * 149.6 ms of WAN, so it wins; a local worker would recompute all 4096.
+    assert d.worker == "asia-0" and d.expected_match == 3536 and d.tier == Tier.VRAM
+    beta, wan = 0.085, 0.5 * plane.plan.rtt_ms("us", "asia")
+    assert d.score == pytest.approx(wan + beta * (4096 - 3536))
+
+    # A short prompt whose shared prefix is below n1 (1760 tokens toward asia) is not worth
+    # the crossing: nothing at the planned lengths matches, so a local worker serves it.
+    short = prompt[:1700]
+    assert plane.edges["us"].route(short, NS, now=0.0).region == "us"
+
+    # The holder's queue makes the crossing lose.
+    plane.edges["us"].on_broadcast("asia", {"asia-0": 1000.0}, now=0.0)
+    assert plane.edges["us"].route(prompt, NS, now=0.0).region == "us"
+
+
+def test_removal_and_offload_flow_through(plane: LocalPlane) -> None:
+    rng = np.random.default_rng(12)
+    prompt = rng.integers(0, 100_000, size=2048, dtype=np.uint32)
+    eu = agent_for(plane, "eu-1")
+    feed(plane, eu, encode_batch([stored(prompt, 1)], seq=0))
+    d = plane.edges["eu"].route(prompt, NS, now=0.0)
+    assert (d.worker, d.expected_match, d.tier) == ("eu-1", 2048, Tier.VRAM)
+    # Offload to CPU: stored again on CPU, removed from GPU -> the index says DRAM.
+    n = 2048 // BLOCK
+    feed(plane, eu, encode_batch([stored(prompt, 1, medium="CPU"), BlockRemoved(tuple(range(1, 1 + n)), "GPU")], seq=1))
+    d = plane.edges["eu"].route(prompt, NS, now=10.0)
+    assert (d.worker, d.tier) == ("eu-1", Tier.DRAM)
+    # Evicted everywhere -> no holder.
+    feed(plane, eu, encode_batch([BlockRemoved(tuple(range(1, 1 + n)), "CPU")], seq=2))
+    d = plane.edges["eu"].route(prompt, NS, now=20.0)
+    assert d.expected_match == 0
+    assert plane.converged()
+
+
+def test_lost_patch_batches_are_repaired_and_views_converge(plane: LocalPlane) -> None:
+    rng = np.random.default_rng(13)
+    agents = [agent_for(plane, w) for w in ("us-0", "eu-0", "asia-1")]
+    seqs = [0, 0, 0]
+    for round_ in range(6):
+        for i, a in enumerate(agents):
+            toks = rng.integers(0, 50_000, size=1024, dtype=np.uint32)
+            out = a.on_message(encode_batch([stored(toks, 10_000 * (i + 1) + 100 * round_)], seq=seqs[i]))
+            seqs[i] += 1
+            for b in out.batches:
+                plane.ingest(b, sender=b.worker)
+        # Lose the first batch of table 0 on every shard this round.
+        drop = {(0, s, plane.units[s].position(0)[1] + 1) for s in range(plane.layout.shards)}
+        report = plane.propagate(drop=drop)
+        assert report.batches > 0
+    assert plane.converged()
+    for edge in plane.edges.values():
+        assert edge.healthy
+
+
+def test_forged_write_is_refused_end_to_end(plane: LocalPlane) -> None:
+    from kvcompass.errors import ForbiddenWriteError
+
+    prompt = np.arange(512, dtype=np.uint32)
+    a = agent_for(plane, "asia-2")
+    out = a.on_message(encode_batch([stored(prompt, 5)], seq=0))
+    before = [u.digest() for u in plane.units]
+    with pytest.raises(ForbiddenWriteError):
+        for b in out.batches:
+            plane.ingest(b, sender="asia-3")
+    assert [u.digest() for u in plane.units] == before
