@@ -1,14 +1,17 @@
-"""The built-in demonstration of the index: three regions, one edge per region, real RTTs.
+"""The built-in demonstration: the whole discovery plane of ``testbed-14x3`` in one process.
 
-Workers of the built-in ``testbed-14x3`` topology (8/2/4 in us-east-1, eu-central-1 and
-ap-northeast-1, the paper's testbed shape) cache prompts; their writers (one LudoTable per table
-and shard of the plan's layout) turn tier-field writes into patch batches; each edge builds its
-views only from snapshots and batches, then routes prompts with the Rust lookup-and-score loop
-over the level plan of its region. It prints who was found where and how fast each step ran.
+Workers in us-east-1, eu-central-1 and ap-northeast-1 (8/2/4, the paper's testbed shape) cache
+prompts and publish KV events in vLLM's wire format; each worker's agent turns them into key ops;
+the maintenance units (one per shard) turn those into sequenced patch batches; every region's
+edge builds its views only from snapshots and batches and routes each prompt with the joint
+score over its latency-derived level plan. It prints the plan, what the index holds (with every
+edge's views checked byte-for-byte against the writers), who was found where, who won and why,
+and how fast each step ran.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import TextIO
@@ -16,16 +19,16 @@ from typing import TextIO
 import numpy as np
 import numpy.typing as npt
 
-from kvcompass import _core
-from kvcompass.discovery.plan import LevelPlan
+from kvcompass.agent import BlockStored, WorkerAgent, encode_batch
+from kvcompass.discovery.plane import LocalPlane
 from kvcompass.discovery.topology import load_topology
 from kvcompass.index import Namespace, Tier
 
 __all__ = ["DemoConfig", "TOPOLOGY", "run_demo"]
 
 TOPOLOGY = "testbed-14x3"
-# DRAM reload over PCIe 4.0 (~25 GB/s) of 128 KiB/token of KV (DESIGN.md section 6).
-GAMMA_MS_PER_TOKEN = 0.005
+# The engines' KV block size (vLLM's default is 16 tokens).
+BLOCK = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,139 +36,97 @@ class DemoConfig:
     prompts: int = 24
     prompt_tokens: int = 4096
     seed: int = 7
-    route_repeats: int = 200
+    route_repeats: int = 20
+
+
+def _prompts(cfg: DemoConfig, rng: np.random.Generator) -> list[npt.NDArray[np.uint32]]:
+    """A few shared system preambles with private tails (what makes prefixes reusable)."""
+    preambles = [rng.integers(0, 128_000, size=int(rng.integers(64, 192)) * BLOCK, dtype=np.uint32) for _ in range(4)]
+    out = []
+    for _ in range(cfg.prompts):
+        pre = preambles[int(rng.integers(0, len(preambles)))]
+        tail = rng.integers(0, 128_000, size=cfg.prompt_tokens - len(pre), dtype=np.uint32)
+        out.append(np.concatenate([pre, tail]).astype(np.uint32))
+    return out
 
 
 def run_demo(cfg: DemoConfig = DemoConfig(), out: TextIO | None = None) -> dict[str, float]:
     """Run the demonstration; returns the headline figures (also printed)."""
-    import sys
-
     w = out or sys.stdout
-    plan = LevelPlan(load_topology(TOPOLOGY))
-    topo = plan.topology
-    layout = plan.layout()
-    w.write(f"Topology {topo.name}; RTT matrix: {topo.rtt.source}\n")
     rng = np.random.default_rng(cfg.seed)
     ns = Namespace("llama-3.1-8b", "demo")
-    regions = topo.region_names
-    n_regions = len(regions)
-    # Per-worker arrays in layout order (the order of the Router's worker indices).
-    specs = {s.id: s for s in topo.workers}
-    names = list(layout.workers)
-    n_workers = len(names)
-    worker_region = np.array([topo.region_index(specs[n].region) for n in names], dtype=np.uint32)
-    beta = np.array([specs[n].beta_ms_per_token for n in names])
-    index_of = {n: i for i, n in enumerate(names)}
+    t0 = time.perf_counter()
+    plane = LocalPlane(load_topology(TOPOLOGY), seed=cfg.seed)
+    boot_ms = (time.perf_counter() - t0) * 1e3
+    topo, plan, layout = plane.topology, plane.plan, plane.layout
     label = {r.name: f"{r.name} ({r.aws_region})" for r in topo.regions}
-
-    # Each edge's plan toward each region; a worker registers at the union over all edges.
-    plans = {o: plan.router_plan(regions[o]) for o in range(n_regions)}
+    w.write(f"Topology {topo.name}: {len(topo.workers)} workers in {len(topo.regions)} regions; RTT matrix: {topo.rtt.source}\n")
     w.write("\nLevel plan (prefix lengths each edge queries, tokens; n1 = RTT / beta toward remote regions):\n")
-    for src in regions:
-        for dst in regions:
+    for src in plan.edge_regions:
+        for dst in plan.target_regions:
             n1 = "own region" if src == dst else f"n1 {plan.n1(src, dst):.0f}"
             w.write(f"  edge {label[src]:>21} -> {label[dst]:<21} {n1:>10}  {list(plan.lengths(src, dst))}\n")
 
-    # Writers: one per (table, shard) of the plan's layout (a table per region here: <= 16 workers).
-    shards = layout.shards
-    writers = [
-        [_core.LudoTable(table=spec.table_id, shard=sh, capacity=4096, value_bits=layout.value_bits, fp_bits=layout.fp_bits) for sh in range(shards)]
-        for spec in layout.tables
-    ]
-    n_tables = len(writers)
-    # What a booting edge fetches first: each writer's (empty) state at seq 0.
-    initial = [[t.export_snapshot() for t in row] for row in writers]
-
-    # Prompts: a few shared system preambles plus private suffixes.
-    preambles = [rng.integers(0, 128_000, size=int(rng.integers(1024, 3072)), dtype=np.uint32) for _ in range(4)]
-    prompts: list[npt.NDArray[np.uint32]] = []
-    for _ in range(cfg.prompts):
-        pre = preambles[int(rng.integers(0, len(preambles)))]
-        tail = rng.integers(0, 128_000, size=cfg.prompt_tokens - len(pre), dtype=np.uint32)
-        prompts.append(np.concatenate([pre, tail]).astype(np.uint32))
-
-    # Workers cache prompts: every prompt is held by one random worker, in VRAM or DRAM; the
-    # worker registers it at every length any edge queries toward its region.
+    # Workers cache prompts and publish vLLM KV events; agents key them; units index them.
+    prompts = _prompts(cfg, rng)
+    workers = list(layout.workers)
+    region_of = {s.id: s.region for s in topo.workers}
+    agents = {wk: WorkerAgent(wk, ns, plan.registration(region_of[wk]), layout.shards, block_size=BLOCK) for wk in workers}
+    engine_seq = dict.fromkeys(workers, 0)
+    holders: list[tuple[str, Tier]] = []
     t0 = time.perf_counter()
-    writes = 0
-    holders: list[tuple[int, Tier]] = []
-    for p in prompts:
-        wk = int(rng.integers(0, n_workers))
-        tier = Tier.VRAM if rng.random() < 0.7 else Tier.DRAM
-        holders.append((wk, tier))
-        ref = layout.field_of(names[wk])
-        keys = ns.keys(p, plan.registration(specs[names[wk]].region))
-        for k in keys[keys != _core.NO_KEY]:
-            writers[ref.table_id][_core.shard_of(int(k), shards)].set_field(int(k), ref.field, int(tier))
-            writes += 1
-    batches = [[t.take_batch() for t in row] for row in writers]
-    write_s = time.perf_counter() - t0
-    batch_bytes = sum(len(b) for row in batches for b in row if b)
-
-    # Edges: views built only from a snapshot plus the sequenced batches.
+    ops = 0
+    for i, p in enumerate(prompts):
+        wk = workers[int(rng.integers(0, len(workers)))]
+        medium = "GPU" if rng.random() < 0.7 else "CPU"
+        holders.append((wk, Tier.VRAM if medium == "GPU" else Tier.DRAM))
+        n = len(p) // BLOCK
+        event = BlockStored(tuple(range(i * 10_000, i * 10_000 + n)), None, tuple(int(t) for t in p[: n * BLOCK]), BLOCK, None, medium)
+        frames = encode_batch([event], seq=engine_seq[wk], ts=float(i))
+        engine_seq[wk] += 1
+        for batch in agents[wk].on_message(frames).batches:
+            plane.ingest(batch, sender=wk)
+            ops += len(batch.keys)
+    ingest_ms = (time.perf_counter() - t0) * 1e3
     t0 = time.perf_counter()
-    edges: list[list[list[_core.LudoView]]] = []
-    for _ in range(n_regions):
-        views = []
-        for t in range(n_tables):
-            row = []
-            for sh in range(shards):
-                v = _core.LudoView(t, sh)
-                v.apply_batch(initial[t][sh])
-                b = batches[t][sh]
-                if b is not None:
-                    v.apply_batch(b)
-                if v.digest() != writers[t][sh].digest():
-                    raise RuntimeError(f"view of table {t} shard {sh} diverged from its writer")
-                row.append(v)
-            views.append(row)
-        edges.append(views)
-    apply_s = time.perf_counter() - t0
-    view_bytes = sum(v.memory_bytes for row in edges[0] for v in row)
+    report = plane.propagate()
+    propagate_ms = (time.perf_counter() - t0) * 1e3
+    if not plane.converged():
+        raise RuntimeError("an edge's view diverged from its writer")
+    entries = sum(u.stats.entries for u in plane.units)
     w.write(
-        f"\nIndex: {writes} tier writes -> {sum(len(t) for row in writers for t in row)} entries in "
-        f"{n_tables * shards} (table, shard) writers ({n_tables} tables x {shards} shards, {layout.fp_bits}-bit fingerprints), "
-        f"{batch_bytes} patch bytes, written in {write_s * 1e3:.1f} ms; every edge rebuilt {n_tables * shards} views from "
-        f"snapshot + batches in {apply_s * 1e3:.1f} ms (digests match the writers); "
-        f"one edge's views hold {view_bytes} bytes\n"
+        f"\nIndex: {len(prompts)} prompts cached -> {ops} key ops from {len(agents)} agents ({ingest_ms:.1f} ms from vLLM event bytes), "
+        f"{entries} entries in {len(layout.tables)} tables x {layout.shards} shards; {report.batches} patch batches "
+        f"({report.patch_bytes} bytes) delivered to {len(plane.edges)} edges in {propagate_ms:.1f} ms; "
+        f"every view's digest matches its writer (edges booted in {boot_ms:.1f} ms)\n"
     )
 
-    # Route: every prompt arrives at a random region's edge.
-    belief = np.ones(n_workers)
-    tq = rng.uniform(0.0, 40.0, size=n_workers)
-    routers = []
-    for o in range(n_regions):
-        tables = [
-            (topo.region_index(spec.region), np.array([index_of[n] for n in spec.workers], dtype=np.uint32), edges[o][spec.table_id])
-            for spec in layout.tables
-        ]
-        routers.append(_core.Router(plans[o], tables))
-    w.write("\nRoutes (WAN = one-way, RTT/2):\n")
-    w.write(f"  {'#':>2} {'edge':>6} {'holder':>13} {'winner':>8} {'match':>6} {'tier':>5} {'score ms':>9} {'recompute ms':>13}\n")
+    # Route every prompt from a random region's edge.
+    w.write("\nRoutes (score = WAN + queue + prefill + reload, ms):\n")
+    w.write(f"  {'#':>2} {'edge':>6} {'holder':>14} {'winner':>8} {'match':>6} {'tier':>6} {'score':>7} {'wan':>6} {'prefill':>8} {'reload':>7} {'no-reuse':>9}\n")
     found = 0
     timings: list[float] = []
+    edges = list(plane.edges)
     for i, p in enumerate(prompts):
-        o = int(rng.integers(0, n_regions))
-        wan = np.array([plan.rtt_ms(regions[o], regions[int(r)]) / 2 for r in worker_region])
-        res = routers[o].route(p, ns.digest, worker_region, beta, wan, tq, belief, gamma=GAMMA_MS_PER_TOKEN, lam=0.0)
+        edge = plane.edges[edges[int(rng.integers(0, len(edges)))]]
+        now = float(i)
+        d = edge.route(p, ns, now)
         t0 = time.perf_counter()
-        for _ in range(cfg.route_repeats // 10):
-            routers[o].route(p, ns.digest, worker_region, beta, wan, tq, belief, gamma=GAMMA_MS_PER_TOKEN)
-        timings.append((time.perf_counter() - t0) / max(1, cfg.route_repeats // 10))
+        for _ in range(cfg.route_repeats):
+            edge.route(p, ns, now)
+        timings.append((time.perf_counter() - t0) / max(1, cfg.route_repeats))
         hk, ht = holders[i]
-        m = int(res.matches[hk])
-        found += m > 0
-        win = res.winner
+        found += d.expected_match > 0
         # What the winner would cost with nothing reused: the prefill the index saved.
-        recompute = float(wan[win] + tq[win] + beta[win] * len(p))
+        no_reuse = d.terms.wan + d.terms.queue + plan.beta(d.region) * len(p)
         w.write(
-            f"  {i:>2} {regions[o]:>6} {names[hk] + ('' if m else ' (miss)'):>13} {names[win]:>8} "
-            f"{int(res.matches[win]):>6} {Tier(int(res.tiers[win])).name:>5} {res.score:>9.1f} {recompute:>13.1f}\n"
+            f"  {i:>2} {edge.region:>6} {hk + '/' + ht.name:>14} {d.worker:>8} {d.expected_match:>6} {Tier(d.tier).name:>6} "
+            f"{d.score:>7.1f} {d.terms.wan:>6.1f} {d.terms.prefill:>8.1f} {d.terms.reload:>7.1f} {no_reuse:>9.1f}\n"
         )
     p50_us = float(np.median(timings)) * 1e6
     w.write(
-        f"\nFound the true holder's prefix for {found}/{len(prompts)} prompts; "
-        f"route p50 {p50_us:.1f} us per {cfg.prompt_tokens}-token prompt "
-        f"({n_workers} workers, {n_regions} regions, {sum(len(x) for x in plans[0])} levels, Python call included)\n"
+        f"\nFound a cached prefix for {found}/{len(prompts)} prompts; Edge.route p50 {p50_us:.1f} us per "
+        f"{cfg.prompt_tokens}-token prompt ({len(workers)} workers, {len(topo.regions)} regions, "
+        f"{sum(len(x) for x in plan.router_plan(edges[0]))} levels; Python, belief, queues and speculation included)\n"
     )
-    return {"found": float(found), "prompts": float(len(prompts)), "route_us_p50": p50_us, "patch_bytes": float(batch_bytes)}
+    return {"found": float(found), "prompts": float(len(prompts)), "route_us_p50": p50_us, "patch_bytes": float(report.patch_bytes)}

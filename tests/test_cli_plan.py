@@ -92,7 +92,7 @@ def test_demo_runs_on_the_testbed_plan() -> None:
     buf = io.StringIO()
     figures = run_demo(DemoConfig(prompts=4, route_repeats=10), out=buf)
     out = buf.getvalue()
-    for needle in ("Topology testbed-14x3", "Level plan", "digests match the writers", "Routes", "Found the true holder's prefix for 4/4 prompts"):
+    for needle in ("Topology testbed-14x3", "Level plan", "digest matches its writer", "Routes", "Found a cached prefix for 4/4 prompts"):
         assert needle in out
     assert "edge     eu (eu-central-1) -> us (us-east-1)" in out
     assert figures["found"] == figures["prompts"] == 4.0
