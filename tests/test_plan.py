@@ -172,7 +172,9 @@ def test_decode_only_region_is_not_a_target() -> None:
     p = plan_of(workers=[{"id": "a0", "region": "a", "role": "prefill"}, {"id": "b0", "region": "b", "role": "decode"}])
     assert p.target_regions == ("a",)
     assert p.lengths("a", "b") == () and p.registration("b") == ()
-    assert p.router_plan("b") == [list(p.lengths("b", "a")), []]
+    # An edge in b still has its own-region ladder: its shortest length names prefix families.
+    assert p.lengths("b", "b") == p.lengths("a", "a") != ()
+    assert p.router_plan("b") == [list(p.lengths("b", "a")), list(p.lengths("b", "b"))]
 
 
 @pytest.mark.parametrize(("name", "tables"), [("testbed-14x3", 3), ("paper-64x8", 8), ("paper-128x16", 16)])

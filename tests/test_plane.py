@@ -113,3 +113,28 @@ def test_forged_write_is_refused_end_to_end(plane: LocalPlane) -> None:
         for b in out.batches:
             plane.ingest(b, sender="asia-3")
     assert [u.digest() for u in plane.units] == before
+
+
+def test_an_edge_only_region_gets_its_own_ladder_and_routes() -> None:
+    from kvcompass.discovery.topology import topology_from_dict
+
+    raw = {
+        "name": "edge-only",
+        "regions": {"us": "us-east-1", "eu": "eu-central-1"},
+        "workers": [{"id": "us-0", "region": "us", "beta_ms_per_token": 0.085, "vram_tokens": 4096, "dram_tokens": 8192}],
+    }
+    topo = topology_from_dict(raw)
+    plane = LocalPlane(topo)
+    assert plane.plan.lengths("eu", "eu") == plane.plan.lengths("us", "us")
+    d = plane.edges["eu"].route(np.arange(300, dtype=np.uint32), NS, now=0.0)
+    assert d.worker == "us-0"
+
+
+def test_a_bad_queue_report_changes_neither_queues_nor_belief(plane: LocalPlane) -> None:
+    from kvcompass.errors import InvalidArgumentError
+
+    edge = plane.edges["us"]
+    before = (edge.belief("asia-0"), edge.queue_estimate("asia-2"))
+    with pytest.raises(InvalidArgumentError):
+        edge.on_response("asia-0", 1000, 0, {"asia-2": float("nan")}, 0.0)
+    assert (edge.belief("asia-0"), edge.queue_estimate("asia-2")) == before

@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from kvcompass.errors import InvalidArgumentError
+
 __all__ = ["CacheBelief"]
 
 
@@ -51,7 +53,7 @@ class CacheBelief:
         belief unchanged. Returns the new belief.
         """
         if claimed < 0 or reused < 0:
-            raise ValueError(f"claimed ({claimed}) and reused ({reused}) tokens must be >= 0")
+            raise InvalidArgumentError(f"claimed ({claimed}) and reused ({reused}) tokens must be >= 0")
         if claimed == 0:
             return float(self._b[index])
         ratio = min(1.0, reused / claimed)

@@ -701,10 +701,15 @@ class Edge:
         ``expected_match``), the worker reports ``reused_tokens``; a remote worker's response
         may carry its region's queue vector (worker id -> ms)."""
         i = self.worker_index(worker)
-        self._n.responses += 1
-        self._belief.observe(i, int(claimed_tokens), int(reused_tokens))
+        claimed, reused = int(claimed_tokens), int(reused_tokens)
+        if claimed < 0 or reused < 0:
+            raise InvalidArgumentError(f"claimed ({claimed}) and reused ({reused}) tokens must be >= 0")
+        # Fold the queue vector first: it validates every sample before changing anything, so a
+        # bad report leaves belief and queues untouched.
         if queue_vector and not self._local[i]:
             self._fold_vector(self._worker_region[i], queue_vector, now)
+        self._n.responses += 1
+        self._belief.observe(i, claimed, reused)
 
     def on_broadcast(self, region: str, vector: Mapping[str, float], now: float) -> None:
         """A periodic queue vector from ``region`` (our own region's is ignored: it is read live)."""

@@ -83,12 +83,15 @@ class LevelPlan:
                 beta[r] = sum(rates) / len(rates)
         lengths: dict[tuple[str, str], tuple[int, ...]] = {}
         for o in self.edge_regions:
+            # An edge always has its own-region ladder, even in a region without workers: its
+            # shortest length names prefix families (hotness) for the requests it receives.
+            lengths[(o, o)] = own_region_levels(t.own_region_min, levels=t.levels, block_size=t.block_size, max_prefix=t.max_prefix)
             for r in beta:
                 if o == r:
                     lengths[(o, r)] = own_region_levels(t.own_region_min, levels=t.levels, block_size=t.block_size, max_prefix=t.max_prefix)
                 else:
                     lengths[(o, r)] = remote_levels(t.rtt_ms(o, r), beta[r], levels=t.levels, block_size=t.block_size, max_prefix=t.max_prefix)
-        registration = {r: tuple(sorted({c for o in self.edge_regions for c in lengths[(o, r)]})) for r in beta}
+        registration = {r: tuple(sorted({c for o in self.edge_regions for c in lengths.get((o, r), ())})) for r in beta}
         per = t.value_bits // 2
         tables: list[TableSpec] = []
         for r in beta:
