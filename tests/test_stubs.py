@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 STRICT_FILES = ["kvcompass/index.py", "kvcompass/errors.py", "kvcompass/__init__.py", "kvcompass/discovery/maintenance.py", "kvcompass/discovery/topology.py", "kvcompass/discovery/plan.py", "kvcompass/cli.py", "kvcompass/demo.py"]
 STRICT_FILES += [f"kvcompass/discovery/{m}.py" for m in ("edge", "belief", "queues", "hotness", "migration", "params", "plane", "layout", "ops")]
 STRICT_FILES += [f"kvcompass/agent/{m}.py" for m in ("__init__", "events", "agent")]
+STRICT_FILES += [f"kvcompass/sim/{m}.py" for m in ("__init__", "cache", "costs")]
+STRICT_FILES += ["kvcompass/sim/workload.py"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -1,0 +1,972 @@
+"""Workloads for the simulator: trace loading, token expansion, regions, rates, tenants and a
+synthetic "Mixed"-like generator.
+
+Everything here is deterministic: the same arguments give the same requests in every run and in
+every process (no ``hash()``, no clocks, only seeded numpy generators and fixed integer mixing).
+
+Traces
+    Any JSONL file in the Mooncake schema loads (``load_trace(path, block_size)``): one object a
+    line with ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids``, where
+    ``len(hash_ids) == ceil(input_length / block_size)``; optional ``chat_id`` /
+    ``parent_chat_id`` (the Qwen-Bailian convention: ``parent_chat_id`` is the ``chat_id`` of the
+    previous turn, -1 marks a root). Other keys (``type``, ``turn``, ...) are ignored. The shared
+    Mooncake traces (block size 512) are found by :func:`find_trace`.
+
+    Validation is strict and every error is an :class:`~kvcompass.errors.InvalidArgumentError`
+    (a ``ValueError``) whose message names the file, the line and the field, with ``path``,
+    ``line`` and ``field`` attributes. Decisions a trace might trip over:
+
+    * timestamps must be numbers >= 0 and **non-decreasing**. The schema says the file is sorted;
+      a step back means a concatenated or shuffled file, and sorting it silently could put a
+      follow-up turn before its parent. Sort the file first.
+    * ``input_length`` must be >= 1 (an empty prompt cannot be routed), ``output_length`` >= 0.
+    * hash ids are integers in ``0 .. 2**63 - 1``.
+    * a ``parent_chat_id`` that names no *earlier* line (its session began before the trace
+      window, or the file was cut) starts a new session: the request becomes a root. A
+      ``chat_id`` seen twice, or a request naming itself as parent, is an error.
+    * blank lines are skipped (line numbers still count them).
+
+Token expansion
+    Block id ``b`` stands for ``block_size`` token ids: the first ``block_size`` outputs of a
+    SplitMix64 stream seeded by a mix of ``b``, mapped into ``[0, 128000)`` (Llama-3's vocabulary
+    without its special tokens). A request's tokens are its blocks' tokens concatenated and cut
+    to ``input_length``, so equal leading ids give equal leading tokens, a partial last block is a
+    prefix of the full block with the same id, and different ids give different tokens (up to
+    a 2**-17 chance per token). Pure integer arithmetic: stable across runs, processes, machines.
+
+Memory
+    A :class:`Request` holds no tokens. A trace request keeps a read-only view of its hash ids
+    (shared by all tenant copies of the row); a synthetic request keeps a handful of
+    ``(chain, blocks)`` runs, from which its ids are derived. ``Request.input_tokens()``
+    materialises the tokens on each call (10-15 ns a token here) and keeps nothing, so a workload
+    of a million requests costs its ids, not its tokens.
+
+Sessions and regions
+    Traces carry no user location. Each root session is assigned a region by a weight vector
+    (seeded; default: proportional to prefill capacity when a topology is given, equal weights
+    for a plain list of names); follow-up turns inherit their root's region (paper appendix D).
+    Region draws are per row, so ``max_requests`` does not change the regions of the rows kept.
+
+Rates
+    ``mode="trace"`` keeps the file's times; ``"rescale"`` multiplies them so that the mean
+    rate, (N - 1) / (last - first arrival), is exactly ``rate`` req/s; ``"poisson"`` keeps the
+    order and draws exponential inter-arrival gaps at ``rate``. ``rate`` is the aggregate over
+    all tenants (what a load sweep sets).
+
+Tenants
+    ``tenants=K`` replays K copies of the trace. Copy k has a private namespace
+    (``Request.namespace``, the ``tenant`` argument of :class:`kvcompass.Namespace`), so the
+    copies never share a key even though their tokens are identical: the namespace, not the
+    tokens, separates them, exactly as the discovery plane separates sharing groups. A trace's
+    prefix tree is opaque, so there is nothing like a system prompt to make private; a private
+    namespace has the same effect as a private first block. Copy k is shifted by k/K of the
+    trace's mean inter-arrival gap, so copies interleave instead of arriving in bursts of K.
+
+    The synthetic generator is different on purpose: its tenants share one namespace and are
+    separated by private system prompt *tokens*, because its tool preambles are shared across
+    tenants (see :func:`synthetic_mixed`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcompass.discovery.topology import Topology
+from kvcompass.errors import InvalidArgumentError
+
+__all__ = [
+    "MOONCAKE_BLOCK_SIZE",
+    "TRACE_NAMES",
+    "VOCAB",
+    "ChainBlocks",
+    "MixedConfig",
+    "Request",
+    "ReuseStats",
+    "TraceBlocks",
+    "dump_trace",
+    "expand_blocks",
+    "find_trace",
+    "load_mooncake",
+    "load_trace",
+    "region_weights",
+    "resolve_trace",
+    "reuse_stats",
+    "synthetic_mixed",
+]
+
+U64Array: TypeAlias = npt.NDArray[np.uint64]
+U32Array: TypeAlias = npt.NDArray[np.uint32]
+F64Array: TypeAlias = npt.NDArray[np.float64]
+I64Array: TypeAlias = npt.NDArray[np.int64]
+RateMode: TypeAlias = Literal["trace", "rescale", "poisson"]
+
+# The Mooncake FAST'25 traces hash 512-token blocks (../shared/data/traces/README.md).
+MOONCAKE_BLOCK_SIZE = 512
+# Names find_trace resolves out of the box (the files in ../shared/data/traces/).
+TRACE_NAMES = ("conversation", "synthetic")
+# Token ids stay below Llama-3's 128,000 ordinary tokens (its 256 special ids come after them).
+VOCAB = 128_000
+
+_MAX_ID = (1 << 63) - 1
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_C1 = 0xBF58476D1CE4E5B9
+_C2 = 0x94D049BB133111EB
+# Domain separation: token streams, block chains and segment identities never coincide.
+_TOKEN_SALT = 0x6B7663_746F6B656E  # "kvc" "token"
+_CHAIN_ROOT = 0x6B7663_636861696E  # "kvc" "chain"
+_TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+_TRACES_SUBDIR = "traces"
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------------------------
+# Integer mixing (SplitMix64's finaliser): the only source of token and synthetic block ids.
+
+
+def _mix64(x: int) -> int:
+    z = (x + _GOLDEN) & _M64
+    z = ((z ^ (z >> 30)) * _C1) & _M64
+    z = ((z ^ (z >> 27)) * _C2) & _M64
+    return z ^ (z >> 31)
+
+
+def _mix64_np(x: U64Array) -> U64Array:
+    """Elementwise :func:`_mix64` (uint64 arithmetic wraps, as the scalar form masks)."""
+    z = x + np.uint64(_GOLDEN)
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(_C1)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(_C2)
+    z ^= z >> np.uint64(31)
+    return z
+
+
+def _ids_of(hash_ids: Sequence[int] | npt.NDArray[np.integer]) -> U64Array:
+    arr = np.asarray(hash_ids)
+    if arr.ndim != 1:
+        raise InvalidArgumentError(f"hash_ids must be one-dimensional, got shape {arr.shape}")
+    if arr.dtype == np.uint64:
+        return arr
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.uint64)
+    if arr.dtype.kind not in "iu" or int(arr.min()) < 0:
+        raise InvalidArgumentError("hash_ids must be integers in 0..2**63-1")
+    return arr.astype(np.uint64)
+
+
+def expand_blocks(hash_ids: Sequence[int] | npt.NDArray[np.integer], input_length: int, block_size: int) -> U32Array:
+    """The token ids of a prompt given its block ids: ``block_size`` tokens per id, derived from
+    the id alone, cut to ``input_length``. Equal ids give equal tokens in any request, any
+    process. ``InvalidArgumentError`` when ``len(hash_ids) != ceil(input_length / block_size)``."""
+    if block_size < 1:
+        raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
+    ids = _ids_of(hash_ids)
+    if input_length < 0 or ids.size != -(-input_length // block_size):
+        raise InvalidArgumentError(f"{ids.size} hash ids cannot cover input_length {input_length} at block_size {block_size}: need ceil({input_length}/{block_size})")
+    seeds = _mix64_np(ids ^ np.uint64(_TOKEN_SALT))
+    steps = np.arange(block_size, dtype=np.uint64) * np.uint64(_GOLDEN)
+    z = (seeds[:, None] + steps[None, :]).reshape(-1)[:input_length]
+    z = _mix64_np(z)
+    # Multiply-shift maps the top 32 bits onto [0, VOCAB) without a division.
+    return (((z >> np.uint64(32)) * np.uint64(VOCAB)) >> np.uint64(32)).astype(np.uint32)
+
+
+# --------------------------------------------------------------------------------------------
+# Requests
+
+
+@dataclass(frozen=True, slots=True)
+class TraceBlocks:
+    """Block ids read from a trace: one read-only array, shared by every tenant copy of the row."""
+
+    ids: U64Array
+
+    @property
+    def n_blocks(self) -> int:
+        return int(self.ids.size)
+
+    def hash_ids(self) -> U64Array:
+        return self.ids
+
+
+@dataclass(frozen=True, slots=True)
+class ChainBlocks:
+    """Block ids of a synthetic prompt, stored as runs: run ``(chain, count)`` stands for the ids
+    ``mix(chain + j * golden) mod 2**63`` for ``j = 1..count``. ``chain`` identifies everything
+    before and including the run's segment, so every id stands for its whole prefix, as in the
+    Mooncake traces (the ids form a prefix tree)."""
+
+    runs: tuple[tuple[int, int], ...]
+
+    @property
+    def n_blocks(self) -> int:
+        return sum(count for _, count in self.runs)
+
+    def hash_ids(self) -> U64Array:
+        parts = [_mix64_np(np.uint64(chain) + np.arange(1, count + 1, dtype=np.uint64) * np.uint64(_GOLDEN)) for chain, count in self.runs]
+        ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
+        ids &= np.uint64(_MAX_ID)
+        return ids
+
+
+BlockSource: TypeAlias = TraceBlocks | ChainBlocks
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Request:
+    """One request of a workload. Holds ids, not tokens: :meth:`input_tokens` materialises them.
+
+    ``id`` is the position in arrival order (0..N-1 within one workload); ``session`` is the id
+    of the session's root request (``== id`` for a root) and ``parent`` the id of the previous
+    turn (-1 for a root). ``namespace`` is the sharing group, to be passed as the ``tenant`` of
+    :class:`kvcompass.Namespace`; ``tenant`` is the tenant's index. ``kind`` says where the
+    request came from: ``"trace"``, or the synthetic ``"tool"``, ``"docqa"``, ``"coding"``.
+    Equality compares every field and the ids (not object identity).
+    """
+
+    id: int
+    arrival_ms: float
+    region: str
+    tenant: int
+    namespace: str
+    input_length: int
+    output_length: int
+    block_size: int
+    session: int
+    parent: int
+    blocks: BlockSource
+    kind: str = "trace"
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent < 0
+
+    @property
+    def n_blocks(self) -> int:
+        return self.blocks.n_blocks
+
+    def hash_ids(self) -> U64Array:
+        """The request's block ids in the Mooncake sense (``ceil(input_length / block_size)`` of
+        them; equal leading ids mean a shared prefix)."""
+        return self.blocks.hash_ids()
+
+    def input_tokens(self) -> U32Array:
+        """The prompt's token ids (uint32, ``input_length`` of them), computed on every call."""
+        return expand_blocks(self.hash_ids(), self.input_length, self.block_size)
+
+    def _scalars(self) -> tuple[object, ...]:
+        return (self.id, self.arrival_ms, self.region, self.tenant, self.namespace, self.input_length, self.output_length, self.block_size, self.session, self.parent, self.kind)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Request):
+            return NotImplemented
+        return self._scalars() == other._scalars() and bool(np.array_equal(self.hash_ids(), other.hash_ids()))
+
+    def __hash__(self) -> int:
+        return hash(self._scalars())
+
+
+# --------------------------------------------------------------------------------------------
+# Finding traces
+
+
+def _data_dirs() -> list[Path]:
+    dirs: list[Path] = []
+    env = os.environ.get("KVCOMPASS_DATA")
+    if env:
+        dirs.append(Path(env))
+    dirs += [Path.cwd() / ".." / "shared" / "data", _PACKAGE.parent.parent / "shared" / "data"]
+    return dirs
+
+
+def find_trace(name: str) -> Path:
+    """The file of a named trace: ``{name}_trace.jsonl`` in the ``traces/`` folder of
+    ``$KVCOMPASS_DATA``, ``<cwd>/../shared/data`` or ``<repo>/../shared/data`` (first found).
+    ``FileNotFoundError`` listing every place looked at when none holds it."""
+    if not name or any(sep in name for sep in ("/", "\\")) or name.startswith("."):
+        raise InvalidArgumentError(f"trace name must be a plain name such as {' or '.join(map(repr, TRACE_NAMES))}, got {name!r}")
+    filename = f"{name}_trace.jsonl"
+    looked: list[str] = []
+    for d in _data_dirs():
+        p = d / _TRACES_SUBDIR / filename
+        if p.is_file():
+            return p.resolve()
+        looked.append(str(p))
+    hint = "" if name in TRACE_NAMES else f" (the shared data ships {', '.join(TRACE_NAMES)})"
+    raise FileNotFoundError(f"trace {name!r} not found{hint}; looked at: {'; '.join(looked)}. Set KVCOMPASS_DATA to the folder holding traces/.")
+
+
+def resolve_trace(path_or_name: str | os.PathLike[str]) -> Path:
+    """What a ``--trace`` argument means: an existing file, else a name for :func:`find_trace`."""
+    p = Path(path_or_name)
+    if p.is_file():
+        return p
+    text = os.fspath(path_or_name)
+    if p.suffix or os.sep in text or "/" in text:
+        raise FileNotFoundError(f"trace file {text!r} does not exist")
+    return find_trace(text)
+
+
+# --------------------------------------------------------------------------------------------
+# Regions
+
+
+def region_weights(topology: Topology) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """Region names and their prefill capacity (tokens/ms, the sum of ``1 / beta`` over the
+    region's indexed workers): the default share of users per region. With equal prefill rates
+    this is the worker count, which is how the paper sizes regions (a deployment census, §5.3)."""
+    names = topology.region_names
+    cap = {r: 0.0 for r in names}
+    for w in topology.indexed_workers:
+        cap[w.region] += 1.0 / w.beta_ms_per_token
+    return names, tuple(cap[r] for r in names)
+
+
+def _regions_and_cdf(regions: Sequence[str] | Topology, weights: Sequence[float] | None) -> tuple[tuple[str, ...], F64Array]:
+    if isinstance(regions, Topology):
+        names, capacity = region_weights(regions)
+        w_in: Sequence[float] = capacity if weights is None else weights
+    else:
+        if isinstance(regions, str):
+            raise InvalidArgumentError(f"regions must be a sequence of region names, got the string {regions!r}")
+        names = tuple(regions)
+        w_in = [1.0] * len(names) if weights is None else weights
+    if not names:
+        raise InvalidArgumentError("regions is empty")
+    if len(set(names)) != len(names) or not all(isinstance(r, str) and r for r in names):
+        raise InvalidArgumentError(f"regions must be distinct non-empty names, got {list(names)}")
+    w = np.asarray(list(w_in), dtype=np.float64)
+    if w.shape != (len(names),):
+        raise InvalidArgumentError(f"weights has {w.size} entries for {len(names)} regions")
+    if not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
+        raise InvalidArgumentError(f"weights must be finite, >= 0 and not all 0, got {w.tolist()}")
+    cdf = np.cumsum(w / w.sum())
+    cdf[-1] = 1.0
+    return names, cdf
+
+
+def _draw(cdf: F64Array, u: F64Array) -> I64Array:
+    # side="right": a uniform equal to a boundary goes to the next region, so a zero-weight
+    # region (an empty interval) is never drawn.
+    return np.minimum(np.searchsorted(cdf, u, side="right"), cdf.size - 1).astype(np.int64)
+
+
+# --------------------------------------------------------------------------------------------
+# Trace parsing
+
+
+@dataclass(slots=True)
+class _Rows:
+    timestamps: list[float] = field(default_factory=list)
+    input_lengths: list[int] = field(default_factory=list)
+    output_lengths: list[int] = field(default_factory=list)
+    hash_ids: list[U64Array] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    roots: list[int] = field(default_factory=list)
+
+
+def _trace_error(path: Path, line: int, name: str | None, problem: str) -> InvalidArgumentError:
+    where = f"{path}, line {line}" + (f", field {name!r}" if name else "")
+    return InvalidArgumentError(f"{where}: {problem}", path=str(path), line=line, field=name)
+
+
+def _is_int(v: object) -> bool:
+    return type(v) is int  # bool is an int subclass; exactly int refuses it
+
+
+def _parse_ids(path: Path, line: int, raw: object) -> U64Array:
+    if type(raw) is not list:
+        raise _trace_error(path, line, "hash_ids", f"expected a list of integers, got {type(raw).__name__}")
+    if not all(map(_is_int, raw)):
+        i = next(i for i, v in enumerate(raw) if not _is_int(v))
+        raise _trace_error(path, line, "hash_ids", f"element {i} is {raw[i]!r}, expected an integer")
+    try:
+        arr = np.array(raw, dtype=np.int64)
+    except OverflowError:
+        i = next(i for i, v in enumerate(raw) if not 0 <= v <= _MAX_ID)
+        raise _trace_error(path, line, "hash_ids", f"element {i} is {raw[i]}, outside 0..2**63-1") from None
+    if arr.size and int(arr.min()) < 0:
+        i = int(np.argmax(arr < 0))
+        raise _trace_error(path, line, "hash_ids", f"element {i} is {raw[i]}, outside 0..2**63-1")
+    ids = arr.view(np.uint64)
+    ids.setflags(write=False)
+    return ids
+
+
+def _read_trace(path: Path, block_size: int, max_requests: int | None) -> _Rows:
+    rows = _Rows()
+    row_of_chat: dict[int, int] = {}
+    prev_ts = 0.0
+    with path.open("rb") as f:
+        for line, raw in enumerate(f, 1):
+            if max_requests is not None and len(rows.timestamps) >= max_requests:
+                break
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except UnicodeDecodeError as e:
+                raise _trace_error(path, line, None, f"not UTF-8 ({e.reason})") from None
+            except json.JSONDecodeError as e:
+                raise _trace_error(path, line, None, f"not valid JSON ({e.msg} at column {e.colno})") from None
+            if type(obj) is not dict:
+                raise _trace_error(path, line, None, f"expected a JSON object, got {type(obj).__name__}")
+            for name in _TRACE_FIELDS:
+                if name not in obj:
+                    raise _trace_error(path, line, name, "missing")
+
+            raw_ts = obj["timestamp"]
+            try:
+                ts = float(raw_ts) if type(raw_ts) in (int, float) else math.nan
+            except OverflowError:  # an integer beyond float range
+                ts = math.nan
+            if not (math.isfinite(ts) and ts >= 0):
+                raise _trace_error(path, line, "timestamp", f"expected a number of ms >= 0, got {raw_ts!r}")
+            if rows.timestamps and ts < prev_ts:
+                raise _trace_error(path, line, "timestamp", f"{raw_ts} is earlier than the previous request's {prev_ts:g}: timestamps must be non-decreasing (sort the file)")
+            n_in = obj["input_length"]
+            if not _is_int(n_in) or n_in < 1:
+                raise _trace_error(path, line, "input_length", f"expected an integer >= 1, got {n_in!r}")
+            n_out = obj["output_length"]
+            if not _is_int(n_out) or n_out < 0:
+                raise _trace_error(path, line, "output_length", f"expected an integer >= 0, got {n_out!r}")
+            ids = _parse_ids(path, line, obj["hash_ids"])
+            need = -(-n_in // block_size)
+            if ids.size != need:
+                raise _trace_error(path, line, "hash_ids", f"has {ids.size} ids, expected ceil(input_length / block_size) = ceil({n_in} / {block_size}) = {need}")
+
+            row = len(rows.timestamps)
+            parent_row = -1
+            if "chat_id" in obj:
+                chat = obj["chat_id"]
+                if not _is_int(chat) or chat < 0:
+                    raise _trace_error(path, line, "chat_id", f"expected an integer >= 0, got {chat!r}")
+                if chat in row_of_chat:
+                    raise _trace_error(path, line, "chat_id", f"{chat} already used on an earlier line")
+            else:
+                chat = None
+            if "parent_chat_id" in obj:
+                parent = obj["parent_chat_id"]
+                if not _is_int(parent) or parent < -1:
+                    raise _trace_error(path, line, "parent_chat_id", f"expected an integer >= -1 (-1: a root), got {parent!r}")
+                if parent >= 0 and parent == chat:
+                    raise _trace_error(path, line, "parent_chat_id", f"{parent} is the request's own chat_id")
+                parent_row = row_of_chat.get(parent, -1)
+            if chat is not None:
+                row_of_chat[chat] = row
+
+            prev_ts = ts
+            rows.timestamps.append(ts)
+            rows.input_lengths.append(n_in)
+            rows.output_lengths.append(n_out)
+            rows.hash_ids.append(ids)
+            rows.parents.append(parent_row)
+            rows.roots.append(row if parent_row < 0 else rows.roots[parent_row])
+    if not rows.timestamps:
+        raise InvalidArgumentError(f"{path}: no requests in the trace", path=str(path), line=0, field=None)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Arrival times
+
+
+def _check_rate(mode: str, rate: float | None) -> float:
+    if mode not in ("trace", "rescale", "poisson"):
+        raise InvalidArgumentError(f"mode must be 'trace', 'rescale' or 'poisson', got {mode!r}")
+    if mode == "trace":
+        if rate is not None:
+            raise InvalidArgumentError("mode='trace' replays the file's own times; rate must be None (use mode='rescale' or 'poisson')")
+        return 0.0
+    if rate is None or isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
+        raise InvalidArgumentError(f"mode={mode!r} needs a rate > 0 in req/s, got {rate!r}")
+    return float(rate)
+
+
+def _poisson_times(n: int, rate: float, seed: int) -> F64Array:
+    """Arrival times (ms) of a Poisson process at ``rate`` req/s: the first at 0."""
+    gaps = np.random.default_rng([seed, 2]).exponential(1000.0 / rate, size=n)
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+def _schedule(ts: F64Array, tenants: int, mode: str, rate: float, seed: int) -> tuple[I64Array, I64Array, F64Array]:
+    """Merge ``tenants`` copies of a trace: (row, tenant, arrival ms) in arrival order."""
+    n = ts.size
+    span = float(ts[-1] - ts[0])
+    gap = span / (n - 1) if n > 1 else 0.0
+    rows = np.tile(np.arange(n, dtype=np.int64), tenants)
+    ten = np.repeat(np.arange(tenants, dtype=np.int64), n)
+    t = ts[rows] + ten * (gap / tenants)
+    # Primary key time; ties in file order, then tenant: parents (earlier rows, times no later)
+    # always precede their follow-ups.
+    order = np.lexsort((ten, rows, t))
+    rows, ten, t = rows[order], ten[order], t[order]
+    if mode == "trace":
+        return rows, ten, t
+    total = rows.size
+    if mode == "rescale":
+        width = float(t[-1] - t[0])
+        if total == 1:
+            return rows, ten, np.zeros(1)
+        if width <= 0:
+            raise InvalidArgumentError("cannot rescale: every request has the same timestamp (use mode='poisson')")
+        return rows, ten, (t - t[0]) * ((total - 1) * 1000.0 / (rate * width))
+    return rows, ten, _poisson_times(total, rate, seed)
+
+
+def _check_int(name: str, value: object, low: int) -> int:
+    """An integer argument (numpy integers welcome, bools refused) at least ``low``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < low:
+        raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_trace(
+    path: str | os.PathLike[str],
+    block_size: int,
+    *,
+    regions: Sequence[str] | Topology,
+    weights: Sequence[float] | None = None,
+    seed: int = 0,
+    rate: float | None = None,
+    mode: RateMode = "trace",
+    tenants: int = 1,
+    max_requests: int | None = None,
+    namespace: str = "public",
+) -> list[Request]:
+    """Load a JSONL trace in the Mooncake schema (see the module docstring for the rules).
+
+    ``regions`` is a list of region names (``weights`` default: equal) or a
+    :class:`~kvcompass.discovery.topology.Topology` (default: prefill capacity). ``max_requests``
+    keeps the first rows of the file (before tenant replication: K copies give K times as
+    many requests). Tenant k's namespace is ``namespace`` when ``tenants == 1``, else
+    ``f"{namespace}/tenant-{k}"``. Returns the requests in arrival order, ``id`` = position.
+    """
+    block_size = _check_int("block_size", block_size, 1)
+    tenants = _check_int("tenants", tenants, 1)
+    seed = _check_int("seed", seed, 0)
+    if max_requests is not None:
+        max_requests = _check_int("max_requests", max_requests, 1)
+    rate_v = _check_rate(mode, rate)
+    names, cdf = _regions_and_cdf(regions, weights)
+    rows = _read_trace(Path(path), block_size, max_requests)
+
+    n = len(rows.timestamps)
+    roots = np.asarray(rows.roots, dtype=np.int64)
+    region_of = np.empty((tenants, n), dtype=np.int64)
+    for k in range(tenants):
+        region_of[k] = _draw(cdf, np.random.default_rng([seed, 1, k]).random(n))[roots]
+    order_rows, order_ten, arrival = _schedule(np.asarray(rows.timestamps), tenants, mode, rate_v, seed)
+    id_of = np.empty((tenants, n), dtype=np.int64)
+    id_of[order_ten, order_rows] = np.arange(order_rows.size)
+
+    spaces = [namespace] if tenants == 1 else [f"{namespace}/tenant-{k}" for k in range(tenants)]
+    blocks = [TraceBlocks(ids) for ids in rows.hash_ids]
+    out: list[Request] = []
+    for i, (row, k, t) in enumerate(zip(order_rows.tolist(), order_ten.tolist(), arrival.tolist())):
+        p = rows.parents[row]
+        out.append(
+            Request(
+                id=i,
+                arrival_ms=t,
+                region=names[region_of[k, row]],
+                tenant=k,
+                namespace=spaces[k],
+                input_length=rows.input_lengths[row],
+                output_length=rows.output_lengths[row],
+                block_size=block_size,
+                session=int(id_of[k, rows.roots[row]]),
+                parent=int(id_of[k, p]) if p >= 0 else -1,
+                blocks=blocks[row],
+            )
+        )
+    return out
+
+
+def load_mooncake(
+    name: str,
+    *,
+    regions: Sequence[str] | Topology,
+    weights: Sequence[float] | None = None,
+    seed: int = 0,
+    rate: float | None = None,
+    mode: RateMode = "trace",
+    tenants: int = 1,
+    max_requests: int | None = None,
+) -> list[Request]:
+    """A shared Mooncake trace by name (``"conversation"``, ``"synthetic"``) at its block size
+    (512); same options as :func:`load_trace`."""
+    return load_trace(
+        find_trace(name), MOONCAKE_BLOCK_SIZE, regions=regions, weights=weights, seed=seed, rate=rate, mode=mode, tenants=tenants, max_requests=max_requests
+    )
+
+
+def dump_trace(requests: Sequence[Request], path: str | os.PathLike[str]) -> None:
+    """Write requests as a Mooncake-schema JSONL trace with ``chat_id`` (the request id) and
+    ``parent_chat_id``, so a synthetic workload can be replayed by any tool that reads the
+    schema. Regions and namespaces are not part of the schema: a workload spanning several
+    namespaces or block sizes is refused rather than silently merged."""
+    if len({r.namespace for r in requests}) > 1:
+        raise InvalidArgumentError("requests span several namespaces; the trace schema has no namespace field (dump one tenant at a time)")
+    if len({r.block_size for r in requests}) > 1:
+        raise InvalidArgumentError("requests use several block sizes; a trace has one")
+    with Path(path).open("w", encoding="utf-8") as f:
+        for r in sorted(requests, key=lambda r: (r.arrival_ms, r.id)):
+            row = {
+                "timestamp": r.arrival_ms,
+                "input_length": r.input_length,
+                "output_length": r.output_length,
+                "hash_ids": r.hash_ids().tolist(),
+                "chat_id": r.id,
+                "parent_chat_id": r.parent,
+            }
+            f.write(json.dumps(row, separators=(", ", ": ")) + "\n")
+
+
+# --------------------------------------------------------------------------------------------
+# Synthetic "Mixed"
+
+
+@dataclass(frozen=True, slots=True)
+class MixedConfig:
+    """Shape of the synthetic Mixed-like workload. Lengths are tokens; ``(lo, hi)`` pairs are
+    uniform ranges, ``(median, lo, hi)`` triples lognormal with shape ``sigma``, clipped (the
+    usual fit for LLM prompt parts and output lengths: a long right tail, no negatives).
+
+    The request shares follow the paper's Mixed (§5.1): ToolBench agent traces 50 %, LooGLE
+    long-document QA 5 %, APPS coding problems 45 %. Popularity of tool sets, documents and
+    problems is Zipf over a finite pool: item of rank i (from 1) has weight i**-zipf_s. With
+    s = 1.0 and 1000 problems, the top 10 draw 39 % of the picks."""
+
+    shares: tuple[float, float, float] = (0.50, 0.05, 0.45)
+    zipf_s: float = 1.0
+    sigma: float = 0.8
+    # Private system prompt, one per tenant.
+    system_prompt: tuple[int, int] = (300, 1500)
+    # Tool-calling agents: a tool catalogue preamble shared across tenants, then the tenant's
+    # system prompt and a user query; each further LLM call appends the previous call's output
+    # and the tool's observation (growing context). Calls per session: geometric with the given
+    # mean, capped.
+    toolsets: int = 32
+    tool_preamble: tuple[int, int] = (2000, 6000)
+    tool_calls_mean: float = 4.0
+    tool_calls_max: int = 12
+    tool_query: tuple[int, int] = (30, 300)
+    tool_observation: tuple[float, int, int] = (300.0, 20, 2000)
+    tool_output: tuple[float, int, int] = (80.0, 10, 400)
+    # Long-document QA: one question per request on a popular document.
+    documents: int = 200
+    document: tuple[int, int] = (8192, 32768)
+    question: tuple[int, int] = (20, 200)
+    answer: tuple[float, int, int] = (150.0, 8, 1024)
+    # Coding problems: a shared problem statement and a short instruction.
+    problems: int = 1000
+    problem: tuple[float, int, int] = (600.0, 150, 3000)
+    instruction: tuple[int, int] = (20, 120)
+    code: tuple[float, int, int] = (350.0, 32, 2048)
+    # Mean gap between an agent's calls in the virtual schedule that fixes the request order.
+    call_gap_ms: float = 3000.0
+
+    def __post_init__(self) -> None:
+        s = np.asarray(self.shares, dtype=np.float64)
+        if s.shape != (3,) or not np.all(np.isfinite(s)) or np.any(s < 0) or s.sum() <= 0:
+            raise InvalidArgumentError(f"shares must be three finite weights >= 0, not all 0, got {self.shares}")
+        if not (math.isfinite(self.zipf_s) and self.zipf_s >= 0):
+            raise InvalidArgumentError(f"zipf_s must be >= 0, got {self.zipf_s}")
+        if not (math.isfinite(self.sigma) and self.sigma >= 0):
+            raise InvalidArgumentError(f"sigma must be >= 0, got {self.sigma}")
+        for name in ("toolsets", "documents", "problems", "tool_calls_max"):
+            _check_int(name, getattr(self, name), 1)
+        if not (math.isfinite(self.tool_calls_mean) and self.tool_calls_mean >= 1):
+            raise InvalidArgumentError(f"tool_calls_mean must be >= 1, got {self.tool_calls_mean}")
+        if not (math.isfinite(self.call_gap_ms) and self.call_gap_ms >= 0):
+            raise InvalidArgumentError(f"call_gap_ms must be >= 0, got {self.call_gap_ms}")
+        for name in ("system_prompt", "tool_preamble", "tool_query", "document", "question", "instruction"):
+            lo, hi = getattr(self, name)
+            if not (_is_int(lo) and _is_int(hi) and 1 <= lo <= hi):
+                raise InvalidArgumentError(f"{name} must be integers 1 <= lo <= hi, got {(lo, hi)}")
+        for name in ("tool_observation", "tool_output", "answer", "problem", "code"):
+            med, lo, hi = getattr(self, name)
+            if not (_is_int(lo) and _is_int(hi) and 1 <= lo <= hi and math.isfinite(med) and med > 0):
+                raise InvalidArgumentError(f"{name} must be (median > 0, lo, hi) with 1 <= lo <= hi, got {(med, lo, hi)}")
+
+    def calls_mean(self) -> float:
+        """Exact mean calls per agent session (the geometric law truncated at the cap)."""
+        q = 1.0 - 1.0 / self.tool_calls_mean
+        return float(sum(q**t for t in range(self.tool_calls_max)))
+
+
+# Segment tags: what a piece of a synthetic prompt is (part of its identity).
+_SEG_TOOLSET, _SEG_SYSTEM, _SEG_QUERY, _SEG_CALL, _SEG_OBS, _SEG_DOC, _SEG_QUESTION, _SEG_PROBLEM, _SEG_INSTR = range(1, 10)
+_KINDS = ("tool", "docqa", "coding")
+
+
+def _seg_id(*parts: int) -> int:
+    h = _CHAIN_ROOT
+    for p in parts:
+        h = _mix64(h ^ (p & _M64))
+    return h
+
+
+class _Prompt:
+    """A prompt under construction: segments as (chain, blocks) runs plus the token count."""
+
+    __slots__ = ("runs", "chain", "tokens", "block_size")
+
+    def __init__(self, block_size: int) -> None:
+        self.runs: tuple[tuple[int, int], ...] = ()
+        self.chain = _CHAIN_ROOT
+        self.tokens = 0
+        self.block_size = block_size
+
+    def extended(self, seg: int, length: int) -> _Prompt:
+        """This prompt plus one segment. The previous last segment is padded to its block
+        boundary (the padding stands for chat-template tokens), so every earlier prompt of a
+        session is a token prefix of the later ones."""
+        bs = self.block_size
+        p = _Prompt(bs)
+        p.chain = _mix64(self.chain ^ seg)
+        count = -(-length // bs)
+        p.runs = self.runs + ((p.chain, count),)
+        p.tokens = -(-self.tokens // bs) * bs + length
+        return p
+
+
+@dataclass(slots=True)
+class _Draft:
+    vtime: float
+    session: int
+    turn: int
+    kind: int
+    tenant: int
+    region: int
+    prompt: _Prompt
+    output: int
+
+
+def _zipf_cdf(n: int, s: float) -> F64Array:
+    w = np.arange(1, n + 1, dtype=np.float64) ** -s
+    cdf = np.cumsum(w / w.sum())
+    cdf[-1] = 1.0
+    return cdf
+
+
+def synthetic_mixed(
+    n: int,
+    *,
+    regions: Sequence[str] | Topology,
+    weights: Sequence[float] | None = None,
+    tenants: int = 1,
+    seed: int = 0,
+    rate: float = 16.0,
+    block_size: int = 16,
+    config: MixedConfig | None = None,
+    namespace: str = "public",
+) -> list[Request]:
+    """``n`` requests of a seeded Mixed-like workload (see :class:`MixedConfig` for every
+    parameter and its source).
+
+    Prompts (segments in order; a private system prompt per tenant):
+
+    * ``tool``: tool catalogue (Zipf over ``toolsets``, shared across tenants) | system prompt |
+      query, then per further call: previous output | observation. Multi-turn: each call is a
+      follow-up of the previous one, with the whole previous prompt as its prefix.
+    * ``docqa``: system prompt | document (8-32k tokens, Zipf over ``documents``) | question.
+    * ``coding``: system prompt | problem statement (Zipf over ``problems``) | instruction.
+
+    All tenants share ``namespace``: the shared tool catalogues are reusable across tenants,
+    everything after a system prompt only within its tenant (the paper's tenants each have a
+    unique private system prompt, §5.3). Tenants are drawn uniformly per session, regions per
+    root session by ``weights``. Sessions start in a virtual schedule (agent calls
+    ``call_gap_ms`` apart on average) that fixes the request order; arrival times are then a
+    Poisson process at ``rate`` req/s over that order, so the offered load is exactly ``rate``.
+    """
+    n = _check_int("n", n, 1)
+    tenants = _check_int("tenants", tenants, 1)
+    seed = _check_int("seed", seed, 0)
+    block_size = _check_int("block_size", block_size, 1)
+    rate_v = _check_rate("poisson", rate)
+    cfg = config if config is not None else MixedConfig()
+    names, region_cdf = _regions_and_cdf(regions, weights)
+
+    rng = np.random.default_rng([seed, 3])
+    sys_len = np.random.default_rng([seed, 4]).integers(cfg.system_prompt[0], cfg.system_prompt[1] + 1, size=tenants).tolist()
+    systems = [_seg_id(_SEG_SYSTEM, k, ln) for k, ln in enumerate(sys_len)]
+    pools = {
+        _SEG_TOOLSET: rng.integers(cfg.tool_preamble[0], cfg.tool_preamble[1] + 1, size=cfg.toolsets).tolist(),
+        _SEG_DOC: rng.integers(cfg.document[0], cfg.document[1] + 1, size=cfg.documents).tolist(),
+        _SEG_PROBLEM: [_lognormal(rng, cfg.problem, cfg.sigma) for _ in range(cfg.problems)],
+    }
+    cdfs = {tag: _zipf_cdf(len(lens), cfg.zipf_s) for tag, lens in pools.items()}
+    per_session = np.array([cfg.calls_mean(), 1.0, 1.0])
+    kind_p = np.asarray(cfg.shares, dtype=np.float64) / per_session
+    kind_cdf = np.cumsum(kind_p / kind_p.sum())
+    kind_cdf[-1] = 1.0
+    session_gap_ms = 1000.0 * float(np.dot(kind_p / kind_p.sum(), per_session)) / rate_v
+
+    def pick(tag: int) -> tuple[int, int]:
+        item = int(_draw(cdfs[tag], rng.random(1))[0])
+        length = pools[tag][item]
+        return _seg_id(tag, item, length), length
+
+    drafts: list[_Draft] = []
+    t = 0.0
+    session = 0
+    while len(drafts) < n:
+        t += float(rng.exponential(session_gap_ms))
+        kind = int(_draw(kind_cdf, rng.random(1))[0])
+        # One uniform whatever the tenant count, so K tenants see the same sessions as one.
+        tenant = min(int(rng.random() * tenants), tenants - 1)
+        region = int(_draw(region_cdf, rng.random(1))[0])
+        base = _Prompt(block_size)
+        if kind == 0:
+            seg, ln = pick(_SEG_TOOLSET)
+            prompt = base.extended(seg, ln).extended(systems[tenant], sys_len[tenant])
+            ln = int(rng.integers(cfg.tool_query[0], cfg.tool_query[1] + 1))
+            prompt = prompt.extended(_seg_id(_SEG_QUERY, seed, session, ln), ln)
+            calls = min(cfg.tool_calls_max, int(rng.geometric(1.0 / cfg.tool_calls_mean)))
+            vt = t
+            for turn in range(calls):
+                out = _lognormal(rng, cfg.tool_output, cfg.sigma)
+                drafts.append(_Draft(vt, session, turn, kind, tenant, region, prompt, out))
+                obs = _lognormal(rng, cfg.tool_observation, cfg.sigma)
+                prompt = prompt.extended(_seg_id(_SEG_CALL, seed, session, turn, out), out)
+                prompt = prompt.extended(_seg_id(_SEG_OBS, seed, session, turn, obs), obs)
+                vt += float(rng.exponential(cfg.call_gap_ms)) if cfg.call_gap_ms > 0 else 0.0
+        else:
+            tag, tail_tag, tail, out_law = (
+                (_SEG_DOC, _SEG_QUESTION, cfg.question, cfg.answer) if kind == 1 else (_SEG_PROBLEM, _SEG_INSTR, cfg.instruction, cfg.code)
+            )
+            seg, ln = pick(tag)
+            prompt = base.extended(systems[tenant], sys_len[tenant]).extended(seg, ln)
+            ln = int(rng.integers(tail[0], tail[1] + 1))
+            prompt = prompt.extended(_seg_id(tail_tag, seed, session, ln), ln)
+            drafts.append(_Draft(t, session, 0, kind, tenant, region, prompt, _lognormal(rng, out_law, cfg.sigma)))
+        session += 1
+
+    # Keep the first n in virtual time: a dropped call's later calls are dropped with it.
+    drafts.sort(key=lambda d: (d.vtime, d.session, d.turn))
+    drafts = drafts[:n]
+    arrival = _poisson_times(n, rate_v, seed).tolist()
+    id_of: dict[tuple[int, int], int] = {}
+    out_reqs: list[Request] = []
+    for i, d in enumerate(drafts):
+        id_of[(d.session, d.turn)] = i
+        parent = id_of[(d.session, d.turn - 1)] if d.turn else -1
+        out_reqs.append(
+            Request(
+                id=i,
+                arrival_ms=arrival[i],
+                region=names[d.region],
+                tenant=d.tenant,
+                namespace=namespace,
+                input_length=d.prompt.tokens,
+                output_length=d.output,
+                block_size=block_size,
+                session=id_of[(d.session, 0)],
+                parent=parent,
+                blocks=ChainBlocks(d.prompt.runs),
+                kind=_KINDS[d.kind],
+            )
+        )
+    return out_reqs
+
+
+def _lognormal(rng: np.random.Generator, law: tuple[float, int, int], sigma: float) -> int:
+    median, lo, hi = law
+    return int(min(hi, max(lo, round(median * math.exp(sigma * float(rng.standard_normal()))))))
+
+
+# --------------------------------------------------------------------------------------------
+# Reuse statistics
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseStats:
+    """How much of a workload's input an infinite prefix cache could reuse, replayed in arrival
+    order: a token counts as reused when an earlier request (in the same namespace) had the same
+    prefix up to and including it, anywhere (``reused_global``) or in the same region
+    (``reused_same_region``). The difference is the reuse only another region can offer (the
+    paper's Figure 2 / Figure 19 measure)."""
+
+    requests: int
+    input_tokens: int
+    reused_global: int
+    reused_same_region: int
+
+    @property
+    def global_fraction(self) -> float:
+        return self.reused_global / self.input_tokens if self.input_tokens else 0.0
+
+    @property
+    def region_fraction(self) -> float:
+        return self.reused_same_region / self.input_tokens if self.input_tokens else 0.0
+
+    @property
+    def remote_only_fraction(self) -> float:
+        """Share of input reusable only from another region."""
+        return self.global_fraction - self.region_fraction
+
+
+def reuse_stats(requests: Iterable[Request]) -> ReuseStats:
+    """Prefix reuse of a workload (see :class:`ReuseStats`). Works on block ids, so it needs no
+    tokens: a block (or the partial last block) is reused when an earlier request held the same
+    chain of ids at least as far; counting stops at the first block that was not."""
+    reqs = sorted(requests, key=lambda r: (r.arrival_ms, r.id))
+    if len({r.block_size for r in reqs}) > 1:
+        raise InvalidArgumentError("reuse_stats needs one block size across the workload")
+    region_ix: dict[str, int] = {}
+    ns_root: dict[str, int] = {}
+    # Prefix trie: (parent node, block id) -> node. Roots are negative, one per namespace.
+    nodes: dict[tuple[int, int], int] = {}
+    seen_len: list[int] = []  # longest length of the node's block any request held
+    region_len: dict[tuple[int, int], int] = {}  # (node, region) -> same, per region
+    total = reused_g = reused_r = 0
+    for req in reqs:
+        r = region_ix.setdefault(req.region, len(region_ix))
+        parent = ns_root.setdefault(req.namespace, -1 - len(ns_root))
+        bs = req.block_size
+        n_in = req.input_length
+        total += n_in
+        match_g = match_r = True
+        for k, b in enumerate(req.hash_ids().tolist()):
+            ln = min(bs, n_in - k * bs)
+            key = (parent, b)
+            node = nodes.get(key)
+            if node is None:
+                node = len(seen_len)
+                nodes[key] = node
+                seen_len.append(ln)
+                region_len[(node, r)] = ln
+                match_g = match_r = False
+            else:
+                if match_g:
+                    g = seen_len[node]
+                    reused_g += min(g, ln)
+                    match_g = g >= ln
+                if ln > seen_len[node]:
+                    seen_len[node] = ln
+                rk = (node, r)
+                rl = region_len.get(rk, 0)
+                if match_r:
+                    reused_r += min(rl, ln)
+                    match_r = rl >= ln
+                if ln > rl:
+                    region_len[rk] = ln
+            parent = node
+    return ReuseStats(requests=len(reqs), input_tokens=total, reused_global=reused_g, reused_same_region=reused_r)
