@@ -3,12 +3,14 @@
 :mod:`kvcompass.agent.events` decodes (and encodes) the engines' ZMQ/msgpack wire format;
 :mod:`kvcompass.agent.agent` holds :class:`WorkerAgent`, the sans-I/O state machine that keys
 prefixes from token ids, tracks tiers and engine incarnations, and emits
-:class:`~kvcompass.discovery.ops.KeyOpBatch` batches.
+:class:`~kvcompass.discovery.ops.KeyOpBatch` batches. Drivers start each agent process at
+``incarnation=boot_incarnation(time.time_ns())`` (see :func:`boot_incarnation`) and answer a
+unit's :class:`~kvcompass.errors.AgentSequenceError` with :meth:`WorkerAgent.on_rejected`.
 """
 
 from __future__ import annotations
 
-from kvcompass.agent.agent import AgentOutput, AgentStats, ReplayRequest, WorkerAgent, medium_tier
+from kvcompass.agent.agent import AgentOutput, AgentStats, ReplayRequest, WorkerAgent, boot_incarnation, medium_tier
 from kvcompass.agent.events import (
     REPLAY_END_SEQ,
     AllBlocksCleared,
@@ -41,6 +43,7 @@ __all__ = [
     "EventBatch",
     "ReplayRequest",
     "WorkerAgent",
+    "boot_incarnation",
     "decode_message",
     "decode_payload",
     "decode_replay",

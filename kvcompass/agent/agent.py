@@ -3,7 +3,16 @@
 Sans-I/O: the driver hands in the frames it received (``on_message`` for the PUB socket,
 ``on_replay`` for replay replies) and performs what comes back (send the key-op batches; when
 ``replay`` is set, ask the engine's replay socket from ``replay.start_seq``). Nothing here
-opens a socket, sleeps or reads a clock.
+opens a socket, sleeps or reads a clock: where time matters (the starting incarnation) the
+driver decides, with :func:`boot_incarnation`.
+
+**Driver contract.** A driver builds one agent per engine process it follows with
+``WorkerAgent(..., incarnation=boot_incarnation(time.time_ns()))``, sends every returned batch
+to the maintenance unit of its shard (``batch.shard``), and when a unit refuses one with
+:class:`~kvcompass.errors.AgentSequenceError` (a gap: typically the unit restarted and lost its
+agent sequence state) sends what :meth:`WorkerAgent.on_rejected` returns instead of the rest
+of that shard's queue. A :class:`~kvcompass.errors.StaleIncarnationError` (a subclass) is
+different: a newer agent process owns this worker, and this one should stop.
 
 **Keys from tokens.** Engine block hashes are seeded per process, so they name blocks but are
 useless as index keys. The agent keeps, per engine block, its parent, its token span and the
@@ -21,15 +30,45 @@ breaks the chain. A key held by several chains (the same tokens cut into blocks 
 takes the best tier among them. Only registration lengths get keys, and an op is emitted only
 when a key's tier changes (net of everything one call did).
 
+**Block identity.** vLLM chains its block hashes (a block's hash covers its parent's), so a hash
+names one position. SGLang's content-hash format hashes a page's tokens alone
+(``hash(tuple(page_tokens))``): the same page content at two positions (page size 1 and a
+repeated token, or two identical pages) carries the same hash. The agent therefore files a
+block by its place in the chain: (KV-cache group ``group_idx`` (None read as 0), parent block,
+hash). The same hash under two parents is two blocks, under one parent it is one block, and a
+key counts as held while any group's chain holds it. The engine's events name blocks by hash
+only, which is exact for chained hashes and needs two rules for content hashes:
+
+* *Parents.* A BlockStored's first block names its parent by hash. Later blocks of the event
+  follow the block before them exactly. If several blocks carry the parent hash, the agent
+  picks the one most recently stored (or re-stored) among those still holding a medium (any
+  among them if none does). That is exact for the pages of one SGLang radix node, which arrive
+  as consecutive single-page events each chained to the one before. It is a guess when a new
+  node hangs off a page whose content is cached at several positions; nothing in the event
+  tells them apart (stats ``ambiguous_parents``).
+* *Removals.* BlockRemoved names hashes only. The consecutive BlockRemoved events of a message
+  are resolved together (removals commute). A hash named at least as often as blocks hold it
+  on that medium removes them all. Otherwise the run is read as what a radix cache evicts:
+  leaf-first, so together with every descendant that holds the medium (SGLang lists a node's
+  pages first page first, so a page's children are usually still pending when it comes up). A
+  candidate qualifies only if the run still names every hash of that subtree as often as the
+  subtree has it. When no more candidates qualify than the run removes, they are the ones.
+  If no pending removal can be placed this way, the agent removes the least recently stored
+  qualifying leaf and counts it in ``ambiguous_removals``. With no qualifying leaf it takes any
+  qualifying candidate, and with none of those any candidate. What stays ambiguous is two cached
+  copies of one content that both qualify (``[a, b]`` and ``[c, b]``, one ``b`` evicted): the
+  format cannot say which.
+
+SGLang releases that hash pages by position (a chained ``hash_value`` per page) are exact, like
+vLLM.
+
 **Blocks the agent cannot key.** A block whose parent the agent never saw (it started after the
-engine, or lost events) is kept with its tokens as an *orphan* and keyed as soon as that parent
-is stored. Blocks with LoRA (``lora_id``/``lora_name``) or ``extra_keys`` (multimodal inputs,
-cache salt), and everything stored below them, are *unindexed*: their KV depends on more than
-the tokens, so a token-derived key would claim a cache that another request cannot reuse. A
-removed block that still has stored descendants stays as a tombstone so that the chain can be
-re-completed when the engine stores it again. Blocks are filed per KV-cache group
-(``group_idx``, None read as 0), so removals resolve within their group; a key counts as held
-while any group's chain holds it.
+engine, or lost events) is kept with its tokens as an *orphan* and keyed as soon as a block with
+the parent's hash is stored. Blocks with LoRA (``lora_id``/``lora_name``) or ``extra_keys``
+(multimodal inputs, cache salt), and everything stored below them, are *unindexed*: their KV
+depends on more than the tokens, so a token-derived key would claim a cache that another
+request cannot reuse. A removed block that still has stored descendants stays as a tombstone so
+that the chain can be re-completed when the engine stores it again.
 
 **Sequencing.** The engine's seq starts at 0 with no epoch. For message ``seq`` against the
 last applied ``last`` (-1 before the first, so an agent that starts mid-stream asks for a
@@ -53,15 +92,24 @@ replay from 0 and gets the engine's whole history if the ring still holds it):
   An engine that restarts and publishes past ``last`` before the agent hears from it is
   indistinguishable from a gap on the wire; nothing the agent can do fixes that.
 
-The first batch of every shard in an incarnation is a ``reset`` batch, so an agent that starts
-(or restarts) clears whatever an earlier agent process had reported for this worker.
+**Incarnations.** The first batch of every shard in an incarnation is a ``reset`` batch. A
+maintenance unit accepts it, and so drops whatever the worker held in that shard, when its
+incarnation is *higher* than any it has seen from the worker (or the unit has seen none). A
+reset under an incarnation it has already seen up to a later seq is a duplicate and ignored,
+and a lower one is refused as stale. So an agent process that starts, or restarts, clears
+what an earlier agent process reported only if it starts above that process's last
+incarnation. Engine restarts bump it by 1 within a process. Across agent processes the driver
+passes :func:`boot_incarnation` of the wall clock at boot (or, if it persists state, any number
+above the previous process's last).
 
 **Malformed input** raises :class:`~kvcompass.errors.InvalidEventError`, counts in
 ``stats.malformed`` and leaves the agent's state as it was: a message is decoded and validated
 completely before anything changes. (Its seq then never applies, so the next message opens a
 gap and the replay / resync path takes over.) Engine-level oddities inside well-formed messages
-(a removal of an unknown block, a hash stored twice under different parents) are not errors:
-they are counted and skipped.
+are not errors: they are counted and skipped. These are a removal of an unknown block, a block
+re-stored with another size, a known hash stored under a parent the agent never saw (with
+chained hashes a contradiction, with content hashes a block the agent cannot place), and an
+orphan whose adoption would close a cycle.
 """
 
 from __future__ import annotations
@@ -95,12 +143,42 @@ if TYPE_CHECKING:
 else:
     Sha256 = object
 
-__all__ = ["AgentOutput", "AgentStats", "ReplayRequest", "WorkerAgent", "medium_tier"]
+__all__ = ["AgentOutput", "AgentStats", "ReplayRequest", "WorkerAgent", "boot_incarnation", "medium_tier"]
 
 _Frames = Sequence[bytes | bytearray | memoryview]
 
-BlockId = tuple[int, BlockHash]
-"""An engine block as the agent files it: (KV-cache group index, block hash)."""
+_Slot = tuple[int, BlockHash]
+"""What an engine event names a block by: (KV-cache group index, block hash). With content
+hashes several blocks can share one; the agent's own block ids are ints."""
+
+_Removal = tuple[int, str, BlockHash]
+"""One hash of a BlockRemoved: (group, medium name, hash)."""
+
+BOOT_SHIFT = 8
+""":func:`boot_incarnation` leaves ``2**BOOT_SHIFT`` incarnations per microsecond of boot time."""
+
+
+def boot_incarnation(now_ns: int) -> int:
+    """The incarnation an agent process should start at, from the wall clock at its boot:
+    ``(now_ns // 1000) << 8``. Drivers pass ``boot_incarnation(time.time_ns())`` as
+    ``WorkerAgent(..., incarnation=...)``; the agent itself never reads a clock.
+
+    Why this works: a maintenance unit clears a worker's old keys only for a *higher*
+    incarnation (see the module notes), and within one agent process the incarnation grows by 1
+    per engine restart the agent observes. Observing one takes at least one message, which takes
+    far longer than a microsecond to deliver and decode, while a process that boots ``d``
+    microseconds after its predecessor booted starts ``256 * d`` above it. So the predecessor
+    could only catch up with more than 256 engine restarts per microsecond of its life. That
+    does not happen. The values stay below ``2**63`` until the year 3100 or so.
+
+    The limit: the clock must not step back across an agent restart by more than the time
+    between the two boots. A new process that gets a lower incarnation is refused by the units
+    as :class:`~kvcompass.errors.StaleIncarnationError`, which the driver sees. A driver that
+    persists state may pass any number above its predecessor's last incarnation instead.
+    """
+    if type(now_ns) is not int or now_ns < 0:
+        raise InvalidArgumentError(f"now_ns must be a non-negative int (time.time_ns()), got {now_ns!r}")
+    return (now_ns // 1_000) << BOOT_SHIFT
 
 
 def medium_tier(medium: str | None) -> Tier:
@@ -157,7 +235,9 @@ class AgentStats:
     adopted: int = 0  # orphans keyed once their parent arrived
     unindexed: int = 0  # blocks stored with LoRA / extra keys (and their descendants)
     unknown_removals: int = 0  # removals of a block (or medium) the agent did not hold
-    conflicts: int = 0  # a known hash stored again under another parent or size
+    conflicts: int = 0  # a block re-stored with another size, a known hash under an unknown parent, an adoption cycle
+    ambiguous_parents: int = 0  # a parent hash naming several blocks (content hashes): the most recent one taken
+    ambiguous_removals: int = 0  # a removal no rule could place (content hashes): the oldest qualifying leaf taken
     batches_emitted: int = 0
     ops_emitted: int = 0
 
@@ -166,14 +246,20 @@ class AgentStats:
 
 
 class _Block:
-    """One engine block. Keyed (``state`` set) once its whole ancestry is known; until then an
-    orphan keeps its tokens. ``chain`` is the tier of the prefix ending at this block (0: not
-    held), ``own`` the best tier among the media holding this block itself."""
+    """One engine block at one place in a chain. ``parent`` is the parent's block id (None at a
+    prompt start, and for an orphan, whose ``wait`` is the parent hash it waits for).
+    Keyed (``state`` set) once its whole ancestry is known; until then an orphan keeps its
+    tokens. ``chain`` is the tier of the prefix ending at this block (0: not held), ``own`` the
+    best tier among the media holding this block itself, ``touched`` the store clock when the
+    engine last stored it (ties between content-hash look-alikes go by it)."""
 
-    __slots__ = ("parent", "size", "start", "state", "tokens", "keys", "media", "own", "chain", "children", "opaque")
+    __slots__ = ("group", "hash", "parent", "wait", "size", "start", "state", "tokens", "keys", "media", "own", "chain", "kids", "opaque", "touched")
 
-    def __init__(self, parent: BlockId | None, size: int, opaque: bool) -> None:
+    def __init__(self, group: int, h: BlockHash, parent: int | None, wait: BlockHash | None, size: int, opaque: bool, touched: int) -> None:
+        self.group = group
+        self.hash = h
         self.parent = parent
+        self.wait = wait
         self.size = size
         self.start = -1
         self.state: Sha256 | None = None
@@ -182,8 +268,9 @@ class _Block:
         self.media: set[str] = set()
         self.own = 0
         self.chain = 0
-        self.children: set[BlockId] = set()
+        self.kids: dict[BlockHash, int] = {}  # children by hash: one block per (parent, hash)
         self.opaque = opaque
+        self.touched = touched
 
 
 class WorkerAgent:
@@ -193,8 +280,11 @@ class WorkerAgent:
     of what the edges query toward its region. ``shards``: the number of maintenance shards
     (a key belongs to ``key % shards``). ``block_size``: when given, a BlockStored of any other
     block size is refused as malformed (leave it None for SGLang, whose last page of a node may
-    be short). ``incarnation``: the first incarnation number (a restarted agent process should
-    pass a larger one than its predecessor used). ``window``: how many applied payload digests
+    be short). ``incarnation``: the first incarnation number. Drivers pass
+    ``boot_incarnation(time.time_ns())`` so that a restarted agent process starts above its
+    predecessor and its first (reset) batches replace what that one reported; the default 1
+    suits tests only (a second process starting at 1 would be ignored as a duplicate by units
+    that saw the first). ``window``: how many applied payload digests
     are remembered to tell re-deliveries from a restarted engine (vLLM's replay ring holds
     10,000 batches). ``max_buffered``: messages held while a gap waits for its replay.
     """
@@ -231,8 +321,12 @@ class WorkerAgent:
         self._lengths = tuple(lengths)
         self._root: Sha256 = hashlib.sha256(namespace.digest)
         self._incarnation = incarnation
-        self._blocks: dict[BlockId, _Block] = {}
-        self._orphans: dict[BlockId, set[BlockId]] = {}  # missing parent -> children waiting for it
+        self._blocks: dict[int, _Block] = {}  # block id -> block
+        self._roots: dict[_Slot, int] = {}  # blocks that start a prompt
+        self._by_hash: dict[_Slot, dict[int, None]] = {}  # every block carrying a hash (ordered set)
+        self._orphans: dict[_Slot, dict[BlockHash, int]] = {}  # (group, missing parent hash) -> {hash: orphan}
+        self._ids = 0  # the next block id
+        self._tick = 0  # the store clock (``_Block.touched``)
         self._counts: dict[int, list[int]] = {}  # key -> [chains holding it in VRAM, in DRAM]
         self._step_old: dict[int, int] = {}  # key -> its tier before this call first touched it
         self._next_seq = [1] * shards
@@ -286,6 +380,30 @@ class WorkerAgent:
         self._reset_pending = set(range(self.shards))
         return self._flush()
 
+    def on_rejected(self, shard: int | None = None) -> tuple[KeyOpBatch, ...]:
+        """A maintenance unit refused a batch of ``shard`` (None: of any or every shard) with
+        :class:`~kvcompass.errors.AgentSequenceError`: the full-report ``reset`` batches to send
+        instead, at the next seqs of this incarnation.
+
+        The usual cause is a unit that restarted (``MaintenanceUnit.from_bytes``) and so lost
+        every agent sequence. Its tables may also be older than the batches it had accepted. A
+        reset is accepted at any seq (it opens a sequence, or jumps a gap) and replaces the
+        worker's keys in that shard, so after it the unit holds exactly :meth:`held`. Batches of
+        that shard still queued behind the refused one may be dropped. Sent anyway, they are
+        duplicates (lower seqs) once the reset is in, or refused again before it, which calls for
+        one more ``on_rejected``.
+
+        Not for :class:`~kvcompass.errors.StaleIncarnationError` (a subclass): that one means
+        a newer agent process (a higher incarnation) owns the worker; resending cannot help.
+        """
+        if shard is None:
+            self._reset_pending = set(range(self.shards))
+        elif type(shard) is int and 0 <= shard < self.shards:
+            self._reset_pending = {shard}
+        else:
+            raise InvalidArgumentError(f"shard must be None or an int in 0..{self.shards - 1}, got {shard!r}")
+        return self._flush()
+
     # ---- inspection ---------------------------------------------------------------------------
 
     @property
@@ -319,14 +437,33 @@ class WorkerAgent:
         return {k: Tier(_tier(c)) for k, c in self._counts.items()}
 
     def digest(self) -> bytes:
-        """SHA-256 of the agent's whole state (not its stats): equal digests, equal agents."""
+        """SHA-256 of the agent's whole state (not its stats): equal digests, equal agents.
+
+        Blocks are named by their place (group, then the chain of hashes from the prompt start
+        or from an orphan's missing parent), not by the agent's internal ids, and the store
+        clock by rank, so equal histories of the engine's cache digest equally."""
+        names: dict[int, bytes] = {}
+
+        def name(bid: int) -> bytes:
+            path: list[int] = []
+            cur: int | None = bid
+            while cur is not None and cur not in names:
+                path.append(cur)
+                cur = self._blocks[cur].parent
+            for b in reversed(path):
+                x = self._blocks[b]
+                up = names[x.parent] if x.parent is not None else repr((x.group, None if x.wait is None else _hk(x.wait))).encode()
+                names[b] = hashlib.sha256(up + repr(_hk(x.hash)).encode()).digest()
+            return names[bid]
+
+        rank = {bid: i for i, bid in enumerate(sorted(self._blocks, key=lambda b: self._blocks[b].touched))}
         blocks = []
-        for bid in sorted(self._blocks, key=_order):
-            x = self._blocks[bid]
+        for bid, x in self._blocks.items():
             blocks.append(
                 (
-                    bid,
-                    x.parent,
+                    name(bid),
+                    None if x.parent is None else name(x.parent),
+                    None if x.wait is None else _hk(x.wait),
                     x.size,
                     x.start,
                     None if x.state is None else x.state.copy().digest(),
@@ -335,17 +472,17 @@ class WorkerAgent:
                     sorted(x.media),
                     x.own,
                     x.chain,
-                    sorted(x.children, key=_order),
                     x.opaque,
+                    rank[bid],
                 )
             )
+        blocks.sort()
         state = (
             self._incarnation,
             self._last_seq,
             self._next_seq,
             sorted(self._reset_pending),
             blocks,
-            sorted(((p, sorted(c, key=_order)) for p, c in self._orphans.items()), key=lambda pc: _order(pc[0])),
             sorted((k, c) for k, c in self._counts.items()),
             sorted(self._seen.items()),
             sorted((s, b.digest) for s, b in self._buffer.items()),
@@ -419,11 +556,18 @@ class WorkerAgent:
         self._replay_from = None
 
     def _apply(self, b: EngineBatch) -> None:
-        for e in b.events:
+        events, i = b.events, 0
+        while i < len(events):
+            e = events[i]
+            i += 1
             if isinstance(e, BlockStored):
                 self._stored(e)
             elif isinstance(e, BlockRemoved):
-                self._removed(e)
+                run = self._removals(e)
+                while i < len(events) and isinstance(nxt := events[i], BlockRemoved):
+                    run += self._removals(nxt)
+                    i += 1
+                self._removed(run)
             else:
                 assert isinstance(e, AllBlocksCleared)
                 self._clear()
@@ -478,7 +622,38 @@ class WorkerAgent:
                 self._step_old[key] = _tier(c)
         self._counts.clear()
         self._blocks.clear()
+        self._roots.clear()
+        self._by_hash.clear()
         self._orphans.clear()
+
+    def _parent_of(self, group: int, ph: BlockHash | None, first: BlockHash | None) -> tuple[int | None, BlockHash | None]:
+        """Where a BlockStored's first block hangs: (parent block id, None), or (None, ``ph``)
+        under a parent the agent does not know (an orphan), or (None, None) at a prompt start."""
+        if ph is None:
+            return None, None
+        slot = (group, ph)
+        waiting = self._orphans.get(slot)
+        if waiting is not None and first in waiting:  # that orphan, stored again
+            return None, ph
+        cands = self._by_hash.get(slot)
+        if not cands:
+            return None, ph
+        if len(cands) == 1:
+            return next(iter(cands)), None
+        # Content hashes: the same page at several places. The pages of one node arrive chained,
+        # each right after its parent, so the most recently stored live candidate is the one.
+        self.stats.ambiguous_parents += 1
+        blocks = self._blocks
+        return max(cands, key=lambda c: (bool(blocks[c].media), blocks[c].touched)), None
+
+    def _child(self, group: int, parent: int | None, wait: BlockHash | None, h: BlockHash) -> int | None:
+        """The block with hash ``h`` at that place, if the agent has it."""
+        if parent is not None:
+            return self._blocks[parent].kids.get(h)
+        if wait is not None:
+            waiting = self._orphans.get((group, wait))
+            return None if waiting is None else waiting.get(h)
+        return self._roots.get((group, h))
 
     def _stored(self, e: BlockStored) -> None:
         group = e.group_idx or 0
@@ -486,59 +661,144 @@ class WorkerAgent:
         n = e.block_size
         tokens = struct.pack(f"<{len(e.token_ids)}I", *e.token_ids)
         lora = e.lora_id is not None or e.lora_name is not None
-        parent: BlockId | None = None if e.parent_block_hash is None else (group, e.parent_block_hash)
+        parent, wait = self._parent_of(group, e.parent_block_hash, e.block_hashes[0] if e.block_hashes else None)
         for i, h in enumerate(e.block_hashes):
-            bid: BlockId = (group, h)
-            x = self._blocks.get(bid)
-            if x is not None:
-                if x.parent != parent or x.size != n:
+            self._tick += 1
+            bid = self._child(group, parent, wait, h)
+            if bid is not None:
+                x = self._blocks[bid]
+                if x.size != n:
                     self.stats.conflicts += 1
                     return  # the rest of the event hangs off a block we cannot place
+                x.touched = self._tick
                 if medium not in x.media:
                     x.media.add(medium)
                     self._set_own(bid, x)
-                parent = bid
+                parent, wait = bid, None
                 continue
+            slot = (group, h)
+            if wait is not None and slot in self._by_hash:
+                # A known hash under a parent never seen: a contradiction with chained hashes,
+                # and with content hashes a block that orphan adoption could put anywhere.
+                self.stats.conflicts += 1
+                return
+            bid, self._ids = self._ids, self._ids + 1
             opaque = lora or (e.extra_keys is not None and e.extra_keys[i] is not None)
-            x = _Block(parent, n, opaque)
+            x = _Block(group, h, parent, wait, n, opaque, self._tick)
             x.media.add(medium)
             x.own = _own(x.media)
             self._blocks[bid] = x
+            self._by_hash.setdefault(slot, {})[bid] = None
             self.stats.blocks_stored += 1
-            p = None if parent is None else self._blocks.get(parent)
-            if parent is not None and p is None:
-                self._orphans.setdefault(parent, set()).add(bid)
-                self.stats.orphans += 1
-            elif p is not None:
-                p.children.add(bid)
+            p = None if parent is None else self._blocks[parent]
+            if p is not None:
+                p.kids[h] = bid
                 x.opaque = x.opaque or p.opaque
+            elif wait is not None:
+                self._orphans.setdefault((group, wait), {})[h] = bid
+                self.stats.orphans += 1
+            else:
+                self._roots[slot] = bid
             chunk = tokens[i * n * 4 : (i + 1) * n * 4]
             if x.opaque:
                 self.stats.unindexed += 1
-            elif parent is None or (p is not None and p.state is not None):
+            elif wait is None and (p is None or p.state is not None):
                 self._key(x, chunk)
                 self._refresh(bid)
             else:
                 x.tokens = chunk
-            for child in sorted(self._orphans.pop(bid, ()), key=_order):
-                self._adopt(bid, child)
-            parent = bid
+            waiting = self._orphans.get(slot)
+            if waiting:
+                for child in list(waiting.values()):
+                    if child != bid:  # an orphan waits for *another* block with its parent's hash
+                        self._adopt(bid, child)
+            parent, wait = bid, None
 
-    def _removed(self, e: BlockRemoved) -> None:
-        group = e.group_idx or 0
-        medium = _medium_name(e.medium)
-        for h in e.block_hashes:
-            bid: BlockId = (group, h)
-            x = self._blocks.get(bid)
-            if x is None or medium not in x.media:
-                self.stats.unknown_removals += 1
-                continue
-            x.media.discard(medium)
-            self.stats.blocks_removed += 1
-            self._set_own(bid, x)
-            self._collect(bid)
+    @staticmethod
+    def _removals(e: BlockRemoved) -> list[_Removal]:
+        group, medium = e.group_idx or 0, _medium_name(e.medium)
+        return [(group, medium, h) for h in e.block_hashes]
 
-    def _set_own(self, bid: BlockId, x: _Block) -> None:
+    def _removed(self, run: list[_Removal]) -> None:
+        """Apply a run of removals (consecutive BlockRemoved events; they commute).
+
+        A hash named at least as often as blocks hold it removes them all. Otherwise (content
+        hashes) the run is taken as what a radix cache evicts, a set closed under descendants,
+        so a candidate can go only if every child that holds the medium goes too (its hash is
+        still pending in the run, recursively). When no more candidates than removals pass
+        that test, they are the ones. When no rule places any pending removal, the oldest
+        passing candidate goes (leaves first, then any) and ``ambiguous_removals`` counts it."""
+        todo: dict[_Removal, int] = {}
+        for r in run:
+            todo[r] = todo.get(r, 0) + 1
+        while todo:
+            progress = False
+            for r, n in list(todo.items()):  # each entry changes only on its own turn
+                medium = r[1]
+                cands = self._holding(r)
+                if len(cands) > n:
+                    cands = self._removable(cands, r, todo)
+                    if not cands or len(cands) > n:
+                        continue
+                elif len(cands) < n:
+                    self.stats.unknown_removals += n - len(cands)  # they name nothing held
+                    n = len(cands)
+                for c in cands:
+                    self._remove(c, medium)
+                if len(cands) == n:
+                    del todo[r]
+                else:
+                    todo[r] = n - len(cands)
+                progress = True
+            if not progress:  # stuck: no rule places any of them; the oldest candidate goes
+                r = next(iter(todo))
+                cands = self._holding(r)
+                cands = self._removable(cands, r, todo) or cands
+                cands = [c for c in cands if self._is_leaf(c, r[1])] or cands
+                self.stats.ambiguous_removals += 1
+                self._remove(min(cands, key=lambda c: self._blocks[c].touched), r[1])
+                self._done(todo, r)
+
+    def _removable(self, cands: list[int], r: _Removal, todo: dict[_Removal, int]) -> list[int]:
+        """The candidates that the run can remove with every descendant holding the medium:
+        the run still names each hash in that subtree at least as often as the subtree has it."""
+        group, medium, _ = r
+        out = []
+        for c in cands:
+            need: dict[BlockHash, int] = {}
+            stack = [c]
+            while stack:  # visits at most as many blocks as the run names, plus one
+                x = self._blocks[stack.pop()]
+                n = need[x.hash] = need.get(x.hash, 0) + 1
+                if n > todo.get((group, medium, x.hash), 0):
+                    break
+                stack.extend(kid for kid in x.kids.values() if medium in self._blocks[kid].media)
+            else:
+                out.append(c)
+        return out
+
+    @staticmethod
+    def _done(todo: dict[_Removal, int], r: _Removal) -> None:
+        if todo[r] == 1:
+            del todo[r]
+        else:
+            todo[r] -= 1
+
+    def _holding(self, r: _Removal) -> list[int]:
+        group, medium, h = r
+        return [c for c in self._by_hash.get((group, h), ()) if medium in self._blocks[c].media]
+
+    def _is_leaf(self, bid: int, medium: str) -> bool:
+        return not any(medium in self._blocks[k].media for k in self._blocks[bid].kids.values())
+
+    def _remove(self, bid: int, medium: str) -> None:
+        x = self._blocks[bid]
+        x.media.discard(medium)
+        self.stats.blocks_removed += 1
+        self._set_own(bid, x)
+        self._collect(bid)
+
+    def _set_own(self, bid: int, x: _Block) -> None:
         own = _own(x.media)
         if own != x.own:
             x.own = own
@@ -565,31 +825,39 @@ class WorkerAgent:
         h.update(view[(pos - start) * 4 :])
         x.start, x.state, x.keys, x.tokens = start, h, tuple(keys), None
 
-    def _adopt(self, pid: BlockId, cid: BlockId) -> None:
-        """Orphan ``cid`` was waiting for ``pid``, which has just been stored."""
+    def _adopt(self, pid: int, cid: int) -> None:
+        """Orphan ``cid`` was waiting for a block with ``pid``'s hash, which has just been stored."""
         p, c = self._blocks[pid], self._blocks[cid]
-        self.stats.adopted += 1
-        if self._is_ancestor(cid, pid):  # the engine contradicted itself; never key this loop
+        if self._is_ancestor(cid, pid) or c.hash in p.kids:  # the engine contradicted itself
             self.stats.conflicts += 1
-            self._make_opaque(pid)
-        p.children.add(cid)
+            self._make_opaque(cid)  # never key this loop; it stays an orphan
+            return
+        assert c.wait is not None
+        self._unlink_orphan(c.group, c.wait, c.hash)
+        c.parent, c.wait = pid, None
+        p.kids[c.hash] = cid
+        self.stats.adopted += 1
         if p.opaque:
             self._make_opaque(cid)
         elif p.state is not None:
             self._key_subtree(cid)
 
-    def _is_ancestor(self, a: BlockId, b: BlockId) -> bool:
-        seen: set[BlockId] = set()
-        cur: BlockId | None = b
-        while cur is not None and cur not in seen:
+    def _unlink_orphan(self, group: int, wait: BlockHash, h: BlockHash) -> None:
+        slot = (group, wait)
+        waiting = self._orphans[slot]
+        del waiting[h]
+        if not waiting:
+            del self._orphans[slot]
+
+    def _is_ancestor(self, a: int, b: int) -> bool:
+        cur: int | None = b
+        while cur is not None:  # parent links never form a cycle (_adopt refuses one)
             if cur == a:
                 return True
-            seen.add(cur)
-            x = self._blocks.get(cur)
-            cur = None if x is None else x.parent
+            cur = self._blocks[cur].parent
         return False
 
-    def _make_opaque(self, bid: BlockId) -> None:
+    def _make_opaque(self, bid: int) -> None:
         stack = [bid]
         while stack:
             cid = stack.pop()
@@ -602,9 +870,9 @@ class WorkerAgent:
                 self._refresh(cid)
                 x.keys = ()
             self.stats.unindexed += 1
-            stack.extend(x.children)
+            stack.extend(x.kids.values())
 
-    def _key_subtree(self, bid: BlockId) -> None:
+    def _key_subtree(self, bid: int) -> None:
         """Key ``bid`` and every orphan below it (their ancestry is complete now)."""
         stack = [bid]
         while stack:
@@ -614,9 +882,9 @@ class WorkerAgent:
                 continue
             self._key(x, x.tokens)
             self._refresh(cid)
-            stack.extend(x.children)
+            stack.extend(x.kids.values())
 
-    def _refresh(self, bid: BlockId) -> None:
+    def _refresh(self, bid: int) -> None:
         """Recompute the chain tier of ``bid`` and, where it changed, of its descendants."""
         stack = [bid]
         while stack:
@@ -630,7 +898,7 @@ class WorkerAgent:
             if new:
                 self._count(x.keys, new, +1)
             x.chain = new
-            stack.extend(x.children)
+            stack.extend(x.kids.values())
 
     def _chain_of(self, x: _Block) -> int:
         if x.state is None or not x.own:
@@ -652,27 +920,26 @@ class WorkerAgent:
             if not c[0] and not c[1]:
                 del counts[k]
 
-    def _collect(self, bid: BlockId) -> None:
+    def _collect(self, bid: int) -> None:
         """Drop ``bid`` and then its ancestors while they hold nothing and have no children."""
-        cur: BlockId | None = bid
+        cur: int | None = bid
         while cur is not None:
             x = self._blocks.get(cur)
-            if x is None or x.media or x.children:
+            if x is None or x.media or x.kids:
                 return
             del self._blocks[cur]
-            parent = x.parent
-            if parent is None:
-                return
-            p = self._blocks.get(parent)
-            if p is not None:
-                p.children.discard(cur)
+            slot = (x.group, x.hash)
+            same = self._by_hash[slot]
+            del same[cur]
+            if not same:
+                del self._by_hash[slot]
+            if x.parent is not None:
+                del self._blocks[x.parent].kids[x.hash]
+            elif x.wait is not None:
+                self._unlink_orphan(x.group, x.wait, x.hash)
             else:
-                waiting = self._orphans.get(parent)
-                if waiting is not None:
-                    waiting.discard(cur)
-                    if not waiting:
-                        del self._orphans[parent]
-            cur = parent
+                del self._roots[slot]
+            cur = x.parent
 
 
 def _own(media: set[str]) -> int:
@@ -688,6 +955,6 @@ def _tier(c: list[int]) -> int:
     return 1 if c[0] else 2 if c[1] else 0
 
 
-def _order(bid: BlockId) -> tuple[int, int, int | bytes]:
-    g, h = bid
-    return (g, 1, h) if isinstance(h, bytes) else (g, 0, h)
+def _hk(h: BlockHash) -> tuple[int, int | bytes]:
+    """A sort key for a hash of either kind."""
+    return (1, h) if isinstance(h, bytes) else (0, h)

@@ -22,8 +22,14 @@ normalised to unsigned 64-bit so both spellings of one hash compare equal; bytes
 Everything else is refused with an :class:`~kvcompass.errors.InvalidEventError` whose message
 names the frame, event index and field: a wrong frame count, a seq that is not 8 bytes, bytes
 that are not one msgpack object, an unknown tag, a wrong field type, token ids outside u32, a
-token count other than ``block_size * len(block_hashes)``, duplicate hashes within an event, a
-block listed as its own parent, ``extra_keys`` not one entry per block.
+token count other than ``block_size * len(block_hashes)``, ``extra_keys`` not one entry per
+block.
+
+A hash may repeat within an event, and ``parent_block_hash`` may equal one of the event's own
+hashes. SGLang's content-hash format hashes a page's tokens alone, so two identical
+consecutive pages carry one hash (``[h, h]``, or a page ``h`` whose parent is also ``h``).
+With vLLM's chained hashes that cannot happen, but it is not malformed either. The agent files
+blocks by their place in the chain and tells such blocks apart.
 
 The encoders write exactly what the engines publish (same field order, same omission of
 defaulted fields) so that an emulated worker is indistinguishable from a real one on the wire.
@@ -297,8 +303,6 @@ def _stored(f: Mapping[str, object], w: str) -> BlockStored:
     hashes = _hashes(f["block_hashes"], f"{w}.block_hashes")
     parent_raw = f["parent_block_hash"]
     parent = None if parent_raw is None else _hash(parent_raw, f"{w}.parent_block_hash")
-    if parent is not None and parent in hashes:
-        raise _FieldError(f"{w}.parent_block_hash is one of the event's own block_hashes")
     block_size = f["block_size"]
     if type(block_size) is not int or block_size <= 0:
         raise _FieldError(f"{w}.block_size must be a positive int, got {_show(block_size)}")
@@ -344,14 +348,7 @@ def _removed(f: Mapping[str, object], w: str) -> BlockRemoved:
 def _hashes(v: object, w: str) -> tuple[BlockHash, ...]:
     if not isinstance(v, list):
         raise _FieldError(f"{w} must be an array, got {_kind(v)}")
-    out = tuple(_hash(h, f"{w}[{i}]") for i, h in enumerate(v))
-    if len(set(out)) != len(out):
-        seen: set[BlockHash] = set()
-        for i, h in enumerate(out):
-            if h in seen:
-                raise _FieldError(f"{w}[{i}] repeats an earlier hash of the same event")
-            seen.add(h)
-    return out
+    return tuple(_hash(h, f"{w}[{i}]") for i, h in enumerate(v))  # repeats allowed (content hashes)
 
 
 def _hash(v: object, w: str) -> BlockHash:
