@@ -48,9 +48,9 @@ def test_remote_prefix_is_found_and_routed_to_when_it_saves_more_than_the_rtt(pl
 
     d = plane.edges["us"].route(prompt, NS, now=0.0)
     # us -> asia plan tops out at 3536 <= 4096 tokens: asia-0 saves 0.085 * 3536 = 300 ms of
-    # prefill for 0.5 * 149.6 ms of WAN, so it wins; a local worker would recompute all 4096.
+    # prefill for a 149.6 ms round trip, so it wins; a local worker would recompute all 4096.
     assert d.worker == "asia-0" and d.expected_match == 3536 and d.tier == Tier.VRAM
-    beta, wan = 0.085, 0.5 * plane.plan.rtt_ms("us", "asia")
+    beta, wan = 0.085, plane.plan.rtt_ms("us", "asia")
     assert d.score == pytest.approx(wan + beta * (4096 - 3536))
 
     # A short prompt whose shared prefix is below n1 (1760 tokens toward asia) is not worth

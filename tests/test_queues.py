@@ -11,9 +11,15 @@ import pytest
 import kvcompass as kc
 from kvcompass.discovery.edge import Edge, QueueBroadcast
 from kvcompass.discovery.layout import IndexLayout, TableSpec, WorkerSpec
-from kvcompass.discovery.params import EdgeParams
+from functools import partial
+
+from kvcompass.discovery.params import EdgeParams as _EdgeParams
 from kvcompass.discovery.queues import BroadcastSchedule, QueueEstimates
 from kvcompass.errors import InvalidArgumentError, UnknownWorkerError
+
+# These scenarios compute expected scores with the paper's one-way WAN term (table 1);
+# tests/test_plane.py covers the default full-RTT term end to end.
+EdgeParams = partial(_EdgeParams, wan_fraction=0.5)
 
 
 def test_remote_samples_fold_with_weight_w_and_the_first_replaces() -> None:

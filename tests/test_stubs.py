@@ -22,6 +22,7 @@ STRICT_FILES += [f"kvcompass/discovery/{m}.py" for m in ("edge", "belief", "queu
 STRICT_FILES += [f"kvcompass/agent/{m}.py" for m in ("__init__", "events", "agent")]
 STRICT_FILES += [f"kvcompass/sim/{m}.py" for m in ("__init__", "cache", "costs")]
 STRICT_FILES += ["kvcompass/sim/workload.py"]
+STRICT_FILES += [f"kvcompass/sim/{m}.py" for m in ("engine", "schemes", "metrics")]
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -24,9 +24,12 @@ class EdgeParams:
     # -- score ---------------------------------------------------------------------------------
     gamma_ms_per_token: float = 0.005
     """DRAM reload cost: 128 KiB of KV per token over PCIe 4.0 at ~25 GB/s (DESIGN.md section 6)."""
-    wan_fraction: float = 0.5
-    """WAN term = ``wan_fraction * RTT(o, r)``. The paper's table 1 defines WAN(o, r) as the
-    one-way latency, hence 0.5; 1.0 charges the full round trip (the n1 argument of 3.2)."""
+    wan_fraction: float = 1.0
+    """WAN term = ``wan_fraction * RTT(o, r)``. Default 1.0, the full round trip: a request served
+    in another region pays the way out and its first token's way back, so a remote holder is
+    worth it exactly when the prefill it saves exceeds the extra RTT, which is also the
+    break-even that places the first level at n1 = RTT/beta (paper 3.2). The paper's table 1
+    writes WAN(o, r) as a one-way latency; 0.5 reproduces that reading."""
     lambda_max: float = 8.0
     """Cap of the capacity price (paper section 5.1)."""
     tau_ms: float = 200.0

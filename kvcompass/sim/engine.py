@@ -1,0 +1,408 @@
+"""The event-driven simulator (paper section 4, "Simulator"): the discovery plane's own objects
+driven by a virtual clock, with modelled workers and WAN.
+
+Everything the services run is the real thing here: a :class:`~kvcompass.discovery.plane.LocalPlane`
+(every maintenance unit and every edge), one :class:`~kvcompass.agent.WorkerAgent` per worker
+fed the vLLM wire frames its :class:`~kvcompass.sim.cache.PrefixCache` publishes, and the edges'
+routes, beliefs and queue estimates. Only the workers' time and the network are modelled.
+
+**Clock.** A heap of ``(time_ms, seq, action)``; ``seq`` orders equal times by scheduling
+order, so a run is a pure function of its inputs and seed. There is no wall clock. The edge
+API takes seconds: every ``now`` handed to it is ``time_ms / 1000``.
+
+**A request's life.**
+
+1. Arrival at the edge of its region (the nearest edge region by RTT if its region runs none).
+   The scheme picks a worker (:mod:`kvcompass.sim.schemes`).
+2. Forward over the WAN: one way is half the topology's RTT between the two regions (the
+   in-region RTT when they are the same).
+3. The worker's prefill server is FIFO. At prefill start ``(vram_hit, dram_hit) =
+   cache.lookup(tokens)`` and the prefill takes ``cost.prefill_ms(uncached) +
+   cost.reload_ms(dram_hit)``. At prefill end ``cache.admit(tokens)``; its KV events are
+   encoded as a vLLM PUB message, handed to the worker's agent, and the key-op batches reach
+   ``plane.ingest`` ``event_delay_ms`` later (agent batching plus the hop to the unit).
+4. Patches: the units' pending patches are flushed to every edge by ``plane.propagate()`` on
+   a periodic tick every ``patch_interval_ms`` (default 10 ms, a unit's batching interval).
+   Delivery to every edge happens at the tick; the WAN time of patches is not modelled.
+5. The first token is produced at prefill end and reaches the edge one WAN way later: TTFT.
+   The same first chunk carries the reuse report (``vram_hit + dram_hit``) and, for a worker
+   outside the edge's region, its region's queue vector: ``Edge.on_response`` runs then.
+6. Decode: continuous batching on a lane beside the prefill server (prefill and decode do
+   not slow each other down, a simplification). A step decodes one token for every running
+   sequence and takes ``cost.decode_step_ms(batch, context tokens)``; sequences join at the
+   next step boundary. The last token reaches the edge one WAN way after its step: E2E. A
+   request with ``output_length <= 1`` completes at prefill end.
+
+**Queues.** A worker's queued prefill work (ms) is the remainder of the running prefill plus,
+for each waiting request, its estimate from a cache lookup at enqueue time. Own-region edges
+get ``set_local_queue`` whenever it changes (enqueue, prefill start, prefill end); remote
+edges learn it from vectors piggybacked on responses and from the broadcasts
+``Edge.broadcast_due`` asks for (checked on the patch tick, delivered a WAN way later).
+
+**Not modelled yet** (absent, not approximated): migrations (``Edge.migration_actions``),
+prefill-decode disaggregation (such topologies are refused), several namespaces in one run
+(the emulated cache is keyed by tokens alone, so tenants with identical tokens would share
+blocks; such workloads are refused), engine restarts and event loss.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcompass.agent import WorkerAgent, encode_batch
+from kvcompass.discovery.edge import Edge
+from kvcompass.discovery.layout import WorkerSpec
+from kvcompass.discovery.ops import KeyOpBatch
+from kvcompass.discovery.params import EdgeParams
+from kvcompass.discovery.plane import LocalPlane
+from kvcompass.discovery.topology import Topology, load_topology
+from kvcompass.errors import AgentSequenceError, InvalidArgumentError
+from kvcompass.index import Namespace
+from kvcompass.sim.cache import Policy, PrefixCache
+from kvcompass.sim.costs import CostModel
+from kvcompass.sim.metrics import RequestRecord, Summary, summarize
+from kvcompass.sim.schemes import Choice, Fleet, Scheme, make_scheme
+from kvcompass.sim.workload import Request
+
+__all__ = ["DEFAULT_DRAM_TOKENS", "DEFAULT_VRAM_TOKENS", "SimConfig", "Simulator", "simulate"]
+
+# Used when a topology leaves a worker's capacities out (0): the testbed's figures (about 12 GiB
+# of KV at 128 KiB/token in VRAM, 128 GiB of host DRAM; kvcompass/topologies/testbed-14x3.toml).
+DEFAULT_VRAM_TOKENS = 98304
+DEFAULT_DRAM_TOKENS = 1048576
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """Knobs of one run besides the topology, workload and scheme."""
+
+    seed: int = 0
+    cost: CostModel = field(default_factory=CostModel)
+    model: str = "llama-3.1-8b"
+    event_delay_ms: float = 5.0
+    patch_interval_ms: float = 10.0
+    window_ms: float = 1000.0
+    policy: Policy = "lru"
+    params: EdgeParams = field(default_factory=EdgeParams)
+    plane_capacity: int = 4096
+
+    def __post_init__(self) -> None:
+        if not self.event_delay_ms >= 0:
+            raise InvalidArgumentError(f"event_delay_ms must be >= 0, got {self.event_delay_ms}")
+        for name in ("patch_interval_ms", "window_ms"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    request: Request
+    tokens: npt.NDArray[np.uint32]
+    choice: Choice
+    edge_region: str
+    one_way_ms: float
+    at_worker_ms: float = 0.0
+    estimate_ms: float = 0.0
+    start_ms: float = 0.0
+    vram_hit: int = 0
+    dram_hit: int = 0
+    ttft_ms: float = 0.0
+    remaining: int = 0
+    context: int = 0
+
+
+class _Worker:
+    def __init__(self, spec: WorkerSpec, index: int, cache: PrefixCache, agent: WorkerAgent | None) -> None:
+        self.spec = spec
+        self.index = index
+        self.cache = cache
+        self.agent = agent
+        self.engine_seq = 0
+        self.waiting: deque[_Job] = deque()
+        self.waiting_ms = 0.0
+        self.current: _Job | None = None
+        self.busy_until = 0.0
+        self.busy: list[tuple[float, float]] = []
+        self.running: list[_Job] = []
+        self.joining: list[_Job] = []
+        self.stepping = False
+
+
+def _capacity(tokens: int, block: int, default: int) -> int:
+    n = (tokens or default) // block * block
+    return max(n, block)
+
+
+class Simulator:
+    """One run: build with the deployment and workload, then :meth:`run` once."""
+
+    def __init__(self, topology: Topology, requests: Sequence[Request], scheme: str | Callable[[Fleet], Scheme], config: SimConfig = SimConfig()) -> None:
+        if topology.disaggregated:
+            raise InvalidArgumentError(f"topology {topology.name!r} disaggregates prefill and decode: not simulated yet")
+        namespaces = {r.namespace for r in requests}
+        if len(namespaces) > 1:
+            raise InvalidArgumentError(f"the workload uses {len(namespaces)} namespaces; the simulator runs one namespace at a time")
+        self.topology = topology
+        self.config = config
+        self._cost = config.cost
+        self._requests = sorted(requests, key=lambda r: (r.arrival_ms, r.id))
+        self._ns = Namespace(config.model, next(iter(namespaces)) if namespaces else "public")
+        self._rng = np.random.default_rng(config.seed)
+        self.plane = LocalPlane(topology, capacity=config.plane_capacity, params=config.params, seed=config.seed)
+        self._scheme = make_scheme(scheme, self) if isinstance(scheme, str) else scheme(self)
+        self._indexed = self._scheme.uses_index
+        plan, block = self.plane.plan, topology.block_size
+        self._workers: dict[str, _Worker] = {}
+        for i, spec in enumerate(topology.workers):
+            cache = PrefixCache(
+                block,
+                _capacity(spec.vram_tokens, block, DEFAULT_VRAM_TOKENS),
+                _capacity(spec.dram_tokens, block, DEFAULT_DRAM_TOKENS) if spec.dram_tokens or not spec.vram_tokens else 0,
+                config.policy,
+                hash_seed=i,
+            )
+            agent = WorkerAgent(spec.id, self._ns, plan.registration(spec.region), self.plane.layout.shards, block_size=block) if self._indexed else None
+            self._workers[spec.id] = _Worker(spec, i, cache, agent)
+        edge_regions = plan.edge_regions
+        self._edge_of = {r: min(edge_regions, key=lambda e: (e != r, plan.rtt_ms(r, e))) for r in topology.region_names} if edge_regions else {}
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = 0
+        self._now = 0.0
+        self._records: list[RequestRecord] = []
+        self._ran = False
+
+    # ---- the Fleet a scheme reads ----------------------------------------------------------------
+
+    def edge_for(self, region: str) -> Edge:
+        try:
+            return self.plane.edges[self._edge_of[region]]
+        except KeyError:
+            raise InvalidArgumentError(f"no edge serves region {region!r}") from None
+
+    def namespace(self, request: Request) -> Namespace:
+        return self._ns
+
+    def queued_ms(self, worker: str, now_ms: float) -> float:
+        w = self._workers[worker]
+        running = max(0.0, w.busy_until - now_ms) if w.current is not None else 0.0
+        return w.waiting_ms + running
+
+    def rng(self) -> np.random.Generator:
+        return self._rng
+
+    # ---- the clock -------------------------------------------------------------------------------
+
+    @property
+    def now_ms(self) -> float:
+        return self._now
+
+    def _at(self, t: float, action: Callable[[], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, action))
+
+    def run(self) -> Summary:
+        """Replay the workload to the last completion and summarise it."""
+        if self._ran:
+            raise RuntimeError("a Simulator runs once")
+        self._ran = True
+        for r in self._requests:
+            self._at(r.arrival_ms, partial(self._arrive, r))
+        if self._indexed and self._requests:
+            self._at(self._requests[0].arrival_ms, self._tick)
+        while self._heap:
+            t, _, action = heapq.heappop(self._heap)
+            self._now = t
+            action()
+        if len(self._records) != len(self._requests):
+            raise RuntimeError(f"{len(self._requests) - len(self._records)} requests never completed")
+        ids = list(self._workers)
+        busy = [self._workers[w].busy for w in ids]
+        return summarize(self._scheme.name, self.topology.name, self._records, ids, busy, window_ms=self.config.window_ms)
+
+    def _tick(self) -> None:
+        """Patch propagation and due queue broadcasts, every ``patch_interval_ms`` while work remains."""
+        now = self._now
+        self.plane.propagate()
+        for edge in self.plane.edges.values():
+            for b in edge.broadcast_due(now / 1e3):
+                target = self.plane.edges.get(b.target_region)
+                if target is not None:
+                    t = now + self.plane.plan.rtt_ms(b.source_region, b.target_region) / 2
+                    self._at(t, partial(target.on_broadcast, b.source_region, b.vector, t / 1e3))
+        if len(self._records) < len(self._requests):
+            self._at(now + self.config.patch_interval_ms, self._tick)
+
+    # ---- a request's life ------------------------------------------------------------------------
+
+    def _arrive(self, r: Request) -> None:
+        tokens = r.input_tokens()
+        choice = self._scheme.choose(r, tokens, self._now)
+        w = self._workers.get(choice.worker)
+        if w is None:
+            raise InvalidArgumentError(f"scheme {self._scheme.name!r} chose unknown worker {choice.worker!r}")
+        edge_region = self._edge_of.get(r.region, r.region)
+        one_way = self.plane.plan.rtt_ms(edge_region, w.spec.region) / 2
+        job = _Job(r, tokens, choice, edge_region, one_way)
+        self._at(self._now + one_way, lambda: self._enqueue(w, job))
+
+    def _enqueue(self, w: _Worker, job: _Job) -> None:
+        job.at_worker_ms = self._now
+        v, d = w.cache.lookup(job.tokens)
+        job.estimate_ms = self._prefill_ms(job.request.input_length, v, d)
+        w.waiting.append(job)
+        w.waiting_ms += job.estimate_ms
+        if w.current is None:
+            self._start_prefill(w)
+        self._publish_queue(w)
+
+    def _prefill_ms(self, length: int, vram_hit: int, dram_hit: int) -> float:
+        reused = min(length, vram_hit + dram_hit)
+        return self._cost.prefill_ms(length - reused) + self._cost.reload_ms(dram_hit)
+
+    def _start_prefill(self, w: _Worker) -> None:
+        job = w.waiting.popleft()
+        w.waiting_ms = max(0.0, w.waiting_ms - job.estimate_ms) if w.waiting else 0.0
+        job.start_ms = self._now
+        job.vram_hit, job.dram_hit = w.cache.lookup(job.tokens)
+        end = self._now + self._prefill_ms(job.request.input_length, job.vram_hit, job.dram_hit)
+        w.current, w.busy_until = job, end
+        w.busy.append((self._now, end))
+        self._at(end, lambda: self._end_prefill(w, job))
+
+    def _end_prefill(self, w: _Worker, job: _Job) -> None:
+        now = self._now
+        events = w.cache.admit(job.tokens, now / 1e3)
+        if w.agent is not None and events:
+            frames = encode_batch(events, w.engine_seq, ts=now / 1e3)
+            w.engine_seq += 1
+            batches = w.agent.on_message(frames).batches
+            if batches:
+                self._at(now + self.config.event_delay_ms, lambda: self._ingest(w, batches))
+        job.ttft_ms = now + job.one_way_ms - job.request.arrival_ms
+        if self._indexed:
+            self._respond(w, job)
+        w.current = None
+        if w.waiting:
+            self._start_prefill(w)
+        self._publish_queue(w)
+        out = job.request.output_length
+        if out <= 1:
+            self._complete(job)
+        else:
+            job.remaining, job.context = out - 1, job.request.input_length + 1
+            w.joining.append(job)
+            if not w.stepping:
+                self._step(w)
+
+    def _respond(self, w: _Worker, job: _Job) -> None:
+        """The first chunk back at the edge: reuse report and, from another region, a queue vector."""
+        edge = self.plane.edges.get(job.edge_region)
+        if edge is None:
+            return
+        vector: dict[str, float] | None = None
+        region = w.spec.region
+        if region != job.edge_region:
+            src = self.plane.edges.get(region)
+            if src is not None:
+                vector = src.piggyback_vector(job.edge_region, self._now / 1e3)
+            else:
+                vector = {s.id: self.queued_ms(s.id, self._now) for s in self.topology.workers_in(region)}
+        t = self._now + job.one_way_ms
+        reused = job.vram_hit + job.dram_hit
+        self._at(t, lambda: edge.on_response(w.spec.id, job.choice.claimed, reused, vector, t / 1e3))
+
+    def _ingest(self, w: _Worker, batches: Sequence[KeyOpBatch]) -> None:
+        assert w.agent is not None
+        for b in batches:
+            try:
+                self.plane.ingest(b, sender=w.spec.id)
+            except AgentSequenceError:
+                for again in w.agent.on_rejected(b.shard):
+                    self.plane.ingest(again, sender=w.spec.id)
+
+    def _publish_queue(self, w: _Worker) -> None:
+        if not self._indexed:
+            return
+        edge = self.plane.edges.get(w.spec.region)
+        if edge is not None:
+            edge.set_local_queue(w.spec.id, self.queued_ms(w.spec.id, self._now), self._now / 1e3)
+
+    def _step(self, w: _Worker) -> None:
+        w.running.extend(w.joining)
+        w.joining.clear()
+        if not w.running:
+            w.stepping = False
+            return
+        w.stepping = True
+        batch = list(w.running)
+        dt = self._cost.decode_step_ms(len(batch), sum(j.context for j in batch))
+        self._at(self._now + max(dt, 1e-9), lambda: self._end_step(w, batch))
+
+    def _end_step(self, w: _Worker, batch: list[_Job]) -> None:
+        for j in batch:
+            j.remaining -= 1
+            j.context += 1
+            if j.remaining == 0:
+                self._complete(j)
+        w.running = [j for j in w.running if j.remaining > 0]
+        self._step(w)
+
+    def _complete(self, job: _Job) -> None:
+        r = job.request
+        w = self._workers[job.choice.worker]
+        e2e = self._now + job.one_way_ms - r.arrival_ms
+        self._records.append(
+            RequestRecord(
+                id=r.id,
+                region=r.region,
+                worker=w.spec.id,
+                worker_region=w.spec.region,
+                arrival_ms=r.arrival_ms,
+                ttft_ms=job.ttft_ms,
+                e2e_ms=e2e,
+                queue_ms=job.start_ms - job.at_worker_ms,
+                input_tokens=r.input_length,
+                output_tokens=r.output_length,
+                vram_hit=job.vram_hit,
+                dram_hit=job.dram_hit,
+                claimed=job.choice.claimed,
+            )
+        )
+        job.tokens = np.zeros(0, dtype=np.uint32)  # a finished request keeps no tokens
+
+
+def simulate(
+    topology: str | Topology,
+    requests: Sequence[Request],
+    scheme: str | Callable[[Fleet], Scheme] = "kvcompass",
+    *,
+    seed: int = 0,
+    cost: CostModel | None = None,
+    model: str = "llama-3.1-8b",
+    event_delay_ms: float = 5.0,
+    patch_interval_ms: float = 10.0,
+    window_ms: float = 1000.0,
+    policy: Policy = "lru",
+    params: EdgeParams | None = None,
+) -> Summary:
+    """Run ``requests`` through ``topology`` (a built-in name, a TOML path, or a Topology) with
+    ``scheme`` (a name from :data:`kvcompass.sim.schemes.SCHEMES` or a factory) and summarise."""
+    topo = topology if isinstance(topology, Topology) else load_topology(topology)
+    config = SimConfig(
+        seed=seed,
+        cost=cost if cost is not None else CostModel(),
+        model=model,
+        event_delay_ms=event_delay_ms,
+        patch_interval_ms=patch_interval_ms,
+        window_ms=window_ms,
+        policy=policy,
+        params=params if params is not None else EdgeParams(),
+    )
+    return Simulator(topo, requests, scheme, config).run()
