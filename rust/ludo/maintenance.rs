@@ -204,6 +204,12 @@ impl LudoTable {
     #[inline]
     fn find_slot(&self, key: u64) -> Option<(u32, usize)> {
         let (b0, b1) = hash::buckets(key, &self.seeds, self.geo.n_buckets);
+        self.find_in(key, b0, b1)
+    }
+
+    /// [`Self::find_slot`] with the candidate buckets already computed.
+    #[inline]
+    fn find_in(&self, key: u64, b0: u32, b1: u32) -> Option<(u32, usize)> {
         for b in [b0, b1] {
             let bk = &self.buckets[b as usize];
             for s in 0..SLOTS {
@@ -230,6 +236,18 @@ impl LudoTable {
         self.view.prefetch_key(key);
         let (u, v) = self.edge_of(key);
         self.forest.prefetch_nodes(u, v);
+    }
+
+    /// Start the reads an update of `key` needs (both bucket lines and both view records) and
+    /// return the candidate buckets, hashing the key once.
+    #[inline]
+    fn warm_slots(&self, key: u64) -> (u32, u32) {
+        let (b0, b1) = hash::buckets(key, &self.seeds, self.geo.n_buckets);
+        prefetch(&self.buckets, b0 as usize);
+        prefetch(&self.buckets, b1 as usize);
+        self.view.prefetch_bucket(b0);
+        self.view.prefetch_bucket(b1);
+        (b0, b1)
     }
 
     /// Issue the reads of both candidate bucket lines together.
@@ -320,9 +338,8 @@ impl LudoTable {
             self.remove(key)?;
             return Ok(Placement::Updated);
         }
-        self.prefetch_buckets(key);
-        self.view.prefetch_key(key);
-        if let Some((b, s)) = self.find_slot(key) {
+        let (b0, b1) = self.warm_slots(key);
+        if let Some((b, s)) = self.find_in(key, b0, b1) {
             if self.buckets[b as usize].vals[s] != value {
                 self.buckets[b as usize].vals[s] = value;
                 self.emit(Op::SetValue { bucket: b, slot: s as u8, value });
@@ -363,26 +380,31 @@ impl LudoTable {
     /// Remove a key; returns its old value, or None if it was absent.
     pub fn remove(&mut self, key: u64) -> Result<Option<u64>> {
         Self::check_key(key)?;
-        self.prefetch_buckets(key);
-        self.view.prefetch_key(key);
+        let (b0, b1) = self.warm_slots(key);
         let (u, v) = self.edge_of(key);
         self.forest.prefetch_nodes(u, v);
-        if let Some((b, s)) = self.find_slot(key) {
-            let bi = b as usize;
-            let old = self.buckets[bi].vals[s];
-            self.forest.remove_edge(u, v);
-            self.buckets[bi].keys[s] = EMPTY;
-            self.buckets[bi].vals[s] = 0;
-            self.meta[bi].count -= 1;
-            self.live -= 1;
-            self.emit(Op::ClearSlot { bucket: b, slot: s as u8 });
-            return Ok(Some(old));
+        if let Some((b, s)) = self.find_in(key, b0, b1) {
+            return Ok(Some(self.remove_at(b, s, key)));
         }
         if let Some(old) = self.fallback_get(key) {
             self.emit(Op::FallbackRemove { key });
             return Ok(Some(old));
         }
         Ok(None)
+    }
+
+    /// Remove the key stored at (bucket, slot); returns its value.
+    fn remove_at(&mut self, b: u32, s: usize, key: u64) -> u64 {
+        let bi = b as usize;
+        let old = self.buckets[bi].vals[s];
+        let (u, v) = self.edge_of(key);
+        self.forest.remove_edge(u, v);
+        self.buckets[bi].keys[s] = EMPTY;
+        self.buckets[bi].vals[s] = 0;
+        self.meta[bi].count -= 1;
+        self.live -= 1;
+        self.emit(Op::ClearSlot { bucket: b, slot: s as u8 });
+        old
     }
 
     /// Set one worker's 2-bit tier field of `key` (0 absent, 1 VRAM, 2 DRAM). Creates the key on
@@ -396,8 +418,22 @@ impl LudoTable {
         if tier > 2 {
             return Err(CoreError::InvalidTier(tier));
         }
-        let cur = self.get(key).unwrap_or(0);
-        let new = (cur & !(3u64 << (2 * field))) | ((tier as u64) << (2 * field));
+        let shift = 2 * field;
+        let (b0, b1) = self.warm_slots(key);
+        // The common case (the key sits in a bucket) reads and writes its slot once.
+        if let Some((b, s)) = self.find_in(key, b0, b1) {
+            let cur = self.buckets[b as usize].vals[s];
+            let new = (cur & !(3u64 << shift)) | ((tier as u64) << shift);
+            if new == 0 {
+                self.remove_at(b, s, key);
+            } else if new != cur {
+                self.buckets[b as usize].vals[s] = new;
+                self.emit(Op::SetValue { bucket: b, slot: s as u8, value: new });
+            }
+            return Ok(new);
+        }
+        let cur = self.fallback_get(key).unwrap_or(0);
+        let new = (cur & !(3u64 << shift)) | ((tier as u64) << shift);
         if new != cur {
             self.set(key, new)?;
         }
