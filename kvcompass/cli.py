@@ -6,13 +6,18 @@ import argparse
 import json
 import sys
 import textwrap
+import time
+from pathlib import Path
 from typing import Sequence
 
 from kvcompass.discovery.plan import LevelPlan
 from kvcompass.discovery.topology import builtin_topologies, load_topology
 from kvcompass.errors import KVCompassError
 
-__all__ = ["format_plan", "main"]
+__all__ = ["DEFAULT_MIXED_REQUESTS", "format_plan", "main"]
+
+# Requests ``--trace mixed`` generates when ``--max-requests`` is not given.
+DEFAULT_MIXED_REQUESTS = 1000
 
 
 def _lengths(xs: Sequence[int]) -> str:
@@ -73,6 +78,95 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+class _UsageError(Exception):
+    """A bad ``simulate`` argument: one line on stderr, exit 2."""
+
+
+def _parse_rates(text: str) -> list[str]:
+    rates = [r.strip() for r in text.split(",")]
+    for r in rates:
+        try:
+            v = float(r)
+        except ValueError:
+            raise _UsageError(f"--rates: {r!r} is not a number (give req/s, comma-separated)") from None
+        if not (v > 0 and v != float("inf")):
+            raise _UsageError(f"--rates: {r!r} must be > 0 req/s")
+    if len({float(r) for r in rates}) != len(rates):
+        raise _UsageError(f"--rates: {text!r} repeats a rate")
+    return rates
+
+
+def _parse_schemes(text: str) -> list[str]:
+    from kvcompass.sim.schemes import SCHEMES
+
+    if text.strip() == "all":
+        return list(SCHEMES)
+    names = [n.strip() for n in text.split(",")]
+    for n in names:
+        if n not in SCHEMES:
+            raise _UsageError(f"--schemes: unknown scheme {n!r} (known: {', '.join(SCHEMES)}, or all)")
+    if len(set(names)) != len(names):
+        raise _UsageError(f"--schemes: {text!r} repeats a scheme")
+    return names
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from kvcompass.sim.engine import simulate
+    from kvcompass.sim.metrics import Summary
+    from kvcompass.sim.workload import MOONCAKE_BLOCK_SIZE, Request, load_trace, resolve_trace, synthetic_mixed
+
+    rates = _parse_rates(args.rates)
+    schemes = _parse_schemes(args.schemes)
+    for name in ("max_requests", "block_size"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise _UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.seed < 0:
+        raise _UsageError(f"--seed must be >= 0, got {args.seed}")
+    topology = load_topology(args.topology, rtt_path=args.rtt_matrix)
+    trace_path = None if args.trace == "mixed" else resolve_trace(args.trace)
+
+    def workload(rate: float) -> list[Request]:
+        if trace_path is None:
+            n = args.max_requests or DEFAULT_MIXED_REQUESTS
+            return synthetic_mixed(n, regions=topology, seed=args.seed, rate=rate, block_size=args.block_size or topology.block_size)
+        return load_trace(
+            trace_path, args.block_size or MOONCAKE_BLOCK_SIZE, regions=topology, seed=args.seed, rate=rate, mode="rescale", max_requests=args.max_requests
+        )
+
+    results: dict[str, dict[str, Summary]] = {s: {} for s in schemes}
+    total, done = len(schemes) * len(rates), 0
+    for rate in rates:
+        requests = workload(float(rate))
+        for scheme in schemes:
+            done += 1
+            print(f"[{done}/{total}] {scheme} at {rate} req/s: {len(requests)} requests ...", end="", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            results[scheme][rate] = simulate(topology, requests, scheme, seed=args.seed)
+            print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    if args.out is not None:
+        from kvcompass.sim.report import records_to_frame, summaries_to_frame, write_figures, write_tables
+
+        out = Path(args.out)
+        paths = write_tables(out, summaries_to_frame(results), records_to_frame(results))
+        paths += write_figures(out, results)
+        print(f"wrote {len(paths)} files to {out}: {' '.join(p.name for p in paths)}")
+    from kvcompass.sim.report import summary_row
+
+    doc = {"results": {s: {r: summary_row(results[s][r]) for r in rates} for s in schemes}}
+    sys.stdout.write(json.dumps(doc) + "\n")
+    return 0
+
+
+def _simulate_main(args: argparse.Namespace) -> int:
+    try:
+        return _simulate(args)
+    except (_UsageError, KVCompassError, OSError) as e:
+        msg = " ".join(str(e).split())
+        print(f"kvcompass simulate: error: {msg}", file=sys.stderr)
+        return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvcompass", description="KVCompass: a KV-cache discovery plane for Internet-scale LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,6 +188,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="RTT matrix to use when the topology has none of its own (default: ../shared/data, else the bundled excerpt)",
     )
+    sim = sub.add_parser("simulate", help="replay a workload through the simulator under each scheme and rate; last stdout line is one JSON object")
+    sim.add_argument("--topology", required=True, metavar="NAME_OR_PATH", help=f"a built-in topology ({', '.join(builtin_topologies())}) or a TOML file")
+    sim.add_argument(
+        "--trace",
+        required=True,
+        metavar="PATH_OR_NAME",
+        help="a Mooncake-schema JSONL file, a shared trace name (conversation, synthetic), or mixed: the synthetic "
+        f"Mixed workload ({DEFAULT_MIXED_REQUESTS} requests unless --max-requests)",
+    )
+    sim.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="tokens per trace hash id (default 512, the Mooncake traces'); for mixed, the prompt block (default: the topology's)",
+    )
+    sim.add_argument("--rates", required=True, metavar="R1,R2,...", help="offered loads in req/s (traces are rescaled to each; mixed arrivals are Poisson)")
+    sim.add_argument("--schemes", default="all", metavar="S1,S2,...|all", help="routing schemes to compare (default all)")
+    sim.add_argument("--seed", type=int, default=0, help="seed for the workload's regions and arrivals and the simulator (default 0)")
+    sim.add_argument("--max-requests", type=int, default=None, metavar="N", help="replay at most the first N requests")
+    sim.add_argument("--out", default=None, metavar="DIR", help="write CSV/parquet tables and PNG figures here")
+    sim.add_argument("--rtt-matrix", metavar="CSV", default=None, help="RTT matrix for a topology that has none of its own")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from kvcompass.demo import DemoConfig, run_demo
@@ -104,6 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "plan":
         return _plan(args)
+    if args.command == "simulate":
+        return _simulate_main(args)
     return 2
 
 

@@ -23,6 +23,7 @@ STRICT_FILES += [f"kvcompass/agent/{m}.py" for m in ("__init__", "events", "agen
 STRICT_FILES += [f"kvcompass/sim/{m}.py" for m in ("__init__", "cache", "costs")]
 STRICT_FILES += ["kvcompass/sim/workload.py"]
 STRICT_FILES += [f"kvcompass/sim/{m}.py" for m in ("engine", "schemes", "metrics")]
+STRICT_FILES += ["kvcompass/sim/report.py"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -13,7 +13,9 @@ API takes seconds: every ``now`` handed to it is ``time_ms / 1000``.
 **A request's life.**
 
 1. Arrival at the edge of its region (the nearest edge region by RTT if its region runs none).
-   The scheme picks a worker (:mod:`kvcompass.sim.schemes`).
+   The scheme picks a worker (:mod:`kvcompass.sim.schemes`); a scheme whose lookup leaves the
+   edge (a central coordinator, DHT hops) returns that lookup's time as ``Choice.delay_ms``,
+   which passes before the request is forwarded.
 2. Forward over the WAN: one way is half the topology's RTT between the two regions (the
    in-region RTT when they are the same).
 3. The worker's prefill server is FIFO. At prefill start ``(vram_hit, dram_hit) =
@@ -57,6 +59,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcompass.agent import WorkerAgent, encode_batch
+from kvcompass.agent.events import Event
 from kvcompass.discovery.edge import Edge
 from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.discovery.ops import KeyOpBatch
@@ -68,7 +71,7 @@ from kvcompass.index import Namespace
 from kvcompass.sim.cache import Policy, PrefixCache
 from kvcompass.sim.costs import CostModel
 from kvcompass.sim.metrics import RequestRecord, Summary, summarize
-from kvcompass.sim.schemes import Choice, Fleet, Scheme, make_scheme
+from kvcompass.sim.schemes import Choice, Fleet, Scheme, make_scheme, scheme_params
 from kvcompass.sim.workload import Request
 
 __all__ = ["DEFAULT_DRAM_TOKENS", "DEFAULT_VRAM_TOKENS", "SimConfig", "Simulator", "simulate"]
@@ -155,9 +158,13 @@ class Simulator:
         self._requests = sorted(requests, key=lambda r: (r.arrival_ms, r.id))
         self._ns = Namespace(config.model, next(iter(namespaces)) if namespaces else "public")
         self._rng = np.random.default_rng(config.seed)
-        self.plane = LocalPlane(topology, capacity=config.plane_capacity, params=config.params, seed=config.seed)
+        # An ablation scheme runs the plane with its switch flipped (schemes.scheme_params).
+        self.plane = LocalPlane(topology, capacity=config.plane_capacity, params=scheme_params(scheme, config.params), seed=config.seed)
         self._scheme = make_scheme(scheme, self) if isinstance(scheme, str) else scheme(self)
         self._indexed = self._scheme.uses_index
+        # A scheme that follows the workers' KV events itself (a Dynamo-style router) gets every
+        # admit's events at prefill end.
+        self._on_kv: Callable[[str, Sequence[Event], float], None] | None = getattr(self._scheme, "on_kv_events", None)
         plan, block = self.plane.plan, topology.block_size
         self._workers: dict[str, _Worker] = {}
         for i, spec in enumerate(topology.workers):
@@ -196,6 +203,12 @@ class Simulator:
 
     def rng(self) -> np.random.Generator:
         return self._rng
+
+    def cached(self, worker: str, tokens: npt.NDArray[np.uint32]) -> tuple[int, int]:
+        return self._workers[worker].cache.lookup(tokens)
+
+    def waiting(self, worker: str) -> int:
+        return len(self._workers[worker].waiting)
 
     # ---- the clock -------------------------------------------------------------------------------
 
@@ -250,7 +263,8 @@ class Simulator:
         edge_region = self._edge_of.get(r.region, r.region)
         one_way = self.plane.plan.rtt_ms(edge_region, w.spec.region) / 2
         job = _Job(r, tokens, choice, edge_region, one_way)
-        self._at(self._now + one_way, lambda: self._enqueue(w, job))
+        # A scheme's lookup (a coordinator round trip, DHT hops) delays the forward.
+        self._at(self._now + choice.delay_ms + one_way, lambda: self._enqueue(w, job))
 
     def _enqueue(self, w: _Worker, job: _Job) -> None:
         job.at_worker_ms = self._now
@@ -279,6 +293,8 @@ class Simulator:
     def _end_prefill(self, w: _Worker, job: _Job) -> None:
         now = self._now
         events = w.cache.admit(job.tokens, now / 1e3)
+        if self._on_kv is not None and events:
+            self._on_kv(w.spec.id, events, now)
         if w.agent is not None and events:
             frames = encode_batch(events, w.engine_seq, ts=now / 1e3)
             w.engine_seq += 1

@@ -19,35 +19,74 @@ What each scheme models:
   ignored. Not a realistic router but the lower bound on load imbalance (peak load factor)
   that any scheme can reach.
 
-The other baselines of the design (consistent hashing, Chord, central directory, SkyWalker,
-Dynamo-style routers, KVCompass ablations) are not here yet.
+* ``kvcompass-no-load``, ``-no-xregion``, ``-tier-blind``, ``-no-migration``, ``-no-belief``,
+  ``-no-closure``, ``-no-fingerprint``: KVCompass with one :class:`EdgeParams` switch off (paper
+  section 5.4); the simulator builds its plane with that switch (:func:`scheme_params`).
+* ``consistent-hash``, ``chord``, ``planetserve``, ``central-directory``, ``skywalker``: the
+  paper's baselines (section 5.1); each class's docstring says what it models and simplifies.
+
+* ``dynamo``, ``dynamo-global``: Dynamo-style KV routers, per region with a periodic global
+  view, and behind a global region picker. They follow the workers' KV events themselves
+  (the simulator hands every admit's events to a scheme's ``on_kv_events``).
+
+Besides the edge, a baseline may read what its design gives it exactly: a worker's cached
+prefix (:meth:`Fleet.cached`, for schemes that hold exact KV state) and its count of waiting
+requests (:meth:`Fleet.waiting`, the "pending queue").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import bisect
+import dataclasses
+import hashlib
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from kvcompass.agent.events import BlockRemoved, BlockStored, Event
 from kvcompass.discovery.edge import Edge
+from kvcompass.discovery.params import EdgeParams
+from kvcompass.discovery.plan import own_region_levels
 from kvcompass.discovery.topology import Topology
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.index import Namespace
 from kvcompass.sim.workload import Request
 
-__all__ = ["SCHEMES", "Choice", "Fleet", "KVCompassScheme", "LocalLeastLoaded", "Oracle", "Scheme", "make_scheme"]
+__all__ = [
+    "SCHEMES",
+    "CentralDirectory",
+    "Choice",
+    "ChordDHT",
+    "Dynamo",
+    "DynamoGlobal",
+    "ConsistentHash",
+    "Fleet",
+    "KVCompassAblation",
+    "KVCompassScheme",
+    "LocalLeastLoaded",
+    "Oracle",
+    "PlanetServe",
+    "Scheme",
+    "SkyWalker",
+    "make_scheme",
+    "scheme_params",
+]
 
 
 @dataclass(frozen=True, slots=True)
 class Choice:
     """A routing decision: ``worker`` serves the request; the scheme expected it to reuse
-    ``claimed`` prompt tokens (0 when the scheme does not look at caches)."""
+    ``claimed`` prompt tokens (0 when the scheme does not look at caches); its lookup took
+    ``delay_ms`` beyond the edge (a coordinator round trip, DHT hops), which passes before the
+    request is forwarded."""
 
     worker: str
     claimed: int = 0
+    delay_ms: float = 0.0
 
 
 class Fleet(Protocol):
@@ -69,6 +108,14 @@ class Fleet(Protocol):
 
     def rng(self) -> np.random.Generator:
         """The run's seeded generator for tie-breaking."""
+        ...
+
+    def cached(self, worker: str, tokens: npt.NDArray[np.uint32]) -> tuple[int, int]:
+        """``(vram_hit, dram_hit)`` tokens of the worker's exact cache for ``tokens`` (changes nothing)."""
+        ...
+
+    def waiting(self, worker: str) -> int:
+        """How many requests wait at the worker for prefill (the running one excluded)."""
         ...
 
 
@@ -131,11 +178,633 @@ class Oracle:
         return Choice(_least_loaded(self._fleet, self._workers, now_ms))
 
 
+class KVCompassAblation(KVCompassScheme):
+    """KVCompass with the :class:`EdgeParams` switches in ``ablation`` flipped (paper 5.4). The
+    switches are applied to the whole plane the simulator builds (:func:`scheme_params`), so a
+    no-fingerprint run also builds its views without fingerprints."""
+
+    ablation: ClassVar[dict[str, bool]] = {}
+
+    def __init__(self, fleet: Fleet) -> None:
+        super().__init__(fleet)
+        self._checked = False
+
+    def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
+        if not self._checked:  # the fleet's edges exist only once it is built: check at first use
+            p = self._fleet.edge_for(request.region).params
+            wrong = [k for k, v in self.ablation.items() if getattr(p, k) != v]
+            if wrong:
+                raise InvalidArgumentError(f"scheme {self.name!r} needs its plane built with {', '.join(f'{k}={self.ablation[k]}' for k in wrong)} (see scheme_params)")
+            self._checked = True
+        return super().choose(request, tokens, now_ms)
+
+
+class NoLoad(KVCompassAblation):
+    """Queue estimates read as 0 and lambda = 0 ("No-load-aware")."""
+
+    name = "kvcompass-no-load"
+    ablation = {"load_aware": False}
+
+
+class NoCrossRegion(KVCompassAblation):
+    """Only own-region workers are looked up and may win ("No-cross-region")."""
+
+    name = "kvcompass-no-xregion"
+    ablation = {"cross_region": False}
+
+
+class TierBlind(KVCompassAblation):
+    """gamma = 0: DRAM holders look as cheap as VRAM holders ("Tier-blind")."""
+
+    name = "kvcompass-tier-blind"
+    ablation = {"tier_aware": False}
+
+
+class NoMigration(KVCompassAblation):
+    """No migration actions ("No-KVmigration"). The simulator does not execute migrations yet,
+    so this differs from ``kvcompass`` only in hotness tracking's side effects."""
+
+    name = "kvcompass-no-migration"
+    ablation = {"migration": False}
+
+
+class NoBelief(KVCompassAblation):
+    """Every belief reads 1: claims are taken at face value."""
+
+    name = "kvcompass-no-belief"
+    ablation = {"belief": False}
+
+
+class NoClosure(KVCompassAblation):
+    """The route loop skips the prefix-closure check."""
+
+    name = "kvcompass-no-closure"
+    ablation = {"closure": False}
+
+
+class NoFingerprint(KVCompassAblation):
+    """Views carry no fingerprints (the plane's layout has ``fp_bits = 0``)."""
+
+    name = "kvcompass-no-fingerprint"
+    ablation = {"fingerprints": False}
+
+
+# ---- helpers shared by the baselines ---------------------------------------------------------------
+
+_M64 = (1 << 64) - 1
+_GOLD = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """splitmix64's finaliser, elementwise (uint64 arithmetic wraps)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _prefix_hashes(tokens: npt.NDArray[np.uint32], block: int) -> npt.NDArray[np.uint64]:
+    """One 64-bit hash per whole-block prefix of ``tokens``: entry ``i`` names ``tokens[:(i+1)*block]``.
+    Each block is hashed with its position and the prefix hash is the mix of their running sum,
+    so two prompts share entry ``i`` exactly when (barring collisions) they share that prefix."""
+    n = len(tokens) // block
+    if n == 0:
+        return np.zeros(0, dtype=np.uint64)
+    t = tokens[: n * block].astype(np.uint64).reshape(n, block)
+    coef = _mix(np.arange(1, block + 1, dtype=np.uint64) * _GOLD)
+    per_block = _mix((t * coef).sum(axis=1, dtype=np.uint64) + np.arange(n, dtype=np.uint64) * _GOLD)
+    return _mix(np.cumsum(per_block, dtype=np.uint64))
+
+
+def _h64(*parts: object) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
+
+
+def _levels(fleet: Fleet) -> tuple[int, ...]:
+    """The six own-region chunk-size levels of the topology (paper 3.2: ``min * 2**i``)."""
+    t = fleet.topology
+    return own_region_levels(t.own_region_min, levels=t.levels, block_size=t.block_size, max_prefix=t.max_prefix)
+
+
+def _level_key(fleet: Fleet, levels: tuple[int, ...], tokens: npt.NDArray[np.uint32]) -> tuple[int, int]:
+    """``(level index, key)`` of the longest level that fits the prompt; a prompt shorter than the
+    first level is keyed on the first level by its whole-block prefix (or its raw tokens)."""
+    block = fleet.topology.block_size
+    fit = [i for i, c in enumerate(levels) if c <= len(tokens)]
+    level = fit[-1] if fit else 0
+    n = min(len(tokens), levels[level]) if levels else len(tokens)
+    ph = _prefix_hashes(tokens[:n], block)
+    key = int(ph[-1]) if len(ph) else _h64("short", tokens.tobytes())
+    return level, _h64(level, key)
+
+
+def _one_way(fleet: Fleet, a: str, b: str) -> float:
+    return fleet.topology.rtt_ms(a, b) / 2
+
+
+class _Ring:
+    """A consistent-hash ring of ``workers`` with ``vnodes`` virtual nodes each (Karger et al.)."""
+
+    def __init__(self, workers: list[str], salt: object, vnodes: int = 64) -> None:
+        pts = sorted((_h64("ring", salt, w, v), w) for w in workers for v in range(vnodes))
+        self._pos = np.array([p for p, _ in pts], dtype=np.uint64)
+        self._owner = [w for _, w in pts]
+
+    def owner(self, key: int) -> str:
+        i = int(np.searchsorted(self._pos, np.uint64(key), side="left"))
+        return self._owner[i % len(self._owner)]
+
+
+class ConsistentHash:
+    """Hash placement over six content-hash rings, one per chunk-size level (paper 5.1 (1)).
+
+    Models: the prompt's longest fitting level (the own-region ladder ``min * 2**i``) names its
+    ring and its key, the prefix hash at that length; the request goes to the key's owner on
+    that ring (64 virtual nodes per worker), so identical prefixes always meet on one worker
+    and placement ignores load and the WAN. The lookup is local (the rings are static).
+    Simplifies: the ring membership is static (no joins or failures); claims nothing (the
+    scheme does not see caches)."""
+
+    name = "consistent-hash"
+    uses_index = False
+
+    def __init__(self, fleet: Fleet) -> None:
+        self._fleet = fleet
+        self._levels = _levels(fleet)
+        workers = [w.id for w in fleet.topology.workers]
+        self._rings = [_Ring(workers, ("level", i)) for i in range(max(1, len(self._levels)))]
+
+    def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
+        level, key = _level_key(self._fleet, self._levels, tokens)
+        return Choice(self._rings[level].owner(key))
+
+
+class ChordDHT:
+    """Chord (Stoica et al. 2001) over all workers, one DHT key per chunk-size level (paper 5.1 (2)).
+
+    Models: every worker is a Chord node (id = hash of its name, 64-bit identifier space) with a
+    full finger table; the key of the prompt's longest fitting level (as in
+    :class:`ConsistentHash`) is looked up recursively from a node in the request's edge region:
+    the edge's query reaches that node (one in-region way), each hop forwards to the closest
+    preceding finger and pays the one-way WAN between the two nodes' regions, and the key's
+    successor's predecessor answers the edge directly (one way back). The request then goes to
+    the key's successor, the hash-designated holder. ``Choice.delay_ms`` is the whole lookup,
+    O(log N) hops. Simplifies: static membership (no stabilisation, no churn); the lookup
+    resolves only the longest level's key, since with hash placement its owner is where that
+    prefix lives (the shorter levels' keys would only add parallel lookups); no claims."""
+
+    name = "chord"
+    uses_index = False
+
+    def __init__(self, fleet: Fleet) -> None:
+        self._fleet = fleet
+        self._levels = _levels(fleet)
+        t = fleet.topology
+        nodes = sorted((_h64("chord", w.id), w.id, w.region) for w in t.workers)
+        self._ids = [n for n, _, _ in nodes]
+        self._names = [w for _, w, _ in nodes]
+        self._regions = [r for _, _, r in nodes]
+        n = len(nodes)
+        self._fingers: list[list[int]] = [[self._successor((self._ids[i] + (1 << k)) & _M64) for k in range(64)] for i in range(n)]
+        self._entry = {r: next((i for i in range(n) if self._regions[i] == r), None) for r in t.region_names}
+
+    def _successor(self, key: int) -> int:
+        """Index of the first node clockwise from ``key`` (inclusive)."""
+        i = bisect.bisect_left(self._ids, key)
+        return i % len(self._ids)
+
+    @staticmethod
+    def _between(x: int, a: int, b: int) -> bool:
+        """``x`` in the open ring interval (a, b)."""
+        return a < x < b if a < b else (x > a or x < b) if a != b else x != a
+
+    def lookup(self, origin_region: str, key: int) -> tuple[int, int, float]:
+        """``(owner node index, hops, delay_ms)`` of a recursive lookup of ``key`` from ``origin_region``."""
+        entry = self._entry.get(origin_region)
+        if entry is None:  # no node in the region: enter at the nearest one
+            entry = min(range(len(self._ids)), key=lambda i: (self._fleet.topology.rtt_ms(origin_region, self._regions[i]), i))
+        delay = _one_way(self._fleet, origin_region, self._regions[entry])
+        cur, hops = entry, 0
+        n = len(self._ids)
+        while True:
+            succ = (cur + 1) % n
+            if key == self._ids[succ] or self._between(key, self._ids[cur], self._ids[succ]) or n == 1:
+                owner = succ if n > 1 else cur
+                break
+            nxt = cur
+            for f in reversed(self._fingers[cur]):
+                if self._between(self._ids[f], self._ids[cur], key):
+                    nxt = f
+                    break
+            if nxt == cur:
+                nxt = succ
+            delay += _one_way(self._fleet, self._regions[cur], self._regions[nxt])
+            cur, hops = nxt, hops + 1
+        delay += _one_way(self._fleet, self._regions[cur], origin_region)
+        return owner, hops, delay
+
+    def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
+        _, key = _level_key(self._fleet, self._levels, tokens)
+        owner, _, delay = self.lookup(request.region, key)
+        return Choice(self._names[owner], 0, delay)
+
+
+class _History:
+    """A region balancer's hash radix tree of what it routed where (SGLang-router style): every
+    whole-block prefix hash of a routed prompt maps to the workers it was sent to. Bounded by
+    ``capacity`` prefixes, least recently used evicted first."""
+
+    def __init__(self, capacity: int = 1 << 20) -> None:
+        self._tree: OrderedDict[int, set[str]] = OrderedDict()
+        self._capacity = capacity
+
+    def match(self, hashes: list[int]) -> tuple[int, set[str]]:
+        """``(blocks, holders)`` of the longest routed prefix (walked from the root)."""
+        best: set[str] = set()
+        n = 0
+        for h in hashes:
+            s = self._tree.get(h)
+            if not s:
+                break
+            best, n = s, n + 1
+        return n, best
+
+    def insert(self, hashes: list[int], worker: str) -> None:
+        for h in hashes:
+            s = self._tree.get(h)
+            if s is None:
+                self._tree[h] = {worker}
+            else:
+                s.add(worker)
+                self._tree.move_to_end(h)
+        while len(self._tree) > self._capacity:
+            self._tree.popitem(last=False)
+
+
+def _prefix_pick(fleet: Fleet, tree: _History, hashes: list[int], workers: list[str], now_ms: float) -> tuple[str | None, int]:
+    """The least-loaded worker among ``workers`` holding the longest routed prefix, and its
+    match in tokens; ``(None, 0)`` when no prefix of the prompt was routed to any of them."""
+    n, holders = tree.match(hashes)
+    cand = [w for w in workers if w in holders]
+    if n == 0 or not cand:
+        return None, 0
+    return _least_loaded(fleet, cand, now_ms), n * fleet.topology.block_size
+
+
+class PlanetServe:
+    """PlanetServe-style routing with a hash radix tree per region (paper 5.1 (3)).
+
+    Models: each region's balancer keeps a hash radix tree of the prefixes it routed to each of
+    its workers (routing history, as SGLang's cache-aware router does) and sends a request to
+    the own-region worker holding the longest matched prefix (the least loaded among equal
+    holders), else to the least-loaded own-region worker; the claim is the matched length.
+    Simplifies: the tree learns from routing, not from the workers' evictions (so its claims
+    can be false); the tree is bounded by LRU over prefixes; requests never leave their region."""
+
+    name = "planetserve"
+    uses_index = False
+
+    def __init__(self, fleet: Fleet) -> None:
+        self._fleet = fleet
+        self._by_region = {r: [w.id for w in fleet.topology.workers_in(r)] for r in fleet.topology.region_names}
+        self._trees = {r: _History() for r in fleet.topology.region_names}
+
+    def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
+        workers = self._by_region.get(request.region) or []
+        if not workers:
+            raise InvalidArgumentError(f"region {request.region!r} has no workers: planetserve cannot serve request {request.id}")
+        hashes: list[int] = _prefix_hashes(tokens, self._fleet.topology.block_size).tolist()
+        tree = self._trees[request.region]
+        worker, claimed = _prefix_pick(self._fleet, tree, hashes, workers, now_ms)
+        if worker is None:
+            worker = _least_loaded(self._fleet, workers, now_ms)
+        tree.insert(hashes, worker)
+        return Choice(worker, claimed)
+
+
+class CentralDirectory:
+    """One coordinator with exact global KV cache and queue state (paper 5.1 (4)).
+
+    Models: the coordinator sits in the region with the least total RTT to the edge regions
+    (the best single placement); every lookup pays the RTT between the request's region and the
+    coordinator's (``Choice.delay_ms``, in-region RTT when they coincide). It then scores every
+    worker with KVCompass's joint score on exact knowledge: the worker's cached prefix and tier
+    (:meth:`Fleet.cached`), its exact queued prefill work, its prefill rate and the WAN RTT from
+    the request's region, ``wan + queue + (1 + lambda) * beta * uncached + gamma * dram_hit``
+    with the capacity price ``lambda = min(lambda_max, min queue / tau)`` (default EdgeParams);
+    near-equal scores (within ``tie_ms``) are drawn among. Simplifies: the coordinator's state is
+    exact at the arrival instant (no staleness, no coordinator queueing or capacity limit)."""
+
+    name = "central-directory"
+    uses_index = False
+
+    def __init__(self, fleet: Fleet, params: EdgeParams = EdgeParams()) -> None:
+        self._fleet = fleet
+        self._p = params
+        t = fleet.topology
+        self._workers = list(t.workers)
+        origins = [r.name for r in t.regions if r.edges > 0] or list(t.region_names)
+        self.coordinator = min(t.region_names, key=lambda c: (sum(t.rtt_ms(o, c) for o in origins), t.region_index(c)))
+
+    def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
+        f, p, t = self._fleet, self._p, self._fleet.topology
+        delay = t.rtt_ms(request.region, self.coordinator)
+        L = len(tokens)
+        q = np.array([f.queued_ms(w.id, now_ms) for w in self._workers])
+        lam = min(p.lambda_max, float(q.min()) / p.tau_ms)
+        hits = [f.cached(w.id, tokens) for w in self._workers]
+        scores = np.array(
+            [
+                p.wan_fraction * t.rtt_ms(request.region, w.region) + q[i] + (1 + lam) * w.beta_ms_per_token * max(0, L - v - d) + p.gamma_ms_per_token * d
+                for i, (w, (v, d)) in enumerate(zip(self._workers, hits))
+            ]
+        )
+        cand = np.flatnonzero(scores <= scores.min() + p.tie_ms)
+        i = int(cand[int(f.rng().integers(len(cand)))]) if len(cand) > 1 else int(cand[0])
+        v, d = hits[i]
+        return Choice(self._workers[i].id, min(L, v + d), delay)
+
+
+class SkyWalker:
+    """SkyWalker-style locality-first balancing with selective pushing (paper 5.1 (5)).
+
+    Models: a balancer per region, prefix-aware within it (a routing-history hash radix tree per
+    region as in :class:`PlanetServe`). A request stays in its region while a local replica is
+    free: the longest-prefix holder if its pending queue (waiting requests) is empty, else the
+    least-loaded local worker with an empty pending queue. Only when every local pending queue
+    is non-empty is it pushed to a remote replica whose pending queue is empty (nearest region
+    first, least loaded there), else it stays with the local holder or least-loaded worker.
+    Simplifies: pending queues of remote regions are read exactly (the balancers' exchange of
+    load is not delayed); a pushed request is recorded in the remote region's tree."""
+
+    name = "skywalker"
+    uses_index = False
+
+    def __init__(self, fleet: Fleet) -> None:
+        self._fleet = fleet
+        t = fleet.topology
+        self._by_region = {r: [w.id for w in t.workers_in(r)] for r in t.region_names}
+        self._region_of = {w.id: w.region for w in t.workers}
+        self._trees = {r: _History() for r in t.region_names}
+        self._remote = {r: sorted((o for o in t.region_names if o != r and self._by_region[o]), key=lambda o: (t.rtt_ms(r, o), t.region_index(o))) for r in t.region_names}
+
+    def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
+        f, region = self._fleet, request.region
+        local = self._by_region.get(region) or []
+        hashes: list[int] = _prefix_hashes(tokens, f.topology.block_size).tolist()
+        worker: str | None = None
+        claimed = 0
+        holder, match = _prefix_pick(f, self._trees[region], hashes, local, now_ms) if local else (None, 0)
+        free = [w for w in local if f.waiting(w) == 0]
+        if holder is not None and f.waiting(holder) == 0:
+            worker, claimed = holder, match
+        elif free:
+            worker = _least_loaded(f, free, now_ms)
+        else:
+            for o in self._remote.get(region, []):
+                rfree = [w for w in self._by_region[o] if f.waiting(w) == 0]
+                if rfree:
+                    worker = _least_loaded(f, rfree, now_ms)
+                    break
+            if worker is None:
+                if holder is not None:
+                    worker, claimed = holder, match
+                elif local:
+                    worker = _least_loaded(f, local, now_ms)
+                else:
+                    raise InvalidArgumentError(f"region {region!r} has no workers and no remote replica is free: skywalker cannot serve request {request.id}")
+        if claimed == 0 and worker != holder:
+            n, holders = self._trees[self._region_of[worker]].match(hashes)
+            claimed = n * f.topology.block_size if worker in holders else 0
+        self._trees[self._region_of[worker]].insert(hashes, worker)
+        return Choice(worker, claimed)
+
+
+def _token_keys(tokens: npt.NDArray[np.uint32], block: int) -> list[int]:
+    """Worker-independent prefix keys of the whole blocks of ``tokens``, chained as
+    :meth:`_KVTracker.apply` chains a BlockStored run's blocks (same function, same keys)."""
+    n = len(tokens) // block
+    out: list[int] = []
+    k = 0
+    for row in tokens[: n * block].reshape(n, block).tolist():
+        k = hash((k, tuple(row)))
+        out.append(k)
+    return out
+
+
+class _KVTracker:
+    """A worker's KV events turned into worker-independent prefix keys: which prefix each of its
+    (engine-seeded) block hashes names and on which medium it is now. :meth:`apply` returns the
+    view operations ``(prefix key, medium or None to drop)`` the events amount to."""
+
+    def __init__(self) -> None:
+        self.medium: dict[int | bytes, str] = {}
+        self.key: dict[int | bytes, int] = {}
+
+    def apply(self, events: Sequence[Event]) -> list[tuple[int, str | None]]:
+        ops: list[tuple[int, str | None]] = []
+        for e in events:
+            if isinstance(e, BlockStored):
+                parent = 0 if e.parent_block_hash is None else self.key.get(e.parent_block_hash)
+                if parent is None:
+                    continue  # a run whose parent left already: nothing reusable from the root
+                k = parent
+                medium = e.medium or "GPU"
+                for j, h in enumerate(e.block_hashes):
+                    k = hash((k, tuple(e.token_ids[j * e.block_size : (j + 1) * e.block_size])))
+                    self.key[h], self.medium[h] = k, medium
+                    ops.append((k, medium))
+            elif isinstance(e, BlockRemoved):
+                medium = e.medium or "GPU"
+                for h in e.block_hashes:
+                    if self.medium.get(h) == medium:
+                        del self.medium[h]
+                        ops.append((self.key.pop(h), None))
+            else:  # AllBlocksCleared
+                ops.extend((k, None) for k in self.key.values())
+                self.medium.clear()
+                self.key.clear()
+        return ops
+
+
+def _apply_ops(view: dict[int, str], ops: list[tuple[int, str | None]], counts: dict[int, int] | None = None) -> None:
+    for k, medium in ops:
+        had = k in view
+        if medium is None:
+            view.pop(k, None)
+            if had and counts is not None:
+                counts[k] -= 1
+                if counts[k] == 0:
+                    del counts[k]
+        else:
+            view[k] = medium
+            if not had and counts is not None:
+                counts[k] = counts.get(k, 0) + 1
+
+
+def _overlap(keys: list[int], view: dict[int, str] | dict[int, int]) -> int:
+    n = 0
+    for k in keys:
+        if k not in view:
+            break
+        n += 1
+    return n
+
+
+class _DynamoState:
+    """What Dynamo-style routers know: each worker's KV state from its events, exact (the region
+    router's own event stream) and as of the last global broadcast (refreshed every
+    ``period_ms``); queues exact for the own region and as sampled per broadcast elsewhere."""
+
+    def __init__(self, fleet: Fleet, period_ms: float) -> None:
+        self.fleet = fleet
+        self.period_ms = period_ms
+        t = fleet.topology
+        self.workers = list(t.workers)
+        self.by_region = {r: [w for w in t.workers if w.region == r] for r in t.region_names}
+        self.tracker = {w.id: _KVTracker() for w in t.workers}
+        self.exact: dict[str, dict[int, str]] = {w.id: {} for w in t.workers}
+        self.stale: dict[str, dict[int, str]] = {w.id: {} for w in t.workers}
+        self.region_filter: dict[str, dict[int, int]] = {r: {} for r in t.region_names}
+        self.log: dict[str, deque[tuple[float, list[tuple[int, str | None]]]]] = {w.id: deque() for w in t.workers}
+        self.queue: dict[str, float] = {w.id: 0.0 for w in t.workers}
+        self.epoch = -1
+
+    def on_kv_events(self, worker: str, events: Sequence[Event], now_ms: float) -> None:
+        ops = self.tracker[worker].apply(events)
+        _apply_ops(self.exact[worker], ops)
+        self.log[worker].append((now_ms, ops))
+
+    def refresh(self, now_ms: float) -> None:
+        epoch = int(now_ms // self.period_ms)
+        if epoch <= self.epoch:
+            return
+        cutoff = epoch * self.period_ms
+        for w in self.workers:
+            log, view, counts = self.log[w.id], self.stale[w.id], self.region_filter[w.region]
+            while log and log[0][0] <= cutoff:
+                _apply_ops(view, log.popleft()[1], counts)
+            self.queue[w.id] = self.fleet.queued_ms(w.id, now_ms)
+        self.epoch = epoch
+
+
+def _pick(fleet: Fleet, scores: list[float], tie_ms: float) -> int:
+    best = min(scores)
+    cand = [i for i, x in enumerate(scores) if x <= best + tie_ms]
+    return cand[int(fleet.rng().integers(len(cand)))] if len(cand) > 1 else cand[0]
+
+
+class Dynamo:
+    """A Dynamo-style KV-aware router per region with a periodic global view (paper 5.1 (6)).
+
+    Models: the request's region router follows its own workers' KV events exactly (as
+    Dynamo's KV indexer does) and reads their queues exactly; other regions' workers it knows
+    only from a global broadcast every ``period_ms`` (default the paper's Delta = 100 ms): their
+    KV state as of the last broadcast instant and their queued work sampled then, stale until
+    the next. Each worker scores ``RTT(origin, region) + queue + beta * (prompt - overlap)``
+    (Dynamo's cost: load plus the prefill its overlap leaves, with the WAN a cross-region choice
+    adds); the best wins, near-equal scores (1 ms) drawn among; the claim is the overlap.
+    Simplifies: the local event stream has no delay; the broadcast's own WAN time is not
+    modelled (every region sees a broadcast at its instant), and the queue of a broadcast is
+    sampled at the first arrival after its instant (never staler than the broadcast); overlap
+    counts both tiers, reload cost ignored (Dynamo's router is tier-blind)."""
+
+    name = "dynamo"
+    uses_index = False
+
+    def __init__(self, fleet: Fleet, period_ms: float = 1e3 * EdgeParams().broadcast_period_s) -> None:
+        self._fleet = fleet
+        self._s = _DynamoState(fleet, period_ms)
+
+    def on_kv_events(self, worker: str, events: Sequence[Event], now_ms: float) -> None:
+        self._s.on_kv_events(worker, events, now_ms)
+
+    def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
+        s, f, t = self._s, self._fleet, self._fleet.topology
+        s.refresh(now_ms)
+        block, L = t.block_size, len(tokens)
+        keys = _token_keys(tokens, block)
+        scores: list[float] = []
+        matches: list[int] = []
+        for w in s.workers:
+            local = w.region == request.region
+            m = min(L, _overlap(keys, s.exact[w.id] if local else s.stale[w.id]) * block)
+            q = f.queued_ms(w.id, now_ms) if local else s.queue[w.id]
+            scores.append(t.rtt_ms(request.region, w.region) + q + w.beta_ms_per_token * (L - m))
+            matches.append(m)
+        i = _pick(f, scores, 1.0)
+        return Choice(s.workers[i].id, matches[i])
+
+
+class DynamoGlobal:
+    """A Dynamo-style multi-datacenter global router over per-region KV routers.
+
+    Models: a global tier picks the region, from each region's load (its least queued worker)
+    and a compact per-region prefix filter (the prefixes any of its workers held at the last
+    refresh), both refreshed every ``period_ms`` (default 100 ms): region score
+    ``RTT(origin, r) + load + beta_r * (prompt - filter match)``. The chosen region's KV router
+    then picks its worker on exact local state (events and queues), ``queue + beta * (prompt -
+    overlap)``; the claim is that worker's overlap. Simplifies: the filter is exact (a Bloom
+    filter's false positives are not modelled, which only helps the scheme); the region router
+    decides at arrival time, not after the request's WAN way; broadcasts as in :class:`Dynamo`."""
+
+    name = "dynamo-global"
+    uses_index = False
+
+    def __init__(self, fleet: Fleet, period_ms: float = 1e3 * EdgeParams().broadcast_period_s) -> None:
+        self._fleet = fleet
+        self._s = _DynamoState(fleet, period_ms)
+        self._regions = [r for r in fleet.topology.region_names if self._s.by_region[r]]
+        self._beta = {r: sum(w.beta_ms_per_token for w in self._s.by_region[r]) / len(self._s.by_region[r]) for r in self._regions}
+
+    def on_kv_events(self, worker: str, events: Sequence[Event], now_ms: float) -> None:
+        self._s.on_kv_events(worker, events, now_ms)
+
+    def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
+        s, f, t = self._s, self._fleet, self._fleet.topology
+        s.refresh(now_ms)
+        block, L = t.block_size, len(tokens)
+        keys = _token_keys(tokens, block)
+        region_scores = [
+            t.rtt_ms(request.region, r) + min(s.queue[w.id] for w in s.by_region[r]) + self._beta[r] * (L - min(L, _overlap(keys, s.region_filter[r]) * block))
+            for r in self._regions
+        ]
+        region = self._regions[_pick(f, region_scores, 1.0)]
+        workers = s.by_region[region]
+        matches = [min(L, _overlap(keys, s.exact[w.id]) * block) for w in workers]
+        scores = [f.queued_ms(w.id, now_ms) + w.beta_ms_per_token * (L - m) for w, m in zip(workers, matches)]
+        i = _pick(f, scores, 1.0)
+        return Choice(workers[i].id, matches[i])
+
+
 SCHEMES: dict[str, Callable[[Fleet], Scheme]] = {
     KVCompassScheme.name: KVCompassScheme,
     LocalLeastLoaded.name: LocalLeastLoaded,
     Oracle.name: Oracle,
+    NoLoad.name: NoLoad,
+    NoCrossRegion.name: NoCrossRegion,
+    TierBlind.name: TierBlind,
+    NoMigration.name: NoMigration,
+    NoBelief.name: NoBelief,
+    NoClosure.name: NoClosure,
+    NoFingerprint.name: NoFingerprint,
+    ConsistentHash.name: ConsistentHash,
+    ChordDHT.name: ChordDHT,
+    PlanetServe.name: PlanetServe,
+    CentralDirectory.name: CentralDirectory,
+    SkyWalker.name: SkyWalker,
+    Dynamo.name: Dynamo,
+    DynamoGlobal.name: DynamoGlobal,
 }
+
+
+def scheme_params(scheme: str | Callable[[Fleet], Scheme], params: EdgeParams) -> EdgeParams:
+    """The :class:`EdgeParams` the plane must be built with to run ``scheme``: ``params`` with
+    the scheme's ablation switches applied (unchanged for every other scheme)."""
+    factory = SCHEMES.get(scheme) if isinstance(scheme, str) else scheme
+    ablation = getattr(factory, "ablation", None)
+    return dataclasses.replace(params, **ablation) if ablation else params
 
 
 def make_scheme(name: str, fleet: Fleet) -> Scheme:

@@ -1,0 +1,103 @@
+"""``kvcompass simulate``: the last stdout line is one JSON object in the documented schema, the
+tables and figures land in ``--out``, the trace excerpt replays, and bad inputs give a one-line
+error and exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pytest
+
+from kvcompass.cli import main
+from kvcompass.sim.report import FIGURES
+
+ROOT = Path(__file__).resolve().parents[1]
+EXCERPT = ROOT / "tests" / "data" / "conversation_excerpt.jsonl"
+KEYS = {"ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "throughput_tok_s", "hit_rate", "xregion_hit_rate", "false_hit_rate", "peak_load_factor", "requests"}
+
+
+def _last_json(out: str) -> dict[str, Any]:
+    lines = out.rstrip("\n").split("\n")
+    j = json.loads(lines[-1])
+    assert isinstance(j, dict)
+    return j
+
+
+def test_mixed_two_schemes_two_rates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--topology", "testbed-14x3", "--trace", "mixed", "--max-requests", "150", "--rates", "5,10"]
+    assert main([*argv, "--schemes", "kvcompass,oracle", "--seed", "1", "--out", str(tmp_path)]) == 0
+    cap = capsys.readouterr()
+    j = _last_json(cap.out)
+    assert list(j) == ["results"]
+    res = j["results"]
+    assert isinstance(res, dict) and list(res) == ["kvcompass", "oracle"]
+    for by_rate in res.values():
+        assert list(by_rate) == ["5", "10"]
+        for row in by_rate.values():
+            assert set(row) == KEYS
+            assert row["requests"] == 150
+            assert all(isinstance(v, (int, float)) for v in row.values())
+            assert 0 <= row["hit_rate"] <= 1 and row["ttft_p50_ms"] <= row["ttft_p99_ms"]
+    assert "[4/4]" in cap.err  # progress on stderr
+    summary = pl.read_parquet(tmp_path / "summary.parquet")
+    assert summary.height == 4
+    assert summary.filter(pl.col("scheme") == "oracle").get_column("ttft_p99_ms").to_list() == [res["oracle"][r]["ttft_p99_ms"] for r in ("5", "10")]
+    assert pl.read_parquet(tmp_path / "requests.parquet").height == 600
+    assert pl.read_csv(tmp_path / "summary.csv").height == 4
+    assert pl.read_csv(tmp_path / "requests.csv").height == 600
+    for name in FIGURES:
+        assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_trace_excerpt_and_same_seed_same_answer(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--topology", "testbed-14x3", "--trace", str(EXCERPT), "--block-size", "512", "--rates", "20", "--schemes", "kvcompass", "--max-requests", "40"]
+    assert main(argv) == 0
+    a = _last_json(capsys.readouterr().out)
+    assert main(argv) == 0
+    assert _last_json(capsys.readouterr().out) == a
+    row = a["results"]["kvcompass"]["20"]
+    assert row["requests"] == 40 and row["hit_rate"] > 0
+
+
+def test_all_schemes_means_every_registered_one(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvcompass.sim.schemes import SCHEMES
+
+    assert main(["simulate", "--topology", "testbed-14x3", "--trace", "mixed", "--max-requests", "20", "--rates", "8", "--schemes", "all"]) == 0
+    assert list(_last_json(capsys.readouterr().out)["results"]) == list(SCHEMES)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"--schemes": "kvcompass,chord-nope"},
+        {"--topology": "nowhere-1x1"},
+        {"--trace": "no/such/file.jsonl"},
+        {"--trace": "no-such-trace-name"},
+        {"--rates": "5,fast"},
+        {"--rates": "0"},
+        {"--max-requests": "0"},
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(change: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    args = {"--topology": "testbed-14x3", "--trace": "mixed", "--rates": "5", "--schemes": "oracle", "--max-requests": "10"}
+    args.update(change)
+    argv = ["simulate"] + [x for kv in args.items() for x in kv]
+    assert main(argv) == 2
+    cap = capsys.readouterr()
+    assert cap.out == ""
+    lines = cap.err.strip("\n").split("\n")
+    assert len(lines) == 1 and lines[0].startswith("kvcompass simulate: error: "), cap.err
+    assert "Traceback" not in cap.err
+
+
+def test_console_script_exit_code() -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "kvcompass", "simulate", "--topology", "testbed-14x3", "--trace", "mixed", "--rates", "5", "--schemes", "nope"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert p.returncode == 2 and p.stdout == "" and len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
