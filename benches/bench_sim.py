@@ -1,0 +1,75 @@
+"""Simulator speed: simulated requests per second of wall time, per scheme, on paper-64x8.
+
+Prints progress to stderr and one JSON object as the last line of stdout:
+``{"requests_per_s": {SCHEME: r}, "requests": n, "topology": ..., "target_requests_per_s":
+50000, "meets": {SCHEME: bool}, ...}``. The workload is the seeded Mixed-like generator (short
+agent, document and coding prompts), so the figure measures the engine, the plane and the
+schemes rather than one long trace's hashing.
+
+    python benches/bench_sim.py --quick          # <= 60 s on this machine
+    python benches/bench_sim.py --requests 20000 --schemes all
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import subprocess
+import sys
+import time
+
+from kvcompass.discovery.topology import load_topology
+from kvcompass.sim.engine import simulate
+from kvcompass.sim.schemes import SCHEMES
+from kvcompass.sim.workload import synthetic_mixed
+
+TARGET = 50_000.0
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="few requests and three schemes (<= 60 s)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per scheme (default 400 quick, 5000 full)")
+    ap.add_argument("--schemes", default=None, help="comma list or 'all' (default: kvcompass,local-least-loaded,oracle quick; all full)")
+    ap.add_argument("--topology", default="paper-64x8")
+    ap.add_argument("--rate", type=float, default=50.0, help="offered load, req/s of simulated time")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    n = args.requests or (400 if args.quick else 5000)
+    names = args.schemes or ("kvcompass,local-least-loaded,oracle" if args.quick else "all")
+    schemes = list(SCHEMES) if names == "all" else [s.strip() for s in names.split(",") if s.strip()]
+    topo = load_topology(args.topology)
+    requests = synthetic_mixed(n, regions=topo, seed=args.seed, rate=args.rate, block_size=topo.block_size)
+    rates: dict[str, float] = {}
+    for name in schemes:
+        t0 = time.perf_counter()
+        summary = simulate(topo, requests, name, seed=args.seed)
+        wall = time.perf_counter() - t0
+        rates[name] = round(summary.requests / wall, 1)
+        print(f"{name}: {summary.requests} requests in {wall:.2f} s -> {rates[name]:.0f} req/s", file=sys.stderr)
+    out = {
+        "topology": args.topology,
+        "requests": n,
+        "rate": args.rate,
+        "requests_per_s": rates,
+        "target_requests_per_s": TARGET,
+        "meets": {k: v >= TARGET for k, v in rates.items()},
+        "mode": "quick" if args.quick else "full",
+        "git_commit": _commit(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
