@@ -58,6 +58,8 @@ class LocalPlane:
             for unit in self.units:
                 for t in self.layout.tables:
                     edge.bootstrap(t.table_id, unit.shard, unit.snapshot(t.table_id))
+        # True while some view may still be behind its writer (a refused or lost batch).
+        self._unsettled = False
 
     def unit_for(self, shard: int) -> MaintenanceUnit:
         return self.units[shard]
@@ -72,21 +74,32 @@ class LocalPlane:
         from the owning unit. ``drop`` names (table, shard, seq) batches to lose in transit, so
         tests can exercise gap repair."""
         flushed: list[PatchBatch] = [b for u in self.units for b in u.flush()]
+        if not flushed and not drop and not self._unsettled:
+            # Nothing new and every view was current after the last round: a no-op (the
+            # simulator calls this every few virtual milliseconds).
+            return PropagationReport(0, 0, 0, 0)
         deliveries = resyncs = 0
+        refused = False
         for edge in self.edges.values():
             for b in flushed:
                 if drop and (b.table_id, b.shard, b.seq) in drop:
+                    refused = True
                     continue
                 out = edge.apply_patch(b.data)
                 deliveries += 1
+                refused |= not out.applied
                 resyncs += self._repair(edge, out)
-            # The heartbeat: each unit's position per table, so a lost last batch is noticed.
-            for unit in self.units:
-                for t in self.layout.tables:
-                    epoch, seq = unit.position(t.table_id)
-                    edge.note_writer_position(t.table_id, unit.shard, epoch, seq)
-            for action in edge.pending_resyncs():
-                resyncs += self._repair(edge, None, action.table, action.shard, action.epoch, action.seq)
+        if refused or drop or self._unsettled:
+            # Something went missing or was refused: the heartbeat (each unit's position per
+            # table) makes even a lost *last* batch visible, then every open repair is answered.
+            for edge in self.edges.values():
+                for unit in self.units:
+                    for t in self.layout.tables:
+                        epoch, seq = unit.position(t.table_id)
+                        edge.note_writer_position(t.table_id, unit.shard, epoch, seq)
+                for action in edge.pending_resyncs():
+                    resyncs += self._repair(edge, None, action.table, action.shard, action.epoch, action.seq)
+        self._unsettled = any(edge.pending_resyncs() for edge in self.edges.values()) if (refused or drop or self._unsettled) else False
         return PropagationReport(len(flushed), deliveries, resyncs, sum(len(b.data) for b in flushed))
 
     def _repair(self, edge: Edge, out: PatchOutcome | None, table: int = -1, shard: int = -1, epoch: int = 0, seq: int = 0) -> int:
