@@ -24,6 +24,9 @@ STRICT_FILES += [f"kvcompass/sim/{m}.py" for m in ("__init__", "cache", "costs")
 STRICT_FILES += ["kvcompass/sim/workload.py"]
 STRICT_FILES += [f"kvcompass/sim/{m}.py" for m in ("engine", "schemes", "metrics")]
 STRICT_FILES += ["kvcompass/sim/report.py"]
+STRICT_FILES += [f"kvcompass/services/{m}.py" for m in ("__init__", "status", "metrics", "maintenance_service", "ingest_client", "edge_sync", "edge_service")]
+STRICT_FILES += [f"kvcompass/services/{m}.py" for m in ("tokenizer", "emulated_worker", "agent_runner", "http_door")]
+STRICT_FILES += ["kvcompass/_proto/regen.py"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

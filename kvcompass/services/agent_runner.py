@@ -1,0 +1,318 @@
+"""``kvcompass agent``: drives one :class:`~kvcompass.agent.WorkerAgent` from an engine's ZMQ
+KV-event stream and hands the key-op batches it produces to a sink.
+
+The agent itself is sans-I/O; this is its socket driver. It works against vLLM (and SGLang, and
+``kvcompass worker --emulate``) as they are:
+
+* **Events**: a SUB socket connected to the engine's PUB endpoint (vLLM's
+  ``--kv-events-config`` ``endpoint``, ``tcp://*:5557`` by default), subscribed to ``topic``
+  (vLLM's default topic is empty, which matches everything). Each message
+  ``(topic, seq, payload)`` goes to :meth:`WorkerAgent.on_message`. ZMQ reconnects by itself
+  when the engine restarts on the same endpoint; the agent recognises the restart from the seq
+  going back (a new incarnation: every shard re-reported from scratch).
+* **Replay**: when the agent reports a gap (``AgentOutput.replay``), a DEALER socket sends
+  ``[b"", start_seq]`` to the engine's ROUTER replay endpoint (``replay_endpoint`` in vLLM's
+  config). vLLM's ROUTER wants exactly ``[identity, b"", start_seq]`` (the empty frame a REQ
+  socket would add), and answers each with ``[b"", seq, payload]`` (some vLLM releases put
+  the topic first: ``[b"", topic, seq, payload]``; both are read) until a ``seq`` of -1. Each
+  reply goes to :meth:`WorkerAgent.on_replay`. No reply frame within ``replay_timeout_s``, or
+  no replay endpoint at all, calls :meth:`WorkerAgent.on_replay_failed` (the agent resyncs
+  with a full re-report), and the DEALER is replaced so a late reply cannot leak into the next
+  replay. Live messages that arrive during a replay wait in the SUB socket's queue; the agent
+  buffers or drops them by seq when they are read.
+* **Sink**: an async callable that takes each non-empty tuple of batches, in order, and
+  returns when they are sent (the gRPC ingest client, in a deployment). It is awaited inline,
+  so a slow sink slows event reading (ZMQ queues, then drops at its high-water mark, and the
+  agent's gap handling recovers). When the sink raises
+  :class:`~kvcompass.errors.AgentSequenceError` (a maintenance unit lost the agent's sequence,
+  usually by restarting), the runner sends what :meth:`WorkerAgent.on_rejected` returns for that
+  shard (the error's ``shard`` attribute if it has one, else every shard), as the agent's
+  driver contract asks. :class:`~kvcompass.errors.StaleIncarnationError` (a newer agent owns
+  the worker) and any other sink error end :meth:`AgentRunner.run` with that error.
+
+A malformed engine message is counted and skipped (the agent's state is untouched, and its seq
+never applies, so the next message opens a gap that the replay repairs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import zmq
+import zmq.asyncio
+
+from kvcompass.agent import AgentOutput, ReplayRequest, WorkerAgent, boot_incarnation
+from kvcompass.discovery.ops import KeyOpBatch
+from kvcompass.discovery.plan import LevelPlan
+from kvcompass.discovery.topology import Topology
+from kvcompass.errors import AgentSequenceError, InvalidArgumentError, InvalidEventError, StaleIncarnationError, UnknownWorkerError
+from kvcompass.index import Namespace
+
+__all__ = ["AgentRunner", "RunnerStats", "Sink", "agent_for_worker"]
+
+Sink = Callable[[Sequence[KeyOpBatch]], Awaitable[object]]
+"""Where key-op batches go: awaited once per non-empty group, in order; what it returns is
+ignored (``IngestClient.send`` returns a report and fits as it is)."""
+
+_log = logging.getLogger(__name__)
+_MAX_REJECTIONS = 8  # on_rejected rounds for one send before the sink's error is final
+
+
+def agent_for_worker(
+    topology: Topology,
+    worker_id: str,
+    namespace: Namespace,
+    *,
+    incarnation: int | None = None,
+    block_size: int | None = None,
+) -> WorkerAgent:
+    """The agent of a topology's worker: its region's registration lengths and the topology's
+    shard count. ``incarnation`` None: :func:`~kvcompass.agent.boot_incarnation` of the wall
+    clock (what a freshly started agent process must use). ``block_size`` None accepts any
+    engine block size (keys come from token ids, so they do not depend on it)."""
+    spec = next((w for w in topology.workers if w.id == worker_id), None)
+    if spec is None:
+        raise UnknownWorkerError(f"worker {worker_id!r} is not in topology {topology.name!r}", worker=worker_id)
+    plan = LevelPlan(topology)
+    inc = boot_incarnation(time.time_ns()) if incarnation is None else incarnation
+    return WorkerAgent(worker_id, namespace, plan.registration(spec.region), topology.shards, block_size=block_size, incarnation=inc)
+
+
+@dataclass(slots=True)
+class RunnerStats:
+    """What the driver did (the agent's own counters are in ``agent.stats``)."""
+
+    messages: int = 0  # live messages read
+    malformed: int = 0  # of those, refused by the agent (InvalidEventError)
+    replays: int = 0  # replay requests sent
+    replay_frames: int = 0  # replay reply frames read (end frames included)
+    replay_failures: int = 0  # replays that timed out, could not be sent, or had no endpoint
+    sent_batches: int = 0
+    sent_ops: int = 0
+    rejections: int = 0  # AgentSequenceError from the sink, answered with on_rejected
+
+
+class AgentRunner:
+    """Feeds ``agent`` from the engine at ``events`` (and ``replay``), sending its batches to
+    ``sink``. ``await start()`` / ``await stop()``, or ``await run()`` until cancelled.
+
+    ``ctx``: a ZMQ asyncio context to use (None: the runner makes and terminates its own)."""
+
+    def __init__(
+        self,
+        agent: WorkerAgent,
+        sink: Sink,
+        events: str,
+        replay: str | None = None,
+        *,
+        topic: bytes = b"",
+        replay_timeout_s: float = 2.0,
+        ctx: zmq.asyncio.Context | None = None,
+    ) -> None:
+        if not isinstance(events, str) or "://" not in events:
+            raise InvalidArgumentError(f"events must be a ZMQ endpoint such as tcp://HOST:PORT, got {events!r}")
+        if replay is not None and (not isinstance(replay, str) or "://" not in replay):
+            raise InvalidArgumentError(f"replay must be a ZMQ endpoint such as tcp://HOST:PORT or None, got {replay!r}")
+        if isinstance(replay_timeout_s, bool) or not isinstance(replay_timeout_s, (int, float)) or not 0 < replay_timeout_s < float("inf"):
+            raise InvalidArgumentError(f"replay_timeout_s must be a positive number, got {replay_timeout_s!r}")
+        if not isinstance(topic, bytes):
+            raise InvalidArgumentError(f"topic must be bytes, got {type(topic).__name__}")
+        self.agent = agent
+        self.sink = sink
+        self.events = events
+        self.replay = replay
+        self.topic = topic
+        self.replay_timeout_s = float(replay_timeout_s)
+        self.stats = RunnerStats()
+        self._own_ctx = ctx is None
+        self._ctx = ctx
+        self._sub: zmq.asyncio.Socket | None = None
+        self._dealer: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()  # one sender at a time: the read loop or resend_full_report
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        if self._sub is not None:
+            return
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.events)
+        self._sub = sub
+
+    def _close(self) -> None:
+        for s in (self._sub, self._dealer):
+            if s is not None:
+                s.close(linger=0)
+        self._sub = self._dealer = None
+        if self._own_ctx and self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    async def start(self) -> None:
+        """Connect and start reading in a background task (its errors surface in :meth:`stop`
+        and :meth:`wait`)."""
+        if self._task is not None:
+            raise RuntimeError("AgentRunner.start called twice")
+        self._open()
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        """Stop reading and close the sockets. Re-raises the error that ended the loop, if any."""
+        task, self._task = self._task, None
+        try:
+            if task is not None:
+                if not task.done():
+                    task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        finally:
+            self._close()
+
+    async def wait(self) -> None:
+        """Until the loop ends (only by an error, or by :meth:`stop`); re-raises its error."""
+        if self._task is not None:
+            await asyncio.shield(self._task)
+
+    async def run(self) -> None:
+        """Connect and read until cancelled (or a fatal sink error, which is raised)."""
+        self._open()
+        try:
+            await self._loop()
+        finally:
+            self._close()
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        assert self._sub is not None
+        sub = self._sub
+        while True:
+            frames = await sub.recv_multipart()
+            self.stats.messages += 1
+            # The agent numbers batches as it makes them, so making and sending them is one
+            # critical section (resend_full_report takes the same lock).
+            async with self._lock:
+                try:
+                    out = self.agent.on_message(frames)
+                except InvalidEventError as e:
+                    self.stats.malformed += 1
+                    _log.warning("worker %s: skipping a malformed KV-event message: %s", self.agent.worker_id, e)
+                    continue
+                await self._handle(out)
+
+    async def _handle(self, out: AgentOutput) -> None:
+        await self._send(out.batches)
+        replay = out.replay
+        while replay is not None:
+            replay = await self._replay(replay)
+
+    async def _replay(self, req: ReplayRequest) -> ReplayRequest | None:
+        """Run one replay to its end; returns a further request if the agent makes one."""
+        if self.replay is None:
+            self.stats.replay_failures += 1
+            await self._send(self.agent.on_replay_failed().batches)
+            return None
+        assert self._ctx is not None
+        if self._dealer is None:
+            d = self._ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.LINGER, 0)
+            d.connect(self.replay)
+            self._dealer = d
+        dealer = self._dealer
+        self.stats.replays += 1
+        sent, _ = await _within(dealer.send_multipart([b"", req.frame()]), self.replay_timeout_s)
+        while sent:
+            got, frames = await _within(dealer.recv_multipart(), self.replay_timeout_s)
+            if not got or frames is None:
+                break
+            self.stats.replay_frames += 1
+            reply = _replay_frames(frames)
+            if reply is None:
+                _log.warning("worker %s: ignoring a replay reply of %d frames", self.agent.worker_id, len(frames))
+                continue
+            try:
+                out = self.agent.on_replay(reply)
+            except InvalidEventError as e:
+                self.stats.malformed += 1
+                _log.warning("worker %s: skipping a malformed replayed message: %s", self.agent.worker_id, e)
+                continue
+            await self._send(out.batches)
+            if out.replay is not None:
+                return out.replay
+            if reply[0] == _END:
+                return None
+        self.stats.replay_failures += 1
+        _log.warning("worker %s: replay from seq %d got no answer within %.1f s; resyncing", self.agent.worker_id, req.start_seq, self.replay_timeout_s)
+        # A late answer must not be read as the next replay's: start over with a new socket.
+        dealer.close(linger=0)
+        self._dealer = None
+        await self._send(self.agent.on_replay_failed().batches)
+        return None
+
+    async def _send(self, batches: Sequence[KeyOpBatch]) -> None:
+        """Hand ``batches`` to the sink (the caller holds the lock)."""
+        if not batches:
+            return
+        pending: Sequence[KeyOpBatch] = batches
+        for _ in range(_MAX_REJECTIONS):
+            try:
+                await self.sink(pending)
+            except StaleIncarnationError:
+                raise
+            except AgentSequenceError as e:
+                self.stats.rejections += 1
+                shard = getattr(e, "shard", None)
+                pending = self.agent.on_rejected(shard if isinstance(shard, int) and 0 <= shard < self.agent.shards else None)
+                continue
+            self.stats.sent_batches += len(pending)
+            self.stats.sent_ops += sum(len(b.keys) for b in pending)
+            return
+        raise AgentSequenceError(f"worker {self.agent.worker_id}: the sink refused {_MAX_REJECTIONS} full re-reports in a row", expected=-1, got=-1)
+
+    async def resend_full_report(self) -> None:
+        """Send the agent's whole inventory as ``reset`` batches (after the sink reconnected to
+        a maintenance unit that may have lost track of this worker)."""
+        async with self._lock:
+            await self._send(self.agent.full_report())
+
+
+_END = b"\xff" * 8
+T = TypeVar("T")
+
+
+async def _within(op: Awaitable[T], timeout_s: float) -> tuple[bool, T | None]:
+    """``(True, result)`` of a socket operation, or ``(False, None)`` when it did not complete in
+    time (it is then cancelled, and the caller drops the socket). Sink errors never pass here,
+    so a sink's own TimeoutError is not mistaken for a silent engine."""
+    try:
+        return True, await asyncio.wait_for(op, timeout_s)
+    except TimeoutError:
+        return False, None
+
+
+def _replay_frames(frames: Sequence[bytes]) -> list[bytes] | None:
+    """A DEALER's view of a replay reply, as the agent's ``(seq, payload)``; None if unreadable."""
+    rest = list(frames)
+    if rest and rest[0] == b"":  # the delimiter a ROUTER puts before a REQ-style reply
+        rest = rest[1:]
+    if len(rest) == 3:  # releases that send the topic first
+        rest = rest[1:]
+    if len(rest) != 2:
+        return None
+    return rest

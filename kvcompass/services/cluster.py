@@ -1,0 +1,384 @@
+"""``kvcompass up``: a whole multi-region cluster on loopback, every component its own process.
+
+Start order follows the data flow, each phase started in parallel and awaited on the children's
+ready lines (:func:`kvcompass.services.commands.announce`), so every port is chosen by the
+process that binds it and no two processes can race for one:
+
+1. one maintenance unit per shard;
+2. an emulated worker per (selected) worker;
+3. an agent per worker (it needs the worker's ZMQ endpoints and every unit) and an edge per edge
+   region (it needs every unit and every worker's URL);
+4. the edges' gRPC endpoints go into a peers file the edges are waiting for (queue exchange);
+5. health: every unit's and edge's ``/healthz``, every door's and worker's ``/health``, every
+   agent's ``/healthz``, and every worker's KV-event subscription taken by its agent.
+
+Only then are the endpoints printed and the state file written, so whoever waits for the file
+may send traffic at once. Ctrl-C / SIGTERM stops the cluster in reverse data-flow order (edges
+drain their in-flight requests first, maintenance units write their state last). Children run
+in their own sessions, so a terminal's Ctrl-C reaches only this supervisor, and they watch it
+(``KVCOMPASS_PARENT_PID``), so even a SIGKILLed supervisor leaves no orphans.
+
+A child that dies while the cluster runs is reported on stderr and left dead: the edges route
+around a dead worker, which is what a real fleet needs them to do. The exit status is 0 when
+every child still running at shutdown drained and exited 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import aiohttp
+
+from kvcompass.services.commands import UsageError, env_for_child
+
+__all__ = ["Child", "ClusterConfig", "pick_workers", "run_cluster", "up_main"]
+
+_LOG_TAIL = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """What ``kvcompass up`` was asked for."""
+
+    topology: str = "testbed-14x3"
+    routing: str = "kvcompass"
+    time_scale: float = 1.0
+    wan_delay: bool = True
+    workers_per_region: int | None = None
+    max_workers: int | None = None
+    state_file: str | None = None
+    run_dir: str | None = None
+    startup_timeout_s: float = 120.0
+    drain_grace_s: float = 15.0
+    host: str = "127.0.0.1"
+
+
+@dataclass(eq=False)
+class Child:
+    """One supervised process."""
+
+    name: str
+    role: str
+    argv: list[str]
+    log: Path
+    proc: asyncio.subprocess.Process | None = None
+    ready: dict[str, Any] = field(default_factory=dict)
+    exited: int | None = None
+    stopping: bool = False
+    _drain: asyncio.Task[None] | None = None
+    _logf: IO[bytes] | None = None
+
+    def tail(self) -> str:
+        try:
+            data = self.log.read_bytes()[-_LOG_TAIL:]
+        except OSError:
+            return ""
+        return data.decode(errors="replace")
+
+
+def pick_workers(topology: Any, per_region: int | None, max_workers: int | None) -> list[Any]:
+    """The workers to start: at most ``per_region`` of each region, then at most ``max_workers``
+    in all, taken round-robin over regions so every region keeps a worker as long as possible.
+    Workers left out stay in the index layout (the edges know them but never forward to them)."""
+    by_region: dict[str, list[Any]] = {}
+    for w in topology.indexed_workers:
+        by_region.setdefault(w.region, []).append(w)
+    if per_region is not None:
+        by_region = {r: ws[:per_region] for r, ws in by_region.items()}
+    out: list[Any] = []
+    depth = max((len(ws) for ws in by_region.values()), default=0)
+    for i in range(depth):
+        for ws in by_region.values():
+            if i < len(ws):
+                out.append(ws[i])
+    if max_workers is not None:
+        out = out[:max_workers]
+    order = {w.id: i for i, w in enumerate(topology.workers)}
+    return sorted(out, key=lambda w: order[w.id])
+
+
+class Cluster:
+    """The supervisor's state; :func:`run_cluster` drives it."""
+
+    def __init__(self, cfg: ClusterConfig, run_dir: Path) -> None:
+        from kvcompass.discovery.plan import LevelPlan
+        from kvcompass.discovery.topology import load_topology
+
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.topology = load_topology(cfg.topology)
+        self.plan = LevelPlan(self.topology)
+        self.workers = pick_workers(self.topology, cfg.workers_per_region, cfg.max_workers)
+        if not self.workers:
+            raise UsageError("no worker selected: --workers-per-region and --max-workers must be >= 1")
+        self.children: list[Child] = []
+        self.stopping = False
+
+    def _cmd(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "kvcompass", *args]
+
+    async def spawn(self, name: str, role: str, argv: list[str]) -> Child:
+        c = Child(name, role, argv, self.run_dir / "logs" / f"{name}.log")
+        c.log.parent.mkdir(parents=True, exist_ok=True)
+        c._logf = open(c.log, "wb")  # noqa: SIM115 - closed in _reap
+        c.proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=c._logf, env=env_for_child(), start_new_session=True
+        )
+        self.children.append(c)
+        return c
+
+    async def wait_ready(self, children: Sequence[Child], timeout: float) -> None:
+        async def one(c: Child) -> None:
+            assert c.proc is not None and c.proc.stdout is not None
+            while True:
+                line = await c.proc.stdout.readline()
+                if not line:
+                    code = await c.proc.wait()
+                    raise RuntimeError(f"{c.name} exited with code {code} before it was ready; its log ({c.log}) ends:\n{c.tail()}")
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(obj, dict) and obj.get("ready") == c.role:
+                    c.ready = obj
+                    c._drain = asyncio.get_running_loop().create_task(self._drain_stdout(c))
+                    return
+
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.gather(*(one(c) for c in children))
+        except TimeoutError:
+            late = [c.name for c in children if not c.ready]
+            raise RuntimeError(f"not ready within {timeout:.0f} s: {', '.join(late)}") from None
+
+    async def _drain_stdout(self, c: Child) -> None:
+        """Read what follows the ready line (nothing, normally), so a chatty child never blocks
+        on a full pipe, and notice when it exits."""
+        assert c.proc is not None and c.proc.stdout is not None
+        while await c.proc.stdout.readline():
+            pass
+        code = await c.proc.wait()
+        c.exited = code
+        if not c.stopping and not self.stopping:
+            print(f"kvcompass up: {c.name} exited with code {code} (left down; log {c.log})", file=sys.stderr, flush=True)
+
+    async def start(self) -> dict[str, Any]:
+        cfg, topo = self.cfg, self.topology
+        timeout = cfg.startup_timeout_s
+        shards = topo.shards
+        units = [
+            await self.spawn(f"maintenance-{s}", "maintenance", self._cmd(
+                "maintenance", "--shard", str(s), "--shards", str(shards), "--topology", cfg.topology, "--host", cfg.host,
+                "--state-file", str(self.run_dir / f"shard-{s}.state"),
+            ))
+            for s in range(shards)
+        ]
+        workers = [
+            await self.spawn(f"worker-{w.id}", "worker", self._cmd(
+                "worker", "--emulate", "--worker", w.id, "--topology", cfg.topology, "--host", cfg.host, "--time-scale", repr(cfg.time_scale),
+            ))
+            for w in self.workers
+        ]
+        await self.wait_ready(units + workers, timeout)
+        maint = ",".join(str(u.ready["grpc"]) for u in sorted(units, key=lambda u: int(u.ready["shard"])))
+        urls = {str(w.ready["worker"]): str(w.ready["http"]) for w in workers}
+        workers_file = self.run_dir / "workers.json"
+        _write_json(workers_file, urls)
+        peers_file = self.run_dir / "peers.json"
+        with contextlib.suppress(FileNotFoundError):
+            peers_file.unlink()
+        agents = [
+            await self.spawn(f"agent-{w.ready['worker']}", "agent", self._cmd(
+                "agent", "--worker", str(w.ready["worker"]), "--events", str(w.ready["events"]), "--replay", str(w.ready["replay"]),
+                "--topology", cfg.topology, "--maintenance", maint, "--host", cfg.host,
+            ))
+            for w in workers
+        ]
+        wan = cfg.time_scale if cfg.wan_delay else 0.0
+        edges = [
+            await self.spawn(f"edge-{r}", "edge", self._cmd(
+                "edge", "--region", r, "--topology", cfg.topology, "--routing", cfg.routing, "--host", cfg.host, "--maintenance", maint,
+                "--workers-file", str(workers_file), "--wan-delay", repr(wan), "--peers-file", str(peers_file),
+                "--drain-grace", repr(cfg.drain_grace_s), "--seed", str(i),
+            ))
+            for i, r in enumerate(self.plan.edge_regions)
+        ]
+        await self.wait_ready(agents + edges, timeout)
+        _write_json(peers_file, {str(e.ready["region"]): str(e.ready["grpc"]) for e in edges})
+        await self.wait_healthy(units, workers, agents, edges, timeout)
+        return {
+            "edges": {str(e.ready["region"]): {"http": e.ready["http"], "grpc": e.ready["grpc"], "metrics": e.ready["metrics"]} for e in edges},
+            "maintenance": [{"shard": u.ready["shard"], "grpc": u.ready["grpc"], "metrics": u.ready["metrics"]} for u in sorted(units, key=lambda u: int(u.ready["shard"]))],
+            "workers": {str(w.ready["worker"]): {"http": w.ready["http"], "region": w.ready["region"]} for w in workers},
+            # Beyond the documented three keys: for operators and tests.
+            "agents": {str(a.ready["worker"]): {"metrics": a.ready["metrics"]} for a in agents},
+            "routing": cfg.routing,
+            "time_scale": cfg.time_scale,
+            "topology": topo.name,
+            "run_dir": str(self.run_dir),
+            "pids": {c.name: c.proc.pid for c in self.children if c.proc is not None},
+            "supervisor_pid": os.getpid(),
+        }
+
+    async def wait_healthy(self, units: list[Child], workers: list[Child], agents: list[Child], edges: list[Child], timeout: float) -> None:
+        checks: list[tuple[Child, str, str | None]] = []
+        checks += [(u, f"{u.ready['metrics']}/healthz", None) for u in units]
+        checks += [(w, f"{w.ready['http']}/health", None) for w in workers]
+        checks += [(a, f"{a.ready['metrics']}/healthz", None) for a in agents]
+        checks += [(e, f"{e.ready['metrics']}/healthz", None) for e in edges]
+        checks += [(e, f"{e.ready['http']}/health", None) for e in edges]
+        # The agent's SUB is connected once the worker's XPUB counts it: events from then on reach it.
+        checks += [(w, f"{w.ready['http']}/metrics", "kvcompass_worker_event_subscribers") for w in workers]
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+
+            async def one(c: Child, url: str, gauge: str | None) -> None:
+                while True:
+                    if c.proc is not None and c.proc.returncode is not None:
+                        raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} during startup; its log ({c.log}) ends:\n{c.tail()}")
+                    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                        async with http.get(url) as r:
+                            if r.status == 200 and (gauge is None or _gauge(await r.text(), gauge) >= 1):
+                                return
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{c.name} not healthy within {timeout:.0f} s ({url})")
+                    await asyncio.sleep(0.1)
+
+            await asyncio.gather(*(one(*c) for c in checks))
+
+    async def stop(self) -> int:
+        """Drain in reverse data-flow order; SIGKILL whatever outlives its grace period."""
+        self.stopping = True
+        code = 0
+        for role in ("edge", "agent", "worker", "maintenance"):
+            group = [c for c in self.children if c.role == role and c.proc is not None and c.proc.returncode is None]
+            for c in group:
+                c.stopping = True
+                with contextlib.suppress(ProcessLookupError):
+                    assert c.proc is not None
+                    c.proc.send_signal(signal.SIGTERM)
+            for c in group:
+                assert c.proc is not None
+                try:
+                    rc = await asyncio.wait_for(c.proc.wait(), self.cfg.drain_grace_s + 10)
+                except TimeoutError:
+                    with contextlib.suppress(ProcessLookupError):
+                        c.proc.kill()
+                    rc = await c.proc.wait()
+                    print(f"kvcompass up: {c.name} did not stop within its grace period: killed", file=sys.stderr)
+                if rc != 0:
+                    print(f"kvcompass up: {c.name} exited with code {rc}; its log ({c.log}) ends:\n{c.tail()}", file=sys.stderr)
+                    code = 1
+        for c in self.children:
+            if c.proc is not None and c.proc.returncode is None:  # never started fully
+                with contextlib.suppress(ProcessLookupError):
+                    c.proc.kill()
+                await c.proc.wait()
+            if c._drain is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await c._drain
+            if c._logf is not None:
+                c._logf.close()
+        return code
+
+
+def _gauge(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            with contextlib.suppress(ValueError, IndexError):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _write_json(path: Path, obj: object) -> None:
+    """Atomically, so a reader polling for the file never reads half of it."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def format_endpoints(state: dict[str, Any]) -> str:
+    out = [f"KVCompass cluster up: topology {state['topology']}, routing {state['routing']}, time scale {state['time_scale']}"]
+    for r, e in state["edges"].items():
+        out.append(f"  edge {r:<8} http {e['http']}  grpc {e['grpc']}  metrics {e['metrics']}/metrics")
+    for m in state["maintenance"]:
+        out.append(f"  maintenance shard {m['shard']}  grpc {m['grpc']}  metrics {m['metrics']}/metrics")
+    for w, d in state["workers"].items():
+        out.append(f"  worker {w:<10} {d['region']:<8} http {d['http']}")
+    out.append(f"  logs and state in {state['run_dir']}; Ctrl-C stops everything")
+    return "\n".join(out)
+
+
+async def run_cluster(cfg: ClusterConfig, stop: asyncio.Event | None = None) -> int:
+    """Start the cluster, run until SIGINT/SIGTERM (or ``stop``), then stop it."""
+    stop = stop if stop is not None else asyncio.Event()
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+    own_dir = cfg.run_dir is None
+    run_dir = Path(tempfile.mkdtemp(prefix="kvcompass-up-")) if cfg.run_dir is None else Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(cfg, run_dir)
+    code = 0
+    try:
+        starting = loop.create_task(cluster.start())
+        stopped = loop.create_task(stop.wait())
+        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await starting
+            print("kvcompass up: interrupted during startup", file=sys.stderr)
+        else:
+            try:
+                state = starting.result()
+            except (RuntimeError, OSError) as e:
+                print(f"kvcompass up: startup failed: {e}", file=sys.stderr)
+                code = 1
+            else:
+                if cfg.state_file is not None:
+                    _write_json(Path(cfg.state_file), state)
+                print(format_endpoints(state), flush=True)
+                await stop.wait()
+        stopped.cancel()
+    finally:
+        rc = await cluster.stop()
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        if own_dir and code == 0 and rc == 0:
+            import shutil
+
+            shutil.rmtree(run_dir, ignore_errors=True)
+    return code or rc
+
+
+def up_main(args: argparse.Namespace) -> int:
+    if not (math.isfinite(args.time_scale) and args.time_scale >= 0):
+        raise UsageError(f"--time-scale must be a finite number >= 0, got {args.time_scale}")
+    for name in ("workers_per_region", "max_workers"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    cfg = ClusterConfig(
+        topology=args.topology, routing=args.routing, time_scale=args.time_scale, wan_delay=not args.no_wan_delay,
+        workers_per_region=args.workers_per_region, max_workers=args.max_workers, state_file=args.state_file, run_dir=args.run_dir,
+        startup_timeout_s=args.startup_timeout, drain_grace_s=args.drain_grace,
+    )
+    return asyncio.run(run_cluster(cfg))

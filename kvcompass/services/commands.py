@@ -1,0 +1,481 @@
+"""The long-running processes of a deployment as ``kvcompass`` subcommands, and their lifecycle.
+
+``kvcompass maintenance | edge | agent | worker`` each run one process of the discovery plane;
+``kvcompass up`` (:mod:`kvcompass.services.cluster`) starts a whole loopback cluster of them,
+``kvcompass loadgen`` (:mod:`kvcompass.services.loadgen`) replays a trace through its edges and
+``kvcompass cluster-demo`` (:mod:`kvcompass.services.mainjob`) does both, once per routing mode.
+
+Every process shares one lifecycle, so a supervisor can treat them alike:
+
+* **Ports.** Any port may be 0 (the default): the process binds a free one and says which in
+  its *ready line*, one JSON object on stdout, ``{"ready": ROLE, ...endpoints}``, printed once
+  everything listens. Nothing else goes to stdout, so a parent reads one line per child and
+  never races another process for a port it picked in advance.
+* **Stopping.** SIGTERM or SIGINT drains (health NOT_SERVING / 503, no new work, in-flight
+  work finished, state written) and exits 0. With ``KVCOMPASS_PARENT_PID`` in the environment
+  the process also drains when that parent is gone, so a supervisor killed with SIGKILL
+  leaves no orphans behind.
+* **Health and metrics.** Each serves Prometheus ``/metrics`` and a health endpoint
+  (``/healthz``, or the HTTP server's own ``/health`` for the door and the worker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PARENT_ENV", "add_commands", "announce", "parse_hostports", "run_command"]
+
+PARENT_ENV = "KVCOMPASS_PARENT_PID"
+_COMMANDS = ("maintenance", "edge", "agent", "worker", "up", "loadgen", "cluster-demo")
+_TOPOLOGY_HELP = "a built-in topology (testbed-14x3, ...) or a TOML file"
+
+
+class UsageError(Exception):
+    """A bad argument: one line on stderr, exit 2."""
+
+
+# -- argument parsing ------------------------------------------------------------------------------
+
+
+def add_commands(sub: Any) -> None:
+    """Add the service subcommands to ``kvcompass``'s subparsers (``sub`` is what
+    ``ArgumentParser.add_subparsers`` returned)."""
+    m = sub.add_parser("maintenance", help="run the maintenance unit (single writer) of one shard as a gRPC service")
+    m.add_argument("--shard", type=int, required=True)
+    m.add_argument("--shards", type=int, default=None, help="shard count; must match the topology's (default: the topology's)")
+    m.add_argument("--topology", required=True, metavar="NAME_OR_PATH", help=_TOPOLOGY_HELP)
+    _listen_args(m, port="--port", port_help="gRPC port (0: a free port)")
+    m.add_argument("--state-file", default=None, metavar="PATH", help="persist the shard here and recover it on restart")
+
+    e = sub.add_parser("edge", help="run an edge: index replica, gRPC Route API and the OpenAI-compatible HTTP door")
+    e.add_argument("--region", required=True)
+    e.add_argument("--topology", required=True, metavar="NAME_OR_PATH", help=_TOPOLOGY_HELP)
+    e.add_argument("--routing", choices=("kvcompass", "local"), default="kvcompass", help="kvcompass: joint score over every region; local: region-local cache-aware routing")
+    e.add_argument("--host", default="127.0.0.1")
+    e.add_argument("--http-port", type=int, default=0)
+    e.add_argument("--grpc-port", type=int, default=0)
+    e.add_argument("--metrics-port", type=int, default=0)
+    e.add_argument("--maintenance", required=True, metavar="HOST:PORT,...", help="the units of shards 0..N-1, in shard order")
+    e.add_argument("--workers-file", default=None, metavar="JSON", help='worker id -> base URL: {"us-0": "http://127.0.0.1:8000", ...}')
+    e.add_argument("--worker", action="append", default=[], metavar="ID=URL", help="one worker's base URL (repeatable)")
+    e.add_argument("--wan-delay", type=float, nargs="?", const=1.0, default=0.0, metavar="SCALE",
+                   help="emulate the topology's one-way WAN delay (RTT/2) times SCALE on each hop to a worker (bare flag: 1)")
+    e.add_argument("--peers", default="", metavar="REGION=HOST:PORT,...", help="other regions' edge gRPC endpoints (queue exchange)")
+    e.add_argument("--peers-file", default=None, metavar="JSON", help="like --peers, read from a JSON object once the file appears")
+    e.add_argument("--drain-grace", type=float, default=30.0, metavar="S", help="seconds in-flight requests may take to finish on SIGTERM")
+    e.add_argument("--seed", type=int, default=0)
+
+    a = sub.add_parser("agent", help="run a worker agent: engine KV events (ZMQ) -> key ops -> maintenance units")
+    a.add_argument("--worker", required=True)
+    a.add_argument("--events", required=True, metavar="tcp://HOST:PORT", help="the engine's KV-event PUB endpoint")
+    a.add_argument("--replay", default=None, metavar="tcp://HOST:PORT", help="the engine's replay ROUTER endpoint")
+    a.add_argument("--topology", required=True, metavar="NAME_OR_PATH", help=_TOPOLOGY_HELP)
+    a.add_argument("--maintenance", required=True, metavar="HOST:PORT,...")
+    a.add_argument("--model", default="llama-3.1-8b", help="the namespace's model (the door's default model)")
+    a.add_argument("--tenant", default="public", help="the namespace's tenant (the door's default tenant)")
+    a.add_argument("--host", default="127.0.0.1", help="where the metrics endpoint listens")
+    a.add_argument("--metrics-port", type=int, default=0)
+
+    w = sub.add_parser("worker", help="run an emulated vLLM worker (OpenAI API, prefix cache, KV events on ZMQ)")
+    w.add_argument("--emulate", action="store_true", help="required: the only worker kvcompass runs itself is the emulated one")
+    w.add_argument("--worker", required=True)
+    w.add_argument("--topology", required=True, metavar="NAME_OR_PATH", help=_TOPOLOGY_HELP)
+    w.add_argument("--host", default="127.0.0.1")
+    w.add_argument("--port", type=int, default=0)
+    w.add_argument("--events-port", type=int, default=0)
+    w.add_argument("--replay-port", type=int, default=0)
+    w.add_argument("--time-scale", type=float, default=1.0, metavar="S", help="wall seconds per modelled second (0: no sleeping)")
+    w.add_argument("--policy", choices=("lru", "lfu"), default="lru")
+
+    u = sub.add_parser("up", help="start a whole cluster on loopback as separate processes; Ctrl-C stops it")
+    u.add_argument("--topology", default="testbed-14x3", metavar="NAME_OR_PATH", help=_TOPOLOGY_HELP + " (default testbed-14x3)")
+    u.add_argument("--state-file", default=None, metavar="PATH", help="write the endpoints here as JSON once every process is healthy")
+    u.add_argument("--routing", choices=("kvcompass", "local"), default="kvcompass")
+    u.add_argument("--time-scale", type=float, default=1.0, metavar="S", help="scales the workers' modelled time and the WAN delays alike")
+    u.add_argument("--no-wan-delay", action="store_true", help="do not emulate WAN delays between regions")
+    u.add_argument("--workers-per-region", type=int, default=None, metavar="K", help="start at most K workers of each region")
+    u.add_argument("--max-workers", type=int, default=None, metavar="N", help="start at most N workers (spread over regions)")
+    u.add_argument("--run-dir", default=None, metavar="DIR", help="logs, state and peer files (default: a temporary directory)")
+    u.add_argument("--startup-timeout", type=float, default=120.0, metavar="S")
+    u.add_argument("--drain-grace", type=float, default=15.0, metavar="S")
+
+    g = sub.add_parser("loadgen", help="replay a trace through the edges' HTTP doors and record each request")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--edge", default=None, metavar="URL", help="one edge door: every request goes there")
+    src.add_argument("--state-file", default=None, metavar="PATH", help="kvcompass up's state file: each request goes to its region's edge")
+    g.add_argument("--trace", required=True, metavar="PATH_OR_NAME", help="a Mooncake-schema JSONL file or a shared trace name (conversation, synthetic)")
+    g.add_argument("--rate", type=float, required=True, metavar="R", help="offered load, req/s of wall time (the trace is rescaled to it)")
+    g.add_argument("--max-requests", type=int, default=None, metavar="N")
+    g.add_argument("--out", default=None, metavar="records.jsonl")
+    g.add_argument("--block-size", type=int, default=512, metavar="TOKENS", help="tokens per trace hash id (default 512, Mooncake's)")
+    g.add_argument("--topology", default=None, metavar="NAME_OR_PATH", help="weights regions by prefill capacity (default: equal weights)")
+    g.add_argument("--max-tokens", type=int, default=None, metavar="N", help="cap each request's output length")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--model", default="llama-3.1-8b")
+    g.add_argument("--no-progress", action="store_true")
+
+    from kvcompass.services.mainjob import add_arguments
+
+    add_arguments(sub.add_parser("cluster-demo", help="the main job: kvcompass up + a Mooncake conversation replay, KVCompass vs region-local routing"))
+
+
+def _listen_args(p: argparse.ArgumentParser, *, port: str, port_help: str) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(port, type=int, default=0, help=port_help)
+    p.add_argument("--metrics-port", type=int, default=0, help="/metrics and /healthz (0: a free port)")
+
+
+def run_command(args: argparse.Namespace) -> int | None:
+    """Run ``args.command`` if it is one of this module's; None otherwise."""
+    cmd = getattr(args, "command", None)
+    if cmd not in _COMMANDS:
+        return None
+    from kvcompass.errors import KVCompassError
+
+    try:
+        if cmd == "up":
+            from kvcompass.services.cluster import up_main
+
+            return up_main(args)
+        if cmd == "loadgen":
+            from kvcompass.services.loadgen import loadgen_main
+
+            return loadgen_main(args)
+        if cmd == "cluster-demo":
+            from kvcompass.services.mainjob import mainjob_main
+
+            return mainjob_main(args)
+        main: Callable[[argparse.Namespace], Any] = {"maintenance": _maintenance, "edge": _edge, "agent": _agent, "worker": _worker}[cmd]
+        return int(asyncio.run(main(args)))
+    except (UsageError, KVCompassError, OSError, ValueError) as e:
+        print(f"kvcompass {cmd}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # a second Ctrl-C during the drain
+        return 130
+
+
+# -- shared lifecycle --------------------------------------------------------------------------------
+
+
+def announce(role: str, **endpoints: Any) -> None:
+    """The ready line (see the module docstring): the one thing a process writes to stdout."""
+    sys.stdout.write(json.dumps({"ready": role, "pid": os.getpid(), **endpoints}) + "\n")
+    sys.stdout.flush()
+
+
+@contextlib.asynccontextmanager
+async def _stop_on_signals(stop: asyncio.Event) -> Any:
+    """Set ``stop`` on SIGTERM/SIGINT, or when the supervising parent (``KVCOMPASS_PARENT_PID``)
+    is gone: a reparented child would otherwise outlive a ``kvcompass up`` killed with SIGKILL."""
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+    watch: asyncio.Task[None] | None = None
+    parent = os.environ.get(PARENT_ENV)
+    if parent and parent.isdigit():
+        watch = loop.create_task(_watch_parent(int(parent), stop))
+    try:
+        yield
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        if watch is not None:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+
+
+async def _watch_parent(pid: int, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        if os.getppid() != pid:
+            stop.set()
+            return
+        await asyncio.sleep(0.5)
+
+
+def parse_hostports(text: str, what: str = "--maintenance") -> list[str]:
+    """``host:port,host:port`` -> the list, each checked."""
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    if not out:
+        raise UsageError(f"{what}: give at least one HOST:PORT")
+    for t in out:
+        host, sep, port = t.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UsageError(f"{what}: {t!r} is not HOST:PORT")
+    return out
+
+
+def _load(topology: str) -> Any:
+    from kvcompass.discovery.topology import load_topology
+
+    return load_topology(topology)
+
+
+def _units(text: str, shards: int) -> dict[int, str]:
+    addrs = parse_hostports(text)
+    if len(addrs) != shards:
+        raise UsageError(f"--maintenance: the topology has {shards} shards, so give {shards} HOST:PORT (shard order), got {len(addrs)}")
+    return dict(enumerate(addrs))
+
+
+def _check_port(name: str, v: int) -> None:
+    if not 0 <= v < 65536:
+        raise UsageError(f"{name} must be 0..65535, got {v}")
+
+
+# -- kvcompass maintenance ------------------------------------------------------------------------------
+
+
+async def _maintenance(args: argparse.Namespace) -> int:
+    from kvcompass.discovery.params import EdgeParams, layout_for
+    from kvcompass.discovery.plan import LevelPlan
+    from kvcompass.services.maintenance_service import MaintenanceConfig, MaintenanceEndpoints, serve_maintenance
+
+    topo = _load(args.topology)
+    layout = layout_for(LevelPlan(topo).layout(), EdgeParams())
+    if args.shards is not None and args.shards != layout.shards:
+        raise UsageError(f"--shards {args.shards}: the topology {topo.name!r} has {layout.shards} shards (set shards in its TOML)")
+    if not 0 <= args.shard < layout.shards:
+        raise UsageError(f"--shard must be 0..{layout.shards - 1}, got {args.shard}")
+    _check_port("--port", args.port)
+    _check_port("--metrics-port", args.metrics_port)
+
+    def ready(ends: MaintenanceEndpoints) -> None:
+        announce("maintenance", shard=ends.shard, grpc=ends.grpc, metrics=ends.metrics)
+
+    stop = asyncio.Event()
+    async with _stop_on_signals(stop):
+        await serve_maintenance(
+            layout, args.shard, host=args.host, port=args.port, metrics_port=args.metrics_port,
+            config=MaintenanceConfig(state_path=args.state_file), on_ready=ready, stop=stop,
+        )
+    return 0
+
+
+# -- kvcompass edge ---------------------------------------------------------------------------------------
+
+
+def build_edge(topology: Any, region: str, routing: str = "kvcompass", seed: int = 0) -> Any:
+    """The :class:`~kvcompass.discovery.edge.Edge` of ``region``, wired as
+    :class:`~kvcompass.discovery.plane.LocalPlane` wires its edges. ``routing="local"`` is
+    region-local cache-aware routing: no lookups toward other regions, own-region winners only."""
+    from kvcompass.discovery.edge import Edge
+    from kvcompass.discovery.params import EdgeParams, layout_for
+    from kvcompass.discovery.plan import LevelPlan
+
+    params = EdgeParams(cross_region=routing == "kvcompass")
+    plan = LevelPlan(topology)
+    if region not in plan.edge_regions:
+        raise UsageError(f"--region {region!r}: the topology's edge regions are {', '.join(plan.edge_regions)}")
+    layout = layout_for(plan.layout(), params)
+    by_id = {w.id: w for w in topology.workers}
+    workers = [by_id[w] for w in layout.workers]
+    targets = list(dict.fromkeys([region, *(t.region for t in layout.tables)]))
+    return Edge(region, layout, workers, {r: plan.lengths(region, r) for r in targets}, {r: plan.rtt_ms(region, r) for r in targets}, params, seed=seed)
+
+
+def _worker_urls(args: argparse.Namespace) -> dict[str, str]:
+    urls: dict[str, str] = {}
+    if args.workers_file is not None:
+        obj = json.loads(Path(args.workers_file).read_text())
+        if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in obj.items()):
+            raise UsageError(f"--workers-file {args.workers_file}: must be a JSON object of worker id -> URL")
+        urls.update(obj)
+    for item in args.worker:
+        wid, sep, url = item.partition("=")
+        if not sep or not wid or not url.startswith(("http://", "https://")):
+            raise UsageError(f"--worker {item!r}: give ID=http://HOST:PORT")
+        urls[wid] = url
+    return urls
+
+
+def _peers(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        region, sep, addr = item.partition("=")
+        if not sep:
+            raise UsageError(f"--peers {item!r}: give REGION=HOST:PORT")
+        out[region] = parse_hostports(addr, "--peers")[0]
+    return out
+
+
+async def _edge(args: argparse.Namespace) -> int:
+    from kvcompass.services.edge_service import EdgeServer, EdgeService, QueueBroadcaster
+    from kvcompass.services.edge_sync import EdgeSync
+    from kvcompass.services.http_door import DoorConfig, serve_door
+
+    topo = _load(args.topology)
+    edge = build_edge(topo, args.region, args.routing, args.seed)
+    units = _units(args.maintenance, edge.layout.shards)
+    urls = _worker_urls(args)
+    unknown = sorted(set(urls) - set(edge.workers))
+    if unknown:
+        raise UsageError(f"workers {unknown} are not indexed workers of topology {topo.name!r}")
+    if args.wan_delay < 0:
+        raise UsageError(f"--wan-delay must be >= 0, got {args.wan_delay}")
+    for name in ("--http-port", "--grpc-port", "--metrics-port"):
+        _check_port(name, getattr(args, name[2:].replace("-", "_")))
+    peers = _peers(args.peers)
+    regions = {w.id: w.region for w in topo.workers}
+    scale = float(args.wan_delay)
+
+    def one_way(a: str, b: str) -> float:
+        return float(topo.rtt_ms(a, b)) / 2 * scale
+
+    stop = asyncio.Event()
+    sync = EdgeSync(edge, units, name=f"edge-{args.region}")
+    server = EdgeServer(EdgeService(edge), health=sync.health, metrics=sync.metrics, ready=lambda: sync.ready)
+    broadcaster: QueueBroadcaster | None = None
+    async with _stop_on_signals(stop), contextlib.AsyncExitStack() as stack:
+        await sync.start()
+        stack.push_async_callback(sync.close)
+        grpc = await server.start(args.host, args.grpc_port, metrics_port=args.metrics_port)
+        stack.push_async_callback(server.close)
+        door = await serve_door(
+            edge, urls, None, host=args.host, port=args.http_port, config=DoorConfig(drain_grace_s=args.drain_grace),
+            regions=regions, wan_one_way_ms=one_way if scale > 0 else None,
+        )
+        # Registered last, so it runs first: the door drains while the index is still current.
+        stack.push_async_callback(door.stop)
+        announce("edge", region=args.region, http=door.url, grpc=grpc, metrics=server.metrics_url)
+        if peers:
+            broadcaster = QueueBroadcaster(edge, {r: a for r, a in peers.items() if r != args.region})
+        elif args.peers_file is not None:
+            broadcaster = await _wait_peers(args.peers_file, edge, args.region, stop)
+        if broadcaster is not None:
+            await broadcaster.start()
+            stack.push_async_callback(broadcaster.close)
+            stack.push_async_callback(door.stop)  # still first to run (stopping twice is a no-op)
+        await stop.wait()
+    return 0
+
+
+async def _wait_peers(path: str, edge: Any, region: str, stop: asyncio.Event) -> Any:
+    """The broadcaster to the peers the file names, once ``kvcompass up`` has written it (the
+    edges start together, so none knows the others' ports at first); None if stopped first."""
+    from kvcompass.services.edge_service import QueueBroadcaster
+
+    p = Path(path)
+    while not stop.is_set():
+        if p.is_file():
+            obj = json.loads(p.read_text())
+            if isinstance(obj, dict):
+                return QueueBroadcaster(edge, {str(r): str(a) for r, a in obj.items() if r != region and r in set(edge.plan)})
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.2)
+    return None
+
+
+# -- kvcompass agent -----------------------------------------------------------------------------------------
+
+
+async def _agent(args: argparse.Namespace) -> int:
+    from prometheus_client import CollectorRegistry, Counter, Gauge
+
+    from kvcompass.discovery.ops import KeyOpBatch
+    from kvcompass.index import Namespace
+    from kvcompass.services.agent_runner import AgentRunner, agent_for_worker
+    from kvcompass.services.ingest_client import IngestClient
+    from kvcompass.services.metrics import MetricsServer
+
+    topo = _load(args.topology)
+    _check_port("--metrics-port", args.metrics_port)
+    agent = agent_for_worker(topo, args.worker, Namespace(args.model, args.tenant))
+    units = _units(args.maintenance, topo.shards)
+    client = IngestClient(args.worker, units, agent.on_rejected)
+    reg = CollectorRegistry()
+    batches = Counter("kvcompass_agent_sent_batches", "Key-op batches acknowledged by maintenance units", ["worker"], registry=reg).labels(args.worker)
+    ops = Counter("kvcompass_agent_sent_key_ops", "Key ops acknowledged by maintenance units", ["worker"], registry=reg).labels(args.worker)
+
+    async def sink(bs: Any) -> None:
+        await client.send(bs)
+        batches.inc(len(bs))
+        ops.inc(sum(len(b.keys) for b in bs if isinstance(b, KeyOpBatch)))
+
+    runner = AgentRunner(agent, sink, args.events, args.replay)
+    for name, fn in (
+        ("kvcompass_agent_engine_messages", lambda: runner.stats.messages),
+        ("kvcompass_agent_malformed_messages", lambda: runner.stats.malformed),
+        ("kvcompass_agent_replays", lambda: runner.stats.replays),
+        ("kvcompass_agent_replay_failures", lambda: runner.stats.replay_failures),
+    ):
+        Gauge(name, name.removeprefix("kvcompass_agent_").replace("_", " "), ["worker"], registry=reg).labels(args.worker).set_function(fn)
+    metrics = MetricsServer(reg, lambda: runner.running)
+    stop = asyncio.Event()
+    code = 0
+    async with _stop_on_signals(stop):
+        await runner.start()
+        try:
+            port = await metrics.start(args.host, args.metrics_port)
+            host = f"[{args.host}]" if ":" in args.host else args.host
+            announce("agent", worker=args.worker, metrics=f"http://{host}:{port}")
+            stopped = asyncio.ensure_future(stop.wait())
+            died = asyncio.ensure_future(runner.wait())
+            await asyncio.wait({stopped, died}, return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if died.done() and not died.cancelled() and died.exception() is not None:
+                print(f"kvcompass agent: worker {args.worker}: {died.exception()!r}", file=sys.stderr)
+                code = 1
+            died.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await died
+        finally:
+            with contextlib.suppress(Exception):
+                await runner.stop()
+            await client.close()
+            await metrics.close()
+    return code
+
+
+# -- kvcompass worker --emulate -----------------------------------------------------------------------------
+
+
+async def _worker(args: argparse.Namespace) -> int:
+    from kvcompass.services.emulated_worker import EmulatedWorker, WorkerConfig, serve_worker
+
+    if not args.emulate:
+        raise UsageError("only --emulate is supported: run vLLM itself and point kvcompass agent at its KV-event endpoint")
+    topo = _load(args.topology)
+    spec = next((w for w in topo.workers if w.id == args.worker), None)
+    if spec is None:
+        raise UsageError(f"--worker {args.worker!r} is not a worker of topology {topo.name!r}")
+    for name in ("--port", "--events-port", "--replay-port"):
+        _check_port(name, getattr(args, name[2:].replace("-", "_")))
+    # Per-process block hashes, as vLLM seeds them: the agent must not depend on them.
+    cfg = WorkerConfig.from_spec(spec, topo.block_size, time_scale=args.time_scale, policy=args.policy, hash_seed=os.getpid())
+    zhost = f"[{args.host}]" if ":" in args.host else args.host
+
+    def ready(w: EmulatedWorker) -> None:
+        announce("worker", worker=args.worker, region=spec.region, http=w.http_url, events=w.events_endpoint, replay=w.replay_endpoint)
+
+    stop = asyncio.Event()
+    async with _stop_on_signals(stop):
+        await serve_worker(
+            cfg, args.host, args.port,
+            events=f"tcp://{zhost}:{args.events_port}" if args.events_port else None,
+            replay=f"tcp://{zhost}:{args.replay_port}" if args.replay_port else None,
+            ready=ready, stop=stop, handle_signals=False,
+        )
+    return 0
+
+
+def env_for_child(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a supervised child: this process as its parent to watch."""
+    env = dict(os.environ)
+    env[PARENT_ENV] = str(os.getpid())
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if extra:
+        env.update(extra)
+    return env

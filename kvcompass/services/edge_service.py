@@ -1,0 +1,231 @@
+"""An edge node's decision API as a gRPC service (``kvcompass.v1.Edge``), and its queue exchange.
+
+For gateways that proxy themselves and only want the decision: ``Route`` answers with the
+winner and its score terms, ``ReportOutcome`` feeds back what the worker reused (the cache
+belief learns from it), ``ExchangeQueues`` swaps region queue vectors between edges.
+:class:`QueueBroadcaster` drives the periodic broadcast (every Delta, suppressed toward regions
+that just got a piggybacked vector: the schedule is the Edge's own).
+
+The Edge is driven from the event loop only: its calls are microseconds, so no thread hop.
+Time is ``clock()`` (monotonic seconds), which the Edge requires to be non-decreasing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Callable, Mapping
+
+import numpy as np
+from grpclib.client import Channel
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError, StreamTerminatedError
+from grpclib.health.check import CheckBase, ServiceStatus
+from grpclib.health.service import Health
+
+from kvcompass._proto.kvcompass.v1 import (
+    EdgeBase,
+    EdgeStub,
+    OutcomeRequest,
+    OutcomeResponse,
+    QueueVector,
+    RouteRequest,
+    RouteResponse,
+    ScoreTerms,
+)
+from kvcompass.discovery.edge import Edge
+from kvcompass.errors import InvalidArgumentError, KVCompassError
+from kvcompass.services.maintenance_service import DrainingServer
+from kvcompass.services.metrics import MetricsServer, ServiceMetrics, bind_socket
+from kvcompass.services.status import grpc_error
+
+__all__ = ["Clock", "EdgeServer", "EdgeService", "QueueBroadcaster"]
+
+Clock = Callable[[], float]
+
+MAX_PROMPT_TOKENS = 1 << 21
+
+
+def _bad(msg: str) -> GRPCError:
+    return GRPCError(Status.INVALID_ARGUMENT, msg)
+
+
+class EdgeService(EdgeBase):
+    """``kvcompass.v1.Edge`` over one :class:`Edge`."""
+
+    def __init__(self, edge: Edge, *, clock: Clock = time.monotonic, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> None:
+        self.edge = edge
+        self._clock = clock
+        self._max_tokens = max_prompt_tokens
+
+    async def route(self, route_request: RouteRequest) -> RouteResponse:
+        raw = route_request.tokens
+        if len(raw) % 4:
+            raise _bad(f"tokens: {len(raw)} bytes is not a whole number of little-endian u32")
+        n = len(raw) // 4
+        if n == 0 or n > self._max_tokens:
+            raise _bad(f"prompt of {n} tokens: must be 1..{self._max_tokens}")
+        tokens = np.frombuffer(raw, dtype="<u4").astype(np.uint32, copy=False)
+        try:
+            d = self.edge.route(tokens, route_request.namespace, self._clock())
+        except KVCompassError as e:
+            raise grpc_error(e) from None
+        except ValueError as e:  # the core's argument checks (e.g. a malformed namespace digest)
+            raise _bad(str(e)) from None
+        t = d.terms
+        return RouteResponse(
+            worker=d.worker,
+            region=d.region,
+            claimed_tokens=d.expected_match,
+            tier=int(d.tier),
+            score=d.score,
+            terms=ScoreTerms(wan=t.wan, queue=t.queue, prefill=t.prefill, reload=t.reload, lam=t.lam, belief=t.belief),
+            tie_broken=d.tie_broken,
+            candidates=d.candidates,
+            prompt_tokens=d.prompt_tokens,
+            local_match=d.local_match,
+        )
+
+    async def report_outcome(self, outcome_request: OutcomeRequest) -> OutcomeResponse:
+        r = outcome_request
+        try:
+            self.edge.on_response(r.worker, r.claimed_tokens, r.reused_tokens, dict(r.queue_vector) or None, self._clock())
+            return OutcomeResponse(belief=self.edge.belief(r.worker))
+        except KVCompassError as e:
+            raise grpc_error(e) from None
+
+    async def exchange_queues(self, queue_vector: QueueVector) -> QueueVector:
+        edge, now = self.edge, self._clock()
+        try:
+            edge.on_broadcast(queue_vector.region, dict(queue_vector.queues), now)
+        except KVCompassError as e:
+            raise grpc_error(e) from None
+        if queue_vector.region != edge.region:
+            # The answer carries our vector to the sender's region: it counts as a piggyback.
+            with contextlib.suppress(InvalidArgumentError):
+                edge.note_piggyback_sent(queue_vector.region, now)
+        return QueueVector(region=edge.region, queues=edge.local_vector())
+
+
+class QueueBroadcaster:
+    """Sends :meth:`Edge.broadcast_due` vectors to the peer edges of other regions every
+    ``tick_s`` and folds their answers. ``peers`` maps region -> Channel (the caller's) or
+    ``"host:port"`` (opened and closed here); regions without a peer are skipped."""
+
+    def __init__(self, edge: Edge, peers: Mapping[str, Channel | str], *, clock: Clock = time.monotonic, tick_s: float = 0.01, timeout_s: float = 1.0) -> None:
+        self.edge = edge
+        self._clock = clock
+        self._tick = tick_s
+        self._timeout = timeout_s
+        self._owned: list[Channel] = []
+        self._stubs: dict[str, EdgeStub] = {}
+        for region, target in peers.items():
+            if isinstance(target, str):
+                host, _, port = target.rpartition(":")
+                ch = Channel(host.strip("[]"), int(port))
+                self._owned.append(ch)
+            else:
+                ch = target
+            self._stubs[region] = EdgeStub(ch)
+        self._task: asyncio.Task[None] | None = None
+        self.sent = 0
+        self.failed = 0
+
+    async def tick(self) -> int:
+        """Send what is due now; returns how many exchanges succeeded."""
+        now = self._clock()
+        due = [b for b in self.edge.broadcast_due(now) if b.target_region in self._stubs]
+        if not due:
+            return 0
+        answers = await asyncio.gather(
+            *(self._stubs[b.target_region].exchange_queues(QueueVector(region=b.source_region, queues=b.vector), timeout=self._timeout) for b in due),
+            return_exceptions=True,
+        )
+        ok = 0
+        for a in answers:
+            if isinstance(a, QueueVector):
+                with contextlib.suppress(KVCompassError):
+                    self.edge.on_broadcast(a.region, dict(a.queues), self._clock())
+                ok += 1
+            elif isinstance(a, (GRPCError, StreamTerminatedError, OSError, asyncio.TimeoutError)):
+                self.failed += 1  # the peer is down or slow: the next Delta tries again
+            elif isinstance(a, BaseException):
+                raise a
+        self.sent += ok
+        return ok
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._tick)
+            await self.tick()
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"queues-{self.edge.region}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            task, self._task = self._task, None
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for ch in self._owned:
+            ch.close()
+        self._owned.clear()
+
+
+class EdgeServer:
+    """:class:`EdgeService` plus grpclib Health on one server, and optionally the metrics
+    endpoint. ``health`` is the readiness check (EdgeSync's), reported for the Edge service and
+    overall; ``ready`` backs ``/healthz``."""
+
+    def __init__(self, service: EdgeService, *, health: CheckBase | None = None, metrics: ServiceMetrics | None = None, ready: Callable[[], bool] | None = None) -> None:
+        self.service = service
+        self.status: CheckBase = health if health is not None else ServiceStatus()
+        if health is None:
+            assert isinstance(self.status, ServiceStatus)
+            self.status.set(True)
+        self.health = Health({service: [self.status]})
+        self.metrics = metrics if metrics is not None else ServiceMetrics("edge")
+        self._ready = ready if ready is not None else (lambda: self.status.__status__() is True)
+        self._server: DrainingServer | None = None
+        self._metrics_server: MetricsServer | None = None
+        self.grpc = ""
+        self.metrics_url: str | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0, *, metrics_port: int | None = None) -> str:
+        """Listen on ``host:port`` (0: a free port); returns ``host:port`` as bound."""
+        sock = bind_socket(host, port)
+        bound = int(sock.getsockname()[1])
+        server = DrainingServer([self.service, self.health])
+        try:
+            await server.start(sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        self._server = server
+        hp = f"[{host}]" if ":" in host else host
+        self.grpc = f"{hp}:{bound}"
+        if metrics_port is not None:
+            self._metrics_server = MetricsServer(self.metrics.registry, self._ready)
+            self.metrics_url = f"http://{hp}:{await self._metrics_server.start(host, metrics_port)}"
+        return self.grpc
+
+    async def close(self) -> None:
+        if isinstance(self.status, ServiceStatus):
+            self.status.set(False)
+        if self._server is not None:
+            server, self._server = self._server, None
+            server.close()
+            server.close_connections()
+            await server.wait_closed()
+        if self._metrics_server is not None:
+            m, self._metrics_server = self._metrics_server, None
+            await m.close()
+
+    async def __aenter__(self) -> EdgeServer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

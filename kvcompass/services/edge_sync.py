@@ -1,0 +1,240 @@
+"""Keeps one :class:`~kvcompass.discovery.edge.Edge`'s views current from every maintenance unit.
+
+One task per unit (shard): bootstrap every never-initialised view of the shard with
+``Snapshot``, then ``Subscribe`` with the views' positions and apply what arrives. Repair is
+always the same move -- end the subscription and subscribe again from the views' current
+positions -- because the unit answers a subscription with exactly what those positions miss
+(a replay from its log, or a snapshot). That move is made when:
+
+* a batch is refused as a gap or an epoch change (``PatchOutcome`` gap/snapshot_needed),
+* a heartbeat shows the writer ahead of a view (a lost *last* batch),
+* the edge still lists a pending resync for the shard,
+* the stream ends or fails (then after a backoff: the unit may be restarting).
+
+Readiness (:attr:`EdgeSync.ready`, grpclib Health via :attr:`EdgeSync.health`, the metrics
+``/healthz``) is ``Edge.healthy`` *and* every shard's subscription caught up: a view whose
+unit is unreachable may be behind without the edge knowing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Callable, Mapping
+
+from grpclib.client import Channel
+from grpclib.const import Cardinality
+from grpclib.exceptions import GRPCError, StreamTerminatedError
+from grpclib.health.check import ServiceStatus
+
+from kvcompass._proto.kvcompass.v1 import MaintenanceStub, Position, SnapshotRequest, SubscribeEvent, SubscribeRequest
+from kvcompass.discovery.edge import Edge
+from kvcompass.errors import InvalidArgumentError
+from kvcompass.services.maintenance_service import SUBSCRIBE_PATH
+from kvcompass.services.metrics import ServiceMetrics
+
+__all__ = ["EdgeSync"]
+
+_TRANSPORT_ERRORS = (GRPCError, StreamTerminatedError, OSError, asyncio.TimeoutError)
+
+
+class _Resubscribe(Exception):
+    """A view needs repair: subscribe again from the current positions."""
+
+
+class EdgeSync:
+    """Subscribes ``edge`` to every unit in ``units`` (shard -> grpclib Channel, shared and closed
+    by the caller, or ``"host:port"``, opened and closed here)."""
+
+    def __init__(
+        self,
+        edge: Edge,
+        units: Mapping[int, Channel | str],
+        *,
+        name: str | None = None,
+        metrics: ServiceMetrics | None = None,
+        health: ServiceStatus | None = None,
+        backoff_s: tuple[float, float] = (0.02, 1.0),
+        rpc_timeout_s: float = 10.0,
+    ) -> None:
+        self.edge = edge
+        self.name = name if name is not None else f"edge-{edge.region}"
+        self.metrics = metrics if metrics is not None else ServiceMetrics("edge")
+        self.health = health if health is not None else ServiceStatus()
+        self._backoff = backoff_s
+        self._timeout = rpc_timeout_s
+        self._owned: list[Channel] = []
+        self._channels: dict[int, Channel] = {}
+        for shard, target in units.items():
+            if isinstance(target, str):
+                host, _, port = target.rpartition(":")
+                ch = Channel(host.strip("[]"), int(port))
+                self._owned.append(ch)
+            else:
+                ch = target
+            self._channels[shard] = ch
+        self._tables = _table_ids(edge)
+        self._live = {s: False for s in self._channels}
+        self._streak = {s: 0 for s in self._channels}  # resubscriptions since the shard was last current
+        self._tasks: list[asyncio.Task[None]] = []
+        self._changed = asyncio.Event()
+        self.subscriptions = 0
+        self.resubscribes = 0
+        self.reconnects = 0
+        self._ready_last: bool | None = None
+        self._update()
+
+    # ---- state -------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """Every view bootstrapped and current as far as its writer has said, every stream live."""
+        return all(self._live.values()) and self.edge.healthy
+
+    def _update(self) -> None:
+        r = self.ready
+        if r != self._ready_last:
+            self._ready_last = r
+            self.health.set(r)
+            self.metrics.ready.set(int(r))
+        self._changed.set()
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Until :attr:`ready` (asyncio.TimeoutError after ``timeout`` seconds)."""
+        async with asyncio.timeout(timeout):
+            while not self.ready:
+                self._changed.clear()
+                await self._changed.wait()
+
+    async def wait_for(self, pred: Callable[[], bool], timeout: float | None = None) -> None:
+        """Until ``pred()`` holds, re-checked after every event this syncer handles."""
+        async with asyncio.timeout(timeout):
+            while not pred():
+                self._changed.clear()
+                await self._changed.wait()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for shard in sorted(self._channels):
+            self._tasks.append(loop.create_task(self._follow(shard), name=f"{self.name}-shard-{shard}"))
+
+    async def close(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        for ch in self._owned:
+            ch.close()
+        self._owned.clear()
+        for s in self._live:
+            self._live[s] = False
+        self._update()
+
+    async def __aenter__(self) -> EdgeSync:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---- the follower ------------------------------------------------------------------------
+
+    async def _follow(self, shard: int) -> None:
+        stub = MaintenanceStub(self._channels[shard])
+        failures = 0
+        while True:
+            try:
+                await self._bootstrap(stub, shard)
+                await self._subscribe(shard)
+                failures = 0  # the unit ended the stream cleanly (a drain): come back at once
+            except _Resubscribe:
+                self.resubscribes += 1
+                self.metrics.resyncs.inc()
+                self._streak[shard] += 1
+                failures = 0
+            except _TRANSPORT_ERRORS:
+                failures += 1
+                self.reconnects += 1
+                self.metrics.reconnects.inc()
+            self._live[shard] = False
+            self._update()
+            # A repair that does not take (the same refusal again and again) backs off like a
+            # transport failure instead of spinning.
+            n = failures or max(0, self._streak[shard] - 1)
+            await asyncio.sleep(min(self._backoff[1], self._backoff[0] * 2 ** (n - 1)) if n else 0)
+
+    async def _bootstrap(self, stub: MaintenanceStub, shard: int) -> None:
+        missing = sorted(t for (t, s) in self.edge.uninitialised if s == shard)
+        if not missing:
+            return
+        resp = await stub.snapshot(SnapshotRequest(shard=shard, tables=missing), timeout=self._timeout)
+        for p in resp.snapshots:
+            self.edge.bootstrap(p.table, p.shard, p.data)
+            self.metrics.patches_in.inc()
+
+    def _positions(self, shard: int) -> list[Position]:
+        out = []
+        for t in self._tables:
+            v = self.edge.view(t, shard)
+            e, q = (v.epoch, v.seq) if v.initialised else (0, 0)
+            out.append(Position(table=t, shard=shard, epoch=e, seq=q))
+        return out
+
+    async def _subscribe(self, shard: int) -> None:
+        ch = self._channels[shard]
+        req = SubscribeRequest(shard=shard, positions=self._positions(shard), subscriber=self.name)
+        async with ch.request(SUBSCRIBE_PATH, Cardinality.UNARY_STREAM, SubscribeRequest, SubscribeEvent) as stream:
+            await stream.send_message(req, end=True)
+            self.subscriptions += 1
+            try:
+                async for ev in stream:
+                    self._on_event(shard, ev)
+            except _Resubscribe:
+                await stream.cancel()
+                raise
+
+    def _on_event(self, shard: int, ev: SubscribeEvent) -> None:
+        edge, m = self.edge, self.metrics
+        broken = False
+        now_ns = time.time_ns()
+        for p in ev.patches:
+            out = edge.apply_patch(p.data)
+            if out.applied:
+                m.patches_in.inc()
+                if p.emitted_unix_ns:
+                    m.patch_lag.observe(max(0.0, (now_ns - p.emitted_unix_ns) / 1e9))
+            elif out.status != "stale":
+                m.refused(out.status)
+                if out.status in ("gap", "snapshot_needed"):
+                    m.gaps.inc()
+                broken = True
+        for pos in ev.heartbeat:
+            if edge.note_writer_position(pos.table, pos.shard, pos.epoch, pos.seq) is not None:
+                m.gaps.inc()
+            self._live[shard] = True
+        if ev.heartbeat:
+            views = [edge.view(t, s) for t in self._tables for s in self._channels]
+            m.index_bytes.set(sum(v.memory_bytes for v in views))
+        if broken or any(a.shard == shard for a in edge.pending_resyncs()):
+            self._live[shard] = False
+            self._update()
+            raise _Resubscribe()
+        if self._live[shard]:
+            self._streak[shard] = 0
+        self._update()
+
+
+def _table_ids(edge: Edge) -> list[int]:
+    """The layout's table ids (0..n-1 by its contract), read off the edge's views of shard 0."""
+    n = 0
+    while True:
+        try:
+            edge.view(n, 0)
+        except InvalidArgumentError:
+            return list(range(n))
+        n += 1

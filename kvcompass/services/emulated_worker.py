@@ -1,0 +1,855 @@
+"""``kvcompass worker --emulate``: an OpenAI-compatible inference server that looks like a vLLM
+worker to everything KVCompass talks to, with no GPU and no model.
+
+What is real: the HTTP API (``/v1/completions``, ``/v1/chat/completions`` with SSE streaming,
+``/v1/models``, ``/health``, ``/metrics``), the reuse report (``usage.prompt_tokens_details.
+cached_tokens``) and the KV events, published on ZMQ exactly as vLLM publishes them, with vLLM's
+replay socket. So ``kvcompass agent`` and the edge cannot tell it from a vLLM instance started
+with ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", ...}'`` and
+``--enable-prompt-tokens-details``. What is modelled: the prefix cache (the simulator's
+:class:`~kvcompass.sim.cache.PrefixCache`, block-granular, VRAM and DRAM, LRU or LFU) and time
+(the simulator's :class:`~kvcompass.sim.costs.CostModel`), so the emulated fleet behaves as the
+simulated one does and the two can be compared.
+
+**A request's life** (the simulator's worker model, on the wall clock):
+
+1. Parse and validate; a bad request gets a 4xx with OpenAI's error body
+   ``{"error": {"message", "type", "param", "code"}}``. Text prompts and chat messages are
+   tokenized with the deployment's tokenizer (:mod:`kvcompass.services.tokenizer`); a prompt
+   of token ids is taken as it is (any u32, as trace replays send).
+2. Enqueue on the FIFO prefill server. At prefill start ``(vram, dram) = cache.lookup(prompt)``
+   and the prefill takes ``cost.prefill_ms(uncached) + cost.reload_ms(dram)`` modelled ms,
+   slept for ``time_scale`` times that (0: no sleeping at all, for tests). At prefill end
+   ``cache.admit(prompt)`` and its events are published as one vLLM message (next seq).
+3. The first token comes out at prefill end; each further token after one decode step of
+   ``cost.decode_step_ms(running sequences, their context tokens)`` (continuous batching
+   approximated per sequence: every running sequence steps at the rate the current batch
+   would). Tokens are fake but deterministic: a fixed list of single-token words, starting
+   at an offset derived from the prompt.
+4. ``usage.prompt_tokens_details.cached_tokens`` is the reused prefix (VRAM + DRAM hit, whole
+   blocks), which the edge reads as the reuse report.
+
+**Load.** The worker's queued prefill work, in *modelled* ms (the unit the edge's score uses, so
+independent of ``time_scale``): what remains of the running prefill plus, for each waiting
+request, its estimate from a cache lookup at enqueue time. Every completion response carries it
+in ``x-kvcompass-queue-ms``, with ``x-kvcompass-cached-tokens`` and ``x-kvcompass-worker``.
+A streamed response's headers go out at the first token (after its prefill), so an edge has the
+reuse report and the load before any body byte; ``GET /kvcompass/load`` gives them on demand.
+
+**KV events.** A ZMQ PUB socket (an XPUB, which is the same to subscribers and tells the worker
+how many there are: :attr:`EmulatedWorker.subscribers`) sends ``(topic, seq as 8 bytes big-endian, msgpack batch)``
+(:func:`kvcompass.agent.encode_batch`, vLLM's array form); seq starts at 0 and each message
+goes into a bounded ring (``replay_buffer`` messages, vLLM's ``buffer_steps``). The ROUTER
+replay socket does what vLLM's ``ZmqEventPublisher._service_replay`` does: it takes
+``[identity, b"", start_seq]`` (a REQ client, or a DEALER that sends an empty delimiter frame
+first), answers ``[identity, b"", seq, payload]`` for every buffered message with
+``seq >= start_seq``, then ``[identity, b"", -1 (signed, 8 bytes), b""]``; requests of another
+shape are ignored, as vLLM ignores them. :meth:`EmulatedWorker.restart_engine` and
+:meth:`EmulatedWorker.lose_next_events` inject the two faults the agent must survive: an
+engine restart (cache empty, seq back to 0, ring empty, new block-hash seed) and messages lost
+on the PUB socket (still in the ring, so a replay repairs them).
+
+**Drain.** :meth:`EmulatedWorker.stop` turns ``/health`` to 503, refuses new completions with
+503, waits (up to ``drain_timeout_s``) for the requests in flight to finish, then closes the
+HTTP server and the sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from hashlib import blake2b
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import zmq
+import zmq.asyncio
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvcompass.agent.events import REPLAY_END_SEQ, Event, encode_batch
+from kvcompass.discovery.layout import WorkerSpec
+from kvcompass.errors import InvalidArgumentError
+from kvcompass.services.tokenizer import Tokenizer, load_tokenizer
+from kvcompass.sim.cache import Policy, PrefixCache
+from kvcompass.sim.costs import CostModel
+
+__all__ = [
+    "DEFAULT_DRAM_TOKENS",
+    "DEFAULT_MODEL",
+    "DEFAULT_VRAM_TOKENS",
+    "EmulatedWorker",
+    "QUEUE_HEADER",
+    "CACHED_HEADER",
+    "WORKER_HEADER",
+    "WorkerConfig",
+    "WorkerStats",
+    "serve_worker",
+]
+
+DEFAULT_MODEL = "llama-3.1-8b"
+"""The model the cost model is calibrated for (and the simulator and the edge door default to)."""
+# The testbed's per-worker KV capacities (kvcompass/topologies/testbed-14x3.toml): about 12 GiB of
+# VRAM and 128 GiB of host DRAM at 128 KiB/token.
+DEFAULT_VRAM_TOKENS = 98304
+DEFAULT_DRAM_TOKENS = 1048576
+QUEUE_HEADER = "x-kvcompass-queue-ms"
+CACHED_HEADER = "x-kvcompass-cached-tokens"
+WORKER_HEADER = "x-kvcompass-worker"
+_END_SEQ = REPLAY_END_SEQ.to_bytes(8, "big", signed=True)
+_MAX_BODY = 64 * 1024 * 1024  # a 128k-token prompt as a JSON list of u32 is ~1.5 MB; room to spare
+_U32_MAX = 0xFFFFFFFF
+# Common words; the ones the tokenizer encodes as one token are the fake output vocabulary.
+_WORDS = (
+    " the", " of", " and", " to", " a", " in", " is", " that", " for", " it", " as", " with", " on", " be", " by", " this",
+    " are", " or", " not", " from", " at", " which", " an", " all", " can", " one", " if", " has", " each", " when", " new",
+    " time", " data", " cache", " token", " prefix", " worker", " region", " key", " value", " batch", " edge", " index",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """One emulated worker. Capacities are in tokens, multiples of ``block_size``."""
+
+    worker_id: str = "worker-0"
+    model: str = DEFAULT_MODEL
+    """The served model name (``/v1/models``; requests naming another model get 404)."""
+    block_size: int = 16
+    vram_tokens: int = DEFAULT_VRAM_TOKENS
+    dram_tokens: int = DEFAULT_DRAM_TOKENS
+    policy: Policy = "lru"
+    cost: CostModel = field(default_factory=CostModel)
+    time_scale: float = 1.0
+    """Wall seconds slept per modelled second (0: never sleep; responses as fast as possible)."""
+    hash_seed: int = 0
+    """Varies the engine's block hashes, as vLLM's per-process seed does."""
+    max_model_len: int = 131072
+    """Prompt plus completion tokens must fit (the model's context window)."""
+    default_max_tokens: int = 16
+    replay_buffer: int = 10_000
+    """Messages the replay ring keeps (vLLM's ``buffer_steps`` default)."""
+    topic: bytes = b""
+    """The PUB topic frame (vLLM's default topic is empty)."""
+    drain_timeout_s: float = 30.0
+    tokenizer_path: str | None = None
+    """An HF ``tokenizer.json``; None: the built-in default."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.worker_id, str) or not self.worker_id:
+            raise InvalidArgumentError(f"worker_id must be a non-empty string, got {self.worker_id!r}")
+        if not isinstance(self.model, str) or not self.model:
+            raise InvalidArgumentError(f"model must be a non-empty string, got {self.model!r}")
+        for name in ("block_size", "max_model_len", "replay_buffer"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 1:
+                raise InvalidArgumentError(f"{name} must be a positive int, got {v!r}")
+        if type(self.default_max_tokens) is not int or self.default_max_tokens < 0:
+            raise InvalidArgumentError(f"default_max_tokens must be an int >= 0, got {self.default_max_tokens!r}")
+        for name in ("time_scale", "drain_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {v!r}")
+        if not isinstance(self.topic, bytes):
+            raise InvalidArgumentError(f"topic must be bytes, got {type(self.topic).__name__}")
+        if not isinstance(self.cost, CostModel):
+            raise InvalidArgumentError(f"cost must be a CostModel, got {type(self.cost).__name__}")
+        try:  # capacities, policy and seed are the cache's to judge
+            PrefixCache(self.block_size, self.vram_tokens, self.dram_tokens, self.policy, hash_seed=self.hash_seed)
+        except ValueError as e:
+            raise InvalidArgumentError(f"worker {self.worker_id}: {e}") from None
+
+    @classmethod
+    def from_spec(cls, spec: WorkerSpec, block_size: int, **overrides: Any) -> WorkerConfig:
+        """The config of a topology worker: its id, prefill rate and capacities (0 capacities
+        take the testbed defaults, as the simulator does); ``overrides`` set any other field."""
+        vram = spec.vram_tokens or DEFAULT_VRAM_TOKENS
+        dram = spec.dram_tokens if spec.dram_tokens or spec.vram_tokens else DEFAULT_DRAM_TOKENS
+        kw: dict[str, Any] = {
+            "worker_id": spec.id,
+            "block_size": block_size,
+            "vram_tokens": max(block_size, vram // block_size * block_size),
+            "dram_tokens": dram // block_size * block_size,
+            "cost": CostModel(prefill_ms_per_token=spec.beta_ms_per_token),
+        }
+        kw.update(overrides)
+        return cls(**kw)
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """Counters since start (the same figures ``/metrics`` exports)."""
+
+    requests: int = 0
+    rejected: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    published: int = 0  # KV-event messages (seqs) produced, lost ones included
+    lost: int = 0  # of those, not sent on the PUB socket (lose_next_events)
+    replay_requests: int = 0
+    replayed: int = 0  # messages sent in replies
+    engine_restarts: int = 0
+
+
+class _BadRequest(Exception):
+    """A request the API refuses: becomes OpenAI's error body."""
+
+    def __init__(self, message: str, param: str | None = None, *, status: int = 400, type_: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type_, code
+
+
+@dataclass(slots=True)
+class _Job:
+    tokens: npt.NDArray[np.uint32]
+    estimate_ms: float
+    done: asyncio.Future[tuple[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    chat: bool
+    tokens: npt.NDArray[np.uint32]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    request_id: str
+
+
+def _error_body(message: str, type_: str, param: str | None, code: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _json(obj: object, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
+    return web.Response(body=json.dumps(obj, separators=(",", ":")).encode(), status=status, content_type="application/json", headers=headers)
+
+
+class EmulatedWorker:
+    """One emulated vLLM worker: ``await start()``, then HTTP on :attr:`http_url`, KV events on
+    :attr:`events_endpoint`, replay on :attr:`replay_endpoint`; ``await stop()`` drains."""
+
+    def __init__(self, config: WorkerConfig = WorkerConfig(), *, tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer_path)
+        self.stats = WorkerStats()
+        self._hash_seed = config.hash_seed
+        self.cache = self._new_cache()
+        self._seq = 0
+        self._ring: deque[tuple[int, bytes]] = deque(maxlen=config.replay_buffer)
+        self._lose = 0
+        self._subscribers = 0
+        self._words = self._output_words()
+        # prefill server
+        self._queue: asyncio.Queue[_Job] = asyncio.Queue()
+        self._waiting_ms = 0.0
+        self._running_ms = 0.0  # modelled ms of the prefill in progress (0 when idle)
+        self._running_end = 0.0  # loop time it ends (time_scale > 0)
+        # decode lane
+        self._decoding = 0
+        self._context = 0
+        # lifecycle
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._draining = False
+        self._started = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._runner: web.AppRunner | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._pub: zmq.asyncio.Socket | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        self.http_url = ""
+        self.port = 0
+        self.events_endpoint = ""
+        self.replay_endpoint = ""
+        self._created = int(time.time())
+        self.registry = CollectorRegistry()
+        self._metrics = _Metrics(self.registry, self)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0, *, events: str | None = None, replay: str | None = None) -> None:
+        """Bind everything and start serving. ``port`` 0 picks a free port (see :attr:`port`).
+        ``events`` / ``replay``: ZMQ endpoints to bind (e.g. ``tcp://*:5557``, vLLM's default);
+        None binds a free port on ``host``. The actual endpoints are in :attr:`events_endpoint`
+        and :attr:`replay_endpoint`."""
+        if self._started:
+            raise RuntimeError("EmulatedWorker.start called twice")
+        self._started = True
+        ctx = self._ctx = zmq.asyncio.Context()
+        try:
+            # XPUB, not PUB: the same wire to every SUB (vLLM's agents cannot tell), and the
+            # worker learns who subscribed (tests and `kvcompass up` wait for the agent's SUB
+            # before sending traffic instead of relying on a replay after a slow join).
+            self._pub = ctx.socket(zmq.XPUB)
+            self._pub.setsockopt(zmq.XPUB_VERBOSER, 1)  # every (un)subscription, one per peer
+            self._pub.setsockopt(zmq.SNDHWM, 100_000)  # vLLM's publisher HWM
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self.events_endpoint = _bind(self._pub, events, host)
+            self._router = ctx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.SNDHWM, self.config.replay_buffer + 16)  # a whole ring fits in one reply
+            self._router.setsockopt(zmq.LINGER, 0)
+            self.replay_endpoint = _bind(self._router, replay, host)
+            app = web.Application(client_max_size=_MAX_BODY, middlewares=[self._middleware])
+            app.router.add_post("/v1/completions", self._completions)
+            app.router.add_post("/v1/chat/completions", self._chat)
+            app.router.add_get("/v1/models", self._models)
+            app.router.add_get("/health", self._health)
+            app.router.add_get("/metrics", self._metrics_handler)
+            app.router.add_get("/kvcompass/load", self._load)
+            self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+            await self._runner.setup()
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.setblocking(False)
+            self.port = sock.getsockname()[1]
+            site = web.SockSite(self._runner, sock)
+            await site.start()
+            shown = f"[{host}]" if ":" in host else host
+            self.http_url = f"http://{shown}:{self.port}"
+            self._tasks = [asyncio.create_task(self._prefill_loop()), asyncio.create_task(self._replay_loop()), asyncio.create_task(self._subscription_loop())]
+        except BaseException:
+            await self._close()
+            raise
+
+    async def stop(self, drain_timeout_s: float | None = None) -> None:
+        """Drain (health 503, new requests refused, wait for those in flight) and close."""
+        if not self._started or self._draining:
+            return
+        self._draining = True
+        timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        await self._close()
+
+    async def _close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        for s in (self._pub, self._router):
+            if s is not None:
+                s.close(linger=0)
+        self._pub = self._router = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    async def __aenter__(self) -> EmulatedWorker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ---- fault injection and inspection -------------------------------------------------------
+
+    def restart_engine(self) -> None:
+        """Behave as a vLLM process that restarted: empty cache, seq back to 0, empty replay
+        ring, new block-hash seed. Nothing is published for it (a real restart publishes
+        nothing either); the agent recognises it from the seq."""
+        self._hash_seed = (self._hash_seed + 1) % (1 << 64)
+        self.cache = self._new_cache()
+        self._seq = 0
+        self._ring.clear()
+        self.stats.engine_restarts += 1
+
+    def lose_next_events(self, count: int = 1) -> None:
+        """Do not send the next ``count`` KV-event messages on the PUB socket (they still take
+        their seqs and enter the replay ring), as if the network lost them."""
+        if type(count) is not int or count < 0:
+            raise InvalidArgumentError(f"count must be an int >= 0, got {count!r}")
+        self._lose += count
+
+    @property
+    def subscribers(self) -> int:
+        """SUB sockets subscribed to the KV-event stream now."""
+        return self._subscribers
+
+    def buffered_events(self) -> list[tuple[int, bytes]]:
+        """The replay ring: ``(seq, payload)`` of the messages a replay can still return."""
+        return list(self._ring)
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next KV-event message will carry."""
+        return self._seq
+
+    def queue_ms(self) -> float:
+        """Queued prefill work in modelled ms: the running prefill's remainder plus the
+        estimates of the waiting requests."""
+        running = self._running_ms
+        scale = self.config.time_scale
+        if running and scale > 0:
+            left = (self._running_end - asyncio.get_running_loop().time()) * 1e3 / scale
+            running = min(running, max(0.0, left))
+        return running + self._waiting_ms
+
+    @property
+    def waiting(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def running(self) -> int:
+        """Sequences decoding now."""
+        return self._decoding
+
+    def _new_cache(self) -> PrefixCache:
+        c = self.config
+        return PrefixCache(c.block_size, c.vram_tokens, c.dram_tokens, c.policy, hash_seed=self._hash_seed)
+
+    def _output_words(self) -> list[tuple[int, str]]:
+        out = []
+        for w in _WORDS:
+            ids = self.tokenizer.encode(w)
+            if len(ids) == 1:
+                out.append((int(ids[0]), w))
+        if not out:  # a tokenizer without whole-word tokens: single bytes then
+            for ch in "abcdefghijklmnopqrstuvwxyz":
+                ids = self.tokenizer.encode(ch)
+                out.append((int(ids[0]) if len(ids) else 0, ch))
+        return out
+
+    # ---- the prefill server -----------------------------------------------------------------
+
+    async def _prefill(self, tokens: npt.NDArray[np.uint32]) -> tuple[int, int]:
+        v, d = self.cache.lookup(tokens)
+        est = self._prefill_ms(len(tokens), v, d)
+        loop = asyncio.get_running_loop()
+        job = _Job(tokens, est, loop.create_future())
+        self._waiting_ms += est
+        self._queue.put_nowait(job)
+        self._metrics.update_load()
+        return await job.done
+
+    def _prefill_ms(self, n: int, v: int, d: int) -> float:
+        cost = self.config.cost
+        return cost.prefill_ms(n - v - d) + cost.reload_ms(d)
+
+    async def _prefill_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        scale = self.config.time_scale
+        while True:
+            job = await self._queue.get()
+            self._waiting_ms = max(0.0, self._waiting_ms - job.estimate_ms) if self._queue.qsize() else 0.0
+            if job.done.cancelled():  # the client went away while it waited
+                self._metrics.update_load()
+                continue
+            v, d = self.cache.lookup(job.tokens)
+            ms = self._prefill_ms(len(job.tokens), v, d)
+            self._running_ms = ms
+            self._running_end = loop.time() + ms * scale / 1e3
+            self._metrics.update_load()
+            try:
+                await asyncio.sleep(ms * scale / 1e3 if scale > 0 else 0)
+                events = self.cache.admit(job.tokens, loop.time())
+                await self._publish(events)
+            except BaseException as e:
+                if not job.done.done():
+                    job.done.set_exception(e if isinstance(e, Exception) else RuntimeError("worker stopped"))
+                raise
+            finally:
+                self._running_ms = 0.0
+                self._metrics.update_load()
+            if not job.done.done():
+                job.done.set_result((v, d))
+
+    async def _publish(self, events: Sequence[Event]) -> None:
+        if not events:
+            return
+        seq = self._seq
+        self._seq += 1
+        frames = encode_batch(events, seq, ts=time.time(), dp_rank=0, topic=self.config.topic)
+        self._ring.append((seq, frames[2]))
+        self.stats.published += 1
+        self._metrics.events.inc(len(events))
+        if self._lose:
+            self._lose -= 1
+            self.stats.lost += 1
+            return
+        if self._pub is not None:
+            await self._pub.send_multipart(frames)
+
+    async def _subscription_loop(self) -> None:
+        assert self._pub is not None
+        pub = self._pub
+        while True:
+            msg = await pub.recv()
+            if msg[:1] == b"\x01":
+                self._subscribers += 1
+            elif msg[:1] == b"\x00":
+                self._subscribers = max(0, self._subscribers - 1)
+            self._metrics.subscribers.set(self._subscribers)
+
+    async def _replay_loop(self) -> None:
+        assert self._router is not None
+        router = self._router
+        while True:
+            frames = await router.recv_multipart()
+            if len(frames) != 3:  # vLLM logs and ignores requests of another shape
+                continue
+            ident, _, start = frames
+            start_seq = int.from_bytes(start, "big")
+            self.stats.replay_requests += 1
+            self._metrics.replays.inc()
+            for seq, payload in list(self._ring):
+                if seq >= start_seq:
+                    await router.send_multipart([ident, b"", seq.to_bytes(8, "big"), payload])
+                    self.stats.replayed += 1
+            await router.send_multipart([ident, b"", _END_SEQ, b""])
+
+    # ---- decoding ---------------------------------------------------------------------------
+
+    async def _decode(self, tokens: npt.NDArray[np.uint32], count: int) -> AsyncGenerator[tuple[int, str], None]:
+        """The fake output tokens, the first at once (it comes out of the prefill), each further
+        one after a decode step of the current batch."""
+        scale, cost, words = self.config.time_scale, self.config.cost, self._words
+        start = int.from_bytes(blake2b(tokens.tobytes(), digest_size=8).digest(), "little") % len(words)
+        n = len(tokens)
+        self._decoding += 1
+        self._context += n
+        made = 0
+        try:
+            for j in range(count):
+                if j:
+                    step = cost.decode_step_ms(self._decoding, self._context)
+                    await asyncio.sleep(step * scale / 1e3 if scale > 0 else 0)
+                made += 1
+                self._context += 1
+                self.stats.generated_tokens += 1
+                self._metrics.generated.inc()
+                yield words[(start + j) % len(words)]
+        finally:
+            self._decoding -= 1
+            self._context -= n + made
+            self._metrics.update_load()
+
+    # ---- HTTP -------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        """OpenAI's error body for every error, including aiohttp's own (404, 405, 413)."""
+        try:
+            return await handler(request)
+        except _BadRequest as e:
+            self.stats.rejected += 1
+            self._metrics.reject(e.status)
+            return _json(_error_body(e.message, e.type, e.param, e.code), e.status)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            typ = "invalid_request_error" if e.status < 500 else "server_error"
+            msg = e.reason if e.status != 413 else f"request body too large (at most {_MAX_BODY} bytes)"
+            return _json(_error_body(f"{msg}: {request.method} {request.path}", typ, None, None), e.status)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=503 if self._draining else 200)
+
+    async def _metrics_handler(self, request: web.Request) -> web.Response:
+        self._metrics.update_load()
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _load(self, request: web.Request) -> web.Response:
+        return _json({"worker": self.config.worker_id, "queue_ms": self.queue_ms(), "waiting": self.waiting, "running": self.running})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        c = self.config
+        card = {"id": c.model, "object": "model", "created": self._created, "owned_by": "kvcompass", "root": c.model, "parent": None, "max_model_len": c.max_model_len}
+        return _json({"object": "list", "data": [card]})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        if self._draining:
+            raise _BadRequest("the worker is shutting down; retry on another worker", status=503, type_="service_unavailable_error", code="draining")
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            req = await self._parse(request, chat)
+            self.stats.requests += 1
+            v, d = await self._prefill(req.tokens)
+            cached = v + d
+            self.stats.prompt_tokens += len(req.tokens)
+            self.stats.cached_tokens += cached
+            self._metrics.on_prefill(len(req.tokens), v, d)
+            headers = {
+                QUEUE_HEADER: f"{self.queue_ms():.3f}",
+                CACHED_HEADER: str(cached),
+                WORKER_HEADER: self.config.worker_id,
+                "x-request-id": req.request_id,
+            }
+            usage = {
+                "prompt_tokens": len(req.tokens),
+                "total_tokens": len(req.tokens) + req.max_tokens,
+                "completion_tokens": req.max_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached},
+            }
+            if req.stream:
+                return await self._stream(request, req, headers, usage)
+            return await self._whole(req, headers, usage)
+        finally:
+            self._inflight -= 1
+            if not self._inflight:
+                self._idle.set()
+
+    async def _whole(self, req: _Request, headers: dict[str, str], usage: dict[str, Any]) -> web.Response:
+        texts: list[str] = []
+        async with contextlib.aclosing(self._decode(req.tokens, req.max_tokens)) as gen:
+            async for _, text in gen:
+                texts.append(text)
+        text = "".join(texts)
+        headers[QUEUE_HEADER] = f"{self.queue_ms():.3f}"
+        created = int(time.time())
+        choice: dict[str, Any]
+        if req.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+            body = {"id": f"chatcmpl-{req.request_id}", "object": "chat.completion", "created": created, "model": self.config.model, "choices": [choice], "usage": usage}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+            body = {"id": f"cmpl-{req.request_id}", "object": "text_completion", "created": created, "model": self.config.model, "choices": [choice], "usage": usage}
+        return _json(body, headers=headers)
+
+    async def _stream(self, request: web.Request, req: _Request, headers: dict[str, str], usage: dict[str, Any]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
+        await resp.prepare(request)
+        created = int(time.time())
+        if req.chat:
+            base: dict[str, Any] = {"id": f"chatcmpl-{req.request_id}", "object": "chat.completion.chunk", "created": created, "model": self.config.model}
+        else:
+            base = {"id": f"cmpl-{req.request_id}", "object": "text_completion", "created": created, "model": self.config.model}
+        extra: dict[str, Any] = {"usage": None} if req.include_usage else {}  # OpenAI: null on every chunk but the last
+
+        async def send(choices: list[dict[str, Any]], **more: Any) -> None:
+            await resp.write(b"data: " + json.dumps({**base, "choices": choices, **more}, separators=(",", ":")).encode() + b"\n\n")
+
+        try:
+            if req.chat:
+                await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra)
+            async with contextlib.aclosing(self._decode(req.tokens, req.max_tokens)) as gen:
+                j = 0
+                async for _, text in gen:
+                    j += 1
+                    last = j == req.max_tokens and not req.chat
+                    if req.chat:
+                        await send([{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}], **extra)
+                    else:
+                        await send([{"index": 0, "text": text, "logprobs": None, "finish_reason": "length" if last else None, "stop_reason": None}], **extra)
+            if req.chat:
+                await send([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length", "stop_reason": None}], **extra)
+            elif req.max_tokens == 0:
+                await send([{"index": 0, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None}], **extra)
+            if req.include_usage:
+                await send([], usage=usage)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass  # the client went away; its decode stopped with the generator
+        return resp
+
+    # ---- request parsing ----------------------------------------------------------------------
+
+    async def _parse(self, request: web.Request, chat: bool) -> _Request:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise _BadRequest(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise _BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+        model = body.get("model")
+        if model is not None and model != self.config.model:
+            raise _BadRequest(f"The model `{model}` does not exist.", "model", status=404, code="model_not_found")
+        for name in ("n", "best_of"):
+            n = body.get(name)
+            if n is not None and (type(n) is not int or n != 1):
+                raise _BadRequest(f"{name} must be 1: the emulated worker returns one choice, got {n!r}", name)
+        if body.get("echo"):
+            raise _BadRequest("echo is not supported by the emulated worker", "echo")
+        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+            raise _BadRequest("logprobs are not supported by the emulated worker", "logprobs")
+        stream = body.get("stream", False)
+        if stream is None:
+            stream = False
+        if not isinstance(stream, bool):
+            raise _BadRequest(f"stream must be a boolean, got {type(stream).__name__}", "stream")
+        opts = body.get("stream_options")
+        include_usage = False
+        if opts is not None:
+            if not stream:
+                raise _BadRequest("stream_options is only allowed when stream is true", "stream_options")
+            if not isinstance(opts, dict):
+                raise _BadRequest("stream_options must be an object", "stream_options")
+            inc = opts.get("include_usage", False)
+            if not isinstance(inc, bool):
+                raise _BadRequest("stream_options.include_usage must be a boolean", "stream_options.include_usage")
+            include_usage = inc
+        max_param = "max_tokens"
+        max_tokens = body.get("max_tokens")
+        if chat and body.get("max_completion_tokens") is not None:
+            max_param, max_tokens = "max_completion_tokens", body["max_completion_tokens"]
+        if max_tokens is None:
+            max_tokens = self.config.default_max_tokens
+        if type(max_tokens) is not int or max_tokens < 0:
+            raise _BadRequest(f"{max_param} must be an integer >= 0, got {max_tokens!r}", max_param)
+        if chat:
+            param = "messages"
+            if "messages" not in body:
+                raise _BadRequest("messages is required", param)
+            tokens = await self._tokenize(lambda: self.tokenizer.apply_chat_template(body["messages"]), param, _size(body["messages"]))
+        else:
+            param = "prompt"
+            if "prompt" not in body:
+                raise _BadRequest("prompt is required", param)
+            tokens = await self._prompt(body["prompt"])
+        if not len(tokens):
+            raise _BadRequest(f"the {param} is empty: at least one token is needed", param)
+        limit = self.config.max_model_len
+        if len(tokens) + max_tokens > limit:
+            raise _BadRequest(
+                f"This model's maximum context length is {limit} tokens. However, you requested {len(tokens) + max_tokens} tokens "
+                f"({len(tokens)} in the {param}, {max_tokens} in the completion). Please reduce the length of the {param} or completion.",
+                param,
+                code="context_length_exceeded",
+            )
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        return _Request(chat, tokens, max_tokens, stream, include_usage, rid)
+
+    async def _prompt(self, prompt: object) -> npt.NDArray[np.uint32]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            text = prompt
+            return await self._tokenize(lambda: self.tokenizer.encode(text), "prompt", len(text))
+        if isinstance(prompt, list):
+            if not prompt:
+                raise _BadRequest("the prompt is empty: at least one token is needed", "prompt")
+            for i, t in enumerate(prompt):
+                if type(t) is not int or not 0 <= t <= _U32_MAX:
+                    what = "a list of prompts" if isinstance(t, (str, list)) else repr(t)
+                    raise _BadRequest(
+                        f"prompt must be a string or a list of token ids in 0..2**32-1; prompt[{i}] is {what} (one prompt per request)", "prompt"
+                    )
+            return np.asarray(prompt, dtype=np.uint32)
+        raise _BadRequest(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
+
+    async def _tokenize(self, fn: Callable[[], npt.NDArray[np.uint32]], param: str, size: int) -> npt.NDArray[np.uint32]:
+        try:
+            if size > 65536:  # long texts off the event loop (the HF tokenizer releases the GIL)
+                return await asyncio.to_thread(fn)
+            return fn()
+        except InvalidArgumentError as e:
+            raise _BadRequest(str(e), param) from None
+
+
+def _size(messages: object) -> int:
+    """A cheap upper bound of a chat's text length (decides whether to tokenize off-loop)."""
+    if isinstance(messages, list):
+        return sum(len(str(m)) for m in messages)
+    return 0
+
+
+def _bind(sock: zmq.asyncio.Socket, endpoint: str | None, host: str) -> str:
+    if endpoint is None:
+        port = sock.bind_to_random_port(f"tcp://{host}")
+        return f"tcp://{host}:{port}"
+    sock.bind(endpoint)
+    last = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return last.decode() if isinstance(last, bytes) else str(last)
+
+
+class _Metrics:
+    """The worker's Prometheus series (one registry per worker, so many can share a process)."""
+
+    def __init__(self, registry: CollectorRegistry, worker: EmulatedWorker) -> None:
+        self._w = worker
+        labels = ["worker"]
+        wid = worker.config.worker_id
+        self.requests = Counter("kvcompass_worker_requests", "Completions admitted to the prefill queue", labels, registry=registry).labels(wid)
+        self._rejected = Counter("kvcompass_worker_rejected_requests", "Requests refused (by HTTP status)", ["worker", "status"], registry=registry)
+        self.prompt = Counter("kvcompass_worker_prompt_tokens", "Prompt tokens prefilled or reused", labels, registry=registry).labels(wid)
+        self._cached = Counter("kvcompass_worker_cached_tokens", "Prompt tokens reused from the prefix cache, by tier", ["worker", "tier"], registry=registry)
+        self.generated = Counter("kvcompass_worker_generation_tokens", "Tokens generated", labels, registry=registry).labels(wid)
+        self.events = Counter("kvcompass_worker_kv_events", "KV events published (in messages, lost ones included)", labels, registry=registry).labels(wid)
+        self.replays = Counter("kvcompass_worker_replay_requests", "Replay requests served", labels, registry=registry).labels(wid)
+        self.queue = Gauge("kvcompass_worker_queue_ms", "Queued prefill work, modelled ms", labels, registry=registry).labels(wid)
+        self.waiting = Gauge("kvcompass_worker_waiting_requests", "Requests waiting for prefill", labels, registry=registry).labels(wid)
+        self.running = Gauge("kvcompass_worker_running_requests", "Sequences decoding", labels, registry=registry).labels(wid)
+        self.subscribers = Gauge("kvcompass_worker_event_subscribers", "SUB sockets on the KV-event stream", labels, registry=registry).labels(wid)
+        self._cache_tokens = Gauge("kvcompass_worker_cache_tokens", "Tokens held in the prefix cache, by tier", ["worker", "tier"], registry=registry)
+        self.hit_ratio = Histogram(
+            "kvcompass_worker_prefix_hit_ratio", "Reused fraction of each prompt", labels, buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=registry
+        ).labels(wid)
+        self._wid = wid
+
+    def reject(self, status: int) -> None:
+        self._rejected.labels(self._wid, str(status)).inc()
+
+    def on_prefill(self, n: int, v: int, d: int) -> None:
+        self.requests.inc()
+        self.prompt.inc(n)
+        self._cached.labels(self._wid, "vram").inc(v)
+        self._cached.labels(self._wid, "dram").inc(d)
+        self.hit_ratio.observe((v + d) / n if n else 0.0)
+        self.update_load()
+
+    def update_load(self) -> None:
+        w = self._w
+        with contextlib.suppress(RuntimeError):  # no running loop (never, in practice)
+            self.queue.set(w.queue_ms())
+        self.waiting.set(w.waiting)
+        self.running.set(w.running)
+        self._cache_tokens.labels(self._wid, "vram").set(w.cache.vram_tokens)
+        self._cache_tokens.labels(self._wid, "dram").set(w.cache.dram_tokens)
+
+
+async def serve_worker(
+    config: WorkerConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    events: str | None = None,
+    replay: str | None = None,
+    ready: Callable[[EmulatedWorker], None] | None = None,
+    stop: asyncio.Event | None = None,
+    handle_signals: bool = True,
+) -> None:
+    """Run one emulated worker until ``stop`` is set, SIGTERM or SIGINT arrives (with
+    ``handle_signals``), or the task is cancelled; then drain and close. ``ready`` is called
+    once everything is bound (the CLI prints the endpoints from it)."""
+    worker = EmulatedWorker(config)
+    stop = stop if stop is not None else asyncio.Event()
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+    await worker.start(host, port, events=events, replay=replay)
+    try:
+        if handle_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.add_signal_handler(sig, stop.set)
+                    installed.append(sig)
+        if ready is not None:
+            ready(worker)
+        await stop.wait()
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        await worker.stop()

@@ -1,0 +1,1045 @@
+"""The edge's OpenAI-compatible HTTP front door: tokenize, route with the edge's index, proxy to
+the chosen worker (streaming), and feed what the response reports back into the edge.
+
+An aiohttp application around one :class:`~kvcompass.discovery.edge.Edge`. The edge stays
+sans-I/O; this module owns the sockets, the clock and the retries.
+
+**A request's life.**
+
+1. Parse and validate the OpenAI body (``/v1/completions``: ``prompt`` as text or token ids;
+   ``/v1/chat/completions``: ``messages``). Every refusal is a 4xx with OpenAI's error body
+   ``{"error": {"message", "type", "param", "code"}}``, so OpenAI clients surface it as they
+   would OpenAI's own.
+2. Tokenize with the injected tokenizer (the same ids the workers key their caches by). Token-id
+   prompts are used as they are and forwarded as they are.
+3. Route: ``Edge.route(tokens, Namespace(model, tenant), now)``; the tenant comes from
+   ``x-kvcompass-namespace`` (sharing is scoped by the namespace digest, DESIGN section 7).
+4. Forward the client's body to ``{worker base URL}{same path}`` after the emulated WAN one way
+   (when configured). Streams ask the worker for a usage chunk
+   (``stream_options.include_usage``) because that is where ``cached_tokens`` arrives.
+5. Relay: a JSON body as received; an SSE stream event by event as each arrives (never buffered
+   to the end), dropping the usage-only chunk the client did not ask for.
+6. Learn: ``usage.prompt_tokens_details.cached_tokens`` is the reuse report for
+   ``Edge.on_response``; ``x-kvcompass-queue-ms`` is a live queue reading (own region:
+   ``Edge.set_local_queue``) and ``x-kvcompass-queue-vector`` (JSON ``{worker: ms}``) a remote
+   region's vector. A response without ``cached_tokens`` (vLLM without
+   ``--enable-prompt-tokens-details``) is *not* read as "reused nothing": it reports with
+   ``claimed=0``, which leaves the belief alone.
+
+**Dead workers.** A connection failure, a timeout before the response head, or a 5xx before any
+byte was relayed marks the worker dead for ``dead_cooldown_s`` and the request is routed again
+without it (at most ``max_attempts`` workers per request). Once bytes went to the client a
+failure cannot be retried: the stream ends with an SSE error event instead.
+
+:meth:`Edge.route` has no way to exclude workers today, and :class:`Decision` carries only a
+*count* of near-best candidates, so when the edge picks an excluded worker the door falls back
+to the best non-excluded worker by its own rule (own region first, then the lowest queue
+estimate). If ``Edge.route`` grows an ``exclude`` keyword the door uses it instead and the
+fallback is never taken.
+
+**Queue vectors out.** A caller that names its region in ``x-kvcompass-region`` (another edge,
+a gateway) gets this edge's piggyback vector for that region in ``x-kvcompass-queue-vector``.
+
+**Drain.** :meth:`DoorServer.stop` turns ``/health`` to 503 and refuses new completions with
+503 first, waits for in-flight requests (up to the grace period), then closes the listener and
+the upstream connection pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import re
+import socket
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import aiohttp
+import numpy as np
+import numpy.typing as npt
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvcompass.discovery.edge import Decision, Edge
+from kvcompass.errors import KVCompassError
+from kvcompass.index import Namespace
+
+__all__ = [
+    "FRONT_DOOR",
+    "DoorConfig",
+    "DoorServer",
+    "FrontDoor",
+    "Tokenizer",
+    "make_app",
+    "serve_door",
+]
+
+QUEUE_MS_HEADER = "x-kvcompass-queue-ms"
+QUEUE_VECTOR_HEADER = "x-kvcompass-queue-vector"
+REGION_HEADER = "x-kvcompass-region"
+NAMESPACE_HEADER = "x-kvcompass-namespace"
+WORKER_HEADER = "x-kvcompass-worker"
+
+_TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}")
+_REGION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_NAMESPACE_CACHE = 4096
+_U32_MAX = 0xFFFFFFFF
+
+ErrorType = Literal["invalid_request_error", "server_error"]
+FailureReason = Literal["connect", "timeout", "status_5xx", "disconnect", "midstream"]
+
+
+class Tokenizer(Protocol):
+    """What the door needs of a tokenizer (:class:`kvcompass.services.tokenizer.Tokenizer` is one).
+
+    Errors raised for bad input (``ValueError``, :class:`~kvcompass.errors.KVCompassError`) become
+    400s; anything else is a bug and a 500.
+    """
+
+    def encode(self, text: str) -> npt.NDArray[np.uint32]: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> npt.NDArray[np.uint32]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DoorConfig:
+    """The door's knobs. ``models[0]`` serves requests that name no model."""
+
+    models: tuple[str, ...] = ("llama-3.1-8b",)
+    default_tenant: str = "public"
+    max_prompt_tokens: int = 131072
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_attempts: int = 3
+    """Workers tried per request (the first choice included)."""
+    dead_cooldown_s: float = 10.0
+    connect_timeout_s: float = 3.0
+    head_timeout_s: float = 600.0
+    """Until the worker's response head; a long prefill queue is legitimate, so generous."""
+    read_timeout_s: float = 600.0
+    """Between two reads of the worker's body (a stalled stream)."""
+    drain_grace_s: float = 30.0
+    inline_tokenize_chars: int = 32768
+    """Texts up to this many characters are tokenized on the event loop (tens of microseconds);
+    longer ones in a thread, so one huge prompt does not stall every other request."""
+    max_upstream_connections: int = 0
+    """0 = unlimited (aiohttp's default of 100 would cap concurrency far below a worker's)."""
+    forward_headers: tuple[str, ...] = ("authorization", "x-request-id")
+    expose_worker: bool = True
+    """Tell the client which worker served (``x-kvcompass-worker``), for load generators and
+    debugging; turn off where worker identity is sensitive."""
+
+    def __post_init__(self) -> None:
+        if not self.models or any(not isinstance(m, str) or not m for m in self.models):
+            raise ValueError(f"models must be non-empty names, got {self.models!r}")
+        if not _TENANT_RE.fullmatch(self.default_tenant):
+            raise ValueError(f"default_tenant {self.default_tenant!r} is not a valid tenant name")
+        for name in ("max_prompt_tokens", "max_body_bytes", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("dead_cooldown_s", "connect_timeout_s", "head_timeout_s", "read_timeout_s", "drain_grace_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {v}")
+
+
+# -- errors ------------------------------------------------------------------------------------------
+
+
+class _Refusal(Exception):
+    """A request the door answers with an OpenAI-shaped error instead of a worker's response."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, kind: ErrorType | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind: ErrorType = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+
+def _error_body(status: int, message: str, param: str | None = None, code: str | None = None, kind: ErrorType | None = None) -> dict[str, Any]:
+    t = kind or ("invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": t, "param": param, "code": code}}
+
+
+def _error_response(status: int, message: str, param: str | None = None, code: str | None = None, kind: ErrorType | None = None) -> web.Response:
+    return web.json_response(_error_body(status, message, param, code, kind), status=status)
+
+
+def _refusal_response(r: _Refusal) -> web.Response:
+    return _error_response(r.status, r.message, r.param, r.code, r.kind)
+
+
+# -- metrics -----------------------------------------------------------------------------------------
+
+
+class _Metrics:
+    """Every metric in one registry of its own, so several doors (tests, ``kvcompass up``) can
+    share a process without colliding in prometheus_client's global registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        p = "kvcompass_door_"
+        self.requests = Counter(p + "requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=registry)
+        self.request_seconds = Histogram(
+            p + "request_seconds",
+            "Wall time of a completion request, to the last byte relayed",
+            ["endpoint"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=registry,
+        )
+        # Edge.route is a microsecond call: buckets from 5 us to 10 ms.
+        self.route_seconds = Histogram(
+            p + "route_latency_seconds",
+            "Edge.route latency (lookup and joint score)",
+            buckets=(5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2),
+            registry=registry,
+        )
+        self.routes = Counter(p + "routes", "Requests routed, by the chosen worker's region", ["worker_region"], registry=registry)
+        self.fallbacks = Counter(p + "route_fallbacks", "Routes where the edge chose an excluded worker and the door picked another", registry=registry)
+        self.hits = Counter(p + "hits", "Responses where the index claimed a prefix and the worker reused all of it", registry=registry)
+        self.false_hits = Counter(p + "false_hits", "Responses where the index claimed a prefix (claimed > 0) and the worker reused less", registry=registry)
+        self.claimed = Counter(p + "claimed_tokens", "Prompt tokens the index claimed the chosen worker held", registry=registry)
+        self.reused = Counter(p + "reused_tokens", "Prompt tokens workers reported reusing (usage cached_tokens)", registry=registry)
+        self.no_usage = Counter(p + "responses_without_cached_tokens", "Successful responses that reported no cached_tokens", registry=registry)
+        self.retries = Counter(p + "retries", "Attempts beyond the first worker of a request", registry=registry)
+        self.failures = Counter(p + "worker_failures", "Worker failures seen by the door", ["worker", "reason"], registry=registry)
+        self.bad_feedback = Counter(p + "bad_feedback", "Malformed feedback from workers (headers, usage), ignored", ["kind"], registry=registry)
+        self.belief = Gauge(p + "worker_belief", "The edge's cache belief per worker", ["worker"], registry=registry)
+        self.queue = Gauge(p + "worker_queue_estimate_ms", "The edge's queue estimate per worker (ms)", ["worker"], registry=registry)
+        self.dead = Gauge(p + "worker_dead", "1 while the worker is excluded after a failure", ["worker"], registry=registry)
+        self.healthy = Gauge(p + "edge_healthy", "1 while every view of the edge is current", registry=registry)
+        self.inflight = Gauge(p + "inflight_requests", "Completion requests in progress", registry=registry)
+
+
+# -- the door ----------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Choice:
+    worker: str
+    region: str | None
+    claimed: int
+    decision: Decision | None
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """A validated request, ready to route and forward."""
+
+    path: str
+    raw: bytes
+    """The body to forward: the client's bytes unless the door had to ask for usage."""
+    tokens: npt.NDArray[np.uint32]
+    namespace: Namespace
+    stream: bool
+    client_usage: bool
+    headers: dict[str, str]
+
+
+@dataclass(slots=True)
+class _Feedback:
+    """What a response told us, folded into the edge once it is complete."""
+
+    queue_ms: float | None = None
+    vector: dict[str, float] | None = None
+    reused: int | None = None
+
+
+class _WorkerFailed(Exception):
+    def __init__(self, reason: FailureReason, detail: str) -> None:
+        super().__init__(detail)
+        self.reason: FailureReason = reason
+        self.detail = detail
+
+
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class FrontDoor:
+    """The door's state and handlers (one per application; see :func:`make_app`)."""
+
+    def __init__(
+        self,
+        edge: Edge,
+        workers: Mapping[str, str],
+        tokenizer: Tokenizer,
+        config: DoorConfig,
+        *,
+        regions: Mapping[str, str] | None = None,
+        wan_one_way_ms: Callable[[str, str], float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        known = set(edge.workers)
+        unknown = sorted(set(workers) - known)
+        if unknown:
+            raise ValueError(f"workers {unknown} are not workers of this edge (it has {sorted(known)})")
+        self.edge = edge
+        self.config = config
+        self.tokenizer = tokenizer
+        self.urls = {w: u.rstrip("/") for w, u in workers.items()}
+        # Regions of workers the door may pick itself: the own region's from the edge's local
+        # vector, the others given or learned from each Decision.
+        self.regions: dict[str, str] = dict(regions or {})
+        self.regions.update({w: edge.region for w in edge.local_vector()})
+        self._wan = wan_one_way_ms
+        self._clock = clock
+        self.metrics = _Metrics(registry if registry is not None else CollectorRegistry())
+        self._dead: dict[str, float] = {}
+        self._unreachable = frozenset(known - set(self.urls))
+        self._namespaces: OrderedDict[tuple[str, str], Namespace] = OrderedDict()
+        self._models = {m: i for i, m in enumerate(config.models)}
+        self._created = int(time.time())
+        self._session: aiohttp.ClientSession | None = None
+        self.draining = False
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._route_exclude = _accepts_exclude(edge)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def _session_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        conn = aiohttp.TCPConnector(limit=self.config.max_upstream_connections, keepalive_timeout=30)
+        # total=None: a stream may legitimately run for minutes; the head and read limits bound stalls.
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s, sock_read=self.config.read_timeout_s)
+        self._session = aiohttp.ClientSession(connector=conn, timeout=timeout, auto_decompress=False)
+        try:
+            yield
+        finally:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no completion is in flight; False if ``timeout`` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    # -- dead workers ------------------------------------------------------------------------
+
+    def dead_workers(self) -> frozenset[str]:
+        """Workers excluded now after a failure (their cooldown has not run out)."""
+        now = self._clock()
+        for w in [w for w, until in self._dead.items() if until <= now]:
+            del self._dead[w]
+        return frozenset(self._dead)
+
+    def mark_dead(self, worker: str, reason: FailureReason) -> None:
+        self._dead[worker] = self._clock() + self.config.dead_cooldown_s
+        self.metrics.failures.labels(worker, reason).inc()
+
+    # -- middleware and small endpoints ----------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        """Every error the door or aiohttp raises leaves as OpenAI's error shape, and every
+        request is counted by its final status."""
+        endpoint = _ENDPOINTS.get(request.path, "other")
+        try:
+            resp = await handler(request)
+        except _Refusal as r:
+            resp = _refusal_response(r)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
+            resp = _error_response(e.status, e.reason if e.status != 413 else f"request body exceeds {self.config.max_body_bytes} bytes", None, code)
+            if "Allow" in e.headers:
+                resp.headers["Allow"] = e.headers["Allow"]
+        self.metrics.requests.labels(endpoint, str(resp.status)).inc()
+        return resp
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model", "created": self._created, "owned_by": "kvcompass"} for m in self.config.models]
+        return web.json_response({"object": "list", "data": data})
+
+    async def health(self, request: web.Request) -> web.Response:
+        e = self.edge
+        body: dict[str, Any] = {
+            "status": "ok",
+            "region": e.region,
+            "behind": len(e.behind),
+            "uninitialised": len(e.uninitialised),
+            "dead_workers": sorted(self.dead_workers()),
+        }
+        if self.draining:
+            body["status"] = "draining"
+        elif not e.healthy:
+            body["status"] = "behind"
+        return web.json_response(body, status=200 if body["status"] == "ok" else 503)
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        m, e = self.metrics, self.edge
+        dead = self.dead_workers()
+        for w in e.workers:
+            m.belief.labels(w).set(e.belief(w))
+            m.queue.labels(w).set(e.queue_estimate(w))
+            m.dead.labels(w).set(1.0 if w in dead else 0.0)
+        m.healthy.set(1.0 if e.healthy else 0.0)
+        return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # -- completions -----------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        if self.draining:
+            raise _Refusal(503, "this edge is shutting down; retry on another", code="draining")
+        self._inflight += 1
+        self._idle.clear()
+        self.metrics.inflight.inc()
+        t0 = time.perf_counter()
+        endpoint = "chat.completions" if chat else "completions"
+        try:
+            prep = await self._prepare(request, chat=chat)
+            return await self._proxy(request, prep)
+        finally:
+            self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - t0)
+            self.metrics.inflight.dec()
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    async def _prepare(self, request: web.Request, *, chat: bool) -> _Prepared:
+        cfg = self.config
+        if request.content_length is not None and request.content_length > cfg.max_body_bytes:
+            raise _Refusal(413, f"request body exceeds {cfg.max_body_bytes} bytes", code="request_too_large")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise _Refusal(413, f"request body exceeds {cfg.max_body_bytes} bytes", code="request_too_large") from None
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise _Refusal(400, f"could not parse the JSON body of the request: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise _Refusal(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_type")
+
+        model = body.get("model")
+        if model is None:
+            model = cfg.models[0]
+        elif not isinstance(model, str):
+            raise _Refusal(400, "model must be a string", "model", "invalid_type")
+        elif model not in self._models:
+            raise _Refusal(404, f"the model {model!r} does not exist; this edge serves {list(cfg.models)}", "model", "model_not_found")
+        stream = body.get("stream", False)
+        if stream is None:
+            stream = False
+        if not isinstance(stream, bool):
+            raise _Refusal(400, "stream must be a boolean", "stream", "invalid_type")
+        opts = body.get("stream_options")
+        client_usage = False
+        if opts is not None:
+            if not isinstance(opts, dict):
+                raise _Refusal(400, "stream_options must be an object", "stream_options", "invalid_type")
+            iu = opts.get("include_usage", False)
+            if not isinstance(iu, bool):
+                raise _Refusal(400, "stream_options.include_usage must be a boolean", "stream_options.include_usage", "invalid_type")
+            client_usage = iu
+        _check_numbers(body)
+        tenant = request.headers.get(NAMESPACE_HEADER, cfg.default_tenant)
+        if not _TENANT_RE.fullmatch(tenant):
+            raise _Refusal(400, f"header {NAMESPACE_HEADER} must match {_TENANT_RE.pattern}", NAMESPACE_HEADER, "invalid_namespace")
+
+        if chat:
+            tokens = await self._chat_tokens(body)
+            param = "messages"
+        else:
+            tokens = await self._prompt_tokens(body)
+            param = "prompt"
+        if len(tokens) == 0:
+            raise _Refusal(400, f"{param} is empty after tokenization", param, "empty_prompt")
+        if len(tokens) > cfg.max_prompt_tokens:
+            raise _Refusal(400, f"the prompt has {len(tokens)} tokens; this edge accepts at most {cfg.max_prompt_tokens}", param, "context_length_exceeded")
+
+        if stream and not client_usage:
+            # The usage chunk is where a stream reports cached_tokens; ask for it, strip it later.
+            raw = json.dumps({**body, "stream_options": {**(opts or {}), "include_usage": True}}).encode()
+        headers = {"Content-Type": "application/json", "Accept-Encoding": "identity", NAMESPACE_HEADER: tenant}
+        for h in cfg.forward_headers:
+            v = request.headers.get(h)
+            if v is not None:
+                headers[h] = v
+        return _Prepared(request.path, raw, tokens, self._namespace(model, tenant), stream, client_usage, headers)
+
+    async def _prompt_tokens(self, body: dict[str, Any]) -> npt.NDArray[np.uint32]:
+        if "prompt" not in body or body["prompt"] is None:
+            raise _Refusal(400, "prompt is required", "prompt", "missing_prompt")
+        p = body["prompt"]
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]  # a batch of one is that prompt
+        if isinstance(p, str):
+            if not p:
+                raise _Refusal(400, "prompt must not be empty", "prompt", "empty_prompt")
+            return await self._encode(p)
+        if isinstance(p, list):
+            if not p:
+                raise _Refusal(400, "prompt must not be empty", "prompt", "empty_prompt")
+            if isinstance(p[0], (str, list)):
+                raise _Refusal(400, "batched prompts (several prompts in one request) are not supported; send one request per prompt", "prompt", "unsupported")
+            return _token_ids(p)
+        raise _Refusal(400, f"prompt must be a string or a list of token ids, got {type(p).__name__}", "prompt", "invalid_type")
+
+    async def _chat_tokens(self, body: dict[str, Any]) -> npt.NDArray[np.uint32]:
+        if "messages" not in body or body["messages"] is None:
+            raise _Refusal(400, "messages is required", "messages", "missing_messages")
+        msgs = body["messages"]
+        if not isinstance(msgs, list):
+            raise _Refusal(400, f"messages must be a list, got {type(msgs).__name__}", "messages", "invalid_type")
+        if not msgs:
+            raise _Refusal(400, "messages must not be empty", "messages", "empty_prompt")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict):
+                raise _Refusal(400, f"messages[{i}] must be an object", f"messages[{i}]", "invalid_type")
+            if not isinstance(m.get("role"), str):
+                raise _Refusal(400, f"messages[{i}].role must be a string", f"messages[{i}].role", "invalid_type")
+            c = m.get("content")
+            if c is not None and not isinstance(c, (str, list)):
+                raise _Refusal(400, f"messages[{i}].content must be a string, a list of parts or null", f"messages[{i}].content", "invalid_type")
+        size = sum(len(m["content"]) for m in msgs if isinstance(m.get("content"), str))
+        tk = self.tokenizer
+        try:
+            if size > self.config.inline_tokenize_chars:
+                ids = await asyncio.to_thread(tk.apply_chat_template, msgs)
+            else:
+                ids = tk.apply_chat_template(msgs)
+        except (KVCompassError, ValueError, TypeError, KeyError) as e:
+            raise _Refusal(400, f"could not apply the chat template: {e}", "messages", "invalid_messages") from None
+        return _as_u32(ids)
+
+    async def _encode(self, text: str) -> npt.NDArray[np.uint32]:
+        tk = self.tokenizer
+        try:
+            if len(text) > self.config.inline_tokenize_chars:
+                ids = await asyncio.to_thread(tk.encode, text)
+            else:
+                ids = tk.encode(text)
+        except (KVCompassError, ValueError, TypeError) as e:
+            raise _Refusal(400, f"could not tokenize the prompt: {e}", "prompt", "invalid_prompt") from None
+        return _as_u32(ids)
+
+    def _namespace(self, model: str, tenant: str) -> Namespace:
+        key = (model, tenant)
+        ns = self._namespaces.get(key)
+        if ns is None:
+            ns = Namespace(model, tenant)
+            self._namespaces[key] = ns
+            # Tenants come from a header: bound the cache so a client cannot grow it forever.
+            if len(self._namespaces) > _NAMESPACE_CACHE:
+                self._namespaces.popitem(last=False)
+        else:
+            self._namespaces.move_to_end(key)
+        return ns
+
+    # -- routing ---------------------------------------------------------------------------------
+
+    def _route(self, prep: _Prepared, excluded: frozenset[str]) -> _Choice | None:
+        e = self.edge
+        t0 = time.perf_counter()
+        if self._route_exclude and excluded:
+            try:
+                d = _route_excluding(e, prep.tokens, prep.namespace, self._clock(), excluded)
+            except KVCompassError:
+                return None
+        else:
+            d = e.route(prep.tokens, prep.namespace, self._clock())
+        self.metrics.route_seconds.observe(time.perf_counter() - t0)
+        self.regions.setdefault(d.worker, d.region)
+        if d.worker not in excluded:
+            return _Choice(d.worker, d.region, d.expected_match, d)
+        return self._fallback(excluded)
+
+    def _fallback(self, excluded: frozenset[str]) -> _Choice | None:
+        """The edge chose an excluded worker and cannot be told to skip it: pick the servable
+        worker it would most plausibly pick next without a prefix claim (own region first, then
+        the lowest queue estimate). The claim is unknown, so it is reported as 0."""
+        e = self.edge
+        own = e.region
+        cross = e.params.cross_region
+        best: tuple[bool, float, str] | None = None
+        for w in e.workers:
+            if w in excluded:
+                continue
+            r = self.regions.get(w)
+            if not cross and r != own:
+                continue
+            key = (r != own, e.queue_estimate(w), w)
+            if best is None or key < best:
+                best = key
+        if best is None:
+            return None
+        self.metrics.fallbacks.inc()
+        return _Choice(best[2], self.regions.get(best[2]), 0, None)
+
+    def _excluded(self, tried: set[str], *, skip_dead: bool) -> frozenset[str]:
+        out = set(tried) | self._unreachable
+        if skip_dead:
+            out |= self.dead_workers()
+        return frozenset(out)
+
+    async def _proxy(self, request: web.Request, prep: _Prepared) -> web.StreamResponse:
+        tried: set[str] = set()
+        last: _WorkerFailed | None = None
+        for attempt in range(self.config.max_attempts):
+            choice = self._route(prep, self._excluded(tried, skip_dead=True))
+            if choice is None:
+                # Every worker not yet tried is cooling down: a cooldown is a hint, not a verdict.
+                choice = self._route(prep, self._excluded(tried, skip_dead=False))
+            if choice is None:
+                break
+            self.metrics.routes.labels(choice.region or "unknown").inc()
+            if attempt:
+                self.metrics.retries.inc()
+            tried.add(choice.worker)
+            try:
+                return await self._forward(request, prep, choice)
+            except _WorkerFailed as f:
+                self.mark_dead(choice.worker, f.reason)
+                last = f
+        if last is None:
+            raise _Refusal(503, "no worker is available to serve this request", code="no_worker")
+        raise _Refusal(502, f"{len(tried)} worker(s) failed; last: {last.detail}", code="upstream_error")
+
+    # -- forwarding ------------------------------------------------------------------------------
+
+    def _one_way_s(self, region: str | None) -> float:
+        if self._wan is None or region is None:
+            return 0.0
+        return max(0.0, float(self._wan(self.edge.region, region))) / 1e3
+
+    def _reply_headers(self, request: web.Request, choice: _Choice) -> dict[str, str]:
+        h: dict[str, str] = {}
+        if self.config.expose_worker:
+            h[WORKER_HEADER] = choice.worker
+        caller = request.headers.get(REGION_HEADER)
+        if caller is not None and caller != self.edge.region and _REGION_RE.fullmatch(caller):
+            try:
+                h[QUEUE_VECTOR_HEADER] = json.dumps(self.edge.piggyback_vector(caller, self._clock()), separators=(",", ":"))
+            except KVCompassError:
+                pass  # not a region this edge exchanges queues with
+        return h
+
+    async def _forward(self, request: web.Request, prep: _Prepared, choice: _Choice) -> web.StreamResponse:
+        session = self._session
+        if session is None:
+            raise _Refusal(503, "the door is not running", code="draining")
+        url = self.urls[choice.worker] + prep.path
+        delay = self._one_way_s(choice.region)
+        if delay:
+            await asyncio.sleep(delay)
+        try:
+            up = await asyncio.wait_for(session.post(url, data=prep.raw, headers=prep.headers), self.config.head_timeout_s)
+        except TimeoutError as e:
+            raise _WorkerFailed("timeout", f"{choice.worker}: no response head: {e!r}") from None
+        except aiohttp.ClientConnectorError as e:
+            raise _WorkerFailed("connect", f"{choice.worker}: {e}") from None
+        except aiohttp.ClientError as e:
+            raise _WorkerFailed("disconnect", f"{choice.worker}: {e!r}") from None
+        try:
+            if up.status >= 500:
+                raise _WorkerFailed("status_5xx", f"{choice.worker} answered {up.status}")
+            fb = self._header_feedback(up)
+            ctype = up.headers.get("Content-Type", "")
+            if prep.stream and up.status == 200 and ctype.startswith("text/event-stream"):
+                return await self._relay_stream(request, prep, choice, up, fb, delay)
+            try:
+                data = await up.read()
+            except (aiohttp.ClientError, TimeoutError) as e:
+                raise _WorkerFailed("disconnect", f"{choice.worker}: body lost: {e!r}") from None
+        finally:
+            # A connection whose body was not read to the end cannot be reused.
+            if up.content.at_eof():
+                up.release()
+            else:
+                up.close()
+        if delay:
+            await asyncio.sleep(delay)
+        if 200 <= up.status < 300:
+            fb.reused = self._usage_reused(data)
+            self._learn(choice, fb)
+        headers = self._reply_headers(request, choice)
+        headers["Content-Type"] = ctype or "application/json"
+        return web.Response(body=data, status=up.status, headers=headers)
+
+    async def _relay_stream(
+        self, request: web.Request, prep: _Prepared, choice: _Choice, up: aiohttp.ClientResponse, fb: _Feedback, delay: float
+    ) -> web.StreamResponse:
+        if delay:
+            await asyncio.sleep(delay)
+        headers = self._reply_headers(request, choice)
+        headers.update({"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(status=200, headers=headers)
+        await resp.prepare(request)
+        # From here on bytes reached the client: no retry, whatever happens.
+        buf = b""
+        try:
+            try:
+                async for data in up.content.iter_any():
+                    buf += data
+                    while True:
+                        cut = _event_end(buf)
+                        if cut < 0:
+                            break
+                        event, buf = buf[:cut], buf[cut:]
+                        out = self._stream_event(event, prep, fb)
+                        if out:
+                            await resp.write(out)
+            except (aiohttp.ClientError, TimeoutError) as e:
+                self.mark_dead(choice.worker, "midstream")
+                err = _error_body(502, f"worker {choice.worker} failed mid-stream: {e!r}", code="upstream_error")
+                await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                await resp.write_eof()
+                return resp
+            if buf.strip():
+                out = self._stream_event(buf, prep, fb)
+                if out:
+                    await resp.write(out)
+            self._learn(choice, fb)
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass  # the client went away; the upstream response is closed by the caller
+        return resp
+
+    def _stream_event(self, event: bytes, prep: _Prepared, fb: _Feedback) -> bytes | None:
+        """One SSE event as the client should see it (None: drop it). Only events that carry a
+        non-null usage are parsed; everything else passes through byte for byte."""
+        if b'"usage"' not in event or b'"usage":null' in event or b'"usage": null' in event:
+            return event
+        payload = _sse_data(event)
+        if payload is None or payload.strip() == b"[DONE]":
+            return event
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            return event
+        if not isinstance(obj, dict):
+            return event
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            reused = _cached_tokens(usage)
+            if reused is not None:
+                fb.reused = reused
+            elif _has_cached_field(usage):
+                self.metrics.bad_feedback.labels("usage").inc()
+        if prep.client_usage:
+            return event
+        if not obj.get("choices"):
+            return None  # the usage-only chunk we asked for on the client's behalf
+        del obj["usage"]
+        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+    def _usage_reused(self, data: bytes) -> int | None:
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            self.metrics.bad_feedback.labels("body").inc()
+            return None
+        usage = obj.get("usage") if isinstance(obj, dict) else None
+        if not isinstance(usage, dict):
+            return None
+        r = _cached_tokens(usage)
+        if r is None and _has_cached_field(usage):
+            self.metrics.bad_feedback.labels("usage").inc()
+        return r
+
+    # -- learning --------------------------------------------------------------------------------
+
+    def _header_feedback(self, up: aiohttp.ClientResponse) -> _Feedback:
+        fb = _Feedback()
+        q = up.headers.get(QUEUE_MS_HEADER)
+        if q is not None:
+            try:
+                v = float(q)
+            except ValueError:
+                v = math.nan
+            if math.isfinite(v) and v >= 0:
+                fb.queue_ms = v
+            else:
+                self.metrics.bad_feedback.labels("queue_ms").inc()
+        vec = up.headers.get(QUEUE_VECTOR_HEADER)
+        if vec is not None:
+            fb.vector = _parse_vector(vec)
+            if fb.vector is None:
+                self.metrics.bad_feedback.labels("queue_vector").inc()
+        return fb
+
+    def _learn(self, choice: _Choice, fb: _Feedback) -> None:
+        e, m = self.edge, self.metrics
+        w = choice.worker
+        local = choice.region == e.region
+        vector = fb.vector
+        if fb.queue_ms is not None:
+            if local:
+                e.set_local_queue(w, fb.queue_ms, self._clock())
+            elif vector is None:
+                vector = {w: fb.queue_ms}
+        if fb.reused is None:
+            m.no_usage.inc()
+            claimed, reused = 0, 0  # claimed=0 moves no belief: "unknown" is not "reused nothing"
+        else:
+            claimed, reused = choice.claimed, fb.reused
+            if claimed > 0:
+                m.claimed.inc(claimed)
+                (m.hits if reused >= claimed else m.false_hits).inc()
+            m.reused.inc(reused)
+        try:
+            e.on_response(w, claimed, reused, vector, self._clock())
+        except KVCompassError:
+            m.bad_feedback.labels("queue_vector").inc()
+            e.on_response(w, claimed, reused, None, self._clock())
+
+
+_ENDPOINTS = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat.completions",
+    "/v1/models": "models",
+    "/health": "health",
+    "/metrics": "metrics",
+}
+
+FRONT_DOOR: web.AppKey[FrontDoor] = web.AppKey("kvcompass_front_door", FrontDoor)
+"""Where :func:`make_app` keeps its :class:`FrontDoor` (``app[FRONT_DOOR]``)."""
+
+
+# -- helpers -------------------------------------------------------------------------------------------
+
+
+def _accepts_exclude(edge: Edge) -> bool:
+    import inspect
+
+    try:
+        return "exclude" in inspect.signature(edge.route).parameters
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        return False
+
+
+def _route_excluding(edge: Edge, tokens: npt.NDArray[np.uint32], ns: Namespace, now: float, excluded: frozenset[str]) -> Decision:
+    route: Callable[..., Decision] = getattr(edge, "route")
+    return route(tokens, ns, now, exclude=excluded)
+
+
+def _as_u32(ids: Any) -> npt.NDArray[np.uint32]:
+    arr = np.asarray(ids)
+    if arr.dtype != np.uint32:
+        arr = arr.astype(np.uint32)
+    return np.ascontiguousarray(arr.reshape(-1))
+
+
+def _token_ids(p: list[Any]) -> npt.NDArray[np.uint32]:
+    # type() rather than isinstance: JSON true/false are bools, which are ints to isinstance.
+    if set(map(type, p)) != {int}:
+        raise _Refusal(400, "prompt token ids must be integers in 0..2**32-1", "prompt", "invalid_token_id")
+    try:
+        arr = np.array(p, dtype=np.int64)
+    except OverflowError:
+        raise _Refusal(400, "prompt token ids must be integers in 0..2**32-1", "prompt", "invalid_token_id") from None
+    if int(arr.min()) < 0 or int(arr.max()) > _U32_MAX:
+        raise _Refusal(400, "prompt token ids must be integers in 0..2**32-1", "prompt", "invalid_token_id")
+    return arr.astype(np.uint32)
+
+
+def _check_numbers(body: Mapping[str, Any]) -> None:
+    """The sampling fields whose wrong type would only fail at the worker: refuse them here, so
+    the client gets the error without a WAN round trip."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        v = body.get(name)
+        if v is not None and (type(v) is not int or v < 0):
+            raise _Refusal(400, f"{name} must be a non-negative integer", name, "invalid_type")
+    n = body.get("n")
+    if n is not None and (type(n) is not int or n < 1):
+        raise _Refusal(400, "n must be a positive integer", "n", "invalid_type")
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        v = body.get(name)
+        if v is not None and (type(v) not in (int, float) or not math.isfinite(v)):
+            raise _Refusal(400, f"{name} must be a number", name, "invalid_type")
+
+
+def _cached_tokens(usage: Mapping[str, Any]) -> int | None:
+    d = usage.get("prompt_tokens_details")
+    if not isinstance(d, dict):
+        return None
+    c = d.get("cached_tokens")
+    if type(c) is not int or c < 0:
+        return None
+    return c
+
+
+def _has_cached_field(usage: Mapping[str, Any]) -> bool:
+    d = usage.get("prompt_tokens_details")
+    return isinstance(d, dict) and d.get("cached_tokens") is not None
+
+
+def _parse_vector(text: str) -> dict[str, float] | None:
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    out: dict[str, float] = {}
+    for k, v in obj.items():
+        if type(v) not in (int, float) or not math.isfinite(v) or v < 0:
+            return None
+        out[str(k)] = float(v)
+    return out
+
+
+def _event_end(buf: bytes) -> int:
+    """Index just past the first complete SSE event in ``buf`` (-1: none yet)."""
+    a = buf.find(b"\n\n")
+    b = buf.find(b"\r\n\r\n")
+    if a < 0 and b < 0:
+        return -1
+    if b < 0 or (0 <= a < b):
+        return a + 2
+    return b + 4
+
+
+def _sse_data(event: bytes) -> bytes | None:
+    lines = [ln.rstrip(b"\r") for ln in event.split(b"\n")]
+    data = [ln[5:].lstrip(b" ") if ln.startswith(b"data:") else None for ln in lines]
+    parts = [d for d in data if d is not None]
+    return b"\n".join(parts) if parts else None
+
+
+# -- entry points ----------------------------------------------------------------------------------------
+
+
+def _resolve_tokenizer(tokenizer: Tokenizer | str | os.PathLike[str] | None) -> Tokenizer:
+    if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+        # Imported here so a door given a tokenizer object never pays for HF tokenizers.
+        from kvcompass.services.tokenizer import load_tokenizer
+
+        return load_tokenizer(tokenizer)
+    return tokenizer
+
+
+def make_app(
+    edge: Edge,
+    workers: Mapping[str, str],
+    tokenizer: Tokenizer | str | os.PathLike[str] | None,
+    *,
+    config: DoorConfig = DoorConfig(),
+    regions: Mapping[str, str] | None = None,
+    wan_one_way_ms: Callable[[str, str], float] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    registry: CollectorRegistry | None = None,
+) -> web.Application:
+    """The door as an aiohttp application.
+
+    ``workers``: worker id -> base URL (``http://host:port``; the door appends the request's
+    path). Edge workers missing from it are never forwarded to. ``tokenizer``: an object, or a
+    ``tokenizer.json`` path / None for :func:`kvcompass.services.tokenizer.load_tokenizer`.
+    ``regions``: worker id -> region, used when the door must pick a worker itself (otherwise
+    learned from the edge's decisions). ``wan_one_way_ms(edge_region, worker_region)``: the
+    one-way delay to emulate, applied before forwarding and before relaying the response.
+    ``clock``: seconds, non-decreasing, the same clock as every other driver of ``edge``.
+    """
+    door = FrontDoor(edge, workers, _resolve_tokenizer(tokenizer), config, regions=regions, wan_one_way_ms=wan_one_way_ms, clock=clock, registry=registry)
+    app = web.Application(middlewares=[door._errors], client_max_size=config.max_body_bytes)
+    app[FRONT_DOOR] = door
+    app.cleanup_ctx.append(door._session_ctx)
+    app.router.add_post("/v1/completions", door.completions)
+    app.router.add_post("/v1/chat/completions", door.chat_completions)
+    app.router.add_get("/v1/models", door.models)
+    app.router.add_get("/health", door.health)
+    app.router.add_get("/metrics", door.metrics_endpoint)
+    return app
+
+
+class DoorServer:
+    """A running door: its listening socket, and :meth:`stop` to drain and close it."""
+
+    def __init__(self, app: web.Application, runner: web.AppRunner, sock: socket.socket) -> None:
+        self.app = app
+        self._runner = runner
+        self._sock = sock
+        host, port = sock.getsockname()[:2]
+        self.host: str = host
+        self.port: int = port
+        self._stopped = False
+
+    @property
+    def door(self) -> FrontDoor:
+        return self.app[FRONT_DOOR]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain: health 503 and new completions refused, in-flight ones finish (up to
+        ``grace_s``, default the config's), then the listener and upstream pool close."""
+        if self._stopped:
+            return
+        self._stopped = True
+        door = self.door
+        door.draining = True
+        grace = door.config.drain_grace_s if grace_s is None else grace_s
+        await door.wait_idle(grace)
+        try:
+            await self._runner.cleanup()
+        finally:
+            self._sock.close()
+
+    async def __aenter__(self) -> DoorServer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+async def serve_door(
+    edge: Edge,
+    workers: Mapping[str, str],
+    tokenizer: Tokenizer | str | os.PathLike[str] | None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    sock: socket.socket | None = None,
+    config: DoorConfig = DoorConfig(),
+    regions: Mapping[str, str] | None = None,
+    wan_one_way_ms: Callable[[str, str], float] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    registry: CollectorRegistry | None = None,
+) -> DoorServer:
+    """Start the door on ``sock`` (a bound socket) or ``host:port`` (0: any free port; read
+    :attr:`DoorServer.port`) and return once it accepts connections."""
+    app = make_app(edge, workers, tokenizer, config=config, regions=regions, wan_one_way_ms=wan_one_way_ms, clock=clock, registry=registry)
+    if sock is None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+        except OSError:
+            sock.close()
+            raise
+    # Whatever is still running when the grace period ended is cut off after 1 s more.
+    runner = web.AppRunner(app, shutdown_timeout=1.0, access_log=None)
+    await runner.setup()
+    try:
+        await web.SockSite(runner, sock).start()
+    except BaseException:
+        await runner.cleanup()
+        sock.close()
+        raise
+    return DoorServer(app, runner, sock)

@@ -1,0 +1,317 @@
+"""The agent's side of ``Maintenance.Ingest``: one long-lived stream per maintenance unit.
+
+:meth:`IngestClient.send` delivers key-op batches to the units owning their shards and returns
+once every one is acknowledged, so the caller knows what the index holds. What it handles by
+itself:
+
+* **Pipelining.** Up to ``window`` batches are in flight per stream; acks come back in order.
+* **Sequence errors.** An ``ABORTED`` ack (the unit lost the agent's sequence, typically after a
+  restart) calls ``on_rejected(shard)`` -- :meth:`WorkerAgent.on_rejected` -- and sends the reset
+  batches it returns instead of everything of that shard still queued (a reset re-reports the
+  worker's whole inventory of the shard, so it subsumes them). Acks of batches that were
+  already in flight before the reset are ignored: they were sent from the old sequence.
+* **Transport failures.** The stream is re-opened with exponential backoff and the
+  unacknowledged batches are re-sent in order (the unit drops re-deliveries as duplicates).
+
+Anything else refused (bad keys, wrong shard, a newer incarnation owns the worker, a credential
+the unit does not accept) raises :class:`IngestRejected`: resending cannot help.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Mapping, NoReturn, Sequence
+
+from grpclib.client import Channel
+from grpclib.client import Stream as ClientStream
+from grpclib.const import Cardinality, Status
+from grpclib.exceptions import GRPCError, StreamTerminatedError
+
+from kvcompass._proto.kvcompass.v1 import IngestAck, KeyOps
+from kvcompass.discovery.ops import KeyOpBatch
+from kvcompass.services.maintenance_service import INGEST_PATH, TOKEN_HEADER, WORKER_HEADER
+
+__all__ = ["IngestClient", "IngestRejected", "SendReport", "encode_key_ops"]
+
+ResendFn = Callable[[int], Sequence[KeyOpBatch]]
+
+# Statuses after which the same batches may go through on a new stream.
+_TRANSIENT = {Status.UNAVAILABLE, Status.CANCELLED, Status.DEADLINE_EXCEEDED, Status.UNKNOWN, Status.INTERNAL, Status.RESOURCE_EXHAUSTED}
+
+
+class IngestRejected(Exception):
+    """A maintenance unit refused a batch (or the stream) for a reason resending cannot fix."""
+
+    def __init__(self, shard: int, seq: int, status: Status, reason: str, message: str) -> None:
+        super().__init__(f"shard {shard} seq {seq}: {status.name} {reason}: {message}")
+        self.shard = shard
+        self.seq = seq
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class SendReport:
+    """What one :meth:`IngestClient.send` achieved."""
+
+    batches: int
+    """Batches acknowledged as applied or duplicate (resends included)."""
+    applied: int
+    """Distinct keys written."""
+    duplicates: int
+    resets: int
+    """How many times a unit's sequence error was repaired by a reset re-report."""
+    reconnects: int
+
+
+def encode_key_ops(b: KeyOpBatch) -> KeyOps:
+    return KeyOps(
+        worker=b.worker,
+        incarnation=b.incarnation,
+        shard=b.shard,
+        seq=b.seq,
+        reset=b.reset,
+        keys=b.keys.astype("<u8", copy=False).tobytes(),
+        tiers=b.tiers.tobytes(),
+    )
+
+
+class _Lost(Exception):
+    """The stream broke; re-open it and re-send what is unacknowledged."""
+
+
+class _UnitStream:
+    """The stream to one unit, opened lazily and re-opened after a failure."""
+
+    def __init__(self, shard: int, channel: Channel, metadata: Mapping[str, str]) -> None:
+        self.shard = shard
+        self.channel = channel
+        self.metadata = dict(metadata)
+        self.lock = asyncio.Lock()
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._stream: ClientStream[KeyOps, IngestAck] | None = None
+
+    async def open(self) -> ClientStream[KeyOps, IngestAck]:
+        if self._stream is None:
+            stack = contextlib.AsyncExitStack()
+            try:
+                st = await stack.enter_async_context(self.channel.request(INGEST_PATH, Cardinality.STREAM_STREAM, KeyOps, IngestAck, metadata=self.metadata))
+                await st.send_request()
+            except BaseException as e:
+                await _close_quietly(stack)
+                if isinstance(e, (StreamTerminatedError, OSError, asyncio.TimeoutError)) or (isinstance(e, GRPCError) and e.status in _TRANSIENT):
+                    raise _Lost(str(e)) from e
+                raise
+            self._stack, self._stream = stack, st
+        return self._stream
+
+    async def drop(self) -> None:
+        stack, self._stack, self._stream = self._stack, None, None
+        if stack is not None:
+            await _close_quietly(stack)
+
+    async def _terminated(self, e: BaseException) -> NoReturn:
+        """The stream was reset: the unit may have sent a final status first (a refused
+        credential ends the stream before any ack), which the stream's exit turns into a
+        GRPCError; anything else is a lost stream."""
+        stack, self._stack, self._stream = self._stack, None, None
+        if stack is not None:
+            try:
+                await stack.__aexit__(type(e), e, e.__traceback__)
+            except GRPCError as g:
+                if g.status not in _TRANSIENT:
+                    raise g from None
+            except Exception:  # noqa: BLE001 - whatever else, the stream is gone
+                pass
+        raise _Lost(str(e)) from e
+
+    async def recv(self) -> IngestAck:
+        """The next ack; raises _Lost on a broken stream and GRPCError for a final status."""
+        st = self._stream
+        assert st is not None
+        try:
+            ack = await st.recv_message()
+            if ack is None:
+                # The unit ended the stream: its trailers say why.
+                with contextlib.suppress(StreamTerminatedError):
+                    await st.end()
+                await st.recv_trailing_metadata()
+                raise _Lost("stream ended by the unit")
+            return ack
+        except GRPCError as e:
+            if e.status in _TRANSIENT:
+                raise _Lost(str(e)) from e
+            raise
+        except StreamTerminatedError as e:
+            await self._terminated(e)
+        except (ConnectionError, OSError, asyncio.TimeoutError) as e:
+            raise _Lost(str(e)) from e
+
+    async def send(self, msg: KeyOps) -> None:
+        st = self._stream
+        assert st is not None
+        try:
+            await st.send_message(msg)
+        except GRPCError as e:
+            if e.status in _TRANSIENT:
+                raise _Lost(str(e)) from e
+            raise
+        except StreamTerminatedError as e:
+            await self._terminated(e)
+        except (ConnectionError, OSError) as e:
+            raise _Lost(str(e)) from e
+
+
+async def _close_quietly(stack: contextlib.AsyncExitStack) -> None:
+    # Leaving a half-open stream cancels it (RST_STREAM); whatever the server said last no
+    # longer matters to us.
+    with contextlib.suppress(Exception):
+        await stack.aclose()
+
+
+class IngestClient:
+    """Streams one worker's key-op batches to the maintenance units.
+
+    ``units`` maps shard -> grpclib Channel (shared: the caller closes it) or ``"host:port"``
+    (this client opens and closes the channel). ``on_rejected(shard)`` returns the reset batches
+    to send after a sequence error (pass ``agent.on_rejected``); ``token`` is sent as
+    ``x-kvcompass-token``.
+    """
+
+    def __init__(
+        self,
+        worker: str,
+        units: Mapping[int, Channel | str],
+        on_rejected: ResendFn,
+        *,
+        token: str | None = None,
+        window: int = 64,
+        backoff_s: tuple[float, float] = (0.02, 1.0),
+        max_attempts: int = 20,
+        max_resets: int = 4,
+    ) -> None:
+        if window < 1 or max_attempts < 1 or max_resets < 0:
+            raise ValueError("window and max_attempts must be >= 1 and max_resets >= 0")
+        self.worker = worker
+        self._on_rejected = on_rejected
+        self._window = window
+        self._backoff = backoff_s
+        self._max_attempts = max_attempts
+        self._max_resets = max_resets
+        md = {WORKER_HEADER: worker}
+        if token is not None:
+            md[TOKEN_HEADER] = token
+        self._owned: list[Channel] = []
+        self._units: dict[int, _UnitStream] = {}
+        for shard, target in units.items():
+            if isinstance(target, str):
+                host, _, port = target.rpartition(":")
+                ch = Channel(host.strip("[]"), int(port))
+                self._owned.append(ch)
+            else:
+                ch = target
+            self._units[shard] = _UnitStream(shard, ch, md)
+        self.reconnects = 0
+
+    async def send(self, batches: Sequence[KeyOpBatch]) -> SendReport:
+        """Deliver ``batches`` (any shards, each shard's in seq order) and wait for every ack.
+        Raises IngestRejected when a unit refuses one for good, ConnectionError after
+        ``max_attempts`` failed attempts in a row."""
+        by_shard: dict[int, list[KeyOpBatch]] = {}
+        for b in batches:
+            if b.worker != self.worker:
+                raise ValueError(f"batch of worker {b.worker!r} given to the client of {self.worker!r}")
+            if b.shard not in self._units:
+                raise ValueError(f"no maintenance unit configured for shard {b.shard}")
+            by_shard.setdefault(b.shard, []).append(b)
+        totals = [0, 0, 0, 0, 0]
+        while by_shard:
+            results = await asyncio.gather(*(self._send_unit(self._units[s], bs) for s, bs in sorted(by_shard.items())), return_exceptions=True)
+            by_shard = {}
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+                counts, extra = r
+                totals = [a + b for a, b in zip(totals, counts, strict=True)]
+                for b in extra:  # a resend may carry batches of other shards
+                    by_shard.setdefault(b.shard, []).append(b)
+        return SendReport(*totals)
+
+    async def _send_unit(self, u: _UnitStream, batches: Sequence[KeyOpBatch]) -> tuple[list[int], list[KeyOpBatch]]:
+        n_ok = applied = dups = resets = reconnects = 0
+        extra: list[KeyOpBatch] = []
+        todo: deque[KeyOpBatch] = deque(batches)
+        inflight: deque[KeyOpBatch] = deque()
+        reset_floor = 0  # acks of batches below this seq predate the last reset: ignore them
+        failures = 0
+        async with u.lock:
+            try:
+                while todo or inflight:
+                    try:
+                        await u.open()
+                        while todo and len(inflight) < self._window:
+                            b = todo.popleft()
+                            inflight.append(b)
+                            await u.send(encode_key_ops(b))
+                        ack = await u.recv()
+                    except _Lost as e:
+                        await u.drop()
+                        failures += 1
+                        if failures >= self._max_attempts:
+                            raise ConnectionError(f"maintenance unit of shard {u.shard} unreachable after {failures} attempts: {e}") from e
+                        reconnects += 1
+                        self.reconnects += 1
+                        await asyncio.sleep(min(self._backoff[1], self._backoff[0] * 2 ** (failures - 1)))
+                        todo.extendleft(reversed(inflight))
+                        inflight.clear()
+                        continue
+                    except GRPCError as e:
+                        await u.drop()
+                        b0 = inflight[0] if inflight else None
+                        raise IngestRejected(u.shard, b0.seq if b0 else 0, e.status, "stream", e.message or "") from None
+                    failures = 0
+                    b = inflight.popleft()
+                    if ack.code == 0:
+                        n_ok += 1
+                        applied += ack.applied
+                        dups += int(ack.duplicate)
+                        continue
+                    status = Status(ack.code)
+                    if b.seq < reset_floor:
+                        continue  # sent before the reset went out: superseded by it
+                    if status is Status.ABORTED and ack.reason == "AgentSequenceError":
+                        resets += 1
+                        if resets > self._max_resets:
+                            raise IngestRejected(u.shard, b.seq, status, ack.reason, f"{ack.message} (still refused after {self._max_resets} resets)")
+                        fresh = list(self._on_rejected(u.shard))
+                        mine = [x for x in fresh if x.shard == u.shard]
+                        extra += [x for x in fresh if x.shard != u.shard]
+                        todo = deque(mine)
+                        reset_floor = min((x.seq for x in mine), default=reset_floor)
+                        continue
+                    raise IngestRejected(u.shard, b.seq, status, ack.reason, ack.message)
+            except BaseException:
+                # Unread acks would be taken for the next send's: start that one on a fresh stream.
+                if inflight:
+                    await u.drop()
+                raise
+        return [n_ok, applied, dups, resets, reconnects], extra
+
+    async def close(self) -> None:
+        """End every stream and close the channels this client opened."""
+        for u in self._units.values():
+            async with u.lock:
+                await u.drop()
+        for ch in self._owned:
+            ch.close()
+        self._owned.clear()
+
+    async def __aenter__(self) -> IngestClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,281 @@
+"""``kvcompass loadgen``: replays a trace through the edges' HTTP doors, open loop, and records
+what every request saw.
+
+Each request goes to the edge of its region (the trace's sessions are assigned regions as the
+simulator assigns them, :func:`kvcompass.sim.workload.load_trace`), at its rescaled arrival
+time whether or not earlier requests have finished (open loop: a slow cluster must show up as
+latency, not as a lower offered load). Prompts are sent as token ids, so the ids the workers
+cache are exactly the trace's. Every request streams with ``include_usage``, because the first
+content event is the only honest TTFT and the final usage chunk carries ``cached_tokens``.
+
+A record per request (JSONL with ``--out``): ``id, session, region, edge, arrival_s, status,
+worker, worker_region, prompt_tokens, cached_tokens, output_tokens, ttft_ms, e2e_ms, error``.
+:func:`summarize` turns records into the figures the main job tabulates; hit rates are
+token-weighted (reused tokens / prompt tokens), split by whether the serving worker is in the
+request's own region (local) or not (cross-region).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from kvcompass.services.commands import UsageError
+
+__all__ = ["LoadPlan", "load_requests", "loadgen_main", "replay", "summarize"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """One request, ready to send."""
+
+    id: int
+    session: int
+    region: str
+    arrival_s: float
+    prompt_tokens: int
+    body: bytes
+
+
+def load_requests(
+    trace: str,
+    regions: Sequence[str],
+    *,
+    rate: float,
+    block_size: int = 512,
+    max_requests: int | None = None,
+    topology: Any = None,
+    seed: int = 0,
+    max_tokens: int | None = None,
+    model: str = "llama-3.1-8b",
+) -> list[LoadPlan]:
+    """The trace as request bodies, arrivals rescaled to ``rate`` req/s (wall). Regions are
+    drawn among ``regions`` (weighted by prefill capacity when ``topology`` is given)."""
+    from kvcompass.sim.workload import load_trace, region_weights, resolve_trace
+
+    weights: list[float] | None = None
+    if topology is not None:
+        names, caps = region_weights(topology)
+        cap = dict(zip(names, caps, strict=True))
+        weights = [cap.get(r, 0.0) for r in regions]
+        if not any(w > 0 for w in weights):
+            weights = None
+    reqs = load_trace(resolve_trace(trace), block_size, regions=list(regions), weights=weights, seed=seed, rate=rate, mode="rescale", max_requests=max_requests)
+    out: list[LoadPlan] = []
+    t0 = reqs[0].arrival_ms if reqs else 0.0
+    for r in reqs:
+        n_out = max(1, r.output_length if max_tokens is None else min(r.output_length, max_tokens))
+        body = {
+            "model": model,
+            "prompt": r.input_tokens().tolist(),
+            "max_tokens": n_out,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        out.append(LoadPlan(r.id, r.session, r.region, (r.arrival_ms - t0) / 1e3, r.input_length, json.dumps(body, separators=(",", ":")).encode()))
+    return out
+
+
+async def _one(http: aiohttp.ClientSession, url: str, p: LoadPlan, worker_regions: Mapping[str, str], edge: str) -> dict[str, Any]:
+    rec: dict[str, Any] = {
+        "id": p.id, "session": p.session, "region": p.region, "edge": edge, "arrival_s": round(p.arrival_s, 6), "status": 0,
+        "worker": None, "worker_region": None, "prompt_tokens": p.prompt_tokens, "cached_tokens": None, "output_tokens": 0,
+        "ttft_ms": None, "e2e_ms": None, "error": None,
+    }
+    t0 = time.perf_counter()
+    try:
+        async with http.post(url, data=p.body, headers={"Content-Type": "application/json"}) as resp:
+            rec["status"] = resp.status
+            w = resp.headers.get("x-kvcompass-worker")
+            rec["worker"] = w
+            rec["worker_region"] = worker_regions.get(w) if w else None
+            if resp.status != 200:
+                text = await resp.text()
+                try:
+                    rec["error"] = json.loads(text)["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    rec["error"] = text[:200]
+                return rec
+            buf = b""
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    _event(event, rec, t0)
+            if buf.strip():
+                _event(buf, rec, t0)
+            rec["e2e_ms"] = (time.perf_counter() - t0) * 1e3
+    except (aiohttp.ClientError, TimeoutError, OSError) as e:
+        rec["error"] = f"{type(e).__name__}: {e}"
+    return rec
+
+
+def _event(event: bytes, rec: dict[str, Any], t0: float) -> None:
+    for line in event.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            continue
+        if not isinstance(obj, dict):
+            continue
+        if "error" in obj:
+            rec["error"] = str(obj["error"])
+        choices = obj.get("choices") or []
+        if choices:
+            if rec["ttft_ms"] is None:
+                rec["ttft_ms"] = (time.perf_counter() - t0) * 1e3
+            rec["output_tokens"] += 1
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                rec["cached_tokens"] = details["cached_tokens"]
+
+
+async def replay(
+    plans: Sequence[LoadPlan],
+    edges: Mapping[str, str],
+    *,
+    worker_regions: Mapping[str, str] | None = None,
+    progress: bool = True,
+    label: str = "",
+    timeout_s: float = 600.0,
+) -> list[dict[str, Any]]:
+    """Send every request at its arrival time to ``edges[region]`` (or the only edge) and return
+    the records in request order."""
+    if not edges:
+        raise UsageError("no edge to send to")
+    single = next(iter(edges.values())) if len(edges) == 1 else None
+    wr = dict(worker_regions or {})
+    conn = aiohttp.TCPConnector(limit=0)
+    done = 0
+    errors = 0
+    n = len(plans)
+    t_start = time.perf_counter()
+
+    def bar(final: bool = False) -> None:
+        if not progress:
+            return
+        width = 30
+        filled = int(width * done / n) if n else width
+        el = time.perf_counter() - t_start
+        sys.stderr.write(f"\r{label}[{'#' * filled}{'.' * (width - filled)}] {done}/{n} requests, {errors} errors, {el:5.1f} s")
+        if final:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
+
+        async def fire(p: LoadPlan) -> dict[str, Any]:
+            nonlocal done, errors
+            delay = p.arrival_s - (time.perf_counter() - t_start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            base = single if single is not None else edges.get(p.region)
+            if base is None:
+                raise UsageError(f"no edge for region {p.region!r} (edges: {', '.join(edges)})")
+            rec = await _one(http, base.rstrip("/") + "/v1/completions", p, wr, base)
+            done += 1
+            errors += rec["status"] != 200 or rec["error"] is not None
+            return rec
+
+        async def ticker() -> None:
+            while True:
+                bar()
+                await asyncio.sleep(0.25)
+
+        tick = asyncio.ensure_future(ticker())
+        try:
+            records = await asyncio.gather(*(fire(p) for p in plans))
+        finally:
+            tick.cancel()
+            try:
+                await tick
+            except asyncio.CancelledError:
+                pass
+        bar(final=True)
+    return list(records)
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if xs else math.nan
+
+
+def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The main job's figures over successful requests (latencies in wall ms)."""
+    ok = [r for r in records if r["status"] == 200 and r["error"] is None and r["ttft_ms"] is not None]
+    ttft = [float(r["ttft_ms"]) for r in ok]
+    e2e = [float(r["e2e_ms"]) for r in ok]
+    prompt = sum(int(r["prompt_tokens"]) for r in ok)
+    local = sum(int(r["cached_tokens"] or 0) for r in ok if r["worker_region"] == r["region"])
+    cross = sum(int(r["cached_tokens"] or 0) for r in ok if r["worker_region"] is not None and r["worker_region"] != r["region"])
+    return {
+        "requests": len(records),
+        "ok": len(ok),
+        "errors": len(records) - len(ok),
+        "ttft_p50_ms": _pct(ttft, 50),
+        "ttft_p99_ms": _pct(ttft, 99),
+        "e2e_p50_ms": _pct(e2e, 50),
+        "e2e_p99_ms": _pct(e2e, 99),
+        "prompt_tokens": prompt,
+        "reused_tokens": local + cross,
+        "local_hit_rate": local / prompt if prompt else 0.0,
+        "xregion_hit_rate": cross / prompt if prompt else 0.0,
+        "xregion_requests": sum(1 for r in ok if r["worker_region"] is not None and r["worker_region"] != r["region"]),
+    }
+
+
+def write_records(path: str | Path, records: Sequence[Mapping[str, Any]]) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with open(p, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def loadgen_main(args: argparse.Namespace) -> int:
+    if not (math.isfinite(args.rate) and args.rate > 0):
+        raise UsageError(f"--rate must be > 0 req/s, got {args.rate}")
+    for name in ("max_requests", "max_tokens", "block_size"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    worker_regions: dict[str, str] = {}
+    if args.state_file is not None:
+        state = json.loads(Path(args.state_file).read_text())
+        edges = {str(r): str(e["http"]) for r, e in state["edges"].items()}
+        worker_regions = {str(w): str(d["region"]) for w, d in state.get("workers", {}).items()}
+    else:
+        edges = {"default": str(args.edge)}
+    topology = None
+    if args.topology is not None:
+        from kvcompass.discovery.topology import load_topology
+
+        topology = load_topology(args.topology)
+        if args.edge is not None:
+            worker_regions = {w.id: w.region for w in topology.workers}
+    plans = load_requests(
+        args.trace, list(edges), rate=args.rate, block_size=args.block_size, max_requests=args.max_requests,
+        topology=topology, seed=args.seed, max_tokens=args.max_tokens, model=args.model,
+    )
+    records = asyncio.run(replay(plans, edges, worker_regions=worker_regions, progress=not args.no_progress))
+    if args.out is not None:
+        write_records(args.out, records)
+    print(json.dumps(summarize(records)))
+    return 0

@@ -1,0 +1,131 @@
+"""Prometheus metrics and the ``/metrics`` + ``/healthz`` HTTP endpoint every process serves.
+
+Each process builds one :class:`ServiceMetrics` on its own :class:`CollectorRegistry` (never the
+global default registry, so several services can live in one test process without name
+clashes). Other services add their own collectors to ``metrics.registry`` and reuse
+:class:`MetricsServer` for the endpoint.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["MetricsServer", "ServiceMetrics", "bind_socket", "metrics_app"]
+
+# Patch lag on loopback is sub-millisecond; across regions it is a WAN RTT plus the flush period.
+_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class ServiceMetrics:
+    """The discovery plane's counters; a maintenance unit uses the ingest/patch-out half, an
+    edge the patch-in half. ``role`` becomes a constant label so one Prometheus can scrape a
+    whole ``kvcompass up`` cluster and still tell the processes apart."""
+
+    def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
+        self.role = role
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r, lbl = self.registry, {"role": role}
+        # maintenance side
+        self.batches_in = Counter("kvcompass_agent_batches", "Agent key-op batches accepted (duplicates included)", ["role"], registry=r).labels(**lbl)
+        self.events_in = Counter("kvcompass_key_ops", "Key ops received in accepted agent batches", ["role"], registry=r).labels(**lbl)
+        self.rejected = Counter("kvcompass_rejected_batches", "Agent batches refused, by error class", ["role", "reason"], registry=r)
+        self.patches_out = Counter("kvcompass_patches_out", "Patch batches emitted by flushes", ["role"], registry=r).labels(**lbl)
+        self.patch_bytes_out = Counter("kvcompass_patch_bytes_out", "Bytes of emitted patch batches", ["role"], registry=r).labels(**lbl)
+        self.catchups = Counter("kvcompass_catchups", "Subscriber catch-ups served, by kind (replay or snapshot)", ["role", "kind"], registry=r)
+        self.subscribers = Gauge("kvcompass_subscribers", "Live patch subscriptions", ["role"], registry=r).labels(**lbl)
+        self.subscribers_cut = Counter("kvcompass_subscribers_cut", "Subscribers cut off for falling behind", ["role"], registry=r).labels(**lbl)
+        self.index_entries = Gauge("kvcompass_index_entries", "Keys held by the index tables (writer) or views (edge)", ["role"], registry=r).labels(**lbl)
+        self.index_bytes = Gauge("kvcompass_index_bytes", "Memory of the index tables or views", ["role"], registry=r).labels(**lbl)
+        # edge side
+        self.patches_in = Counter("kvcompass_patches_applied", "Patch batches applied to views", ["role"], registry=r).labels(**lbl)
+        self.patches_refused = Counter("kvcompass_patches_refused", "Patch batches refused, by outcome", ["role", "status"], registry=r)
+        self.gaps = Counter("kvcompass_patch_gaps", "Views found behind their writer (gap, epoch change, heartbeat)", ["role"], registry=r).labels(**lbl)
+        self.resyncs = Counter("kvcompass_resyncs", "Resubscriptions made to repair a view", ["role"], registry=r).labels(**lbl)
+        self.reconnects = Counter("kvcompass_reconnects", "Streams re-opened after a transport failure", ["role"], registry=r).labels(**lbl)
+        self.patch_lag = Histogram(
+            "kvcompass_patch_lag_seconds", "From the unit's flush to the edge's apply (wall clock)", ["role"], buckets=_LAG_BUCKETS, registry=r
+        ).labels(**lbl)
+        self.ready = Gauge("kvcompass_ready", "1 while the process reports healthy", ["role"], registry=r).labels(**lbl)
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(role=self.role, reason=reason).inc()
+
+    def refused(self, status: str) -> None:
+        self.patches_refused.labels(role=self.role, status=status).inc()
+
+    def catchup(self, kind: str) -> None:
+        self.catchups.labels(role=self.role, kind=kind).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def metrics_app(registry: CollectorRegistry, ready: Callable[[], bool]) -> web.Application:
+    """``GET /metrics`` (Prometheus text) and ``GET /healthz`` (200 while ``ready()``, else 503,
+    so load balancers and ``kvcompass up`` can poll it without speaking gRPC)."""
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthz(_: web.Request) -> web.Response:
+        ok = ready()
+        return web.json_response({"status": "SERVING" if ok else "NOT_SERVING"}, status=200 if ok else 503)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    return app
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket bound before the server starts, so port 0 yields a known port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class MetricsServer:
+    """The metrics endpoint as a start/close pair (for ``AsyncExitStack`` lifecycles)."""
+
+    def __init__(self, registry: CollectorRegistry, ready: Callable[[], bool]) -> None:
+        self._app = metrics_app(registry, ready)
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Serve on ``host:port`` (0: any free port); returns the bound port."""
+        sock = bind_socket(host, port)
+        self.port = int(sock.getsockname()[1])
+        runner = web.AppRunner(self._app, access_log=None)
+        try:
+            await runner.setup()
+            await web.SockSite(runner, sock).start()
+        except BaseException:
+            sock.close()
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        return self.port
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    async def __aenter__(self) -> MetricsServer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

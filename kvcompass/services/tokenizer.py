@@ -1,0 +1,311 @@
+"""The tokenizer the edge's HTTP door and the emulated workers share: text and chat messages in,
+token ids (``uint32`` numpy arrays) out.
+
+Prefix keys are computed from token ids, so every process of a deployment must tokenize the same
+text to the same ids: the edge that routes a prompt and the worker that caches it. A topology may
+name its own ``tokenizer.json`` (any HF ``tokenizers`` file, e.g. the model's); without one the
+built-in default is used.
+
+**The built-in default** (``kvcompass/data/tokenizer.json``) is a byte-level BPE with an
+8192-entry vocabulary that this project trains itself (:func:`train_default`) with HF
+``tokenizers``, never downloaded from a hub. Its corpus is bundled: the package's own text
+(every ``.py``, ``.pyi``, ``.md`` and ``.toml`` file under ``kvcompass/``, in path order) plus
+the short English passage in this module (:data:`BUNDLED_TEXT`), so prose and chat text get
+sensible merges as well as code. Byte-level means any Unicode text encodes (no unknown token) and
+decodes back exactly. Retraining after the package's sources changed gives a different, equally
+valid vocabulary; what matters is that all processes of a deployment load the same file, and
+they do (the file ships in the package).
+
+**Chat format** (:meth:`Tokenizer.apply_chat_template`), ChatML::
+
+    <|im_start|>{role}\\n{content}<|im_end|>\\n        (each message)
+    <|im_start|>assistant\\n                          (the generation prompt)
+
+``<|im_start|>`` and ``<|im_end|>`` are special tokens inserted by id; text inside messages that
+spells them is encoded as ordinary text (a user cannot forge a turn boundary). Every message is
+encoded on its own and its header (role, newline) separately from its content, so the ids of a
+conversation at turn k are an exact prefix of its ids at turn k+1: prefix caching across turns
+depends on that, and token boundaries never straddle two messages.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from kvcompass.errors import InvalidArgumentError
+
+__all__ = [
+    "BUNDLED_TEXT",
+    "CHAT_ROLES",
+    "DEFAULT_TOKENIZER_PATH",
+    "DEFAULT_VOCAB_SIZE",
+    "SPECIAL_TOKENS",
+    "Tokenizer",
+    "default_corpus",
+    "load_tokenizer",
+    "train_default",
+]
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+DEFAULT_TOKENIZER_PATH = _PACKAGE / "data" / "tokenizer.json"
+DEFAULT_VOCAB_SIZE = 8192
+END_OF_TEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END)
+"""Ids 0, 1, 2 of the default tokenizer, in this order."""
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_CORPUS_SUFFIXES = (".py", ".pyi", ".md", ".toml")
+MAX_TEXT_CHARS = 16 * 1024 * 1024
+"""A text longer than this (16 Mi characters, far past any context window) is refused before it
+is tokenized, so one request cannot pin a CPU for seconds."""
+
+BUNDLED_TEXT = """\
+Hello! How can I help you today? I have a question about my order. Could you tell me when it
+will arrive? Of course. Please share the order number and the email address you used, and I will
+look it up for you. Thank you for your patience; the package left the warehouse this morning and
+should arrive within two or three business days.
+
+You are a helpful assistant. Answer the user's questions clearly and concisely. If you do not
+know the answer, say so instead of guessing. Think step by step, explain your reasoning, and give
+the final answer at the end. Use short paragraphs and lists where they make the answer easier to
+read.
+
+Summarize the following document in three sentences. The report describes how a company serving
+large language models in many regions of the world reduced the time to first token by reusing
+cached attention keys and values. Requests that share a long prefix, such as a system prompt, a
+tool description or a document, can skip most of the prefill work when they reach a worker that
+already holds that prefix in its memory. The main difficulty is knowing, quickly and without
+asking every worker, which worker holds which prefix, and whether the saving is worth the network
+delay of sending the request to another continent.
+
+Write a short story about a lighthouse keeper who finds a message in a bottle. The morning was
+grey and the sea was calm. She walked down to the rocks, as she did every day, and saw something
+glinting between the stones. Inside the bottle was a letter, written in careful handwriting many
+years ago, addressed to whoever might find it.
+
+Translate into French: good morning, good evening, please, thank you very much, where is the train
+station, how much does this cost, I would like a cup of coffee, the weather is beautiful today.
+
+Question: what is the capital of Japan? Answer: Tokyo. Question: what is twelve times twelve?
+Answer: one hundred and forty-four. Question: who wrote the play about a prince of Denmark?
+Answer: William Shakespeare wrote Hamlet around the year 1600.
+
+The function takes a list of numbers and returns the largest one. First, check that the list is
+not empty; then keep the largest value seen so far while walking through the list once. The
+running time is linear in the length of the list, and the memory used is constant.
+
+Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. January, February, March, April,
+May, June, July, August, September, October, November, December. One, two, three, four, five,
+six, seven, eight, nine, ten, eleven, twelve, twenty, thirty, hundred, thousand, million.
+"""
+"""General English prose and dialogue, written for this project and part of the default
+tokenizer's corpus (the package's sources are mostly code and technical prose)."""
+
+
+class Tokenizer:
+    """An HF ``tokenizers`` tokenizer with the two calls the HTTP door needs.
+
+    Thread-safe for concurrent ``encode`` calls (the HF tokenizer is immutable after loading),
+    so async callers may run them in ``asyncio.to_thread``.
+    """
+
+    def __init__(self, hf: _HFTokenizer, path: Path | None = None) -> None:
+        self._hf = hf
+        self.path = path
+        # Special tokens inside user text are plain text; apply_chat_template inserts them by id.
+        hf.encode_special_tokens = True
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        self._im_start = hf.token_to_id(IM_START)
+        self._im_end = hf.token_to_id(IM_END)
+        self._newline = self._ids("\n")
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"
+
+    @property
+    def hf(self) -> _HFTokenizer:
+        """The underlying HF tokenizer (for callers that need its full API)."""
+        return self._hf
+
+    def encode(self, text: str) -> npt.NDArray[np.uint32]:
+        """Token ids of ``text`` (no special tokens added; an empty text gives an empty array)."""
+        return np.asarray(self._ids(_text("text", text)), dtype=np.uint32)
+
+    def decode(self, ids: Sequence[int] | npt.NDArray[np.uint32]) -> str:
+        """The text of ``ids`` (special tokens left out)."""
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or (arr.size and (arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF)):
+            raise InvalidArgumentError("ids must be a one-dimensional sequence of token ids in 0..2**32-1")
+        return self._hf.decode([int(i) for i in arr], skip_special_tokens=True)
+
+    def token_id(self, token: str) -> int | None:
+        """The id of one vocabulary entry (e.g. a special token), None if there is none."""
+        return self._hf.token_to_id(token)
+
+    def apply_chat_template(self, messages: object, *, add_generation_prompt: bool = True) -> npt.NDArray[np.uint32]:
+        """Token ids of a chat in the ChatML format of the module notes.
+
+        ``messages``: a non-empty list of OpenAI chat messages, each a mapping with ``role``
+        (system, developer, user, assistant or tool) and ``content``: a string, a list of
+        ``{"type": "text", "text": ...}`` parts (joined), or null (read as empty, as an
+        assistant message that only calls tools has). Other keys (``name``, ``tool_calls``) are
+        ignored. InvalidArgumentError names the first offending message and field.
+        """
+        if self._im_start is None or self._im_end is None:
+            raise InvalidArgumentError(
+                f"tokenizer {self.path} has no {IM_START}/{IM_END} special tokens, so it cannot apply the ChatML chat template; "
+                "send a completion prompt instead"
+            )
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise InvalidArgumentError(f"messages must be a list of chat messages, got {type(messages).__name__}")
+        if not messages:
+            raise InvalidArgumentError("messages must not be empty")
+        out: list[int] = []
+        total = 0
+        for i, m in enumerate(messages):
+            role, content = _message(i, m)
+            total += len(content)
+            if total > MAX_TEXT_CHARS:
+                raise InvalidArgumentError(f"messages hold more than {MAX_TEXT_CHARS} characters")
+            out.append(self._im_start)
+            out += self._ids(role)
+            out += self._newline
+            out += self._ids(content)
+            out.append(self._im_end)
+            out += self._newline
+        if add_generation_prompt:
+            out.append(self._im_start)
+            out += self._ids("assistant")
+            out += self._newline
+        return np.asarray(out, dtype=np.uint32)
+
+    def _ids(self, text: str) -> list[int]:
+        if not text:
+            return []
+        return self._hf.encode(text, add_special_tokens=False).ids
+
+
+def _text(name: str, text: object) -> str:
+    if not isinstance(text, str):
+        raise InvalidArgumentError(f"{name} must be a string, got {type(text).__name__}")
+    if len(text) > MAX_TEXT_CHARS:
+        raise InvalidArgumentError(f"{name} has {len(text)} characters; at most {MAX_TEXT_CHARS} are accepted")
+    return text
+
+
+def _message(i: int, m: object) -> tuple[str, str]:
+    where = f"messages[{i}]"
+    if not isinstance(m, Mapping):
+        raise InvalidArgumentError(f"{where} must be an object with 'role' and 'content', got {type(m).__name__}")
+    role = m.get("role")
+    if not isinstance(role, str) or role not in CHAT_ROLES:
+        raise InvalidArgumentError(f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}")
+    if "content" not in m:
+        raise InvalidArgumentError(f"{where}.content is missing")
+    content = m["content"]
+    if content is None:
+        return role, ""
+    if isinstance(content, str):
+        return role, content
+    if isinstance(content, Sequence) and not isinstance(content, (str, bytes)):
+        texts: list[str] = []
+        for j, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidArgumentError(f"{where}.content[{j}] must be a text part {{'type': 'text', 'text': str}} (other part types are not supported)")
+            texts.append(part["text"])
+        return role, "".join(texts)
+    raise InvalidArgumentError(f"{where}.content must be a string, a list of text parts or null, got {type(content).__name__}")
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+
+def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
+    """The tokenizer in ``path`` (an HF ``tokenizer.json``), or the built-in default for None.
+
+    The default is loaded once per process and shared. InvalidArgumentError names the path when
+    the file is missing or is not a tokenizer."""
+    if path is None:
+        return _default()
+    return _load(Path(path))
+
+
+@functools.cache
+def _default() -> Tokenizer:
+    return _load(DEFAULT_TOKENIZER_PATH)
+
+
+def _load(p: Path) -> Tokenizer:
+    if not p.is_file():
+        raise InvalidArgumentError(f"tokenizer file {str(p)!r} does not exist (expected an HF tokenizers tokenizer.json)")
+    try:
+        hf = _HFTokenizer.from_file(str(p))
+    except Exception as e:  # tokenizers raises a bare Exception for unreadable files
+        raise InvalidArgumentError(f"tokenizer file {str(p)!r} is not an HF tokenizers tokenizer.json: {e}") from None
+    return Tokenizer(hf, p)
+
+
+# ---- training the default ---------------------------------------------------------------------
+
+
+def default_corpus(root: str | os.PathLike[str] | None = None) -> list[Path]:
+    """The package's own text files the default tokenizer is trained on, in path order."""
+    base = _PACKAGE if root is None else Path(root)
+    files = [p for p in base.rglob("*") if p.is_file() and p.suffix in _CORPUS_SUFFIXES and "__pycache__" not in p.parts]
+    return sorted(files, key=lambda p: p.relative_to(base).as_posix())
+
+
+def _corpus_texts(files: Iterable[Path]) -> Iterator[str]:
+    yield BUNDLED_TEXT
+    for f in files:
+        # Paragraph-sized pieces: the trainer counts words per piece, so piece size only
+        # changes memory use, not the result.
+        text = f.read_text(encoding="utf-8", errors="replace")
+        yield from (text[i : i + 65536] for i in range(0, len(text), 65536))
+
+
+def train_default(
+    path: str | os.PathLike[str] = DEFAULT_TOKENIZER_PATH,
+    *,
+    files: Sequence[str | os.PathLike[str]] | None = None,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+) -> Tokenizer:
+    """Train the default byte-level BPE and write it to ``path`` (how the shipped
+    ``kvcompass/data/tokenizer.json`` was made: ``python -m kvcompass.services.tokenizer``).
+
+    ``files``: the corpus besides :data:`BUNDLED_TEXT` (default :func:`default_corpus`).
+    Training is deterministic: the same corpus gives the same file."""
+    if type(vocab_size) is not int or vocab_size < 256 + len(SPECIAL_TOKENS) + 1:
+        raise InvalidArgumentError(f"vocab_size must be an int above the 256 byte tokens and the special tokens, got {vocab_size!r}")
+    corpus = default_corpus() if files is None else [Path(f) for f in files]
+    hf = _HFTokenizer(models.BPE())
+    # GPT-2 style: split on the usual word/number/punctuation regex, bytes mapped to printable
+    # characters, no prefix space (so a message's first word encodes as it does mid-text).
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,  # the bundled corpus is small; rare merges only memorise whole identifiers
+        show_progress=False,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    hf.train_from_iterator(_corpus_texts(corpus), trainer=trainer)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    hf.save(str(out), pretty=False)
+    return _load(out)
+
+
+if __name__ == "__main__":  # python -m kvcompass.services.tokenizer [PATH]
+    import sys
+
+    tok = train_default(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_TOKENIZER_PATH)
+    print(f"wrote {tok.path} ({tok.vocab_size} tokens)")

@@ -1,0 +1,435 @@
+"""The agent runner over real ZMQ on loopback: the key ops it sends equal what the agent makes of
+the same frames in-process; a lost message is repaired through the replay socket (both reply
+layouts vLLM releases use); an engine restart starts a new incarnation; an unanswered replay,
+a malformed message and a sink's refusal are each recovered from."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+import aiohttp
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvcompass.agent import BlockStored, WorkerAgent, encode_batch
+from kvcompass.discovery.ops import KeyOpBatch
+from kvcompass.discovery.topology import load_topology
+from kvcompass.discovery.plan import LevelPlan
+from kvcompass.errors import AgentSequenceError, StaleIncarnationError, UnknownWorkerError
+from kvcompass.index import Namespace
+from kvcompass.services.agent_runner import AgentRunner, agent_for_worker
+from kvcompass.services.emulated_worker import EmulatedWorker, WorkerConfig
+
+T = TypeVar("T")
+END = (-1).to_bytes(8, "big", signed=True)
+NS = Namespace("llama-3.1-8b", "public")
+LENGTHS = (16, 32, 48, 64, 128)
+SHARDS = 2
+INC = 1000
+
+
+def run(coro: Coroutine[Any, Any, T], timeout: float = 15.0) -> T:
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def new_agent(incarnation: int = INC) -> WorkerAgent:
+    return WorkerAgent("w0", NS, LENGTHS, SHARDS, block_size=16, incarnation=incarnation)
+
+
+class Collect:
+    """A sink that keeps everything it is handed."""
+
+    def __init__(self) -> None:
+        self.batches: list[KeyOpBatch] = []
+        self.calls = 0
+
+    async def __call__(self, batches: Sequence[KeyOpBatch]) -> None:
+        self.calls += 1
+        self.batches.extend(batches)
+
+
+def shape(b: KeyOpBatch) -> tuple[object, ...]:
+    return (b.worker, b.incarnation, b.shard, b.seq, b.keys.tolist(), b.tiers.tolist(), b.reset)
+
+
+def net(batches: Sequence[KeyOpBatch], shards: int = SHARDS) -> dict[int, int]:
+    """What a maintenance unit holds for the worker after applying the batches."""
+    state: dict[int, int] = {}
+    for b in batches:
+        if b.reset:
+            state = {k: t for k, t in state.items() if k % shards != b.shard}
+        for k, t in zip(b.keys.tolist(), b.tiers.tolist()):
+            if t:
+                state[k] = t
+            else:
+                state.pop(k, None)
+    return state
+
+
+async def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+@contextlib.asynccontextmanager
+async def worker_and_tap(**kw: Any) -> AsyncIterator[tuple[EmulatedWorker, zmq.asyncio.Socket, aiohttp.ClientSession]]:
+    """An emulated worker, a raw SUB socket on its events (the test's record of every frame), and
+    an HTTP session."""
+    cfg: dict[str, Any] = {"time_scale": 0.0, "vram_tokens": 128, "dram_tokens": 256}
+    cfg.update(kw)
+    w = EmulatedWorker(WorkerConfig(**cfg))
+    await w.start()
+    ctx = zmq.asyncio.Context()
+    tap = ctx.socket(zmq.SUB)
+    tap.setsockopt(zmq.SUBSCRIBE, b"")
+    tap.connect(w.events_endpoint)
+    try:
+        async with aiohttp.ClientSession() as s:
+            await wait_until(lambda: w.subscribers == 1)
+            yield w, tap, s
+    finally:
+        tap.close(linger=0)
+        ctx.term()
+        await w.stop(drain_timeout_s=5)
+
+
+async def complete(s: aiohttp.ClientSession, w: EmulatedWorker, prompt: list[int]) -> None:
+    async with s.post(w.http_url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}) as r:
+        assert r.status == 200, await r.text()
+
+
+PROMPTS = [  # against 8 blocks of VRAM and 16 of DRAM
+    list(range(0, 70)),  # 4 blocks
+    list(range(0, 40)) + [7] * 30,  # shares 2 blocks, adds 2
+    [3] * 100,  # 6 blocks: demotes into DRAM
+    list(range(0, 70)),  # promoted back from DRAM
+    [4] * 300,  # 18 blocks: keeps 8 in VRAM, demotes and evicts the rest
+    list(range(1000, 1130)),
+]
+
+
+# ---- against the emulated worker ----------------------------------------------------------------
+
+
+def test_runner_sends_what_the_agent_makes_of_the_same_frames() -> None:
+    async def main() -> None:
+        async with worker_and_tap() as (w, tap, s):
+            sink = Collect()
+            runner = AgentRunner(new_agent(), sink, w.events_endpoint, w.replay_endpoint)
+            await runner.start()
+            try:
+                await wait_until(lambda: w.subscribers == 2)
+                for p in PROMPTS:
+                    await complete(s, w, p)
+                await wait_until(lambda: runner.agent.last_seq == w.next_seq - 1)
+            finally:
+                await runner.stop()
+            frames = [await tap.recv_multipart() for _ in range(w.next_seq)]
+        reference = new_agent()
+        expected = [b for f in frames for b in reference.on_message(f).batches]
+        assert runner.stats.replays == 0 and runner.stats.messages == len(frames) == len(PROMPTS)
+        assert [shape(b) for b in sink.batches] == [shape(b) for b in expected]
+        assert net(sink.batches) == {k: int(t) for k, t in reference.held().items()} != {}
+        assert runner.agent.digest() == reference.digest()
+        assert runner.stats.sent_batches == len(expected) and runner.stats.sent_ops == sum(len(b.keys) for b in expected)
+        assert any(t == 2 for t in net(sink.batches).values())  # some prefix is held in DRAM only
+
+    run(main())
+
+
+def test_lost_message_is_repaired_through_replay() -> None:
+    async def main() -> None:
+        async with worker_and_tap() as (w, tap, s):
+            sink = Collect()
+            runner = AgentRunner(new_agent(), sink, w.events_endpoint, w.replay_endpoint)
+            await runner.start()
+            try:
+                await wait_until(lambda: w.subscribers == 2)
+                await complete(s, w, PROMPTS[0])
+                w.lose_next_events(1)  # the runner (and the tap) miss seq 1
+                await complete(s, w, PROMPTS[1])
+                await complete(s, w, PROMPTS[5])
+                await wait_until(lambda: runner.agent.last_seq == w.next_seq - 1)
+            finally:
+                await runner.stop()
+            frames = [await tap.recv_multipart() for _ in range(w.next_seq - 1)]
+            assert [int.from_bytes(f[1], "big") for f in frames] == [0, 2]
+            ring = w.buffered_events()  # the engine's own record, seq 1 included
+        reference = new_agent()
+        for seq, payload in ring:
+            reference.on_message([b"", seq.to_bytes(8, "big"), payload])
+        assert runner.stats.replays == 1 and runner.stats.replay_failures == 0
+        assert runner.agent.stats.gaps == 1 and runner.agent.stats.resyncs == 0
+        assert runner.agent.held() == reference.held()
+        assert net(sink.batches) == {k: int(t) for k, t in reference.held().items()}
+        assert w.stats.replay_requests == 1
+
+    run(main())
+
+
+def test_engine_restart_starts_a_new_incarnation() -> None:
+    async def main() -> None:
+        async with worker_and_tap() as (w, _, s):
+            sink = Collect()
+            runner = AgentRunner(new_agent(), sink, w.events_endpoint, w.replay_endpoint)
+            await runner.start()
+            try:
+                await wait_until(lambda: w.subscribers == 2)
+                for p in PROMPTS[:2]:
+                    await complete(s, w, p)
+                await wait_until(lambda: runner.agent.last_seq == 1)
+                before = len(sink.batches)
+                w.restart_engine()  # seq back to 0, cache empty
+                await complete(s, w, PROMPTS[5])
+                await wait_until(lambda: runner.agent.stats.restarts == 1 and runner.agent.last_seq == 0)
+            finally:
+                await runner.stop()
+        after = sink.batches[before:]
+        assert runner.agent.incarnation == INC + 1
+        assert {b.shard for b in after if b.reset} == set(range(SHARDS))
+        assert all(b.incarnation == INC + 1 and b.seq == 1 for b in after)
+        reference = new_agent()
+        reference.on_message([b"", (0).to_bytes(8, "big"), _payload_of_single_prompt(PROMPTS[5])])
+        assert net(sink.batches) == {k: int(t) for k, t in reference.held().items()} == {k: int(t) for k, t in runner.agent.held().items()}
+
+    run(main())
+
+
+def _payload_of_single_prompt(prompt: list[int]) -> bytes:
+    """The message an empty engine publishes for one prompt (hashes differ per engine, keys do not)."""
+    blocks = len(prompt) // 16
+    ev = BlockStored(tuple(range(1, blocks + 1)), None, tuple(prompt[: blocks * 16]), 16, None, "GPU")
+    return encode_batch([ev], 0)[2]
+
+
+def test_agent_for_worker_follows_the_topology() -> None:
+    topo = load_topology("testbed-14x3")
+    agent = agent_for_worker(topo, "eu-1", NS, incarnation=7)
+    assert agent.worker_id == "eu-1" and agent.incarnation == 7 and agent.shards == topo.shards
+    assert agent.registration_lengths == LevelPlan(topo).registration("eu")
+    assert agent_for_worker(topo, "us-0", NS).incarnation > 7  # the boot clock
+    with pytest.raises(UnknownWorkerError):
+        agent_for_worker(topo, "mars-0", NS)
+
+
+# ---- against a hand-made engine -------------------------------------------------------------------
+
+
+class FakeEngine:
+    """An engine speaking vLLM's protocol whose replay answers the test controls."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, *, answer: bool = True, topic_in_replay: bool = False) -> None:
+        self.pub = ctx.socket(zmq.XPUB)
+        self.router = ctx.socket(zmq.ROUTER)
+        for sock in (self.pub, self.router):
+            sock.setsockopt(zmq.LINGER, 0)
+        self.events = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
+        self.replay = f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}"
+        self.answer = answer
+        self.topic_in_replay = topic_in_replay
+        self.ring: dict[int, bytes] = {}
+        self.requests: list[int] = []
+        self._task = asyncio.create_task(self._serve())
+
+    async def subscribed(self) -> None:
+        assert (await self.pub.recv())[:1] == b"\x01"
+
+    async def publish(self, seq: int, prompt: list[int], *, send: bool = True, payload: bytes | None = None) -> None:
+        n = len(prompt) // 16
+        first = 10_000 * (seq + 1)
+        ev = BlockStored(tuple(range(first, first + n)), None, tuple(prompt[: n * 16]), 16, None, "GPU")
+        frames = encode_batch([ev], seq)
+        if payload is not None:
+            frames[2] = payload
+        self.ring[seq] = frames[2]
+        if send:
+            await self.pub.send_multipart(frames)
+
+    async def _serve(self) -> None:
+        while True:
+            ident, _, start = await self.router.recv_multipart()
+            self.requests.append(int.from_bytes(start, "big"))
+            if not self.answer:
+                continue
+            head = [ident, b""] + ([b""] if self.topic_in_replay else [])
+            for seq in sorted(self.ring):
+                if seq >= int.from_bytes(start, "big"):
+                    await self.router.send_multipart(head + [seq.to_bytes(8, "big"), self.ring[seq]])
+            await self.router.send_multipart(head + [END, b""])
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+@contextlib.asynccontextmanager
+async def fake_engine(**kw: Any) -> AsyncIterator[FakeEngine]:
+    ctx = zmq.asyncio.Context()
+    engine = FakeEngine(ctx, **kw)
+    try:
+        yield engine
+    finally:
+        await engine.close()
+        ctx.term()
+
+
+def prompt(i: int) -> list[int]:
+    return [i] * 16 + list(range(100 * i, 100 * i + 48))
+
+
+@pytest.mark.parametrize("topic_in_replay", [False, True])
+def test_replay_reply_layouts(topic_in_replay: bool) -> None:
+    async def main() -> None:
+        async with fake_engine(topic_in_replay=topic_in_replay) as eng:
+            sink = Collect()
+            runner = AgentRunner(new_agent(), sink, eng.events, eng.replay)
+            await runner.start()
+            try:
+                await eng.subscribed()
+                await eng.publish(0, prompt(0))
+                await eng.publish(1, prompt(1), send=False)
+                await eng.publish(2, prompt(2))
+                await wait_until(lambda: runner.agent.last_seq == 2 and runner.stats.replay_frames == 3)  # the end frame read too
+            finally:
+                await runner.stop()
+        assert eng.requests == [1] and runner.stats.replays == 1 and runner.stats.replay_frames == 3
+        assert runner.agent.stats.resyncs == 0
+        reference = new_agent()
+        for seq in range(3):
+            reference.on_message([b"", seq.to_bytes(8, "big"), eng.ring[seq]])
+        assert net(sink.batches) == {k: int(t) for k, t in reference.held().items()}
+
+    run(main())
+
+
+def test_unanswered_replay_times_out_and_resyncs() -> None:
+    async def main() -> None:
+        async with fake_engine(answer=False) as eng:
+            sink = Collect()
+            runner = AgentRunner(new_agent(), sink, eng.events, eng.replay, replay_timeout_s=0.2)
+            await runner.start()
+            try:
+                await eng.subscribed()
+                await eng.publish(0, prompt(0))
+                await eng.publish(1, prompt(1), send=False)
+                await eng.publish(2, prompt(2))
+                await wait_until(lambda: runner.stats.replay_failures == 1)
+                resync = sink.batches[-SHARDS:]
+                assert all(b.reset for b in resync) and {b.shard for b in resync} == set(range(SHARDS))
+                await eng.publish(3, prompt(3))  # the stream goes on from the resync
+                await wait_until(lambda: runner.agent.last_seq == 3)
+                eng.answer = True  # the next gap is answered (over a fresh DEALER)
+                await eng.publish(4, prompt(4), send=False)
+                await eng.publish(5, prompt(5))
+                await wait_until(lambda: runner.agent.last_seq == 5)
+            finally:
+                await runner.stop()
+        assert eng.requests == [1, 4] and runner.stats.replays == 2 and runner.stats.replay_failures == 1
+        assert runner.agent.stats.resyncs == 1
+        # What the resync could not know (seq 1) stays missing; everything else is reported.
+        reference = new_agent()
+        for i, seq in enumerate((0, 2, 3, 4, 5)):
+            reference.on_message([b"", i.to_bytes(8, "big"), eng.ring[seq]])
+        assert runner.agent.held() == reference.held()
+        assert net(sink.batches) == {k: int(t) for k, t in reference.held().items()}
+        lost = set(NS.keys(np.asarray(prompt(1), dtype=np.uint32), LENGTHS).tolist())
+        assert not lost & set(runner.agent.held())
+
+    run(main())
+
+
+def test_malformed_message_is_skipped_without_replay_socket() -> None:
+    async def main() -> None:
+        async with fake_engine() as eng:
+            sink = Collect()
+            runner = AgentRunner(new_agent(), sink, eng.events)  # no replay endpoint
+            await runner.start()
+            try:
+                await eng.subscribed()
+                await eng.publish(0, prompt(0))
+                await eng.publish(1, prompt(1), payload=b"\xc1 not msgpack")
+                await eng.publish(2, prompt(2))
+                await wait_until(lambda: runner.agent.last_seq == 2)
+            finally:
+                await runner.stop()
+        assert runner.stats.malformed == 1 and runner.stats.replay_failures == 1 and runner.stats.replays == 0
+        assert runner.agent.stats.resyncs == 1
+        assert net(sink.batches) == {k: int(t) for k, t in runner.agent.held().items()} != {}
+
+    run(main())
+
+
+def test_sink_refusals() -> None:
+    async def main() -> None:
+        async with fake_engine() as eng:
+            seen: list[list[KeyOpBatch]] = []
+            mode = {"refuse": 1, "stale": False}
+
+            async def sink(batches: Sequence[KeyOpBatch]) -> None:
+                seen.append(list(batches))
+                if mode["stale"]:
+                    raise StaleIncarnationError("a newer agent owns w0", expected=INC + 5, got=INC, worker="w0")
+                if mode["refuse"]:
+                    mode["refuse"] -= 1
+                    raise AgentSequenceError("unit lost the sequence", expected=1, got=2, shard=1)
+
+            runner = AgentRunner(new_agent(), sink, eng.events, eng.replay)
+            await runner.start()
+            try:
+                await eng.subscribed()
+                await eng.publish(0, prompt(0))
+                await wait_until(lambda: runner.stats.sent_batches > 0)
+                assert runner.stats.rejections == 1
+                resent = seen[1]
+                assert len(resent) == 1 and resent[0].reset and resent[0].shard == 1
+                await runner.resend_full_report()
+                assert {b.shard for b in seen[-1]} == set(range(SHARDS)) and all(b.reset for b in seen[-1])
+                mode["stale"] = True
+                await eng.publish(1, prompt(1))
+                with pytest.raises(StaleIncarnationError):
+                    await runner.wait()
+                assert not runner.running
+            finally:
+                with pytest.raises(StaleIncarnationError):
+                    await runner.stop()
+
+    run(main())
+
+
+def test_run_reads_until_cancelled() -> None:
+    async def main() -> None:
+        async with fake_engine() as eng:
+            sink = Collect()
+            runner = AgentRunner(new_agent(), sink, eng.events, eng.replay)
+            task = asyncio.create_task(runner.run())
+            await eng.subscribed()
+            await eng.publish(0, prompt(0))
+            await wait_until(lambda: runner.agent.last_seq == 0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert net(sink.batches) == {k: int(t) for k, t in runner.agent.held().items()} != {}
+
+    run(main())
+
+
+def test_runner_arguments_are_checked() -> None:
+    async def noop(_: Sequence[KeyOpBatch]) -> None:
+        return None
+
+    from kvcompass.errors import InvalidArgumentError
+
+    for kw in ({"events": "localhost:5557"}, {"events": "tcp://127.0.0.1:1", "replay": "nope"}, {"events": "tcp://127.0.0.1:1", "replay_timeout_s": 0}):
+        with pytest.raises(InvalidArgumentError):
+            AgentRunner(new_agent(), noop, **kw)

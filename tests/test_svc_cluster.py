@@ -1,0 +1,293 @@
+"""The cluster end to end, as separate processes on loopback: ``kvcompass up`` on a two-region
+topology (ports chosen by the processes themselves), driven through the edges' HTTP doors and
+gRPC Route API. What only real processes can show: a prefix one region's worker caches travels
+agent -> maintenance unit -> every edge, and wins at the other region's edge when the prefill it
+saves exceeds the RTT; streams pass through; a SIGKILLed worker is routed around; errors are
+OpenAI-shaped; every process serves metrics and health; SIGTERM drains and exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from grpclib.client import Channel
+
+from kvcompass._proto.kvcompass.v1 import EdgeStub, RouteRequest
+from kvcompass.index import Namespace
+
+MODEL = "llama-3.1-8b"
+NS = Namespace(MODEL, "public")
+
+# Two regions 20 ms apart: n1 = 20 / 0.085 ~ 235 tokens, so a 4096-token prefix held in the other
+# region saves ~348 ms of prefill for 20 ms of WAN and must win there.
+TOPOLOGY = """
+name = "tiny-2x"
+block_size = 16
+levels = 3
+own_region_min = 256
+shards = 2
+
+[rtt_ms]
+a = { a = 1.0, b = 20.0 }
+b = { a = 20.0, b = 1.0 }
+
+[regions]
+a = "a"
+b = "b"
+
+[worker_defaults]
+beta_ms_per_token = 0.085
+vram_tokens = 65536
+
+[[workers]]
+region = "a"
+count = 2
+
+[[workers]]
+region = "b"
+count = 1
+"""
+
+
+def _cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvcompass", *args]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie child of a live parent still answers signal 0; read its state.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return int(r.status), r.read()
+    except urllib.error.HTTPError as e:
+        with e:
+            return int(e.code), e.read()
+
+
+def _post(url: str, body: object, raw: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=20) as r:
+            return int(r.status), {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        with e:
+            return int(e.code), {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(1000, 100_000, size=n)]
+
+
+def _route(grpc: str, tokens: list[int]) -> Any:
+    host, _, port = grpc.rpartition(":")
+
+    async def go() -> Any:
+        ch = Channel(host, int(port))
+        try:
+            return await EdgeStub(ch).route(RouteRequest(tokens=np.asarray(tokens, dtype="<u4").tobytes(), namespace=NS.digest), timeout=5)
+        finally:
+            ch.close()
+
+    return asyncio.run(go())
+
+
+def _wait_route(grpc: str, tokens: list[int], want: str, timeout: float = 15.0) -> Any:
+    """Until the edge's index claims the prefix at ``want`` (patches travel asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        d = _route(grpc, tokens)
+        if d.worker == want and d.claimed_tokens > 0:
+            return d
+        if time.monotonic() > deadline:
+            raise AssertionError(f"edge never routed to {want}: last decision {d.worker} claimed {d.claimed_tokens}")
+        time.sleep(0.05)
+
+
+class Cluster:
+    def __init__(self, proc: subprocess.Popen[bytes], state: dict[str, Any], log: Path) -> None:
+        self.proc = proc
+        self.state = state
+        self.log = log
+
+    def edge(self, region: str) -> str:
+        return str(self.state["edges"][region]["http"])
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    d = tmp_path_factory.mktemp("cluster")
+    topo = d / "tiny.toml"
+    topo.write_text(TOPOLOGY)
+    state_file = d / "state.json"
+    log = d / "up.log"
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen(
+            _cmd("up", "--topology", str(topo), "--state-file", str(state_file), "--run-dir", str(d / "run"), "--time-scale", "0.02", "--drain-grace", "5"),
+            stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while not state_file.exists():
+            assert proc.poll() is None, f"kvcompass up exited with {proc.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"cluster not up in 60 s:\n{log.read_text()}"
+            time.sleep(0.1)
+        yield Cluster(proc, json.loads(state_file.read_text()), log)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def test_up_writes_the_documented_state_file(cluster: Cluster) -> None:
+    s = cluster.state
+    assert set(s["edges"]) == {"a", "b"}
+    for e in s["edges"].values():
+        assert e["http"].startswith("http://127.0.0.1:") and e["metrics"].startswith("http://127.0.0.1:")
+        assert e["grpc"].startswith("127.0.0.1:")
+    assert [m["shard"] for m in s["maintenance"]] == [0, 1]
+    assert all(m["grpc"].startswith("127.0.0.1:") and m["metrics"].startswith("http://") for m in s["maintenance"])
+    assert s["workers"] == {w: {"http": s["workers"][w]["http"], "region": w[0]} for w in ("a-0", "a-1", "b-0")}
+    assert all(_alive(pid) for pid in s["pids"].values())
+
+
+def test_bad_requests_get_openai_errors(cluster: Cluster) -> None:
+    url = cluster.edge("a") + "/v1/completions"
+    for body, raw, status, param in [
+        ({"model": MODEL}, None, 400, "prompt"),
+        ({"model": MODEL, "prompt": [1, -2]}, None, 400, "prompt"),
+        ({"model": "no-such-model", "prompt": [1, 2]}, None, 404, "model"),
+        (None, b"{not json", 400, None),
+    ]:
+        st, headers, data = _post(url, body, raw)
+        assert st == status
+        assert headers["content-type"].startswith("application/json")
+        err = json.loads(data)["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        assert err["type"] == "invalid_request_error" and err["param"] == param
+
+
+def test_metrics_and_health(cluster: Cluster) -> None:
+    s = cluster.state
+    for m in s["maintenance"]:
+        assert _get(m["metrics"] + "/healthz")[0] == 200
+        assert b"kvcompass_patches_out" in _get(m["metrics"] + "/metrics")[1]
+    for e in s["edges"].values():
+        assert _get(e["metrics"] + "/healthz")[0] == 200
+        assert b"kvcompass_patches_applied" in _get(e["metrics"] + "/metrics")[1]
+        st, body = _get(e["http"] + "/health")
+        assert st == 200 and json.loads(body)["status"] == "ok"
+        assert b"kvcompass_door_requests" in _get(e["http"] + "/metrics")[1]
+        assert json.loads(_get(e["http"] + "/v1/models")[1])["data"][0]["id"] == MODEL
+    for w in s["workers"].values():
+        assert _get(w["http"] + "/health")[0] == 200
+        assert b"kvcompass_worker_event_subscribers" in _get(w["http"] + "/metrics")[1]
+    for a in s["agents"].values():
+        assert _get(a["metrics"] + "/healthz")[0] == 200
+        assert b"kvcompass_agent_engine_messages" in _get(a["metrics"] + "/metrics")[1]
+
+
+def test_remote_prefix_becomes_visible_and_wins_when_it_saves_more_than_the_rtt(cluster: Cluster) -> None:
+    tokens = _prompt(1, 4096)
+    st, headers, data = _post(cluster.edge("b") + "/v1/completions", {"model": MODEL, "prompt": tokens, "max_tokens": 2})
+    assert st == 200 and headers["x-kvcompass-worker"] == "b-0"  # the only worker of region b
+    # The worker's KV events reach region a's edge through b-0's agent and the maintenance units.
+    d = _wait_route(cluster.state["edges"]["a"]["grpc"], tokens, "b-0")
+    assert d.region == "b" and d.claimed_tokens >= 4096 - 16
+    assert d.terms.wan == pytest.approx(20.0)  # the RTT it pays for ~348 ms of saved prefill
+    st, headers, data = _post(cluster.edge("a") + "/v1/completions", {"model": MODEL, "prompt": tokens, "max_tokens": 2})
+    assert st == 200 and headers["x-kvcompass-worker"] == "b-0"
+    assert json.loads(data)["usage"]["prompt_tokens_details"]["cached_tokens"] >= 4096 - 16
+    # A fresh prompt has no holder anywhere: it stays in region a.
+    st, headers, _ = _post(cluster.edge("a") + "/v1/completions", {"model": MODEL, "prompt": _prompt(2, 4096), "max_tokens": 2})
+    assert st == 200 and headers["x-kvcompass-worker"] in ("a-0", "a-1")
+
+
+def test_streaming_proxy_passes_tokens_through(cluster: Cluster) -> None:
+    body = {"model": MODEL, "prompt": _prompt(3, 600), "max_tokens": 7, "stream": True}
+    req = urllib.request.Request(cluster.edge("a") + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST")
+    events: list[bytes] = []
+    with urllib.request.urlopen(req, timeout=20) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        for line in r:
+            if line.startswith(b"data:"):
+                events.append(line[5:].strip())
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert len(texts) == 7 and all(texts)
+    assert all("usage" not in c for c in chunks)  # the usage chunk the door asked for is not the client's
+
+
+def test_killed_worker_is_routed_around(cluster: Cluster) -> None:
+    tokens = _prompt(4, 2048)
+    st, headers, _ = _post(cluster.edge("a") + "/v1/completions", {"model": MODEL, "prompt": tokens, "max_tokens": 2})
+    assert st == 200
+    holder = headers["x-kvcompass-worker"]
+    _wait_route(cluster.state["edges"]["a"]["grpc"], tokens, holder)
+    pid = cluster.state["pids"][f"worker-{holder}"]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while _alive(pid):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    # The index still says the dead worker holds the prompt; the door finds it dead and retries.
+    st, headers, data = _post(cluster.edge("a") + "/v1/completions", {"model": MODEL, "prompt": tokens, "max_tokens": 2})
+    assert st == 200, data
+    assert headers["x-kvcompass-worker"] != holder
+    assert cluster.proc.poll() is None  # the cluster keeps running without it
+
+
+def test_sigterm_drains_a_process(tmp_path: Path) -> None:
+    topo = tmp_path / "tiny.toml"
+    topo.write_text(TOPOLOGY)
+    proc = subprocess.Popen(_cmd("maintenance", "--topology", str(topo), "--shard", "1", "--state-file", str(tmp_path / "s1.state")), stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        ready = json.loads(proc.stdout.readline())
+        assert ready["ready"] == "maintenance" and ready["shard"] == 1
+        assert _get(ready["metrics"] + "/healthz")[0] == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        assert (tmp_path / "s1.state").is_file()  # the drain wrote the shard's state
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_sigterm_stops_the_whole_cluster(cluster: Cluster) -> None:
+    pids = list(cluster.state["pids"].values())
+    t0 = time.monotonic()
+    cluster.proc.send_signal(signal.SIGTERM)
+    assert cluster.proc.wait(30) == 0, cluster.log.read_text()
+    assert time.monotonic() - t0 < 20
+    assert not [p for p in pids if _alive(p)]

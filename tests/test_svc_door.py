@@ -1,0 +1,547 @@
+"""The edge's OpenAI-compatible HTTP door on real loopback sockets: a LocalPlane edge that has
+indexed real KV events, fake workers (tiny aiohttp apps speaking OpenAI's shapes), and an
+aiohttp client. Checks what only the wiring can show: the route follows the index, streams pass
+through event by event, dead workers are routed around, bad requests get OpenAI's error shape,
+responses teach the edge, and the door drains."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import aiohttp
+import numpy as np
+import numpy.typing as npt
+import pytest
+from aiohttp import web
+
+from _support import frame
+from kvcompass.agent import WorkerAgent, encode_batch
+from kvcompass.discovery.plane import LocalPlane
+from kvcompass.discovery.topology import load_topology
+from kvcompass.index import Namespace
+from kvcompass.services.http_door import DoorConfig, DoorServer, serve_door
+from kvcompass.sim.cache import PrefixCache
+
+MODEL = "llama-3.1-8b"
+NS = Namespace(MODEL, "public")  # the door's default namespace for MODEL
+BLOCK = 16
+T = TypeVar("T")
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """Every test's event loop, with a hard limit so a hang fails instead of stalling the suite."""
+    return asyncio.run(asyncio.wait_for(coro, 15))
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte: deterministic, dependency-free, and enough to key prefixes."""
+
+    def encode(self, text: str) -> npt.NDArray[np.uint32]:
+        return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint32)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> npt.NDArray[np.uint32]:
+        return self.encode("".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages) + "<assistant>")
+
+
+# -- the index side ---------------------------------------------------------------------------------
+
+
+def make_plane() -> LocalPlane:
+    return LocalPlane(load_topology("testbed-14x3"), seed=3)
+
+
+def cache_prefix(plane: LocalPlane, worker: str, tokens: npt.NDArray[np.uint32]) -> None:
+    """``worker`` serves ``tokens`` once: its prefix cache admits them, the KV events go through
+    its agent to the maintenance units, and the patches reach every edge (the simulator's flow)."""
+    region = next(w.region for w in plane.topology.workers if w.id == worker)
+    cache = PrefixCache(BLOCK, 98304)
+    agent = WorkerAgent(worker, NS, plane.plan.registration(region), plane.layout.shards, block_size=BLOCK)
+    events = cache.admit(tokens, 0.0)
+    out = agent.on_message(encode_batch(events, 0))
+    assert out.batches
+    for b in out.batches:
+        plane.ingest(b, sender=worker)
+    plane.propagate()
+    assert plane.converged()
+
+
+def prompt_ids(seed: int, n: int) -> npt.NDArray[np.uint32]:
+    return np.random.default_rng(seed).integers(1000, 100_000, size=n, dtype=np.uint32)
+
+
+# -- fake workers -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Fleet:
+    """Fake OpenAI workers behind one server, worker ``w`` at ``/w/{w}``; what each answers is
+    set per test."""
+
+    cached: dict[str, int | None] = field(default_factory=dict)
+    """cached_tokens to report (default 0; None: no prompt_tokens_details at all)."""
+    status: dict[str, int] = field(default_factory=dict)
+    queue_ms: dict[str, float] = field(default_factory=dict)
+    vector: dict[str, dict[str, float]] = field(default_factory=dict)
+    chunks: int = 4
+    gate: asyncio.Event | None = None
+    """When set, a stream pauses after its first event until the gate opens."""
+    cut: set[str] = field(default_factory=set)
+    """Workers that drop the connection after a stream's first event."""
+    calls: list[tuple[str, dict[str, Any], dict[str, str]]] = field(default_factory=list)
+
+    def served(self) -> list[str]:
+        return [c[0] for c in self.calls]
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        wid = request.match_info["wid"]
+        body = await request.json()
+        self.calls.append((wid, body, dict(request.headers)))
+        st = self.status.get(wid)
+        if st is not None:
+            return web.json_response({"error": {"message": "boom", "type": "server_error", "param": None, "code": None}}, status=st)
+        headers: dict[str, str] = {}
+        if wid in self.queue_ms:
+            headers["x-kvcompass-queue-ms"] = str(self.queue_ms[wid])
+        if wid in self.vector:
+            headers["x-kvcompass-queue-vector"] = json.dumps(self.vector[wid])
+        n_prompt = len(body.get("prompt") or body.get("messages") or [])
+        usage: dict[str, Any] = {"prompt_tokens": n_prompt, "completion_tokens": self.chunks, "total_tokens": n_prompt + self.chunks}
+        cached = self.cached.get(wid, 0)
+        if cached is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        if not body.get("stream"):
+            out = {"id": "cmpl-1", "object": "text_completion", "model": body.get("model"), "choices": [{"index": 0, "text": "hi", "finish_reason": "stop"}], "usage": usage}
+            return web.json_response(out, headers=headers)
+        resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        include = bool((body.get("stream_options") or {}).get("include_usage"))
+        for i in range(self.chunks):
+            chunk: dict[str, Any] = {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]}
+            if include:
+                chunk["usage"] = None
+            await resp.write(sse(chunk))
+            if i == 0 and self.gate is not None:
+                await self.gate.wait()
+            if i == 0 and wid in self.cut:
+                assert request.transport is not None
+                request.transport.close()  # a FIN mid-body (an RST could discard the event in flight)
+                return resp
+        if include:
+            await resp.write(sse({"id": "cmpl-1", "object": "text_completion", "choices": [], "usage": usage}))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def sse_events(raw: bytes) -> list[bytes]:
+    return [e for e in raw.split(b"\n\n") if e]
+
+
+def bound_socket() -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+def dead_url() -> str:
+    """A loopback address nothing listens on (connection refused)."""
+    s = bound_socket()
+    port = s.getsockname()[1]
+    s.close()
+    return f"http://127.0.0.1:{port}"
+
+
+@dataclass
+class Rig:
+    door: DoorServer
+    client: aiohttp.ClientSession
+    fleet: Fleet
+
+    async def metrics(self) -> str:
+        async with self.client.get("/metrics") as r:
+            assert r.status == 200
+            return await r.text()
+
+
+@asynccontextmanager
+async def rig(
+    plane: LocalPlane,
+    fleet: Fleet,
+    *,
+    region: str = "us",
+    urls: dict[str, str] | None = None,
+    config: DoorConfig = DoorConfig(),
+    wan: Callable[[str, str], float] | None = None,
+) -> AsyncIterator[Rig]:
+    app = web.Application()
+    app.router.add_post("/w/{wid}/v1/completions", fleet.handle)
+    app.router.add_post("/w/{wid}/v1/chat/completions", fleet.handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    sock = bound_socket()
+    try:
+        await web.SockSite(runner, sock).start()
+        base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        edge = plane.edges[region]
+        workers = {w: f"{base}/w/{w}" for w in edge.workers}
+        workers.update(urls or {})
+        door = await serve_door(edge, workers, ByteTokenizer(), config=config, wan_one_way_ms=wan)
+        try:
+            async with aiohttp.ClientSession(door.url) as client:
+                yield Rig(door, client, fleet)
+        finally:
+            await door.stop(grace_s=1.0)
+    finally:
+        await runner.cleanup()
+        sock.close()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in a Prometheus text exposition (0 when absent)."""
+    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        if key == want:
+            return float(value)
+    return 0.0
+
+
+async def complete(client: aiohttp.ClientSession, body: dict[str, Any], **headers: str) -> tuple[int, dict[str, Any], Any]:
+    async with client.post("/v1/completions", json=body, headers=headers) as r:
+        return r.status, dict(r.headers), await r.json()
+
+
+# -- tests ----------------------------------------------------------------------------------------------
+
+
+def test_the_route_follows_the_index_for_token_and_text_prompts() -> None:
+    plane = make_plane()
+    ids = prompt_ids(1, 2048)
+    cache_prefix(plane, "us-5", ids)
+    text = "".join(chr(ord("a") + i % 26) for i in range(7 * 97)) + " and the question is..."
+    cache_prefix(plane, "us-2", ByteTokenizer().encode(text))
+    fleet = Fleet(cached={"us-5": 2048, "us-2": 512}, queue_ms={"us-5": 12.5})
+
+    async def go() -> None:
+        async with rig(plane, fleet) as t:
+            status, headers, body = await complete(t.client, {"model": MODEL, "prompt": ids.tolist(), "max_tokens": 4})
+            assert status == 200, body
+            assert headers["x-kvcompass-worker"] == "us-5"
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 2048
+            wid, sent, sent_headers = fleet.calls[-1]
+            assert wid == "us-5" and sent["prompt"] == ids.tolist()  # token ids forwarded as they are
+            assert sent_headers["x-kvcompass-namespace"] == "public"
+
+            status, headers, body = await complete(t.client, {"prompt": text})  # no model: the default
+            assert status == 200 and headers["x-kvcompass-worker"] == "us-2"
+            assert fleet.calls[-1][1]["prompt"] == text
+
+            async with t.client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}) as r:
+                assert r.status == 200
+                assert (await r.json())["choices"][0]["text"] == "hi"
+
+            # Another tenant's namespace does not see the public prefix: no claim at all.
+            claimed = metric(await t.metrics(), "kvcompass_door_claimed_tokens_total")
+            status, _, _ = await complete(t.client, {"prompt": ids.tolist()}, **{"x-kvcompass-namespace": "acme"})
+            assert status == 200 and fleet.calls[-1][2]["x-kvcompass-namespace"] == "acme"
+            assert metric(await t.metrics(), "kvcompass_door_claimed_tokens_total") == claimed
+
+            # The own-region worker's queue header is a live reading.
+            assert plane.edges["us"].queue_estimate("us-5") == 12.5
+            m = await t.metrics()
+            assert metric(m, "kvcompass_door_hits_total") == 2.0  # us-5 and us-2 reused all they were claimed for
+            assert metric(m, "kvcompass_door_routes_total", worker_region="us") == 4.0
+
+    run(go())
+
+
+def test_cached_tokens_move_the_belief() -> None:
+    plane = make_plane()
+    ids = prompt_ids(2, 1024)
+    cache_prefix(plane, "us-5", ids)
+    edge = plane.edges["us"]
+    fleet = Fleet(cached={"us-5": 0})
+
+    async def go() -> None:
+        async with rig(plane, fleet) as t:
+            assert edge.belief("us-5") == 1.0
+            status, headers, _ = await complete(t.client, {"prompt": ids.tolist()})
+            assert status == 200 and headers["x-kvcompass-worker"] == "us-5"
+            low = edge.belief("us-5")
+            assert low < 1.0  # claimed 1024, reused 0: a false hit
+            m = await t.metrics()
+            assert metric(m, "kvcompass_door_false_hits_total") == 1.0
+            assert metric(m, "kvcompass_door_worker_belief", worker="us-5") == pytest.approx(low)
+
+            # A response without cached_tokens says nothing: the belief stays where it is.
+            fleet.cached["us-5"] = None
+            status, headers, _ = await complete(t.client, {"prompt": ids.tolist()})
+            assert status == 200 and headers["x-kvcompass-worker"] == "us-5"
+            assert edge.belief("us-5") == low
+            assert metric(await t.metrics(), "kvcompass_door_responses_without_cached_tokens_total") == 1.0
+
+    run(go())
+
+
+def test_streams_pass_through_event_by_event_in_order() -> None:
+    plane = make_plane()
+    ids = prompt_ids(3, 1024)
+    cache_prefix(plane, "us-5", ids)
+    edge = plane.edges["us"]
+    fleet = Fleet(cached={"us-5": 0}, chunks=5)
+
+    async def go() -> None:
+        fleet.gate = asyncio.Event()
+        async with rig(plane, fleet) as t:
+            async with t.client.post("/v1/completions", json={"prompt": ids.tolist(), "stream": True}) as r:
+                assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+                # The worker holds everything after its first event until the gate opens: the
+                # client can only read that event if the door relays without buffering.
+                first = await r.content.readuntil(b"\n\n")
+                assert json.loads(first[len(b"data: ") :])["choices"][0]["text"] == "t0"
+                fleet.gate.set()
+                rest = sse_events(await r.read())
+            texts = [json.loads(e[len(b"data: ") :])["choices"][0]["text"] for e in rest[:-1]]
+            assert texts == ["t1", "t2", "t3", "t4"] and rest[-1] == b"data: [DONE]"
+            # The door asked for the usage chunk (cached_tokens) and kept it from the client.
+            assert fleet.calls[-1][1]["stream_options"] == {"include_usage": True}
+            assert not any(b'"usage": {' in e for e in [first, *rest])
+            assert edge.belief("us-5") < 1.0
+
+            # A client that asks for usage gets it, with cached_tokens, just before [DONE].
+            async with t.client.post("/v1/completions", json={"prompt": ids.tolist(), "stream": True, "stream_options": {"include_usage": True}}) as r:
+                events = sse_events(await r.read())
+            usage = json.loads(events[-2][len(b"data: ") :])
+            assert usage["choices"] == [] and usage["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            assert len(events) == fleet.chunks + 2
+
+    run(go())
+
+
+def test_a_worker_lost_mid_stream_ends_the_stream_with_an_error_event() -> None:
+    plane = make_plane()
+    ids = prompt_ids(7, 1024)
+    cache_prefix(plane, "us-5", ids)
+    fleet = Fleet(cut={"us-5"})
+
+    async def go() -> None:
+        fleet.gate = asyncio.Event()  # the worker dies only once its first event reached the client
+        async with rig(plane, fleet) as t:
+            async with t.client.post("/v1/completions", json={"prompt": ids.tolist(), "stream": True}) as r:
+                assert r.status == 200 and r.headers["x-kvcompass-worker"] == "us-5"
+                first = await r.content.readuntil(b"\n\n")
+                fleet.gate.set()
+                events = sse_events(await r.read())
+            # Bytes had reached the client, so no retry: the stream ends with an error event.
+            assert json.loads(first[len(b"data: ") :])["choices"][0]["text"] == "t0"
+            assert len(events) == 1 and json.loads(events[0][len(b"data: ") :])["error"]["code"] == "upstream_error"
+            assert fleet.served() == ["us-5"] and t.door.door.dead_workers() == {"us-5"}
+            assert metric(await t.metrics(), "kvcompass_door_worker_failures_total", reason="midstream", worker="us-5") == 1.0
+
+    run(go())
+
+
+@pytest.mark.parametrize("failure", ["refused", "http500"])
+def test_a_dead_worker_is_routed_around(failure: str) -> None:
+    plane = make_plane()
+    ids = prompt_ids(4, 2048)
+    cache_prefix(plane, "us-5", ids)
+    fleet = Fleet()
+    urls: dict[str, str] = {}
+    if failure == "refused":
+        urls["us-5"] = dead_url()
+    else:
+        fleet.status["us-5"] = 500
+    reason = "connect" if failure == "refused" else "status_5xx"
+
+    async def go() -> None:
+        async with rig(plane, fleet, urls=urls) as t:
+            status, headers, body = await complete(t.client, {"prompt": ids.tolist()})
+            assert status == 200, body
+            assert headers["x-kvcompass-worker"] != "us-5" and headers["x-kvcompass-worker"].startswith("us-")
+            assert t.door.door.dead_workers() == {"us-5"}
+            m = await t.metrics()
+            assert metric(m, "kvcompass_door_worker_failures_total", reason=reason, worker="us-5") == 1.0
+            assert metric(m, "kvcompass_door_retries_total") == 1.0
+            assert metric(m, "kvcompass_door_worker_dead", worker="us-5") == 1.0
+
+            # While it cools down it is not tried at all.
+            status, headers, _ = await complete(t.client, {"prompt": ids.tolist()})
+            assert status == 200 and headers["x-kvcompass-worker"] != "us-5"
+            assert metric(await t.metrics(), "kvcompass_door_retries_total") == 1.0
+
+    run(go())
+
+
+def test_when_every_worker_fails_the_client_gets_a_502() -> None:
+    plane = make_plane()
+    fleet = Fleet(status={w: 503 for w in plane.edges["us"].workers})
+
+    async def go() -> None:
+        async with rig(plane, fleet, config=DoorConfig(max_attempts=3)) as t:
+            status, _, body = await complete(t.client, {"prompt": prompt_ids(5, 300).tolist()})
+            assert status == 502 and body["error"]["code"] == "upstream_error"
+            assert len(fleet.calls) == 3 and len(set(fleet.served())) == 3
+
+    run(go())
+
+
+BAD: list[tuple[str, str, Any, dict[str, str], int, str | None, str | None]] = [
+    # (name, path, body (bytes: sent raw), headers, status, param, code)
+    ("not json", "/v1/completions", b"{nope", {}, 400, None, "invalid_json"),
+    ("not an object", "/v1/completions", [1, 2], {}, 400, None, "invalid_type"),
+    ("missing prompt", "/v1/completions", {"model": MODEL}, {}, 400, "prompt", "missing_prompt"),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, {}, 400, "prompt", "empty_prompt"),
+    ("empty token list", "/v1/completions", {"prompt": []}, {}, 400, "prompt", "empty_prompt"),
+    ("prompt of a wrong type", "/v1/completions", {"prompt": 5}, {}, 400, "prompt", "invalid_type"),
+    ("batched prompts", "/v1/completions", {"prompt": ["a", "b"]}, {}, 400, "prompt", "unsupported"),
+    ("negative token", "/v1/completions", {"prompt": [1, -1]}, {}, 400, "prompt", "invalid_token_id"),
+    ("token past u32", "/v1/completions", {"prompt": [1, 2**32]}, {}, 400, "prompt", "invalid_token_id"),
+    ("huge token", "/v1/completions", {"prompt": [1, 2**70]}, {}, 400, "prompt", "invalid_token_id"),
+    ("float token", "/v1/completions", {"prompt": [1, 2.5]}, {}, 400, "prompt", "invalid_token_id"),
+    ("bool token", "/v1/completions", {"prompt": [1, True]}, {}, 400, "prompt", "invalid_token_id"),
+    ("string token", "/v1/completions", {"prompt": [1, "a"]}, {}, 400, "prompt", "invalid_token_id"),
+    ("too many tokens", "/v1/completions", {"prompt": list(range(1001))}, {}, 400, "prompt", "context_length_exceeded"),
+    ("text too long", "/v1/completions", {"prompt": "x" * 1001}, {}, 400, "prompt", "context_length_exceeded"),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, {}, 404, "model", "model_not_found"),
+    ("model not a string", "/v1/completions", {"model": 7, "prompt": "hi"}, {}, 400, "model", "invalid_type"),
+    ("stream not a bool", "/v1/completions", {"prompt": "hi", "stream": "yes"}, {}, 400, "stream", "invalid_type"),
+    ("stream_options not an object", "/v1/completions", {"prompt": "hi", "stream_options": 1}, {}, 400, "stream_options", "invalid_type"),
+    ("negative max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": -1}, {}, 400, "max_tokens", "invalid_type"),
+    ("temperature not a number", "/v1/completions", {"prompt": "hi", "temperature": "hot"}, {}, 400, "temperature", "invalid_type"),
+    ("bad tenant header", "/v1/completions", {"prompt": "hi"}, {"x-kvcompass-namespace": "a b"}, 400, "x-kvcompass-namespace", "invalid_namespace"),
+    ("body too large", "/v1/completions", {"prompt": "y" * 70_000}, {}, 413, None, "request_too_large"),
+    ("missing messages", "/v1/chat/completions", {"model": MODEL}, {}, 400, "messages", "missing_messages"),
+    ("messages not a list", "/v1/chat/completions", {"messages": "hi"}, {}, 400, "messages", "invalid_type"),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, {}, 400, "messages", "empty_prompt"),
+    ("message without role", "/v1/chat/completions", {"messages": [{"content": "hi"}]}, {}, 400, "messages[0].role", "invalid_type"),
+    ("message content of a wrong type", "/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, {}, 400, "messages[0].content", "invalid_type"),
+]
+
+
+def test_every_malformed_request_gets_an_openai_shaped_4xx() -> None:
+    plane = make_plane()
+    fleet = Fleet()
+    config = DoorConfig(models=(MODEL,), max_prompt_tokens=1000, max_body_bytes=64 * 1024)
+
+    async def go() -> None:
+        async with rig(plane, fleet, config=config) as t:
+            for name, path, body, headers, status, param, code in BAD:
+                kw: dict[str, Any] = {"data": body, "headers": {"Content-Type": "application/json", **headers}} if isinstance(body, bytes) else {"json": body, "headers": headers}
+                async with t.client.post(path, **kw) as r:
+                    got = await r.json()
+                    assert r.status == status, (name, got)
+                assert set(got) == {"error"} and set(got["error"]) == {"message", "type", "param", "code"}, name
+                err = got["error"]
+                assert err["type"] == "invalid_request_error" and err["message"], name
+                assert (err["param"], err["code"]) == (param, code), name
+            # Wrong method and unknown path are shaped the same way.
+            for method, path, status in (("GET", "/v1/completions", 405), ("POST", "/v1/nope", 404)):
+                async with t.client.request(method, path) as r:
+                    assert r.status == status
+                    assert set((await r.json())["error"]) == {"message", "type", "param", "code"}
+            assert fleet.calls == []  # nothing bad ever reached a worker
+            m = await t.metrics()
+            assert metric(m, "kvcompass_door_requests_total", endpoint="completions", status="400") >= 20
+
+    run(go())
+
+
+def test_models_metrics_and_health_respond() -> None:
+    plane = make_plane()
+    edge = plane.edges["us"]
+
+    async def go() -> None:
+        async with rig(plane, Fleet()) as t:
+            async with t.client.get("/v1/models") as r:
+                assert r.status == 200
+                body = await r.json()
+                assert body["object"] == "list" and [m["id"] for m in body["data"]] == [MODEL]
+            async with t.client.get("/health") as r:
+                assert r.status == 200 and (await r.json())["status"] == "ok"
+            status, _, _ = await complete(t.client, {"prompt": "hello there"})
+            assert status == 200
+            async with t.client.get("/metrics") as r:
+                assert r.headers["Content-Type"].startswith("text/plain")
+                m = await r.text()
+            assert metric(m, "kvcompass_door_route_latency_seconds_count") == 1.0
+            assert metric(m, "kvcompass_door_edge_healthy") == 1.0
+            for w in edge.workers:
+                assert metric(m, "kvcompass_door_worker_belief", worker=w) == 1.0
+                assert f'kvcompass_door_worker_queue_estimate_ms{{worker="{w}"}}' in m
+
+            # A lost patch batch leaves a view behind: health turns 503 until it is repaired.
+            assert edge.apply_patch(frame(0, 0, 1, 999, 0, b"")).status == "gap"
+            async with t.client.get("/health") as r:
+                assert r.status == 503 and (await r.json())["status"] == "behind"
+            assert metric(await t.metrics(), "kvcompass_door_edge_healthy") == 0.0
+
+    run(go())
+
+
+def test_queue_vectors_flow_both_ways_and_the_wan_is_emulated() -> None:
+    plane = make_plane()
+    ids = prompt_ids(6, 4096)
+    cache_prefix(plane, "asia-0", ids)  # long enough to be worth the us -> asia crossing
+    edge = plane.edges["us"]
+    fleet = Fleet(vector={"asia-0": {"asia-0": 40.0, "asia-1": 20.0}})
+    legs: list[tuple[str, str]] = []
+
+    def wan(a: str, b: str) -> float:
+        legs.append((a, b))
+        return 1.0
+
+    async def go() -> None:
+        async with rig(plane, fleet, wan=wan) as t:
+            status, headers, _ = await complete(t.client, {"prompt": ids.tolist()}, **{"x-kvcompass-region": "eu"})
+            assert status == 200 and headers["x-kvcompass-worker"] == "asia-0"
+            assert legs == [("us", "asia")]
+            # The remote region's vector, piggybacked on its response, was folded.
+            assert edge.queue_estimate("asia-1") == 20.0
+            # The caller named its region: it gets this edge's own vector back.
+            vec = json.loads(headers["x-kvcompass-queue-vector"])
+            assert sorted(vec) == sorted(w for w in edge.workers if w.startswith("us-"))
+            # A caller from this edge's own region or an unknown one gets none.
+            for caller in ("us", "mars"):
+                _, headers, _ = await complete(t.client, {"prompt": "hi"}, **{"x-kvcompass-region": caller})
+                assert "x-kvcompass-queue-vector" not in headers
+
+    run(go())
+
+
+def test_stop_drains_in_flight_requests_and_refuses_new_ones() -> None:
+    plane = make_plane()
+    fleet = Fleet(chunks=3)
+
+    async def go() -> None:
+        fleet.gate = asyncio.Event()
+        async with rig(plane, fleet) as t:
+            async with t.client.post("/v1/completions", json={"prompt": "stream me", "stream": True}) as r:
+                await r.content.readuntil(b"\n\n")
+                stopping = asyncio.create_task(t.door.stop(grace_s=5.0))
+                await asyncio.sleep(0.05)
+                async with t.client.get("/health") as h:
+                    assert h.status == 503 and (await h.json())["status"] == "draining"
+                status, _, body = await complete(t.client, {"prompt": "too late"})
+                assert status == 503 and body["error"]["code"] == "draining"
+                assert not stopping.done()  # still waiting for the open stream
+                fleet.gate.set()
+                rest = sse_events(await r.read())
+                assert rest[-1] == b"data: [DONE]" and len(rest) == 3
+            await stopping
+            assert t.door.door.inflight == 0
+
+    run(go())
+

@@ -1,0 +1,610 @@
+"""The gRPC wire layer: maintenance ingest/subscribe/snapshot, edge sync, the edge service.
+
+In-memory channels (``grpclib.testing.ChannelFor``) for most tests, real loopback sockets on
+port 0 for restarts, health and metrics. Every test runs its own event loop under a timeout and
+tears down every server, channel and task it made. "Converged" always means byte-identical
+views: every (table, shard) view digest of the edge equals its writer's ``table_digest``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+import numpy as np
+import pytest
+from grpclib.client import Channel
+from grpclib.const import Cardinality, Status
+from grpclib.exceptions import GRPCError
+from grpclib.health.v1.health_grpc import HealthStub
+from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+from grpclib.testing import ChannelFor
+from prometheus_client import CollectorRegistry
+
+import kvcompass.errors as errors_mod
+from kvcompass._proto.kvcompass.v1 import (
+    EdgeStub,
+    IngestAck,
+    KeyOps,
+    MaintenanceStub,
+    OutcomeRequest,
+    QueueVector,
+    RouteRequest,
+    SnapshotRequest,
+    SubscribeEvent,
+    SubscribeRequest,
+)
+from kvcompass.agent import BlockStored, WorkerAgent, encode_batch
+from kvcompass.discovery.edge import Edge
+from kvcompass.discovery.layout import IndexLayout
+from kvcompass.discovery.maintenance import MaintenanceUnit
+from kvcompass.discovery.ops import KeyOpBatch
+from kvcompass.discovery.plan import LevelPlan
+from kvcompass.discovery.topology import Topology, load_topology
+from kvcompass.index import Namespace, Tier
+from kvcompass.services.edge_service import EdgeServer, EdgeService, QueueBroadcaster
+from kvcompass.services.edge_sync import EdgeSync
+from kvcompass.services.ingest_client import IngestClient, IngestRejected
+from kvcompass.services.maintenance_service import (
+    INGEST_PATH,
+    SUBSCRIBE_PATH,
+    TOKEN_HEADER,
+    WORKER_HEADER,
+    MaintenanceConfig,
+    MaintenanceServer,
+    MaintenanceService,
+    load_unit,
+    serve_maintenance,
+)
+from kvcompass.services.metrics import MetricsServer
+from kvcompass.services.status import STATUS_OF, status_of
+
+NS = Namespace("llama-3.1-8b", "wire")
+BLOCK = 16
+FAST = MaintenanceConfig(flush_interval_s=0.001, heartbeat_interval_s=0.02)
+T = TypeVar("T")
+
+
+def run(coro: Awaitable[T], timeout: float = 15.0) -> T:
+    async def main() -> T:
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(main())
+
+
+# ---- the rig -----------------------------------------------------------------------------------
+
+
+@dataclass
+class World:
+    topology: Topology
+    plan: LevelPlan
+    layout: IndexLayout
+
+    def edge(self, region: str = "us") -> Edge:
+        by_id = {w.id: w for w in self.topology.workers}
+        workers = [by_id[w] for w in self.layout.workers]
+        targets = list(dict.fromkeys([region, *(t.region for t in self.layout.tables)]))
+        return Edge(
+            region,
+            self.layout,
+            workers,
+            {r: self.plan.lengths(region, r) for r in targets},
+            {r: self.plan.rtt_ms(region, r) for r in targets},
+            seed=1,
+        )
+
+    def units(self, **kw: Any) -> list[MaintenanceUnit]:
+        return [MaintenanceUnit(s, self.layout, 1, capacity=256, **kw) for s in range(self.layout.shards)]
+
+    def agent(self, worker: str) -> WorkerAgent:
+        region = next(w.region for w in self.topology.workers if w.id == worker)
+        return WorkerAgent(worker, NS, self.plan.registration(region), self.layout.shards, block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def world() -> World:
+    topo = load_topology("testbed-14x3")
+    plan = LevelPlan(topo)
+    return World(topo, plan, plan.layout())
+
+
+def prompt(seed: int, n: int = 4096) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 100_000, size=n, dtype=np.uint32)
+
+
+def cache(agent: WorkerAgent, tokens: np.ndarray, base: int, seq: int) -> tuple[KeyOpBatch, ...]:
+    """The key-op batches of one engine event batch storing ``tokens`` (blocks base..)."""
+    n = len(tokens) // BLOCK
+    ev = BlockStored(tuple(range(base, base + n)), None, tuple(int(t) for t in tokens[: n * BLOCK]), BLOCK, None, "GPU")
+    out = agent.on_message(encode_batch([ev], seq=seq))
+    assert out.replay is None
+    return out.batches
+
+
+def converged(edge: Edge, units: Sequence[MaintenanceUnit]) -> bool:
+    return all(edge.view(t.table_id, u.shard).digest() == u.table_digest(t.table_id) for u in units for t in u.layout.tables)
+
+
+@contextlib.asynccontextmanager
+async def in_memory(services: Sequence[MaintenanceService]) -> AsyncIterator[dict[int, Channel]]:
+    """An in-memory channel per unit (flush loops running), all torn down on exit."""
+    async with contextlib.AsyncExitStack() as stack:
+        chans: dict[int, Channel] = {}
+        for svc in services:
+            chans[svc.unit.shard] = await stack.enter_async_context(ChannelFor([svc]))
+            await svc.start()
+            stack.push_async_callback(svc.stop)
+        yield chans
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    v = registry.get_sample_value(name, labels)
+    return 0.0 if v is None else v
+
+
+# ---- the status table and the generated code -------------------------------------------------------
+
+
+def test_every_error_class_has_its_own_status_row() -> None:
+    classes = [getattr(errors_mod, n) for n in errors_mod.__all__]
+    assert sorted(c.__name__ for c in classes if c not in STATUS_OF) == []
+    assert status_of(errors_mod.AgentSequenceError("x", expected=1, got=3)) is Status.ABORTED
+    assert status_of(errors_mod.StaleIncarnationError("x", expected=2, got=1)) is Status.FAILED_PRECONDITION
+    assert status_of(errors_mod.ForbiddenWriteError("x")) is Status.PERMISSION_DENIED
+    assert status_of(RuntimeError("bug")) is Status.INTERNAL
+
+
+def test_regenerating_the_proto_code_reproduces_the_committed_bytes() -> None:
+    pytest.importorskip("grpc_tools")
+    from kvcompass._proto import regen
+
+    assert regen.diff() == []
+
+
+# ---- ingest -> maintenance -> subscribe -> edge --------------------------------------------------
+
+
+def test_agent_batch_through_grpc_reaches_the_edge_view_byte_for_byte(world: World) -> None:
+    async def go() -> None:
+        units = world.units()
+        services = [MaintenanceService(u, FAST) for u in units]
+        edge = world.edge("us")
+        asia = world.agent("asia-0")
+        p = prompt(11)
+        async with in_memory(services) as chans, EdgeSync(edge, chans) as sync:
+            await sync.wait_ready(5)
+            assert converged(edge, units)
+            async with IngestClient("asia-0", chans, asia.on_rejected) as client:
+                rep = await client.send(cache(asia, p, 1000, seq=0))
+            assert rep.applied > 0 and rep.resets == 0
+            assert sum(len(u.held("asia-0")) for u in units) == len(asia.held())
+            await sync.wait_for(lambda: converged(edge, units), 5)
+            d = edge.route(p, NS, now=0.0)
+            # Same answer as the in-process plane gives (tests/test_plane.py): asia-0 holds the
+            # prompt up to the us->asia plan's top length and wins despite the RTT.
+            assert (d.worker, d.expected_match, d.tier) == ("asia-0", 3536, Tier.VRAM)
+            assert sample(sync.metrics.registry, "kvcompass_patches_applied_total", role="edge") > 0
+        assert not sync.ready
+
+    run(go())
+
+
+def test_edge_resumes_from_the_replay_log_after_a_disconnect(world: World) -> None:
+    async def go() -> None:
+        units = world.units()
+        # offload_ops=1: every batch is applied in a worker thread.
+        services = [MaintenanceService(u, MaintenanceConfig(flush_interval_s=0.001, heartbeat_interval_s=0.02, offload_ops=1)) for u in units]
+        edge = world.edge("eu")
+        eu = world.agent("eu-1")
+        async with in_memory(services) as chans:
+            async with EdgeSync(edge, chans) as sync:
+                await sync.wait_ready(5)
+            # Disconnected: the units move on without this edge.
+            async with IngestClient("eu-1", chans, eu.on_rejected) as client:
+                for i in range(3):
+                    await client.send(cache(eu, prompt(20 + i, 1024), 100 * (i + 1), seq=i))
+                    for s in services:
+                        await s.flush_now()
+            assert not converged(edge, units)
+            replays = [u.stats.replays_served for u in units]
+            snaps = [u.stats.snapshots_served for u in units]
+            async with EdgeSync(edge, chans) as sync:
+                await sync.wait_ready(5)
+                assert converged(edge, units)
+            assert sum(u.stats.replays_served for u in units) > sum(replays)
+            assert [u.stats.snapshots_served for u in units] == snaps  # nothing needed a snapshot
+
+    run(go())
+
+
+def test_edge_falls_back_to_a_snapshot_when_the_log_was_trimmed(world: World) -> None:
+    async def go() -> None:
+        units = world.units(log_batches=1)
+        services = [MaintenanceService(u, FAST) for u in units]
+        edge = world.edge("us")
+        agent = world.agent("us-3")
+        async with in_memory(services) as chans:
+            async with EdgeSync(edge, chans) as sync:
+                await sync.wait_ready(5)
+            async with IngestClient("us-3", chans, agent.on_rejected) as client:
+                for i in range(4):  # more batches per table than the one-batch log keeps
+                    await client.send(cache(agent, prompt(40 + i, 2048), 1000 * (i + 1), seq=i))
+                    for s in services:
+                        await s.flush_now()
+            before = sum(u.stats.snapshots_served for u in units)
+            async with EdgeSync(edge, chans) as sync:
+                await sync.wait_ready(5)
+                assert converged(edge, units)
+            assert sum(u.stats.snapshots_served for u in units) > before
+            assert sum(sample(s.metrics.registry, "kvcompass_catchups_total", role="maintenance", kind="snapshot") for s in services) >= 1
+
+    run(go())
+
+
+def test_a_subscriber_that_falls_behind_is_cut_off_and_resumes(world: World) -> None:
+    async def go() -> None:
+        unit = world.units()[0]
+        svc = MaintenanceService(unit, MaintenanceConfig(flush_interval_s=3600, heartbeat_interval_s=3600, subscriber_queue=2))
+        keys = np.array([k for k in range(0, 400, world.layout.shards)], dtype=np.uint64)
+        async with ChannelFor([svc]) as ch:
+            async with ch.request(SUBSCRIBE_PATH, Cardinality.UNARY_STREAM, SubscribeRequest, SubscribeEvent) as st:
+                await st.send_message(SubscribeRequest(shard=0, subscriber="slow"), end=True)
+                first = await st.recv_message()
+                assert first is not None and len(first.patches) == len(world.layout.tables) and all(p.snapshot for p in first.patches)
+                # Three flushes without letting the stream send anything: the queue holds two.
+                for i in range(3):
+                    unit.apply(KeyOpBatch("us-0", 1, 0, i + 1, keys[i::3].copy(), np.ones(len(keys[i::3]), np.uint8)), "us-0")
+                    await svc.flush_now()
+                assert svc.counts.cut == 1
+                with pytest.raises(GRPCError) as ei:
+                    while await st.recv_message() is not None:
+                        pass
+                    await st.recv_trailing_metadata()
+                assert ei.value.status is Status.RESOURCE_EXHAUSTED
+            # An EdgeSync cut off the same way simply resubscribes from its views.
+            edge = world.edge("us")
+            async with EdgeSync(edge, {0: ch}) as sync:
+                await sync.wait_for(lambda: sync.subscriptions >= 1 and all(edge.view(t.table_id, 0).initialised for t in world.layout.tables), 5)
+                for i in range(3):
+                    unit.apply(KeyOpBatch("us-0", 1, 0, i + 4, keys[i::3].copy(), np.full(len(keys[i::3]), 2, np.uint8)), "us-0")
+                    await svc.flush_now()
+                await sync.wait_for(lambda: all(edge.view(t.table_id, 0).digest() == unit.table_digest(t.table_id) for t in world.layout.tables), 5)
+            await svc.stop()
+
+    run(go())
+
+
+# ---- identity, validation and agent sequencing ---------------------------------------------------
+
+
+async def raw_ingest(ch: Channel, worker: str, msgs: Sequence[KeyOps], token: str | None = None) -> list[IngestAck]:
+    md = ({WORKER_HEADER: worker} if worker else {}) | ({TOKEN_HEADER: token} if token else {})
+    acks: list[IngestAck] = []
+    async with ch.request(INGEST_PATH, Cardinality.STREAM_STREAM, KeyOps, IngestAck, metadata=md) as st:
+        for m in msgs:
+            await st.send_message(m)
+            ack = await st.recv_message()
+            if ack is None:
+                break
+            acks.append(ack)
+        await st.end()
+        while (ack := await st.recv_message()) is not None:
+            acks.append(ack)
+    return acks
+
+
+def ops(worker: str, shard: int, seq: int, keys: Sequence[int], tiers: Sequence[int], *, reset: bool = False, inc: int = 1) -> KeyOps:
+    return KeyOps(
+        worker=worker,
+        incarnation=inc,
+        shard=shard,
+        seq=seq,
+        reset=reset,
+        keys=np.array(keys, dtype="<u8").tobytes(),
+        tiers=np.array(tiers, dtype=np.uint8).tobytes(),
+    )
+
+
+def test_a_forged_worker_is_denied_and_changes_nothing(world: World) -> None:
+    async def go() -> None:
+        unit = world.units()[1]
+        svc = MaintenanceService(unit, MaintenanceConfig(tokens={"eu-0": "s3cret", "eu-1": "other"}))
+        k = [5, 9, 13]  # keys of shard 1 of 4
+        async with ChannelFor([svc]) as ch:
+            acks = await raw_ingest(ch, "eu-0", [ops("eu-0", 1, 1, k, [1, 1, 1])], token="s3cret")
+            assert [(a.code, a.applied) for a in acks] == [(0, 3)]
+            await svc.flush_now()
+            digest = unit.digest()
+            # Authenticated as eu-0, writing eu-1's field.
+            with pytest.raises(GRPCError) as ei:
+                await raw_ingest(ch, "eu-0", [ops("eu-1", 1, 1, k, [2, 2, 2])], token="s3cret")
+            assert ei.value.status is Status.PERMISSION_DENIED
+            # Claiming eu-1 without eu-1's credential.
+            with pytest.raises(GRPCError) as ei:
+                await raw_ingest(ch, "eu-1", [ops("eu-1", 1, 1, k, [2, 2, 2])], token="s3cret")
+            assert ei.value.status is Status.UNAUTHENTICATED
+            with pytest.raises(GRPCError) as ei:
+                await raw_ingest(ch, "", [ops("eu-1", 1, 1, k, [2, 2, 2])])
+            assert ei.value.status is Status.UNAUTHENTICATED
+            # The client surfaces both as final rejections.
+            batch = KeyOpBatch("eu-1", 1, 1, 1, np.array(k, np.uint64), np.full(3, 2, np.uint8))
+            async with IngestClient("eu-1", {1: ch}, lambda s: (), token="wrong") as client:
+                with pytest.raises(IngestRejected) as rej:
+                    await client.send([batch])
+            assert rej.value.status is Status.UNAUTHENTICATED
+            async with IngestClient("eu-1", {1: "127.0.0.1:1"}, lambda s: (), max_attempts=2, backoff_s=(0.001, 0.001)) as client:
+                with pytest.raises(ConnectionError):
+                    await client.send([batch])
+            await svc.flush_now()
+            assert unit.digest() == digest
+            reg = svc.metrics.registry
+            assert sample(reg, "kvcompass_rejected_batches_total", role="maintenance", reason="ForbiddenWriteError") == 1
+            assert sample(reg, "kvcompass_rejected_batches_total", role="maintenance", reason="Unauthenticated") == 3
+
+    run(go())
+
+
+def test_bad_batches_are_acked_with_their_status_and_change_nothing(world: World) -> None:
+    async def go() -> None:
+        unit = world.units()[1]
+        svc = MaintenanceService(unit, MaintenanceConfig(max_batch_ops=4))
+        async with ChannelFor([svc]) as ch:
+            digest = unit.digest()
+            bad = [
+                ops("eu-0", 1, 1, [5], [3]),  # tier 3
+                ops("eu-0", 1, 1, [6], [1]),  # key of shard 2
+                ops("eu-0", 1, 1, [1 << 63 | 1], [1]),  # not a 63-bit key
+                ops("eu-0", 2, 1, [6], [1]),  # batch for another shard
+                KeyOps(worker="eu-0", incarnation=1, shard=1, seq=1, keys=b"\x01" * 7, tiers=b"\x01"),  # torn array
+                ops("eu-0", 1, 1, [1, 5, 9, 13, 17], [1] * 5),  # over the batch limit
+            ]
+            acks = await raw_ingest(ch, "eu-0", bad)
+            assert [(a.code, a.reason) for a in acks] == [
+                (Status.INVALID_ARGUMENT.value, "InvalidTierError"),
+                (Status.INVALID_ARGUMENT.value, "WrongShardError"),
+                (Status.INVALID_ARGUMENT.value, "InvalidKeyError"),
+                (Status.INVALID_ARGUMENT.value, "WrongShardError"),
+                (Status.INVALID_ARGUMENT.value, "InvalidArgumentError"),
+                (Status.INVALID_ARGUMENT.value, "InvalidArgumentError"),
+            ]
+            unknown = await raw_ingest(ch, "nobody", [ops("nobody", 1, 1, [5], [1])])
+            assert (unknown[0].code, unknown[0].reason) == (Status.NOT_FOUND.value, "UnknownWorkerError")
+            await svc.flush_now()
+            assert unit.digest() == digest
+
+    run(go())
+
+
+def test_a_sequence_gap_is_aborted_then_repaired_by_a_reset(world: World) -> None:
+    async def go() -> None:
+        units = world.units()
+        services = [MaintenanceService(u, FAST) for u in units]
+        agent = world.agent("asia-2")
+        async with in_memory(services) as chans:
+            # On the wire: seq 1 applies, seq 3 is a gap (ABORTED, expected 2), nothing changes.
+            s = 2
+            acks = await raw_ingest(chans[s], "asia-2", [ops("asia-2", s, 1, [2, 6], [1, 1], reset=True)])
+            assert acks[0].code == 0
+            before = units[s].digest()
+            acks = await raw_ingest(chans[s], "asia-2", [ops("asia-2", s, 3, [10], [1])])
+            assert (Status(acks[0].code), acks[0].reason, acks[0].expected) == (Status.ABORTED, "AgentSequenceError", 2)
+            assert units[s].digest() == before
+
+            # Through the client: the agent's batches of one call are lost, so the next ones are
+            # gaps; the client asks the agent for resets and the units end up holding exactly
+            # what the agent holds.
+            async with IngestClient("asia-2", chans, agent.on_rejected) as client:
+                await client.send(cache(agent, prompt(60), 1, seq=0))
+                cache(agent, prompt(61), 1000, seq=1)  # never sent
+                rep = await client.send(cache(agent, prompt(62), 2000, seq=2))
+            assert rep.resets >= 1
+            held = set(agent.held())
+            assert {int(k) for u in units for k in u.held("asia-2")} == held
+
+    run(go())
+
+
+def test_a_zombie_incarnation_is_refused_for_good(world: World) -> None:
+    async def go() -> None:
+        unit = world.units()[0]
+        svc = MaintenanceService(unit)
+        async with ChannelFor([svc]) as ch:
+            await raw_ingest(ch, "us-1", [ops("us-1", 0, 1, [4], [1], inc=5)])
+            stale = [KeyOpBatch("us-1", 4, 0, 1, np.array([8], np.uint64), np.array([1], np.uint8), reset=True)]
+            async with IngestClient("us-1", {0: ch}, lambda s: ()) as client:
+                with pytest.raises(IngestRejected) as ei:
+                    await client.send(stale)
+            assert (ei.value.status, ei.value.reason) == (Status.FAILED_PRECONDITION, "StaleIncarnationError")
+
+    run(go())
+
+
+# ---- snapshot, restart, health and metrics over real sockets ------------------------------------
+
+
+def test_snapshot_rpc_returns_every_table_of_the_shard(world: World) -> None:
+    async def go() -> None:
+        unit = world.units()[3]
+        svc = MaintenanceService(unit)
+        async with ChannelFor([svc]) as ch:
+            resp = await MaintenanceStub(ch).snapshot(SnapshotRequest(shard=3))
+            assert [(p.table, p.shard, p.snapshot) for p in resp.snapshots] == [(t.table_id, 3, True) for t in world.layout.tables]
+            with pytest.raises(GRPCError) as ei:
+                await MaintenanceStub(ch).snapshot(SnapshotRequest(shard=3, tables=[99]))
+            assert ei.value.status is Status.INVALID_ARGUMENT
+            with pytest.raises(GRPCError) as ei:
+                await MaintenanceStub(ch).snapshot(SnapshotRequest(shard=0))
+            assert ei.value.status is Status.INVALID_ARGUMENT
+
+    run(go())
+
+
+async def health_of(port: int, service: str) -> int:
+    ch = Channel("127.0.0.1", port)
+    try:
+        return int((await HealthStub(ch).Check(HealthCheckRequest(service=service), timeout=2)).status)
+    finally:
+        ch.close()
+
+
+async def http_status(url: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        return r.status, await r.text()
+
+
+def test_a_restarted_unit_is_recovered_from_disk_and_the_edge_follows_with_health(world: World, tmp_path: Path) -> None:
+    async def go() -> None:
+        state = str(tmp_path / "shard0.state")
+        cfg = MaintenanceConfig(flush_interval_s=0.001, heartbeat_interval_s=0.02, state_path=state, persist_interval_s=0.01)
+        one = MaintenanceUnit(0, world.layout, 1, capacity=256)
+        us = world.agent("us-2")
+        srv = MaintenanceServer(MaintenanceService(one, cfg))
+        ends = await srv.start(metrics_port=0)
+        port = int(ends.grpc.rsplit(":", 1)[1])
+        edge = world.edge("us")
+        for other in world.units()[1:]:  # only shard 0 is served here; the rest stay still
+            for t in world.layout.tables:
+                edge.bootstrap(t.table_id, other.shard, other.snapshot(t.table_id))
+        sync = EdgeSync(edge, {0: ends.grpc}, backoff_s=(0.01, 0.05))
+        edge_srv = EdgeServer(EdgeService(edge), health=sync.health, metrics=sync.metrics, ready=lambda: sync.ready)
+        eport = int((await edge_srv.start(metrics_port=0)).rsplit(":", 1)[1])
+        client = IngestClient("us-2", {0: ends.grpc}, us.on_rejected, backoff_s=(0.01, 0.05))
+        try:
+            # Before the first snapshot the views are empty: NOT_SERVING everywhere.
+            assert await health_of(eport, "kvcompass.v1.Edge") == HealthCheckResponse.NOT_SERVING
+            assert (await http_status(f"{edge_srv.metrics_url}/healthz"))[0] == 503
+            await sync.start()
+            await sync.wait_ready(5)
+            assert await health_of(eport, "kvcompass.v1.Edge") == HealthCheckResponse.SERVING
+            assert await health_of(port, "kvcompass.v1.Maintenance") == HealthCheckResponse.SERVING
+            assert (await http_status(f"{edge_srv.metrics_url}/healthz"))[0] == 200
+
+            shard0 = [b for b in cache(us, prompt(70), 1, seq=0) if b.shard == 0]
+            await client.send(shard0)
+            await sync.wait_for(lambda: converged(edge, [one]), 5)
+            code, text = await http_status(f"{ends.metrics}/metrics")
+            assert code == 200 and "kvcompass_key_ops_total" in text and "kvcompass_patches_out_total" in text
+
+            await srv.close()  # drains: final flush and state written
+            await sync.wait_for(lambda: not sync.ready, 5)
+            assert await health_of(eport, "kvcompass.v1.Edge") == HealthCheckResponse.NOT_SERVING
+
+            # Back from disk under a new epoch, on the same port.
+            two = load_unit(world.layout, 0, state_path=state, epoch=1)
+            assert two.epoch == 2 and two.digest() != one.digest() and {int(k) for k in two.held("us-2")} == {int(k) for k in one.held("us-2")}
+            # Its views are behind the restarted writer (an older epoch) and it knows it.
+            assert not converged(edge, [two]) and not sync.ready
+            srv = MaintenanceServer(MaintenanceService(two, cfg))
+            await srv.start(port=port)
+            # The unit lost the agent's sequence: the next batch is refused, then repaired by a reset.
+            more = [b for b in cache(us, prompt(71), 5000, seq=1) if b.shard == 0]
+            rep = await client.send(more)
+            assert rep.resets == 1
+            assert {int(k) for k in two.held("us-2")} == {k for k in us.held() if k % world.layout.shards == 0}
+            await sync.wait_ready(5)
+            await sync.wait_for(lambda: converged(edge, [two]), 5)
+            assert all(edge.view(t.table_id, 0).epoch == 2 for t in world.layout.tables)
+            assert Path(state).exists()
+        finally:
+            await client.close()
+            await sync.close()
+            await edge_srv.close()
+            await srv.close()
+
+    run(go(), timeout=30)
+
+
+def test_serve_maintenance_runs_until_stopped(world: World) -> None:
+    async def go() -> None:
+        stop = asyncio.Event()
+        ready: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(serve_maintenance(world.layout, 2, metrics_port=None, epoch=7, on_ready=ready.set_result, stop=stop))
+        ends = await asyncio.wait_for(ready, 5)
+        assert ends.shard == 2 and ends.metrics is None
+        ch = Channel("127.0.0.1", int(ends.grpc.rsplit(":", 1)[1]))
+        try:
+            resp = await MaintenanceStub(ch).snapshot(SnapshotRequest(shard=2), timeout=2)
+            assert {p.epoch for p in resp.snapshots} == {7}
+        finally:
+            ch.close()
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+    run(go())
+
+
+def test_metrics_server_alone() -> None:
+    async def go() -> None:
+        from prometheus_client import Counter
+
+        reg = CollectorRegistry()
+        Counter("kvcompass_test_things", "things", registry=reg).inc(3)
+        flag = {"ok": False}
+        async with MetricsServer(reg, lambda: flag["ok"]) as m:
+            port = await m.start()
+            assert (await http_status(f"http://127.0.0.1:{port}/healthz"))[0] == 503
+            flag["ok"] = True
+            assert (await http_status(f"http://127.0.0.1:{port}/healthz"))[0] == 200
+            code, text = await http_status(f"http://127.0.0.1:{port}/metrics")
+            assert code == 200 and "kvcompass_test_things_total 3.0" in text
+
+    run(go())
+
+
+# ---- the edge service ------------------------------------------------------------------------------
+
+
+def test_edge_service_routes_learns_and_exchanges_queues(world: World) -> None:
+    async def go() -> None:
+        units = world.units()
+        us, asia = world.edge("us"), world.edge("asia")
+        for e in (us, asia):
+            for u in units:
+                for t in world.layout.tables:
+                    e.bootstrap(t.table_id, u.shard, u.snapshot(t.table_id))
+        agent = world.agent("asia-0")
+        p = prompt(11)
+        for b in cache(agent, p, 1000, seq=0):
+            units[b.shard].apply(b, b.worker)
+        for u in units:
+            for pb in u.flush():
+                assert us.apply_patch(pb.data).applied
+        clock = {"now": 0.0}
+        svc_us = EdgeService(us, clock=lambda: clock["now"])
+        svc_asia = EdgeService(asia, clock=lambda: clock["now"])
+        async with ChannelFor([svc_us]) as ch_us, ChannelFor([svc_asia]) as ch_asia:
+            stub = EdgeStub(ch_us)
+            r = await stub.route(RouteRequest(tokens=p.astype("<u4").tobytes(), namespace=NS.digest))
+            assert (r.worker, r.region, r.claimed_tokens, r.tier, r.prompt_tokens) == ("asia-0", "asia", 3536, 1, 4096)
+            terms = r.terms
+            assert terms.wan + terms.queue + terms.prefill + terms.reload == pytest.approx(r.score)
+            for bad in (RouteRequest(tokens=b"\x00\x01\x02", namespace=NS.digest), RouteRequest(tokens=b"", namespace=NS.digest)):
+                with pytest.raises(GRPCError) as ei:
+                    await stub.route(bad)
+                assert ei.value.status is Status.INVALID_ARGUMENT
+
+            out = await stub.report_outcome(OutcomeRequest(worker="asia-0", claimed_tokens=3536, reused_tokens=0))
+            assert out.belief < 1.0 and out.belief == pytest.approx(us.belief("asia-0"))
+            with pytest.raises(GRPCError) as ei:
+                await stub.report_outcome(OutcomeRequest(worker="nobody", claimed_tokens=1, reused_tokens=1))
+            assert ei.value.status is Status.NOT_FOUND
+
+            asia.set_local_queue("asia-1", 42.0, 0.0)
+            back = await stub.exchange_queues(QueueVector(region="asia", queues={"asia-1": 42.0}))
+            assert back.region == "us" and set(back.queues) == {w for w in us.workers if w.startswith("us-")}
+            assert us.queue_estimate("asia-1") > 0
+
+            # The periodic broadcast: us -> asia through the broadcaster, asia's answer folded back.
+            bc = QueueBroadcaster(us, {"asia": ch_asia}, clock=lambda: clock["now"])
+            clock["now"] = 1.0
+            assert await bc.tick() == 1
+            assert asia.stats.responses == 0 and bc.sent == 1
+            await bc.close()
+
+    run(go())
