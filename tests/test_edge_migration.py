@@ -23,7 +23,9 @@ from kvcompass.index import Tier
 
 # These scenarios compute expected scores with the paper's one-way WAN term (table 1);
 # tests/test_plane.py covers the default full-RTT term end to end.
-EdgeParams = partial(_EdgeParams, wan_fraction=0.5)
+# Dispatch charges are off: each scenario sets the queues it scores against, and charges
+# (tests/test_queues.py) would add the routes' own work between steps.
+EdgeParams = partial(_EdgeParams, wan_fraction=0.5, dispatch_charge_ttl_s=0.0)
 
 NS = kc.Namespace("llama-3.1-8b", "public")
 BETA = 0.1  # n1 toward B = 100 ms / 0.1 ms/token = 1000 tokens

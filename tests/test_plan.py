@@ -69,7 +69,7 @@ def test_own_region_levels_double_from_the_rounded_minimum() -> None:
 
 
 def test_remote_n1_is_rtt_over_the_target_regions_beta() -> None:
-    p = plan_of()
+    p = plan_of(long_tail=False)
     # a -> b: RTT 100 ms (the round trip, not one-way), beta_b 0.05: n1 = 2000.
     assert p.n1("a", "b") == pytest.approx(2000.0)
     assert p.lengths("a", "b") == (2000, 3008, 4000, 5008, 6000, 7008)
@@ -78,12 +78,36 @@ def test_remote_n1_is_rtt_over_the_target_regions_beta() -> None:
 
 
 def test_own_region_uses_the_minimum_not_n1() -> None:
-    p = plan_of()
+    p = plan_of(long_tail=False)
     assert p.lengths("a", "a") == p.lengths("b", "b") == (256, 512, 1024, 2048, 4096, 8192)
 
 
+def test_long_tail_continues_every_ladder_with_the_doubling_lengths() -> None:
+    p = plan_of()  # long_tail defaults to true
+    tail = (16384, 32768, 65536, 131072)
+    assert p.lengths("a", "a") == (256, 512, 1024, 2048, 4096, 8192) + tail
+    # Remote: the paper's six n1 steps, then the doubling lengths above the last of them.
+    assert p.lengths("a", "b") == (2000, 3008, 4000, 5008, 6000, 7008, 8192) + tail
+    assert p.lengths("b", "a") == (1104, 1664, 2208, 2752, 3312, 3856, 4096, 8192) + tail
+    # The remote tail is made of lengths the region registers for its own edge anyway.
+    paper = plan_of(long_tail=False)
+    for r in ("a", "b"):
+        assert set(p.registration(r)) - set(paper.registration(r)) == set(tail)
+
+
+def test_long_tail_stops_at_max_prefix() -> None:
+    p = plan_of(max_prefix=20000)
+    assert p.lengths("a", "a") == (256, 512, 1024, 2048, 4096, 8192, 16384)
+    assert p.lengths("a", "b")[-2:] == (8192, 16384)
+
+
+def test_long_tail_must_be_a_boolean() -> None:
+    with pytest.raises(TopologyError, match="long_tail must be true or false"):
+        plan_of(long_tail="yes")
+
+
 def test_options_shape_the_plan() -> None:
-    p = plan_of(block_size=64, levels=3, own_region_min=100)
+    p = plan_of(block_size=64, levels=3, own_region_min=100, long_tail=False)
     assert p.lengths("a", "a") == (128, 256, 512)
     assert p.lengths("a", "b") == (2048, 3008, 4032)
 
@@ -127,12 +151,13 @@ def test_unknown_regions_are_errors() -> None:
 
 def test_testbed_plan_from_the_bundled_matrix() -> None:
     p = LevelPlan(load_topology("testbed-14x3", rtt_path=BUNDLED_RTT))
+    tail = (4096, 8192, 16384, 32768, 65536, 131072)
     # us-east-1 <-> eu-central-1: 92.905 ms / 0.085 ms/token = 1093 tokens.
-    assert p.lengths("us", "eu") == (1104, 1648, 2192, 2736, 3280, 3840)
+    assert p.lengths("us", "eu") == (1104, 1648, 2192, 2736, 3280, 3840) + tail
     assert p.lengths("eu", "us") == p.lengths("us", "eu")  # symmetric matrix, equal betas
-    assert p.lengths("asia", "asia") == (256, 512, 1024, 2048, 4096, 8192)
+    assert p.lengths("asia", "asia") == (256, 512, 1024, 2048) + tail
     assert all(c % 16 == 0 for o in p.edge_regions for r in p.target_regions for c in p.lengths(o, r))
-    assert len(p.registration("us")) == 18
+    assert len(p.registration("us")) == 18 + 4  # the paper's 18, and the own ladder's 16k..128k tail
 
 
 # ------------------------------------------------------------------ layout

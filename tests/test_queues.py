@@ -19,7 +19,9 @@ from kvcompass.errors import InvalidArgumentError, UnknownWorkerError
 
 # These scenarios compute expected scores with the paper's one-way WAN term (table 1);
 # tests/test_plane.py covers the default full-RTT term end to end.
-EdgeParams = partial(_EdgeParams, wan_fraction=0.5)
+# Dispatch charges are off: each scenario sets the queues it scores against, and charges
+# (tests/test_queues.py) would add the routes' own work between steps.
+EdgeParams = partial(_EdgeParams, wan_fraction=0.5, dispatch_charge_ttl_s=0.0)
 
 
 def test_remote_samples_fold_with_weight_w_and_the_first_replaces() -> None:
@@ -148,3 +150,56 @@ def test_a_driver_ticking_every_period_broadcasts_every_tick() -> None:
         sent += len(s.due(t))
         t += 0.1  # accumulates float error: 0.1 + 0.1 + 0.1 > 0.3
     assert sent == 50
+
+
+# -- dispatch charges (beyond the paper) -----------------------------------------------------------
+
+
+def test_charges_add_to_the_estimate_until_a_sample_must_include_them() -> None:
+    q = QueueEstimates(2, weight=0.5, idle_threshold_ms=1.0, charge_ttl_s=2.0)
+    q.set_live(0, 10.0, 0.0)
+    q.charge(0, 100.0, 1.0)
+    q.charge(0, 50.0, 1.5)
+    assert (q[0], q.observed(0), q.pending(0)) == (160.0, 10.0, 150.0)
+    # A reading taken before the second request can have arrived settles only the first.
+    q.set_live(0, 110.0, 1.6, settled_before=1.2)
+    assert (q[0], q.pending(0)) == (160.0, 50.0)
+    q.set_live(0, 150.0, 1.7, settled_before=1.6)
+    assert (q[0], q.pending(0)) == (150.0, 0.0)
+    # Remote: an EWMA sample folds into the observed part, charges stay until settled.
+    q.fold(1, 40.0, 2.0)
+    q.charge(1, 30.0, 2.5)
+    assert q.fold(1, 20.0, 2.6, settled_before=2.4) == 30.0
+    assert q[1] == 60.0
+    # The TTL closes a charge no sample ever settles (times come from a monotonic clock).
+    q.expire(4.49)
+    assert q.pending(1) == 30.0
+    q.expire(4.5)
+    assert (q[1], q.pending(1)) == (30.0, 0.0)
+    with pytest.raises(ValueError):
+        q.charge(0, -1.0, 3.0)
+
+
+def test_a_burst_routed_at_one_instant_spreads_instead_of_herding() -> None:
+    # Four equal idle workers and a burst of 8 same-prefix prompts at one instant (the
+    # Mooncake traces have many requests with one timestamp). The first route's speculative
+    # entry makes its worker a "holder" of the shared prefix; without charges every later
+    # request piles onto it while the queue estimates still read 0.
+    def burst(params: EdgeParams) -> dict[str, int]:
+        layout = IndexLayout((TableSpec(0, "A", ("a0", "a1", "a2", "a3")),))
+        e = Edge("A", layout, [WorkerSpec(f"a{i}", "A") for i in range(4)], {"A": [256, 512]}, {"A": 1.0}, params, seed=3)
+        e.bootstrap(0, 0, kc.LudoTable(table=0).export_snapshot())
+        for i in range(4):
+            e.set_local_queue(f"a{i}", 0.0, 0.0)
+        shared = np.arange(512, dtype=np.uint32)
+        counts: dict[str, int] = {}
+        for j in range(8):
+            p = np.concatenate([shared, np.arange(3000, dtype=np.uint32) + 10_000 * (j + 1)])
+            w = e.route(p, kc.Namespace("m"), 1.0).worker
+            counts[w] = counts.get(w, 0) + 1
+        return counts
+
+    herd = burst(EdgeParams(dispatch_charge_ttl_s=0.0))
+    assert max(herd.values()) == 8  # the regression: everything on one worker
+    spread = burst(EdgeParams(dispatch_charge_ttl_s=2.0))
+    assert len(spread) == 4 and max(spread.values()) <= 3

@@ -138,3 +138,44 @@ def test_refusals(testbed: Topology) -> None:
     two = [_request(0, 0.0, "us", 1, 64), Request(1, 1.0, "us", 1, "private", 64, 1, 16, 1, -1, ChainBlocks(((2, 4),)))]
     with pytest.raises(InvalidArgumentError, match="namespaces"):
         simulate(testbed, two, "oracle")
+
+
+def test_summary_hit_rates_are_token_weighted_and_the_peak_is_per_worker_compute() -> None:
+    from kvcompass.sim.metrics import RequestRecord, summarize
+
+    def rec(i: int, region: str, worker_region: str, tokens: int, vram: int) -> RequestRecord:
+        return RequestRecord(i, region, f"{worker_region}-0", worker_region, float(i), 10.0, 20.0, 0.0, tokens, 1, vram, 0, 0)
+
+    # 1000 prompt tokens: 300 reused locally, 100 across regions, one request reusing nothing.
+    recs = [rec(0, "us", "us", 500, 300), rec(1, "us", "eu", 200, 100), rec(2, "eu", "eu", 300, 0)]
+    busy = [[(0.0, 30.0), (50.0, 60.0)], [(0.0, 20.0)], [], []]  # compute 40, 20, 0, 0: mean 15
+    s = summarize("x", "t", recs, ["a", "b", "c", "d"], busy, window_ms=10.0)
+    assert (s.hit_rate, s.local_hit_rate, s.cross_region_hit_rate) == pytest.approx((0.4, 0.3, 0.1))
+    assert s.peak_load_factor == pytest.approx(40.0 / 15.0)
+    assert s.load_factor.max() == pytest.approx(4.0)  # the window where only one of four works: W
+
+
+def test_dispatched_work_is_visible_until_the_request_reaches_its_worker(testbed: Topology) -> None:
+    from kvcompass.sim.schemes import Choice, Fleet
+
+    seen: list[tuple[float, float, float]] = []
+
+    class ToAsia:
+        name = "to-asia"
+        uses_index = False
+
+        def __init__(self, fleet: Fleet) -> None:
+            self.fleet = fleet
+
+        def choose(self, request: Request, tokens: Any, now_ms: float) -> Choice:
+            f = self.fleet
+            seen.append((now_ms, f.dispatched_ms("asia-0", "us"), f.dispatched_ms("asia-0")))
+            return Choice("asia-0")
+
+    # Two us requests at one instant and a third after the first two reached asia-0.
+    reqs = [_request(0, 0.0, "us", 1, 2048), _request(1, 0.0, "us", 2, 2048), _request(2, 500.0, "us", 3, 2048)]
+    simulate(testbed, reqs, ToAsia, seed=0)
+    cost = CostModel().prefill_ms(2048)
+    assert seen[0][1:] == (0.0, 0.0)
+    assert seen[1][1] == pytest.approx(cost) and seen[1][2] == pytest.approx(cost)
+    assert seen[2][1:] == (0.0, 0.0)

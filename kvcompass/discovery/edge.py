@@ -33,7 +33,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field, replace
-from typing import Literal, Mapping, Sequence
+from typing import Collection, Literal, Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -326,7 +326,10 @@ class Edge:
         self._behind: dict[tuple[int, int], _Behind] = {}
         self._n = EdgeStats()
         self._rng = np.random.default_rng(seed)
-        self._queues = QueueEstimates(n, params.queue_weight, params.idle_threshold_ms)
+        self._queues = QueueEstimates(n, params.queue_weight, params.idle_threshold_ms, params.dispatch_charge_ttl_s)
+        # A sample settles the charges of requests it must include: those that reached the
+        # worker before it was taken (one way) and, for a remote vector, that came back (round trip).
+        self._settle_lag_s: list[float] = [(x / 2e3 if self._local_l[i] else x / 1e3) for i, x in enumerate(rtt.tolist())]
         self._lam, self._lam_version = 0.0, -1
         self._belief = CacheBelief(n, params.belief_weight, params.belief_initial)
         others = sorted({r for r in rtt_ms if r != region} | {r for r in regions if r != region})
@@ -371,6 +374,11 @@ class Edge:
     @property
     def params(self) -> EdgeParams:
         return self._params
+
+    @property
+    def layout(self) -> IndexLayout:
+        """The index layout the views follow (tables, shards)."""
+        return self._layout
 
     @property
     def workers(self) -> tuple[str, ...]:
@@ -554,22 +562,28 @@ class Edge:
             self._lam_version = self._queues.version
         return self._lam
 
-    def route(self, tokens: npt.NDArray[np.uint32] | Sequence[int], namespace: Namespace | bytes, now: float) -> Decision:
+    def route(self, tokens: npt.NDArray[np.uint32] | Sequence[int], namespace: Namespace | bytes, now: float, exclude: Collection[str] = ()) -> Decision:
         """Pick the worker for one prompt (see the module docs); registers the speculative entry
-        and counts hotness as side effects."""
+        and counts hotness as side effects. ``exclude`` names workers that may not win (a
+        front door retrying after a worker failed); InvalidArgumentError if nobody is left."""
         p = self._params
         self._expire(now)
         toks = as_tokens(tokens)
         ns = namespace.digest if isinstance(namespace, Namespace) else bytes(namespace)
+        self._queues.expire(now)
         tq = self._queues.values if p.load_aware else self._zeros
         lam = self.capacity_price()
         belief = self._belief.values if p.belief else self._ones
         res = self._router.route(toks, ns, self._region_idx, self._beta, self._wan, tq, belief, gamma=self._gamma, lam=lam, closure=p.closure)
-        if self._all_eligible:
+        if self._all_eligible and not exclude:
             scores, best = res.scores, res.score
         else:
-            scores = res.scores + self._ineligible_inf
+            scores = res.scores + self._ineligible_inf  # a fresh array
+            if exclude:
+                scores[[self.worker_index(x) for x in exclude]] = math.inf
             best = float(scores.min())
+            if not math.isfinite(best):
+                raise InvalidArgumentError(f"every worker this edge may route to is excluded ({len(exclude)} excluded)")
         cand = (scores <= best + p.tie_ms).nonzero()[0]
         n_cand = len(cand)
         # random() in [0, 1): a uniform index, at a third of integers()' call cost.
@@ -588,6 +602,8 @@ class Edge:
         prefill = (1.0 + lam) * self._beta_l[w] * remaining if remaining > 0 else 0.0
         reload = self._gamma * b * m if tier == Tier.DRAM else 0.0
         terms = ScoreTerms(wan=self._wan_l[w], queue=float(tq[w]), prefill=prefill, reload=reload, lam=lam, belief=b)
+        if p.load_aware and p.dispatch_charge_ttl_s > 0:
+            self._queues.charge(w, (self._beta_l[w] * remaining if remaining > 0 else 0.0) + reload, now)
         local_match = max([ml[i] for i in self._local_idx], default=0)
 
         spec_lengths = _fitting(self._plan_lists[self._region_l[w]], L) if p.speculative_ttl_s > 0 else []
@@ -694,7 +710,7 @@ class Edge:
         i = self.worker_index(worker)
         if not self._local[i]:
             raise InvalidArgumentError(f"worker {worker!r} is in region {self._worker_region[i]!r}, not this edge's {self._region!r}: use on_response/on_broadcast")
-        self._queues.set_live(i, tq_ms, now)
+        self._queues.set_live(i, tq_ms, now, now - self._settle_lag_s[i])
 
     def on_response(self, worker: str, claimed_tokens: int, reused_tokens: int, queue_vector: Mapping[str, float] | None, now: float) -> None:
         """A response from ``worker``: the edge had claimed ``claimed_tokens`` (the decision's
@@ -730,7 +746,7 @@ class Edge:
                 continue
             items.append((i, v))
         for i, v in items:
-            self._queues.fold(i, v, now)
+            self._queues.fold(i, v, now, now - self._settle_lag_s[i])
 
     def local_vector(self) -> dict[str, float]:
         """This region's per-worker queue vector (ms), as piggybacked and broadcast."""

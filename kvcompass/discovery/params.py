@@ -48,6 +48,10 @@ class EdgeParams:
     """Delta: each region broadcasts its queue vector this often (paper section 5.1)."""
     queue_weight: float = 0.5
     """w: weight of a new remote sample in the queue-estimate EWMA (paper section 5.1)."""
+    dispatch_charge_ttl_s: float = 2.0
+    """Beyond the paper: each route charges the chosen worker's estimate with the prefill it
+    sends there until a sample must include it (kvcompass.discovery.queues), at most this long.
+    2 s covers the longest round trip plus a few broadcast periods; 0 turns charges off."""
 
     # -- cache belief ----------------------------------------------------------------------------
     belief_weight: float = 0.2
@@ -109,6 +113,8 @@ class EdgeParams:
         for name, x in nonneg.items():
             if not (math.isfinite(x) and x >= 0):
                 raise ValueError(f"EdgeParams.{name} = {x}: must be finite and >= 0")
+        if not (math.isfinite(self.dispatch_charge_ttl_s) and self.dispatch_charge_ttl_s >= 0):
+            raise ValueError(f"EdgeParams.dispatch_charge_ttl_s = {self.dispatch_charge_ttl_s}: must be finite and >= 0")
         positive = {"tau_ms": self.tau_ms, "broadcast_period_s": self.broadcast_period_s, "hot_window_s": self.hot_window_s}
         for name, x in positive.items():
             if not (math.isfinite(x) and x > 0):

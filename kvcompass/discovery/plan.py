@@ -18,6 +18,16 @@ sizes by which workers organize their KV caches" (paper section 3.2). It gets th
 levels as every remote region ("with the same number of levels toward every region"): with the
 defaults 256, 512, ..., 8192.
 
+**Long tail (beyond the paper).** Six levels end at 8192 tokens in the own region and at
+3.5 n1 toward a remote one, so a worker holding a 50k-token conversation is credited with at
+most that much, and a request whose true saving is seconds of prefill is sent to an idle
+worker that recomputes everything (the Mooncake conversation trace has prompts up to 125k
+tokens). With ``long_tail`` (the default) every ladder continues past its last level with the
+own-region doubling lengths up to ``max_prefix``. Toward a remote region those lengths are the
+ones its workers register for their own edge anyway, so the tail adds no registration there;
+the own ladder grows by log2(max_prefix / 8192) lengths (4 with the defaults). Doubling bounds
+the under-credit at half the match. ``long_tail = false`` gives the paper's plan exactly.
+
 Every length is rounded up to the workers' KV block size, because a worker can only hold whole
 blocks; lengths that coincide after rounding are merged, and lengths beyond ``max_prefix`` (the
 model's context window) are dropped because no prompt reaches them. A worker in region r
@@ -35,7 +45,7 @@ from kvcompass.discovery.layout import IndexLayout, TableSpec
 from kvcompass.discovery.topology import Topology
 from kvcompass.errors import TopologyError
 
-__all__ = ["LevelPlan", "own_region_levels", "remote_levels", "round_up"]
+__all__ = ["LevelPlan", "doubling_tail", "own_region_levels", "remote_levels", "round_up"]
 
 
 def round_up(n: float, block: int) -> int:
@@ -57,6 +67,18 @@ def own_region_levels(minimum: int, *, levels: int, block_size: int, max_prefix:
     every length a whole number of blocks), capped at ``max_prefix`` (paper 3.2)."""
     first = round_up(minimum, block_size)
     return tuple(c for c in (first << i for i in range(levels)) if c <= max_prefix)
+
+
+def doubling_tail(ladder: tuple[int, ...], own: tuple[int, ...], max_prefix: int) -> tuple[int, ...]:
+    """``ladder`` continued with the own-region doubling lengths (``own``, doubled on past its
+    end up to ``max_prefix``) that exceed its last entry: the module notes' long tail."""
+    if not own:
+        return ladder
+    full = list(own)
+    while full[-1] * 2 <= max_prefix:
+        full.append(full[-1] * 2)
+    top = ladder[-1] if ladder else 0
+    return ladder + tuple(c for c in full if c > top)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,15 +104,19 @@ class LevelPlan:
             if rates:
                 beta[r] = sum(rates) / len(rates)
         lengths: dict[tuple[str, str], tuple[int, ...]] = {}
+        own = own_region_levels(t.own_region_min, levels=t.levels, block_size=t.block_size, max_prefix=t.max_prefix)
+        if t.long_tail:
+            own = doubling_tail(own, own, t.max_prefix)
         for o in self.edge_regions:
             # An edge always has its own-region ladder, even in a region without workers: its
             # shortest length names prefix families (hotness) for the requests it receives.
-            lengths[(o, o)] = own_region_levels(t.own_region_min, levels=t.levels, block_size=t.block_size, max_prefix=t.max_prefix)
+            lengths[(o, o)] = own
             for r in beta:
                 if o == r:
-                    lengths[(o, r)] = own_region_levels(t.own_region_min, levels=t.levels, block_size=t.block_size, max_prefix=t.max_prefix)
+                    lengths[(o, r)] = own
                 else:
-                    lengths[(o, r)] = remote_levels(t.rtt_ms(o, r), beta[r], levels=t.levels, block_size=t.block_size, max_prefix=t.max_prefix)
+                    ladder = remote_levels(t.rtt_ms(o, r), beta[r], levels=t.levels, block_size=t.block_size, max_prefix=t.max_prefix)
+                    lengths[(o, r)] = doubling_tail(ladder, own, t.max_prefix) if t.long_tail else ladder
         registration = {r: tuple(sorted({c for o in self.edge_regions for c in lengths.get((o, r), ())})) for r in beta}
         per = t.value_bits // 2
         tables: list[TableSpec] = []
@@ -178,6 +204,7 @@ class LevelPlan:
             "edges": {r.name: r.edges for r in t.regions},
             "n1": {o: {r: self.n1(o, r) for r in targets if r != o} for o in edges},
             "levels": t.levels,
+            "long_tail": t.long_tail,
             "own_region_min": t.own_region_min,
             "max_prefix": t.max_prefix,
             "value_bits": t.value_bits,

@@ -14,6 +14,15 @@
   that stops reporting is more likely partitioned or failed than idle, and decaying its queue
   toward 0 would steer traffic into it. :meth:`QueueEstimates.age` exposes the age so drivers
   and health checks can flag a silent region.
+* Dispatched work (beyond the paper): a route charges the chosen worker the prefill it just
+  sent there (:meth:`QueueEstimates.charge`), so the next decision, made before any sample
+  can reflect that request, does not see the worker as idle. Without it a burst of requests
+  arriving together (the Mooncake traces have many with one timestamp) all read the same
+  stale estimates, and the speculative entry of the first makes the whole burst herd onto
+  one worker: 20-second queues beside idle neighbours. A charge lives until a sample that
+  must already include its request arrives (``settled_before`` of :meth:`set_live` /
+  :meth:`fold`: the request's one-way trip for a live reading, a round trip for a remote
+  vector), or ``charge_ttl_s`` at most, whichever comes first.
 * Idleness: per worker, the time since the estimate last went to (about) zero; a worker is
   *persistently idle* once it has stayed there for a window. Only such a worker may receive a
   migrated replica.
@@ -25,6 +34,7 @@ Delta, unless a piggybacked vector already went to that region within the last D
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Sequence
 
 import numpy as np
@@ -47,12 +57,21 @@ def _check_sample(tq_ms: float) -> float:
 class QueueEstimates:
     """Per-worker queue estimates (ms) with their ages and idle tracking."""
 
-    __slots__ = ("_tq", "_at", "_idle_since", "_weight", "_idle_ms", "version")
+    __slots__ = ("_tq", "_obs", "_pend", "_charges", "_order", "_ttl", "_at", "_idle_since", "_weight", "_idle_ms", "version")
 
-    def __init__(self, n_workers: int, weight: float, idle_threshold_ms: float) -> None:
+    def __init__(self, n_workers: int, weight: float, idle_threshold_ms: float, charge_ttl_s: float = 2.0) -> None:
         if not 0 < weight <= 1:
             raise ValueError(f"queue weight {weight} must be in (0, 1]")
+        if not (math.isfinite(charge_ttl_s) and charge_ttl_s >= 0):
+            raise ValueError(f"charge TTL {charge_ttl_s} s must be finite and >= 0")
+        # _tq = _obs + _pend, kept in step: the route loop reads _tq directly.
         self._tq = np.zeros(n_workers, dtype=np.float64)
+        self._obs = np.zeros(n_workers, dtype=np.float64)
+        self._pend = np.zeros(n_workers, dtype=np.float64)
+        self._charges: list[deque[tuple[float, float]]] = [deque() for _ in range(n_workers)]
+        # Every charge's (time, worker) in issue order, to run the TTL out across all workers.
+        self._order: deque[tuple[float, int]] = deque()
+        self._ttl = float(charge_ttl_s)
         # Time of the last sample; -inf = never heard of (its estimate is the initial 0).
         self._at = np.full(n_workers, -math.inf, dtype=np.float64)
         # Since when the estimate has been at zero; nan = not idle (or never reported).
@@ -64,11 +83,20 @@ class QueueEstimates:
 
     @property
     def values(self) -> npt.NDArray[np.float64]:
-        """The live per-worker array (the route loop reads it directly; do not write to it)."""
+        """The live per-worker array, samples plus open charges (the route loop reads it
+        directly; do not write to it)."""
         return self._tq
 
     def __getitem__(self, index: int) -> float:
         return float(self._tq[index])
+
+    def observed(self, index: int) -> float:
+        """The estimate from samples alone, without open charges."""
+        return float(self._obs[index])
+
+    def pending(self, index: int) -> float:
+        """Open charges (ms) of work dispatched to this worker that no sample reflects yet."""
+        return float(self._pend[index])
 
     def known(self, index: int) -> bool:
         """Whether any sample for this worker has arrived."""
@@ -78,21 +106,55 @@ class QueueEstimates:
         """Seconds since this worker's last sample (inf if none ever arrived)."""
         return now - float(self._at[index])
 
-    def set_live(self, index: int, tq_ms: float, now: float) -> None:
-        """A live reading (own region): replaces the estimate."""
-        self._store(index, _check_sample(tq_ms), now)
+    def charge(self, index: int, work_ms: float, now: float) -> None:
+        """This edge just sent ``work_ms`` of prefill to the worker (see the module notes)."""
+        x = _check_sample(work_ms)
+        self.expire(now)
+        if x > 0:
+            self._charges[index].append((now, x))
+            self._order.append((now, index))
+            self._pend[index] += x
+            self._tq[index] += x
+            self.version += 1
 
-    def fold(self, index: int, tq_ms: float, now: float) -> float:
-        """A remote sample (piggyback or broadcast): EWMA with weight ``w``; returns the estimate."""
+    def expire(self, now: float) -> None:
+        """Close every charge older than the TTL (the route loop calls this before reading)."""
+        order, before = self._order, now - self._ttl
+        while order and order[0][0] <= before:
+            self._settle(order.popleft()[1], before)
+
+    def _settle(self, index: int, before: float) -> None:
+        q = self._charges[index]
+        if not q or q[0][0] > before:
+            return
+        while q and q[0][0] <= before:
+            self._pend[index] -= q.popleft()[1]
+        if not q:
+            self._pend[index] = 0.0  # no float residue once nothing is open
+        self._tq[index] = self._obs[index] + self._pend[index]
+        self.version += 1
+
+    def set_live(self, index: int, tq_ms: float, now: float, settled_before: float | None = None) -> None:
+        """A live reading (own region): replaces the estimate. Charges made at or before
+        ``settled_before`` are in the reading and close (default: all of them)."""
+        x = _check_sample(tq_ms)
+        self._settle(index, max(now if settled_before is None else settled_before, now - self._ttl))
+        self._store(index, x, now)
+
+    def fold(self, index: int, tq_ms: float, now: float, settled_before: float | None = None) -> float:
+        """A remote sample (piggyback or broadcast): EWMA with weight ``w``; returns the estimate
+        from samples. ``settled_before`` as in :meth:`set_live`."""
         x = _check_sample(tq_ms)
         if self.known(index):
-            x = (1.0 - self._weight) * float(self._tq[index]) + self._weight * x
+            x = (1.0 - self._weight) * float(self._obs[index]) + self._weight * x
+        self._settle(index, max(now if settled_before is None else settled_before, now - self._ttl))
         self._store(index, x, now)
         return x
 
     def _store(self, index: int, x: float, now: float) -> None:
         self.version += 1
-        self._tq[index] = x
+        self._obs[index] = x
+        self._tq[index] = x + self._pend[index]
         self._at[index] = max(float(self._at[index]), now)
         if x <= self._idle_ms:
             if math.isnan(self._idle_since[index]):

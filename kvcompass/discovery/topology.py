@@ -18,6 +18,7 @@ TOML schema (every key but ``regions`` and ``workers`` optional)::
     block_size = 16          # KV block size of the workers, tokens
     levels = 6               # levels toward every region (paper section 3.2)
     own_region_min = 256     # first same-region length; doubles upward
+    long_tail = true         # past the last level, keep doubling to max_prefix (see the plan)
     max_prefix = 131072      # no indexed length beyond this (the model's context window)
     value_bits = 32          # 32: <= 16 workers per table; 64: <= 32
     shards = 4
@@ -251,6 +252,10 @@ class Topology:
     value_bits: int = 32
     shards: int = 4
     fp_bits: int = 8
+    # Beyond the paper: past the last of the ``levels`` lengths toward any region, keep querying
+    # the own-region doubling ladder up to max_prefix, so a 50k-token match is not credited as
+    # 8k (kvcompass.discovery.plan). False reproduces the paper's six levels exactly.
+    long_tail: bool = True
     _regions: dict[str, RegionSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -306,6 +311,8 @@ def _validate(t: Topology) -> dict[str, RegionSpec]:
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise TopologyError(f"{key} must be an integer >= {low}, got {value!r}")
+    if not isinstance(t.long_tail, bool):
+        raise TopologyError(f"long_tail must be true or false, got {t.long_tail!r}")
     if t.value_bits not in (32, 64):
         raise TopologyError(f"value_bits must be 32 or 64, got {t.value_bits!r}")
     if isinstance(t.fp_bits, bool) or not isinstance(t.fp_bits, int) or not 0 <= t.fp_bits <= _MAX_FP_BITS:
@@ -367,7 +374,7 @@ def _validate(t: Topology) -> dict[str, RegionSpec]:
 
 _TOP_KEYS = (
     "name", "description", "block_size", "levels", "own_region_min", "max_prefix", "value_bits",
-    "shards", "fp_bits", "rtt_matrix", "rtt_ms", "regions", "worker_defaults", "workers",
+    "shards", "fp_bits", "long_tail", "rtt_matrix", "rtt_ms", "regions", "worker_defaults", "workers",
 )  # fmt: skip
 _REGION_KEYS = ("aws_region", "edges")
 _WORKER_FIELDS = ("role", "beta_ms_per_token", "vram_tokens", "dram_tokens", "endpoint")
@@ -506,6 +513,10 @@ def topology_from_dict(
         for key in ("block_size", "levels", "own_region_min", "max_prefix", "value_bits", "shards", "fp_bits"):
             if key in data:
                 options[key] = _integer(key, data[key])
+        if "long_tail" in data:
+            if not isinstance(data["long_tail"], bool):
+                raise TopologyError(f"long_tail must be true or false, got {data['long_tail']!r}")
+            options["long_tail"] = data["long_tail"]
         return Topology(
             name=_string("name", data.get("name", name)) or name,
             description=_string("description", data.get("description", "")),

@@ -117,6 +117,7 @@ class _Job:
     vram_hit: int = 0
     dram_hit: int = 0
     ttft_ms: float = 0.0
+    dispatched_ms: float = 0.0
     remaining: int = 0
     context: int = 0
 
@@ -130,6 +131,8 @@ class _Worker:
         self.engine_seq = 0
         self.waiting: deque[_Job] = deque()
         self.waiting_ms = 0.0
+        # Estimated prefill (ms) of requests on their way here, by the region they came from.
+        self.dispatched: dict[str, float] = {}
         self.current: _Job | None = None
         self.busy_until = 0.0
         self.busy: list[tuple[float, float]] = []
@@ -201,6 +204,10 @@ class Simulator:
         running = max(0.0, w.busy_until - now_ms) if w.current is not None else 0.0
         return w.waiting_ms + running
 
+    def dispatched_ms(self, worker: str, origin: str | None = None) -> float:
+        d = self._workers[worker].dispatched
+        return sum(d.values()) if origin is None else d.get(origin, 0.0)
+
     def rng(self) -> np.random.Generator:
         return self._rng
 
@@ -263,11 +270,17 @@ class Simulator:
         edge_region = self._edge_of.get(r.region, r.region)
         one_way = self.plane.plan.rtt_ms(edge_region, w.spec.region) / 2
         job = _Job(r, tokens, choice, edge_region, one_way)
+        v, d = w.cache.lookup(tokens)
+        job.dispatched_ms = self._prefill_ms(r.input_length, v, d)
+        w.dispatched[r.region] = w.dispatched.get(r.region, 0.0) + job.dispatched_ms
         # A scheme's lookup (a coordinator round trip, DHT hops) delays the forward.
         self._at(self._now + choice.delay_ms + one_way, lambda: self._enqueue(w, job))
 
     def _enqueue(self, w: _Worker, job: _Job) -> None:
         job.at_worker_ms = self._now
+        origin = job.request.region
+        left = w.dispatched[origin] - job.dispatched_ms
+        w.dispatched[origin] = left if left > 1e-9 else 0.0
         v, d = w.cache.lookup(job.tokens)
         job.estimate_ms = self._prefill_ms(job.request.input_length, v, d)
         w.waiting.append(job)

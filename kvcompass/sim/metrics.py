@@ -5,16 +5,22 @@ Definitions (all times in virtual ms):
 * **TTFT**: arrival at the edge to the first token back at the edge (forward WAN, queueing,
   reload and prefill, return WAN). **E2E**: arrival to the last token back at the edge.
 * **reused** prompt tokens: the worker's cache hit at prefill start (VRAM head + DRAM tail);
-  **recomputed**: the rest of the prompt. A request **hits** when it reused anything; a hit is
-  **local** when the worker is in the request's region, **cross-region** otherwise.
+  **recomputed**: the rest of the prompt. The **hit rate** is token-weighted, reused over all
+  prompt tokens (vLLM's prefix-cache hit rate): a per-request "reused anything" rate reads
+  about 1 for every scheme on the Mooncake traces, whose first block nearly every request
+  shares. **Local** hit rate counts the tokens reused by workers in the request's own region,
+  **cross-region** the rest; the two add up to the hit rate.
 * **false hit**: the scheme claimed more than the worker reused (``claimed > reused``); the
   rate is over requests with a claim (``claimed > 0``).
 * **utilisation** of a worker in a window: the fraction of the window its prefill server was
   busy (prefill and DRAM reload; decode runs beside it, see :mod:`kvcompass.sim.engine`).
 * **load factor** of a worker in a window: its utilisation over the fleet's mean utilisation
-  in that window (1 = its fair share; 0 in windows where the whole fleet idles). The **peak
-  load factor** is the largest over workers and windows: how far the busiest worker runs
-  above the mean, the imbalance a router causes (``W`` at most, with W workers).
+  in that window (1 = its fair share; 0 in windows where the whole fleet idles); the heatmap.
+  The **peak load factor** follows the paper (section 5.3, figure 14): each worker's compute
+  time over the run divided by the mean over all workers, the largest of those (the hottest
+  worker's time-averaged load factor; 1 = perfect balance, ``W`` at most). A per-window
+  maximum is no measure of a router: at light load any window in which one request runs
+  reads ``W``.
 * **throughput**: prompt plus generated tokens over the makespan (first arrival to last
   completion), per second.
 
@@ -125,6 +131,13 @@ def _pct(x: npt.NDArray[np.float64]) -> tuple[float, float, float]:
     return (float(p[0]), float(p[1]), float(p[2]))
 
 
+def _peak(busy: Sequence[Sequence[tuple[float, float]]]) -> float:
+    """The hottest worker's compute time over the fleet mean (module notes); 0 when idle."""
+    totals = np.array([sum(max(0.0, e - b) for b, e in ivs) for ivs in busy], dtype=np.float64)
+    mean = float(totals.mean()) if totals.size else 0.0
+    return float(totals.max()) / mean if mean > 0 else 0.0
+
+
 def summarize(
     scheme: str,
     topology: str,
@@ -142,6 +155,7 @@ def summarize(
     reused = sum(r.reused for r in recs)
     recomputed = sum(r.recomputed for r in recs)
     hits = [r for r in recs if r.reused > 0]
+    prompt = sum(r.input_tokens for r in recs)
     claims = [r for r in recs if r.claimed > 0]
     if recs:
         start = min(r.arrival_ms for r in recs)
@@ -164,14 +178,14 @@ def summarize(
         throughput_tokens_s=tokens / span_s if span_s > 0 else 0.0,
         reused_tokens=reused,
         recomputed_tokens=recomputed,
-        hit_rate=len(hits) / n if n else 0.0,
-        local_hit_rate=sum(r.worker_region == r.region for r in hits) / n if n else 0.0,
-        cross_region_hit_rate=sum(r.worker_region != r.region for r in hits) / n if n else 0.0,
+        hit_rate=reused / prompt if prompt else 0.0,
+        local_hit_rate=sum(r.reused for r in hits if r.worker_region == r.region) / prompt if prompt else 0.0,
+        cross_region_hit_rate=sum(r.reused for r in hits if r.worker_region != r.region) / prompt if prompt else 0.0,
         false_hit_rate=sum(r.false_hit for r in claims) / len(claims) if claims else 0.0,
         window_ms=window_ms,
         workers=tuple(workers),
         utilisation=util,
         load_factor=lf,
-        peak_load_factor=float(lf.max()) if lf.size else 0.0,
+        peak_load_factor=_peak(busy),
         records=recs,
     )

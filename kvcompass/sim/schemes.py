@@ -106,6 +106,14 @@ class Fleet(Protocol):
         remainder included."""
         ...
 
+    def dispatched_ms(self, worker: str, origin: str | None = None) -> float:
+        """Estimated prefill work (ms) of requests routed to the worker and still on their way
+        to it (not in :meth:`queued_ms` yet); only those routed for requests from region
+        ``origin`` (what that region's router itself sent), or all of them with None. A router
+        that tracks what it dispatched (Dynamo's active sequences, a balancer's pending count)
+        reads its own share; an omniscient one (Oracle, Central Directory) reads all."""
+        ...
+
     def rng(self) -> np.random.Generator:
         """The run's seeded generator for tie-breaking."""
         ...
@@ -127,8 +135,10 @@ class Scheme(Protocol):
     def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice: ...
 
 
-def _least_loaded(fleet: Fleet, workers: list[str], now_ms: float) -> str:
-    q = np.array([fleet.queued_ms(w, now_ms) for w in workers])
+def _least_loaded(fleet: Fleet, workers: list[str], now_ms: float, origin: str | None) -> str:
+    """The worker with the least queued plus dispatched work (``origin``'s share of the latter,
+    see :meth:`Fleet.dispatched_ms`), ties drawn."""
+    q = np.array([fleet.queued_ms(w, now_ms) + fleet.dispatched_ms(w, origin) for w in workers])
     cand = np.flatnonzero(q <= q.min() + 1e-9)
     return workers[int(cand[int(fleet.rng().integers(len(cand)))])] if len(cand) > 1 else workers[int(cand[0])]
 
@@ -161,7 +171,7 @@ class LocalLeastLoaded:
         workers = self._by_region.get(request.region) or []
         if not workers:
             raise InvalidArgumentError(f"region {request.region!r} has no workers: local-least-loaded cannot serve request {request.id}")
-        return Choice(_least_loaded(self._fleet, workers, now_ms))
+        return Choice(_least_loaded(self._fleet, workers, now_ms, request.region))
 
 
 class Oracle:
@@ -175,7 +185,7 @@ class Oracle:
         self._workers = [w.id for w in fleet.topology.workers]
 
     def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
-        return Choice(_least_loaded(self._fleet, self._workers, now_ms))
+        return Choice(_least_loaded(self._fleet, self._workers, now_ms, None))
 
 
 class KVCompassAblation(KVCompassScheme):
@@ -442,14 +452,14 @@ class _History:
             self._tree.popitem(last=False)
 
 
-def _prefix_pick(fleet: Fleet, tree: _History, hashes: list[int], workers: list[str], now_ms: float) -> tuple[str | None, int]:
+def _prefix_pick(fleet: Fleet, tree: _History, hashes: list[int], workers: list[str], now_ms: float, origin: str) -> tuple[str | None, int]:
     """The least-loaded worker among ``workers`` holding the longest routed prefix, and its
     match in tokens; ``(None, 0)`` when no prefix of the prompt was routed to any of them."""
     n, holders = tree.match(hashes)
     cand = [w for w in workers if w in holders]
     if n == 0 or not cand:
         return None, 0
-    return _least_loaded(fleet, cand, now_ms), n * fleet.topology.block_size
+    return _least_loaded(fleet, cand, now_ms, origin), n * fleet.topology.block_size
 
 
 class PlanetServe:
@@ -476,9 +486,9 @@ class PlanetServe:
             raise InvalidArgumentError(f"region {request.region!r} has no workers: planetserve cannot serve request {request.id}")
         hashes: list[int] = _prefix_hashes(tokens, self._fleet.topology.block_size).tolist()
         tree = self._trees[request.region]
-        worker, claimed = _prefix_pick(self._fleet, tree, hashes, workers, now_ms)
+        worker, claimed = _prefix_pick(self._fleet, tree, hashes, workers, now_ms, request.region)
         if worker is None:
-            worker = _least_loaded(self._fleet, workers, now_ms)
+            worker = _least_loaded(self._fleet, workers, now_ms, request.region)
         tree.insert(hashes, worker)
         return Choice(worker, claimed)
 
@@ -511,7 +521,7 @@ class CentralDirectory:
         f, p, t = self._fleet, self._p, self._fleet.topology
         delay = t.rtt_ms(request.region, self.coordinator)
         L = len(tokens)
-        q = np.array([f.queued_ms(w.id, now_ms) for w in self._workers])
+        q = np.array([f.queued_ms(w.id, now_ms) + f.dispatched_ms(w.id) for w in self._workers])
         lam = min(p.lambda_max, float(q.min()) / p.tau_ms)
         hits = [f.cached(w.id, tokens) for w in self._workers]
         scores = np.array(
@@ -555,23 +565,23 @@ class SkyWalker:
         hashes: list[int] = _prefix_hashes(tokens, f.topology.block_size).tolist()
         worker: str | None = None
         claimed = 0
-        holder, match = _prefix_pick(f, self._trees[region], hashes, local, now_ms) if local else (None, 0)
+        holder, match = _prefix_pick(f, self._trees[region], hashes, local, now_ms, region) if local else (None, 0)
         free = [w for w in local if f.waiting(w) == 0]
         if holder is not None and f.waiting(holder) == 0:
             worker, claimed = holder, match
         elif free:
-            worker = _least_loaded(f, free, now_ms)
+            worker = _least_loaded(f, free, now_ms, region)
         else:
             for o in self._remote.get(region, []):
                 rfree = [w for w in self._by_region[o] if f.waiting(w) == 0]
                 if rfree:
-                    worker = _least_loaded(f, rfree, now_ms)
+                    worker = _least_loaded(f, rfree, now_ms, region)
                     break
             if worker is None:
                 if holder is not None:
                     worker, claimed = holder, match
                 elif local:
-                    worker = _least_loaded(f, local, now_ms)
+                    worker = _least_loaded(f, local, now_ms, region)
                 else:
                     raise InvalidArgumentError(f"region {region!r} has no workers and no remote replica is free: skywalker cannot serve request {request.id}")
         if claimed == 0 and worker != holder:
@@ -704,7 +714,8 @@ class Dynamo:
     KV state as of the last broadcast instant and their queued work sampled then, stale until
     the next. Each worker scores ``RTT(origin, region) + queue + beta * (prompt - overlap)``
     (Dynamo's cost: load plus the prefill its overlap leaves, with the WAN a cross-region choice
-    adds); the best wins, near-equal scores (1 ms) drawn among; the claim is the overlap.
+    adds), where the load also counts the prefill this router dispatched that has not reached
+    the worker yet (Dynamo's router tracks the active sequences it routed); the best wins, near-equal scores (1 ms) drawn among; the claim is the overlap.
     Simplifies: the local event stream has no delay; the broadcast's own WAN time is not
     modelled (every region sees a broadcast at its instant), and the queue of a broadcast is
     sampled at the first arrival after its instant (never staler than the broadcast); overlap
@@ -730,7 +741,7 @@ class Dynamo:
         for w in s.workers:
             local = w.region == request.region
             m = min(L, _overlap(keys, s.exact[w.id] if local else s.stale[w.id]) * block)
-            q = f.queued_ms(w.id, now_ms) if local else s.queue[w.id]
+            q = (f.queued_ms(w.id, now_ms) if local else s.queue[w.id]) + f.dispatched_ms(w.id, request.region)
             scores.append(t.rtt_ms(request.region, w.region) + q + w.beta_ms_per_token * (L - m))
             matches.append(m)
         i = _pick(f, scores, 1.0)
@@ -767,13 +778,13 @@ class DynamoGlobal:
         block, L = t.block_size, len(tokens)
         keys = _token_keys(tokens, block)
         region_scores = [
-            t.rtt_ms(request.region, r) + min(s.queue[w.id] for w in s.by_region[r]) + self._beta[r] * (L - min(L, _overlap(keys, s.region_filter[r]) * block))
+            t.rtt_ms(request.region, r) + min(s.queue[w.id] + f.dispatched_ms(w.id, request.region) for w in s.by_region[r]) + self._beta[r] * (L - min(L, _overlap(keys, s.region_filter[r]) * block))
             for r in self._regions
         ]
         region = self._regions[_pick(f, region_scores, 1.0)]
         workers = s.by_region[region]
         matches = [min(L, _overlap(keys, s.exact[w.id]) * block) for w in workers]
-        scores = [f.queued_ms(w.id, now_ms) + w.beta_ms_per_token * (L - m) for w, m in zip(workers, matches)]
+        scores = [f.queued_ms(w.id, now_ms) + f.dispatched_ms(w.id, request.region) + w.beta_ms_per_token * (L - m) for w, m in zip(workers, matches)]
         i = _pick(f, scores, 1.0)
         return Choice(workers[i].id, matches[i])
 
