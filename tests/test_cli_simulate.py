@@ -101,3 +101,35 @@ def test_console_script_exit_code() -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert p.returncode == 2 and p.stdout == "" and len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+
+
+def test_sensitivity_and_false_hit_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--topology", "testbed-14x3", "--trace", "mixed", "--max-requests", "60", "--rates", "8", "--schemes", "kvcompass"]
+    assert main([*argv, "--seed", "2", "--sensitivity", "--false-hits", "--out", str(tmp_path)]) == 0
+    cap = capsys.readouterr()
+    j = _last_json(cap.out)
+    rows = j["sensitivity"]
+    assert [(r["knob"], r["value"]) for r in rows] == [
+        ("wan_jitter_pct", 0.0), ("wan_jitter_pct", 25.0), ("wan_jitter_pct", 50.0), ("wan_jitter_pct", 100.0),
+        ("patch_loss_pct", 0.0), ("patch_loss_pct", 10.0), ("patch_loss_pct", 20.0), ("patch_loss_pct", 30.0),
+        ("patch_delay_ms", 0.0), ("patch_delay_ms", 100.0), ("patch_delay_ms", 300.0),
+    ]  # fmt: skip
+    base = j["results"]["kvcompass"]["8"]
+    assert rows[0]["ttft_p99_ms"] == base["ttft_p99_ms"] and rows[0]["hit_rate"] == base["hit_rate"]
+    # Jitter moves every WAN traversal, so it moves the latencies.
+    assert rows[3]["ttft_p99_ms"] != base["ttft_p99_ms"]
+    assert pl.read_csv(tmp_path / "sensitivity.csv").height == 11
+    fh = j["false_hits"]
+    s = fh["structural"]
+    assert s["0"] > 0.9 and 0 < s["8"] < 0.005 and s["16"] < s["8"]  # fingerprints are what make a keyless view usable
+    assert fh["end_to_end"]["kvcompass"]["8"] == base["false_hit_rate"]
+    assert "paper table 4" in cap.out and "paper table 5" in cap.out
+
+
+def test_fault_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--topology", "testbed-14x3", "--trace", "mixed", "--max-requests", "10", "--rates", "8", "--schemes", "kvcompass"]
+    assert main([*argv, "--patch-loss", "100"]) == 2
+    assert main([*argv, "--wan-jitter", "-1"]) == 2
+    assert main([*argv, "--patch-delay-ms", "-5"]) == 2
+    err = capsys.readouterr().err
+    assert "--patch-loss" in err and "--wan-jitter" in err and "--patch-delay-ms" in err

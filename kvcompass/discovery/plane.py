@@ -8,6 +8,7 @@ same objects across processes.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvcompass.discovery.edge import Edge, PatchOutcome
@@ -73,34 +74,62 @@ class LocalPlane:
         """Flush every unit and deliver its batches to every edge; answer every resync action
         from the owning unit. ``drop`` names (table, shard, seq) batches to lose in transit, so
         tests can exercise gap repair."""
-        flushed: list[PatchBatch] = [b for u in self.units for b in u.flush()]
-        if not flushed and not drop and not self._unsettled:
+        lose = (lambda region, b: (b.table_id, b.shard, b.seq) in drop) if drop else None
+        return self.deliver(self.flush(), lose, repair=True)
+
+    @property
+    def unsettled(self) -> bool:
+        """Some view may still be behind its writer (a batch was lost or refused)."""
+        return self._unsettled
+
+    def flush(self) -> list[PatchBatch]:
+        """Every unit's pending patch batches (what :meth:`deliver` then hands to the edges)."""
+        return [b for u in self.units for b in u.flush()]
+
+    def deliver(self, flushed: Sequence[PatchBatch], lose: Callable[[str, PatchBatch], bool] | None = None, *, repair: bool = True) -> PropagationReport:
+        """Hand ``flushed`` to every edge; ``lose(edge_region, batch)`` says which deliveries go
+        missing in transit. With ``repair`` every gap and refusal is answered now (the heartbeat
+        of each unit's position makes even a lost last batch visible); without it the repair
+        waits for the next call, one delivery round later, as a real repair waits for its round
+        trip to the unit (the simulator's loss sweeps)."""
+        if not flushed and not self._unsettled:
             # Nothing new and every view was current after the last round: a no-op (the
             # simulator calls this every few virtual milliseconds).
             return PropagationReport(0, 0, 0, 0)
         deliveries = resyncs = 0
+        was_unsettled = self._unsettled
+        if was_unsettled and not repair:
+            resyncs += self._heal()  # the repairs asked for in the previous round arrive first
         refused = False
         for edge in self.edges.values():
             for b in flushed:
-                if drop and (b.table_id, b.shard, b.seq) in drop:
+                if lose is not None and lose(edge.region, b):
                     refused = True
                     continue
                 out = edge.apply_patch(b.data)
                 deliveries += 1
-                refused |= not out.applied
-                resyncs += self._repair(edge, out)
-        if refused or drop or self._unsettled:
-            # Something went missing or was refused: the heartbeat (each unit's position per
-            # table) makes even a lost *last* batch visible, then every open repair is answered.
-            for edge in self.edges.values():
-                for unit in self.units:
-                    for t in self.layout.tables:
-                        epoch, seq = unit.position(t.table_id)
-                        edge.note_writer_position(t.table_id, unit.shard, epoch, seq)
-                for action in edge.pending_resyncs():
-                    resyncs += self._repair(edge, None, action.table, action.shard, action.epoch, action.seq)
-        self._unsettled = any(edge.pending_resyncs() for edge in self.edges.values()) if (refused or drop or self._unsettled) else False
+                if not out.applied:
+                    refused = True
+                    if repair:
+                        resyncs += self._repair(edge, out)
+        if repair and (refused or was_unsettled):
+            resyncs += self._heal()
+            self._unsettled = any(edge.pending_resyncs() for edge in self.edges.values())
+        else:
+            self._unsettled = refused or (was_unsettled and any(edge.pending_resyncs() for edge in self.edges.values()))
         return PropagationReport(len(flushed), deliveries, resyncs, sum(len(b.data) for b in flushed))
+
+    def _heal(self) -> int:
+        """Heartbeats of every unit's position to every edge, then every open repair answered."""
+        resyncs = 0
+        for edge in self.edges.values():
+            for unit in self.units:
+                for t in self.layout.tables:
+                    epoch, seq = unit.position(t.table_id)
+                    edge.note_writer_position(t.table_id, unit.shard, epoch, seq)
+            for action in edge.pending_resyncs():
+                resyncs += self._repair(edge, None, action.table, action.shard, action.epoch, action.seq)
+        return resyncs
 
     def _repair(self, edge: Edge, out: PatchOutcome | None, table: int = -1, shard: int = -1, epoch: int = 0, seq: int = 0) -> int:
         if out is not None:

@@ -41,14 +41,31 @@ get ``set_local_queue`` whenever it changes (enqueue, prefill start, prefill end
 edges learn it from vectors piggybacked on responses and from the broadcasts
 ``Edge.broadcast_due`` asks for (checked on the patch tick, delivered a WAN way later).
 
-**Not modelled yet** (absent, not approximated): migrations (``Edge.migration_actions``),
-prefill-decode disaggregation (such topologies are refused), several namespaces in one run
+**Migrations** (paper section 3.4): on every patch tick each edge's
+``Edge.migration_actions`` are carried out. ``copy``: the KV blocks travel from the source to
+the target in the same region (one in-region way plus ``kv_bytes / transfer_gbps``) and land
+in the target's ``target_tier`` (DRAM) without using its prefill server. ``recompute``: the
+prompt travels to the target (one in-region way), joins its FIFO like a request, is
+prefilled there, and the blocks go to ``target_tier``. Either way the target publishes the
+KV events of the new replica, which reach the index as any others. No request record is
+made for a migration; :attr:`Simulator.migrations` counts them by kind.
+
+**Prefill-decode disaggregation** (paper appendix C; a topology with ``role = "prefill"`` and
+``"decode"`` workers): schemes route among prefill workers only and the plane indexes only
+them. At prefill end the decode instance is drawn uniformly among the decode workers of the
+prefill worker's region (the nearest region that has one, if none), the prompt's KV travels
+there (``kv_bytes / transfer_gbps``, plus one way between the regions if they differ) and the
+sequence joins that instance's continuous batch; its last token returns to the edge from the
+decode instance's region. The first token is the prefill worker's, as before.
+
+**Not modelled yet** (absent, not approximated): several namespaces in one run
 (the emulated cache is keyed by tokens alone, so tenants with identical tokens would share
 blocks; such workloads are refused), engine restarts and event loss.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -62,17 +79,19 @@ from kvcompass.agent import WorkerAgent, encode_batch
 from kvcompass.agent.events import Event
 from kvcompass.discovery.edge import Edge
 from kvcompass.discovery.layout import WorkerSpec
+from kvcompass.discovery.maintenance import PatchBatch
+from kvcompass.discovery.migration import MigrationAction
 from kvcompass.discovery.ops import KeyOpBatch
 from kvcompass.discovery.params import EdgeParams
 from kvcompass.discovery.plane import LocalPlane
 from kvcompass.discovery.topology import Topology, load_topology
 from kvcompass.errors import AgentSequenceError, InvalidArgumentError
-from kvcompass.index import Namespace
+from kvcompass.index import Namespace, Tier
 from kvcompass.sim.cache import Policy, PrefixCache
 from kvcompass.sim.costs import CostModel
 from kvcompass.sim.metrics import RequestRecord, Summary, summarize
 from kvcompass.sim.schemes import Choice, Fleet, Scheme, make_scheme, scheme_params
-from kvcompass.sim.workload import Request
+from kvcompass.sim.workload import ChainBlocks, Request
 
 __all__ = ["DEFAULT_DRAM_TOKENS", "DEFAULT_VRAM_TOKENS", "SimConfig", "Simulator", "simulate"]
 
@@ -95,11 +114,28 @@ class SimConfig:
     policy: Policy = "lru"
     params: EdgeParams = field(default_factory=EdgeParams)
     plane_capacity: int = 4096
+    wan_jitter: float = 0.0
+    """Sensitivity (paper table 4): every WAN traversal takes ``(1 + u) * RTT / 2`` with u uniform
+    in ``[-wan_jitter, +wan_jitter]`` (0.5 = +-50 %), while routing still scores the static matrix."""
+    patch_loss: float = 0.0
+    """Sensitivity: each patch batch is lost on its way to each edge with this probability; the
+    edge's repair (a gap or the units' heartbeat, then a replay) lands one patch round later."""
+    patch_delay_ms: float = 0.0
+    """Sensitivity: patch batches reach the edges this long after their flush."""
+    transfer_gbps: float = 100.0
+    """Worker-to-worker KV transfer (Gbit/s), for copy migrations and the prefill-to-decode hand
+    off: ours, a 100 GbE / RDMA NIC between GPU servers (the paper gives no figure)."""
 
     def __post_init__(self) -> None:
         if not self.event_delay_ms >= 0:
             raise InvalidArgumentError(f"event_delay_ms must be >= 0, got {self.event_delay_ms}")
-        for name in ("patch_interval_ms", "window_ms"):
+        if not 0 <= self.wan_jitter <= 1:
+            raise InvalidArgumentError(f"wan_jitter must be in [0, 1], got {self.wan_jitter}")
+        if not 0 <= self.patch_loss < 1:
+            raise InvalidArgumentError(f"patch_loss must be in [0, 1), got {self.patch_loss}")
+        if not self.patch_delay_ms >= 0:
+            raise InvalidArgumentError(f"patch_delay_ms must be >= 0, got {self.patch_delay_ms}")
+        for name in ("patch_interval_ms", "window_ms", "transfer_gbps"):
             if not getattr(self, name) > 0:
                 raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -120,6 +156,8 @@ class _Job:
     dispatched_ms: float = 0.0
     remaining: int = 0
     context: int = 0
+    migration: MigrationAction | None = None
+    back_ms: float = -1.0  # last token's way back to the edge when decode ran elsewhere
 
 
 class _Worker:
@@ -150,8 +188,6 @@ class Simulator:
     """One run: build with the deployment and workload, then :meth:`run` once."""
 
     def __init__(self, topology: Topology, requests: Sequence[Request], scheme: str | Callable[[Fleet], Scheme], config: SimConfig = SimConfig()) -> None:
-        if topology.disaggregated:
-            raise InvalidArgumentError(f"topology {topology.name!r} disaggregates prefill and decode: not simulated yet")
         namespaces = {r.namespace for r in requests}
         if len(namespaces) > 1:
             raise InvalidArgumentError(f"the workload uses {len(namespaces)} namespaces; the simulator runs one namespace at a time")
@@ -161,8 +197,13 @@ class Simulator:
         self._requests = sorted(requests, key=lambda r: (r.arrival_ms, r.id))
         self._ns = Namespace(config.model, next(iter(namespaces)) if namespaces else "public")
         self._rng = np.random.default_rng(config.seed)
+        # Faults draw from their own stream, so turning one on leaves every other draw as it was.
+        self._faults = np.random.default_rng([config.seed, 0x5EE5])
         # An ablation scheme runs the plane with its switch flipped (schemes.scheme_params).
-        self.plane = LocalPlane(topology, capacity=config.plane_capacity, params=scheme_params(scheme, config.params), seed=config.seed)
+        params = scheme_params(scheme, config.params)
+        if topology.disaggregated and not params.disaggregated:
+            params = dataclasses.replace(params, disaggregated=True)
+        self.plane = LocalPlane(topology, capacity=config.plane_capacity, params=params, seed=config.seed)
         self._scheme = make_scheme(scheme, self) if isinstance(scheme, str) else scheme(self)
         self._indexed = self._scheme.uses_index
         # A scheme that follows the workers' KV events itself (a Dynamo-style router) gets every
@@ -178,7 +219,8 @@ class Simulator:
                 config.policy,
                 hash_seed=i,
             )
-            agent = WorkerAgent(spec.id, self._ns, plan.registration(spec.region), self.plane.layout.shards, block_size=block) if self._indexed else None
+            indexed = self._indexed and spec.role != "decode"
+            agent = WorkerAgent(spec.id, self._ns, plan.registration(spec.region), self.plane.layout.shards, block_size=block) if indexed else None
             self._workers[spec.id] = _Worker(spec, i, cache, agent)
         edge_regions = plan.edge_regions
         self._edge_of = {r: min(edge_regions, key=lambda e: (e != r, plan.rtt_ms(r, e))) for r in topology.region_names} if edge_regions else {}
@@ -187,6 +229,20 @@ class Simulator:
         self._now = 0.0
         self._records: list[RequestRecord] = []
         self._ran = False
+        self._migrate = self._indexed and params.migration
+        # Decode instances per region, and for each region where its prefill hands off.
+        decoders = {r: [self._workers[w.id] for w in topology.workers_in(r) if w.role == "decode"] for r in topology.region_names}
+        with_decode = [r for r in topology.region_names if decoders[r]]
+        self._decoders: dict[str, list[_Worker]] = {}
+        if topology.disaggregated:
+            for r in topology.region_names:
+                near = min(with_decode, key=lambda d: (d != r, topology.rtt_ms(r, d), topology.region_index(d)))
+                self._decoders[r] = decoders[near]
+        self.migrations: dict[str, int] = {"copy": 0, "recompute": 0}
+        """Migration actions carried out, by kind."""
+        self.migration_log: list[MigrationAction] = []
+        self.decoded: dict[str, int] = dict.fromkeys(self._workers, 0)
+        """Tokens each worker decoded after the first (its continuous batch's work)."""
 
     # ---- the Fleet a scheme reads ----------------------------------------------------------------
 
@@ -236,25 +292,43 @@ class Simulator:
             self._at(r.arrival_ms, partial(self._arrive, r))
         if self._indexed and self._requests:
             self._at(self._requests[0].arrival_ms, self._tick)
+            # Edges read their own region's queues live: every worker starts reported idle
+            # (a worker never reported is "unknown", never a migration target).
+            t0 = self._requests[0].arrival_ms / 1e3
+            for edge in self.plane.edges.values():
+                for w in self.topology.workers_in(edge.region):
+                    if w.role != "decode" and w.id in edge.workers:
+                        edge.set_local_queue(w.id, 0.0, t0)
         while self._heap:
             t, _, action = heapq.heappop(self._heap)
             self._now = t
             action()
         if len(self._records) != len(self._requests):
             raise RuntimeError(f"{len(self._requests) - len(self._records)} requests never completed")
-        ids = list(self._workers)
+        ids = [w for w, x in self._workers.items() if x.spec.role != "decode"]  # prefill servers
         busy = [self._workers[w].busy for w in ids]
         return summarize(self._scheme.name, self.topology.name, self._records, ids, busy, window_ms=self.config.window_ms)
 
     def _tick(self) -> None:
         """Patch propagation and due queue broadcasts, every ``patch_interval_ms`` while work remains."""
         now = self._now
-        self.plane.propagate()
+        cfg = self.config
+        if cfg.patch_loss or cfg.patch_delay_ms:
+            batches = self.plane.flush()
+            if batches or self.plane.unsettled:
+                lose = self._lose if cfg.patch_loss else None
+                self._at(now + cfg.patch_delay_ms, lambda: self._deliver(batches, lose))
+        else:
+            self.plane.propagate()
+        if self._migrate:
+            for edge in self.plane.edges.values():
+                for a in edge.migration_actions(now / 1e3):
+                    self._start_migration(a)
         for edge in self.plane.edges.values():
             for b in edge.broadcast_due(now / 1e3):
                 target = self.plane.edges.get(b.target_region)
                 if target is not None:
-                    t = now + self.plane.plan.rtt_ms(b.source_region, b.target_region) / 2
+                    t = now + self._way(b.source_region, b.target_region)
                     self._at(t, partial(target.on_broadcast, b.source_region, b.vector, t / 1e3))
         if len(self._records) < len(self._requests):
             self._at(now + self.config.patch_interval_ms, self._tick)
@@ -268,19 +342,64 @@ class Simulator:
         if w is None:
             raise InvalidArgumentError(f"scheme {self._scheme.name!r} chose unknown worker {choice.worker!r}")
         edge_region = self._edge_of.get(r.region, r.region)
-        one_way = self.plane.plan.rtt_ms(edge_region, w.spec.region) / 2
-        job = _Job(r, tokens, choice, edge_region, one_way)
+        forward = self._way(edge_region, w.spec.region)
+        job = _Job(r, tokens, choice, edge_region, self._way(w.spec.region, edge_region))
         v, d = w.cache.lookup(tokens)
         job.dispatched_ms = self._prefill_ms(r.input_length, v, d)
         w.dispatched[r.region] = w.dispatched.get(r.region, 0.0) + job.dispatched_ms
         # A scheme's lookup (a coordinator round trip, DHT hops) delays the forward.
-        self._at(self._now + choice.delay_ms + one_way, lambda: self._enqueue(w, job))
+        self._at(self._now + choice.delay_ms + forward, lambda: self._enqueue(w, job))
+
+    def _deliver(self, batches: list[PatchBatch], lose: Callable[[str, PatchBatch], bool] | None) -> None:
+        self.plane.deliver(batches, lose, repair=False)
+
+    def _lose(self, region: str, batch: PatchBatch) -> bool:
+        return bool(self._faults.random() < self.config.patch_loss)
+
+    def _way(self, a: str, b: str) -> float:
+        """One WAN traversal from region ``a`` to ``b`` (ms), jittered when asked."""
+        base = self.plane.plan.rtt_ms(a, b) / 2
+        j = self.config.wan_jitter
+        return base * (1.0 + j * (2.0 * self._faults.random() - 1.0)) if j else base
+
+    def _start_migration(self, a: MigrationAction) -> None:
+        target = self._workers.get(a.target)
+        if target is None:
+            raise InvalidArgumentError(f"migration toward unknown worker {a.target!r}")
+        tokens = np.ascontiguousarray(a.tokens[: a.length], dtype=np.uint32)
+        self.migrations[a.kind] += 1
+        self.migration_log.append(a)
+        if a.kind == "copy":
+            wire = self.plane.plan.rtt_ms(a.source_region, a.target_region) / 2
+            ms = wire + self._cost.kv_bytes(len(tokens)) * 8 / (self.config.transfer_gbps * 1e9) * 1e3
+            self._at(self._now + ms, lambda: self._land_copy(target, tokens, a.target_tier))
+            return
+        block = self.topology.block_size
+        req = Request(-1, self._now, a.target_region, 0, self._ns.tenant, len(tokens), 0, block, -1, -1, ChainBlocks(((a.family, -(-len(tokens) // block)),)), kind="migration")
+        job = _Job(req, tokens, Choice(a.target), a.target_region, 0.0, migration=a)
+        self._at(self._now + self.plane.plan.rtt_ms(a.target_region, a.target_region) / 2, lambda: self._enqueue(target, job))
+
+    def _land_copy(self, w: _Worker, tokens: npt.NDArray[np.uint32], tier: Tier) -> None:
+        self._publish_events(w, w.cache.copy_in(tokens, tier, self._now / 1e3))
+
+    def _publish_events(self, w: _Worker, events: Sequence[Event]) -> None:
+        """The worker's KV events: to a scheme that follows them and through its agent."""
+        now = self._now
+        if self._on_kv is not None and events:
+            self._on_kv(w.spec.id, events, now)
+        if w.agent is not None and events:
+            frames = encode_batch(events, w.engine_seq, ts=now / 1e3)
+            w.engine_seq += 1
+            batches = w.agent.on_message(frames).batches
+            if batches:
+                self._at(now + self.config.event_delay_ms, lambda: self._ingest(w, batches))
 
     def _enqueue(self, w: _Worker, job: _Job) -> None:
         job.at_worker_ms = self._now
-        origin = job.request.region
-        left = w.dispatched[origin] - job.dispatched_ms
-        w.dispatched[origin] = left if left > 1e-9 else 0.0
+        if job.dispatched_ms:
+            origin = job.request.region
+            left = w.dispatched[origin] - job.dispatched_ms
+            w.dispatched[origin] = left if left > 1e-9 else 0.0
         v, d = w.cache.lookup(job.tokens)
         job.estimate_ms = self._prefill_ms(job.request.input_length, v, d)
         w.waiting.append(job)
@@ -305,15 +424,14 @@ class Simulator:
 
     def _end_prefill(self, w: _Worker, job: _Job) -> None:
         now = self._now
-        events = w.cache.admit(job.tokens, now / 1e3)
-        if self._on_kv is not None and events:
-            self._on_kv(w.spec.id, events, now)
-        if w.agent is not None and events:
-            frames = encode_batch(events, w.engine_seq, ts=now / 1e3)
-            w.engine_seq += 1
-            batches = w.agent.on_message(frames).batches
-            if batches:
-                self._at(now + self.config.event_delay_ms, lambda: self._ingest(w, batches))
+        if job.migration is not None:  # a recompute migration: the replica, no response
+            self._publish_events(w, w.cache.copy_in(job.tokens, job.migration.target_tier, now / 1e3))
+            w.current = None
+            if w.waiting:
+                self._start_prefill(w)
+            self._publish_queue(w)
+            return
+        self._publish_events(w, w.cache.admit(job.tokens, now / 1e3))
         job.ttft_ms = now + job.one_way_ms - job.request.arrival_ms
         if self._indexed:
             self._respond(w, job)
@@ -324,11 +442,22 @@ class Simulator:
         out = job.request.output_length
         if out <= 1:
             self._complete(job)
-        else:
-            job.remaining, job.context = out - 1, job.request.input_length + 1
-            w.joining.append(job)
-            if not w.stepping:
-                self._step(w)
+            return
+        job.remaining, job.context = out - 1, job.request.input_length + 1
+        if not self._decoders:
+            self._join(w, job)
+            return
+        pool = self._decoders[w.spec.region]
+        d = pool[int(self._rng.integers(len(pool)))] if len(pool) > 1 else pool[0]
+        wire = 0.0 if d.spec.region == w.spec.region else self.plane.plan.rtt_ms(w.spec.region, d.spec.region) / 2
+        job.back_ms = self._way(d.spec.region, job.edge_region)
+        hand_off = wire + self._cost.kv_bytes(job.request.input_length) * 8 / (self.config.transfer_gbps * 1e9) * 1e3
+        self._at(now + hand_off, lambda: self._join(d, job))
+
+    def _join(self, w: _Worker, job: _Job) -> None:
+        w.joining.append(job)
+        if not w.stepping:
+            self._step(w)
 
     def _respond(self, w: _Worker, job: _Job) -> None:
         """The first chunk back at the edge: reuse report and, from another region, a queue vector."""
@@ -375,6 +504,7 @@ class Simulator:
         self._at(self._now + max(dt, 1e-9), lambda: self._end_step(w, batch))
 
     def _end_step(self, w: _Worker, batch: list[_Job]) -> None:
+        self.decoded[w.spec.id] += len(batch)
         for j in batch:
             j.remaining -= 1
             j.context += 1
@@ -386,7 +516,7 @@ class Simulator:
     def _complete(self, job: _Job) -> None:
         r = job.request
         w = self._workers[job.choice.worker]
-        e2e = self._now + job.one_way_ms - r.arrival_ms
+        e2e = self._now + (job.back_ms if job.back_ms >= 0 else job.one_way_ms) - r.arrival_ms
         self._records.append(
             RequestRecord(
                 id=r.id,
@@ -420,6 +550,9 @@ def simulate(
     window_ms: float = 1000.0,
     policy: Policy = "lru",
     params: EdgeParams | None = None,
+    wan_jitter: float = 0.0,
+    patch_loss: float = 0.0,
+    patch_delay_ms: float = 0.0,
 ) -> Summary:
     """Run ``requests`` through ``topology`` (a built-in name, a TOML path, or a Topology) with
     ``scheme`` (a name from :data:`kvcompass.sim.schemes.SCHEMES` or a factory) and summarise."""
@@ -433,5 +566,8 @@ def simulate(
         window_ms=window_ms,
         policy=policy,
         params=params if params is not None else EdgeParams(),
+        wan_jitter=wan_jitter,
+        patch_loss=patch_loss,
+        patch_delay_ms=patch_delay_ms,
     )
     return Simulator(topo, requests, scheme, config).run()

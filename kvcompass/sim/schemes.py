@@ -49,6 +49,7 @@ import numpy.typing as npt
 
 from kvcompass.agent.events import BlockRemoved, BlockStored, Event
 from kvcompass.discovery.edge import Edge
+from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.discovery.params import EdgeParams
 from kvcompass.discovery.plan import own_region_levels
 from kvcompass.discovery.topology import Topology
@@ -135,6 +136,12 @@ class Scheme(Protocol):
     def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice: ...
 
 
+def _servers_in(t: Topology, region: str) -> list[WorkerSpec]:
+    """The workers of ``region`` a request may be routed to: under prefill-decode
+    disaggregation only prefill workers (the decode instance is the simulator's to draw)."""
+    return [w for w in t.workers_in(region) if w.role != "decode"]
+
+
 def _least_loaded(fleet: Fleet, workers: list[str], now_ms: float, origin: str | None) -> str:
     """The worker with the least queued plus dispatched work (``origin``'s share of the latter,
     see :meth:`Fleet.dispatched_ms`), ties drawn."""
@@ -165,7 +172,7 @@ class LocalLeastLoaded:
 
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
-        self._by_region = {r: [w.id for w in fleet.topology.workers_in(r)] for r in fleet.topology.region_names}
+        self._by_region = {r: [w.id for w in _servers_in(fleet.topology, r)] for r in fleet.topology.region_names}
 
     def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
         workers = self._by_region.get(request.region) or []
@@ -182,7 +189,7 @@ class Oracle:
 
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
-        self._workers = [w.id for w in fleet.topology.workers]
+        self._workers = [w.id for w in fleet.topology.indexed_workers]
 
     def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
         return Choice(_least_loaded(self._fleet, self._workers, now_ms, None))
@@ -342,7 +349,7 @@ class ConsistentHash:
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
         self._levels = _levels(fleet)
-        workers = [w.id for w in fleet.topology.workers]
+        workers = [w.id for w in fleet.topology.indexed_workers]
         self._rings = [_Ring(workers, ("level", i)) for i in range(max(1, len(self._levels)))]
 
     def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
@@ -371,7 +378,7 @@ class ChordDHT:
         self._fleet = fleet
         self._levels = _levels(fleet)
         t = fleet.topology
-        nodes = sorted((_h64("chord", w.id), w.id, w.region) for w in t.workers)
+        nodes = sorted((_h64("chord", w.id), w.id, w.region) for w in t.indexed_workers)
         self._ids = [n for n, _, _ in nodes]
         self._names = [w for _, w, _ in nodes]
         self._regions = [r for _, _, r in nodes]
@@ -477,7 +484,7 @@ class PlanetServe:
 
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
-        self._by_region = {r: [w.id for w in fleet.topology.workers_in(r)] for r in fleet.topology.region_names}
+        self._by_region = {r: [w.id for w in _servers_in(fleet.topology, r)] for r in fleet.topology.region_names}
         self._trees = {r: _History() for r in fleet.topology.region_names}
 
     def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
@@ -513,7 +520,7 @@ class CentralDirectory:
         self._fleet = fleet
         self._p = params
         t = fleet.topology
-        self._workers = list(t.workers)
+        self._workers = list(t.indexed_workers)
         origins = [r.name for r in t.regions if r.edges > 0] or list(t.region_names)
         self.coordinator = min(t.region_names, key=lambda c: (sum(t.rtt_ms(o, c) for o in origins), t.region_index(c)))
 
@@ -554,8 +561,8 @@ class SkyWalker:
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
         t = fleet.topology
-        self._by_region = {r: [w.id for w in t.workers_in(r)] for r in t.region_names}
-        self._region_of = {w.id: w.region for w in t.workers}
+        self._by_region = {r: [w.id for w in _servers_in(t, r)] for r in t.region_names}
+        self._region_of = {w.id: w.region for w in t.indexed_workers}
         self._trees = {r: _History() for r in t.region_names}
         self._remote = {r: sorted((o for o in t.region_names if o != r and self._by_region[o]), key=lambda o: (t.rtt_ms(r, o), t.region_index(o))) for r in t.region_names}
 
@@ -671,8 +678,8 @@ class _DynamoState:
         self.fleet = fleet
         self.period_ms = period_ms
         t = fleet.topology
-        self.workers = list(t.workers)
-        self.by_region = {r: [w for w in t.workers if w.region == r] for r in t.region_names}
+        self.workers = list(t.indexed_workers)
+        self.by_region = {r: [w for w in t.indexed_workers if w.region == r] for r in t.region_names}
         self.tracker = {w.id: _KVTracker() for w in t.workers}
         self.exact: dict[str, dict[int, str]] = {w.id: {} for w in t.workers}
         self.stale: dict[str, dict[int, str]] = {w.id: {} for w in t.workers}
