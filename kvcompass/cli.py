@@ -8,11 +8,15 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from kvcompass.discovery.plan import LevelPlan
-from kvcompass.discovery.topology import builtin_topologies, load_topology
+from kvcompass.discovery.topology import Topology, builtin_topologies, load_topology
 from kvcompass.errors import KVCompassError
+
+if TYPE_CHECKING:
+    from kvcompass.sim.metrics import Summary
+    from kvcompass.sim.workload import Request
 
 __all__ = ["DEFAULT_MIXED_REQUESTS", "format_plan", "main"]
 
@@ -110,6 +114,58 @@ def _parse_schemes(text: str) -> list[str]:
     return names
 
 
+def _sensitivity(args: argparse.Namespace, topology: Topology, requests: list[Request], base: Summary | None) -> list[dict[str, float | str]]:
+    """Paper table 4 for kvcompass on ``requests``: printed as a polars table, CSV under --out."""
+    import polars as pl
+
+    from kvcompass.sim.engine import simulate
+    from kvcompass.sim.sensitivity import DEFAULT_SWEEPS, sweep
+
+    total = sum(len(v) for v in DEFAULT_SWEEPS.values())
+    done = [0]
+
+    def run(**knob: float) -> Summary:
+        done[0] += 1
+        print(f"[sensitivity {done[0]}/{total}] kvcompass {knob or 'base'} ...", end="", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        s = simulate(
+            topology,
+            requests,
+            "kvcompass",
+            seed=args.seed,
+            wan_jitter=knob.get("wan_jitter", 0.0),
+            patch_loss=knob.get("patch_loss", 0.0),
+            patch_delay_ms=knob.get("patch_delay_ms", 0.0),
+        )
+        print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        return s
+
+    rows = [r.as_dict() for r in sweep(run, base=base)]
+    frame = pl.DataFrame(rows)
+    with pl.Config(tbl_rows=-1, tbl_hide_dataframe_shape=True):
+        print("Sensitivity (kvcompass, paper table 4):")
+        print(frame)
+    if args.out is not None:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        frame.write_csv(Path(args.out) / "sensitivity.csv")
+    return rows
+
+
+def _false_hits(args: argparse.Namespace, topology: Topology, results: dict[str, dict[str, Summary]]) -> dict[str, object]:
+    """Paper table 5: structural rates of the keyless table beside each run's end-to-end rate."""
+    from kvcompass.sim.sensitivity import structural_false_hit_rate
+
+    structural = {str(f): structural_false_hit_rate(f, seed=args.seed) for f in sorted({0, 8, 16, topology.fp_bits})}
+    print("False hits (paper table 5): structural = never-inserted keys answered by a view at 95 % slot load;")
+    print("end-to-end = requests whose worker reused less than the edge claimed")
+    for f, r in structural.items():
+        print(f"  structural, fp_bits={f:>2}: {100 * r.rate:8.4f} %  ({r.probes} probes, load {r.load:.3f})")
+    e2e = {s: {rate: v.false_hit_rate for rate, v in by_rate.items()} for s, by_rate in results.items()}
+    for s, by_rate in e2e.items():
+        print(f"  end-to-end, {s}: " + ", ".join(f"{rate} req/s {100 * v:.4f} %" for rate, v in by_rate.items()))
+    return {"structural": {f: r.rate for f, r in structural.items()}, "end_to_end": e2e}
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from kvcompass.sim.engine import simulate
     from kvcompass.sim.metrics import Summary
@@ -123,6 +179,13 @@ def _simulate(args: argparse.Namespace) -> int:
             raise _UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     if args.seed < 0:
         raise _UsageError(f"--seed must be >= 0, got {args.seed}")
+    for name in ("wan_jitter", "patch_loss"):
+        v = getattr(args, name)
+        if not 0 <= v <= 100 or (name == "patch_loss" and v == 100):
+            raise _UsageError(f"--{name.replace('_', '-')} must be a percentage in [0, 100{')' if name == 'patch_loss' else ']'}, got {v}")
+    if not args.patch_delay_ms >= 0:
+        raise _UsageError(f"--patch-delay-ms must be >= 0, got {args.patch_delay_ms}")
+    faults = {"wan_jitter": args.wan_jitter / 100, "patch_loss": args.patch_loss / 100, "patch_delay_ms": args.patch_delay_ms}
     topology = load_topology(args.topology, rtt_path=args.rtt_matrix)
     trace_path = None if args.trace == "mixed" else resolve_trace(args.trace)
 
@@ -142,8 +205,15 @@ def _simulate(args: argparse.Namespace) -> int:
             done += 1
             print(f"[{done}/{total}] {scheme} at {rate} req/s: {len(requests)} requests ...", end="", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
-            results[scheme][rate] = simulate(topology, requests, scheme, seed=args.seed)
+            results[scheme][rate] = simulate(
+                topology, requests, scheme, seed=args.seed, wan_jitter=faults["wan_jitter"], patch_loss=faults["patch_loss"], patch_delay_ms=faults["patch_delay_ms"]
+            )
             print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    extra: dict[str, object] = {}
+    if args.sensitivity:
+        extra["sensitivity"] = _sensitivity(args, topology, workload(float(rates[0])), results.get("kvcompass", {}).get(rates[0]) if not any(faults.values()) else None)
+    if args.false_hits:
+        extra["false_hits"] = _false_hits(args, topology, results)
     if args.out is not None:
         from kvcompass.sim.report import records_to_frame, summaries_to_frame, write_figures, write_tables
 
@@ -153,7 +223,8 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"wrote {len(paths)} files to {out}: {' '.join(p.name for p in paths)}")
     from kvcompass.sim.report import summary_row
 
-    doc = {"results": {s: {r: summary_row(results[s][r]) for r in rates} for s in schemes}}
+    doc: dict[str, object] = {"results": {s: {r: summary_row(results[s][r]) for r in rates} for s in schemes}}
+    doc.update(extra)
     sys.stdout.write(json.dumps(doc) + "\n")
     return 0
 
@@ -210,7 +281,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     sim.add_argument("--max-requests", type=int, default=None, metavar="N", help="replay at most the first N requests")
     sim.add_argument("--out", default=None, metavar="DIR", help="write CSV/parquet tables and PNG figures here")
     sim.add_argument("--rtt-matrix", metavar="CSV", default=None, help="RTT matrix for a topology that has none of its own")
+    sim.add_argument("--wan-jitter", type=float, default=0.0, metavar="PCT", help="every WAN traversal varies uniformly by +-PCT %% around the matrix (routing scores the matrix)")
+    sim.add_argument("--patch-loss", type=float, default=0.0, metavar="PCT", help="each patch batch is lost on its way to each edge with this probability (%%); edges repair it")
+    sim.add_argument("--patch-delay-ms", type=float, default=0.0, metavar="MS", help="patch batches reach the edges this much later")
+    sim.add_argument(
+        "--sensitivity",
+        action="store_true",
+        help="also rerun kvcompass at the first rate with WAN jitter 25/50/100 %%, patch loss 10/20/30 %% and delay 100/300 ms (paper table 4)",
+    )
+    sim.add_argument("--false-hits", action="store_true", help="also report structural false-hit rates at 95 %% load (fp 0/8/16) beside each run's end-to-end rate (paper table 5)")
+    from kvcompass.services.commands import add_commands, run_command
+
+    add_commands(sub)
     args = parser.parse_args(argv)
+    r = run_command(args)
+    if r is not None:
+        return r
     if args.command == "demo":
         from kvcompass.demo import DemoConfig, run_demo
 

@@ -242,7 +242,27 @@ def test_streaming_proxy_passes_tokens_through(cluster: Cluster) -> None:
     chunks = [json.loads(e) for e in events[:-1]]
     texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
     assert len(texts) == 7 and all(texts)
-    assert all("usage" not in c for c in chunks)  # the usage chunk the door asked for is not the client's
+    assert all(c.get("usage") is None for c in chunks)  # the usage chunk the door asked for is not the client's
+
+
+def test_loadgen_replays_a_trace_through_the_edges(cluster: Cluster, tmp_path: Path) -> None:
+    out = tmp_path / "records.jsonl"
+    trace = Path(__file__).parent / "data" / "conversation_excerpt.jsonl"
+    state = cluster.log.parent / "state.json"
+    r = subprocess.run(
+        _cmd("loadgen", "--state-file", str(state), "--trace", str(trace), "--rate", "20", "--arrivals", "poisson", "--max-requests", "6", "--max-tokens", "3", "--out", str(out)),
+        capture_output=True, timeout=60,
+    )
+    assert r.returncode == 0, r.stderr.decode()
+    summary = json.loads(r.stdout.decode().strip().splitlines()[-1])
+    assert summary["requests"] == 6 and summary["errors"] == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [x["id"] for x in records] == list(range(6))
+    for x in records:
+        assert x["status"] == 200 and x["output_tokens"] == 3 and x["ttft_ms"] <= x["e2e_ms"]
+        assert x["worker_region"] == cluster.state["workers"][x["worker"]]["region"]
+        assert x["edge"] == cluster.edge(x["region"]) and isinstance(x["cached_tokens"], int)
+    assert b"requests" in r.stderr  # the progress bar
 
 
 def test_killed_worker_is_routed_around(cluster: Cluster) -> None:

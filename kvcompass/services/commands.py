@@ -72,6 +72,8 @@ def add_commands(sub: Any) -> None:
     e.add_argument("--peers", default="", metavar="REGION=HOST:PORT,...", help="other regions' edge gRPC endpoints (queue exchange)")
     e.add_argument("--peers-file", default=None, metavar="JSON", help="like --peers, read from a JSON object once the file appears")
     e.add_argument("--drain-grace", type=float, default=30.0, metavar="S", help="seconds in-flight requests may take to finish on SIGTERM")
+    e.add_argument("--queue-poll", type=float, default=0.1, metavar="S",
+                   help="read own-region workers' queues (GET /kvcompass/load) every S seconds; 0: only from responses (default 0.1, Delta)")
     e.add_argument("--seed", type=int, default=0)
 
     a = sub.add_parser("agent", help="run a worker agent: engine KV events (ZMQ) -> key ops -> maintenance units")
@@ -115,6 +117,8 @@ def add_commands(sub: Any) -> None:
     g.add_argument("--trace", required=True, metavar="PATH_OR_NAME", help="a Mooncake-schema JSONL file or a shared trace name (conversation, synthetic)")
     g.add_argument("--rate", type=float, required=True, metavar="R", help="offered load, req/s of wall time (the trace is rescaled to it)")
     g.add_argument("--max-requests", type=int, default=None, metavar="N")
+    g.add_argument("--arrivals", choices=("rescale", "poisson"), default="rescale",
+                   help="rescale: the trace's own arrival pattern at --rate; poisson: Poisson arrivals at --rate")
     g.add_argument("--out", default=None, metavar="records.jsonl")
     g.add_argument("--block-size", type=int, default=512, metavar="TOKENS", help="tokens per trace hash id (default 512, Mooncake's)")
     g.add_argument("--topology", default=None, metavar="NAME_OR_PATH", help="weights regions by prefill capacity (default: equal weights)")
@@ -349,6 +353,10 @@ async def _edge(args: argparse.Namespace) -> int:
         )
         # Registered last, so it runs first: the door drains while the index is still current.
         stack.push_async_callback(door.stop)
+        local = {w: u for w, u in urls.items() if regions.get(w) == args.region}
+        if args.queue_poll > 0 and local:
+            poller = asyncio.get_running_loop().create_task(_poll_queues(edge, local, args.queue_poll))
+            stack.push_async_callback(_cancel, poller)
         announce("edge", region=args.region, http=door.url, grpc=grpc, metrics=server.metrics_url)
         if peers:
             broadcaster = QueueBroadcaster(edge, {r: a for r, a in peers.items() if r != args.region})
@@ -360,6 +368,45 @@ async def _edge(args: argparse.Namespace) -> int:
             stack.push_async_callback(door.stop)  # still first to run (stopping twice is a no-op)
         await stop.wait()
     return 0
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _poll_queues(edge: Any, urls: Mapping[str, str], period_s: float) -> None:
+    """Own-region queues read live (paper section 3.4), not only when a response happens to
+    carry one: an estimate that only responses refresh stays at its last value for a worker the
+    edge stopped choosing *because* it looked busy, and the edge would then keep paying WAN
+    round trips to other regions while that worker sits idle. A worker without the endpoint
+    (a real vLLM) is dropped from polling; one that does not answer keeps its last reading."""
+    import time
+
+    import aiohttp
+
+    left = dict(urls)
+    timeout = aiohttp.ClientTimeout(total=max(0.05, min(1.0, 2 * period_s)))
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+
+        async def one(w: str, url: str) -> None:
+            try:
+                async with http.get(url.rstrip("/") + "/kvcompass/load") as r:
+                    if r.status == 404:
+                        left.pop(w, None)
+                        return
+                    if r.status != 200:
+                        return
+                    q = (await r.json()).get("queue_ms")
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                return
+            if isinstance(q, (int, float)) and not isinstance(q, bool) and q >= 0:
+                edge.set_local_queue(w, float(q), time.monotonic())
+
+        while left:
+            await asyncio.gather(*(one(w, u) for w, u in list(left.items())))
+            await asyncio.sleep(period_s)
 
 
 async def _wait_peers(path: str, edge: Any, region: str, stop: asyncio.Event) -> Any:

@@ -59,8 +59,10 @@ def load_requests(
     seed: int = 0,
     max_tokens: int | None = None,
     model: str = "llama-3.1-8b",
+    arrivals: str = "rescale",
 ) -> list[LoadPlan]:
-    """The trace as request bodies, arrivals rescaled to ``rate`` req/s (wall). Regions are
+    """The trace as request bodies, arrivals rescaled to ``rate`` req/s of wall time
+    (``arrivals="poisson"``: Poisson at ``rate``, for a slice whose timestamps are all equal). Regions are
     drawn among ``regions`` (weighted by prefill capacity when ``topology`` is given)."""
     from kvcompass.sim.workload import load_trace, region_weights, resolve_trace
 
@@ -71,7 +73,8 @@ def load_requests(
         weights = [cap.get(r, 0.0) for r in regions]
         if not any(w > 0 for w in weights):
             weights = None
-    reqs = load_trace(resolve_trace(trace), block_size, regions=list(regions), weights=weights, seed=seed, rate=rate, mode="rescale", max_requests=max_requests)
+    mode: Any = arrivals
+    reqs = load_trace(resolve_trace(trace), block_size, regions=list(regions), weights=weights, seed=seed, rate=rate, mode=mode, max_requests=max_requests)
     out: list[LoadPlan] = []
     t0 = reqs[0].arrival_ms if reqs else 0.0
     for r in reqs:
@@ -272,7 +275,7 @@ def loadgen_main(args: argparse.Namespace) -> int:
             worker_regions = {w.id: w.region for w in topology.workers}
     plans = load_requests(
         args.trace, list(edges), rate=args.rate, block_size=args.block_size, max_requests=args.max_requests,
-        topology=topology, seed=args.seed, max_tokens=args.max_tokens, model=args.model,
+        topology=topology, seed=args.seed, max_tokens=args.max_tokens, model=args.model, arrivals=args.arrivals,
     )
     records = asyncio.run(replay(plans, edges, worker_regions=worker_regions, progress=not args.no_progress))
     if args.out is not None:
