@@ -24,8 +24,8 @@ build: $(VENV)/.tools ## build the Rust extension (release) into .venv with the 
 	$(VENV)/bin/maturin develop --release -q --extras test
 
 .PHONY: demo
-demo: build ## the main job: build views from patches across three regions and route prompts
-	$(VENV)/bin/kvcompass demo
+demo: build ## the main job: a local multi-region cluster replays a conversation-trace slice, KVCompass vs region-local routing
+	$(VENV)/bin/kvcompass cluster-demo
 
 .PHONY: test
 test: build ## all tests: cargo test (core, proptest) then pytest (bindings, hypothesis, stubtest)

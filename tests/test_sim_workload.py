@@ -522,3 +522,17 @@ def test_chain_blocks_form_a_prefix_tree() -> None:
         assert isinstance(r.blocks, ChainBlocks)
         for prev, cur in zip([-1, *ids], ids):
             assert parent_of.setdefault(cur, prev) == prev  # an id always follows the same id
+
+
+def test_the_package_ships_a_conversation_excerpt_found_last() -> None:
+    from kvcompass.sim import workload
+
+    dirs = workload._data_dirs()
+    bundled = dirs[-1] / "traces" / "conversation_trace.jsonl"
+    assert dirs[-1] == Path(workload.__file__).resolve().parents[1] / "data" and bundled.is_file()
+    lines = bundled.read_text().splitlines()
+    assert len(lines) == 600
+    shared = Path(workload.__file__).resolve().parents[2].parent / "shared" / "data" / "traces" / "conversation_trace.jsonl"
+    if shared.is_file():
+        with shared.open() as f:
+            assert [next(f).rstrip("\n") for _ in range(600)] == lines

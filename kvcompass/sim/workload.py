@@ -286,12 +286,16 @@ def _data_dirs() -> list[Path]:
     if env:
         dirs.append(Path(env))
     dirs += [Path.cwd() / ".." / "shared" / "data", _PACKAGE.parent.parent / "shared" / "data"]
+    # Last: the excerpt shipped in the package (the first 600 conversation requests), so the
+    # main job runs on a machine without the shared data folder.
+    dirs.append(_PACKAGE / "data")
     return dirs
 
 
 def find_trace(name: str) -> Path:
     """The file of a named trace: ``{name}_trace.jsonl`` in the ``traces/`` folder of
-    ``$KVCOMPASS_DATA``, ``<cwd>/../shared/data`` or ``<repo>/../shared/data`` (first found).
+    ``$KVCOMPASS_DATA``, ``<cwd>/../shared/data``, ``<repo>/../shared/data`` or the package's
+    own ``data/`` (an excerpt of the conversation trace; first found).
     ``FileNotFoundError`` listing every place looked at when none holds it."""
     if not name or any(sep in name for sep in ("/", "\\")) or name.startswith("."):
         raise InvalidArgumentError(f"trace name must be a plain name such as {' or '.join(map(repr, TRACE_NAMES))}, got {name!r}")
