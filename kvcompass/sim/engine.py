@@ -320,6 +320,11 @@ class Simulator:
                 self._at(now + cfg.patch_delay_ms, lambda: self._deliver(batches, lose))
         else:
             self.plane.propagate()
+        # Own-region queues are read live (a real edge polls its workers): a running prefill's
+        # remainder shrinks between events, so the busy workers are re-read every tick.
+        for w in self._workers.values():
+            if w.current is not None:
+                self._publish_queue(w)
         if self._migrate:
             for edge in self.plane.edges.values():
                 for a in edge.migration_actions(now / 1e3):
