@@ -12,6 +12,11 @@ process that binds it and no two processes can race for one:
 5. health: every unit's and edge's ``/healthz``, every door's and worker's ``/health``, every
    agent's ``/healthz``, and every worker's KV-event subscription taken by its agent.
 
+Every agent gets a random credential of its own (``--token-file``; the units get the whole map
+with ``--tokens-file``), so an agent can write only its own worker's fields. With ``--tls`` a
+throwaway CA is made in the run directory and every hop (gRPC, the doors, the workers' HTTP)
+runs mutual TLS with one certificate for all processes; the metrics endpoints stay plain HTTP.
+
 Only then are the endpoints printed and the state file written, so whoever waits for the file
 may send traffic at once. Ctrl-C / SIGTERM stops the cluster in reverse data-flow order (edges
 drain their in-flight requests first, maintenance units write their state last). Children run
@@ -31,7 +36,9 @@ import contextlib
 import json
 import math
 import os
+import secrets
 import signal
+import ssl
 import sys
 import tempfile
 import time
@@ -64,6 +71,10 @@ class ClusterConfig:
     startup_timeout_s: float = 120.0
     drain_grace_s: float = 15.0
     host: str = "127.0.0.1"
+    auth: bool = True
+    """One random credential per worker (agents may write only their own worker's fields)."""
+    tls: bool = False
+    """Mutual TLS on every hop, with a CA made for this run."""
 
 
 @dataclass(eq=False)
@@ -126,6 +137,38 @@ class Cluster:
             raise UsageError("no worker selected: --workers-per-region and --max-workers must be >= 1")
         self.children: list[Child] = []
         self.stopping = False
+        self.tls_args: list[str] = []
+        self.http_ssl: ssl.SSLContext | None = None
+
+    def _secrets(self) -> Path:
+        d = self.run_dir / "secrets"
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return d
+
+    def make_tokens(self) -> dict[str, Path]:
+        """A random token per started worker: the units' map and each agent's own file (files,
+        not argv, so ``ps`` does not show them). Returns worker -> its token file."""
+        d = self._secrets()
+        tokens = {w.id: secrets.token_urlsafe(32) for w in self.workers}
+        files = {}
+        for wid, tok in tokens.items():
+            files[wid] = d / f"agent-{wid}.token"
+            _write_secret(files[wid], tok + "\n")
+        _write_secret(d / "tokens.json", json.dumps(tokens, indent=2) + "\n")
+        return files
+
+    def make_tls(self) -> None:
+        from kvcompass.services.tls import ThrowawayCA, TLSConfig
+
+        ca = ThrowawayCA.create(self._secrets() / "pki")
+        hosts = tuple(dict.fromkeys((self.cfg.host, "127.0.0.1", "localhost", "::1")))
+        leaf = ca.issue("kvcompass-cluster", hosts)
+        self.tls_args = ["--tls-cert", leaf.cert, "--tls-key", leaf.key, "--tls-ca", ca.cert]
+        # The supervisor checks the doors' and workers' health over HTTPS with the same identity.
+        self.http_ssl = TLSConfig(leaf.cert, leaf.key, ca.cert).client_context("http")
+
+    def _mtls(self) -> list[str]:
+        return [*self.tls_args, "--tls-client-auth"] if self.tls_args else []
 
     def _cmd(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "kvcompass", *args]
@@ -179,16 +222,21 @@ class Cluster:
         cfg, topo = self.cfg, self.topology
         timeout = cfg.startup_timeout_s
         shards = topo.shards
+        token_files = self.make_tokens() if cfg.auth else {}
+        auth = ["--tokens-file", str(self.run_dir / "secrets" / "tokens.json")] if cfg.auth else []
+        if cfg.tls:
+            self.make_tls()
         units = [
             await self.spawn(f"maintenance-{s}", "maintenance", self._cmd(
                 "maintenance", "--shard", str(s), "--shards", str(shards), "--topology", cfg.topology, "--host", cfg.host,
-                "--state-file", str(self.run_dir / f"shard-{s}.state"),
+                "--state-file", str(self.run_dir / f"shard-{s}.state"), *auth, *self._mtls(),
             ))
             for s in range(shards)
         ]
         workers = [
             await self.spawn(f"worker-{w.id}", "worker", self._cmd(
                 "worker", "--emulate", "--worker", w.id, "--topology", cfg.topology, "--host", cfg.host, "--time-scale", repr(cfg.time_scale),
+                *self._mtls(),
             ))
             for w in self.workers
         ]
@@ -204,6 +252,7 @@ class Cluster:
             await self.spawn(f"agent-{w.ready['worker']}", "agent", self._cmd(
                 "agent", "--worker", str(w.ready["worker"]), "--events", str(w.ready["events"]), "--replay", str(w.ready["replay"]),
                 "--topology", cfg.topology, "--maintenance", maint, "--host", cfg.host,
+                *(["--token-file", str(token_files[str(w.ready["worker"])])] if cfg.auth else []), *self.tls_args,
             ))
             for w in workers
         ]
@@ -212,7 +261,7 @@ class Cluster:
             await self.spawn(f"edge-{r}", "edge", self._cmd(
                 "edge", "--region", r, "--topology", cfg.topology, "--routing", cfg.routing, "--host", cfg.host, "--maintenance", maint,
                 "--workers-file", str(workers_file), "--wan-delay", repr(wan), "--peers-file", str(peers_file),
-                "--drain-grace", repr(cfg.drain_grace_s), "--seed", str(i),
+                "--drain-grace", repr(cfg.drain_grace_s), "--seed", str(i), *self._mtls(),
             ))
             for i, r in enumerate(self.plan.edge_regions)
         ]
@@ -229,6 +278,8 @@ class Cluster:
             "time_scale": cfg.time_scale,
             "topology": topo.name,
             "run_dir": str(self.run_dir),
+            "auth": cfg.auth,
+            "tls": {"ca": self.tls_args[5], "cert": self.tls_args[1], "key": self.tls_args[3]} if self.tls_args else None,
             "pids": {c.name: c.proc.pid for c in self.children if c.proc is not None},
             "supervisor_pid": os.getpid(),
         }
@@ -243,7 +294,8 @@ class Cluster:
         # The agent's SUB is connected once the worker's XPUB counts it: events from then on reach it.
         checks += [(w, f"{w.ready['http']}/metrics", "kvcompass_worker_event_subscribers") for w in workers]
         deadline = time.monotonic() + timeout
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        conn = aiohttp.TCPConnector(ssl=self.http_ssl if self.http_ssl is not None else True)
+        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=5)) as http:
 
             async def one(c: Child, url: str, gauge: str | None) -> None:
                 while True:
@@ -302,6 +354,12 @@ def _gauge(text: str, name: str) -> float:
             with contextlib.suppress(ValueError, IndexError):
                 total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def _write_secret(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def _write_json(path: Path, obj: object) -> None:
@@ -379,6 +437,6 @@ def up_main(args: argparse.Namespace) -> int:
     cfg = ClusterConfig(
         topology=args.topology, routing=args.routing, time_scale=args.time_scale, wan_delay=not args.no_wan_delay,
         workers_per_region=args.workers_per_region, max_workers=args.max_workers, state_file=args.state_file, run_dir=args.run_dir,
-        startup_timeout_s=args.startup_timeout, drain_grace_s=args.drain_grace,
+        startup_timeout_s=args.startup_timeout, drain_grace_s=args.drain_grace, auth=not args.no_auth, tls=args.tls,
     )
     return asyncio.run(run_cluster(cfg))

@@ -55,6 +55,14 @@ def add_commands(sub: Any) -> None:
     m.add_argument("--topology", required=True, metavar="NAME_OR_PATH", help=_TOPOLOGY_HELP)
     _listen_args(m, port="--port", port_help="gRPC port (0: a free port)")
     m.add_argument("--state-file", default=None, metavar="PATH", help="persist the shard here and recover it on restart")
+    m.add_argument("--tokens-file", default=None, metavar="JSON",
+                   help='per-worker credentials {"us-0": "TOKEN", ...}: an agent must present its worker\'s token and may write only its fields')
+    m.add_argument("--max-keys", type=int, default=None, metavar="N", help="refuse (RESOURCE_EXHAUSTED) batches that would grow a table past N keys")
+    m.add_argument("--memory-budget", type=int, default=None, metavar="BYTES",
+                   help="refuse (RESOURCE_EXHAUSTED) batches adding keys while the shard's tables hold this many bytes or more")
+    m.add_argument("--view-budget", type=int, default=None, metavar="BYTES",
+                   help="likewise per table, for the bytes each edge replica of it holds")
+    _tls_args(m)
 
     e = sub.add_parser("edge", help="run an edge: index replica, gRPC Route API and the OpenAI-compatible HTTP door")
     e.add_argument("--region", required=True)
@@ -75,6 +83,8 @@ def add_commands(sub: Any) -> None:
     e.add_argument("--queue-poll", type=float, default=0.1, metavar="S",
                    help="read own-region workers' queues (GET /kvcompass/load) every S seconds; 0: only from responses (default 0.1, Delta)")
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--view-budget", type=int, default=None, metavar="BYTES", help="report views at or over this size (metric kvcompass_over_budget{scope=\"view\"}); maintenance units enforce budgets")
+    _tls_args(e, also="the HTTP door and the clients to maintenance units, peer edges and https:// workers")
 
     a = sub.add_parser("agent", help="run a worker agent: engine KV events (ZMQ) -> key ops -> maintenance units")
     a.add_argument("--worker", required=True)
@@ -86,6 +96,10 @@ def add_commands(sub: Any) -> None:
     a.add_argument("--tenant", default="public", help="the namespace's tenant (the door's default tenant)")
     a.add_argument("--host", default="127.0.0.1", help="where the metrics endpoint listens")
     a.add_argument("--metrics-port", type=int, default=0)
+    tok = a.add_mutually_exclusive_group()
+    tok.add_argument("--token", default=None, help="this worker's credential (visible in ps: prefer --token-file)")
+    tok.add_argument("--token-file", default=None, metavar="PATH", help="a file holding this worker's credential")
+    _tls_args(a, client_only=True)
 
     w = sub.add_parser("worker", help="run an emulated vLLM worker (OpenAI API, prefix cache, KV events on ZMQ)")
     w.add_argument("--emulate", action="store_true", help="required: the only worker kvcompass runs itself is the emulated one")
@@ -97,6 +111,7 @@ def add_commands(sub: Any) -> None:
     w.add_argument("--replay-port", type=int, default=0)
     w.add_argument("--time-scale", type=float, default=1.0, metavar="S", help="wall seconds per modelled second (0: no sleeping)")
     w.add_argument("--policy", choices=("lru", "lfu"), default="lru")
+    _tls_args(w, also="its OpenAI HTTP API (the ZMQ event endpoints stay plain, as vLLM's)")
 
     u = sub.add_parser("up", help="start a whole cluster on loopback as separate processes; Ctrl-C stops it")
     u.add_argument("--topology", default="testbed-14x3", metavar="NAME_OR_PATH", help=_TOPOLOGY_HELP + " (default testbed-14x3)")
@@ -109,6 +124,8 @@ def add_commands(sub: Any) -> None:
     u.add_argument("--run-dir", default=None, metavar="DIR", help="logs, state and peer files (default: a temporary directory)")
     u.add_argument("--startup-timeout", type=float, default=120.0, metavar="S")
     u.add_argument("--drain-grace", type=float, default=15.0, metavar="S")
+    u.add_argument("--no-auth", action="store_true", help="no per-worker credentials (any agent may claim any worker)")
+    u.add_argument("--tls", action="store_true", help="mutual TLS on every hop with a CA made for this run (in RUN_DIR/secrets/pki)")
 
     g = sub.add_parser("loadgen", help="replay a trace through the edges' HTTP doors and record each request")
     src = g.add_mutually_exclusive_group(required=True)
@@ -126,10 +143,56 @@ def add_commands(sub: Any) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--model", default="llama-3.1-8b")
     g.add_argument("--no-progress", action="store_true")
+    _tls_args(g, client_only=True)
 
     from kvcompass.services.mainjob import add_arguments
 
     add_arguments(sub.add_parser("cluster-demo", help="the main job: kvcompass up + a Mooncake conversation replay, KVCompass vs region-local routing"))
+
+
+def _tls_args(p: argparse.ArgumentParser, *, client_only: bool = False, also: str = "") -> None:
+    """The TLS flags (:class:`kvcompass.services.tls.TLSConfig`); PEM files."""
+    t = p.add_argument_group("TLS", f"TLS on every connection this process makes or serves{' (' + also + ')' if also else ''}")
+    who = "presented to servers that require client certificates" if client_only else "this process's certificate (served, and presented as a client)"
+    t.add_argument("--tls-cert", default=None, metavar="PEM", help=who)
+    t.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert (default: inside --tls-cert)")
+    t.add_argument("--tls-ca", default=None, metavar="PEM", help="CA bundle that verifies peers (servers: the system trust store if omitted)")
+    if not client_only:
+        t.add_argument("--tls-client-auth", action="store_true", help="mutual TLS: require client certificates signed by --tls-ca")
+
+
+def _tls(args: argparse.Namespace) -> Any:
+    from kvcompass.services.tls import TLSConfig
+
+    return TLSConfig(args.tls_cert, args.tls_key, args.tls_ca, bool(getattr(args, "tls_client_auth", False)))
+
+
+def _read_secret(path: str, what: str) -> str:
+    try:
+        text = Path(path).read_text().strip()
+    except OSError as e:
+        raise UsageError(f"{what} {path}: {e.strerror or e}") from None
+    if not text:
+        raise UsageError(f"{what} {path} is empty")
+    return text
+
+
+def load_tokens(path: str, workers: Any = None) -> dict[str, str]:
+    """``--tokens-file``: a JSON object of worker id -> non-empty token string (every worker
+    named must be one of ``workers`` when given)."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise UsageError(f"--tokens-file {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise UsageError(f"--tokens-file {path}: not JSON ({e})") from None
+    if not isinstance(obj, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v for k, v in obj.items()):
+        raise UsageError(f"--tokens-file {path}: must be a JSON object of worker id -> non-empty token string")
+    if workers is not None:
+        unknown = sorted(set(obj) - set(workers))
+        if unknown:
+            raise UsageError(f"--tokens-file {path}: {unknown} are not indexed workers of the topology")
+    return dict(obj)
 
 
 def _listen_args(p: argparse.ArgumentParser, *, port: str, port_help: str) -> None:
@@ -256,14 +319,23 @@ async def _maintenance(args: argparse.Namespace) -> int:
     _check_port("--port", args.port)
     _check_port("--metrics-port", args.metrics_port)
 
+    tokens = load_tokens(args.tokens_file, layout.workers) if args.tokens_file is not None else None
+    for name in ("max_keys", "memory_budget", "view_budget"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    tls = _tls(args)
+    ssl_context = tls.server_or_none("grpc")
+    config = MaintenanceConfig(state_path=args.state_file, tokens=tokens, memory_budget_bytes=args.memory_budget, view_budget_bytes=args.view_budget)
+
     def ready(ends: MaintenanceEndpoints) -> None:
-        announce("maintenance", shard=ends.shard, grpc=ends.grpc, metrics=ends.metrics)
+        announce("maintenance", shard=ends.shard, grpc=ends.grpc, metrics=ends.metrics, tls=ssl_context is not None, auth=tokens is not None)
 
     stop = asyncio.Event()
     async with _stop_on_signals(stop):
         await serve_maintenance(
             layout, args.shard, host=args.host, port=args.port, metrics_port=args.metrics_port,
-            config=MaintenanceConfig(state_path=args.state_file), on_ready=ready, stop=stop,
+            config=config, on_ready=ready, stop=stop, ssl_context=ssl_context, max_keys=args.max_keys,
         )
     return 0
 
@@ -338,30 +410,35 @@ async def _edge(args: argparse.Namespace) -> int:
     def one_way(a: str, b: str) -> float:
         return float(topo.rtt_ms(a, b)) / 2 * scale
 
+    if args.view_budget is not None and args.view_budget < 1:
+        raise UsageError(f"--view-budget must be >= 1, got {args.view_budget}")
+    tls = _tls(args)
+    grpc_server_ssl, grpc_client_ssl = tls.server_or_none("grpc"), tls.client_or_none("grpc")
+    http_server_ssl, http_client_ssl = tls.server_or_none("http"), tls.client_or_none("http")
     stop = asyncio.Event()
-    sync = EdgeSync(edge, units, name=f"edge-{args.region}")
+    sync = EdgeSync(edge, units, name=f"edge-{args.region}", ssl_context=grpc_client_ssl, view_budget_bytes=args.view_budget)
     server = EdgeServer(EdgeService(edge), health=sync.health, metrics=sync.metrics, ready=lambda: sync.ready)
     broadcaster: QueueBroadcaster | None = None
     async with _stop_on_signals(stop), contextlib.AsyncExitStack() as stack:
         await sync.start()
         stack.push_async_callback(sync.close)
-        grpc = await server.start(args.host, args.grpc_port, metrics_port=args.metrics_port)
+        grpc = await server.start(args.host, args.grpc_port, metrics_port=args.metrics_port, ssl_context=grpc_server_ssl)
         stack.push_async_callback(server.close)
         door = await serve_door(
             edge, urls, None, host=args.host, port=args.http_port, config=DoorConfig(drain_grace_s=args.drain_grace),
-            regions=regions, wan_one_way_ms=one_way if scale > 0 else None,
+            regions=regions, wan_one_way_ms=one_way if scale > 0 else None, ssl_context=http_server_ssl, upstream_ssl=http_client_ssl,
         )
         # Registered last, so it runs first: the door drains while the index is still current.
         stack.push_async_callback(door.stop)
         local = {w: u for w, u in urls.items() if regions.get(w) == args.region}
         if args.queue_poll > 0 and local:
-            poller = asyncio.get_running_loop().create_task(_poll_queues(edge, local, args.queue_poll))
+            poller = asyncio.get_running_loop().create_task(_poll_queues(edge, local, args.queue_poll, http_client_ssl))
             stack.push_async_callback(_cancel, poller)
         announce("edge", region=args.region, http=door.url, grpc=grpc, metrics=server.metrics_url)
         if peers:
-            broadcaster = QueueBroadcaster(edge, {r: a for r, a in peers.items() if r != args.region})
+            broadcaster = QueueBroadcaster(edge, {r: a for r, a in peers.items() if r != args.region}, ssl_context=grpc_client_ssl)
         elif args.peers_file is not None:
-            broadcaster = await _wait_peers(args.peers_file, edge, args.region, stop)
+            broadcaster = await _wait_peers(args.peers_file, edge, args.region, stop, grpc_client_ssl)
         if broadcaster is not None:
             await broadcaster.start()
             stack.push_async_callback(broadcaster.close)
@@ -376,7 +453,7 @@ async def _cancel(task: asyncio.Task[None]) -> None:
         await task
 
 
-async def _poll_queues(edge: Any, urls: Mapping[str, str], period_s: float) -> None:
+async def _poll_queues(edge: Any, urls: Mapping[str, str], period_s: float, ssl_context: Any = None) -> None:
     """Own-region queues read live (paper section 3.4), not only when a response happens to
     carry one: an estimate that only responses refresh stays at its last value for a worker the
     edge stopped choosing *because* it looked busy, and the edge would then keep paying WAN
@@ -388,7 +465,8 @@ async def _poll_queues(edge: Any, urls: Mapping[str, str], period_s: float) -> N
 
     left = dict(urls)
     timeout = aiohttp.ClientTimeout(total=max(0.05, min(1.0, 2 * period_s)))
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    conn = aiohttp.TCPConnector(ssl=ssl_context if ssl_context is not None else True)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
 
         async def one(w: str, url: str) -> None:
             try:
@@ -409,7 +487,7 @@ async def _poll_queues(edge: Any, urls: Mapping[str, str], period_s: float) -> N
             await asyncio.sleep(period_s)
 
 
-async def _wait_peers(path: str, edge: Any, region: str, stop: asyncio.Event) -> Any:
+async def _wait_peers(path: str, edge: Any, region: str, stop: asyncio.Event, ssl_context: Any = None) -> Any:
     """The broadcaster to the peers the file names, once ``kvcompass up`` has written it (the
     edges start together, so none knows the others' ports at first); None if stopped first."""
     from kvcompass.services.edge_service import QueueBroadcaster
@@ -419,7 +497,7 @@ async def _wait_peers(path: str, edge: Any, region: str, stop: asyncio.Event) ->
         if p.is_file():
             obj = json.loads(p.read_text())
             if isinstance(obj, dict):
-                return QueueBroadcaster(edge, {str(r): str(a) for r, a in obj.items() if r != region and r in set(edge.plan)})
+                return QueueBroadcaster(edge, {str(r): str(a) for r, a in obj.items() if r != region and r in set(edge.plan)}, ssl_context=ssl_context)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.2)
     return None
@@ -441,7 +519,10 @@ async def _agent(args: argparse.Namespace) -> int:
     _check_port("--metrics-port", args.metrics_port)
     agent = agent_for_worker(topo, args.worker, Namespace(args.model, args.tenant))
     units = _units(args.maintenance, topo.shards)
-    client = IngestClient(args.worker, units, agent.on_rejected)
+    token = args.token if args.token is not None else _read_secret(args.token_file, "--token-file") if args.token_file is not None else None
+    if token is not None and not token:
+        raise UsageError("--token must not be empty")
+    client = IngestClient(args.worker, units, agent.on_rejected, token=token, ssl_context=_tls(args).client_or_none("grpc"))
     reg = CollectorRegistry()
     batches = Counter("kvcompass_agent_sent_batches", "Key-op batches acknowledged by maintenance units", ["worker"], registry=reg).labels(args.worker)
     ops = Counter("kvcompass_agent_sent_key_ops", "Key ops acknowledged by maintenance units", ["worker"], registry=reg).labels(args.worker)
@@ -502,6 +583,7 @@ async def _worker(args: argparse.Namespace) -> int:
         _check_port(name, getattr(args, name[2:].replace("-", "_")))
     # Per-process block hashes, as vLLM seeds them: the agent must not depend on them.
     cfg = WorkerConfig.from_spec(spec, topo.block_size, time_scale=args.time_scale, policy=args.policy, hash_seed=os.getpid())
+    ssl_context = _tls(args).server_or_none("http")
     zhost = f"[{args.host}]" if ":" in args.host else args.host
 
     def ready(w: EmulatedWorker) -> None:
@@ -513,7 +595,7 @@ async def _worker(args: argparse.Namespace) -> int:
             cfg, args.host, args.port,
             events=f"tcp://{zhost}:{args.events_port}" if args.events_port else None,
             replay=f"tcp://{zhost}:{args.replay_port}" if args.replay_port else None,
-            ready=ready, stop=stop, handle_signals=False,
+            ready=ready, stop=stop, handle_signals=False, ssl_context=ssl_context,
         )
     return 0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import time
 from typing import Callable, Mapping
 
@@ -39,6 +40,7 @@ from kvcompass.errors import InvalidArgumentError, KVCompassError
 from kvcompass.services.maintenance_service import DrainingServer
 from kvcompass.services.metrics import MetricsServer, ServiceMetrics, bind_socket
 from kvcompass.services.status import grpc_error
+from kvcompass.services.tls import grpc_channel
 
 __all__ = ["Clock", "EdgeServer", "EdgeService", "QueueBroadcaster"]
 
@@ -111,9 +113,19 @@ class EdgeService(EdgeBase):
 class QueueBroadcaster:
     """Sends :meth:`Edge.broadcast_due` vectors to the peer edges of other regions every
     ``tick_s`` and folds their answers. ``peers`` maps region -> Channel (the caller's) or
-    ``"host:port"`` (opened and closed here); regions without a peer are skipped."""
+    ``"host:port"`` (opened and closed here, over TLS with ``ssl_context``); regions without a
+    peer are skipped."""
 
-    def __init__(self, edge: Edge, peers: Mapping[str, Channel | str], *, clock: Clock = time.monotonic, tick_s: float = 0.01, timeout_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        edge: Edge,
+        peers: Mapping[str, Channel | str],
+        *,
+        clock: Clock = time.monotonic,
+        tick_s: float = 0.01,
+        timeout_s: float = 1.0,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self.edge = edge
         self._clock = clock
         self._tick = tick_s
@@ -122,8 +134,7 @@ class QueueBroadcaster:
         self._stubs: dict[str, EdgeStub] = {}
         for region, target in peers.items():
             if isinstance(target, str):
-                host, _, port = target.rpartition(":")
-                ch = Channel(host.strip("[]"), int(port))
+                ch = grpc_channel(target, ssl_context)
                 self._owned.append(ch)
             else:
                 ch = target
@@ -194,13 +205,14 @@ class EdgeServer:
         self.grpc = ""
         self.metrics_url: str | None = None
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0, *, metrics_port: int | None = None) -> str:
-        """Listen on ``host:port`` (0: a free port); returns ``host:port`` as bound."""
+    async def start(self, host: str = "127.0.0.1", port: int = 0, *, metrics_port: int | None = None, ssl_context: ssl.SSLContext | None = None) -> str:
+        """Listen on ``host:port`` (0: a free port; over TLS with ``ssl_context``); returns
+        ``host:port`` as bound."""
         sock = bind_socket(host, port)
         bound = int(sock.getsockname()[1])
-        server = DrainingServer([self.service, self.health])
+        server = DrainingServer([self.service, self.health], self.metrics)
         try:
-            await server.start(sock=sock)
+            await server.start(sock=sock, ssl=ssl_context)
         except BaseException:
             sock.close()
             raise

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import time
 from typing import Callable, Mapping
 
@@ -33,6 +34,7 @@ from kvcompass.discovery.edge import Edge
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.services.maintenance_service import SUBSCRIBE_PATH
 from kvcompass.services.metrics import ServiceMetrics
+from kvcompass.services.tls import grpc_channel
 
 __all__ = ["EdgeSync"]
 
@@ -45,7 +47,7 @@ class _Resubscribe(Exception):
 
 class EdgeSync:
     """Subscribes ``edge`` to every unit in ``units`` (shard -> grpclib Channel, shared and closed
-    by the caller, or ``"host:port"``, opened and closed here)."""
+    by the caller, or ``"host:port"``, opened and closed here, over TLS with ``ssl_context``)."""
 
     def __init__(
         self,
@@ -57,6 +59,8 @@ class EdgeSync:
         health: ServiceStatus | None = None,
         backoff_s: tuple[float, float] = (0.02, 1.0),
         rpc_timeout_s: float = 10.0,
+        ssl_context: ssl.SSLContext | None = None,
+        view_budget_bytes: int | None = None,
     ) -> None:
         self.edge = edge
         self.name = name if name is not None else f"edge-{edge.region}"
@@ -64,12 +68,17 @@ class EdgeSync:
         self.health = health if health is not None else ServiceStatus()
         self._backoff = backoff_s
         self._timeout = rpc_timeout_s
+        # A replica cannot refuse its writer's patches without diverging: the budget is
+        # enforced by the maintenance units (MaintenanceConfig.view_budget_bytes) and only
+        # reported here, so an operator sees an edge whose views outgrew what it was sized for.
+        self._view_budget = view_budget_bytes
+        if view_budget_bytes is not None:
+            self.metrics.memory_budget.labels(self.metrics.role, "view").set(view_budget_bytes)
         self._owned: list[Channel] = []
         self._channels: dict[int, Channel] = {}
         for shard, target in units.items():
             if isinstance(target, str):
-                host, _, port = target.rpartition(":")
-                ch = Channel(host.strip("[]"), int(port))
+                ch = grpc_channel(target, ssl_context)
                 self._owned.append(ch)
             else:
                 ch = target
@@ -218,8 +227,7 @@ class EdgeSync:
                 m.gaps.inc()
             self._live[shard] = True
         if ev.heartbeat:
-            views = [edge.view(t, s) for t in self._tables for s in self._channels]
-            m.index_bytes.set(sum(v.memory_bytes for v in views))
+            self._update_memory()
         if broken or any(a.shard == shard for a in edge.pending_resyncs()):
             self._live[shard] = False
             self._update()
@@ -227,6 +235,27 @@ class EdgeSync:
         if self._live[shard]:
             self._streak[shard] = 0
         self._update()
+
+
+    def _update_memory(self) -> None:
+        m, total, over, budget = self.metrics, 0, 0, self._view_budget
+        for t in self._tables:
+            for s in self._channels:
+                b = self.edge.view(t, s).memory_bytes
+                total += b
+                over += budget is not None and b >= budget
+                m.view_bytes.labels(m.role, str(t), str(s)).set(b)
+        m.index_bytes.set(total)
+        if budget is not None:
+            m.over_budget.labels(m.role, "view").set(over)
+
+    @property
+    def views_over_budget(self) -> int:
+        """Views at or over ``view_budget_bytes`` now (0 without a budget)."""
+        budget = self._view_budget
+        if budget is None:
+            return 0
+        return sum(self.edge.view(t, s).memory_bytes >= budget for t in self._tables for s in self._channels)
 
 
 def _table_ids(edge: Edge) -> list[int]:

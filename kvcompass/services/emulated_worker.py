@@ -61,6 +61,7 @@ import contextlib
 import json
 import signal
 import socket
+import ssl
 import time
 import uuid
 from collections import deque
@@ -277,8 +278,11 @@ class EmulatedWorker:
 
     # ---- lifecycle --------------------------------------------------------------------------
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0, *, events: str | None = None, replay: str | None = None) -> None:
-        """Bind everything and start serving. ``port`` 0 picks a free port (see :attr:`port`).
+    async def start(
+        self, host: str = "127.0.0.1", port: int = 0, *, events: str | None = None, replay: str | None = None, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
+        """Bind everything and start serving (HTTPS with ``ssl_context``; the ZMQ endpoints stay
+        plain, as vLLM's are). ``port`` 0 picks a free port (see :attr:`port`).
         ``events`` / ``replay``: ZMQ endpoints to bind (e.g. ``tcp://*:5557``, vLLM's default);
         None binds a free port on ``host``. The actual endpoints are in :attr:`events_endpoint`
         and :attr:`replay_endpoint`."""
@@ -313,10 +317,10 @@ class EmulatedWorker:
             sock.bind((host, port))
             sock.setblocking(False)
             self.port = sock.getsockname()[1]
-            site = web.SockSite(self._runner, sock)
+            site = web.SockSite(self._runner, sock, ssl_context=ssl_context)
             await site.start()
             shown = f"[{host}]" if ":" in host else host
-            self.http_url = f"http://{shown}:{self.port}"
+            self.http_url = f"{'https' if ssl_context is not None else 'http'}://{shown}:{self.port}"
             self._tasks = [asyncio.create_task(self._prefill_loop()), asyncio.create_task(self._replay_loop()), asyncio.create_task(self._subscription_loop())]
         except BaseException:
             await self._close()
@@ -831,6 +835,7 @@ async def serve_worker(
     ready: Callable[[EmulatedWorker], None] | None = None,
     stop: asyncio.Event | None = None,
     handle_signals: bool = True,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> None:
     """Run one emulated worker until ``stop`` is set, SIGTERM or SIGINT arrives (with
     ``handle_signals``), or the task is cancelled; then drain and close. ``ready`` is called
@@ -839,7 +844,7 @@ async def serve_worker(
     stop = stop if stop is not None else asyncio.Event()
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []
-    await worker.start(host, port, events=events, replay=replay)
+    await worker.start(host, port, events=events, replay=replay, ssl_context=ssl_context)
     try:
         if handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):

@@ -53,6 +53,7 @@ import math
 import os
 import re
 import socket
+import ssl
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -275,6 +276,7 @@ class FrontDoor:
         wan_one_way_ms: Callable[[str, str], float] | None = None,
         clock: Callable[[], float] = time.monotonic,
         registry: CollectorRegistry | None = None,
+        upstream_ssl: ssl.SSLContext | None = None,
     ) -> None:
         known = set(edge.workers)
         unknown = sorted(set(workers) - known)
@@ -302,11 +304,14 @@ class FrontDoor:
         self._idle = asyncio.Event()
         self._idle.set()
         self._route_exclude = _accepts_exclude(edge)
+        self._upstream_ssl = upstream_ssl
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def _session_ctx(self, app: web.Application) -> AsyncIterator[None]:
-        conn = aiohttp.TCPConnector(limit=self.config.max_upstream_connections, keepalive_timeout=30)
+        # upstream_ssl verifies https:// workers (and presents the door's certificate to those
+        # that require one); plain http:// workers are unaffected.
+        conn = aiohttp.TCPConnector(limit=self.config.max_upstream_connections, keepalive_timeout=30, ssl=self._upstream_ssl if self._upstream_ssl is not None else True)
         # total=None: a stream may legitimately run for minutes; the head and read limits bound stalls.
         timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s, sock_read=self.config.read_timeout_s)
         self._session = aiohttp.ClientSession(connector=conn, timeout=timeout, auto_decompress=False)
@@ -941,6 +946,7 @@ def make_app(
     wan_one_way_ms: Callable[[str, str], float] | None = None,
     clock: Callable[[], float] = time.monotonic,
     registry: CollectorRegistry | None = None,
+    upstream_ssl: ssl.SSLContext | None = None,
 ) -> web.Application:
     """The door as an aiohttp application.
 
@@ -951,8 +957,12 @@ def make_app(
     learned from the edge's decisions). ``wan_one_way_ms(edge_region, worker_region)``: the
     one-way delay to emulate, applied before forwarding and before relaying the response.
     ``clock``: seconds, non-decreasing, the same clock as every other driver of ``edge``.
+    ``upstream_ssl``: the client context for ``https://`` worker URLs (None: system trust).
     """
-    door = FrontDoor(edge, workers, _resolve_tokenizer(tokenizer), config, regions=regions, wan_one_way_ms=wan_one_way_ms, clock=clock, registry=registry)
+    door = FrontDoor(
+        edge, workers, _resolve_tokenizer(tokenizer), config, regions=regions, wan_one_way_ms=wan_one_way_ms, clock=clock, registry=registry,
+        upstream_ssl=upstream_ssl,
+    )
     app = web.Application(middlewares=[door._errors], client_max_size=config.max_body_bytes)
     app[FRONT_DOOR] = door
     app.cleanup_ctx.append(door._session_ctx)
@@ -967,8 +977,9 @@ def make_app(
 class DoorServer:
     """A running door: its listening socket, and :meth:`stop` to drain and close it."""
 
-    def __init__(self, app: web.Application, runner: web.AppRunner, sock: socket.socket) -> None:
+    def __init__(self, app: web.Application, runner: web.AppRunner, sock: socket.socket, *, tls: bool = False) -> None:
         self.app = app
+        self.tls = tls
         self._runner = runner
         self._sock = sock
         host, port = sock.getsockname()[:2]
@@ -983,7 +994,7 @@ class DoorServer:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: health 503 and new completions refused, in-flight ones finish (up to
@@ -1020,10 +1031,16 @@ async def serve_door(
     wan_one_way_ms: Callable[[str, str], float] | None = None,
     clock: Callable[[], float] = time.monotonic,
     registry: CollectorRegistry | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+    upstream_ssl: ssl.SSLContext | None = None,
 ) -> DoorServer:
     """Start the door on ``sock`` (a bound socket) or ``host:port`` (0: any free port; read
-    :attr:`DoorServer.port`) and return once it accepts connections."""
-    app = make_app(edge, workers, tokenizer, config=config, regions=regions, wan_one_way_ms=wan_one_way_ms, clock=clock, registry=registry)
+    :attr:`DoorServer.port`) and return once it accepts connections. ``ssl_context`` (a
+    :meth:`TLSConfig.server_context <kvcompass.services.tls.TLSConfig.server_context>` for
+    ``"http"``) serves HTTPS; ``upstream_ssl`` is passed to :func:`make_app`."""
+    app = make_app(
+        edge, workers, tokenizer, config=config, regions=regions, wan_one_way_ms=wan_one_way_ms, clock=clock, registry=registry, upstream_ssl=upstream_ssl
+    )
     if sock is None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -1037,9 +1054,9 @@ async def serve_door(
     runner = web.AppRunner(app, shutdown_timeout=1.0, access_log=None)
     await runner.setup()
     try:
-        await web.SockSite(runner, sock).start()
+        await web.SockSite(runner, sock, ssl_context=ssl_context).start()
     except BaseException:
         await runner.cleanup()
         sock.close()
         raise
-    return DoorServer(app, runner, sock)
+    return DoorServer(app, runner, sock, tls=ssl_context is not None)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Mapping, NoReturn, Sequence
@@ -33,6 +34,7 @@ from grpclib.exceptions import GRPCError, StreamTerminatedError
 from kvcompass._proto.kvcompass.v1 import IngestAck, KeyOps
 from kvcompass.discovery.ops import KeyOpBatch
 from kvcompass.services.maintenance_service import INGEST_PATH, TOKEN_HEADER, WORKER_HEADER
+from kvcompass.services.tls import grpc_channel
 
 __all__ = ["IngestClient", "IngestRejected", "SendReport", "encode_key_ops"]
 
@@ -179,7 +181,13 @@ class IngestClient:
     ``units`` maps shard -> grpclib Channel (shared: the caller closes it) or ``"host:port"``
     (this client opens and closes the channel). ``on_rejected(shard)`` returns the reset batches
     to send after a sequence error (pass ``agent.on_rejected``); ``token`` is sent as
-    ``x-kvcompass-token``.
+    ``x-kvcompass-token``; ``ssl_context`` (:meth:`TLSConfig.client_context
+    <kvcompass.services.tls.TLSConfig.client_context>`) makes the channels this client opens
+    speak TLS.
+
+    Memory is bounded: at most ``window`` batches per unit are sent and not yet acknowledged,
+    and :meth:`send` returns only once all of its batches are, so a caller that awaits it (the
+    agent runner does) stops reading engine events while a unit is slow.
     """
 
     def __init__(
@@ -193,6 +201,7 @@ class IngestClient:
         backoff_s: tuple[float, float] = (0.02, 1.0),
         max_attempts: int = 20,
         max_resets: int = 4,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if window < 1 or max_attempts < 1 or max_resets < 0:
             raise ValueError("window and max_attempts must be >= 1 and max_resets >= 0")
@@ -209,8 +218,7 @@ class IngestClient:
         self._units: dict[int, _UnitStream] = {}
         for shard, target in units.items():
             if isinstance(target, str):
-                host, _, port = target.rpartition(":")
-                ch = Channel(host.strip("[]"), int(port))
+                ch = grpc_channel(target, ssl_context)
                 self._owned.append(ch)
             else:
                 ch = target

@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import math
+import ssl
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -159,14 +160,16 @@ async def replay(
     progress: bool = True,
     label: str = "",
     timeout_s: float = 600.0,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> list[dict[str, Any]]:
     """Send every request at its arrival time to ``edges[region]`` (or the only edge) and return
-    the records in request order."""
+    the records in request order. ``ssl_context`` verifies ``https://`` edges (None: the
+    system trust store)."""
     if not edges:
         raise UsageError("no edge to send to")
     single = next(iter(edges.values())) if len(edges) == 1 else None
     wr = dict(worker_regions or {})
-    conn = aiohttp.TCPConnector(limit=0)
+    conn = aiohttp.TCPConnector(limit=0, ssl=ssl_context if ssl_context is not None else True)
     done = 0
     errors = 0
     n = len(plans)
@@ -277,7 +280,10 @@ def loadgen_main(args: argparse.Namespace) -> int:
         args.trace, list(edges), rate=args.rate, block_size=args.block_size, max_requests=args.max_requests,
         topology=topology, seed=args.seed, max_tokens=args.max_tokens, model=args.model, arrivals=args.arrivals,
     )
-    records = asyncio.run(replay(plans, edges, worker_regions=worker_regions, progress=not args.no_progress))
+    from kvcompass.services.tls import TLSConfig
+
+    tls = TLSConfig(getattr(args, "tls_cert", None), getattr(args, "tls_key", None), getattr(args, "tls_ca", None))
+    records = asyncio.run(replay(plans, edges, worker_regions=worker_regions, progress=not args.no_progress, ssl_context=tls.client_or_none("http")))
     if args.out is not None:
         write_records(args.out, records)
     print(json.dumps(summarize(records)))

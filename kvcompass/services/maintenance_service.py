@@ -27,6 +27,7 @@ import contextlib
 import hmac
 import os
 import signal
+import ssl
 import struct
 import threading
 import time
@@ -37,6 +38,7 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 from grpclib.const import Cardinality, Handler, Status
+from grpclib.events import SendTrailingMetadata, listen
 from grpclib.exceptions import GRPCError
 from grpclib.health.check import ServiceStatus
 from grpclib.health.service import Health
@@ -58,7 +60,8 @@ from kvcompass._proto.kvcompass.v1 import (
 from kvcompass.discovery.layout import IndexLayout
 from kvcompass.discovery.maintenance import ApplyReport, MaintenanceUnit, PatchBatch
 from kvcompass.discovery.ops import KeyOpBatch
-from kvcompass.errors import AgentSequenceError, InvalidArgumentError, KVCompassError
+from kvcompass.errors import AgentSequenceError, CapacityError, InvalidArgumentError, KVCompassError, UnknownWorkerError
+from kvcompass.services.codec import StrictProtoCodec
 from kvcompass.services.metrics import MetricsServer, ServiceMetrics, bind_socket
 from kvcompass.services.status import grpc_error, status_of
 
@@ -99,6 +102,11 @@ class MaintenanceConfig:
     """Batches at least this big are applied in a worker thread."""
     tokens: Mapping[str, str] | None = None
     """worker -> credential; None accepts any worker the metadata names (loopback clusters)."""
+    memory_budget_bytes: int | None = None
+    """Once the shard's writer tables hold this many bytes, batches that would add keys are
+    refused (RESOURCE_EXHAUSTED, ``CapacityError``); removals and tier changes still apply."""
+    view_budget_bytes: int | None = None
+    """The same per table, for the bytes every edge replica of it holds (``view_memory_bytes``)."""
     state_path: str | None = None
     """Where the shard's state is written (atomically) for a restart to recover it."""
     persist_interval_s: float = 1.0
@@ -115,10 +123,18 @@ def default_epoch() -> int:
 _STATE_EPOCH = struct.Struct("<4s12xQ")
 
 
-def load_unit(layout: IndexLayout, shard: int, *, state_path: str | None = None, epoch: int | None = None, capacity: int = 1024) -> MaintenanceUnit:
+def load_unit(
+    layout: IndexLayout, shard: int, *, state_path: str | None = None, epoch: int | None = None, capacity: int = 1024, max_keys: int | None = None
+) -> MaintenanceUnit:
     """The unit of ``shard``: restored from ``state_path`` when that file exists (under an
-    epoch above the saved one), else empty. ``epoch`` defaults to :func:`default_epoch`."""
+    epoch above the saved one), else empty. ``epoch`` defaults to :func:`default_epoch`;
+    ``max_keys`` caps each table (the unit's ``max_capacity``; None: the core's maximum)."""
     ep = default_epoch() if epoch is None else epoch
+    if max_keys is not None:
+        capacity = min(capacity, max_keys)
+        bounds = {"capacity": capacity, "max_capacity": max_keys}
+    else:
+        bounds = {"capacity": capacity}
     if state_path is not None and os.path.exists(state_path):
         data = Path(state_path).read_bytes()
         saved = 0
@@ -126,11 +142,11 @@ def load_unit(layout: IndexLayout, shard: int, *, state_path: str | None = None,
             magic, saved = _STATE_EPOCH.unpack_from(data)
             if magic != b"KVMU":
                 saved = 0
-        unit = MaintenanceUnit.from_bytes(data, layout, max(ep, saved + 1), capacity=capacity)
+        unit = MaintenanceUnit.from_bytes(data, layout, max(ep, saved + 1), **bounds)
         if unit.shard != shard:
             raise InvalidArgumentError(f"state file {state_path} holds shard {unit.shard}, not {shard}")
         return unit
-    return MaintenanceUnit(shard, layout, ep, capacity=capacity)
+    return MaintenanceUnit(shard, layout, ep, **bounds)
 
 
 def write_atomic(path: str, data: bytes) -> None:
@@ -222,9 +238,18 @@ class DrainingServer(Server):
     so every client sees the connection drop and reconnects.
     """
 
-    def __init__(self, handlers: Sequence[Any]) -> None:
-        super().__init__(handlers)
+    def __init__(self, handlers: Sequence[Any], metrics: ServiceMetrics | None = None) -> None:
+        # Malformed request bytes are INVALID_ARGUMENT, never UNKNOWN (kvcompass.services.codec).
+        super().__init__(handlers, codec=StrictProtoCodec())
         self._protocols: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
+        if metrics is not None:
+            m = metrics
+
+            async def count(ev: SendTrailingMetadata) -> None:
+                if ev.status is not Status.OK:
+                    m.rpc_error(ev.status.name)
+
+            listen(self, SendTrailingMetadata, count)
 
     def _protocol_factory(self) -> H2Protocol:
         proto = super()._protocol_factory()
@@ -258,6 +283,11 @@ class MaintenanceService(MaintenanceBase):
         self._last_persist = 0.0
         self._last_heartbeat = 0.0
         self.counts = _Counts()
+        m = self.metrics
+        m.queue_capacity.labels(m.role, "subscriber").set(config.subscriber_queue)
+        for scope, budget in (("shard", config.memory_budget_bytes), ("view", config.view_budget_bytes)):
+            if budget is not None:
+                m.memory_budget.labels(m.role, scope).set(budget)
 
     @property
     def unit(self) -> MaintenanceUnit:
@@ -360,9 +390,55 @@ class MaintenanceService(MaintenanceBase):
         return [Position(table=t, shard=s, epoch=e, seq=q) for t, (e, q) in sorted(self._published.items())]
 
     def _update_gauges(self) -> None:
-        u = self._unit
-        self.metrics.index_entries.set(sum(len(u.table(t.table_id)) for t in u.layout.tables))
-        self.metrics.index_bytes.set(sum(u.table(t.table_id).memory_bytes for t in u.layout.tables))
+        u, m, cfg = self._unit, self.metrics, self._cfg
+        tables = [u.table(t.table_id) for t in u.layout.tables]
+        m.index_entries.set(sum(len(t) for t in tables))
+        total = 0
+        views_over = 0
+        for t in tables:
+            lbl = (m.role, str(t.table), str(u.shard))
+            total += t.memory_bytes
+            m.table_bytes.labels(*lbl).set(t.memory_bytes)
+            m.view_bytes.labels(*lbl).set(t.view_memory_bytes)
+            views_over += cfg.view_budget_bytes is not None and t.view_memory_bytes >= cfg.view_budget_bytes
+        m.index_bytes.set(total)
+        if cfg.memory_budget_bytes is not None:
+            m.over_budget.labels(m.role, "shard").set(int(total >= cfg.memory_budget_bytes))
+        if cfg.view_budget_bytes is not None:
+            m.over_budget.labels(m.role, "view").set(views_over)
+        m.queue_depth.labels(m.role, "subscriber").set(max((sub.queue.qsize() for sub in self._subs), default=0))
+
+    def _check_budget(self, batch: KeyOpBatch, worker: str) -> None:
+        """CapacityError when a memory budget is spent and ``batch`` would add a key (the unit
+        is unchanged; see :class:`MaintenanceConfig`). Cheap until a budget is reached."""
+        cfg, u = self._cfg, self._unit
+        if cfg.memory_budget_bytes is None and cfg.view_budget_bytes is None:
+            return
+        adds = batch.keys[batch.tiers != 0]
+        if len(adds) == 0:
+            return
+        try:
+            table = u.table(u.layout.field_of(worker).table_id)
+        except UnknownWorkerError:
+            return  # the unit refuses the batch itself, with its own error
+        over: tuple[str, int, int] | None = None
+        if cfg.memory_budget_bytes is not None:
+            used = sum(u.table(t.table_id).memory_bytes for t in u.layout.tables)
+            if used >= cfg.memory_budget_bytes:
+                over = ("shard", used, cfg.memory_budget_bytes)
+        if over is None and cfg.view_budget_bytes is not None and table.view_memory_bytes >= cfg.view_budget_bytes:
+            over = ("view", table.view_memory_bytes, cfg.view_budget_bytes)
+        if over is None:
+            return
+        new = int(np.count_nonzero(~np.isin(adds, table.entries()[0])))
+        if new == 0:
+            return  # tier changes of keys already held cost no memory
+        scope, used, budget = over
+        self.metrics.budget_refusals.labels(self.metrics.role, scope).inc()
+        where = f"shard {u.shard}" if scope == "shard" else f"the view of table {table.table}, shard {u.shard}"
+        raise CapacityError(
+            f"memory budget spent: {where} holds {used} bytes (budget {budget}); refusing {new} new keys of worker {worker!r}", needed=used, max=budget
+        )
 
     def _fanout(self, ev: SubscribeEvent) -> None:
         for sub in list(self._subs):
@@ -427,6 +503,7 @@ class MaintenanceService(MaintenanceBase):
         try:
             batch = decode_key_ops(msg, self._cfg.max_batch_ops)
             async with self._lock:
+                self._check_budget(batch, worker)
                 if len(batch.keys) >= self._cfg.offload_ops:
                     # Kept so a drain can wait for it: cancelling this handler (a dropped
                     # connection) releases the lock but cannot stop the thread.
@@ -525,14 +602,17 @@ class MaintenanceServer:
         self._metrics: MetricsServer | None = None
         self.endpoints: MaintenanceEndpoints | None = None
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0, *, metrics_port: int | None = None) -> MaintenanceEndpoints:
-        """Listen on ``host:port`` (0: a free port) and, unless ``metrics_port`` is None, serve
-        ``/metrics`` and ``/healthz`` there (0: a free port)."""
+    async def start(
+        self, host: str = "127.0.0.1", port: int = 0, *, metrics_port: int | None = None, ssl_context: ssl.SSLContext | None = None
+    ) -> MaintenanceEndpoints:
+        """Listen on ``host:port`` (0: a free port; over TLS with ``ssl_context``, see
+        :mod:`kvcompass.services.tls`) and, unless ``metrics_port`` is None, serve ``/metrics``
+        and ``/healthz`` there (0: a free port)."""
         sock = bind_socket(host, port)
         bound = int(sock.getsockname()[1])
-        server = DrainingServer([self.service, self.health])
+        server = DrainingServer([self.service, self.health], self.service.metrics)
         try:
-            await server.start(sock=sock)
+            await server.start(sock=sock, ssl=ssl_context)
         except BaseException:
             sock.close()
             raise
@@ -589,15 +669,17 @@ async def serve_maintenance(
     config: MaintenanceConfig = MaintenanceConfig(),
     epoch: int | None = None,
     capacity: int = 1024,
+    max_keys: int | None = None,
     on_ready: Callable[[MaintenanceEndpoints], None] | None = None,
     stop: asyncio.Event | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> None:
     """Run the unit of ``shard`` until SIGTERM/SIGINT (or ``stop`` is set), then drain.
 
     The unit is restored from ``config.state_path`` when that file exists. ``on_ready`` gets the
     bound endpoints once the server accepts connections (so a parent can wait for it).
     """
-    unit = load_unit(layout, shard, state_path=config.state_path, epoch=epoch, capacity=capacity)
+    unit = load_unit(layout, shard, state_path=config.state_path, epoch=epoch, capacity=capacity, max_keys=max_keys)
     service = MaintenanceService(unit, config)
     stop_ev = stop if stop is not None else asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -610,7 +692,7 @@ async def serve_maintenance(
             pass
     try:
         async with MaintenanceServer(service) as server:
-            ends = await server.start(host, port, metrics_port=metrics_port)
+            ends = await server.start(host, port, metrics_port=metrics_port, ssl_context=ssl_context)
             if on_ready is not None:
                 on_ready(ends)
             await stop_ev.wait()

@@ -50,6 +50,19 @@ class ServiceMetrics:
             "kvcompass_patch_lag_seconds", "From the unit's flush to the edge's apply (wall clock)", ["role"], buckets=_LAG_BUCKETS, registry=r
         ).labels(**lbl)
         self.ready = Gauge("kvcompass_ready", "1 while the process reports healthy", ["role"], registry=r).labels(**lbl)
+        # resource limits (both sides)
+        self.table_bytes = Gauge("kvcompass_table_memory_bytes", "Memory of each writer table (maintenance)", ["role", "table", "shard"], registry=r)
+        self.view_bytes = Gauge("kvcompass_view_memory_bytes", "Memory of each keyless view (an edge replica; the writer's mirror)", ["role", "table", "shard"], registry=r)
+        self.memory_budget = Gauge("kvcompass_memory_budget_bytes", "Configured memory budget by scope (shard, view); absent: none", ["role", "scope"], registry=r)
+        self.over_budget = Gauge("kvcompass_over_budget", "Shards or views at or over their memory budget, by scope", ["role", "scope"], registry=r)
+        self.budget_refusals = Counter("kvcompass_budget_refusals", "Agent batches refused because a memory budget was spent, by scope", ["role", "scope"], registry=r)
+        self.queue_capacity = Gauge("kvcompass_queue_capacity", "Bound of each kind of bounded queue", ["role", "queue"], registry=r)
+        self.queue_depth = Gauge("kvcompass_queue_depth", "Fullest queue of each kind at the last sample", ["role", "queue"], registry=r)
+        # both sides
+        self.rpc_errors = Counter("kvcompass_rpc_errors", "RPCs ended with a non-OK gRPC status (malformed requests included), by status", ["role", "status"], registry=r)
+
+    def rpc_error(self, status: str) -> None:
+        self.rpc_errors.labels(role=self.role, status=status).inc()
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(role=self.role, reason=reason).inc()
