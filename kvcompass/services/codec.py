@@ -1,0 +1,160 @@
+"""The request codec of every KVCompass gRPC server: protobuf decoding that refuses malformed
+bytes with ``INVALID_ARGUMENT`` instead of letting them through or crashing the handler.
+
+grpclib's ``ProtoCodec`` hands the bytes to betterproto, which is lenient in two ways that
+matter for a service facing untrusted peers:
+
+* garbage raises whatever the parser trips over first (``EOFError``, ``KeyError``,
+  ``UnicodeDecodeError``, ``struct.error``...), which grpclib answers as ``UNKNOWN`` /
+  "Internal Server Error" and logs as an application error;
+* a field sent with the wrong wire type, a truncated fixed-width field or a group wire type is
+  *accepted* and leaves a value of the wrong Python type (an ``int`` in a ``bytes`` field,
+  ``None`` in a ``uint32``), which then fails somewhere inside the handler.
+
+:class:`StrictProtoCodec` first walks the bytes against the message's own schema (wire types,
+lengths, UTF-8 strings, 32-bit ranges, nested messages and map entries; unknown field numbers
+are skipped as protobuf requires), then lets betterproto build the message. Anything refused
+becomes ``GRPCError(INVALID_ARGUMENT, "malformed <Message>: ...")`` raised from the handler's
+``recv_message``, so the client gets a precise status and the server's error counters see it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import betterproto
+from grpclib.const import Status
+from grpclib.encoding.proto import ProtoCodec
+from grpclib.exceptions import GRPCError
+
+__all__ = ["MalformedMessage", "StrictProtoCodec", "check_wire"]
+
+_VARINT, _FIXED64, _LEN, _FIXED32 = 0, 1, 2, 5
+_MAX_DEPTH = 32
+_U32 = (1 << 32) - 1
+
+_FIXED32_TYPES = frozenset({betterproto.TYPE_FLOAT, betterproto.TYPE_FIXED32, betterproto.TYPE_SFIXED32})
+_FIXED64_TYPES = frozenset({betterproto.TYPE_DOUBLE, betterproto.TYPE_FIXED64, betterproto.TYPE_SFIXED64})
+_LEN_TYPES = frozenset({betterproto.TYPE_STRING, betterproto.TYPE_BYTES, betterproto.TYPE_MESSAGE, betterproto.TYPE_MAP})
+_U32_TYPES = frozenset({betterproto.TYPE_UINT32})
+_I32_TYPES = frozenset({betterproto.TYPE_INT32, betterproto.TYPE_ENUM})
+
+
+class MalformedMessage(ValueError):
+    """Bytes that are not a valid encoding of the expected message."""
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    for _ in range(10):
+        if i >= len(data):
+            raise MalformedMessage("truncated varint")
+        b = data[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            if value >> 64:
+                raise MalformedMessage("varint wider than 64 bits")
+            return value, i
+        shift += 7
+    raise MalformedMessage("varint longer than 10 bytes")
+
+
+def _wire_type_of(proto_type: str) -> int:
+    if proto_type in _LEN_TYPES:
+        return _LEN
+    if proto_type in _FIXED32_TYPES:
+        return _FIXED32
+    if proto_type in _FIXED64_TYPES:
+        return _FIXED64
+    return _VARINT
+
+
+def check_wire(data: bytes, cls: type[betterproto.Message], depth: int = 0) -> None:
+    """Raise :class:`MalformedMessage` unless ``data`` is a well-formed encoding of ``cls``."""
+    if depth > _MAX_DEPTH:
+        raise MalformedMessage(f"messages nested deeper than {_MAX_DEPTH}")
+    meta: Any = cls._betterproto  # type: ignore[arg-type]  # betterproto types its classproperty for subclasses only
+    i, n = 0, len(data)
+    while i < n:
+        key, i = _varint(data, i)
+        number, wt = key >> 3, key & 7
+        if number == 0 or number > 0x1FFFFFFF:
+            raise MalformedMessage(f"field number {number} is outside 1..2**29-1")
+        start = i
+        value = 0
+        if wt == _VARINT:
+            value, i = _varint(data, i)
+        elif wt == _FIXED64:
+            i += 8
+        elif wt == _FIXED32:
+            i += 4
+        elif wt == _LEN:
+            length, i = _varint(data, i)
+            start = i
+            i += length
+        else:
+            raise MalformedMessage(f"field {number} has wire type {wt} (groups and types 6, 7 are not accepted)")
+        if i > n:
+            raise MalformedMessage(f"field {number} runs {i - n} bytes past the end of the message")
+        name = meta.field_name_by_number.get(number)
+        if name is None:
+            continue  # an unknown field: skipped, as protobuf requires of a reader
+        fm = meta.meta_by_field_name[name]
+        want = _wire_type_of(fm.proto_type)
+        packed = wt == _LEN and fm.proto_type in betterproto.PACKED_TYPES and _is_repeated(cls, name)
+        if wt != want and not packed:
+            raise MalformedMessage(f"field {name!r} ({fm.proto_type}) arrived with wire type {wt}, expected {want}")
+        if packed:
+            _check_packed(data[start:i], fm.proto_type, name)
+        elif wt == _VARINT:
+            _check_range(value, fm.proto_type, name)
+        elif fm.proto_type == betterproto.TYPE_STRING:
+            try:
+                data[start:i].decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise MalformedMessage(f"field {name!r} is not UTF-8 ({e.reason} at byte {e.start})") from None
+        elif fm.proto_type in (betterproto.TYPE_MESSAGE, betterproto.TYPE_MAP):
+            sub = meta.cls_by_field[name]
+            if isinstance(sub, type) and issubclass(sub, betterproto.Message):
+                check_wire(data[start:i], sub, depth + 1)
+
+
+def _is_repeated(cls: type[betterproto.Message], name: str) -> bool:
+    hint = cls._type_hint(name)
+    return getattr(hint, "__origin__", None) in (list, tuple) or str(hint).startswith(("List[", "list["))
+
+
+def _check_packed(body: bytes, proto_type: str, name: str) -> None:
+    wt = _wire_type_of(proto_type)
+    if wt == _FIXED32 or wt == _FIXED64:
+        if len(body) % (4 if wt == _FIXED32 else 8):
+            raise MalformedMessage(f"packed field {name!r} is not a whole number of elements")
+        return
+    i = 0
+    while i < len(body):
+        v, i = _varint(body, i)
+        _check_range(v, proto_type, name)
+
+
+def _check_range(value: int, proto_type: str, name: str) -> None:
+    if proto_type in _U32_TYPES and value > _U32:
+        raise MalformedMessage(f"field {name!r} ({proto_type}) holds {value}, beyond 32 bits")
+    if proto_type in _I32_TYPES and _U32 < value < (1 << 64) - (1 << 31):
+        raise MalformedMessage(f"field {name!r} ({proto_type}) holds {value}, beyond 32 bits")
+
+
+class StrictProtoCodec(ProtoCodec):
+    """``ProtoCodec`` whose ``decode`` refuses malformed bytes with ``INVALID_ARGUMENT``
+    (see the module doc). Encoding is unchanged."""
+
+    def decode(self, data: bytes, message_type: Any) -> Any:
+        name = getattr(message_type, "__name__", "message")
+        try:
+            if isinstance(message_type, type) and issubclass(message_type, betterproto.Message):
+                check_wire(bytes(data), message_type)
+            return super().decode(data, message_type)
+        except GRPCError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any parser failure is the peer's malformed bytes
+            raise GRPCError(Status.INVALID_ARGUMENT, f"malformed {name}: {e}") from None
