@@ -24,9 +24,10 @@ STRICT_FILES += [f"kvcompass/sim/{m}.py" for m in ("__init__", "cache", "costs")
 STRICT_FILES += ["kvcompass/sim/workload.py"]
 STRICT_FILES += [f"kvcompass/sim/{m}.py" for m in ("engine", "schemes", "metrics")]
 STRICT_FILES += ["kvcompass/sim/report.py", "kvcompass/sim/sensitivity.py"]
-STRICT_FILES += [f"kvcompass/services/{m}.py" for m in ("__init__", "status", "metrics", "maintenance_service", "ingest_client", "edge_sync", "edge_service")]
+STRICT_FILES += [f"kvcompass/services/{m}.py" for m in ("__init__", "status", "metrics", "codec", "maintenance_service", "ingest_client", "edge_sync", "edge_service")]
 STRICT_FILES += [f"kvcompass/services/{m}.py" for m in ("tokenizer", "emulated_worker", "agent_runner", "http_door")]
 STRICT_FILES += ["kvcompass/_proto/regen.py"]
+STRICT_FILES += [f"kvcompass/chaos/{m}.py" for m in ("__init__", "harness", "processes", "command")]
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

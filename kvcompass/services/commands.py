@@ -35,7 +35,7 @@ from typing import Any
 __all__ = ["PARENT_ENV", "add_commands", "announce", "parse_hostports", "run_command"]
 
 PARENT_ENV = "KVCOMPASS_PARENT_PID"
-_COMMANDS = ("maintenance", "edge", "agent", "worker", "up", "loadgen", "cluster-demo")
+_COMMANDS = ("maintenance", "edge", "agent", "worker", "up", "loadgen", "cluster-demo", "chaos")
 _TOPOLOGY_HELP = "a built-in topology (testbed-14x3, ...) or a TOML file"
 
 
@@ -149,6 +149,10 @@ def add_commands(sub: Any) -> None:
 
     add_arguments(sub.add_parser("cluster-demo", help="the main job: kvcompass up + a Mooncake conversation replay, KVCompass vs region-local routing"))
 
+    from kvcompass.chaos.command import add_arguments as chaos_arguments
+
+    chaos_arguments(sub.add_parser("chaos", help="the fault harness: seeded faults and restarts, then check that every view converged (in-process, or --processes)"))
+
 
 def _tls_args(p: argparse.ArgumentParser, *, client_only: bool = False, also: str = "") -> None:
     """The TLS flags (:class:`kvcompass.services.tls.TLSConfig`); PEM files."""
@@ -217,6 +221,10 @@ def run_command(args: argparse.Namespace) -> int | None:
             from kvcompass.services.loadgen import loadgen_main
 
             return loadgen_main(args)
+        if cmd == "chaos":
+            from kvcompass.chaos.command import chaos_main
+
+            return chaos_main(args)
         if cmd == "cluster-demo":
             from kvcompass.services.mainjob import mainjob_main
 

@@ -33,7 +33,7 @@ from kvcompass._proto.kvcompass.v1 import MaintenanceStub, Position, SnapshotReq
 from kvcompass.discovery.edge import Edge
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.services.maintenance_service import SUBSCRIBE_PATH
-from kvcompass.services.metrics import ServiceMetrics
+from kvcompass.services.metrics import ServiceMetrics, export_states
 from kvcompass.services.tls import grpc_channel
 
 __all__ = ["EdgeSync"]
@@ -84,6 +84,8 @@ class EdgeSync:
                 ch = target
             self._channels[shard] = ch
         self._tables = _table_ids(edge)
+        # What the fault harness compares with the writers' tables (computed only when scraped).
+        export_states(self.metrics.registry, "edge", lambda: [(t, s, v.epoch, v.seq, v.digest()) for t in self._tables for s in sorted(self._channels) if (v := edge.view(t, s)).initialised])
         self._live = {s: False for s in self._channels}
         self._streak = {s: 0 for s in self._channels}  # resubscriptions since the shard was last current
         self._tasks: list[asyncio.Task[None]] = []

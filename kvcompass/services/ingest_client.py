@@ -112,8 +112,13 @@ class _UnitStream:
         return self._stream
 
     async def drop(self) -> None:
-        stack, self._stack, self._stream = self._stack, None, None
+        stack, st, self._stack, self._stream = self._stack, self._stream, None, None
         if stack is not None:
+            if st is not None:
+                # RST_STREAM first: a plain exit would wait for trailers that a stuck unit may
+                # never send, and drop() is how a stalled or cancelled send lets go of it.
+                with contextlib.suppress(Exception):
+                    await st.cancel()
             await _close_quietly(stack)
 
     async def _terminated(self, e: BaseException) -> NoReturn:

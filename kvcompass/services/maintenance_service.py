@@ -62,7 +62,7 @@ from kvcompass.discovery.maintenance import ApplyReport, MaintenanceUnit, PatchB
 from kvcompass.discovery.ops import KeyOpBatch
 from kvcompass.errors import AgentSequenceError, CapacityError, InvalidArgumentError, KVCompassError, UnknownWorkerError
 from kvcompass.services.codec import StrictProtoCodec
-from kvcompass.services.metrics import MetricsServer, ServiceMetrics, bind_socket
+from kvcompass.services.metrics import MetricsServer, ServiceMetrics, bind_socket, export_states
 from kvcompass.services.status import grpc_error, status_of
 
 __all__ = [
@@ -271,6 +271,7 @@ class MaintenanceService(MaintenanceBase):
         self._unit = unit
         self._cfg = config
         self.metrics = metrics if metrics is not None else ServiceMetrics("maintenance")
+        export_states(self.metrics.registry, "maintenance", lambda: [(t.table_id, self._unit.shard, *self._unit.position(t.table_id), self._unit.table_digest(t.table_id)) for t in self._unit.layout.tables])
         self.health = ServiceStatus()
         self._lock = asyncio.Lock()
         self._subs: set[_Subscriber] = set()

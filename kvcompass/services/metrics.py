@@ -142,3 +142,26 @@ class MetricsServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+StateRow = tuple[int, int, int, int, bytes]
+"""(table, shard, epoch, seq, digest) of one writer table or view."""
+
+
+def export_states(registry: CollectorRegistry, role: str, states: Callable[[], list[StateRow]]) -> None:
+    """Export ``kvcompass_state_digest{role,table,shard,epoch,seq}``: the first 48 bits of each
+    table's (maintenance) or view's (edge) state digest, computed only when scraped. A view
+    matches its writer when epoch, seq and value all agree; ``kvcompass chaos --processes``
+    checks exactly that (a writer's digest includes edits not yet flushed into a batch, so
+    compare while no edits are pending)."""
+    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.registry import Collector
+
+    class _States(Collector):
+        def collect(self) -> list[GaugeMetricFamily]:
+            g = GaugeMetricFamily("kvcompass_state_digest", "First 48 bits of each table's or view's state digest, at its (epoch, seq)", labels=["role", "table", "shard", "epoch", "seq"])
+            for table, shard, epoch, seq, digest in states():
+                g.add_metric([role, str(table), str(shard), str(epoch), str(seq)], float(int.from_bytes(digest[:6], "big")))
+            return [g]
+
+    registry.register(_States())
