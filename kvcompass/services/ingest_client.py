@@ -10,8 +10,12 @@ itself:
   batches it returns instead of everything of that shard still queued (a reset re-reports the
   worker's whole inventory of the shard, so it subsumes them). Acks of batches that were
   already in flight before the reset are ignored: they were sent from the old sequence.
-* **Transport failures.** The stream is re-opened with exponential backoff and the
-  unacknowledged batches are re-sent in order (the unit drops re-deliveries as duplicates).
+* **Transport failures.** The stream is re-opened with exponential backoff and the shard is
+  re-reported in full (``on_rejected(shard)``'s reset batches replace everything queued), as
+  DESIGN.md section 7 asks of a reconnecting agent: the unit may have restarted from a state
+  saved before batches it had already acknowledged, and only a reset makes it exact again. A
+  caller whose ``on_rejected`` returns nothing gets the unacknowledged batches re-sent in order
+  (the unit drops re-deliveries as duplicates).
 
 Anything else refused (bad keys, wrong shard, a newer incarnation owns the worker, a credential
 the unit does not accept) raises :class:`IngestRejected`: resending cannot help.
@@ -279,7 +283,18 @@ class IngestClient:
                         reconnects += 1
                         self.reconnects += 1
                         await asyncio.sleep(min(self._backoff[1], self._backoff[0] * 2 ** (failures - 1)))
-                        todo.extendleft(reversed(inflight))
+                        # A reconnect re-reports the shard in full (DESIGN.md section 7): the unit
+                        # may have restarted from a state saved before what was in flight, or
+                        # before batches it had acknowledged, and only a reset makes it exact.
+                        fresh = list(self._on_rejected(u.shard))
+                        mine = [x for x in fresh if x.shard == u.shard]
+                        extra += [x for x in fresh if x.shard != u.shard]
+                        if mine:
+                            resets += 1
+                            todo = deque(mine)
+                            reset_floor = min(x.seq for x in mine)
+                        else:  # nothing to re-report with: resend what is unacknowledged
+                            todo.extendleft(reversed(inflight))
                         inflight.clear()
                         continue
                     except GRPCError as e:
