@@ -45,6 +45,7 @@ bench: build ## full benchmark (10^7 entries) and the criterion benches
 fuzz: ## cargo fuzz targets (needs a nightly toolchain and cargo-fuzz; not run in CI)
 	cd fuzz && cargo +nightly fuzz run patch_decode -- -max_total_time=600
 	cd fuzz && cargo +nightly fuzz run snapshot_state -- -max_total_time=600
+	cd fuzz && cargo +nightly fuzz run field_ops -- -max_total_time=600
 
 .PHONY: clean
 clean: ## remove build outputs and the virtual environment
