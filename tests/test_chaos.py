@@ -9,10 +9,13 @@ import contextlib
 import io
 import json
 
+import math
+
+import numpy as np
 import pytest
 
 from kvcompass.chaos import ChaosConfig, ChaosHarness, run_chaos
-from kvcompass.chaos.harness import CRASHES, LINK_FAULTS
+from kvcompass.chaos.harness import CRASHES, LINK_FAULTS, PARTITION
 
 
 def test_in_process_faults_of_every_kind_then_convergence() -> None:
@@ -22,12 +25,55 @@ def test_in_process_faults_of_every_kind_then_convergence() -> None:
     assert out["divergent_views"] == 0 and out["divergent_workers"] == 0
     assert out["views_checked"] == 3 * 3 * 3 * 4  # episodes x edges x tables x shards
     assert out["failed_requests"] == 0 and out["requests"] > 0
-    kinds = [f"{s}_{k}" for s in ("patch", "batch") for k in LINK_FAULTS] + list(CRASHES) + ["event_drop"]
+    kinds = [f"{s}_{k}" for s in ("patch", "batch") for k in LINK_FAULTS] + list(CRASHES) + ["event_drop", PARTITION]
     assert all(out["faults"][k] > 0 for k in kinds), out["faults"]
     assert out["faults_injected"] == sum(out["faults"].values())
     assert 0 <= out["max_converge_ms"] < 1000  # the heartbeat (250 ms) bounds a lost last batch
     # Engine restarts were routed around: the door retried elsewhere instead of failing.
     assert out["retried_requests"] >= 0
+
+
+def test_partitions_are_injected_by_default_and_heal() -> None:
+    assert ChaosConfig().partition_every > 0
+    h = ChaosHarness(ChaosConfig(seed=7, ops=3000, episodes=4))
+    r = h.run()
+    assert r.faults[PARTITION] == 2 == len(r.partitions)  # the 2nd and 4th episodes
+    assert r.converged and r.divergent_views == 0 and r.divergent_workers == 0
+    assert r.failed_requests == 0 and r.requests > 0
+    for p in r.partitions:
+        assert p.region in h.topology.region_names
+        assert p.heal_ms > p.start_ms and p.messages_cut > 0
+        assert math.isfinite(p.converge_ms) and 0 <= p.converge_ms == r.converge_ms[p.episode] < 1000
+    assert h.unit_regions == [h.topology.region_names[s % len(h.topology.region_names)] for s in range(h.shards)]
+
+
+def test_a_cut_off_region_does_not_see_the_other_side_until_healed() -> None:
+    quiet = ChaosConfig(seed=3, ops=100, episodes=1, p_patch=0.0, p_batch=0.0, p_event_drop=0.0, p_request_drop=0.0)
+    h = ChaosHarness(quiet)
+    rng = np.random.default_rng(99)
+    before, after = (rng.integers(0, 120_000, size=4000, dtype=np.uint32) for _ in range(2))
+    h.cache_prompt("us-0", before)
+    h.advance(600)
+    full = h.visible_prefix("us", "us-0", before)
+    assert full > 0 and all(h.visible_prefix(r, "us-0", before) == full for r in h.regions)
+
+    h.partition("eu")
+    h.cache_prompt("us-0", after)  # on the other side, after the cut
+    h.advance(600)
+    assert h.visible_prefix("eu", "us-0", after) == 0  # the cut-off side knows nothing of it
+    assert h.visible_prefix("eu", "us-0", before) == full  # but keeps what it knew
+    assert h.visible_prefix("us", "us-0", after) > 0  # its own side sees it (on its units)
+    # Requests keep being served on both sides of the cut.
+    for _ in range(60):
+        h._request()
+        h.advance(2.0)
+    assert h.requests == 60 and h.failed == 0
+    assert h.messages_cut > 0 and not h.positions_match()
+
+    assert h.heal() is not None and h.cut is None
+    h.advance(1000)
+    assert all(h.visible_prefix(r, "us-0", after) == full for r in h.regions)
+    assert h.positions_match() and h.check() == (0, 0)
 
 
 def test_same_seed_same_run() -> None:

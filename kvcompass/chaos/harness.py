@@ -22,7 +22,28 @@ messages overtake it) and delay (tens to hundreds of ms late) what it carries:
   each edge re-asks whatever :meth:`Edge.pending_resyncs` still lists (what ``EdgeSync`` does
   by resubscribing).
 
-Engine -> agent messages can be lost too (the agent asks the engine's replay ring). Crashes:
+Engine -> agent messages can be lost too (the agent asks the engine's replay ring).
+
+**Region partitions** (emulated): every maintenance unit has a home region, round-robin over
+the topology's regions in declaration order (shard ``s`` lives in ``region_names[s % n]``;
+:attr:`ChaosHarness.unit_regions`); edges, agents and engines live in their own regions. While
+one region is cut off from the rest, every message whose two ends lie on different sides of
+the cut is dropped, whether it is sent during the cut or was in flight when the cut came:
+agent batches and the units' acknowledgements and refusals, patch batches, heartbeats, repair
+requests and their answers, and the re-reports of a unit's restart. Traffic within each side
+flows (with the episode's other faults). Nothing is retransmitted specially: agents keep their
+unacknowledged batches and edges their pending repairs, exactly as for any lost message, so the
+ordinary repair recovers everything once the cut heals. Requests keep coming in on both sides,
+and routing degrades to what each side knows: a client reaches only the doors on its side (the
+nearest one if its own is down), and a door routes only to workers on its side (it cannot
+connect across the cut, so it excludes those workers up front, as it excludes workers it found
+down); its views of the units across the cut stay where the cut froze them. Every
+``partition_every``-th episode cuts off a seeded region (one with a live edge, while another
+side keeps one) at a seeded point of its ops; the cut heals when the episode's faults stop, so
+that episode's convergence time is the partition's (:attr:`ChaosResult.partitions`). While a
+side has only one live edge, that edge is not crashed (as the last live edge never is).
+
+Crashes:
 
 * a **maintenance unit** is down for a while (whatever reaches it is lost), then comes back from
   its last persisted :meth:`MaintenanceUnit.to_bytes` (written every ``persist_ms``) under a new
@@ -62,6 +83,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvcompass import _core
 from kvcompass.agent import WorkerAgent, encode_batch, encode_replay, encode_replay_end
 from kvcompass.agent.events import Event
 from kvcompass.discovery.edge import Edge, ResyncAction
@@ -73,10 +95,11 @@ from kvcompass.errors import AgentSequenceError, InvalidArgumentError, KVCompass
 from kvcompass.index import Namespace
 from kvcompass.sim.cache import PrefixCache
 
-__all__ = ["ChaosConfig", "ChaosHarness", "ChaosResult", "run_chaos"]
+__all__ = ["ChaosConfig", "ChaosHarness", "ChaosResult", "PartitionRecord", "run_chaos"]
 
 LINK_FAULTS = ("drop", "dup", "reorder", "delay")
 CRASHES = ("unit_crash", "edge_crash", "agent_crash", "engine_restart")
+PARTITION = "partition"
 _NS = Namespace("llama-3.1-8b", "chaos")
 _INCARNATION_STEP = 1 << 8  # a restarted agent process starts well above its predecessor (boot_incarnation's spacing)
 
@@ -119,14 +142,34 @@ class ChaosConfig:
     """Off: edges never ask for repairs (to show that a broken repair path is caught)."""
     reconnect_reports: bool = True
     """Agents re-report a shard when their stream to its restarted unit reconnects."""
+    partition_every: int = 2
+    """Every this-many-th episode (the 2nd, 4th, ...) cuts one region off; 0: never."""
+    partition_start: tuple[float, float] = (0.05, 0.5)
+    """Where in its episode's share of the ops a partition starts (it heals when the faults stop)."""
 
     def check(self) -> None:
         if self.ops < 1 or self.episodes < 1 or self.crashes_per_episode < 0:
             raise InvalidArgumentError(f"need ops >= 1, episodes >= 1 and crashes_per_episode >= 0, got {self.ops}, {self.episodes}, {self.crashes_per_episode}")
+        lo, hi = self.partition_start
+        if self.partition_every < 0 or not (0.0 <= lo <= hi < 1.0):
+            raise InvalidArgumentError(f"need partition_every >= 0 and 0 <= partition_start[0] <= partition_start[1] < 1, got {self.partition_every}, {self.partition_start}")
         for name in ("p_patch", "p_batch", "p_event_drop", "p_request_drop"):
             p = getattr(self, name)
             if not (0.0 <= p and p * (4 if name in ("p_patch", "p_batch") else 1) < 1.0):
                 raise InvalidArgumentError(f"{name} = {p}: the fault probabilities of a link must add up to less than 1")
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionRecord:
+    """One region partition: which region was cut off, when (virtual ms), how many messages the
+    cut dropped, and how long after healing the plane took to converge (``inf``: it did not)."""
+
+    episode: int
+    region: str
+    start_ms: float
+    heal_ms: float
+    messages_cut: int
+    converge_ms: float
 
 
 @dataclass(slots=True)
@@ -147,6 +190,8 @@ class ChaosResult:
     wall_s: float
     repairs: int
     topology: str
+    partitions: list[PartitionRecord] = field(default_factory=list)
+    """Per partition; only ``faults["partition"]`` (their count) reaches the JSON."""
 
     def as_dict(self) -> dict[str, Any]:
         done = [x for x in self.converge_ms if math.isfinite(x)]
@@ -183,10 +228,15 @@ class _Link:
         self.p = p
         self._last: dict[tuple[int | str, ...], float] = {}
 
-    def send(self, key: tuple[int | str, ...], fn: Callable[[], None]) -> None:
-        """Deliver ``fn`` later; messages of one ``key`` (one connection) arrive in order unless
-        a fault reorders or delays them."""
+    def send(self, key: tuple[int | str, ...], fn: Callable[[], None], src: str, dst: str) -> None:
+        """Deliver ``fn`` later from region ``src`` to region ``dst``; messages of one ``key``
+        (one connection) arrive in order unless a fault reorders or delays them, and none
+        crosses a partition's cut (at sending or at arrival)."""
         h = self._h
+        if h.severed(src, dst):
+            h.messages_cut += 1
+            return
+        fn = h.across(src, dst, fn)
         cfg = h.cfg
         rng = h.fault_rng
         base = max(float(rng.uniform(*cfg.link_ms)), self._last.get(key, 0.0) - h.now)
@@ -230,6 +280,7 @@ class _Sender:
     def __init__(self, h: ChaosHarness, agent: WorkerAgent) -> None:
         self.h = h
         self.agent = agent
+        self.region = h.workers[agent.worker_id].region
         self.alive = True
         shards = agent.shards
         self.unacked: list[dict[int, tuple[KeyOpBatch, float]]] = [{} for _ in range(shards)]
@@ -242,7 +293,7 @@ class _Sender:
 
     def _transmit(self, b: KeyOpBatch) -> None:
         h = self.h
-        h.batch_link.send((b.worker, b.shard), lambda: h.unit_receive(self, b))
+        h.batch_link.send((b.worker, b.shard), lambda: h.unit_receive(self, b), self.region, h.unit_regions[b.shard])
 
     def acked(self, b: KeyOpBatch) -> None:
         self.unacked[b.shard].pop(b.seq, None)
@@ -290,6 +341,14 @@ class ChaosHarness:
         self.regions = sorted(plane.edges)
         self.tables = [t.table_id for t in self.layout.tables]
         self.shards = self.layout.shards
+        names = self.topology.region_names
+        self.unit_regions = [names[s % len(names)] for s in range(self.shards)]
+        """Each maintenance unit's home region: round-robin over the topology's regions."""
+        self.cut: str | None = None
+        """The region cut off from the rest by a partition, or None."""
+        self.messages_cut = 0
+        self._cut_since = (0.0, 0)
+        self.partitions: list[PartitionRecord] = []
 
         self.rng = np.random.default_rng([cfg.seed, 1])  # workload
         self.fault_rng = np.random.default_rng([cfg.seed, 2])  # links and crashes
@@ -298,7 +357,7 @@ class ChaosHarness:
         self._n = 0
         self.faults_on = False
         self.faults: dict[str, int] = {f"{s}_{k}": 0 for s in ("patch", "batch") for k in LINK_FAULTS}
-        self.faults.update({"event_drop": 0, "request_drop": 0, **{c: 0 for c in CRASHES}})
+        self.faults.update({"event_drop": 0, "request_drop": 0, **{c: 0 for c in CRASHES}, PARTITION: 0})
 
         self.batch_link = _Link(self, "batch", cfg.p_batch)
         self.patch_link = _Link(self, "patch", cfg.p_patch)
@@ -347,6 +406,94 @@ class ChaosHarness:
     def count(self, kind: str) -> None:
         self.faults[kind] += 1
 
+    def _start_timers(self) -> None:
+        if self._timers:
+            return
+        cfg = self.cfg
+        self._every(cfg.flush_ms, self._flush)
+        self._every(cfg.heartbeat_ms, self._heartbeat)
+        self._every(cfg.persist_ms, self._persist)
+        self._every(cfg.resend_ms / 2, self._resend)
+        self._every(cfg.resync_retry_ms / 2, self._retry_resyncs)
+        self._timers = len(self._heap)
+
+    def advance(self, ms: float) -> None:
+        """Run the virtual clock ``ms`` forward (starting the periodic timers if need be); no
+        requests are made."""
+        self._start_timers()
+        until = self.now + ms
+        while self._heap and self._heap[0][0] <= until:
+            self._step()
+        self.now = until
+
+    # ---- region partitions --------------------------------------------------------------------
+
+    def severed(self, a: str, b: str) -> bool:
+        """Whether regions ``a`` and ``b`` are on different sides of the current cut."""
+        return self.cut is not None and (a == self.cut) != (b == self.cut)
+
+    def across(self, src: str, dst: str, fn: Callable[[], None]) -> Callable[[], None]:
+        """``fn`` as a message from ``src`` to ``dst``: lost if a cut separates them when it arrives."""
+
+        def deliver() -> None:
+            if self.severed(src, dst):
+                self.messages_cut += 1
+            else:
+                fn()
+
+        return deliver
+
+    def partition(self, region: str) -> None:
+        """Cut ``region`` off from every other region (until :meth:`heal`)."""
+        self.topology.region(region)
+        if self.cut is not None:
+            raise InvalidArgumentError(f"region {self.cut!r} is already cut off")
+        self.cut = region
+        self.count(PARTITION)
+        self._cut_since = (self.now, self.messages_cut)
+
+    def heal(self) -> tuple[str, float, int] | None:
+        """End the partition: (the region that was cut off, when the cut began, messages it
+        dropped), or None if there was none."""
+        if self.cut is None:
+            return None
+        region, (since, cut0) = self.cut, self._cut_since
+        self.cut = None
+        return region, since, self.messages_cut - cut0
+
+    def _sides_with_doors(self, r: str) -> bool:
+        """Whether cutting ``r`` off leaves a live edge on both sides."""
+        live = [x for x in self.regions if self.edges[x] is not None]
+        return r in live and any(x != r for x in live)
+
+    def _start_partition(self) -> None:
+        names = [r for r in self.topology.region_names if self._sides_with_doors(r)]
+        if self.cut is None and names:
+            self.partition(names[int(self.fault_rng.integers(len(names)))])
+
+    def visible_prefix(self, region: str, worker: str, tokens: npt.NDArray[np.uint32]) -> int:
+        """The longest of ``worker``'s registration lengths at which the edge of ``region``'s
+        views (the index alone: no speculative entries) say the worker holds ``tokens``'
+        prefix; 0 if none."""
+        edge = self.edges[region]
+        if edge is None:
+            return 0
+        lengths = [c for c in self.plan.registration(self.workers[worker].region) if c <= len(tokens)]
+        if not lengths:
+            return 0
+        keys = _core.prefix_keys(_NS.digest, np.asarray(tokens, dtype=np.uint32), np.array(lengths, dtype=np.uint32)).tolist()
+        ref = self.layout.field_of(worker)
+        best = 0
+        for c, k in zip(lengths, keys):
+            if (edge.view(ref.table_id, k % self.shards).lookup(k) >> (2 * ref.field)) & 3:
+                best = c
+        return best
+
+    def cache_prompt(self, worker: str, tokens: npt.NDArray[np.uint32]) -> None:
+        """``worker``'s engine computes ``tokens`` (admits it and publishes its KV events)."""
+        w = self.workers[worker]
+        self._publish(w, w.cache.admit(tokens, self.now / 1e3))
+
     # ---- construction helpers ------------------------------------------------------------------
 
     def _cache(self, seed: int) -> PrefixCache:
@@ -384,15 +531,16 @@ class ChaosHarness:
         self.requests += 1
         tokens = self._prompt()
         origin = self.regions[int(self.rng.integers(len(self.regions)))]
-        live = [r for r in self.regions if self.edges[r] is not None]
+        live = [r for r in self.regions if self.edges[r] is not None and not self.severed(origin, r)]
         if not live:
             self.failed += 1
             return
-        # A client whose door is down goes to the nearest other one.
+        # A client whose door is down goes to the nearest other one (on its side of a cut).
         door = origin if origin in live else min(live, key=lambda r: self.plan.rtt_ms(origin, r))
         edge = self.edges[door]
         assert edge is not None
-        excluded: list[str] = []
+        # A door cannot connect to workers across a cut: they may not win.
+        excluded: list[str] = [w for w in self.layout.workers if self.severed(door, self.workers[w].region)] if self.cut is not None else []
         for _ in range(3):
             try:
                 d = edge.route(tokens, _NS, self.now / 1e3, exclude=excluded)
@@ -455,14 +603,15 @@ class ChaosHarness:
         unit = self.units[b.shard]
         if unit is None:
             return  # the unit is down: no ack, the sender re-sends later
+        src = self.unit_regions[b.shard]
         try:
             unit.apply(b, b.worker)
         except StaleIncarnationError:
             return  # a batch of an agent process that is gone
         except AgentSequenceError:
-            self.at(self.now + 0.5, lambda: sender.refused(b))
+            self.at(self.now + 0.5, self.across(src, sender.region, lambda: sender.refused(b)))
             return
-        self.at(self.now + 0.5, lambda: sender.acked(b))
+        self.at(self.now + 0.5, self.across(src, sender.region, lambda: sender.acked(b)))
 
     # ---- units and edges ----------------------------------------------------------------------
 
@@ -473,7 +622,7 @@ class ChaosHarness:
             for b in unit.flush():
                 for r in self.regions:
                     data = [b.data]
-                    self.patch_link.send((unit.shard, r), lambda r=r, data=data: self._edge_receive(r, data))  # type: ignore[misc]
+                    self.patch_link.send((unit.shard, r), lambda r=r, data=data: self._edge_receive(r, data), self.unit_regions[unit.shard], r)  # type: ignore[misc]
 
     def _heartbeat(self) -> None:
         for unit in self.units:
@@ -481,7 +630,7 @@ class ChaosHarness:
                 continue
             pos = [(t, unit.shard, *unit.position(t)) for t in self.tables]
             for r in self.regions:
-                self.patch_link.send((unit.shard, r), lambda r=r, pos=pos: self._edge_heartbeat(r, pos))  # type: ignore[misc]
+                self.patch_link.send((unit.shard, r), lambda r=r, pos=pos: self._edge_heartbeat(r, pos), self.unit_regions[unit.shard], r)  # type: ignore[misc]
 
     def _persist(self) -> None:
         for s, unit in enumerate(self.units):
@@ -510,10 +659,14 @@ class ChaosHarness:
         if not self.cfg.repair:
             return
         self._asked[(region, a.table, a.shard)] = self.now
+        home = self.unit_regions[a.shard]
+        if self.severed(region, home):
+            self.messages_cut += 1
+            return
         if self.faults_on and float(self.fault_rng.random()) < self.cfg.p_request_drop:
             self.count("request_drop")
             return
-        self.at(self.now + float(self.fault_rng.uniform(*self.cfg.link_ms)), lambda: self._answer(region, edge, a))
+        self.at(self.now + float(self.fault_rng.uniform(*self.cfg.link_ms)), self.across(region, home, lambda: self._answer(region, edge, a)))
 
     def _answer(self, region: str, edge: Edge, a: ResyncAction) -> None:
         unit = self.units[a.shard]
@@ -522,7 +675,7 @@ class ChaosHarness:
         self.repairs += 1
         # One answer on the subscription: the batches arrive (or get lost) together, in order.
         data = unit.resume(a.table, a.epoch, a.seq)
-        self.patch_link.send((a.shard, region), lambda: self._edge_receive(region, data))
+        self.patch_link.send((a.shard, region), lambda: self._edge_receive(region, data), self.unit_regions[a.shard], region)
 
     def _retry_resyncs(self) -> None:
         for r in self.regions:
@@ -541,6 +694,9 @@ class ChaosHarness:
     # ---- crashes -------------------------------------------------------------------------------
 
     def _crash(self, kind: str) -> None:
+        if kind == PARTITION:
+            self._start_partition()
+            return
         rng = self.fault_rng
         down = float(rng.uniform(*self.cfg.down_ms))
         self.count(kind)
@@ -552,8 +708,9 @@ class ChaosHarness:
             self.units[s] = None
             self._pending_restart(down, lambda: self._restart_unit(s))
         elif kind == "edge_crash":
-            up_r = [r for r in self.regions if self.edges[r] is not None]
-            if len(up_r) <= 1:
+            # Never the last live edge of a side (of the plane when nothing is cut off).
+            up_r = [r for r in self.regions if self.edges[r] is not None and any(x != r and self.edges[x] is not None and not self.severed(r, x) for x in self.regions)]
+            if not up_r:
                 return
             r = up_r[int(rng.integers(len(up_r)))]
             self.edges[r] = None
@@ -597,8 +754,8 @@ class ChaosHarness:
         edge = self._new_edge(r)
         self.edges[r] = edge
         for unit in self.units:
-            if unit is None:
-                continue  # its views wait in pending_resyncs until the unit is back
+            if unit is None or self.severed(r, self.unit_regions[unit.shard]):
+                continue  # its views wait in pending_resyncs until the unit is back (or reachable)
             for t in self.tables:
                 edge.bootstrap(t, unit.shard, unit.snapshot(t))
 
@@ -679,12 +836,7 @@ class ChaosHarness:
     def run(self, progress: Callable[[str], None] | None = None) -> ChaosResult:
         cfg = self.cfg
         t0 = time.perf_counter()
-        self._every(cfg.flush_ms, self._flush)
-        self._every(cfg.heartbeat_ms, self._heartbeat)
-        self._every(cfg.persist_ms, self._persist)
-        self._every(cfg.resend_ms / 2, self._resend)
-        self._every(cfg.resync_retry_ms / 2, self._retry_resyncs)
-        self._timers = len(self._heap)
+        self._start_timers()
         converge: list[float] = []
         views_checked = divergent_views = workers_checked = divergent_workers = 0
         all_converged = True
@@ -694,6 +846,8 @@ class ChaosHarness:
             share = max(1, target - start_ops)
             # Crashes at seeded points of this episode's share of the ops.
             points = sorted((float(self.fault_rng.uniform(0.05, 0.85)), k) for k in CRASHES for _ in range(cfg.crashes_per_episode))
+            if cfg.partition_every and ep % cfg.partition_every == cfg.partition_every - 1:
+                points = sorted([*points, (float(self.fault_rng.uniform(*cfg.partition_start)), PARTITION)])
             self.faults_on = True
             self._restarts = []
             while self.ops < target:
@@ -706,8 +860,9 @@ class ChaosHarness:
                 self.now = until
             for _, k in points:
                 self._crash(k)
-            # Faults stop: everything down comes back now, the workload pauses.
+            # Faults stop: a cut heals, everything down comes back now, the workload pauses.
             self.faults_on = False
+            healed = self.heal()
             for fn in self._restarts:
                 fn()
             for w in self.workers.values():
@@ -728,12 +883,17 @@ class ChaosHarness:
             ok = math.isfinite(done) and bad_v == 0 and bad_w == 0
             all_converged &= ok
             converge.append(done if ok else math.inf)
+            cut_note = ""
+            if healed is not None:
+                region, since, cut = healed
+                self.partitions.append(PartitionRecord(ep, region, since, stop, cut, done if ok else math.inf))
+                cut_note = f", partition of {region} for {stop - since:.1f} ms ({cut} messages cut)"
             views_checked += len(self.regions) * self.shards * len(self.tables)
             divergent_views += bad_v
             workers_checked += len(self.layout.workers)
             divergent_workers += bad_w
             if progress is not None:
-                progress(f"episode {ep + 1}/{cfg.episodes}: ops {self.ops}, converged in {done:.1f} virtual ms, divergent views {bad_v}, workers {bad_w}")
+                progress(f"episode {ep + 1}/{cfg.episodes}: ops {self.ops}, converged in {done:.1f} virtual ms, divergent views {bad_v}, workers {bad_w}{cut_note}")
         return ChaosResult(
             seed=cfg.seed,
             ops=self.ops,
@@ -751,6 +911,7 @@ class ChaosHarness:
             wall_s=time.perf_counter() - t0,
             repairs=self.repairs,
             topology=self.topology.name,
+            partitions=list(self.partitions),
         )
 
 
