@@ -194,7 +194,14 @@ def _simulate(args: argparse.Namespace) -> int:
             n = args.max_requests or DEFAULT_MIXED_REQUESTS
             return synthetic_mixed(n, regions=topology, seed=args.seed, rate=rate, block_size=args.block_size or topology.block_size)
         return load_trace(
-            trace_path, args.block_size or MOONCAKE_BLOCK_SIZE, regions=topology, seed=args.seed, rate=rate, mode="rescale", max_requests=args.max_requests
+            trace_path,
+            args.block_size or MOONCAKE_BLOCK_SIZE,
+            regions=topology,
+            seed=args.seed,
+            rate=rate,
+            mode="rescale",
+            max_requests=args.max_requests,
+            ties="keep" if args.keep_ties else "spread",
         )
 
     results: dict[str, dict[str, Summary]] = {s: {} for s in schemes}
@@ -281,6 +288,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sim.add_argument("--max-requests", type=int, default=None, metavar="N", help="replay at most the first N requests")
     sim.add_argument("--out", default=None, metavar="DIR", help="write CSV/parquet tables and PNG figures here")
     sim.add_argument("--rtt-matrix", metavar="CSV", default=None, help="RTT matrix for a topology that has none of its own")
+    sim.add_argument(
+        "--keep-ties",
+        action="store_true",
+        help="replay requests that share a logged timestamp simultaneously (default: spread over the interval to the next one)",
+    )
     sim.add_argument("--wan-jitter", type=float, default=0.0, metavar="PCT", help="every WAN traversal varies uniformly by +-PCT %% around the matrix (routing scores the matrix)")
     sim.add_argument("--patch-loss", type=float, default=0.0, metavar="PCT", help="each patch batch is lost on its way to each edge with this probability (%%); edges repair it")
     sim.add_argument("--patch-delay-ms", type=float, default=0.0, metavar="MS", help="patch batches reach the edges this much later")

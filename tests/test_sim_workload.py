@@ -270,8 +270,9 @@ def test_default_weights_follow_topology_capacity() -> None:
 
 
 def test_max_requests_keeps_the_first_rows_and_their_regions() -> None:
-    full = load_trace(EXCERPT, 512, regions=REGIONS, seed=5)
-    head = load_trace(EXCERPT, 512, regions=REGIONS, seed=5, max_requests=30)
+    # Logged times as they are: spreading the last bucket depends on what follows it.
+    full = load_trace(EXCERPT, 512, regions=REGIONS, seed=5, ties="keep")
+    head = load_trace(EXCERPT, 512, regions=REGIONS, seed=5, max_requests=30, ties="keep")
     assert len(head) == 30
     assert [(r.region, r.input_length, r.arrival_ms) for r in head] == [(r.region, r.input_length, r.arrival_ms) for r in full[:30]]
 
@@ -290,7 +291,7 @@ def test_trace_mode_keeps_the_file_times() -> None:
 @pytest.mark.parametrize("tenants", [1, 3])
 def test_rescale_hits_the_target_mean_rate(tenants: int) -> None:
     base = load_trace(EXCERPT, 512, regions=REGIONS, tenants=tenants)
-    reqs = load_trace(EXCERPT, 512, regions=REGIONS, tenants=tenants, mode="rescale", rate=250.0)
+    reqs = load_trace(EXCERPT, 512, regions=REGIONS, tenants=tenants, mode="rescale", rate=250.0, ties="keep")
     n = len(reqs)
     assert n == 120 * tenants and reqs[0].arrival_ms == 0.0
     assert (n - 1) / (reqs[-1].arrival_ms / 1000.0) == pytest.approx(250.0, rel=1e-12)
@@ -536,3 +537,31 @@ def test_the_package_ships_a_conversation_excerpt_found_last() -> None:
     if shared.is_file():
         with shared.open() as f:
             assert [next(f).rstrip("\n") for _ in range(600)] == lines
+
+
+def test_shared_timestamps_are_spread_over_their_logging_interval() -> None:
+    from kvcompass.sim.workload import spread_ties
+
+    ts = np.array([0, 0, 0, 3000, 3000, 6000, 6000, 6000, 6000], dtype=np.float64)
+    out = spread_ties(ts, seed=4)
+    assert np.all(np.diff(out) > 0)  # file order kept, no two equal
+    assert np.all((out >= ts) & (out < np.array([3000] * 3 + [6000] * 2 + [9000] * 4)))  # last run: the median interval
+    assert np.array_equal(out, spread_ties(ts, seed=4)) and not np.array_equal(out, spread_ties(ts, seed=5))
+    assert np.array_equal(spread_ties(np.array([0.0, 5.0, 9.0]), seed=1), [0.0, 5.0, 9.0])  # nothing shared: unchanged
+
+
+def test_load_trace_spreads_ties_when_rescaling_and_keeps_logged_times_in_trace_mode() -> None:
+    from kvcompass.sim.workload import load_trace
+
+    path = Path(__file__).parent / "data" / "conversation_excerpt.jsonl"
+    kept = load_trace(path, 512, regions=["a", "b"], mode="trace", seed=1)  # trace mode: as logged
+    spread = load_trace(path, 512, regions=["a", "b"], mode="trace", ties="spread", seed=1)
+    rescaled = load_trace(path, 512, regions=["a", "b"], mode="rescale", rate=10.0, seed=1)  # rescaling spreads
+    assert len({r.arrival_ms for r in rescaled}) == len(rescaled)
+    assert len({r.arrival_ms for r in kept}) < len(kept)
+    assert len({r.arrival_ms for r in spread}) == len(spread)
+    # The same requests in the same order, parents always first.
+    assert [r.input_length for r in kept] == [r.input_length for r in spread]
+    assert all(spread[r.parent].arrival_ms < r.arrival_ms for r in spread if r.parent >= 0)
+    with pytest.raises(InvalidArgumentError):
+        load_trace(path, 512, regions=["a"], ties="both")  # type: ignore[arg-type]

@@ -101,6 +101,7 @@ __all__ = [
     "resolve_trace",
     "reuse_stats",
     "synthetic_mixed",
+    "spread_ties",
 ]
 
 U64Array: TypeAlias = npt.NDArray[np.uint64]
@@ -504,6 +505,36 @@ def _poisson_times(n: int, rate: float, seed: int) -> F64Array:
     return np.cumsum(gaps)
 
 
+def spread_ties(ts: F64Array, seed: int) -> F64Array:
+    """Trace times with each run of equal timestamps spread over the interval up to the next
+    distinct timestamp (uniform, seeded, sorted so file order is kept; the last run over the
+    median interval).
+
+    The Mooncake traces log arrivals in coarse buckets (the conversation trace: 12,031
+    requests on 1,180 distinct timestamps, 3 s apart, up to 28 per bucket). Replayed as given,
+    every bucket is a burst of simultaneous arrivals at different edges, a race no real fleet
+    sees at that scale; spreading reconstructs arrivals within the logging resolution. Every
+    scheme replays the same spread times."""
+    t = np.asarray(ts, dtype=np.float64)
+    if t.size < 2:
+        return t.copy()
+    distinct = np.unique(t)
+    if distinct.size == t.size:
+        return t.copy()
+    gaps = np.diff(distinct)
+    last = float(np.median(gaps)) if gaps.size else 0.0
+    nxt = np.append(distinct[1:], distinct[-1] + last)
+    width = (nxt - distinct)[np.searchsorted(distinct, t)]
+    u = np.random.default_rng([seed, 3]).random(t.size) * width
+    out = t + u
+    # Sorted within each run, so rows keep their file order (parents before follow-ups).
+    starts = np.flatnonzero(np.r_[True, t[1:] != t[:-1]])
+    for a, b in zip(starts, np.append(starts[1:], t.size)):
+        if b - a > 1:
+            out[a:b] = np.sort(out[a:b])
+    return out
+
+
 def _schedule(ts: F64Array, tenants: int, mode: str, rate: float, seed: int) -> tuple[I64Array, I64Array, F64Array]:
     """Merge ``tenants`` copies of a trace: (row, tenant, arrival ms) in arrival order."""
     n = ts.size
@@ -552,8 +583,14 @@ def load_trace(
     tenants: int = 1,
     max_requests: int | None = None,
     namespace: str = "public",
+    ties: Literal["spread", "keep"] | None = None,
 ) -> list[Request]:
     """Load a JSONL trace in the Mooncake schema (see the module docstring for the rules).
+
+    ``ties``: ``"spread"`` spreads requests that share a logged timestamp over the interval to
+    the next one (:func:`spread_ties`) before any rescaling; ``"keep"`` replays them
+    simultaneously. Default: spread when rescaling to a rate, keep in ``"trace"`` mode (the
+    file's times exactly as logged); Poisson arrivals ignore the file's times.
 
     ``regions`` is a list of region names (``weights`` default: equal) or a
     :class:`~kvcompass.discovery.topology.Topology` (default: prefill capacity). ``max_requests``
@@ -575,7 +612,12 @@ def load_trace(
     region_of = np.empty((tenants, n), dtype=np.int64)
     for k in range(tenants):
         region_of[k] = _draw(cdf, np.random.default_rng([seed, 1, k]).random(n))[roots]
-    order_rows, order_ten, arrival = _schedule(np.asarray(rows.timestamps), tenants, mode, rate_v, seed)
+    if ties not in (None, "spread", "keep"):
+        raise InvalidArgumentError(f"ties must be 'spread' or 'keep', got {ties!r}")
+    stamps = np.asarray(rows.timestamps, dtype=np.float64)
+    if (ties or ("spread" if mode == "rescale" else "keep")) == "spread" and mode != "poisson":
+        stamps = spread_ties(stamps, seed)
+    order_rows, order_ten, arrival = _schedule(stamps, tenants, mode, rate_v, seed)
     id_of = np.empty((tenants, n), dtype=np.int64)
     id_of[order_ten, order_rows] = np.arange(order_rows.size)
 
