@@ -610,3 +610,21 @@ def test_errors_from_a_file_name_the_file(tmp_path: Path) -> None:
     with pytest.raises(TopologyError) as e:
         topology_from_toml(p)
     assert str(e.value) == f"{p}: worker 'w3': region 'mars' is not defined"
+
+
+def test_a_topology_may_name_its_tokenizer_relative_to_its_file(tmp_path: Path) -> None:
+    from kvcompass.discovery.topology import load_topology
+
+    bundled = Path(topo_mod.__file__).resolve().parents[1] / "data" / "tokenizer.json"
+    (tmp_path / "tok.json").write_bytes(bundled.read_bytes())
+    body = 'rtt_ms = { a = { a = 1.0 } }\n[regions]\na = {}\n[[workers]]\nid = "a0"\nregion = "a"\n'
+    (tmp_path / "t.toml").write_text('tokenizer = "tok.json"\n' + body)
+    t = load_topology(str(tmp_path / "t.toml"))
+    assert t.tokenizer == str((tmp_path / "tok.json").resolve())
+    from kvcompass.services.tokenizer import load_tokenizer
+
+    assert load_tokenizer(t.tokenizer).encode("hello world").tolist() == load_tokenizer(None).encode("hello world").tolist()
+    (tmp_path / "u.toml").write_text('tokenizer = "missing.json"\n' + body)
+    with pytest.raises(TopologyError, match="tokenizer: no file"):
+        load_topology(str(tmp_path / "u.toml"))
+    assert load_topology("testbed-14x3").tokenizer == ""

@@ -19,6 +19,9 @@ TOML schema (every key but ``regions`` and ``workers`` optional)::
     levels = 6               # levels toward every region (paper section 3.2)
     own_region_min = 256     # first same-region length; doubles upward
     long_tail = true         # past the last level, keep doubling to max_prefix (see the plan)
+    tokenizer = "tok.json"   # optional: the model's HF tokenizer.json, relative to this file
+                             # (edges and emulated workers tokenize text with it; default:
+                             # the built-in BPE in kvcompass/data/tokenizer.json)
     max_prefix = 131072      # no indexed length beyond this (the model's context window)
     value_bits = 32          # 32: <= 16 workers per table; 64: <= 32
     shards = 4
@@ -256,6 +259,8 @@ class Topology:
     # the own-region doubling ladder up to max_prefix, so a 50k-token match is not credited as
     # 8k (kvcompass.discovery.plan). False reproduces the paper's six levels exactly.
     long_tail: bool = True
+    tokenizer: str = ""
+    """Absolute path of the model's ``tokenizer.json`` ("" = the built-in default tokenizer)."""
     _regions: dict[str, RegionSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -374,7 +379,7 @@ def _validate(t: Topology) -> dict[str, RegionSpec]:
 
 _TOP_KEYS = (
     "name", "description", "block_size", "levels", "own_region_min", "max_prefix", "value_bits",
-    "shards", "fp_bits", "long_tail", "rtt_matrix", "rtt_ms", "regions", "worker_defaults", "workers",
+    "shards", "fp_bits", "long_tail", "tokenizer", "rtt_matrix", "rtt_ms", "regions", "worker_defaults", "workers",
 )  # fmt: skip
 _REGION_KEYS = ("aws_region", "edges")
 _WORKER_FIELDS = ("role", "beta_ms_per_token", "vram_tokens", "dram_tokens", "endpoint")
@@ -513,6 +518,12 @@ def topology_from_dict(
         for key in ("block_size", "levels", "own_region_min", "max_prefix", "value_bits", "shards", "fp_bits"):
             if key in data:
                 options[key] = _integer(key, data[key])
+        if "tokenizer" in data:
+            tp = Path(_string("tokenizer", data["tokenizer"]))
+            tp = tp if tp.is_absolute() or base_dir is None else Path(base_dir) / tp
+            if not tp.is_file():
+                raise TopologyError(f"tokenizer: no file at {str(tp)!r}")
+            options["tokenizer"] = str(tp.resolve())
         if "long_tail" in data:
             if not isinstance(data["long_tail"], bool):
                 raise TopologyError(f"long_tail must be true or false, got {data['long_tail']!r}")

@@ -433,7 +433,7 @@ async def _edge(args: argparse.Namespace) -> int:
         grpc = await server.start(args.host, args.grpc_port, metrics_port=args.metrics_port, ssl_context=grpc_server_ssl)
         stack.push_async_callback(server.close)
         door = await serve_door(
-            edge, urls, None, host=args.host, port=args.http_port, config=DoorConfig(drain_grace_s=args.drain_grace),
+            edge, urls, topo.tokenizer or None, host=args.host, port=args.http_port, config=DoorConfig(drain_grace_s=args.drain_grace),
             regions=regions, wan_one_way_ms=one_way if scale > 0 else None, ssl_context=http_server_ssl, upstream_ssl=http_client_ssl,
         )
         # Registered last, so it runs first: the door drains while the index is still current.
@@ -590,7 +590,7 @@ async def _worker(args: argparse.Namespace) -> int:
     for name in ("--port", "--events-port", "--replay-port"):
         _check_port(name, getattr(args, name[2:].replace("-", "_")))
     # Per-process block hashes, as vLLM seeds them: the agent must not depend on them.
-    cfg = WorkerConfig.from_spec(spec, topo.block_size, time_scale=args.time_scale, policy=args.policy, hash_seed=os.getpid())
+    cfg = WorkerConfig.from_spec(spec, topo.block_size, time_scale=args.time_scale, policy=args.policy, hash_seed=os.getpid(), tokenizer_path=topo.tokenizer or None)
     ssl_context = _tls(args).server_or_none("http")
     zhost = f"[{args.host}]" if ":" in args.host else args.host
 
