@@ -20,7 +20,7 @@ from kvcompass.agent import BlockStored, WorkerAgent, encode_batch
 from kvcompass.discovery.ops import KeyOpBatch
 from kvcompass.discovery.topology import load_topology
 from kvcompass.discovery.plan import LevelPlan
-from kvcompass.errors import AgentSequenceError, StaleIncarnationError, UnknownWorkerError
+from kvcompass.errors import AgentSequenceError, InvalidArgumentError, StaleIncarnationError, UnknownWorkerError
 from kvcompass.index import Namespace
 from kvcompass.services.agent_runner import AgentRunner, agent_for_worker
 from kvcompass.services.emulated_worker import EmulatedWorker, WorkerConfig
@@ -433,3 +433,61 @@ def test_runner_arguments_are_checked() -> None:
     for kw in ({"events": "localhost:5557"}, {"events": "tcp://127.0.0.1:1", "replay": "nope"}, {"events": "tcp://127.0.0.1:1", "replay_timeout_s": 0}):
         with pytest.raises(InvalidArgumentError):
             AgentRunner(new_agent(), noop, **kw)
+
+
+def test_a_quiet_runner_sends_heartbeats_and_a_stale_unit_gets_a_full_report() -> None:
+    """A unit restored from a state older than what it acknowledged is repaired by the next
+    batch's refusal; heartbeats make that happen for an agent whose engine is silent."""
+    import zmq
+    import zmq.asyncio
+
+    from kvcompass.discovery.maintenance import MaintenanceUnit
+    from kvcompass.discovery.plane import LocalPlane
+    from kvcompass.discovery.topology import load_topology
+    from kvcompass.errors import AgentSequenceError
+    from kvcompass.index import Namespace
+    from kvcompass.services.agent_runner import AgentRunner
+    from kvcompass.agent import WorkerAgent, encode_batch
+    from kvcompass.sim.cache import PrefixCache
+
+    plane = LocalPlane(load_topology("testbed-14x3"))
+    agent = WorkerAgent("us-0", Namespace("m"), plane.plan.registration("us"), plane.layout.shards, block_size=16)
+    cache = PrefixCache(16, 100_000)
+    for seq, base in enumerate((0, 100_000)):
+        for b in agent.on_message(encode_batch(cache.admit(np.arange(4096, dtype=np.uint32) + base, 0.0), seq, ts=0.0)).batches:
+            plane.ingest(b, "us-0")
+        if seq == 0:
+            saved = [u.to_bytes() for u in plane.units]  # the last save before the crash
+    units = [MaintenanceUnit.from_bytes(data, plane.layout, u.epoch + 1) for data, u in zip(saved, plane.units)]
+    assert any({int(k) for k in u.held("us-0")} != {k for k in agent.held() if k % plane.layout.shards == u.shard} for u in units)
+
+    async def sink(batches: Any) -> None:
+        for b in batches:
+            try:
+                units[b.shard].apply(b, "us-0")
+            except AgentSequenceError:
+                for again in agent.on_rejected(b.shard):
+                    units[again.shard].apply(again, "us-0")
+
+    async def go() -> None:
+        ctx = zmq.asyncio.Context()
+        pub = ctx.socket(zmq.PUB)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        runner = AgentRunner(agent, sink, f"tcp://127.0.0.1:{port}", ctx=ctx, heartbeat_s=0.05)
+        try:
+            await runner.start()
+            for _ in range(100):
+                if runner.stats.heartbeats >= 2:
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            await runner.stop()
+            pub.close(linger=0)
+            ctx.term()
+        assert runner.stats.heartbeats >= 2
+
+    asyncio.run(go())
+    for u in units:
+        assert {int(k) for k in u.held("us-0")} == {k for k in agent.held() if k % plane.layout.shards == u.shard}
+    with pytest.raises(InvalidArgumentError):
+        AgentRunner(agent, sink, "tcp://127.0.0.1:1", heartbeat_s=0)

@@ -404,6 +404,22 @@ class WorkerAgent:
             raise InvalidArgumentError(f"shard must be None or an int in 0..{self.shards - 1}, got {shard!r}")
         return self._flush()
 
+    def heartbeat(self) -> tuple[KeyOpBatch, ...]:
+        """An empty batch for every shard at its next seq, for an agent with nothing to send.
+
+        A maintenance unit restored from a state older than what it had acknowledged (a crash
+        between two saves) has lost this agent's sequence; it refuses the next batch, and the
+        ``on_rejected`` reset that answers makes it exact again. A busy agent gets there with its
+        next real batch; a quiet one would leave the unit stale indefinitely, so agent drivers
+        send these every few seconds of silence."""
+        out = []
+        empty_k, empty_t = np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint8)
+        for s in range(self.shards):
+            out.append(KeyOpBatch(self.worker_id, self._incarnation, s, self._next_seq[s], empty_k, empty_t))
+            self._next_seq[s] += 1
+        self.stats.batches_emitted += len(out)
+        return tuple(out)
+
     # ---- inspection ---------------------------------------------------------------------------
 
     @property

@@ -96,6 +96,7 @@ class RunnerStats:
     sent_batches: int = 0
     sent_ops: int = 0
     rejections: int = 0  # AgentSequenceError from the sink, answered with on_rejected
+    heartbeats: int = 0  # rounds of empty batches sent after heartbeat_s of silence
 
 
 class AgentRunner:
@@ -114,6 +115,7 @@ class AgentRunner:
         topic: bytes = b"",
         replay_timeout_s: float = 2.0,
         ctx: zmq.asyncio.Context | None = None,
+        heartbeat_s: float | None = None,
     ) -> None:
         if not isinstance(events, str) or "://" not in events:
             raise InvalidArgumentError(f"events must be a ZMQ endpoint such as tcp://HOST:PORT, got {events!r}")
@@ -121,6 +123,8 @@ class AgentRunner:
             raise InvalidArgumentError(f"replay must be a ZMQ endpoint such as tcp://HOST:PORT or None, got {replay!r}")
         if isinstance(replay_timeout_s, bool) or not isinstance(replay_timeout_s, (int, float)) or not 0 < replay_timeout_s < float("inf"):
             raise InvalidArgumentError(f"replay_timeout_s must be a positive number, got {replay_timeout_s!r}")
+        if heartbeat_s is not None and (isinstance(heartbeat_s, bool) or not isinstance(heartbeat_s, (int, float)) or not 0 < heartbeat_s < float("inf")):
+            raise InvalidArgumentError(f"heartbeat_s must be a positive number or None, got {heartbeat_s!r}")
         if not isinstance(topic, bytes):
             raise InvalidArgumentError(f"topic must be bytes, got {type(topic).__name__}")
         self.agent = agent
@@ -136,6 +140,11 @@ class AgentRunner:
         self._dealer: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()  # one sender at a time: the read loop or resend_full_report
+        # After this long without sending, empty batches (WorkerAgent.heartbeat) let a unit that
+        # restarted from an older state notice the lost sequence and get a full re-report.
+        self.heartbeat_s = None if heartbeat_s is None else float(heartbeat_s)
+        self._last_sent = 0.0
+        self._hb: asyncio.Task[None] | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -167,10 +176,12 @@ class AgentRunner:
             raise RuntimeError("AgentRunner.start called twice")
         self._open()
         self._task = asyncio.create_task(self._loop())
+        self._start_heartbeats()
 
     async def stop(self) -> None:
         """Stop reading and close the sockets. Re-raises the error that ended the loop, if any."""
         task, self._task = self._task, None
+        await self._stop_heartbeats()
         try:
             if task is not None:
                 if not task.done():
@@ -188,9 +199,11 @@ class AgentRunner:
     async def run(self) -> None:
         """Connect and read until cancelled (or a fatal sink error, which is raised)."""
         self._open()
+        self._start_heartbeats()
         try:
             await self._loop()
         finally:
+            await self._stop_heartbeats()
             self._close()
 
     @property
@@ -265,10 +278,32 @@ class AgentRunner:
         await self._send(self.agent.on_replay_failed().batches)
         return None
 
+    def _start_heartbeats(self) -> None:
+        if self.heartbeat_s is not None and self._hb is None:
+            self._last_sent = asyncio.get_running_loop().time()
+            self._hb = asyncio.create_task(self._heartbeats(self.heartbeat_s))
+
+    async def _stop_heartbeats(self) -> None:
+        hb, self._hb = self._hb, None
+        if hb is not None:
+            hb.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await hb
+
+    async def _heartbeats(self, period: float) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(max(period - (loop.time() - self._last_sent), period / 4))
+            if loop.time() - self._last_sent >= period:
+                async with self._lock:
+                    self.stats.heartbeats += 1
+                    await self._send(self.agent.heartbeat())
+
     async def _send(self, batches: Sequence[KeyOpBatch]) -> None:
         """Hand ``batches`` to the sink (the caller holds the lock)."""
         if not batches:
             return
+        self._last_sent = asyncio.get_running_loop().time()
         pending: Sequence[KeyOpBatch] = batches
         for _ in range(_MAX_REJECTIONS):
             try:

@@ -94,6 +94,13 @@ def add_commands(sub: Any) -> None:
     a.add_argument("--maintenance", required=True, metavar="HOST:PORT,...")
     a.add_argument("--model", default="llama-3.1-8b", help="the namespace's model (the door's default model)")
     a.add_argument("--tenant", default="public", help="the namespace's tenant (the door's default tenant)")
+    a.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="after S seconds without a batch, send empty ones so a unit restored from an older state asks for a full re-report (0: off; default 2)",
+    )
     a.add_argument("--host", default="127.0.0.1", help="where the metrics endpoint listens")
     a.add_argument("--metrics-port", type=int, default=0)
     tok = a.add_mutually_exclusive_group()
@@ -540,7 +547,7 @@ async def _agent(args: argparse.Namespace) -> int:
         batches.inc(len(bs))
         ops.inc(sum(len(b.keys) for b in bs if isinstance(b, KeyOpBatch)))
 
-    runner = AgentRunner(agent, sink, args.events, args.replay)
+    runner = AgentRunner(agent, sink, args.events, args.replay, heartbeat_s=args.heartbeat_s if args.heartbeat_s > 0 else None)
     for name, fn in (
         ("kvcompass_agent_engine_messages", lambda: runner.stats.messages),
         ("kvcompass_agent_malformed_messages", lambda: runner.stats.malformed),
