@@ -18,6 +18,7 @@ import json
 import subprocess
 import sys
 import time
+import tracemalloc
 
 from kvcompass.discovery.topology import load_topology
 from kvcompass.sim.engine import simulate
@@ -56,6 +57,18 @@ def main() -> int:
         wall = time.perf_counter() - t0
         rates[name] = round(summary.requests / wall, 1)
         print(f"{name}: {summary.requests} requests in {wall:.2f} s -> {rates[name]:.0f} req/s", file=sys.stderr)
+    # Memory: the Python heap's peak (tracemalloc, numpy included; the Rust tables are bounded by
+    # their capacity) for half and all of the requests, first scheme. Flat memory means the
+    # growth per request is the per-request record alone (a few hundred bytes), not its tokens.
+    first = schemes[0]
+    peaks: dict[str, float] = {}
+    for label, k in (("half", n // 2), ("full", n)):
+        tracemalloc.start()
+        simulate(topo, requests[:k], first, seed=args.seed)
+        peaks[label] = tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
+    growth_kb = (peaks["full"] - peaks["half"]) * 1024 / max(1, n - n // 2)
+    print(f"{first}: heap peak {peaks['half']:.1f} MiB at {n // 2} requests, {peaks['full']:.1f} MiB at {n}: {growth_kb:.2f} KiB per request", file=sys.stderr)
     out = {
         "topology": args.topology,
         "requests": n,
@@ -63,6 +76,9 @@ def main() -> int:
         "requests_per_s": rates,
         "target_requests_per_s": TARGET,
         "meets": {k: v >= TARGET for k, v in rates.items()},
+        "memory_scheme": first,
+        "heap_peak_mb": {k: round(v, 2) for k, v in peaks.items()},
+        "heap_growth_kb_per_request": round(growth_kb, 3),
         "mode": "quick" if args.quick else "full",
         "git_commit": _commit(),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
