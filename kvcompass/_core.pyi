@@ -14,6 +14,7 @@ __all__ = [
     "prefix_keys",
     "prefix_keys_batch",
     "shard_of",
+    "block_chain_hashes",
     "LudoTable",
     "LudoView",
     "ApplyResult",
@@ -42,6 +43,10 @@ def prefix_keys_batch(
     namespace: bytes, tokens: npt.NDArray[np.uint32], offsets: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint32]
 ) -> npt.NDArray[np.uint64]:
     """Prompt ``i`` is ``tokens[offsets[i]:offsets[i+1]]``; returns a (prompts, lengths) uint64 array."""
+
+def block_chain_hashes(tokens: npt.NDArray[np.uint32], block_size: int, seed: int) -> npt.NDArray[np.uint64]:
+    """Chained 64-bit hashes of the full blocks of ``tokens`` (SHA-256 of domain, ``seed``,
+    parent hash and the block's tokens): the emulated engine's block names."""
 
 def shard_of(key: int, shards: int) -> int:
     """The shard that owns ``key`` (``key % shards``)."""

@@ -131,6 +131,44 @@ pub fn prefix_keys_batch(ns: &[u8; 32], tokens: &[u32], offsets: &[u64], lengths
     Ok(out)
 }
 
+/// Domain separator of the emulated engine's block hashes (never equal to a prefix key's input).
+const BLOCK_DOMAIN: &[u8] = b"kvcompass-block-v1";
+
+/// Chained block hashes of the full blocks of `tokens`: block `i` is named by the first 64 bits
+/// (little-endian) of SHA-256(domain || seed || parent || its tokens as LE u32), where parent is
+/// `0x00` for the first block and `0x01 || previous hash` after it. Equal token prefixes give
+/// equal chains and a hash names its whole prefix, as vLLM's prefix-cache hashes do; `seed`
+/// varies them per emulated engine. A trailing partial block is not hashed.
+pub fn block_chain(seed: u64, tokens: &[u32], block_size: usize) -> Result<Vec<u64>> {
+    if block_size == 0 {
+        return Err(CoreError::InvalidArgument("block_size must be >= 1".into()));
+    }
+    let n = tokens.len() / block_size;
+    let mut out = Vec::with_capacity(n);
+    let mut base = Sha256::new();
+    base.update(BLOCK_DOMAIN);
+    base.update(seed.to_le_bytes());
+    let mut parent: Option<u64> = None;
+    for i in 0..n {
+        let mut h = base.clone();
+        match parent {
+            None => h.update([0u8]),
+            Some(p) => {
+                h.update([1u8]);
+                h.update(p.to_le_bytes());
+            }
+        }
+        feed(&mut h, &tokens[i * block_size..(i + 1) * block_size]);
+        let d = h.finalize();
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&d[..8]);
+        let v = u64::from_le_bytes(b);
+        out.push(v);
+        parent = Some(v);
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -182,6 +220,25 @@ mod tests {
         let a = prefix_keys(&namespace_digest("m", "a"), &t, &[3]).unwrap();
         let b = prefix_keys(&namespace_digest("m", "b"), &t, &[3]).unwrap();
         assert_ne!(a, b);
+    }
+
+    #[test]
+    fn block_chain_names_prefixes() {
+        let a: Vec<u32> = (0..40).collect();
+        let mut b = a.clone();
+        b[20] = 999; // differs in block 2 (of size 8)
+        let ha = block_chain(7, &a, 8).unwrap();
+        let hb = block_chain(7, &b, 8).unwrap();
+        assert_eq!(ha.len(), 5);
+        assert_eq!(&ha[..2], &hb[..2]);
+        assert!(ha[2..].iter().zip(&hb[2..]).all(|(x, y)| x != y));
+        assert_ne!(block_chain(8, &a, 8).unwrap()[0], ha[0]);
+        assert_eq!(block_chain(7, &a[..39], 8).unwrap().len(), 4);
+        // A block's hash depends on its parent, not only its tokens.
+        let mut c = a.clone();
+        c[..8].copy_from_slice(&[5; 8]);
+        assert_ne!(block_chain(7, &c, 8).unwrap()[1], ha[1]);
+        assert!(block_chain(7, &a, 0).is_err());
     }
 
     #[test]

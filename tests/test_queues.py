@@ -203,3 +203,37 @@ def test_a_burst_routed_at_one_instant_spreads_instead_of_herding() -> None:
     assert max(herd.values()) == 8  # the regression: everything on one worker
     spread = burst(EdgeParams(dispatch_charge_ttl_s=2.0))
     assert len(spread) == 4 and max(spread.values()) <= 3
+
+
+def test_fold_many_equals_folding_one_by_one() -> None:
+    rng = np.random.default_rng(5)
+    a, b = QueueEstimates(12, 0.3, 1.0, charge_ttl_s=0.5), QueueEstimates(12, 0.3, 1.0, charge_ttl_s=0.5)
+    now = 0.0
+    for step in range(200):
+        now += float(rng.uniform(0.0, 0.2))
+        if rng.random() < 0.4:  # charges, to be settled by the samples that include them
+            i, ms = int(rng.integers(12)), float(rng.uniform(0, 50))
+            a.charge(i, ms, now)
+            b.charge(i, ms, now)
+        idx = rng.choice(12, size=int(rng.integers(1, 12)), replace=False).astype(np.int64)
+        vals = np.where(rng.random(len(idx)) < 0.3, 0.0, rng.uniform(0, 100, len(idx)))
+        before = now - rng.uniform(0, 0.3, len(idx))
+        for j, i in enumerate(idx.tolist()):
+            a.fold(i, float(vals[j]), now, float(before[j]))
+        b.fold_many(idx, vals, now, before)
+        assert np.allclose(a.values, b.values, rtol=0, atol=1e-9), step
+        for i in range(12):
+            assert a.observed(i) == pytest.approx(b.observed(i), abs=1e-9)
+            assert a.pending(i) == pytest.approx(b.pending(i), abs=1e-9)
+            assert a.idle_for(i, now) == b.idle_for(i, now)
+            assert a.known(i) == b.known(i)
+
+
+def test_idle_among_lists_the_persistently_idle_workers_in_order() -> None:
+    q = QueueEstimates(5, 1.0, 1.0)
+    for i, (v, t) in enumerate([(0.0, 0.0), (5.0, 0.0), (0.0, 0.9), (0.5, 0.2)]):
+        q.set_live(i, v, t)  # worker 4 never reported: unknown, not idle
+    idx = np.array([4, 3, 2, 1, 0], dtype=np.int64)
+    assert q.idle_among(idx, 1.0, 0.5) == [3, 0]
+    assert q.idle_among(idx, 1.0, 0.5) == [i for i in idx.tolist() if q.persistently_idle(i, 1.0, 0.5)]
+    assert q.idle_among(idx, 2.0, 0.5) == [3, 2, 0]

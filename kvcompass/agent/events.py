@@ -366,7 +366,7 @@ def _hash(v: object, w: str) -> BlockHash:
 def _tokens(v: object, w: str) -> tuple[int, ...]:
     if not isinstance(v, list):
         raise _FieldError(f"{w} must be an array of ints, got {_kind(v)}")
-    if not all(type(t) is int for t in v):
+    if len(set(map(type, v)) - {int}):  # every element exactly an int (bool too is refused)
         i = next(i for i, t in enumerate(v) if type(t) is not int)
         raise _FieldError(f"{w}[{i}] must be an int token id, got {_kind(v[i])}")
     if v and (min(v) < 0 or max(v) > _U32_MAX):

@@ -295,6 +295,7 @@ class Edge:
         self._n1 = rtt / self._beta
         self._local = np.array([w.region == region for w in workers], dtype=np.bool_)
         self._local_idx = [int(i) for i in np.flatnonzero(self._local)]
+        self._local_idx_arr = np.array(self._local_idx, dtype=np.int64)
         # Python copies for per-winner reads (numpy scalar indexing is slow on the hot path).
         self._beta_l: list[float] = self._beta.tolist()
         self._wan_l: list[float] = self._wan.tolist()
@@ -330,6 +331,7 @@ class Edge:
         # A sample settles the charges of requests it must include: those that reached the
         # worker before it was taken (one way) and, for a remote vector, that came back (round trip).
         self._settle_lag_s: list[float] = [(x / 2e3 if self._local_l[i] else x / 1e3) for i, x in enumerate(rtt.tolist())]
+        self._settle_lag_s_arr = np.array(self._settle_lag_s, dtype=np.float64)
         self._lam, self._lam_version = 0.0, -1
         self._belief = CacheBelief(n, params.belief_weight, params.belief_initial)
         others = sorted({r for r in rtt_ms if r != region} | {r for r in regions if r != region})
@@ -735,18 +737,22 @@ class Edge:
 
     def _fold_vector(self, region: str, vector: Mapping[str, float], now: float) -> None:
         # Validate every sample first so a bad vector changes nothing.
-        items: list[tuple[int, float]] = []
+        idx: list[int] = []
+        vals: list[float] = []
+        index, worker_region = self._index, self._worker_region
         for wid, x in vector.items():
             v = float(x)
             if not (math.isfinite(v) and v >= 0):
                 raise InvalidArgumentError(f"queue vector of {region!r}: {wid!r} = {x!r} ms must be finite and >= 0")
-            i = self._index.get(wid)
-            if i is None or self._worker_region[i] != region:
+            i = index.get(wid)
+            if i is None or worker_region[i] != region:
                 self._n.queue_samples_ignored += 1
                 continue
-            items.append((i, v))
-        for i, v in items:
-            self._queues.fold(i, v, now, now - self._settle_lag_s[i])
+            idx.append(i)
+            vals.append(v)
+        if idx:
+            ii = np.fromiter(idx, dtype=np.int64, count=len(idx))
+            self._queues.fold_many(ii, np.fromiter(vals, dtype=np.float64, count=len(vals)), now, now - self._settle_lag_s_arr[ii])
 
     def local_vector(self) -> dict[str, float]:
         """This region's per-worker queue vector (ms), as piggybacked and broadcast."""
@@ -788,5 +794,5 @@ class Edge:
         persistently idle own-region worker; none without one, none with migration off."""
         if not self._params.migration:
             return []
-        idle = [i for i in self._local_idx if self._queues.persistently_idle(i, now, self._params.idle_window_s)]
+        idle = self._queues.idle_among(self._local_idx_arr, now, self._params.idle_window_s)
         return self._planner.resolve(now, idle)

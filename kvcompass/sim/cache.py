@@ -6,10 +6,11 @@ order) depends only on the calls made.
 
 **Blocks.** A prompt is cut into blocks of ``block_size`` tokens; a trailing partial block is
 never cached (vLLM caches full blocks only). A block is identified by a chained content hash:
-``blake2b-64(parent hash, the block's tokens as little-endian u32)``, so equal token prefixes
-give equal chains, a block's hash names its whole prefix, and hashes are ints in 0..2**64-1 that
-are the same in every run (``hash_seed`` varies them per emulated engine, as vLLM's per-process
-seed does). The cached blocks form a forest (a radix tree over blocks). Two blocks sharing a
+the first 64 bits of SHA-256 over (seed, parent hash, the block's tokens as little-endian u32),
+computed for a whole prompt in one Rust call (:func:`kvcompass._core.block_chain_hashes`), so
+equal token prefixes give equal chains, a block's hash names its whole prefix, and hashes are
+ints in 0..2**64-1 that are the same in every run (``hash_seed`` varies them per emulated
+engine, as vLLM's per-process seed does). The cached blocks form a forest (a radix tree over blocks). Two blocks sharing a
 64-bit hash are taken to be one block: the chance of that among n blocks is about n²/2**65.
 
 **Tiers.** Every cached block is in exactly one tier. Capacities are in tokens (multiples of
@@ -82,12 +83,12 @@ import math
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from hashlib import blake2b
 from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
+from kvcompass._core import block_chain_hashes
 from kvcompass.agent.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvcompass.index import Tier, as_tokens
 
@@ -190,7 +191,7 @@ class PrefixCache:
         self._cap = {_V: vram_tokens // block_size, _D: dram_tokens // block_size}
         self._used = {_V: 0, _D: 0}
         self._lfu = policy == "lfu"
-        self._hasher = blake2b(digest_size=8, key=hash_seed.to_bytes(8, "little"))  # copied per block
+        self._seed = hash_seed
         self._block = struct.Struct(f"<{block_size}I")
         self._nodes: dict[int, _Node] = {}
         self._heaps: dict[int, list[tuple[int, float, int, int]]] = {_V: [], _D: []}
@@ -232,23 +233,15 @@ class PrefixCache:
 
     def block_hashes(self, tokens: Tokens) -> list[int]:
         """The chain of hashes of the full blocks of ``tokens`` (cached or not)."""
-        buf, n = self._bytes(tokens)
-        out: list[int] = []
-        parent: int | None = None
-        for i in range(n):
-            parent = self._hash(parent, buf, i)
-            out.append(parent)
-        return out
+        return self._bytes(tokens)[1]
 
     def lookup(self, tokens: Tokens) -> tuple[int, int]:
         """``(vram_hit_tokens, dram_hit_tokens)``: the longest cached prefix of ``tokens`` in whole
         blocks, split into its VRAM head and its DRAM tail (to be reloaded). Changes nothing."""
-        buf, n = self._bytes(tokens)
         v = d = 0
-        parent: int | None = None
-        for i in range(n):
-            parent = self._hash(parent, buf, i)
-            x = self._nodes.get(parent)
+        nodes = self._nodes
+        for h in self._bytes(tokens)[1]:
+            x = nodes.get(h)
             if x is None:
                 break
             if x.tier == _V:
@@ -289,18 +282,14 @@ class PrefixCache:
 
     def _to_vram(self, tokens: Tokens, now: float, *, request: bool) -> list[Event]:
         _check_now(now)
-        buf, n = self._bytes(tokens)
+        buf, chain = self._bytes(tokens)
+        n = len(chain)
         nodes, bs = self._nodes, self.block_size
-        ids: list[int] = []
-        parent: int | None = None
         k = v = 0  # cached prefix (blocks), its VRAM head
-        for i in range(n):
-            parent = self._hash(parent, buf, i)
-            x = nodes.get(parent)
+        for h in chain:
+            x = nodes.get(h)
             if x is None:
-                ids.append(parent)
                 break
-            ids.append(parent)
             k += 1
             if x.tier == _V:
                 v += 1
@@ -315,9 +304,7 @@ class PrefixCache:
         self.stats.truncated_blocks += n - n_cap
         if n_cap == 0:
             return []
-        while len(ids) < n_cap:
-            ids.append(self._hash(ids[-1], buf, len(ids)))
-        del ids[n_cap:]
+        ids = chain[:n_cap]
         kept = min(k, n_cap)
         # One use of the chain, parent first. Touched blocks get stamps no heap entry carries,
         # so they cannot be picked as victims below; the chain's last block is re-entered at the
@@ -351,14 +338,14 @@ class PrefixCache:
 
     def _to_dram(self, tokens: Tokens, now: float) -> list[Event]:
         _check_now(now)
-        buf, n = self._bytes(tokens)
+        buf, chain = self._bytes(tokens)
+        n = len(chain)
         nodes = self._nodes
         self.stats.copies += 1
         parent: int | None = None
         chain_dram: list[int] = []  # the cached prefix's DRAM tail: room it already takes
         k = 0
-        for i in range(n):
-            h = self._hash(parent, buf, i)
+        for h in chain:
             x = nodes.get(h)
             if x is None:
                 break
@@ -380,7 +367,7 @@ class PrefixCache:
             self._push(_D, h, nodes[h])
         ids: list[int] = []
         for i in range(k, k + m):
-            h = self._hash(parent, buf, i)
+            h = chain[i]
             self._store(h, parent, buf, i, _D, now)
             ids.append(h)
             parent = h
@@ -533,16 +520,10 @@ class PrefixCache:
 
     # ---- hashing ------------------------------------------------------------------------------
 
-    def _bytes(self, tokens: Tokens) -> tuple[bytes, int]:
-        arr = as_tokens(tokens)
-        return arr.astype("<u4", copy=False).tobytes(), len(arr) // self.block_size
-
-    def _hash(self, parent: int | None, buf: bytes, i: int) -> int:
-        h = self._hasher.copy()
-        h.update(b"\x00" if parent is None else b"\x01" + parent.to_bytes(8, "little"))
-        w = self._block.size
-        h.update(memoryview(buf)[i * w : (i + 1) * w])
-        return int.from_bytes(h.digest(), "little")
+    def _bytes(self, tokens: Tokens) -> tuple[bytes, list[int]]:
+        """The prompt's bytes (blocks are cut from them when stored) and its block chain."""
+        arr = np.ascontiguousarray(as_tokens(tokens), dtype=np.uint32)
+        return arr.astype("<u4", copy=False).tobytes(), block_chain_hashes(arr, self.block_size, self._seed).tolist()
 
 
 def _check_now(now: float) -> None:

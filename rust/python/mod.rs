@@ -47,6 +47,14 @@ fn prefix_keys_batch<'py>(py: Python<'py>, namespace: &Bound<'py, PyAny>, tokens
     Ok(arr.reshape([rows, lengths.len()])?)
 }
 
+/// Chained hashes of the full blocks of `tokens` (the emulated engine's block names).
+#[pyfunction]
+fn block_chain_hashes<'py>(py: Python<'py>, tokens: &Bound<'py, PyAny>, block_size: usize, seed: u64) -> PyResult<Bound<'py, PyArray1<u64>>> {
+    let tokens = u32_vec("tokens", tokens)?;
+    let out = py.detach(|| chunk_hash::block_chain(seed, &tokens, block_size)).map_err(core_err)?;
+    Ok(out.into_pyarray(py))
+}
+
 /// The shard that owns a key.
 #[pyfunction]
 fn shard_of(key: u64, shards: u32) -> PyResult<u32> {
@@ -64,6 +72,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(prefix_keys, m)?)?;
     m.add_function(wrap_pyfunction!(prefix_keys_batch, m)?)?;
     m.add_function(wrap_pyfunction!(shard_of, m)?)?;
+    m.add_function(wrap_pyfunction!(block_chain_hashes, m)?)?;
     index::register(m)?;
     router::register(m)?;
     bench::register(m)?;
