@@ -237,3 +237,30 @@ def test_idle_among_lists_the_persistently_idle_workers_in_order() -> None:
     assert q.idle_among(idx, 1.0, 0.5) == [3, 0]
     assert q.idle_among(idx, 1.0, 0.5) == [i for i in idx.tolist() if q.persistently_idle(i, 1.0, 0.5)]
     assert q.idle_among(idx, 2.0, 0.5) == [3, 2, 0]
+
+
+def test_handoff_moves_a_forwarded_request_off_a_worker_that_filled_up_meanwhile() -> None:
+    e = make_edge(_EdgeParams(wan_fraction=0.5, tie_ms=1.0))  # dispatch charges on
+    p = np.arange(100, dtype=np.uint32)
+    ns = kc.Namespace("m")
+    e.set_local_queue("a0", 500.0, 0.0)  # another edge sent a0 work while it looked idle
+    e.set_local_queue("a1", 0.0, 0.0)
+    d = e.handoff(p, ns, "a0", 0.0)
+    assert d.worker == "a1" and d.region == "A"
+    # The edge charged a1 with the prefill it now expects there (its live reading was 0).
+    assert e.queue_estimate("a1") == pytest.approx(d.terms.prefill / (1 + d.terms.lam)) and e.queue_estimate("a1") > 0
+    st = e.stats
+    assert (st.handoffs, st.handoffs_moved, st.routes) == (1, 1, 0)  # not a route: hotness untouched
+    # Within the in-region hop plus tie_ms of the best: the origin's choice stands.
+    e.set_local_queue("a0", 0.2, 1.0)
+    e.set_local_queue("a1", 0.0, 1.0)
+    assert e.handoff(p, ns, "a0", 1.0).worker == "a0"
+    assert e.stats.handoffs_moved == 1
+    with pytest.raises(InvalidArgumentError, match="not of this edge's region"):
+        e.handoff(p, ns, "b0", 1.0)
+    with pytest.raises(UnknownWorkerError):
+        e.handoff(p, ns, "zz", 1.0)
+    # Without load awareness there is nothing to re-score.
+    blind = make_edge(EdgeParams(load_aware=False))
+    blind.set_local_queue("a0", 500.0, 0.0)
+    assert blind.handoff(p, ns, "a0", 0.0).worker == "a0"

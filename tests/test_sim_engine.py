@@ -234,3 +234,30 @@ def test_lost_and_delayed_patches_are_repaired_and_views_converge(testbed: Topol
         SimConfig(patch_loss=1.0)
     with pytest.raises(InvalidArgumentError):
         SimConfig(wan_jitter=1.5)
+
+
+def test_the_destination_edge_hands_off_a_request_forwarded_onto_a_worker_that_filled_up(testbed: Topology) -> None:
+    from kvcompass.discovery.params import EdgeParams
+    from kvcompass.sim.engine import SimConfig, Simulator
+    from kvcompass.sim.schemes import Choice, KVCompassScheme
+
+    class AllToEu0(KVCompassScheme):
+        """Every edge sends everything to eu-0 (what stale vectors make remote edges do)."""
+
+        name = "all-to-eu0"
+
+        def choose(self, request: Request, tokens: Any, now_ms: float) -> Choice:
+            super().choose(request, tokens, now_ms)  # the edge's side effects, as a real route
+            return Choice("eu-0")
+
+    # eu's own 60k-token prompt lands on eu-0 first; 10 ms later us forwards a short one there.
+    reqs = [_request(0, 0.0, "eu", 1, 60000), _request(1, 10.0, "us", 2, 512)]
+    sim = Simulator(testbed, reqs, AllToEu0)
+    s = sim.run()
+    by_id = {r.id: r for r in s.records}
+    assert by_id[0].worker == "eu-0" and by_id[1].worker == "eu-1" and sim.handoffs == 1
+    assert by_id[1].ttft_ms < 1000.0  # not behind the 60k-token prefill (about 5 s)
+    sim_off = Simulator(testbed, reqs, AllToEu0, SimConfig(params=EdgeParams(handoff=False)))
+    s_off = sim_off.run()
+    late = {r.id: r for r in s_off.records}[1]
+    assert late.worker == "eu-0" and sim_off.handoffs == 0 and late.ttft_ms > 4000.0

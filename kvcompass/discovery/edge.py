@@ -188,6 +188,8 @@ class EdgeStats:
     broadcasts_sent: int = 0
     broadcasts_suppressed: int = 0
     local_misses: int = 0
+    handoffs: int = 0
+    handoffs_moved: int = 0
     migrations_emitted: int = 0
     migrations_no_target: int = 0
 
@@ -307,6 +309,7 @@ class Edge:
             raise TopologyError(f"no worker may serve: cross_region is off and region {region!r} has no indexed worker")
         self._all_eligible = bool(self._eligible.all())
         self._ineligible_inf = np.where(self._eligible, 0.0, math.inf)
+        self._nonlocal_inf = np.where(self._local, 0.0, math.inf)
         self._zeros = np.zeros(n, dtype=np.float64)
         self._ones = np.ones(n, dtype=np.float64)
         self._gamma = params.gamma_ms_per_token if params.tier_aware else 0.0
@@ -592,7 +595,60 @@ class Edge:
         w = int(cand[int(self._rng.random() * n_cand)]) if n_cand > 1 else int(cand[0])
         self._n.routes += 1
         self._n.ties += n_cand > 1
+        return self._commit(res, w, n_cand, toks, ns, tq, lam, belief, now, track=True)
 
+    def handoff(self, tokens: npt.NDArray[np.uint32] | Sequence[int], namespace: Namespace | bytes, worker: str, now: float) -> Decision:
+        """Another region's edge forwarded this prompt to ``worker``, one of ours, and it has just
+        arrived here: keep ``worker`` unless another own-region worker now scores better by more
+        than the in-region hop (plus ``tie_ms``), and charge the one chosen.
+
+        Why: remote edges read our queues from vectors at least a WAN way plus up to Delta old,
+        and every remote edge reads the same ones, so an idle worker here draws work from all of
+        them at once (cross-edge herding) while this edge, which reads the queues live, has not
+        seen any of it coming. Re-scoring at the arrival among our own workers (the request
+        has paid its WAN way already) undoes a collision for the price of one in-region hop, and
+        the charge lets this edge's own routes see the work before the worker's next reading.
+        Hotness is not counted again (the origin counted the request). With ``load_aware`` off
+        there is nothing to re-score and ``worker`` is kept."""
+        i = self.worker_index(worker)
+        if not self._local_l[i]:
+            raise InvalidArgumentError(f"handoff of {worker!r}: a worker of region {self._worker_region[i]!r}, not of this edge's region {self._region!r}")
+        p = self._params
+        self._expire(now)
+        toks = as_tokens(tokens)
+        ns = namespace.digest if isinstance(namespace, Namespace) else bytes(namespace)
+        self._queues.expire(now)
+        tq = self._queues.values if p.load_aware else self._zeros
+        lam = self.capacity_price()
+        belief = self._belief.values if p.belief else self._ones
+        res = self._router.route(toks, ns, self._region_idx, self._beta, self._wan, tq, belief, gamma=self._gamma, lam=lam, closure=p.closure)
+        w = i
+        if p.load_aware:
+            scores = res.scores + self._nonlocal_inf
+            best = int(scores.argmin())
+            if float(res.scores[i]) > float(scores[best]) + p.tie_ms + self._wan_l[best]:
+                w = best
+                self._n.handoffs_moved += 1
+        self._n.handoffs += 1
+        return self._commit(res, w, 1, toks, ns, tq, lam, belief, now, track=False)
+
+    def _commit(
+        self,
+        res: _core.RouteResult,
+        w: int,
+        n_cand: int,
+        toks: npt.NDArray[np.uint32],
+        ns: bytes,
+        tq: npt.NDArray[np.float64],
+        lam: float,
+        belief: npt.NDArray[np.float64],
+        now: float,
+        *,
+        track: bool,
+    ) -> Decision:
+        """The side effects of sending ``toks`` to worker ``w`` (charge, speculative entries,
+        hotness when ``track``) and the :class:`Decision` that says so."""
+        p = self._params
         matches = res.matches
         ml: list[int] = matches.tolist()
         m = ml[w]
@@ -611,7 +667,7 @@ class Edge:
         spec_lengths = _fitting(self._plan_lists[self._region_l[w]], L) if p.speculative_ttl_s > 0 else []
         if spec_lengths and m >= spec_lengths[-1] and tier == Tier.VRAM:
             spec_lengths = []  # already claimed in full (by the index or a live entry): nothing to add
-        track = p.migration and L >= self._family_length
+        track = track and p.migration and L >= self._family_length
         family: int | None = None
         if spec_lengths or track:
             lengths = sorted(set(spec_lengths) | ({self._family_length} if track else set()))

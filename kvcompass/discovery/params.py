@@ -95,6 +95,10 @@ class EdgeParams:
     fingerprints: bool = True
     """False: views must carry no fingerprints. The layout decides what writers build, so build
     it with :func:`layout_for`; the edge refuses a layout that contradicts this switch."""
+    handoff: bool = True
+    """True: a request forwarded to another region is re-placed by that region's edge on arrival
+    (:meth:`Edge.handoff`), which reads its queues live. False: it goes where the origin edge
+    sent it, as in the paper (the "No-handoff" ablation)."""
     disaggregated: bool = False
     """Prefill-decode disaggregation (paper appendix C): every indexed worker must be a prefill
     worker; decode selection and KV transfer stay with the serving stack."""

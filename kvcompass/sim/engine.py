@@ -241,6 +241,8 @@ class Simulator:
         self.migrations: dict[str, int] = {"copy": 0, "recompute": 0}
         """Migration actions carried out, by kind."""
         self.migration_log: list[MigrationAction] = []
+        self.handoffs = 0
+        """Forwarded requests the destination region's edge moved to another of its workers."""
         self.decoded: dict[str, int] = dict.fromkeys(self._workers, 0)
         """Tokens each worker decoded after the first (its continuous batch's work)."""
 
@@ -353,7 +355,38 @@ class Simulator:
         job.dispatched_ms = self._prefill_ms(r.input_length, v, d)
         w.dispatched[r.region] = w.dispatched.get(r.region, 0.0) + job.dispatched_ms
         # A scheme's lookup (a coordinator round trip, DHT hops) delays the forward.
-        self._at(self._now + choice.delay_ms + forward, lambda: self._enqueue(w, job))
+        self._at(self._now + choice.delay_ms + forward, lambda: self._land(w, job))
+
+    def _land(self, w: _Worker, job: _Job) -> None:
+        """The request reaches the worker's region: a scheme with a hand-off (KVCompass: the
+        region's own edge re-places what another edge forwarded) may move it to another worker
+        there, one in-region way further; the in-flight accounting moves with it."""
+        hand = getattr(self._scheme, "handoff", None)
+        region = w.spec.region
+        if hand is None or region == job.edge_region:
+            self._enqueue(w, job)
+            return
+        c = hand(job.request, job.tokens, w.spec.id, region, self._now)
+        if c is None:
+            self._enqueue(w, job)
+            return
+        job.choice = dataclasses.replace(job.choice, claimed=c.claimed)
+        if c.worker == w.spec.id:
+            self._enqueue(w, job)
+            return
+        w2 = self._workers.get(c.worker)
+        if w2 is None or w2.spec.region != region:
+            raise InvalidArgumentError(f"scheme {self._scheme.name!r} handed request {job.request.id} to {c.worker!r}, not a worker of {region!r}")
+        origin = job.request.region
+        if job.dispatched_ms:
+            left = w.dispatched[origin] - job.dispatched_ms
+            w.dispatched[origin] = left if left > 1e-9 else 0.0
+        v, d = w2.cache.lookup(job.tokens)
+        job.dispatched_ms = self._prefill_ms(job.request.input_length, v, d)
+        w2.dispatched[origin] = w2.dispatched.get(origin, 0.0) + job.dispatched_ms
+        job.choice = dataclasses.replace(job.choice, worker=c.worker)
+        self.handoffs += 1
+        self._at(self._now + self._way(region, region), lambda: self._enqueue(w2, job))
 
     def _deliver(self, batches: list[PatchBatch], lose: Callable[[str, PatchBatch], bool] | None) -> None:
         self.plane.deliver(batches, lose, repair=False)

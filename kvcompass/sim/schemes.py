@@ -70,6 +70,7 @@ __all__ = [
     "KVCompassScheme",
     "LocalLeastLoaded",
     "Oracle",
+    "NoHandoff",
     "PlanetServe",
     "Scheme",
     "SkyWalker",
@@ -163,6 +164,16 @@ class KVCompassScheme:
         d = self._fleet.edge_for(request.region).route(tokens, self._fleet.namespace(request), now_ms / 1e3)
         return Choice(d.worker, d.expected_match)
 
+    def handoff(self, request: Request, tokens: npt.NDArray[np.uint32], worker: str, region: str, now_ms: float) -> Choice | None:
+        """The request has reached ``worker`` in ``region``, another edge's region: that edge
+        re-places it (:meth:`Edge.handoff`). None when ``region`` runs no edge of its own or
+        hand-off is switched off (the request stays where it was sent)."""
+        edge = self._fleet.edge_for(region)
+        if edge.region != region or not edge.params.handoff:
+            return None
+        d = edge.handoff(tokens, self._fleet.namespace(request), worker, now_ms / 1e3)
+        return Choice(d.worker, d.expected_match)
+
 
 class LocalLeastLoaded:
     """The own-region worker with the least queued prefill work (cache-blind)."""
@@ -243,6 +254,14 @@ class NoMigration(KVCompassAblation):
 
     name = "kvcompass-no-migration"
     ablation = {"migration": False}
+
+
+class NoHandoff(KVCompassAblation):
+    """Forwarded requests stay where the origin edge sent them (the paper's forwarding; our
+    hand-off, :meth:`Edge.handoff`, is off)."""
+
+    name = "kvcompass-no-handoff"
+    ablation = {"handoff": False}
 
 
 class NoBelief(KVCompassAblation):
@@ -804,6 +823,7 @@ SCHEMES: dict[str, Callable[[Fleet], Scheme]] = {
     NoCrossRegion.name: NoCrossRegion,
     TierBlind.name: TierBlind,
     NoMigration.name: NoMigration,
+    NoHandoff.name: NoHandoff,
     NoBelief.name: NoBelief,
     NoClosure.name: NoClosure,
     NoFingerprint.name: NoFingerprint,
