@@ -678,6 +678,7 @@ class WorkerAgent:
         tokens = struct.pack(f"<{len(e.token_ids)}I", *e.token_ids)
         lora = e.lora_id is not None or e.lora_name is not None
         parent, wait = self._parent_of(group, e.parent_block_hash, e.block_hashes[0] if e.block_hashes else None)
+        own_new = _own({medium})  # a new block is held by this medium alone
         for i, h in enumerate(e.block_hashes):
             self._tick += 1
             bid = self._child(group, parent, wait, h)
@@ -702,7 +703,7 @@ class WorkerAgent:
             opaque = lora or (e.extra_keys is not None and e.extra_keys[i] is not None)
             x = _Block(group, h, parent, wait, n, opaque, self._tick)
             x.media.add(medium)
-            x.own = _own(x.media)
+            x.own = own_new
             self._blocks[bid] = x
             self._by_hash.setdefault(slot, {})[bid] = None
             self.stats.blocks_stored += 1

@@ -142,7 +142,7 @@ class CacheStats:
 class _Node:
     __slots__ = ("parent", "tokens", "position", "tier", "uses", "last", "stamp", "nv", "nc")
 
-    def __init__(self, parent: int | None, tokens: tuple[int, ...], position: int, tier: int) -> None:
+    def __init__(self, parent: int | None, tokens: bytes, position: int, tier: int) -> None:
         self.parent = parent
         self.tokens = tokens
         self.position = position
@@ -414,7 +414,8 @@ class PrefixCache:
         x.stamp = self._stamp
 
     def _store(self, h: int, parent: int | None, buf: bytes, i: int, tier: int, now: float) -> None:
-        x = _Node(parent, self._block.unpack_from(buf, i * self._block.size), i, tier)
+        w = self._block.size
+        x = _Node(parent, buf[i * w : (i + 1) * w], i, tier)
         self._use(x, now)
         self._nodes[h] = x
         self._used[tier] += 1
@@ -507,13 +508,11 @@ class PrefixCache:
 
     def _stored_event(self, run: Sequence[int], medium: str) -> BlockStored:
         nodes = self._nodes
-        tokens: list[int] = []
-        for h in run:
-            tokens.extend(nodes[h].tokens)
+        raw = b"".join([nodes[h].tokens for h in run])
         return BlockStored(
             block_hashes=tuple(run),
             parent_block_hash=nodes[run[0]].parent,
-            token_ids=tuple(tokens),
+            token_ids=struct.unpack(f"<{len(raw) // 4}I", raw),
             block_size=self.block_size,
             medium=medium,
         )
