@@ -173,7 +173,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
     rates = _parse_rates(args.rates)
     schemes = _parse_schemes(args.schemes)
-    for name in ("max_requests", "block_size"):
+    for name in ("max_requests", "block_size", "tenants"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise _UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
@@ -188,6 +188,8 @@ def _simulate(args: argparse.Namespace) -> int:
     faults = {"wan_jitter": args.wan_jitter / 100, "patch_loss": args.patch_loss / 100, "patch_delay_ms": args.patch_delay_ms}
     topology = load_topology(args.topology, rtt_path=args.rtt_matrix)
     trace_path = None if args.trace == "mixed" else resolve_trace(args.trace)
+    if trace_path is None and args.tenants != 1:
+        raise _UsageError("--tenants replicates a trace; the mixed workload has its own tenants")
 
     def workload(rate: float) -> list[Request]:
         if trace_path is None:
@@ -201,6 +203,7 @@ def _simulate(args: argparse.Namespace) -> int:
             rate=rate,
             mode="rescale",
             max_requests=args.max_requests,
+            tenants=args.tenants,
             ties="keep" if args.keep_ties else "spread",
         )
 
@@ -288,6 +291,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     sim.add_argument("--max-requests", type=int, default=None, metavar="N", help="replay at most the first N requests")
     sim.add_argument("--out", default=None, metavar="DIR", help="write CSV/parquet tables and PNG figures here")
     sim.add_argument("--rtt-matrix", metavar="CSV", default=None, help="RTT matrix for a topology that has none of its own")
+    sim.add_argument(
+        "--tenants",
+        type=int,
+        default=1,
+        metavar="K",
+        help="replay K copies of the trace, each a tenant with a private namespace (vLLM cache salt); the rate is the total (default 1)",
+    )
     sim.add_argument(
         "--keep-ties",
         action="store_true",

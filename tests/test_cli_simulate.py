@@ -64,6 +64,19 @@ def test_trace_excerpt_and_same_seed_same_answer(capsys: pytest.CaptureFixture[s
     assert row["requests"] == 40 and row["hit_rate"] > 0
 
 
+def test_tenants_replicate_the_trace_with_private_namespaces(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--topology", "testbed-14x3", "--trace", str(EXCERPT), "--block-size", "512", "--rates", "20", "--schemes", "kvcompass", "--max-requests", "30"]
+    assert main(argv) == 0
+    one = _last_json(capsys.readouterr().out)["results"]["kvcompass"]["20"]
+    assert main([*argv, "--tenants", "3"]) == 0
+    three = _last_json(capsys.readouterr().out)["results"]["kvcompass"]["20"]
+    assert (one["requests"], three["requests"]) == (30, 90)
+    # The copies cannot reuse each other's caches: reuse stays that of one tenant's replay
+    # (three times the load, so not equal, but nowhere near the near-total reuse a shared
+    # namespace would give the second and third copies).
+    assert three["hit_rate"] < one["hit_rate"] + 0.15
+
+
 def test_all_schemes_means_every_registered_one(capsys: pytest.CaptureFixture[str]) -> None:
     from kvcompass.sim.schemes import SCHEMES
 
@@ -81,6 +94,8 @@ def test_all_schemes_means_every_registered_one(capsys: pytest.CaptureFixture[st
         {"--rates": "5,fast"},
         {"--rates": "0"},
         {"--max-requests": "0"},
+        {"--tenants": "0"},
+        {"--tenants": "2"},  # the mixed workload has tenants of its own
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(change: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -509,3 +509,32 @@ def test_a_long_deterministic_history_at_engine_block_size() -> None:
     assert agent.held() == want and len(want) > 0
     s = c.stats
     assert s.vram_hit_tokens > 0 and s.dram_hit_tokens > 0 and s.demoted_blocks > 0 and s.evicted_blocks > 0
+
+
+def test_salted_prompts_share_no_blocks_and_an_agent_keys_them_in_the_tenants_namespace() -> None:
+    c = PrefixCache(4, 64, 64)
+    toks = list(range(100, 116))
+    ev = c.admit(toks, 1.0, salt="tenant-a")
+    assert c.lookup(toks, salt="tenant-a") == (16, 0)
+    assert c.lookup(toks) == (0, 0) and c.lookup(toks, salt="tenant-b") == (0, 0)
+    assert c.block_hashes(toks, salt="tenant-a") != c.block_hashes(toks)
+    stored = [e for e in ev if isinstance(e, BlockStored)]
+    assert len(stored) == 1 and stored[0].extra_keys == (("tenant-a",), None, None, None)
+    plain = c.admit(toks, 2.0)
+    assert [e.extra_keys for e in plain if isinstance(e, BlockStored)] == [None]
+    with pytest.raises(ValueError, match="salt"):
+        c.lookup(toks, salt="")
+    # An agent that serves the salt keys the salted chain in the tenant's namespace, the
+    # unsalted one in its own; an agent that does not know the salt leaves it unindexed.
+    ns_a = kc.Namespace("llama-3.1-8b", "tenant-a")
+    lengths = [4, 16]
+    agent = WorkerAgent("w0", NS, lengths, block_size=4, salts={"tenant-a": ns_a})
+    blind = WorkerAgent("w0", NS, lengths, block_size=4)
+    for a in (agent, blind):
+        a.on_message(encode_batch(ev, 0, ts=1.0))
+        a.on_message(encode_batch(plain, 1, ts=2.0))
+    arr = np.array(toks, dtype=np.uint32)
+    want_a = kc.prefix_keys(ns_a.digest, arr, np.array(lengths, dtype=np.uint32)).tolist()
+    want_plain = kc.prefix_keys(NS.digest, arr, np.array(lengths, dtype=np.uint32)).tolist()
+    assert agent.held() == dict.fromkeys(want_a + want_plain, Tier.VRAM)
+    assert blind.held() == dict.fromkeys(want_plain, Tier.VRAM) and blind.stats.unindexed == 4

@@ -67,7 +67,10 @@ engine, or lost events) is kept with its tokens as an *orphan* and keyed as soon
 the parent's hash is stored. Blocks with LoRA (``lora_id``/``lora_name``) or ``extra_keys``
 (multimodal inputs, cache salt), and everything stored below them, are *unindexed*: their KV
 depends on more than the tokens, so a token-derived key would claim a cache that another
-request cannot reuse. A removed block that still has stored descendants stays as a tombstone so
+request cannot reuse. One exception: a prompt's first block whose only extra key is a cache salt
+the agent was given (``salts``, vLLM's per-request ``cache_salt`` as a tenant's private
+namespace) roots a chain keyed in that tenant's namespace, so tenants with equal prompts get
+different keys, as their engines' hashes differ. A removed block that still has stored descendants stays as a tombstone so
 that the chain can be re-completed when the engine stores it again.
 
 **Sequencing.** The engine's seq starts at 0 with no epoch. For message ``seq`` against the
@@ -118,7 +121,7 @@ import hashlib
 import struct
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -253,7 +256,7 @@ class _Block:
     best tier among the media holding this block itself, ``touched`` the store clock when the
     engine last stored it (ties between content-hash look-alikes go by it)."""
 
-    __slots__ = ("group", "hash", "parent", "wait", "size", "start", "state", "tokens", "keys", "media", "own", "chain", "kids", "opaque", "touched")
+    __slots__ = ("group", "hash", "parent", "wait", "size", "start", "state", "tokens", "keys", "media", "own", "chain", "kids", "opaque", "touched", "root")
 
     def __init__(self, group: int, h: BlockHash, parent: int | None, wait: BlockHash | None, size: int, opaque: bool, touched: int) -> None:
         self.group = group
@@ -271,6 +274,7 @@ class _Block:
         self.kids: dict[BlockHash, int] = {}  # children by hash: one block per (parent, hash)
         self.opaque = opaque
         self.touched = touched
+        self.root: Sha256 | None = None  # a salted prompt start: its tenant's hash root
 
 
 class WorkerAgent:
@@ -287,6 +291,8 @@ class WorkerAgent:
     that saw the first). ``window``: how many applied payload digests
     are remembered to tell re-deliveries from a restarted engine (vLLM's replay ring holds
     10,000 batches). ``max_buffered``: messages held while a gap waits for its replay.
+    ``salts``: cache salts this engine serves, each with its tenant's namespace (see the module
+    notes on extra keys); prompts without a salt are keyed in ``namespace``.
     """
 
     def __init__(
@@ -300,6 +306,7 @@ class WorkerAgent:
         incarnation: int = 1,
         window: int = 10_000,
         max_buffered: int = 4096,
+        salts: Mapping[str, Namespace] | None = None,
     ) -> None:
         if not isinstance(worker_id, str) or not worker_id:
             raise InvalidArgumentError(f"worker_id must be a non-empty string, got {worker_id!r}")
@@ -320,6 +327,11 @@ class WorkerAgent:
         self.stats = AgentStats()
         self._lengths = tuple(lengths)
         self._root: Sha256 = hashlib.sha256(namespace.digest)
+        self._salt_roots: dict[str, Sha256] = {}
+        for salt, ns in (salts or {}).items():
+            if not isinstance(salt, str) or not salt or not isinstance(ns, Namespace):
+                raise InvalidArgumentError(f"salts must map non-empty strings to Namespaces, got {salt!r}: {ns!r}")
+            self._salt_roots[salt] = hashlib.sha256(ns.digest)
         self._incarnation = incarnation
         self._blocks: dict[int, _Block] = {}  # block id -> block
         self._roots: dict[_Slot, int] = {}  # blocks that start a prompt
@@ -662,6 +674,13 @@ class WorkerAgent:
         blocks = self._blocks
         return max(cands, key=lambda c: (bool(blocks[c].media), blocks[c].touched)), None
 
+    def _salt_root(self, extra: object) -> Sha256 | None:
+        """The hash root of the tenant a first block's extra keys name: exactly one key, a salt
+        this agent was given; None for anything else."""
+        if isinstance(extra, tuple) and len(extra) == 1 and isinstance(extra[0], str):
+            return self._salt_roots.get(extra[0])
+        return None
+
     def _child(self, group: int, parent: int | None, wait: BlockHash | None, h: BlockHash) -> int | None:
         """The block with hash ``h`` at that place, if the agent has it."""
         if parent is not None:
@@ -700,8 +719,16 @@ class WorkerAgent:
                 self.stats.conflicts += 1
                 return
             bid, self._ids = self._ids, self._ids + 1
-            opaque = lora or (e.extra_keys is not None and e.extra_keys[i] is not None)
+            root: Sha256 | None = None
+            opaque = lora
+            if e.extra_keys is not None and e.extra_keys[i] is not None:
+                # A prompt's first block salted with a salt we serve: keyed in that tenant's
+                # namespace. Any other extra key (multimodal inputs, an unknown salt): unindexed.
+                if i == 0 and parent is None and wait is None:
+                    root = self._salt_root(e.extra_keys[0])
+                opaque = opaque or root is None
             x = _Block(group, h, parent, wait, n, opaque, self._tick)
+            x.root = root
             x.media.add(medium)
             x.own = own_new
             self._blocks[bid] = x
@@ -824,7 +851,7 @@ class WorkerAgent:
     def _key(self, x: _Block, tokens: bytes) -> None:
         """Key block ``x`` (its parent is keyed, or it starts the prompt) from its tokens."""
         if x.parent is None:
-            start, h = 0, self._root.copy()
+            start, h = 0, (self._root if x.root is None else x.root).copy()
         else:
             p = self._blocks[x.parent]
             assert p.state is not None

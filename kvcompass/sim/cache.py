@@ -13,6 +13,11 @@ ints in 0..2**64-1 that are the same in every run (``hash_seed`` varies them per
 engine, as vLLM's per-process seed does). The cached blocks form a forest (a radix tree over blocks). Two blocks sharing a
 64-bit hash are taken to be one block: the chance of that among n blocks is about n²/2**65.
 
+**Cache salt.** Every call takes an optional ``salt`` (vLLM's per-request ``cache_salt``, a
+tenant's private namespace): a salted prompt's chain is seeded by the salt as well, so prompts
+with equal tokens and different salts share no block, and the stored event of a run that starts
+a salted prompt carries ``extra_keys = [[salt], None, ...]`` as vLLM publishes it.
+
 **Tiers.** Every cached block is in exactly one tier. Capacities are in tokens (multiples of
 ``block_size``; VRAM must hold at least one block, DRAM may be 0). Two invariants hold after
 every call (the tests check both):
@@ -78,6 +83,7 @@ cache (compaction is amortised O(1) per push).
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
 import struct
@@ -140,7 +146,7 @@ class CacheStats:
 
 
 class _Node:
-    __slots__ = ("parent", "tokens", "position", "tier", "uses", "last", "stamp", "nv", "nc")
+    __slots__ = ("parent", "tokens", "position", "tier", "uses", "last", "stamp", "nv", "nc", "salt")
 
     def __init__(self, parent: int | None, tokens: bytes, position: int, tier: int) -> None:
         self.parent = parent
@@ -152,6 +158,7 @@ class _Node:
         self.stamp = 0
         self.nv = 0  # children in VRAM
         self.nc = 0  # children cached (either tier)
+        self.salt: str | None = None  # a prompt-start block's cache salt
 
 
 class _Changes:
@@ -231,16 +238,16 @@ class PrefixCache:
         for h, x in self._nodes.items():
             yield CachedBlock(h, x.parent, x.position, Tier(x.tier), x.uses, x.last)
 
-    def block_hashes(self, tokens: Tokens) -> list[int]:
+    def block_hashes(self, tokens: Tokens, salt: str | None = None) -> list[int]:
         """The chain of hashes of the full blocks of ``tokens`` (cached or not)."""
-        return self._bytes(tokens)[1]
+        return self._bytes(tokens, salt)[1]
 
-    def lookup(self, tokens: Tokens) -> tuple[int, int]:
+    def lookup(self, tokens: Tokens, salt: str | None = None) -> tuple[int, int]:
         """``(vram_hit_tokens, dram_hit_tokens)``: the longest cached prefix of ``tokens`` in whole
         blocks, split into its VRAM head and its DRAM tail (to be reloaded). Changes nothing."""
         v = d = 0
         nodes = self._nodes
-        for h in self._bytes(tokens)[1]:
+        for h in self._bytes(tokens, salt)[1]:
             x = nodes.get(h)
             if x is None:
                 break
@@ -252,12 +259,12 @@ class PrefixCache:
 
     # ---- mutation ---------------------------------------------------------------------------
 
-    def admit(self, tokens: Tokens, now: float) -> list[Event]:
+    def admit(self, tokens: Tokens, now: float, salt: str | None = None) -> list[Event]:
         """Record that a request for ``tokens`` was served at ``now``: every full block of the
         prompt (up to VRAM capacity) ends in VRAM. Returns the KV events to publish."""
-        return self._to_vram(tokens, now, request=True)
+        return self._to_vram(tokens, now, salt, request=True)
 
-    def copy_in(self, tokens: Tokens, tier: Tier, now: float) -> list[Event]:
+    def copy_in(self, tokens: Tokens, tier: Tier, now: float, salt: str | None = None) -> list[Event]:
         """Place a replica of the full blocks of ``tokens`` in ``tier`` (a migration target).
 
         VRAM: as :meth:`admit` (promotes, stores, demotes to make room) but counts a copy, not a
@@ -265,9 +272,9 @@ class PrefixCache:
         leaves for room, and leaves cached blocks where they are (so a VRAM head stays in VRAM);
         with no DRAM capacity it does nothing. Returns the KV events to publish."""
         if tier == Tier.VRAM:
-            return self._to_vram(tokens, now, request=False)
+            return self._to_vram(tokens, now, salt, request=False)
         if tier == Tier.DRAM:
-            return self._to_dram(tokens, now)
+            return self._to_dram(tokens, now, salt)
         raise ValueError(f"copy_in tier must be Tier.VRAM or Tier.DRAM, got {tier!r}")
 
     def clear(self) -> list[Event]:
@@ -280,9 +287,9 @@ class PrefixCache:
 
     # ---- the two placements -------------------------------------------------------------------
 
-    def _to_vram(self, tokens: Tokens, now: float, *, request: bool) -> list[Event]:
+    def _to_vram(self, tokens: Tokens, now: float, salt: str | None, *, request: bool) -> list[Event]:
         _check_now(now)
-        buf, chain = self._bytes(tokens)
+        buf, chain = self._bytes(tokens, salt)
         n = len(chain)
         nodes, bs = self._nodes, self.block_size
         k = v = 0  # cached prefix (blocks), its VRAM head
@@ -325,7 +332,7 @@ class PrefixCache:
         self._used[_V] += len(lifted)
         self.stats.promoted_blocks += len(lifted)
         for i in range(kept, n_cap):
-            self._store(ids[i], ids[i - 1] if i else None, buf, i, _V, now)
+            self._store(ids[i], ids[i - 1] if i else None, buf, i, _V, now, salt)
         last = nodes[ids[n_cap - 1]]
         if last.nv == 0:
             self._push(_V, ids[n_cap - 1], last)
@@ -336,9 +343,9 @@ class PrefixCache:
             events.append(BlockRemoved(tuple(lifted), CPU_MEDIUM))
         return events
 
-    def _to_dram(self, tokens: Tokens, now: float) -> list[Event]:
+    def _to_dram(self, tokens: Tokens, now: float, salt: str | None) -> list[Event]:
         _check_now(now)
-        buf, chain = self._bytes(tokens)
+        buf, chain = self._bytes(tokens, salt)
         n = len(chain)
         nodes = self._nodes
         self.stats.copies += 1
@@ -368,7 +375,7 @@ class PrefixCache:
         ids: list[int] = []
         for i in range(k, k + m):
             h = chain[i]
-            self._store(h, parent, buf, i, _D, now)
+            self._store(h, parent, buf, i, _D, now, salt)
             ids.append(h)
             parent = h
         self._push(_D, ids[-1], nodes[ids[-1]])
@@ -413,9 +420,11 @@ class PrefixCache:
         x.last = now
         x.stamp = self._stamp
 
-    def _store(self, h: int, parent: int | None, buf: bytes, i: int, tier: int, now: float) -> None:
+    def _store(self, h: int, parent: int | None, buf: bytes, i: int, tier: int, now: float, salt: str | None = None) -> None:
         w = self._block.size
         x = _Node(parent, buf[i * w : (i + 1) * w], i, tier)
+        if parent is None:
+            x.salt = salt
         self._use(x, now)
         self._nodes[h] = x
         self._used[tier] += 1
@@ -509,20 +518,32 @@ class PrefixCache:
     def _stored_event(self, run: Sequence[int], medium: str) -> BlockStored:
         nodes = self._nodes
         raw = b"".join([nodes[h].tokens for h in run])
+        first = nodes[run[0]]
+        # vLLM puts a request's cache salt in the extra keys of its prompt's first block.
+        extra = None if first.parent is not None or first.salt is None else ((first.salt,),) + (None,) * (len(run) - 1)
         return BlockStored(
             block_hashes=tuple(run),
-            parent_block_hash=nodes[run[0]].parent,
+            parent_block_hash=first.parent,
             token_ids=struct.unpack(f"<{len(raw) // 4}I", raw),
+            extra_keys=extra,
             block_size=self.block_size,
             medium=medium,
         )
 
     # ---- hashing ------------------------------------------------------------------------------
 
-    def _bytes(self, tokens: Tokens) -> tuple[bytes, list[int]]:
-        """The prompt's bytes (blocks are cut from them when stored) and its block chain."""
+    def _bytes(self, tokens: Tokens, salt: str | None = None) -> tuple[bytes, list[int]]:
+        """The prompt's bytes (blocks are cut from them when stored) and its block chain (a
+        salted prompt's chain is seeded by the salt too, so no block is shared across salts)."""
         arr = np.ascontiguousarray(as_tokens(tokens), dtype=np.uint32)
-        return arr.astype("<u4", copy=False).tobytes(), block_chain_hashes(arr, self.block_size, self._seed).tolist()
+        seed = self._seed if salt is None else self._seed ^ _salt_seed(salt)
+        return arr.astype("<u4", copy=False).tobytes(), block_chain_hashes(arr, self.block_size, seed).tolist()
+
+
+def _salt_seed(salt: str) -> int:
+    if not isinstance(salt, str) or not salt:
+        raise ValueError(f"salt must be a non-empty string or None, got {salt!r}")
+    return int.from_bytes(hashlib.sha256(b"kvcompass-salt\x00" + salt.encode()).digest()[:8], "little")
 
 
 def _check_now(now: float) -> None:

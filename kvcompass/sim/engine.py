@@ -58,9 +58,14 @@ there (``kv_bytes / transfer_gbps``, plus one way between the regions if they di
 sequence joins that instance's continuous batch; its last token returns to the edge from the
 decode instance's region. The first token is the prefill worker's, as before.
 
-**Not modelled yet** (absent, not approximated): several namespaces in one run
-(the emulated cache is keyed by tokens alone, so tenants with identical tokens would share
-blocks; such workloads are refused), engine restarts and event loss.
+**Tenants** (``load_trace(tenants=K)``: several namespaces in one run): each namespace is a
+vLLM cache salt. The emulated caches seed a salted prompt's block chain with its salt (equal
+prompts of two tenants share no block), the stored events carry it in the first block's
+``extra_keys`` as vLLM does, and every agent is given the run's salts, so it keys each tenant's
+chains in that tenant's namespace; edges look requests up in their own namespace. Schemes read
+a request's salt with :meth:`Simulator.salt` (None in a one-namespace run).
+
+**Not modelled yet** (absent, not approximated): engine restarts and event loss.
 """
 
 from __future__ import annotations
@@ -188,14 +193,17 @@ class Simulator:
     """One run: build with the deployment and workload, then :meth:`run` once."""
 
     def __init__(self, topology: Topology, requests: Sequence[Request], scheme: str | Callable[[Fleet], Scheme], config: SimConfig = SimConfig()) -> None:
-        namespaces = {r.namespace for r in requests}
-        if len(namespaces) > 1:
-            raise InvalidArgumentError(f"the workload uses {len(namespaces)} namespaces; the simulator runs one namespace at a time")
+        namespaces = sorted({r.namespace for r in requests}) or ["public"]
         self.topology = topology
         self.config = config
         self._cost = config.cost
         self._requests = sorted(requests, key=lambda r: (r.arrival_ms, r.id))
-        self._ns = Namespace(config.model, next(iter(namespaces)) if namespaces else "public")
+        self._ns = Namespace(config.model, namespaces[0])
+        # Several namespaces (tenants): each is a vLLM cache salt, so the emulated caches keep
+        # tenants apart and the agents key each tenant's chains in its own namespace.
+        self._ns_of = {name: Namespace(config.model, name) for name in namespaces}
+        self._salted = len(namespaces) > 1
+        self._tenant_of = {ns.digest: name for name, ns in self._ns_of.items()}
         self._rng = np.random.default_rng(config.seed)
         # Faults draw from their own stream, so turning one on leaves every other draw as it was.
         self._faults = np.random.default_rng([config.seed, 0x5EE5])
@@ -220,7 +228,11 @@ class Simulator:
                 hash_seed=i,
             )
             indexed = self._indexed and spec.role != "decode"
-            agent = WorkerAgent(spec.id, self._ns, plan.registration(spec.region), self.plane.layout.shards, block_size=block) if indexed else None
+            agent = (
+                WorkerAgent(spec.id, self._ns, plan.registration(spec.region), self.plane.layout.shards, block_size=block, salts=self._ns_of if self._salted else None)
+                if indexed
+                else None
+            )
             self._workers[spec.id] = _Worker(spec, i, cache, agent)
         edge_regions = plan.edge_regions
         self._edge_of = {r: min(edge_regions, key=lambda e: (e != r, plan.rtt_ms(r, e))) for r in topology.region_names} if edge_regions else {}
@@ -255,7 +267,10 @@ class Simulator:
             raise InvalidArgumentError(f"no edge serves region {region!r}") from None
 
     def namespace(self, request: Request) -> Namespace:
-        return self._ns
+        return self._ns_of.get(request.namespace, self._ns)
+
+    def salt(self, request: Request) -> str | None:
+        return request.namespace if self._salted else None
 
     def queued_ms(self, worker: str, now_ms: float) -> float:
         w = self._workers[worker]
@@ -269,8 +284,8 @@ class Simulator:
     def rng(self) -> np.random.Generator:
         return self._rng
 
-    def cached(self, worker: str, tokens: npt.NDArray[np.uint32]) -> tuple[int, int]:
-        return self._workers[worker].cache.lookup(tokens)
+    def cached(self, worker: str, tokens: npt.NDArray[np.uint32], salt: str | None = None) -> tuple[int, int]:
+        return self._workers[worker].cache.lookup(tokens, salt)
 
     def waiting(self, worker: str) -> int:
         return len(self._workers[worker].waiting)
@@ -351,7 +366,7 @@ class Simulator:
         edge_region = self._edge_of.get(r.region, r.region)
         forward = self._way(edge_region, w.spec.region)
         job = _Job(r, tokens, choice, edge_region, self._way(w.spec.region, edge_region))
-        v, d = w.cache.lookup(tokens)
+        v, d = w.cache.lookup(tokens, self.salt(r))
         job.dispatched_ms = self._prefill_ms(r.input_length, v, d)
         w.dispatched[r.region] = w.dispatched.get(r.region, 0.0) + job.dispatched_ms
         # A scheme's lookup (a coordinator round trip, DHT hops) delays the forward.
@@ -381,7 +396,7 @@ class Simulator:
         if job.dispatched_ms:
             left = w.dispatched[origin] - job.dispatched_ms
             w.dispatched[origin] = left if left > 1e-9 else 0.0
-        v, d = w2.cache.lookup(job.tokens)
+        v, d = w2.cache.lookup(job.tokens, self.salt(job.request))
         job.dispatched_ms = self._prefill_ms(job.request.input_length, v, d)
         w2.dispatched[origin] = w2.dispatched.get(origin, 0.0) + job.dispatched_ms
         job.choice = dataclasses.replace(job.choice, worker=c.worker)
@@ -410,15 +425,16 @@ class Simulator:
         if a.kind == "copy":
             wire = self.plane.plan.rtt_ms(a.source_region, a.target_region) / 2
             ms = wire + self._cost.kv_bytes(len(tokens)) * 8 / (self.config.transfer_gbps * 1e9) * 1e3
-            self._at(self._now + ms, lambda: self._land_copy(target, tokens, a.target_tier))
+            salt = self._tenant_of.get(a.namespace) if self._salted else None
+            self._at(self._now + ms, lambda: self._land_copy(target, tokens, a.target_tier, salt))
             return
         block = self.topology.block_size
-        req = Request(-1, self._now, a.target_region, 0, self._ns.tenant, len(tokens), 0, block, -1, -1, ChainBlocks(((a.family, -(-len(tokens) // block)),)), kind="migration")
+        req = Request(-1, self._now, a.target_region, 0, self._tenant_of.get(a.namespace, self._ns.tenant), len(tokens), 0, block, -1, -1, ChainBlocks(((a.family, -(-len(tokens) // block)),)), kind="migration")
         job = _Job(req, tokens, Choice(a.target), a.target_region, 0.0, migration=a)
         self._at(self._now + self.plane.plan.rtt_ms(a.target_region, a.target_region) / 2, lambda: self._enqueue(target, job))
 
-    def _land_copy(self, w: _Worker, tokens: npt.NDArray[np.uint32], tier: Tier) -> None:
-        self._publish_events(w, w.cache.copy_in(tokens, tier, self._now / 1e3))
+    def _land_copy(self, w: _Worker, tokens: npt.NDArray[np.uint32], tier: Tier, salt: str | None) -> None:
+        self._publish_events(w, w.cache.copy_in(tokens, tier, self._now / 1e3, salt))
 
     def _publish_events(self, w: _Worker, events: Sequence[Event]) -> None:
         """The worker's KV events: to a scheme that follows them and through its agent."""
@@ -438,7 +454,7 @@ class Simulator:
             origin = job.request.region
             left = w.dispatched[origin] - job.dispatched_ms
             w.dispatched[origin] = left if left > 1e-9 else 0.0
-        v, d = w.cache.lookup(job.tokens)
+        v, d = w.cache.lookup(job.tokens, self.salt(job.request))
         job.estimate_ms = self._prefill_ms(job.request.input_length, v, d)
         w.waiting.append(job)
         w.waiting_ms += job.estimate_ms
@@ -454,7 +470,7 @@ class Simulator:
         job = w.waiting.popleft()
         w.waiting_ms = max(0.0, w.waiting_ms - job.estimate_ms) if w.waiting else 0.0
         job.start_ms = self._now
-        job.vram_hit, job.dram_hit = w.cache.lookup(job.tokens)
+        job.vram_hit, job.dram_hit = w.cache.lookup(job.tokens, self.salt(job.request))
         end = self._now + self._prefill_ms(job.request.input_length, job.vram_hit, job.dram_hit)
         w.current, w.busy_until = job, end
         w.busy.append((self._now, end))
@@ -463,13 +479,13 @@ class Simulator:
     def _end_prefill(self, w: _Worker, job: _Job) -> None:
         now = self._now
         if job.migration is not None:  # a recompute migration: the replica, no response
-            self._publish_events(w, w.cache.copy_in(job.tokens, job.migration.target_tier, now / 1e3))
+            self._publish_events(w, w.cache.copy_in(job.tokens, job.migration.target_tier, now / 1e3, self.salt(job.request)))
             w.current = None
             if w.waiting:
                 self._start_prefill(w)
             self._publish_queue(w)
             return
-        self._publish_events(w, w.cache.admit(job.tokens, now / 1e3))
+        self._publish_events(w, w.cache.admit(job.tokens, now / 1e3, self.salt(job.request)))
         job.ttft_ms = now + job.one_way_ms - job.request.arrival_ms
         if self._indexed:
             self._respond(w, job)

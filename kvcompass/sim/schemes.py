@@ -120,8 +120,15 @@ class Fleet(Protocol):
         """The run's seeded generator for tie-breaking."""
         ...
 
-    def cached(self, worker: str, tokens: npt.NDArray[np.uint32]) -> tuple[int, int]:
-        """``(vram_hit, dram_hit)`` tokens of the worker's exact cache for ``tokens`` (changes nothing)."""
+    def cached(self, worker: str, tokens: npt.NDArray[np.uint32], salt: str | None = None) -> tuple[int, int]:
+        """``(vram_hit, dram_hit)`` tokens of the worker's exact cache for ``tokens`` under cache
+        salt ``salt`` (changes nothing)."""
+        ...
+
+    def salt(self, request: Request) -> str | None:
+        """The request's cache salt (its tenant's namespace) in a run of several tenants; None
+        in a one-namespace run. Content-keyed schemes fold it into their keys, as a multi-tenant
+        deployment of them must (a tenant's prompt may not hit another tenant's cache)."""
         ...
 
     def waiting(self, worker: str) -> int:
@@ -300,17 +307,19 @@ def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     return x ^ (x >> np.uint64(31))
 
 
-def _prefix_hashes(tokens: npt.NDArray[np.uint32], block: int) -> npt.NDArray[np.uint64]:
+def _prefix_hashes(tokens: npt.NDArray[np.uint32], block: int, salt: str | None = None) -> npt.NDArray[np.uint64]:
     """One 64-bit hash per whole-block prefix of ``tokens``: entry ``i`` names ``tokens[:(i+1)*block]``.
     Each block is hashed with its position and the prefix hash is the mix of their running sum,
-    so two prompts share entry ``i`` exactly when (barring collisions) they share that prefix."""
+    so two prompts share entry ``i`` exactly when (barring collisions) they share that prefix
+    (and their salt: a salted prompt's hashes are mixed with the salt's)."""
     n = len(tokens) // block
     if n == 0:
         return np.zeros(0, dtype=np.uint64)
     t = tokens[: n * block].astype(np.uint64).reshape(n, block)
     coef = _mix(np.arange(1, block + 1, dtype=np.uint64) * _GOLD)
     per_block = _mix((t * coef).sum(axis=1, dtype=np.uint64) + np.arange(n, dtype=np.uint64) * _GOLD)
-    return _mix(np.cumsum(per_block, dtype=np.uint64))
+    out = _mix(np.cumsum(per_block, dtype=np.uint64))
+    return out if salt is None else _mix(out ^ np.uint64(_h64("salt", salt)))
 
 
 def _h64(*parts: object) -> int:
@@ -323,15 +332,15 @@ def _levels(fleet: Fleet) -> tuple[int, ...]:
     return own_region_levels(t.own_region_min, levels=t.levels, block_size=t.block_size, max_prefix=t.max_prefix)
 
 
-def _level_key(fleet: Fleet, levels: tuple[int, ...], tokens: npt.NDArray[np.uint32]) -> tuple[int, int]:
+def _level_key(fleet: Fleet, levels: tuple[int, ...], tokens: npt.NDArray[np.uint32], salt: str | None = None) -> tuple[int, int]:
     """``(level index, key)`` of the longest level that fits the prompt; a prompt shorter than the
     first level is keyed on the first level by its whole-block prefix (or its raw tokens)."""
     block = fleet.topology.block_size
     fit = [i for i, c in enumerate(levels) if c <= len(tokens)]
     level = fit[-1] if fit else 0
     n = min(len(tokens), levels[level]) if levels else len(tokens)
-    ph = _prefix_hashes(tokens[:n], block)
-    key = int(ph[-1]) if len(ph) else _h64("short", tokens.tobytes())
+    ph = _prefix_hashes(tokens[:n], block, salt)
+    key = int(ph[-1]) if len(ph) else _h64("short", salt, tokens.tobytes())
     return level, _h64(level, key)
 
 
@@ -372,7 +381,7 @@ class ConsistentHash:
         self._rings = [_Ring(workers, ("level", i)) for i in range(max(1, len(self._levels)))]
 
     def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
-        level, key = _level_key(self._fleet, self._levels, tokens)
+        level, key = _level_key(self._fleet, self._levels, tokens, self._fleet.salt(request))
         return Choice(self._rings[level].owner(key))
 
 
@@ -441,7 +450,7 @@ class ChordDHT:
         return owner, hops, delay
 
     def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
-        _, key = _level_key(self._fleet, self._levels, tokens)
+        _, key = _level_key(self._fleet, self._levels, tokens, self._fleet.salt(request))
         owner, _, delay = self.lookup(request.region, key)
         return Choice(self._names[owner], 0, delay)
 
@@ -510,7 +519,7 @@ class PlanetServe:
         workers = self._by_region.get(request.region) or []
         if not workers:
             raise InvalidArgumentError(f"region {request.region!r} has no workers: planetserve cannot serve request {request.id}")
-        hashes: list[int] = _prefix_hashes(tokens, self._fleet.topology.block_size).tolist()
+        hashes: list[int] = _prefix_hashes(tokens, self._fleet.topology.block_size, self._fleet.salt(request)).tolist()
         tree = self._trees[request.region]
         worker, claimed = _prefix_pick(self._fleet, tree, hashes, workers, now_ms, request.region)
         if worker is None:
@@ -549,7 +558,8 @@ class CentralDirectory:
         L = len(tokens)
         q = np.array([f.queued_ms(w.id, now_ms) + f.dispatched_ms(w.id) for w in self._workers])
         lam = min(p.lambda_max, float(q.min()) / p.tau_ms)
-        hits = [f.cached(w.id, tokens) for w in self._workers]
+        salt = f.salt(request)
+        hits = [f.cached(w.id, tokens, salt) for w in self._workers]
         scores = np.array(
             [
                 p.wan_fraction * t.rtt_ms(request.region, w.region) + q[i] + (1 + lam) * w.beta_ms_per_token * max(0, L - v - d) + p.gamma_ms_per_token * d
@@ -588,7 +598,7 @@ class SkyWalker:
     def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
         f, region = self._fleet, request.region
         local = self._by_region.get(region) or []
-        hashes: list[int] = _prefix_hashes(tokens, f.topology.block_size).tolist()
+        hashes: list[int] = _prefix_hashes(tokens, f.topology.block_size, f.salt(request)).tolist()
         worker: str | None = None
         claimed = 0
         holder, match = _prefix_pick(f, self._trees[region], hashes, local, now_ms, region) if local else (None, 0)
@@ -617,16 +627,21 @@ class SkyWalker:
         return Choice(worker, claimed)
 
 
-def _token_keys(tokens: npt.NDArray[np.uint32], block: int) -> list[int]:
+def _token_keys(tokens: npt.NDArray[np.uint32], block: int, salt: str | None = None) -> list[int]:
     """Worker-independent prefix keys of the whole blocks of ``tokens``, chained as
-    :meth:`_KVTracker.apply` chains a BlockStored run's blocks (same function, same keys)."""
+    :meth:`_KVTracker.apply` chains a BlockStored run's blocks (same function, same keys; a
+    salted prompt's chain starts from its salt, as the tracker reads it from the extra keys)."""
     n = len(tokens) // block
     out: list[int] = []
-    k = 0
+    k = _root_key(salt)
     for row in tokens[: n * block].reshape(n, block).tolist():
         k = hash((k, tuple(row)))
         out.append(k)
     return out
+
+
+def _root_key(salt: object) -> int:
+    return 0 if salt is None else _h64("salt", salt)
 
 
 class _KVTracker:
@@ -642,7 +657,11 @@ class _KVTracker:
         ops: list[tuple[int, str | None]] = []
         for e in events:
             if isinstance(e, BlockStored):
-                parent = 0 if e.parent_block_hash is None else self.key.get(e.parent_block_hash)
+                if e.parent_block_hash is None:
+                    first = e.extra_keys[0] if e.extra_keys else None
+                    parent: int | None = _root_key(first[0] if isinstance(first, tuple) and len(first) == 1 else first)
+                else:
+                    parent = self.key.get(e.parent_block_hash)
                 if parent is None:
                     continue  # a run whose parent left already: nothing reusable from the root
                 k = parent
@@ -761,7 +780,7 @@ class Dynamo:
         s, f, t = self._s, self._fleet, self._fleet.topology
         s.refresh(now_ms)
         block, L = t.block_size, len(tokens)
-        keys = _token_keys(tokens, block)
+        keys = _token_keys(tokens, block, f.salt(request))
         scores: list[float] = []
         matches: list[int] = []
         for w in s.workers:
@@ -802,7 +821,7 @@ class DynamoGlobal:
         s, f, t = self._s, self._fleet, self._fleet.topology
         s.refresh(now_ms)
         block, L = t.block_size, len(tokens)
-        keys = _token_keys(tokens, block)
+        keys = _token_keys(tokens, block, f.salt(request))
         region_scores = [
             t.rtt_ms(request.region, r) + min(s.queue[w.id] + f.dispatched_ms(w.id, request.region) for w in s.by_region[r]) + self._beta[r] * (L - min(L, _overlap(keys, s.region_filter[r]) * block))
             for r in self._regions
