@@ -260,6 +260,10 @@ def test_handoff_moves_a_forwarded_request_off_a_worker_that_filled_up_meanwhile
         e.handoff(p, ns, "b0", 1.0)
     with pytest.raises(UnknownWorkerError):
         e.handoff(p, ns, "zz", 1.0)
+    # A worker the caller cannot reach forces a move; none left is an error.
+    assert e.handoff(p, ns, "a0", 1.0, exclude={"a0"}).worker == "a1"
+    with pytest.raises(InvalidArgumentError, match="every worker"):
+        e.handoff(p, ns, "a0", 1.0, exclude={"a0", "a1"})
     # Without load awareness there is nothing to re-score.
     blind = make_edge(EdgeParams(load_aware=False))
     blind.set_local_queue("a0", 500.0, 0.0)

@@ -221,12 +221,25 @@ def test_remote_prefix_becomes_visible_and_wins_when_it_saves_more_than_the_rtt(
     d = _wait_route(cluster.state["edges"]["a"]["grpc"], tokens, "b-0")
     assert d.region == "b" and d.claimed_tokens >= 4096 - 16
     assert d.terms.wan == pytest.approx(20.0)  # the RTT it pays for ~348 ms of saved prefill
+    # Region a's door forwards through region b's door (a hand-off), which keeps idle b-0.
+    _wait_metric(cluster.edge("a") + "/metrics", "kvcompass_door_peer_doors", 1.0)
     st, headers, data = _post(cluster.edge("a") + "/v1/completions", {"model": MODEL, "prompt": tokens, "max_tokens": 2})
     assert st == 200 and headers["x-kvcompass-worker"] == "b-0"
     assert json.loads(data)["usage"]["prompt_tokens_details"]["cached_tokens"] >= 4096 - 16
+    assert b'kvcompass_door_handoffs_total{outcome="kept"} 1.0' in _get(cluster.edge("b") + "/metrics")[1]
     # A fresh prompt has no holder anywhere: it stays in region a.
     st, headers, _ = _post(cluster.edge("a") + "/v1/completions", {"model": MODEL, "prompt": _prompt(2, 4096), "max_tokens": 2})
     assert st == 200 and headers["x-kvcompass-worker"] in ("a-0", "a-1")
+
+
+def _wait_metric(url: str, name: str, value: float, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    line = f"{name} {value}".encode()
+    while time.monotonic() < deadline:
+        if line in _get(url)[1].splitlines():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{url}: {name} never reached {value}")
 
 
 def test_streaming_proxy_passes_tokens_through(cluster: Cluster) -> None:

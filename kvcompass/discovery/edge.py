@@ -597,7 +597,9 @@ class Edge:
         self._n.ties += n_cand > 1
         return self._commit(res, w, n_cand, toks, ns, tq, lam, belief, now, track=True)
 
-    def handoff(self, tokens: npt.NDArray[np.uint32] | Sequence[int], namespace: Namespace | bytes, worker: str, now: float) -> Decision:
+    def handoff(
+        self, tokens: npt.NDArray[np.uint32] | Sequence[int], namespace: Namespace | bytes, worker: str, now: float, exclude: Collection[str] = ()
+    ) -> Decision:
         """Another region's edge forwarded this prompt to ``worker``, one of ours, and it has just
         arrived here: keep ``worker`` unless another own-region worker now scores better by more
         than the in-region hop (plus ``tie_ms``), and charge the one chosen.
@@ -609,7 +611,9 @@ class Edge:
         has paid its WAN way already) undoes a collision for the price of one in-region hop, and
         the charge lets this edge's own routes see the work before the worker's next reading.
         Hotness is not counted again (the origin counted the request). With ``load_aware`` off
-        there is nothing to re-score and ``worker`` is kept."""
+        there is nothing to re-score and ``worker`` is kept. ``exclude``: workers that may not
+        serve (a door that cannot reach them); ``worker`` itself among them forces a move, and
+        InvalidArgumentError says that no own-region worker is left."""
         i = self.worker_index(worker)
         if not self._local_l[i]:
             raise InvalidArgumentError(f"handoff of {worker!r}: a worker of region {self._worker_region[i]!r}, not of this edge's region {self._region!r}")
@@ -623,12 +627,15 @@ class Edge:
         belief = self._belief.values if p.belief else self._ones
         res = self._router.route(toks, ns, self._region_idx, self._beta, self._wan, tq, belief, gamma=self._gamma, lam=lam, closure=p.closure)
         w = i
-        if p.load_aware:
-            scores = res.scores + self._nonlocal_inf
-            best = int(scores.argmin())
-            if float(res.scores[i]) > float(scores[best]) + p.tie_ms + self._wan_l[best]:
-                w = best
-                self._n.handoffs_moved += 1
+        scores = res.scores + self._nonlocal_inf
+        if exclude:
+            scores[[self.worker_index(x) for x in exclude]] = math.inf
+        best = int(scores.argmin())
+        if not math.isfinite(float(scores[best])):
+            raise InvalidArgumentError(f"handoff of {worker!r}: every worker of region {self._region!r} is excluded")
+        if not math.isfinite(float(scores[i])) or (p.load_aware and float(scores[i]) > float(scores[best]) + p.tie_ms + self._wan_l[best]):
+            w = best
+            self._n.handoffs_moved += 1
         self._n.handoffs += 1
         return self._commit(res, w, 1, toks, ns, tq, lam, belief, now, track=False)
 

@@ -246,8 +246,10 @@ class Cluster:
         workers_file = self.run_dir / "workers.json"
         _write_json(workers_file, urls)
         peers_file = self.run_dir / "peers.json"
-        with contextlib.suppress(FileNotFoundError):
-            peers_file.unlink()
+        door_peers_file = self.run_dir / "door-peers.json"
+        for f in (peers_file, door_peers_file):
+            with contextlib.suppress(FileNotFoundError):
+                f.unlink()
         agents = [
             await self.spawn(f"agent-{w.ready['worker']}", "agent", self._cmd(
                 "agent", "--worker", str(w.ready["worker"]), "--events", str(w.ready["events"]), "--replay", str(w.ready["replay"]),
@@ -260,13 +262,14 @@ class Cluster:
         edges = [
             await self.spawn(f"edge-{r}", "edge", self._cmd(
                 "edge", "--region", r, "--topology", cfg.topology, "--routing", cfg.routing, "--host", cfg.host, "--maintenance", maint,
-                "--workers-file", str(workers_file), "--wan-delay", repr(wan), "--peers-file", str(peers_file),
+                "--workers-file", str(workers_file), "--wan-delay", repr(wan), "--peers-file", str(peers_file), "--door-peers-file", str(door_peers_file),
                 "--drain-grace", repr(cfg.drain_grace_s), "--seed", str(i), *self._mtls(),
             ))
             for i, r in enumerate(self.plan.edge_regions)
         ]
         await self.wait_ready(agents + edges, timeout)
         _write_json(peers_file, {str(e.ready["region"]): str(e.ready["grpc"]) for e in edges})
+        _write_json(door_peers_file, {str(e.ready["region"]): str(e.ready["http"]) for e in edges})
         await self.wait_healthy(units, workers, agents, edges, timeout)
         return {
             "edges": {str(e.ready["region"]): {"http": e.ready["http"], "grpc": e.ready["grpc"], "metrics": e.ready["metrics"]} for e in edges},

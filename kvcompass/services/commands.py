@@ -79,6 +79,9 @@ def add_commands(sub: Any) -> None:
                    help="emulate the topology's one-way WAN delay (RTT/2) times SCALE on each hop to a worker (bare flag: 1)")
     e.add_argument("--peers", default="", metavar="REGION=HOST:PORT,...", help="other regions' edge gRPC endpoints (queue exchange)")
     e.add_argument("--peers-file", default=None, metavar="JSON", help="like --peers, read from a JSON object once the file appears")
+    e.add_argument("--door-peers", default="", metavar="REGION=URL,...",
+                   help="other regions' door base URLs: requests routed there go through that door, which may hand them to a less loaded worker of its region")
+    e.add_argument("--door-peers-file", default=None, metavar="JSON", help="like --door-peers, read from a JSON object once the file appears")
     e.add_argument("--drain-grace", type=float, default=30.0, metavar="S", help="seconds in-flight requests may take to finish on SIGTERM")
     e.add_argument("--queue-poll", type=float, default=0.1, metavar="S",
                    help="read own-region workers' queues (GET /kvcompass/load) every S seconds; 0: only from responses (default 0.1, Delta)")
@@ -392,6 +395,30 @@ def _worker_urls(args: argparse.Namespace) -> dict[str, str]:
     return urls
 
 
+def _door_peers(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        region, sep, url = item.partition("=")
+        if not sep or not region or not url.startswith(("http://", "https://")):
+            raise UsageError(f"--door-peers {item!r}: give REGION=http://HOST:PORT")
+        out[region] = url
+    return out
+
+
+async def _wait_door_peers(path: str, door: Any, stop: asyncio.Event) -> None:
+    """Give the door its peers once ``kvcompass up`` has written them (ports are known only
+    after every edge started)."""
+    p = Path(path)
+    while not stop.is_set():
+        if p.is_file():
+            obj = json.loads(p.read_text())
+            if isinstance(obj, dict):
+                door.door.set_peers({str(r): str(u) for r, u in obj.items()})
+                return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.2)
+
+
 def _peers(text: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in (t.strip() for t in text.split(",") if t.strip()):
@@ -419,6 +446,7 @@ async def _edge(args: argparse.Namespace) -> int:
     for name in ("--http-port", "--grpc-port", "--metrics-port"):
         _check_port(name, getattr(args, name[2:].replace("-", "_")))
     peers = _peers(args.peers)
+    door_peers = _door_peers(args.door_peers)
     regions = {w.id: w.region for w in topo.workers}
     scale = float(args.wan_delay)
 
@@ -442,6 +470,7 @@ async def _edge(args: argparse.Namespace) -> int:
         door = await serve_door(
             edge, urls, topo.tokenizer or None, host=args.host, port=args.http_port, config=DoorConfig(drain_grace_s=args.drain_grace),
             regions=regions, wan_one_way_ms=one_way if scale > 0 else None, ssl_context=http_server_ssl, upstream_ssl=http_client_ssl,
+            peers=door_peers,
         )
         # Registered last, so it runs first: the door drains while the index is still current.
         stack.push_async_callback(door.stop)
@@ -450,6 +479,9 @@ async def _edge(args: argparse.Namespace) -> int:
             poller = asyncio.get_running_loop().create_task(_poll_queues(edge, local, args.queue_poll, http_client_ssl))
             stack.push_async_callback(_cancel, poller)
         announce("edge", region=args.region, http=door.url, grpc=grpc, metrics=server.metrics_url)
+        if args.door_peers_file is not None and not door_peers:
+            waiter = asyncio.get_running_loop().create_task(_wait_door_peers(args.door_peers_file, door, stop))
+            stack.push_async_callback(_cancel, waiter)
         if peers:
             broadcaster = QueueBroadcaster(edge, {r: a for r, a in peers.items() if r != args.region}, ssl_context=grpc_client_ssl)
         elif args.peers_file is not None:

@@ -37,6 +37,15 @@ to the best non-excluded worker by its own rule (own region first, then the lowe
 estimate). If ``Edge.route`` grows an ``exclude`` keyword the door uses it instead and the
 fallback is never taken.
 
+**Hand-off** (:meth:`Edge.handoff`). With ``peers`` (region -> that region's door URL) a request
+routed to a worker of a peer region goes to the peer door with ``x-kvcompass-handoff: WORKER``
+instead of to the worker: the peer door, which reads its workers' queues live, keeps that worker
+or moves the request to a better one of its own region (never to a third region, never back),
+and names the worker that served in ``x-kvcompass-worker``. When it moved the request the
+origin reports ``claimed=0`` for the worker that served (its claim was about another one), so
+beliefs move only on claims that were made. Without a peer for the region, or with the edge's
+``handoff`` switch off, the door forwards to the worker directly.
+
 **Queue vectors out.** A caller that names its region in ``x-kvcompass-region`` (another edge,
 a gateway) gets this edge's piggyback vector for that region in ``x-kvcompass-queue-vector``.
 
@@ -85,6 +94,7 @@ QUEUE_VECTOR_HEADER = "x-kvcompass-queue-vector"
 REGION_HEADER = "x-kvcompass-region"
 NAMESPACE_HEADER = "x-kvcompass-namespace"
 WORKER_HEADER = "x-kvcompass-worker"
+HANDOFF_HEADER = "x-kvcompass-handoff"
 
 _TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}")
 _REGION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -203,6 +213,9 @@ class _Metrics:
         )
         self.routes = Counter(p + "routes", "Requests routed, by the chosen worker's region", ["worker_region"], registry=registry)
         self.fallbacks = Counter(p + "route_fallbacks", "Routes where the edge chose an excluded worker and the door picked another", registry=registry)
+        self.peer_failures = Counter(p + "peer_failures", "Hand-offs a peer door failed to answer (the worker was then tried directly when its URL is known)", registry=registry)
+        self.peer_doors = Gauge(p + "peer_doors", "Other regions' doors this door hands requests to", registry=registry)
+        self.handoffs = Counter(p + "handoffs", "Requests another region's door handed to this one, by outcome (kept: the worker it named)", ["outcome"], registry=registry)
         self.hits = Counter(p + "hits", "Responses where the index claimed a prefix and the worker reused all of it", registry=registry)
         self.false_hits = Counter(p + "false_hits", "Responses where the index claimed a prefix (claimed > 0) and the worker reused less", registry=registry)
         self.claimed = Counter(p + "claimed_tokens", "Prompt tokens the index claimed the chosen worker held", registry=registry)
@@ -241,6 +254,8 @@ class _Prepared:
     stream: bool
     client_usage: bool
     headers: dict[str, str]
+    handoff: str | None = None
+    """The worker another region's door sent this request to (``x-kvcompass-handoff``)."""
 
 
 @dataclass(slots=True)
@@ -277,6 +292,7 @@ class FrontDoor:
         clock: Callable[[], float] = time.monotonic,
         registry: CollectorRegistry | None = None,
         upstream_ssl: ssl.SSLContext | None = None,
+        peers: Mapping[str, str] | None = None,
     ) -> None:
         known = set(edge.workers)
         unknown = sorted(set(workers) - known)
@@ -305,6 +321,30 @@ class FrontDoor:
         self._idle.set()
         self._route_exclude = _accepts_exclude(edge)
         self._upstream_ssl = upstream_ssl
+        self._region_of = {w: t.region for t in edge.layout.tables for w in t.workers}
+        self._known = known
+        self._peers: dict[str, str] = {}
+        self._peer_down: dict[str, float] = {}
+        self.set_peers(peers or {})
+
+    def set_peers(self, peers: Mapping[str, str]) -> None:
+        """Other regions' door base URLs, for hand-offs (see the module notes). Workers of a
+        peer region are reachable through it even without a URL of their own."""
+        own = self.edge.region
+        regions = set(self._region_of.values())
+        out: dict[str, str] = {}
+        for r, u in peers.items():
+            if r == own or r not in regions:
+                continue  # not a region this edge routes to
+            if not isinstance(u, str) or not u.startswith(("http://", "https://")):
+                raise ValueError(f"peer door of {r!r} must be an http(s) URL, got {u!r}")
+            out[r] = u.rstrip("/")
+        self._peers = out
+        self.metrics.peer_doors.set(len(out))
+        no_url = self._known - set(self.urls)
+        self._unreachable = frozenset(w for w in no_url if self._region_of.get(w) not in out)
+        # Workers only a peer door reaches: unreachable while that door is cooling down.
+        self._via_peer: dict[str, frozenset[str]] = {r: frozenset(w for w in no_url if self._region_of.get(w) == r) for r in out}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -482,7 +522,10 @@ class FrontDoor:
             v = request.headers.get(h)
             if v is not None:
                 headers[h] = v
-        return _Prepared(request.path, raw, tokens, self._namespace(model, tenant), stream, client_usage, headers)
+        handoff = request.headers.get(HANDOFF_HEADER)
+        if handoff is not None and self._region_of.get(handoff) != self.edge.region:
+            raise _Refusal(400, f"header {HANDOFF_HEADER} must name a worker of this edge's region {self.edge.region!r}, got {handoff!r}", HANDOFF_HEADER, "invalid_handoff")
+        return _Prepared(request.path, raw, tokens, self._namespace(model, tenant), stream, client_usage, headers, handoff)
 
     async def _prompt_tokens(self, body: dict[str, Any]) -> npt.NDArray[np.uint32]:
         if "prompt" not in body or body["prompt"] is None:
@@ -593,20 +636,41 @@ class FrontDoor:
         self.metrics.fallbacks.inc()
         return _Choice(best[2], self.regions.get(best[2]), 0, None)
 
-    def _excluded(self, tried: set[str], *, skip_dead: bool) -> frozenset[str]:
+    def _excluded(self, tried: set[str], *, skip_dead: bool, local_only: bool = False) -> frozenset[str]:
         out = set(tried) | self._unreachable
+        if self._peer_down:
+            now = self._clock()
+            for r, until in self._peer_down.items():
+                if until > now:
+                    out |= self._via_peer.get(r, frozenset())
+        if local_only:  # a handed-off request stays in this region
+            out |= {w for w, r in self._region_of.items() if r != self.edge.region}
         if skip_dead:
             out |= self.dead_workers()
         return frozenset(out)
+
+    def _handoff(self, prep: _Prepared) -> _Choice | None:
+        """Where a handed-off request goes: the edge's re-placement among the workers of this
+        region the door can reach; None (route it as usual, in this region) if there are none
+        that are not cooling down."""
+        assert prep.handoff is not None
+        try:
+            d = self.edge.handoff(prep.tokens, prep.namespace, prep.handoff, self._clock(), exclude=self._excluded(set(), skip_dead=True, local_only=True))
+        except KVCompassError:
+            return None
+        self.metrics.handoffs.labels("moved" if d.worker != prep.handoff else "kept").inc()
+        return _Choice(d.worker, d.region, d.expected_match, d)
 
     async def _proxy(self, request: web.Request, prep: _Prepared) -> web.StreamResponse:
         tried: set[str] = set()
         last: _WorkerFailed | None = None
         for attempt in range(self.config.max_attempts):
-            choice = self._route(prep, self._excluded(tried, skip_dead=True))
+            choice = self._handoff(prep) if attempt == 0 and prep.handoff is not None else None
+            if choice is None:
+                choice = self._route(prep, self._excluded(tried, skip_dead=True, local_only=prep.handoff is not None))
             if choice is None:
                 # Every worker not yet tried is cooling down: a cooldown is a hint, not a verdict.
-                choice = self._route(prep, self._excluded(tried, skip_dead=False))
+                choice = self._route(prep, self._excluded(tried, skip_dead=False, local_only=prep.handoff is not None))
             if choice is None:
                 break
             self.metrics.routes.labels(choice.region or "unknown").inc()
@@ -642,15 +706,41 @@ class FrontDoor:
         return h
 
     async def _forward(self, request: web.Request, prep: _Prepared, choice: _Choice) -> web.StreamResponse:
+        """Through the chosen worker's region's door when it has one (a hand-off), else straight
+        to the worker. A peer door that fails before answering is skipped for
+        ``dead_cooldown_s`` and the worker is tried directly when its URL is known: a hand-off
+        may improve a placement, never cost availability."""
+        peer = None
+        region = choice.region or ""
+        if prep.handoff is None and region != self.edge.region and self.edge.params.handoff and self._peer_down.get(region, -math.inf) <= self._clock():
+            peer = self._peers.get(region)
+        if peer is not None:
+            try:
+                return await self._forward_via(request, prep, choice, peer)
+            except _WorkerFailed:
+                self._peer_down[region] = self._clock() + self.config.dead_cooldown_s
+                self.metrics.peer_failures.inc()
+                if choice.worker not in self.urls:
+                    raise
+        if choice.worker not in self.urls:
+            raise _WorkerFailed("connect", f"{choice.worker}: reachable only through the door of {region!r}, which is not answering")
+        return await self._forward_via(request, prep, choice, None)
+
+    async def _forward_via(self, request: web.Request, prep: _Prepared, choice: _Choice, peer: str | None) -> web.StreamResponse:
         session = self._session
         if session is None:
             raise _Refusal(503, "the door is not running", code="draining")
-        url = self.urls[choice.worker] + prep.path
+        headers = prep.headers
+        if peer is not None:
+            url = peer + prep.path
+            headers = {**headers, HANDOFF_HEADER: choice.worker, REGION_HEADER: self.edge.region}
+        else:
+            url = self.urls[choice.worker] + prep.path
         delay = self._one_way_s(choice.region)
         if delay:
             await asyncio.sleep(delay)
         try:
-            up = await asyncio.wait_for(session.post(url, data=prep.raw, headers=prep.headers), self.config.head_timeout_s)
+            up = await asyncio.wait_for(session.post(url, data=prep.raw, headers=headers), self.config.head_timeout_s)
         except TimeoutError as e:
             raise _WorkerFailed("timeout", f"{choice.worker}: no response head: {e!r}") from None
         except aiohttp.ClientConnectorError as e:
@@ -661,6 +751,11 @@ class FrontDoor:
             if up.status >= 500:
                 raise _WorkerFailed("status_5xx", f"{choice.worker} answered {up.status}")
             fb = self._header_feedback(up)
+            if peer is not None:
+                served = up.headers.get(WORKER_HEADER)
+                if served is not None and served != choice.worker and self._region_of.get(served) == choice.region:
+                    # The peer door moved it: that worker served, on no claim of ours.
+                    choice = _Choice(served, choice.region, 0, None)
             ctype = up.headers.get("Content-Type", "")
             if prep.stream and up.status == 200 and ctype.startswith("text/event-stream"):
                 return await self._relay_stream(request, prep, choice, up, fb, delay)
@@ -947,6 +1042,7 @@ def make_app(
     clock: Callable[[], float] = time.monotonic,
     registry: CollectorRegistry | None = None,
     upstream_ssl: ssl.SSLContext | None = None,
+    peers: Mapping[str, str] | None = None,
 ) -> web.Application:
     """The door as an aiohttp application.
 
@@ -958,10 +1054,12 @@ def make_app(
     one-way delay to emulate, applied before forwarding and before relaying the response.
     ``clock``: seconds, non-decreasing, the same clock as every other driver of ``edge``.
     ``upstream_ssl``: the client context for ``https://`` worker URLs (None: system trust).
+    ``peers``: region -> that region's door base URL, for hand-offs (module notes; also
+    :meth:`FrontDoor.set_peers` once they are known).
     """
     door = FrontDoor(
         edge, workers, _resolve_tokenizer(tokenizer), config, regions=regions, wan_one_way_ms=wan_one_way_ms, clock=clock, registry=registry,
-        upstream_ssl=upstream_ssl,
+        upstream_ssl=upstream_ssl, peers=peers,
     )
     app = web.Application(middlewares=[door._errors], client_max_size=config.max_body_bytes)
     app[FRONT_DOOR] = door
@@ -1033,13 +1131,15 @@ async def serve_door(
     registry: CollectorRegistry | None = None,
     ssl_context: ssl.SSLContext | None = None,
     upstream_ssl: ssl.SSLContext | None = None,
+    peers: Mapping[str, str] | None = None,
 ) -> DoorServer:
     """Start the door on ``sock`` (a bound socket) or ``host:port`` (0: any free port; read
     :attr:`DoorServer.port`) and return once it accepts connections. ``ssl_context`` (a
     :meth:`TLSConfig.server_context <kvcompass.services.tls.TLSConfig.server_context>` for
     ``"http"``) serves HTTPS; ``upstream_ssl`` is passed to :func:`make_app`."""
     app = make_app(
-        edge, workers, tokenizer, config=config, regions=regions, wan_one_way_ms=wan_one_way_ms, clock=clock, registry=registry, upstream_ssl=upstream_ssl
+        edge, workers, tokenizer, config=config, regions=regions, wan_one_way_ms=wan_one_way_ms, clock=clock, registry=registry, upstream_ssl=upstream_ssl,
+        peers=peers,
     )
     if sock is None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
