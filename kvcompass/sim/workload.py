@@ -555,7 +555,7 @@ def _schedule(ts: F64Array, tenants: int, mode: str, rate: float, seed: int) -> 
         if total == 1:
             return rows, ten, np.zeros(1)
         if width <= 0:
-            raise InvalidArgumentError("cannot rescale: every request has the same timestamp (use mode='poisson')")
+            raise InvalidArgumentError("cannot rescale to a rate: every request replayed has the same timestamp (replay more requests, or use Poisson arrivals: mode='poisson')")
         return rows, ten, (t - t[0]) * ((total - 1) * 1000.0 / (rate * width))
     return rows, ten, _poisson_times(total, rate, seed)
 
