@@ -11,7 +11,7 @@ import pytest
 from kvcompass.discovery.topology import Topology, load_topology
 from kvcompass.sim.engine import simulate
 from kvcompass.sim.metrics import Summary
-from kvcompass.sim.report import FIGURES, records_to_frame, summaries_to_frame, summary_row, write_figures, write_tables
+from kvcompass.sim.report import ABLATION_FIGURE, FIGURES, records_to_frame, summaries_to_frame, summary_row, write_figures, write_tables
 from kvcompass.sim.workload import synthetic_mixed
 
 KEYS = {"ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "throughput_tok_s", "hit_rate", "xregion_hit_rate", "false_hit_rate", "peak_load_factor", "requests"}
@@ -72,3 +72,14 @@ def test_figures_are_drawn(results: dict[str, dict[str, Summary]], tmp_path: Pat
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 1000
     with pytest.raises(ValueError):
         write_figures(tmp_path, {})
+
+
+def test_the_ablation_figure_is_drawn_when_ablations_ran(results: dict[str, dict[str, Summary]], testbed: Topology, tmp_path: Path) -> None:
+    reqs = synthetic_mixed(60, regions=testbed, seed=2, rate=8.0, block_size=testbed.block_size)
+    with_ablation = {**results, "kvcompass-no-xregion": {"8": simulate(testbed, reqs, "kvcompass-no-xregion", seed=2)}}
+    paths = write_figures(tmp_path, with_ablation)
+    assert [p.name for p in paths] == [*FIGURES, ABLATION_FIGURE]
+    assert paths[-1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and paths[-1].stat().st_size > 1000
+    # Without full KVCompass there is nothing to compare an ablation to.
+    only = {"kvcompass-no-xregion": with_ablation["kvcompass-no-xregion"], "oracle": results["oracle"]}
+    assert [p.name for p in write_figures(tmp_path / "b", only)] == list(FIGURES)

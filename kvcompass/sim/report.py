@@ -32,12 +32,15 @@ from matplotlib.figure import Figure
 
 from kvcompass.sim.metrics import Summary
 
-__all__ = ["FIGURES", "Results", "records_to_frame", "summaries_to_frame", "summary_row", "write_figures", "write_tables"]
+__all__ = ["ABLATION_FIGURE", "FIGURES", "Results", "records_to_frame", "summaries_to_frame", "summary_row", "write_figures", "write_tables"]
 
 Results = Mapping[str, Mapping[str, Summary]]
 
 # The figure files write_figures produces, in order.
 FIGURES = ("p99_ttft_vs_rate.png", "ttft_cdf.png", "throughput.png", "load_factor_heatmap.png", "reuse.png")
+ABLATION_FIGURE = "ablations.png"
+"""Also written when ``kvcompass`` and at least one of its ablations (``kvcompass-*``) ran: each
+one's P99 TTFT and throughput relative to full KVCompass at every rate (paper section 5.4)."""
 
 
 def summary_row(s: Summary) -> dict[str, float | int]:
@@ -166,8 +169,9 @@ def _rates(results: Results) -> list[str]:
 
 
 def write_figures(out_dir: str | Path, results: Results) -> list[Path]:
-    """Draw the five figures of :data:`FIGURES` from ``results`` into ``out_dir``; returns the
-    paths. ``ValueError`` when there is no run to draw."""
+    """Draw the five figures of :data:`FIGURES` (and :data:`ABLATION_FIGURE` when ablations ran
+    beside ``kvcompass``) from ``results`` into ``out_dir``; returns the paths. ``ValueError``
+    when there is no run to draw."""
     if not any(results.values()):
         raise ValueError("no runs to draw")
     out = Path(out_dir)
@@ -266,4 +270,36 @@ def write_figures(out_dir: str | Path, results: Results) -> list[Path]:
     ax.set_title("Prefill tokens reused vs recomputed")
     ax.legend()
     paths.append(_save(fig, out / FIGURES[4]))
+
+    # Ablations against full KVCompass: ratio of P99 TTFT and of throughput, per rate.
+    full = results.get("kvcompass") or {}
+    ablations = [a for a in schemes if a.startswith("kvcompass-") and any(r in full for r in results[a])]
+    if full and ablations:
+        fig = Figure(figsize=(max(6.4, 0.7 * len(ablations) * len(rates) + 3), 6.4), layout="constrained")
+        top, bottom = fig.subplots(2, 1, sharex=True)
+        width = 0.8 / len(rates)
+        xs = np.arange(len(ablations), dtype=np.float64)
+        seen: dict[str, list[float]] = {"P99 TTFT": [], "throughput": []}
+        for j, rate in enumerate(rates):
+            base = full.get(rate)
+            if base is None:
+                continue
+            p99 = [results[a][rate].ttft_ms[2] / base.ttft_ms[2] if rate in results[a] and base.ttft_ms[2] > 0 else np.nan for a in ablations]
+            tput = [results[a][rate].throughput_tokens_s / base.throughput_tokens_s if rate in results[a] and base.throughput_tokens_s > 0 else np.nan for a in ablations]
+            off = (j - (len(rates) - 1) / 2) * width
+            seen["P99 TTFT"] += [v for v in p99 if np.isfinite(v) and v > 0]
+            seen["throughput"] += [v for v in tput if np.isfinite(v) and v > 0]
+            top.bar(xs + off, p99, width, label=f"{rate} req/s")
+            bottom.bar(xs + off, tput, width, label=f"{rate} req/s")
+        for ax, what in ((top, "P99 TTFT"), (bottom, "throughput")):
+            ax.axhline(1.0, color="black", linewidth=0.8)
+            vals = seen[what]
+            if vals and max(max(vals), 1.0) / min(min(vals), 1.0) > 20:  # an ablation off by orders of magnitude
+                ax.set_yscale("log")
+            ax.set_ylabel(f"{what} / KVCompass's")
+            ax.grid(True, axis="y", alpha=0.3)
+        top.set_title("Ablations vs full KVCompass (worse: P99 above 1, throughput below 1)")
+        top.legend(fontsize="small")
+        bottom.set_xticks(xs, [a.removeprefix("kvcompass-") for a in ablations], rotation=30, ha="right")
+        paths.append(_save(fig, out / ABLATION_FIGURE))
     return paths
