@@ -15,6 +15,11 @@ object, passing time in as ``now`` (seconds, non-decreasing) and moving bytes th
 
   with lambda = min(lambda_max, min_w Tq(w) / tau), then draws the winner uniformly among the
   workers within ``tie_ms`` of the best score (so edges sharing a stale estimate do not herd).
+* **Hand-off** (beyond the paper; ``EdgeParams.handoff``). :meth:`Edge.handoff` is called by
+  the edge of the region a request was forwarded *to*, when it arrives: that edge reads its own
+  workers' queues live, re-scores the request among them and keeps the origin's choice unless
+  another of its workers is better by more than the in-region hop. Remote edges all read the
+  same stale vector, so an idle worker draws their work at once; this undoes such collisions.
 * **Speculative entries.** The chosen worker is entered, for ``speculative_ttl_s``, as holding
   the prompt at every plan length toward its region that fits: a small private writer + view per
   logical table that the router reads as one more table with the same workers (the loop keeps
