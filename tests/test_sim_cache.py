@@ -538,3 +538,15 @@ def test_salted_prompts_share_no_blocks_and_an_agent_keys_them_in_the_tenants_na
     want_plain = kc.prefix_keys(NS.digest, arr, np.array(lengths, dtype=np.uint32)).tolist()
     assert agent.held() == dict.fromkeys(want_a + want_plain, Tier.VRAM)
     assert blind.held() == dict.fromkeys(want_plain, Tier.VRAM) and blind.stats.unindexed == 4
+    # tenant_salts: a salt TENANT_SALT_PREFIX + tenant names that tenant without a mapping; a
+    # salt without the prefix, or naming no valid tenant, stays unindexed.
+    from kvcompass.agent import TENANT_SALT_PREFIX
+
+    c2 = PrefixCache(4, 64, 64)
+    ev_acme = c2.admit(toks, 1.0, salt=TENANT_SALT_PREFIX + "tenant-a")
+    ev_other = c2.admit(toks, 2.0, salt="someone-else")
+    ev_bad = c2.admit(toks, 3.0, salt=TENANT_SALT_PREFIX + "-bad")
+    prefixed = WorkerAgent("w0", NS, lengths, block_size=4, tenant_salts=True)
+    for seq, ev2 in enumerate((ev_acme, ev_other, ev_bad)):
+        prefixed.on_message(encode_batch(ev2, seq, ts=1.0))
+    assert prefixed.held() == dict.fromkeys(want_a, Tier.VRAM) and prefixed.stats.unindexed == 8

@@ -86,9 +86,9 @@ def _get(url: str) -> tuple[int, bytes]:
             return int(e.code), e.read()
 
 
-def _post(url: str, body: object, raw: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+def _post(url: str, body: object, raw: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
     data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})}, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=20) as r:
             return int(r.status), {k.lower(): v for k, v in r.headers.items()}, r.read()
@@ -101,24 +101,24 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [int(x) for x in np.random.default_rng(seed).integers(1000, 100_000, size=n)]
 
 
-def _route(grpc: str, tokens: list[int]) -> Any:
+def _route(grpc: str, tokens: list[int], ns: Namespace = NS) -> Any:
     host, _, port = grpc.rpartition(":")
 
     async def go() -> Any:
         ch = Channel(host, int(port))
         try:
-            return await EdgeStub(ch).route(RouteRequest(tokens=np.asarray(tokens, dtype="<u4").tobytes(), namespace=NS.digest), timeout=5)
+            return await EdgeStub(ch).route(RouteRequest(tokens=np.asarray(tokens, dtype="<u4").tobytes(), namespace=ns.digest), timeout=5)
         finally:
             ch.close()
 
     return asyncio.run(go())
 
 
-def _wait_route(grpc: str, tokens: list[int], want: str, timeout: float = 15.0) -> Any:
+def _wait_route(grpc: str, tokens: list[int], want: str, timeout: float = 15.0, ns: Namespace = NS) -> Any:
     """Until the edge's index claims the prefix at ``want`` (patches travel asynchronously)."""
     deadline = time.monotonic() + timeout
     while True:
-        d = _route(grpc, tokens)
+        d = _route(grpc, tokens, ns)
         if d.worker == want and d.claimed_tokens > 0:
             return d
         if time.monotonic() > deadline:
@@ -240,6 +240,29 @@ def _wait_metric(url: str, name: str, value: float, timeout: float = 10.0) -> No
             return
         time.sleep(0.1)
     raise AssertionError(f"{url}: {name} never reached {value}")
+
+
+def test_tenants_share_no_kv_in_the_engine_and_are_indexed_in_their_own_namespace(cluster: Cluster) -> None:
+    tokens = _prompt(11, 4096)
+    body = {"model": MODEL, "prompt": tokens, "max_tokens": 2}
+    acme = {"x-kvcompass-namespace": "acme"}
+
+    def cached(data: bytes) -> int:
+        return int(json.loads(data)["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    st, headers, data = _post(cluster.edge("b") + "/v1/completions", body)
+    assert st == 200 and headers["x-kvcompass-worker"] == "b-0" and cached(data) == 0
+    # Same prompt, another tenant, same (only) worker of region b: the door salted it, so the
+    # engine reuses nothing of the public copy.
+    st, headers, data = _post(cluster.edge("b") + "/v1/completions", body, headers=acme)
+    assert st == 200 and headers["x-kvcompass-worker"] == "b-0" and cached(data) == 0
+    st, headers, data = _post(cluster.edge("b") + "/v1/completions", body, headers=acme)
+    assert st == 200 and cached(data) >= 4096 - 16  # acme's own copy
+    # b-0's agent keyed the salted chain in acme's namespace: region a's edge finds it there.
+    d = _wait_route(cluster.state["edges"]["a"]["grpc"], tokens, "b-0", ns=Namespace(MODEL, "acme"))
+    assert d.claimed_tokens >= 4096 - 16
+    st, _, data = _post(cluster.edge("b") + "/v1/completions", {**body, "cache_salt": "acme"})
+    assert st == 400 and json.loads(data)["error"]["code"] == "cache_salt_not_allowed"
 
 
 def test_streaming_proxy_passes_tokens_through(cluster: Cluster) -> None:

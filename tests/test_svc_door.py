@@ -258,6 +258,11 @@ def test_the_route_follows_the_index_for_token_and_text_prompts() -> None:
             status, _, _ = await complete(t.client, {"prompt": ids.tolist()}, **{"x-kvcompass-namespace": "acme"})
             assert status == 200 and fleet.calls[-1][2]["x-kvcompass-namespace"] == "acme"
             assert metric(await t.metrics(), "kvcompass_door_claimed_tokens_total") == claimed
+            # ... and goes to the worker salted with its tenant (the default tenant's is not).
+            assert fleet.calls[-1][1]["cache_salt"] == "kvcompass:acme"
+            assert all("cache_salt" not in c[1] for c in fleet.calls[:-1])
+            status, _, body = await complete(t.client, {"prompt": ids.tolist(), "cache_salt": "kvcompass:acme"})
+            assert status == 400 and body["error"]["code"] == "cache_salt_not_allowed" and body["error"]["param"] == "cache_salt"
 
             # The own-region worker's queue header is a live reading.
             assert plane.edges["us"].queue_estimate("us-5") == 12.5

@@ -99,6 +99,21 @@ def test_shared_prefix_is_reused_the_second_time() -> None:
     run(main())
 
 
+def test_a_cache_salt_keeps_prompts_apart() -> None:
+    async def main() -> None:
+        async with emulated() as w, aiohttp.ClientSession() as s:
+            url = w.http_url + "/v1/completions"
+            prompt = list(range(2000, 2064))
+            st, _, a = await post(s, url, {"prompt": prompt, "max_tokens": 1, "cache_salt": "kvcompass:acme"})
+            assert st == 200 and a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            st, _, b = await post(s, url, {"prompt": prompt, "max_tokens": 1})  # unsalted: a stranger
+            assert st == 200 and b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            st, _, c = await post(s, url, {"prompt": prompt, "max_tokens": 1, "cache_salt": "kvcompass:acme"})
+            assert st == 200 and c["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+
+    run(main())
+
+
 def test_completion_body_shape_and_determinism() -> None:
     async def main() -> None:
         async with emulated() as w, aiohttp.ClientSession() as s:
@@ -189,6 +204,8 @@ BAD: list[tuple[str, object, bytes | None, int, str | None, str | None]] = [
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, None, 400, "stream_options", None),
     ("/v1/completions", {"prompt": "hi", "logprobs": 2}, None, 400, "logprobs", None),
     ("/v1/completions", {"prompt": "hi", "echo": True}, None, 400, "echo", None),
+    ("/v1/completions", {"prompt": "hi", "cache_salt": ""}, None, 400, "cache_salt", None),
+    ("/v1/completions", {"prompt": "hi", "cache_salt": 7}, None, 400, "cache_salt", None),
     ("/v1/completions", {"prompt": list(range(4000)), "max_tokens": 200}, None, 400, "prompt", "context_length_exceeded"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, None, 404, "model", "model_not_found"),
     ("/v1/chat/completions", {}, None, 400, "messages", None),

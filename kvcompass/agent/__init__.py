@@ -10,7 +10,7 @@ unit's :class:`~kvcompass.errors.AgentSequenceError` with :meth:`WorkerAgent.on_
 
 from __future__ import annotations
 
-from kvcompass.agent.agent import AgentOutput, AgentStats, ReplayRequest, WorkerAgent, boot_incarnation, medium_tier
+from kvcompass.agent.agent import TENANT_SALT_PREFIX, AgentOutput, AgentStats, ReplayRequest, WorkerAgent, boot_incarnation, medium_tier
 from kvcompass.agent.events import (
     REPLAY_END_SEQ,
     AllBlocksCleared,
@@ -32,6 +32,7 @@ from kvcompass.agent.events import (
 
 __all__ = [
     "REPLAY_END_SEQ",
+    "TENANT_SALT_PREFIX",
     "AgentOutput",
     "AgentStats",
     "AllBlocksCleared",

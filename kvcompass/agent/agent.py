@@ -118,6 +118,7 @@ orphan whose adoption would close a cycle.
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 from bisect import bisect_right
 from collections import deque
@@ -146,7 +147,7 @@ if TYPE_CHECKING:
 else:
     Sha256 = object
 
-__all__ = ["AgentOutput", "AgentStats", "ReplayRequest", "WorkerAgent", "boot_incarnation", "medium_tier"]
+__all__ = ["TENANT_SALT_PREFIX", "AgentOutput", "AgentStats", "ReplayRequest", "WorkerAgent", "boot_incarnation", "medium_tier"]
 
 _Frames = Sequence[bytes | bytearray | memoryview]
 
@@ -182,6 +183,14 @@ def boot_incarnation(now_ns: int) -> int:
     if type(now_ns) is not int or now_ns < 0:
         raise InvalidArgumentError(f"now_ns must be a non-negative int (time.time_ns()), got {now_ns!r}")
     return (now_ns // 1_000) << BOOT_SHIFT
+
+
+TENANT_SALT_PREFIX = "kvcompass:"
+"""The cache salt a front door sets for a tenant's requests is this prefix + the tenant, so
+engines keep tenants' KV apart and agents (``tenant_salts=True``) key it in the tenant's
+namespace; a salt without the prefix never names a namespace."""
+
+_TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}")
 
 
 def medium_tier(medium: str | None) -> Tier:
@@ -292,7 +301,9 @@ class WorkerAgent:
     are remembered to tell re-deliveries from a restarted engine (vLLM's replay ring holds
     10,000 batches). ``max_buffered``: messages held while a gap waits for its replay.
     ``salts``: cache salts this engine serves, each with its tenant's namespace (see the module
-    notes on extra keys); prompts without a salt are keyed in ``namespace``.
+    notes on extra keys); prompts without a salt are keyed in ``namespace``. ``tenant_salts``:
+    also read a salt ``TENANT_SALT_PREFIX + tenant`` (what the front door sets for every tenant
+    but the default) as ``Namespace(namespace.model, tenant)``.
     """
 
     def __init__(
@@ -307,6 +318,7 @@ class WorkerAgent:
         window: int = 10_000,
         max_buffered: int = 4096,
         salts: Mapping[str, Namespace] | None = None,
+        tenant_salts: bool = False,
     ) -> None:
         if not isinstance(worker_id, str) or not worker_id:
             raise InvalidArgumentError(f"worker_id must be a non-empty string, got {worker_id!r}")
@@ -332,6 +344,7 @@ class WorkerAgent:
             if not isinstance(salt, str) or not salt or not isinstance(ns, Namespace):
                 raise InvalidArgumentError(f"salts must map non-empty strings to Namespaces, got {salt!r}: {ns!r}")
             self._salt_roots[salt] = hashlib.sha256(ns.digest)
+        self._tenant_salts = bool(tenant_salts)
         self._incarnation = incarnation
         self._blocks: dict[int, _Block] = {}  # block id -> block
         self._roots: dict[_Slot, int] = {}  # blocks that start a prompt
@@ -677,9 +690,15 @@ class WorkerAgent:
     def _salt_root(self, extra: object) -> Sha256 | None:
         """The hash root of the tenant a first block's extra keys name: exactly one key, a salt
         this agent was given; None for anything else."""
-        if isinstance(extra, tuple) and len(extra) == 1 and isinstance(extra[0], str):
-            return self._salt_roots.get(extra[0])
-        return None
+        if not (isinstance(extra, tuple) and len(extra) == 1 and isinstance(extra[0], str)):
+            return None
+        salt = extra[0]
+        root = self._salt_roots.get(salt)
+        if root is None and self._tenant_salts and salt.startswith(TENANT_SALT_PREFIX):
+            tenant = salt[len(TENANT_SALT_PREFIX) :]
+            if _TENANT_RE.fullmatch(tenant):
+                root = self._salt_roots[salt] = hashlib.sha256(Namespace(self.namespace.model, tenant).digest)
+        return root
 
     def _child(self, group: int, parent: int | None, wait: BlockHash | None, h: BlockHash) -> int | None:
         """The block with hash ``h`` at that place, if the agent has it."""

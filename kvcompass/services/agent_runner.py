@@ -81,7 +81,9 @@ def agent_for_worker(
         raise UnknownWorkerError(f"worker {worker_id!r} is not in topology {topology.name!r}", worker=worker_id)
     plan = LevelPlan(topology)
     inc = boot_incarnation(time.time_ns()) if incarnation is None else incarnation
-    return WorkerAgent(worker_id, namespace, plan.registration(spec.region), topology.shards, block_size=block_size, incarnation=inc)
+    # Doors salt every tenant's requests but the default one's (TENANT_SALT_PREFIX + tenant), so
+    # the engine keeps tenants' KV apart; the agent keys each salted chain in its tenant's namespace.
+    return WorkerAgent(worker_id, namespace, plan.registration(spec.region), topology.shards, block_size=block_size, incarnation=inc, tenant_salts=True)
 
 
 @dataclass(slots=True)

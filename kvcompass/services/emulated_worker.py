@@ -21,6 +21,9 @@ simulated one does and the two can be compared.
    and the prefill takes ``cost.prefill_ms(uncached) + cost.reload_ms(dram)`` modelled ms,
    slept for ``time_scale`` times that (0: no sleeping at all, for tests). At prefill end
    ``cache.admit(prompt)`` and its events are published as one vLLM message (next seq).
+   A request's ``cache_salt`` (vLLM's per-request salt) seeds its prompt's block chain, so
+   prompts of different salts share no block, and the stored event of a salted prompt's first
+   block carries the salt in its ``extra_keys``, as vLLM's does.
 3. The first token comes out at prefill end; each further token after one decode step of
    ``cost.decode_step_ms(running sequences, their context tokens)`` (continuous batching
    approximated per sequence: every running sequence steps at the rate the current batch
@@ -214,6 +217,7 @@ class _Job:
     tokens: npt.NDArray[np.uint32]
     estimate_ms: float
     done: asyncio.Future[tuple[int, int]]
+    salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +228,7 @@ class _Request:
     stream: bool
     include_usage: bool
     request_id: str
+    cache_salt: str | None = None
 
 
 def _error_body(message: str, type_: str, param: str | None, code: str | None) -> dict[str, Any]:
@@ -431,11 +436,11 @@ class EmulatedWorker:
 
     # ---- the prefill server -----------------------------------------------------------------
 
-    async def _prefill(self, tokens: npt.NDArray[np.uint32]) -> tuple[int, int]:
-        v, d = self.cache.lookup(tokens)
+    async def _prefill(self, tokens: npt.NDArray[np.uint32], salt: str | None = None) -> tuple[int, int]:
+        v, d = self.cache.lookup(tokens, salt)
         est = self._prefill_ms(len(tokens), v, d)
         loop = asyncio.get_running_loop()
-        job = _Job(tokens, est, loop.create_future())
+        job = _Job(tokens, est, loop.create_future(), salt)
         self._waiting_ms += est
         self._queue.put_nowait(job)
         self._metrics.update_load()
@@ -454,14 +459,14 @@ class EmulatedWorker:
             if job.done.cancelled():  # the client went away while it waited
                 self._metrics.update_load()
                 continue
-            v, d = self.cache.lookup(job.tokens)
+            v, d = self.cache.lookup(job.tokens, job.salt)
             ms = self._prefill_ms(len(job.tokens), v, d)
             self._running_ms = ms
             self._running_end = loop.time() + ms * scale / 1e3
             self._metrics.update_load()
             try:
                 await asyncio.sleep(ms * scale / 1e3 if scale > 0 else 0)
-                events = self.cache.admit(job.tokens, loop.time())
+                events = self.cache.admit(job.tokens, loop.time(), job.salt)
                 await self._publish(events)
             except BaseException as e:
                 if not job.done.done():
@@ -590,7 +595,7 @@ class EmulatedWorker:
         try:
             req = await self._parse(request, chat)
             self.stats.requests += 1
-            v, d = await self._prefill(req.tokens)
+            v, d = await self._prefill(req.tokens, req.cache_salt)
             cached = v + d
             self.stats.prompt_tokens += len(req.tokens)
             self.stats.cached_tokens += cached
@@ -734,8 +739,11 @@ class EmulatedWorker:
                 param,
                 code="context_length_exceeded",
             )
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise _BadRequest("cache_salt must be a non-empty string", "cache_salt")
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        return _Request(chat, tokens, max_tokens, stream, include_usage, rid)
+        return _Request(chat, tokens, max_tokens, stream, include_usage, rid, salt)
 
     async def _prompt(self, prompt: object) -> npt.NDArray[np.uint32]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):

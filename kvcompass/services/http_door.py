@@ -13,7 +13,11 @@ sans-I/O; this module owns the sockets, the clock and the retries.
 2. Tokenize with the injected tokenizer (the same ids the workers key their caches by). Token-id
    prompts are used as they are and forwarded as they are.
 3. Route: ``Edge.route(tokens, Namespace(model, tenant), now)``; the tenant comes from
-   ``x-kvcompass-namespace`` (sharing is scoped by the namespace digest, DESIGN section 7).
+   ``x-kvcompass-namespace`` (sharing is scoped by the namespace digest, DESIGN section 7). A
+   request of any tenant but the default is forwarded with ``cache_salt`` =
+   ``TENANT_SALT_PREFIX + tenant`` (vLLM's per-request salt), so the engine keeps that tenant's
+   KV apart too and its agent keys it in the tenant's namespace; a client's own ``cache_salt``
+   is refused (400), since it could place KV under another tenant's salt.
 4. Forward the client's body to ``{worker base URL}{same path}`` after the emulated WAN one way
    (when configured). Streams ask the worker for a usage chunk
    (``stream_options.include_usage``) because that is where ``cached_tokens`` arrives.
@@ -75,6 +79,7 @@ import numpy.typing as npt
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvcompass.agent.agent import TENANT_SALT_PREFIX
 from kvcompass.discovery.edge import Decision, Edge
 from kvcompass.errors import KVCompassError
 from kvcompass.index import Namespace
@@ -514,9 +519,20 @@ class FrontDoor:
         if len(tokens) > cfg.max_prompt_tokens:
             raise _Refusal(400, f"the prompt has {len(tokens)} tokens; this edge accepts at most {cfg.max_prompt_tokens}", param, "context_length_exceeded")
 
+        if "cache_salt" in body:
+            raise _Refusal(
+                400, f"cache_salt is set by the edge from the tenant in {NAMESPACE_HEADER}; send that header instead", "cache_salt", "cache_salt_not_allowed"
+            )
+        extra: dict[str, Any] = {}
         if stream and not client_usage:
             # The usage chunk is where a stream reports cached_tokens; ask for it, strip it later.
-            raw = json.dumps({**body, "stream_options": {**(opts or {}), "include_usage": True}}).encode()
+            extra["stream_options"] = {**(opts or {}), "include_usage": True}
+        if tenant != cfg.default_tenant:
+            # The engine keeps tenants' KV apart by salt (no cross-tenant reuse, no timing side
+            # channel); the worker's agent keys salted chains in the tenant's namespace.
+            extra["cache_salt"] = TENANT_SALT_PREFIX + tenant
+        if extra:
+            raw = json.dumps({**body, **extra}).encode()
         headers = {"Content-Type": "application/json", "Accept-Encoding": "identity", NAMESPACE_HEADER: tenant}
         for h in cfg.forward_headers:
             v = request.headers.get(h)
