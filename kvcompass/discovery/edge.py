@@ -860,7 +860,7 @@ class Edge:
     def migration_actions(self, now: float) -> list[MigrationAction]:
         """Actions for the families that turned hot since the last call, each toward a
         persistently idle own-region worker; none without one, none with migration off."""
-        if not self._params.migration:
-            return []
+        if not self._params.migration or not self._planner.pending:
+            return []  # nothing triggered since the last call: no idle scan needed
         idle = self._queues.idle_among(self._local_idx_arr, now, self._params.idle_window_s)
         return self._planner.resolve(now, idle)

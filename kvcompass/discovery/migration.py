@@ -154,6 +154,7 @@ class MigrationPlanner:
 
     @property
     def pending(self) -> int:
+        """Triggers waiting for :meth:`resolve`."""
         return len(self._pending)
 
     def resolve(self, now: float, idle: Sequence[int]) -> list[MigrationAction]:
