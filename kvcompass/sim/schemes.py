@@ -11,7 +11,8 @@ What each scheme models:
   :class:`~kvcompass.discovery.edge.Edge` the services run) routes it with the joint score over
   its index replica, its cache beliefs and its queue estimates (own region live, remote regions
   from piggybacked vectors and broadcasts), so it sees only what an edge would: patches as far
-  as they have propagated, queue vectors as old as the WAN makes them.
+  as they have propagated, queue vectors as old as the WAN makes them. A request forwarded to
+  another region is handed to that region's edge on arrival (:meth:`KVCompassScheme.handoff`).
 * ``local-least-loaded``: a region-local load balancer, cache-blind: the own-region worker
   with the least queued prefill work (exact, as a co-located balancer reads it); ties broken
   by a seeded draw. The usual single-region deployment, never crossing the WAN.
@@ -19,9 +20,10 @@ What each scheme models:
   ignored. Not a realistic router but the lower bound on load imbalance (peak load factor)
   that any scheme can reach.
 
-* ``kvcompass-no-load``, ``-no-xregion``, ``-tier-blind``, ``-no-migration``, ``-no-belief``,
-  ``-no-closure``, ``-no-fingerprint``: KVCompass with one :class:`EdgeParams` switch off (paper
-  section 5.4); the simulator builds its plane with that switch (:func:`scheme_params`).
+* ``kvcompass-no-load``, ``-no-xregion``, ``-tier-blind``, ``-no-migration``, ``-no-handoff``,
+  ``-no-belief``, ``-no-closure``, ``-no-fingerprint``: KVCompass with one :class:`EdgeParams`
+  switch off (paper section 5.4; the hand-off is ours); the simulator builds its plane with that
+  switch (:func:`scheme_params`).
 * ``consistent-hash``, ``chord``, ``planetserve``, ``central-directory``, ``skywalker``: the
   paper's baselines (section 5.1); each class's docstring says what it models and simplifies.
 
@@ -256,8 +258,7 @@ class TierBlind(KVCompassAblation):
 
 
 class NoMigration(KVCompassAblation):
-    """No migration actions ("No-KVmigration"). The simulator does not execute migrations yet,
-    so this differs from ``kvcompass`` only in hotness tracking's side effects."""
+    """No migration actions ("No-KVmigration"): hot prefixes stay where requests put them."""
 
     name = "kvcompass-no-migration"
     ablation = {"migration": False}
