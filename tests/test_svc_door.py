@@ -607,3 +607,24 @@ def test_a_peer_door_hands_off_a_request_to_a_less_loaded_worker_of_its_region()
             sock.close()
 
     run(go())
+
+
+def test_without_handoff_a_door_forwards_to_the_remote_worker_itself() -> None:
+    from kvcompass.discovery.params import EdgeParams
+    from kvcompass.services.commands import build_edge
+
+    assert build_edge(load_topology("testbed-14x3"), "us", handoff=False).params.handoff is False
+    plane = LocalPlane(load_topology("testbed-14x3"), seed=3, params=EdgeParams(handoff=False))
+    ids = prompt_ids(8, 8192)
+    cache_prefix(plane, "eu-0", ids)
+    fleet = Fleet(cached={"eu-0": 8192})
+
+    async def go() -> None:
+        # The peer URL answers nothing: were it used, the request would fail over or fail.
+        async with rig(plane, fleet) as t:
+            t.door.door.set_peers({"eu": dead_url()})
+            status, headers, _ = await complete(t.client, {"model": MODEL, "prompt": ids.tolist(), "max_tokens": 4})
+            assert status == 200 and headers["x-kvcompass-worker"] == "eu-0" and fleet.served() == ["eu-0"]
+            assert metric(await t.metrics(), "kvcompass_door_peer_failures_total") == 0
+
+    run(go())

@@ -64,6 +64,8 @@ class ClusterConfig:
     routing: str = "kvcompass"
     time_scale: float = 1.0
     wan_delay: bool = True
+    handoff: bool = True
+    """Edges forward cross-region requests through the destination region's door (hand-off)."""
     workers_per_region: int | None = None
     max_workers: int | None = None
     state_file: str | None = None
@@ -263,7 +265,7 @@ class Cluster:
             await self.spawn(f"edge-{r}", "edge", self._cmd(
                 "edge", "--region", r, "--topology", cfg.topology, "--routing", cfg.routing, "--host", cfg.host, "--maintenance", maint,
                 "--workers-file", str(workers_file), "--wan-delay", repr(wan), "--peers-file", str(peers_file), "--door-peers-file", str(door_peers_file),
-                "--drain-grace", repr(cfg.drain_grace_s), "--seed", str(i), *self._mtls(),
+                "--drain-grace", repr(cfg.drain_grace_s), "--seed", str(i), *([] if cfg.handoff else ["--no-handoff"]), *self._mtls(),
             ))
             for i, r in enumerate(self.plan.edge_regions)
         ]
@@ -438,7 +440,7 @@ def up_main(args: argparse.Namespace) -> int:
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     cfg = ClusterConfig(
-        topology=args.topology, routing=args.routing, time_scale=args.time_scale, wan_delay=not args.no_wan_delay,
+        topology=args.topology, routing=args.routing, time_scale=args.time_scale, wan_delay=not args.no_wan_delay, handoff=not args.no_handoff,
         workers_per_region=args.workers_per_region, max_workers=args.max_workers, state_file=args.state_file, run_dir=args.run_dir,
         startup_timeout_s=args.startup_timeout, drain_grace_s=args.drain_grace, auth=not args.no_auth, tls=args.tls,
     )

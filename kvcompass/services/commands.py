@@ -82,6 +82,7 @@ def add_commands(sub: Any) -> None:
     e.add_argument("--door-peers", default="", metavar="REGION=URL,...",
                    help="other regions' door base URLs: requests routed there go through that door, which may hand them to a less loaded worker of its region")
     e.add_argument("--door-peers-file", default=None, metavar="JSON", help="like --door-peers, read from a JSON object once the file appears")
+    e.add_argument("--no-handoff", action="store_true", help="forward requests routed to another region straight to the worker, not through that region's door")
     e.add_argument("--drain-grace", type=float, default=30.0, metavar="S", help="seconds in-flight requests may take to finish on SIGTERM")
     e.add_argument("--queue-poll", type=float, default=0.1, metavar="S",
                    help="read own-region workers' queues (GET /kvcompass/load) every S seconds; 0: only from responses (default 0.1, Delta)")
@@ -129,6 +130,7 @@ def add_commands(sub: Any) -> None:
     u.add_argument("--routing", choices=("kvcompass", "local"), default="kvcompass")
     u.add_argument("--time-scale", type=float, default=1.0, metavar="S", help="scales the workers' modelled time and the WAN delays alike")
     u.add_argument("--no-wan-delay", action="store_true", help="do not emulate WAN delays between regions")
+    u.add_argument("--no-handoff", action="store_true", help="edges forward cross-region requests straight to the worker (no hand-off by the destination region's door)")
     u.add_argument("--workers-per-region", type=int, default=None, metavar="K", help="start at most K workers of each region")
     u.add_argument("--max-workers", type=int, default=None, metavar="N", help="start at most N workers (spread over regions)")
     u.add_argument("--run-dir", default=None, metavar="DIR", help="logs, state and peer files (default: a temporary directory)")
@@ -361,15 +363,17 @@ async def _maintenance(args: argparse.Namespace) -> int:
 # -- kvcompass edge ---------------------------------------------------------------------------------------
 
 
-def build_edge(topology: Any, region: str, routing: str = "kvcompass", seed: int = 0) -> Any:
+def build_edge(topology: Any, region: str, routing: str = "kvcompass", seed: int = 0, handoff: bool = True) -> Any:
     """The :class:`~kvcompass.discovery.edge.Edge` of ``region``, wired as
     :class:`~kvcompass.discovery.plane.LocalPlane` wires its edges. ``routing="local"`` is
-    region-local cache-aware routing: no lookups toward other regions, own-region winners only."""
+    region-local cache-aware routing: no lookups toward other regions, own-region winners only.
+    ``handoff`` False: requests routed to another region go straight to the worker, never
+    through that region's door (``EdgeParams.handoff``)."""
     from kvcompass.discovery.edge import Edge
     from kvcompass.discovery.params import EdgeParams, layout_for
     from kvcompass.discovery.plan import LevelPlan
 
-    params = EdgeParams(cross_region=routing == "kvcompass")
+    params = EdgeParams(cross_region=routing == "kvcompass", handoff=handoff)
     plan = LevelPlan(topology)
     if region not in plan.edge_regions:
         raise UsageError(f"--region {region!r}: the topology's edge regions are {', '.join(plan.edge_regions)}")
@@ -435,7 +439,7 @@ async def _edge(args: argparse.Namespace) -> int:
     from kvcompass.services.http_door import DoorConfig, serve_door
 
     topo = _load(args.topology)
-    edge = build_edge(topo, args.region, args.routing, args.seed)
+    edge = build_edge(topo, args.region, args.routing, args.seed, handoff=not args.no_handoff)
     units = _units(args.maintenance, edge.layout.shards)
     urls = _worker_urls(args)
     unknown = sorted(set(urls) - set(edge.workers))
