@@ -572,10 +572,11 @@ class Edge:
             self._lam_version = self._queues.version
         return self._lam
 
-    def route(self, tokens: npt.NDArray[np.uint32] | Sequence[int], namespace: Namespace | bytes, now: float, exclude: Collection[str] = ()) -> Decision:
-        """Pick the worker for one prompt (see the module docs); registers the speculative entry
-        and counts hotness as side effects. ``exclude`` names workers that may not win (a
-        front door retrying after a worker failed); InvalidArgumentError if nobody is left."""
+    def _score(
+        self, tokens: npt.NDArray[np.uint32] | Sequence[int], namespace: Namespace | bytes, now: float
+    ) -> tuple[npt.NDArray[np.uint32], bytes, npt.NDArray[np.float64], float, npt.NDArray[np.float64], _core.RouteResult]:
+        """Every worker's joint score for the prompt as of ``now`` (expired speculative entries
+        and dispatch charges dropped first), with the inputs the score used."""
         p = self._params
         self._expire(now)
         toks = as_tokens(tokens)
@@ -585,6 +586,14 @@ class Edge:
         lam = self.capacity_price()
         belief = self._belief.values if p.belief else self._ones
         res = self._router.route(toks, ns, self._region_idx, self._beta, self._wan, tq, belief, gamma=self._gamma, lam=lam, closure=p.closure)
+        return toks, ns, tq, lam, belief, res
+
+    def route(self, tokens: npt.NDArray[np.uint32] | Sequence[int], namespace: Namespace | bytes, now: float, exclude: Collection[str] = ()) -> Decision:
+        """Pick the worker for one prompt (see the module docs); registers the speculative entry
+        and counts hotness as side effects. ``exclude`` names workers that may not win (a
+        front door retrying after a worker failed); InvalidArgumentError if nobody is left."""
+        p = self._params
+        toks, ns, tq, lam, belief, res = self._score(tokens, namespace, now)
         if self._all_eligible and not exclude:
             scores, best = res.scores, res.score
         else:
@@ -623,14 +632,7 @@ class Edge:
         if not self._local_l[i]:
             raise InvalidArgumentError(f"handoff of {worker!r}: a worker of region {self._worker_region[i]!r}, not of this edge's region {self._region!r}")
         p = self._params
-        self._expire(now)
-        toks = as_tokens(tokens)
-        ns = namespace.digest if isinstance(namespace, Namespace) else bytes(namespace)
-        self._queues.expire(now)
-        tq = self._queues.values if p.load_aware else self._zeros
-        lam = self.capacity_price()
-        belief = self._belief.values if p.belief else self._ones
-        res = self._router.route(toks, ns, self._region_idx, self._beta, self._wan, tq, belief, gamma=self._gamma, lam=lam, closure=p.closure)
+        toks, ns, tq, lam, belief, res = self._score(tokens, namespace, now)
         w = i
         scores = res.scores + self._nonlocal_inf
         if exclude:
