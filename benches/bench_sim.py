@@ -13,6 +13,7 @@ schemes rather than one long trace's hashing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import subprocess
@@ -20,7 +21,7 @@ import sys
 import time
 import tracemalloc
 
-from kvcompass.discovery.topology import load_topology
+from kvcompass.discovery.topology import Topology, load_topology
 from kvcompass.sim.engine import simulate
 from kvcompass.sim.schemes import SCHEMES
 from kvcompass.sim.workload import synthetic_mixed
@@ -36,6 +37,23 @@ def _commit() -> str | None:
         return None
 
 
+def _scaled_caches(topo: Topology, f: float) -> Topology:
+    """``topo`` with every worker's capacities times ``f``, in whole blocks (at least one in VRAM)."""
+    if not f > 0:
+        raise SystemExit(f"--cache-scale must be > 0, got {f}")
+    b = topo.block_size
+    from kvcompass.sim.engine import DEFAULT_DRAM_TOKENS, DEFAULT_VRAM_TOKENS
+
+    def scaled(tokens: int, default: int, least: int) -> int:
+        return max(least, int((tokens or default) * f) // b * b)
+
+    workers = tuple(
+        dataclasses.replace(w, vram_tokens=scaled(w.vram_tokens, DEFAULT_VRAM_TOKENS, b), dram_tokens=scaled(w.dram_tokens, DEFAULT_DRAM_TOKENS, 0))
+        for w in topo.workers
+    )
+    return dataclasses.replace(topo, workers=workers)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few requests and three schemes (<= 60 s)")
@@ -44,11 +62,21 @@ def main() -> int:
     ap.add_argument("--topology", default="paper-64x8")
     ap.add_argument("--rate", type=float, default=50.0, help="offered load, req/s of simulated time")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--cache-scale",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="scale every worker's VRAM and DRAM capacity by F (e.g. 0.001): small caches fill within the run, "
+        "so the memory figure shows what the heap does once they are full",
+    )
     args = ap.parse_args()
     n = args.requests or (400 if args.quick else 5000)
     names = args.schemes or ("kvcompass,local-least-loaded,oracle" if args.quick else "all")
     schemes = list(SCHEMES) if names == "all" else [s.strip() for s in names.split(",") if s.strip()]
     topo = load_topology(args.topology)
+    if args.cache_scale != 1.0:
+        topo = _scaled_caches(topo, args.cache_scale)
     requests = synthetic_mixed(n, regions=topo, seed=args.seed, rate=args.rate, block_size=topo.block_size)
     rates: dict[str, float] = {}
     for name in schemes:
@@ -79,6 +107,7 @@ def main() -> int:
         "memory_scheme": first,
         "heap_peak_mb": {k: round(v, 2) for k, v in peaks.items()},
         "heap_growth_kb_per_request": round(growth_kb, 3),
+        "cache_scale": args.cache_scale,
         "mode": "quick" if args.quick else "full",
         "git_commit": _commit(),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
