@@ -300,3 +300,17 @@ def test_a_replicated_trace_runs_with_a_namespace_per_tenant(testbed: Topology) 
             assert k in allowed
             seen[allowed[k]].add(k)
     assert all(len(v) > 0 for v in seen.values())
+
+
+@pytest.mark.parametrize("scheme", ["kvcompass", "oracle"])
+def test_decode_segments_end_where_step_by_step_decoding_would(scheme: str, testbed: Topology, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One event per decode segment (cut when a sequence joins) gives every request the same
+    first and last token, to the float, as one event per decode step (segments of one step)."""
+    import kvcompass.sim.engine as engine
+
+    reqs = synthetic_mixed(200, regions=testbed, seed=5, rate=40.0, config=SMALL)
+    assert sum(r.output_length for r in reqs) > 20 * len(reqs)  # real batches, with joins
+    coalesced = simulate(testbed, reqs, scheme, seed=2)
+    monkeypatch.setattr(engine, "_SEGMENT_STEPS", 1)
+    stepwise = simulate(testbed, reqs, scheme, seed=2)
+    assert [(r.id, r.worker, r.ttft_ms, r.e2e_ms) for r in coalesced.records] == [(r.id, r.worker, r.ttft_ms, r.e2e_ms) for r in stepwise.records]

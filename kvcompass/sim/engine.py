@@ -33,7 +33,9 @@ API takes seconds: every ``now`` handed to it is ``time_ms / 1000``.
    not slow each other down, a simplification). A step decodes one token for every running
    sequence and takes ``cost.decode_step_ms(batch, context tokens)``; sequences join at the
    next step boundary. The last token reaches the edge one WAN way after its step: E2E. A
-   request with ``output_length <= 1`` completes at prefill end.
+   request with ``output_length <= 1`` completes at prefill end. The clock does not stop at
+   every step: one event ends a run of steps with an unchanged batch (a segment), at the
+   boundary a step-by-step clock would reach, float for float.
 
 **Queues.** A worker's queued prefill work (ms) is the remainder of the running prefill plus,
 for each waiting request, its estimate from a cache lookup at enqueue time. Own-region edges
@@ -182,6 +184,19 @@ class _Worker:
         self.running: list[_Job] = []
         self.joining: list[_Job] = []
         self.stepping = False
+        # The decode segment in flight (see Simulator._step): its first step's start, batch size,
+        # context tokens at that start, fixed part of a step, steps until it ends, and a
+        # generation that tells its scheduled end from one a joining sequence superseded.
+        self.seg_start = 0.0
+        self.seg_batch = 0
+        self.seg_context = 0
+        self.seg_linear = 0.0
+        self.seg_steps = 0
+        self.seg_gen = 0
+
+
+_SEGMENT_STEPS = 64
+"""Most decode steps one event covers (Simulator._step)."""
 
 
 def _capacity(tokens: int, block: int, default: int) -> int:
@@ -512,6 +527,8 @@ class Simulator:
         w.joining.append(job)
         if not w.stepping:
             self._step(w)
+        elif len(w.joining) == 1:
+            self._cut(w)
 
     def _respond(self, w: _Worker, job: _Job) -> None:
         """The first chunk back at the edge: reuse report and, from another region, a queue vector."""
@@ -547,24 +564,62 @@ class Simulator:
             edge.set_local_queue(w.spec.id, self.queued_ms(w.spec.id, self._now), self._now / 1e3)
 
     def _step(self, w: _Worker) -> None:
+        """Start a decode segment: the steps the batch runs unchanged, up to the step in which
+        its first sequence finishes (at most ``_SEGMENT_STEPS``, which bounds what a cut
+        recomputes). Step ``i`` of a segment takes ``decode_step_ms(B, C + i*B)``
+        (every step adds a token to each context), so one event ends the whole segment; a
+        sequence that joins meanwhile cuts it at the next step boundary (:meth:`_cut`). The step
+        boundaries are the ones step-by-step events would give, float for float."""
         w.running.extend(w.joining)
         w.joining.clear()
         if not w.running:
             w.stepping = False
             return
         w.stepping = True
-        batch = list(w.running)
-        dt = self._cost.decode_step_ms(len(batch), sum(j.context for j in batch))
-        self._at(self._now + max(dt, 1e-9), lambda: self._end_step(w, batch))
+        cost = self._cost
+        batch = len(w.running)
+        context = sum(j.context for j in w.running)
+        steps = min(_SEGMENT_STEPS, min(j.remaining for j in w.running))
+        cost.decode_step_ms(batch, context)  # validates the counts once per segment
+        linear = max(cost.decode_base_ms + cost.decode_ms_per_seq * batch, cost.decode_compute_ms_per_token * batch)
+        w.seg_start, w.seg_batch, w.seg_context, w.seg_linear, w.seg_steps = self._now, batch, context, linear, steps
+        w.seg_gen += 1
+        self._at(self._boundary(w, steps), partial(self._end_segment, w, w.seg_gen))
 
-    def _end_step(self, w: _Worker, batch: list[_Job]) -> None:
-        self.decoded[w.spec.id] += len(batch)
-        for j in batch:
-            j.remaining -= 1
-            j.context += 1
+    def _boundary(self, w: _Worker, steps: int) -> float:
+        """The end of the segment's ``steps``-th step."""
+        t, b, batch, context, linear = w.seg_start, self._cost.decode_ms_per_context_token, w.seg_batch, w.seg_context, w.seg_linear
+        for i in range(steps):
+            t = t + max(linear + b * (context + i * batch), 1e-9)
+        return t
+
+    def _cut(self, w: _Worker) -> None:
+        """A sequence joined a running segment: end it at the first step boundary after now."""
+        t, b, batch, context, linear = w.seg_start, self._cost.decode_ms_per_context_token, w.seg_batch, w.seg_context, w.seg_linear
+        now = self._now
+        for i in range(w.seg_steps):
+            t = t + max(linear + b * (context + i * batch), 1e-9)
+            if t > now:
+                if i + 1 < w.seg_steps:
+                    w.seg_steps = i + 1
+                    w.seg_gen += 1
+                    self._at(t, partial(self._end_segment, w, w.seg_gen))
+                return
+
+    def _end_segment(self, w: _Worker, gen: int) -> None:
+        if gen != w.seg_gen:
+            return  # superseded by a cut
+        steps = w.seg_steps
+        self.decoded[w.spec.id] += w.seg_batch * steps
+        done = False
+        for j in w.running:
+            j.remaining -= steps
+            j.context += steps
             if j.remaining == 0:
                 self._complete(j)
-        w.running = [j for j in w.running if j.remaining > 0]
+                done = True
+        if done:
+            w.running = [j for j in w.running if j.remaining > 0]
         self._step(w)
 
     def _complete(self, job: _Job) -> None:
