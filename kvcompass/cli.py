@@ -136,6 +136,8 @@ def _sensitivity(args: argparse.Namespace, topology: Topology, requests: list[Re
             wan_jitter=knob.get("wan_jitter", 0.0),
             patch_loss=knob.get("patch_loss", 0.0),
             patch_delay_ms=knob.get("patch_delay_ms", 0.0),
+            gpu_sharing=args.gpu_sharing,
+            max_batched_tokens=args.max_batched_tokens,
         )
         print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         return s
@@ -185,6 +187,8 @@ def _simulate(args: argparse.Namespace) -> int:
             raise _UsageError(f"--{name.replace('_', '-')} must be a percentage in [0, 100{')' if name == 'patch_loss' else ']'}, got {v}")
     if not args.patch_delay_ms >= 0:
         raise _UsageError(f"--patch-delay-ms must be >= 0, got {args.patch_delay_ms}")
+    if args.max_batched_tokens < 1:
+        raise _UsageError(f"--max-batched-tokens must be >= 1, got {args.max_batched_tokens}")
     faults = {"wan_jitter": args.wan_jitter / 100, "patch_loss": args.patch_loss / 100, "patch_delay_ms": args.patch_delay_ms}
     topology = load_topology(args.topology, rtt_path=args.rtt_matrix)
     trace_path = None if args.trace == "mixed" else resolve_trace(args.trace)
@@ -216,7 +220,15 @@ def _simulate(args: argparse.Namespace) -> int:
             print(f"[{done}/{total}] {scheme} at {rate} req/s: {len(requests)} requests ...", end="", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             results[scheme][rate] = simulate(
-                topology, requests, scheme, seed=args.seed, wan_jitter=faults["wan_jitter"], patch_loss=faults["patch_loss"], patch_delay_ms=faults["patch_delay_ms"]
+                topology,
+                requests,
+                scheme,
+                seed=args.seed,
+                wan_jitter=faults["wan_jitter"],
+                patch_loss=faults["patch_loss"],
+                patch_delay_ms=faults["patch_delay_ms"],
+                gpu_sharing=args.gpu_sharing,
+                max_batched_tokens=args.max_batched_tokens,
             )
             print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     extra: dict[str, object] = {}
@@ -306,6 +318,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     sim.add_argument("--wan-jitter", type=float, default=0.0, metavar="PCT", help="every WAN traversal varies uniformly by +-PCT %% around the matrix (routing scores the matrix)")
     sim.add_argument("--patch-loss", type=float, default=0.0, metavar="PCT", help="each patch batch is lost on its way to each edge with this probability (%%); edges repair it")
     sim.add_argument("--patch-delay-ms", type=float, default=0.0, metavar="MS", help="patch batches reach the edges this much later")
+    sim.add_argument(
+        "--gpu-sharing",
+        choices=("chunked", "lanes"),
+        default="chunked",
+        help="how prefill and decode share a worker: chunked (vLLM's steps: each slows the other; default) or lanes (separate, the older model)",
+    )
+    sim.add_argument("--max-batched-tokens", type=int, default=2048, metavar="N", help="tokens per engine step with chunked sharing (vLLM's max_num_batched_tokens; default 2048)")
     sim.add_argument(
         "--sensitivity",
         action="store_true",

@@ -135,6 +135,10 @@ def test_busy_matrix_splits_intervals_across_windows() -> None:
 def test_refusals(testbed: Topology) -> None:
     with pytest.raises(InvalidArgumentError, match="unknown scheme"):
         simulate(testbed, [_request(0, 0.0, "us", 1, 64)], "no-such-scheme")
+    with pytest.raises(InvalidArgumentError, match="gpu_sharing"):
+        simulate(testbed, [_request(0, 0.0, "us", 1, 64)], gpu_sharing="shared")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="max_batched_tokens"):
+        simulate(testbed, [_request(0, 0.0, "us", 1, 64)], max_batched_tokens=0)
 
 
 def test_summary_hit_rates_are_token_weighted_and_the_peak_is_per_worker_compute() -> None:
@@ -314,3 +318,50 @@ def test_decode_segments_end_where_step_by_step_decoding_would(scheme: str, test
     monkeypatch.setattr(engine, "_SEGMENT_STEPS", 1)
     stepwise = simulate(testbed, reqs, scheme, seed=2)
     assert [(r.id, r.worker, r.ttft_ms, r.e2e_ms) for r in coalesced.records] == [(r.id, r.worker, r.ttft_ms, r.e2e_ms) for r in stepwise.records]
+
+
+def _one_worker(vram_tokens: int = 65536) -> Topology:
+    raw: dict[str, Any] = {
+        "name": "one",
+        "rtt_ms": {"a": {"a": 2.0}},
+        "regions": {"a": {}},
+        "workers": [{"id": "w0", "region": "a", "beta_ms_per_token": 0.085, "vram_tokens": vram_tokens, "dram_tokens": 0}],
+    }
+    return topology_from_dict(raw)
+
+
+def test_chunked_sharing_stalls_the_batch_for_a_prompt_and_slows_the_prompt_by_the_batch() -> None:
+    """A 4096-token prompt reaches a worker decoding one sequence. Sharing the GPU as vLLM does
+    (2048-token steps), the prompt runs in three steps next to that sequence's decode, and the
+    sequence's tokens wait for the prompt's compute; on separate lanes neither notices."""
+    topo, cost = _one_worker(), CostModel()
+    reqs = [_request(0, 0.0, "a", 1, 16, output=400), _request(1, 50.0, "a", 2, 4096)]
+    runs = {mode: {r.id: r for r in simulate(topo, reqs, "oracle", gpu_sharing=mode, cost=cost).records} for mode in ("lanes", "chunked")}
+    lanes, chunked = runs["lanes"], runs["chunked"]
+    assert lanes[1].ttft_ms == pytest.approx(2.0 + cost.prefill_ms(4096))
+    # The decoding sequence is late by exactly the prompt's compute.
+    assert chunked[0].e2e_ms - lanes[0].e2e_ms == pytest.approx(cost.prefill_ms(4096))
+    # The prompt waits for the step boundary, then takes 2047 + 2047 + 2 tokens beside a decode.
+    least, most = cost.decode_step_ms(1, 17), cost.decode_step_ms(1, 416)
+    assert 2.0 + cost.prefill_ms(4096) + 3 * least <= chunked[1].ttft_ms <= 2.0 + cost.prefill_ms(4096) + 4 * most
+    # Alone on the worker a prompt costs what it costs on a lane.
+    alone = simulate(topo, reqs[1:], "oracle", cost=cost).records[0]
+    assert alone.ttft_ms == pytest.approx(lanes[1].ttft_ms)
+
+
+def test_chunked_sharing_queues_count_the_decode_batch() -> None:
+    """The queue a worker reports (what edges and exact schemes read) prices each waiting prompt's
+    chunks at the decode step of the batch it holds, so a decoding worker reports more."""
+    from kvcompass.sim.engine import SimConfig, Simulator
+
+    topo = _one_worker()
+    reqs = [_request(i, 0.0, "a", 1 + i, 16, output=300) for i in range(8)]
+    reqs += [_request(8, 200.0, "a", 100, 6000), _request(9, 200.0, "a", 101, 6000)]
+    seen: dict[str, float] = {}
+    for mode in ("lanes", "chunked"):
+        sim = Simulator(topo, reqs, "oracle", SimConfig(gpu_sharing=mode))
+        sim._at(203.0, lambda sim=sim, mode=mode: seen.__setitem__(mode, sim.queued_ms("w0", sim.now_ms)))  # type: ignore[misc]
+        sim.run()
+    cost = CostModel()
+    assert seen["lanes"] == pytest.approx(2 * cost.prefill_ms(6000) - 2.0, abs=cost.decode_step_ms(8, 8 * 300))
+    assert seen["chunked"] > seen["lanes"] + 6 * cost.decode_step_ms(8, 8 * 17)

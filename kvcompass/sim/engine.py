@@ -78,6 +78,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -100,7 +101,10 @@ from kvcompass.sim.metrics import RequestRecord, Summary, summarize
 from kvcompass.sim.schemes import Choice, Fleet, Scheme, make_scheme, scheme_params
 from kvcompass.sim.workload import ChainBlocks, Request
 
-__all__ = ["DEFAULT_DRAM_TOKENS", "DEFAULT_VRAM_TOKENS", "SimConfig", "Simulator", "simulate"]
+__all__ = ["DEFAULT_DRAM_TOKENS", "DEFAULT_VRAM_TOKENS", "GPU_SHARING", "GpuSharing", "SimConfig", "Simulator", "simulate"]
+
+GpuSharing = Literal["chunked", "lanes"]
+GPU_SHARING: tuple[GpuSharing, ...] = ("chunked", "lanes")
 
 # Used when a topology leaves a worker's capacities out (0): the testbed's figures (about 12 GiB
 # of KV at 128 KiB/token in VRAM, 128 GiB of host DRAM; kvcompass/topologies/testbed-14x3.toml).
@@ -132,6 +136,15 @@ class SimConfig:
     transfer_gbps: float = 100.0
     """Worker-to-worker KV transfer (Gbit/s), for copy migrations and the prefill-to-decode hand
     off: ours, a 100 GbE / RDMA NIC between GPU servers (the paper gives no figure)."""
+    gpu_sharing: GpuSharing = "chunked"
+    """How prefill and decode share a worker's GPU: ``"chunked"`` (vLLM's scheduler: every step
+    carries each running sequence's next token plus up to ``max_batched_tokens`` minus that of
+    one waiting prompt, so each slows the other) or ``"lanes"`` (a prefill server and a decode
+    lane that never slow each other down; the model before chunked sharing)."""
+    max_batched_tokens: int = 2048
+    """Tokens one step may carry (vLLM's ``max_num_batched_tokens``): 2048 is vLLM's default for
+    its OpenAI server on GPUs under 70 GiB and on A100 (``EngineArgs.get_batch_defaults``), the
+    paper's RTX 5090 testbed and the A100 decode calibration."""
 
     def __post_init__(self) -> None:
         if not self.event_delay_ms >= 0:
@@ -145,6 +158,10 @@ class SimConfig:
         for name in ("patch_interval_ms", "window_ms", "transfer_gbps"):
             if not getattr(self, name) > 0:
                 raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.gpu_sharing not in GPU_SHARING:
+            raise InvalidArgumentError(f"gpu_sharing must be one of {', '.join(GPU_SHARING)}, got {self.gpu_sharing!r}")
+        if type(self.max_batched_tokens) is not int or self.max_batched_tokens < 1:
+            raise InvalidArgumentError(f"max_batched_tokens must be an int >= 1, got {self.max_batched_tokens!r}")
 
 
 @dataclass(slots=True, eq=False)
@@ -165,6 +182,8 @@ class _Job:
     context: int = 0
     migration: MigrationAction | None = None
     back_ms: float = -1.0  # last token's way back to the edge when decode ran elsewhere
+    left: int = 0  # chunked sharing: prompt tokens still to compute
+    extra_ms: float = 0.0  # chunked sharing: fixed cost and DRAM reload, paid with the first chunk
 
 
 class _Worker:
@@ -193,6 +212,10 @@ class _Worker:
         self.seg_linear = 0.0
         self.seg_steps = 0
         self.seg_gen = 0
+        self.seg_mixed = False  # the step in flight carries a prefill chunk (not cut)
+        self.seg_cut = False  # the decode segment in flight was cut already
+        self.step_end = 0.0  # chunked sharing: end of the step in flight
+        self.rest_ms = 0.0  # chunked sharing: estimated prefill left after the step in flight
 
 
 _SEGMENT_STEPS = 64
@@ -257,6 +280,7 @@ class Simulator:
         self._records: list[RequestRecord] = []
         self._ran = False
         self._migrate = self._indexed and params.migration
+        self._chunked = config.gpu_sharing == "chunked"
         # Decode instances per region, and for each region where its prefill hands off.
         decoders = {r: [self._workers[w.id] for w in topology.workers_in(r) if w.role == "decode"] for r in topology.region_names}
         with_decode = [r for r in topology.region_names if decoders[r]]
@@ -289,8 +313,11 @@ class Simulator:
 
     def queued_ms(self, worker: str, now_ms: float) -> float:
         w = self._workers[worker]
-        running = max(0.0, w.busy_until - now_ms) if w.current is not None else 0.0
-        return w.waiting_ms + running
+        if w.current is None:
+            return w.waiting_ms
+        if self._chunked:
+            return w.waiting_ms + max(0.0, w.step_end - now_ms) + w.rest_ms
+        return w.waiting_ms + max(0.0, w.busy_until - now_ms)
 
     def dispatched_ms(self, worker: str, origin: str | None = None) -> float:
         d = self._workers[worker].dispatched
@@ -382,7 +409,7 @@ class Simulator:
         forward = self._way(edge_region, w.spec.region)
         job = _Job(r, tokens, choice, edge_region, self._way(w.spec.region, edge_region))
         v, d = w.cache.lookup(tokens, self.salt(r))
-        job.dispatched_ms = self._prefill_ms(r.input_length, v, d)
+        job.dispatched_ms = self._estimate_ms(w, r.input_length, v, d)
         w.dispatched[r.region] = w.dispatched.get(r.region, 0.0) + job.dispatched_ms
         # A scheme's lookup (a coordinator round trip, DHT hops) delays the forward.
         self._at(self._now + choice.delay_ms + forward, lambda: self._land(w, job))
@@ -412,7 +439,7 @@ class Simulator:
             left = w.dispatched[origin] - job.dispatched_ms
             w.dispatched[origin] = left if left > 1e-9 else 0.0
         v, d = w2.cache.lookup(job.tokens, self.salt(job.request))
-        job.dispatched_ms = self._prefill_ms(job.request.input_length, v, d)
+        job.dispatched_ms = self._estimate_ms(w2, job.request.input_length, v, d)
         w2.dispatched[origin] = w2.dispatched.get(origin, 0.0) + job.dispatched_ms
         job.choice = dataclasses.replace(job.choice, worker=c.worker)
         self.handoffs += 1
@@ -470,16 +497,36 @@ class Simulator:
             left = w.dispatched[origin] - job.dispatched_ms
             w.dispatched[origin] = left if left > 1e-9 else 0.0
         v, d = w.cache.lookup(job.tokens, self.salt(job.request))
-        job.estimate_ms = self._prefill_ms(job.request.input_length, v, d)
+        job.estimate_ms = self._estimate_ms(w, job.request.input_length, v, d)
         w.waiting.append(job)
         w.waiting_ms += job.estimate_ms
-        if w.current is None:
+        if self._chunked:
+            if w.stepping:
+                self._poke(w)
+            else:
+                self._step(w)
+        elif w.current is None:
             self._start_prefill(w)
         self._publish_queue(w)
 
     def _prefill_ms(self, length: int, vram_hit: int, dram_hit: int) -> float:
         reused = min(length, vram_hit + dram_hit)
         return self._cost.prefill_ms(length - reused) + self._cost.reload_ms(dram_hit)
+
+    def _estimate_ms(self, w: _Worker, length: int, vram_hit: int, dram_hit: int) -> float:
+        """The worker's estimate of a prompt's prefill: its compute and reload and, with chunked
+        sharing, one step of the decode batch it holds now per chunk (what a vLLM worker that
+        knows its running batch can tell)."""
+        ms = self._prefill_ms(length, vram_hit, dram_hit)
+        if not self._chunked:
+            return ms
+        uncached = length - min(length, vram_hit + dram_hit)
+        batch = len(w.running) + len(w.joining)
+        if not uncached or not batch:
+            return ms
+        context = sum(j.context for j in w.running) + sum(j.context for j in w.joining)
+        room = max(self.config.max_batched_tokens - batch, 1)
+        return ms + -(-uncached // room) * self._cost.decode_step_ms(batch, context)
 
     def _start_prefill(self, w: _Worker) -> None:
         job = w.waiting.popleft()
@@ -508,6 +555,12 @@ class Simulator:
         if w.waiting:
             self._start_prefill(w)
         self._publish_queue(w)
+        self._decode(w, job)
+
+    def _decode(self, w: _Worker, job: _Job) -> None:
+        """After the first token: the rest of the output in ``w``'s continuous batch, or in a
+        decode instance's of the region (disaggregated), or nothing when one token was asked."""
+        now = self._now
         out = job.request.output_length
         if out <= 1:
             self._complete(job)
@@ -527,7 +580,14 @@ class Simulator:
         w.joining.append(job)
         if not w.stepping:
             self._step(w)
-        elif len(w.joining) == 1:
+        else:
+            self._poke(w)
+
+    def _poke(self, w: _Worker) -> None:
+        """Work arrived for the next step (a sequence to decode; with chunked sharing, a prompt):
+        a decode segment in flight ends at its next step boundary."""
+        if not w.seg_mixed and not w.seg_cut:
+            w.seg_cut = True
             self._cut(w)
 
     def _respond(self, w: _Worker, job: _Job) -> None:
@@ -572,10 +632,16 @@ class Simulator:
         boundaries are the ones step-by-step events would give, float for float."""
         w.running.extend(w.joining)
         w.joining.clear()
+        if self._chunked:
+            if w.current is None and w.waiting:
+                self._begin_prefill(w)
+            if w.current is not None:
+                self._mixed_step(w, w.current)
+                return
         if not w.running:
             w.stepping = False
             return
-        w.stepping = True
+        w.stepping, w.seg_mixed, w.seg_cut = True, False, False
         cost = self._cost
         batch = len(w.running)
         context = sum(j.context for j in w.running)
@@ -605,6 +671,72 @@ class Simulator:
                     w.seg_gen += 1
                     self._at(t, partial(self._end_segment, w, w.seg_gen))
                 return
+
+    def _begin_prefill(self, w: _Worker) -> None:
+        """Chunked sharing: the head of the FIFO becomes the prompt the steps carry."""
+        job = w.waiting.popleft()
+        w.waiting_ms = max(0.0, w.waiting_ms - job.estimate_ms) if w.waiting else 0.0
+        job.start_ms = self._now
+        job.vram_hit, job.dram_hit = w.cache.lookup(job.tokens, self.salt(job.request))
+        length = job.request.input_length
+        job.left = length - min(length, job.vram_hit + job.dram_hit)
+        job.extra_ms = (self._cost.prefill_base_ms if job.left else 0.0) + self._cost.reload_ms(job.dram_hit)
+        w.current = job
+
+    def _mixed_step(self, w: _Worker, job: _Job) -> None:
+        """Chunked sharing: one step of every running sequence's next token plus the next chunk of
+        the prompt, as vLLM schedules them (decodes first, the prompt fills the rest of the token
+        budget). Its time is the chunk's prefill plus the decode step the batch alone would take,
+        so a long prompt stalls the batch and a large batch slows the prompt."""
+        cost, now = self._cost, self._now
+        batch = len(w.running)
+        room = max(self.config.max_batched_tokens - batch, 1)
+        chunk = min(job.left, room)
+        compute = cost.prefill_ms_per_token * chunk + job.extra_ms
+        job.extra_ms = 0.0
+        decode = cost.decode_step_ms(batch, sum(j.context for j in w.running)) if batch else 0.0
+        rest = job.left - chunk
+        w.rest_ms = cost.prefill_ms_per_token * rest + (-(-rest // room) * decode if rest else 0.0)
+        if compute > 0:
+            w.busy.append((now, now + compute))
+        w.stepping, w.seg_mixed, w.seg_batch = True, True, batch
+        w.seg_gen += 1
+        w.step_end = now + compute + decode
+        self._at(w.step_end, partial(self._end_mixed, w, job, chunk))
+
+    def _end_mixed(self, w: _Worker, job: _Job, chunk: int) -> None:
+        batch = w.seg_batch
+        if batch:
+            self.decoded[w.spec.id] += batch
+            done = False
+            for j in w.running:
+                j.remaining -= 1
+                j.context += 1
+                if j.remaining == 0:
+                    self._complete(j)
+                    done = True
+            if done:
+                w.running = [j for j in w.running if j.remaining > 0]
+        job.left -= chunk
+        if job.left == 0:
+            w.current = None
+            self._prefilled(w, job)
+        self._step(w)
+        self._publish_queue(w)
+
+    def _prefilled(self, w: _Worker, job: _Job) -> None:
+        """Chunked sharing: the prompt's last chunk is done: its KV is admitted (a migration's
+        replica lands in its tier), the first token leaves, and the sequence decodes from the
+        next step on (here, or at the decode instance of a disaggregated topology)."""
+        now = self._now
+        if job.migration is not None:
+            self._publish_events(w, w.cache.copy_in(job.tokens, job.migration.target_tier, now / 1e3, self.salt(job.request)))
+            return
+        self._publish_events(w, w.cache.admit(job.tokens, now / 1e3, self.salt(job.request)))
+        job.ttft_ms = now + job.one_way_ms - job.request.arrival_ms
+        if self._indexed:
+            self._respond(w, job)
+        self._decode(w, job)
 
     def _end_segment(self, w: _Worker, gen: int) -> None:
         if gen != w.seg_gen:
@@ -662,6 +794,8 @@ def simulate(
     wan_jitter: float = 0.0,
     patch_loss: float = 0.0,
     patch_delay_ms: float = 0.0,
+    gpu_sharing: GpuSharing = "chunked",
+    max_batched_tokens: int = 2048,
 ) -> Summary:
     """Run ``requests`` through ``topology`` (a built-in name, a TOML path, or a Topology) with
     ``scheme`` (a name from :data:`kvcompass.sim.schemes.SCHEMES` or a factory) and summarise."""
@@ -678,5 +812,7 @@ def simulate(
         wan_jitter=wan_jitter,
         patch_loss=patch_loss,
         patch_delay_ms=patch_delay_ms,
+        gpu_sharing=gpu_sharing,
+        max_batched_tokens=max_batched_tokens,
     )
     return Simulator(topo, requests, scheme, config).run()
