@@ -18,9 +18,10 @@ API takes seconds: every ``now`` handed to it is ``time_ms / 1000``.
    which passes before the request is forwarded.
 2. Forward over the WAN: one way is half the topology's RTT between the two regions (the
    in-region RTT when they are the same).
-3. The worker's prefill server is FIFO. At prefill start ``(vram_hit, dram_hit) =
-   cache.lookup(tokens)`` and the prefill takes ``cost.prefill_ms(uncached) +
-   cost.reload_ms(dram_hit)``. At prefill end ``cache.admit(tokens)``; its KV events are
+3. Prompts are prefilled in FIFO order. At prefill start ``(vram_hit, dram_hit) =
+   cache.lookup(tokens)`` and the prefill computes ``cost.prefill_ms(uncached) +
+   cost.reload_ms(dram_hit)``, in steps it shares with the decode batch (see GPU sharing
+   below). At prefill end ``cache.admit(tokens)``; its KV events are
    encoded as a vLLM PUB message, handed to the worker's agent, and the key-op batches reach
    ``plane.ingest`` ``event_delay_ms`` later (agent batching plus the hop to the unit).
 4. Patches: the units' pending patches are flushed to every edge by ``plane.propagate()`` on
@@ -29,16 +30,25 @@ API takes seconds: every ``now`` handed to it is ``time_ms / 1000``.
 5. The first token is produced at prefill end and reaches the edge one WAN way later: TTFT.
    The same first chunk carries the reuse report (``vram_hit + dram_hit``) and, for a worker
    outside the edge's region, its region's queue vector: ``Edge.on_response`` runs then.
-6. Decode: continuous batching on a lane beside the prefill server (prefill and decode do
-   not slow each other down, a simplification). A step decodes one token for every running
-   sequence and takes ``cost.decode_step_ms(batch, context tokens)``; sequences join at the
-   next step boundary. The last token reaches the edge one WAN way after its step: E2E. A
+6. Decode: continuous batching. A step decodes one token for every running sequence and
+   takes ``cost.decode_step_ms(batch, context tokens)``; sequences join at the next step
+   boundary. The last token reaches the edge one WAN way after its step: E2E. A
    request with ``output_length <= 1`` completes at prefill end. The clock does not stop at
    every step: one event ends a run of steps with an unchanged batch (a segment), at the
    boundary a step-by-step clock would reach, float for float.
 
+**GPU sharing** (``SimConfig.gpu_sharing``). ``"chunked"`` (the default) is vLLM's scheduler
+with chunked prefill: every step carries each running sequence's next token plus the next
+chunk of the prompt being prefilled, up to ``max_batched_tokens`` (2048) in all, and takes the
+chunk's prefill time plus the decode step of the batch. So a long prompt stalls every sequence
+decoding beside it, and a large long-context batch slows each chunk. ``"lanes"``: a prefill
+server and a decode lane that never slow each other down (this simulator's model before; it
+leaves decode load out of time to first token, so a TTFT-priced router is never told about it).
+
 **Queues.** A worker's queued prefill work (ms) is the remainder of the running prefill plus,
-for each waiting request, its estimate from a cache lookup at enqueue time. Own-region edges
+for each waiting request, its estimate from a cache lookup at enqueue time; with chunked
+sharing each estimate adds one decode step of the worker's current batch per chunk (a vLLM
+worker knows its running batch). Own-region edges
 get ``set_local_queue`` whenever it changes (enqueue, prefill start, prefill end); remote
 edges learn it from vectors piggybacked on responses and from the broadcasts
 ``Edge.broadcast_due`` asks for (checked on the patch tick, delivered a WAN way later).
@@ -216,6 +226,7 @@ class _Worker:
         self.seg_cut = False  # the decode segment in flight was cut already
         self.step_end = 0.0  # chunked sharing: end of the step in flight
         self.rest_ms = 0.0  # chunked sharing: estimated prefill left after the step in flight
+        self.busy_job: _Job | None = None  # chunked sharing: the prompt the last busy interval is
 
 
 _SEGMENT_STEPS = 64
@@ -698,7 +709,12 @@ class Simulator:
         rest = job.left - chunk
         w.rest_ms = cost.prefill_ms_per_token * rest + (-(-rest // room) * decode if rest else 0.0)
         if compute > 0:
-            w.busy.append((now, now + compute))
+            if w.busy_job is job:  # one interval per prompt: its compute, from its first chunk on
+                b, e = w.busy[-1]
+                w.busy[-1] = (b, e + compute)
+            else:
+                w.busy.append((now, now + compute))
+                w.busy_job = job
         w.stepping, w.seg_mixed, w.seg_batch = True, True, batch
         w.seg_gen += 1
         w.step_end = now + compute + decode

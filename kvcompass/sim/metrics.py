@@ -12,8 +12,9 @@ Definitions (all times in virtual ms):
   **cross-region** the rest; the two add up to the hit rate.
 * **false hit**: the scheme claimed more than the worker reused (``claimed > reused``); the
   rate is over requests with a claim (``claimed > 0``).
-* **utilisation** of a worker in a window: the fraction of the window its prefill server was
-  busy (prefill and DRAM reload; decode runs beside it, see :mod:`kvcompass.sim.engine`).
+* **utilisation** of a worker in a window: the fraction of the window it spent computing
+  prompts (prefill chunks and DRAM reload; the decode tokens of a step are not counted, and a
+  prompt's chunks are laid end to end from its first one, see :mod:`kvcompass.sim.engine`).
 * **load factor** of a worker in a window: its utilisation over the fleet's mean utilisation
   in that window (1 = its fair share; 0 in windows where the whole fleet idles); the heatmap.
   The **peak load factor** follows the paper (section 5.3, figure 14): each worker's compute
