@@ -284,7 +284,18 @@ def test_queue_ms_counts_waiting_prefills() -> None:
 
 @pytest.mark.parametrize(
     "kw",
-    [{"worker_id": ""}, {"block_size": 0}, {"vram_tokens": 100}, {"dram_tokens": -16}, {"policy": "fifo"}, {"time_scale": -1.0}, {"max_model_len": 0}, {"topic": "kv"}],
+    [
+        {"worker_id": ""},
+        {"block_size": 0},
+        {"vram_tokens": 100},
+        {"dram_tokens": -16},
+        {"policy": "fifo"},
+        {"time_scale": -1.0},
+        {"max_model_len": 0},
+        {"topic": "kv"},
+        {"gpu_sharing": "shared"},
+        {"max_batched_tokens": 0},
+    ],
 )
 def test_config_is_checked(kw: dict[str, Any]) -> None:
     from kvcompass.errors import InvalidArgumentError
@@ -455,3 +466,35 @@ def test_serve_worker_runs_until_stopped() -> None:
                 await post(s, w.http_url + "/v1/completions", {"prompt": [1, 2, 3]})
 
     run(main())
+
+
+@pytest.mark.parametrize("sharing", ["chunked", "lanes"])
+def test_a_long_prompt_stalls_the_sequences_decoding_beside_it_when_chunked(sharing: str) -> None:
+    """A 400-token prompt at 1 ms/token arrives while a stream decodes (about 10 ms a token).
+    Sharing the GPU in vLLM's steps, one of the stream's tokens waits for the whole chunk
+    (sleeps never end early, so the gap is at least 400 ms); on separate lanes it never does."""
+
+    async def main() -> None:
+        async with emulated(cost=CostModel(prefill_ms_per_token=1.0), time_scale=1.0, gpu_sharing=sharing) as w, aiohttp.ClientSession() as s:
+            url = w.http_url + "/v1/completions"
+            stamps: list[float] = []
+            loop = asyncio.get_running_loop()
+
+            async def stream() -> None:
+                async with s.post(url, json={"prompt": [7] * 16, "max_tokens": 60, "stream": True}) as r:
+                    assert r.status == 200
+                    async for _ in r.content.iter_any():
+                        stamps.append(loop.time())
+
+            task = asyncio.create_task(stream())
+            await wait_until(lambda: w.running == 1 and len(stamps) >= 3)
+            st, _, _ = await post(s, url, {"prompt": list(range(1, 401)), "max_tokens": 1})
+            assert st == 200
+            await task
+            gap = max(b - a for a, b in zip(stamps, stamps[1:]))
+            if sharing == "chunked":
+                assert gap >= 0.4, gap
+            else:
+                assert gap < 0.3, gap
+
+    run(main(), timeout=30.0)

@@ -19,7 +19,10 @@ simulated one does and the two can be compared.
    of token ids is taken as it is (any u32, as trace replays send).
 2. Enqueue on the FIFO prefill server. At prefill start ``(vram, dram) = cache.lookup(prompt)``
    and the prefill takes ``cost.prefill_ms(uncached) + cost.reload_ms(dram)`` modelled ms,
-   slept for ``time_scale`` times that (0: no sleeping at all, for tests). At prefill end
+   slept for ``time_scale`` times that (0: no sleeping at all, for tests); with chunked GPU
+   sharing (``WorkerConfig.gpu_sharing``, the default, as in the simulator) it runs in chunks
+   of up to ``max_batched_tokens`` minus the running sequences, each chunk beside one decode
+   step of the batch running then. At prefill end
    ``cache.admit(prompt)`` and its events are published as one vLLM message (next seq).
    A request's ``cache_salt`` (vLLM's per-request salt) seeds its prompt's block chain, so
    prompts of different salts share no block, and the stored event of a salted prompt's first
@@ -27,14 +30,16 @@ simulated one does and the two can be compared.
 3. The first token comes out at prefill end; each further token after one decode step of
    ``cost.decode_step_ms(running sequences, their context tokens)`` (continuous batching
    approximated per sequence: every running sequence steps at the rate the current batch
-   would). Tokens are fake but deterministic: a fixed list of single-token words, starting
+   would, plus, with chunked sharing, the prefill time of the prompt chunk in the same step, so
+   a long prompt stalls the sequences decoding beside it). Tokens are fake but deterministic: a fixed list of single-token words, starting
    at an offset derived from the prompt.
 4. ``usage.prompt_tokens_details.cached_tokens`` is the reused prefix (VRAM + DRAM hit, whole
    blocks), which the edge reads as the reuse report.
 
 **Load.** The worker's queued prefill work, in *modelled* ms (the unit the edge's score uses, so
 independent of ``time_scale``): what remains of the running prefill plus, for each waiting
-request, its estimate from a cache lookup at enqueue time. Every completion response carries it
+request, its estimate from a cache lookup at enqueue time (with chunked sharing including one
+decode step of the current batch per chunk). Every completion response carries it
 in ``x-kvcompass-queue-ms``, with ``x-kvcompass-cached-tokens`` and ``x-kvcompass-worker``.
 A streamed response's headers go out at the first token (after its prefill), so an edge has the
 reuse report and the load before any body byte; ``GET /kvcompass/load`` gives them on demand.
@@ -146,13 +151,22 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     tokenizer_path: str | None = None
     """An HF ``tokenizer.json``; None: the built-in default."""
+    gpu_sharing: str = "chunked"
+    """``"chunked"``: prefill and decode share the GPU in vLLM's steps (a prompt runs in chunks of
+    up to ``max_batched_tokens`` minus the running sequences, each chunk beside one decode step,
+    and each decode step waits for the chunk beside it), as the simulator's default;
+    ``"lanes"``: a prefill server and decode steps that never slow each other down."""
+    max_batched_tokens: int = 2048
+    """Tokens one engine step may carry (vLLM's ``max_num_batched_tokens``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.worker_id, str) or not self.worker_id:
             raise InvalidArgumentError(f"worker_id must be a non-empty string, got {self.worker_id!r}")
         if not isinstance(self.model, str) or not self.model:
             raise InvalidArgumentError(f"model must be a non-empty string, got {self.model!r}")
-        for name in ("block_size", "max_model_len", "replay_buffer"):
+        if self.gpu_sharing not in ("chunked", "lanes"):
+            raise InvalidArgumentError(f"gpu_sharing must be 'chunked' or 'lanes', got {self.gpu_sharing!r}")
+        for name in ("block_size", "max_model_len", "replay_buffer", "max_batched_tokens"):
             v = getattr(self, name)
             if type(v) is not int or v < 1:
                 raise InvalidArgumentError(f"{name} must be a positive int, got {v!r}")
@@ -259,9 +273,10 @@ class EmulatedWorker:
         self._waiting_ms = 0.0
         self._running_ms = 0.0  # modelled ms of the prefill in progress (0 when idle)
         self._running_end = 0.0  # loop time it ends (time_scale > 0)
-        # decode lane
+        # decode
         self._decoding = 0
         self._context = 0
+        self._chunk_ms = 0.0  # chunked sharing: the prompt chunk in the current step (modelled ms)
         # lifecycle
         self._inflight = 0
         self._idle = asyncio.Event()
@@ -438,7 +453,7 @@ class EmulatedWorker:
 
     async def _prefill(self, tokens: npt.NDArray[np.uint32], salt: str | None = None) -> tuple[int, int]:
         v, d = self.cache.lookup(tokens, salt)
-        est = self._prefill_ms(len(tokens), v, d)
+        est = self._estimate_ms(len(tokens), v, d)
         loop = asyncio.get_running_loop()
         job = _Job(tokens, est, loop.create_future(), salt)
         self._waiting_ms += est
@@ -450,6 +465,42 @@ class EmulatedWorker:
         cost = self.config.cost
         return cost.prefill_ms(n - v - d) + cost.reload_ms(d)
 
+    def _estimate_ms(self, n: int, v: int, d: int) -> float:
+        """The prompt's prefill with, under chunked sharing, one decode step of the batch running
+        now beside each chunk (what the load report prices)."""
+        ms = self._prefill_ms(n, v, d)
+        uncached = n - v - d
+        if self.config.gpu_sharing != "chunked" or not uncached or not self._decoding:
+            return ms
+        room = max(self.config.max_batched_tokens - self._decoding, 1)
+        return ms + -(-uncached // room) * self.config.cost.decode_step_ms(self._decoding, self._context)
+
+    async def _compute(self, n: int, v: int, d: int) -> None:
+        """Sleep the prompt's prefill: at once with separate lanes, chunk by chunk (each beside a
+        decode step of the batch running then, which waits for the chunk) when chunked."""
+        cfg = self.config
+        scale, cost = cfg.time_scale, cfg.cost
+        if cfg.gpu_sharing != "chunked":
+            ms = self._prefill_ms(n, v, d)
+            await asyncio.sleep(ms * scale / 1e3 if scale > 0 else 0)
+            return
+        left = n - v - d
+        extra = (cost.prefill_base_ms if left else 0.0) + cost.reload_ms(d)
+        try:
+            while True:
+                room = max(cfg.max_batched_tokens - self._decoding, 1)
+                chunk = min(left, room)
+                compute = cost.prefill_ms_per_token * chunk + extra
+                extra = 0.0
+                self._chunk_ms = compute
+                step = compute + (cost.decode_step_ms(self._decoding, self._context) if self._decoding else 0.0)
+                await asyncio.sleep(step * scale / 1e3 if scale > 0 else 0)
+                left -= chunk
+                if left <= 0:
+                    return
+        finally:
+            self._chunk_ms = 0.0
+
     async def _prefill_loop(self) -> None:
         loop = asyncio.get_running_loop()
         scale = self.config.time_scale
@@ -460,12 +511,12 @@ class EmulatedWorker:
                 self._metrics.update_load()
                 continue
             v, d = self.cache.lookup(job.tokens, job.salt)
-            ms = self._prefill_ms(len(job.tokens), v, d)
+            ms = self._estimate_ms(len(job.tokens), v, d)
             self._running_ms = ms
             self._running_end = loop.time() + ms * scale / 1e3
             self._metrics.update_load()
             try:
-                await asyncio.sleep(ms * scale / 1e3 if scale > 0 else 0)
+                await self._compute(len(job.tokens), v, d)
                 events = self.cache.admit(job.tokens, loop.time(), job.salt)
                 await self._publish(events)
             except BaseException as e:
@@ -535,8 +586,8 @@ class EmulatedWorker:
         made = 0
         try:
             for j in range(count):
-                if j:
-                    step = cost.decode_step_ms(self._decoding, self._context)
+                if j:  # a step waits for the prompt chunk it carries (chunked sharing)
+                    step = cost.decode_step_ms(self._decoding, self._context) + self._chunk_ms
                     await asyncio.sleep(step * scale / 1e3 if scale > 0 else 0)
                 made += 1
                 self._context += 1
