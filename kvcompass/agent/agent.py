@@ -767,7 +767,12 @@ class WorkerAgent:
                 self.stats.unindexed += 1
             elif wait is None and (p is None or p.state is not None):
                 self._key(x, chunk)
-                self._refresh(bid)
+                # _refresh(bid) for a block with no children and no chain tier yet:
+                tier = self._chain_of(x)
+                if tier:
+                    if x.keys:
+                        self._count(x.keys, tier, +1)
+                    x.chain = tier
             else:
                 x.tokens = chunk
             waiting = self._orphans.get(slot)
@@ -877,7 +882,12 @@ class WorkerAgent:
             start, h = p.start + p.size, p.state.copy()
         end = start + x.size
         lengths = self._lengths
-        lo, hi = bisect_right(lengths, start), bisect_right(lengths, end)
+        lo = bisect_right(lengths, start)
+        if lo == len(lengths) or lengths[lo] > end:  # most blocks: no registration length ends in it
+            h.update(tokens)
+            x.start, x.state, x.keys, x.tokens = start, h, (), None
+            return
+        hi = bisect_right(lengths, end, lo)
         keys = []
         view = memoryview(tokens)
         pos = start
