@@ -331,8 +331,7 @@ class PrefixCache:
                 nodes[x.parent].nv += 1
         self._used[_V] += len(lifted)
         self.stats.promoted_blocks += len(lifted)
-        for i in range(kept, n_cap):
-            self._store(ids[i], ids[i - 1] if i else None, buf, i, _V, now, salt)
+        self._store_run(ids, kept, n_cap, buf, now, salt)
         last = nodes[ids[n_cap - 1]]
         if last.nv == 0:
             self._push(_V, ids[n_cap - 1], last)
@@ -434,6 +433,31 @@ class PrefixCache:
             p.nc += 1
             if tier == _V:
                 p.nv += 1
+
+    def _store_run(self, ids: list[int], lo: int, hi: int, buf: bytes, now: float, salt: str | None) -> None:
+        """``_store`` of blocks ``lo..hi`` of a chain into VRAM, each the child of the one before
+        (the first, of block ``lo - 1``, which is cached), in one pass."""
+        if lo >= hi:
+            return
+        nodes, w = self._nodes, self._block.size
+        prev = ids[lo - 1] if lo else None
+        up = None if prev is None else nodes[prev]
+        stamp = self._stamp
+        for i in range(lo, hi):
+            h = ids[i]
+            x = _Node(prev, buf[i * w : (i + 1) * w], i, _V)
+            stamp += 1
+            x.uses, x.last, x.stamp = 1, now, stamp
+            if up is None:
+                x.salt = salt
+            else:
+                up.nc += 1
+                up.nv += 1
+            nodes[h] = x
+            prev, up = h, x
+        self._stamp = stamp
+        self._used[_V] += hi - lo
+        self.stats.stored_blocks += hi - lo
 
     def _remove(self, h: int, ch: _Changes) -> None:
         """Drop leaf ``h`` from the cache (a DRAM leaf, or a VRAM leaf when there is no DRAM)."""
