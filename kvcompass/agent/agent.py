@@ -767,8 +767,14 @@ class WorkerAgent:
                 self.stats.unindexed += 1
             elif wait is None and (p is None or p.state is not None):
                 self._key(x, chunk)
-                # _refresh(bid) for a block with no children and no chain tier yet:
-                tier = self._chain_of(x)
+                # _refresh(bid) for a block with no children and no chain tier yet (_chain_of
+                # of a keyed block held by ``medium``):
+                if not own_new:
+                    tier = 0
+                elif p is None:
+                    tier = own_new
+                else:
+                    tier = (own_new if own_new > p.chain else p.chain) if p.chain else 0
                 if tier:
                     if x.keys:
                         self._count(x.keys, tier, +1)
