@@ -242,6 +242,7 @@ def _simulate(args: argparse.Namespace) -> int:
         out = Path(args.out)
         paths = write_tables(out, summaries_to_frame(results), records_to_frame(results))
         paths += write_figures(out, results)
+        paths.append(_write_run(out, args, topology))
         print(f"wrote {len(paths)} files to {out}: {' '.join(p.name for p in paths)}")
     from kvcompass.sim.report import summary_row
 
@@ -249,6 +250,29 @@ def _simulate(args: argparse.Namespace) -> int:
     doc.update(extra)
     sys.stdout.write(json.dumps(doc) + "\n")
     return 0
+
+
+def _write_run(out: Path, args: argparse.Namespace, topology: Topology) -> Path:
+    """``run.json``: what produced the tables beside it (every option as given, the topology's
+    name, the package version and, in a git checkout, the commit), so a result can be rerun."""
+    import subprocess
+
+    from kvcompass import __version__
+
+    package = Path(__file__).resolve().parent
+    commit: str | None = None
+    try:  # only when this package is the checkout's own (not an installed copy under a repo)
+        done = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], capture_output=True, text=True, timeout=10, cwd=package)
+        lines = done.stdout.split()
+        if done.returncode == 0 and len(lines) == 2 and Path(lines[0]).resolve() / "kvcompass" == package:
+            commit = lines[1]
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    options = {k: v for k, v in sorted(vars(args).items()) if k not in ("command", "func") and not callable(v)}
+    doc = {"command": "kvcompass simulate", "options": options, "topology": topology.name, "version": __version__, "git_commit": commit}
+    path = out / "run.json"
+    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    return path
 
 
 def _simulate_main(args: argparse.Namespace) -> int:

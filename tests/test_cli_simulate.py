@@ -52,6 +52,9 @@ def test_mixed_two_schemes_two_rates(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert pl.read_csv(tmp_path / "requests.csv").height == 600
     for name in FIGURES:
         assert (tmp_path / name).stat().st_size > 1000
+    run = json.loads((tmp_path / "run.json").read_text())  # what produced the tables
+    assert run["topology"] == "testbed-14x3" and run["options"]["seed"] == 1 and run["options"]["rates"] == "5,10"
+    assert run["options"]["gpu_sharing"] == "chunked" and run["options"]["max_batched_tokens"] == 2048
 
 
 def test_trace_excerpt_and_same_seed_same_answer(capsys: pytest.CaptureFixture[str]) -> None:
