@@ -717,13 +717,14 @@ class WorkerAgent:
         lora = e.lora_id is not None or e.lora_name is not None
         parent, wait = self._parent_of(group, e.parent_block_hash, e.block_hashes[0] if e.block_hashes else None)
         own_new = _own({medium})  # a new block is held by this medium alone
+        blocks, by_hash, orphans, stats = self._blocks, self._by_hash, self._orphans, self.stats
         for i, h in enumerate(e.block_hashes):
             self._tick += 1
-            bid = self._child(group, parent, wait, h)
+            bid = blocks[parent].kids.get(h) if parent is not None else self._child(group, parent, wait, h)
             if bid is not None:
-                x = self._blocks[bid]
+                x = blocks[bid]
                 if x.size != n:
-                    self.stats.conflicts += 1
+                    stats.conflicts += 1
                     return  # the rest of the event hangs off a block we cannot place
                 x.touched = self._tick
                 if medium not in x.media:
@@ -732,10 +733,10 @@ class WorkerAgent:
                 parent, wait = bid, None
                 continue
             slot = (group, h)
-            if wait is not None and slot in self._by_hash:
+            if wait is not None and slot in by_hash:
                 # A known hash under a parent never seen: a contradiction with chained hashes,
                 # and with content hashes a block that orphan adoption could put anywhere.
-                self.stats.conflicts += 1
+                stats.conflicts += 1
                 return
             bid, self._ids = self._ids, self._ids + 1
             root: Sha256 | None = None
@@ -750,21 +751,25 @@ class WorkerAgent:
             x.root = root
             x.media.add(medium)
             x.own = own_new
-            self._blocks[bid] = x
-            self._by_hash.setdefault(slot, {})[bid] = None
-            self.stats.blocks_stored += 1
-            p = None if parent is None else self._blocks[parent]
+            blocks[bid] = x
+            same = by_hash.get(slot)
+            if same is None:
+                by_hash[slot] = {bid: None}
+            else:
+                same[bid] = None
+            stats.blocks_stored += 1
+            p = None if parent is None else blocks[parent]
             if p is not None:
                 p.kids[h] = bid
                 x.opaque = x.opaque or p.opaque
             elif wait is not None:
-                self._orphans.setdefault((group, wait), {})[h] = bid
-                self.stats.orphans += 1
+                orphans.setdefault((group, wait), {})[h] = bid
+                stats.orphans += 1
             else:
                 self._roots[slot] = bid
             chunk = tokens[i * n * 4 : (i + 1) * n * 4]
             if x.opaque:
-                self.stats.unindexed += 1
+                stats.unindexed += 1
             elif wait is None and (p is None or p.state is not None):
                 self._key(x, chunk)
                 # _refresh(bid) for a block with no children and no chain tier yet (_chain_of
@@ -781,7 +786,7 @@ class WorkerAgent:
                     x.chain = tier
             else:
                 x.tokens = chunk
-            waiting = self._orphans.get(slot)
+            waiting = orphans.get(slot)
             if waiting:
                 for child in list(waiting.values()):
                     if child != bid:  # an orphan waits for *another* block with its parent's hash
