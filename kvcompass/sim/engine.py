@@ -635,11 +635,13 @@ class Simulator:
             edge.set_local_queue(w.spec.id, self.queued_ms(w.spec.id, self._now), self._now / 1e3)
 
     def _step(self, w: _Worker) -> None:
-        """Start a decode segment: the steps the batch runs unchanged, up to the step in which
-        its first sequence finishes (at most ``_SEGMENT_STEPS``, which bounds what a cut
-        recomputes). Step ``i`` of a segment takes ``decode_step_ms(B, C + i*B)``
-        (every step adds a token to each context), so one event ends the whole segment; a
-        sequence that joins meanwhile cuts it at the next step boundary (:meth:`_cut`). The step
+        """At a step boundary: with chunked sharing and a prompt to prefill, one mixed step
+        (:meth:`_mixed_step`); otherwise a decode segment, the steps the batch runs unchanged, up
+        to the step in which its first sequence finishes (at most ``_SEGMENT_STEPS``, which
+        bounds what a cut recomputes). Step ``i`` of a segment takes ``decode_step_ms(B, C + i*B)``
+        (every step adds a token to each context), so one event ends the whole segment; work
+        that arrives meanwhile (a sequence; with chunked sharing, a prompt) cuts it at the next
+        step boundary (:meth:`_cut`). The step
         boundaries are the ones step-by-step events would give, float for float."""
         w.running.extend(w.joining)
         w.joining.clear()
@@ -671,7 +673,7 @@ class Simulator:
         return t
 
     def _cut(self, w: _Worker) -> None:
-        """A sequence joined a running segment: end it at the first step boundary after now."""
+        """Work arrived during a decode segment: end it at the first step boundary after now."""
         t, b, batch, context, linear = w.seg_start, self._cost.decode_ms_per_context_token, w.seg_batch, w.seg_context, w.seg_linear
         now = self._now
         for i in range(w.seg_steps):
