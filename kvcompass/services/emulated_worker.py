@@ -31,8 +31,8 @@ simulated one does and the two can be compared.
    ``cost.decode_step_ms(running sequences, their context tokens)`` (continuous batching
    approximated per sequence: every running sequence steps at the rate the current batch
    would, plus, with chunked sharing, the prefill time of the prompt chunk in the same step, so
-   a long prompt stalls the sequences decoding beside it). Tokens are fake but deterministic: a fixed list of single-token words, starting
-   at an offset derived from the prompt.
+   a long prompt stalls the sequences decoding beside it). Tokens are fake but deterministic:
+   a fixed list of single-token words, starting at an offset derived from the prompt.
 4. ``usage.prompt_tokens_details.cached_tokens`` is the reused prefix (VRAM + DRAM hit, whole
    blocks), which the edge reads as the reuse report.
 
