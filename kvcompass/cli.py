@@ -100,6 +100,38 @@ def _parse_rates(text: str) -> list[str]:
     return rates
 
 
+def _parse_region_weights(text: str, topology: Topology) -> list[float]:
+    """``REGION=W,...`` -> one weight per region of ``topology`` in its order (unnamed: 0)."""
+    names = topology.region_names
+    got: dict[str, float] = {}
+    for part in text.split(","):
+        region, sep, value = part.strip().partition("=")
+        region = region.strip()
+        if not sep or not region:
+            raise _UsageError(f"--region-weights: {part.strip()!r} is not REGION=WEIGHT")
+        if region not in names:
+            raise _UsageError(f"--region-weights: unknown region {region!r} (regions of {topology.name}: {', '.join(names)})")
+        if region in got:
+            raise _UsageError(f"--region-weights: region {region!r} given twice")
+        try:
+            w = float(value)
+        except ValueError:
+            raise _UsageError(f"--region-weights: weight {value.strip()!r} of {region!r} is not a number") from None
+        if not (w >= 0 and w != float("inf")):
+            raise _UsageError(f"--region-weights: weight of {region!r} must be finite and >= 0, got {value.strip()}")
+        got[region] = w
+    if not sum(got.values()) > 0:
+        raise _UsageError("--region-weights: at least one region needs a weight > 0")
+    return [got.get(r, 0.0) for r in names]
+
+
+def _trace_rate(requests: Sequence[Request]) -> str:
+    """A trace's own offered load as the results' rate key: (N - 1) requests over the span."""
+    if len(requests) < 2 or not requests[-1].arrival_ms > requests[0].arrival_ms:
+        raise _UsageError("--arrivals trace: the replayed requests span no time, so they have no rate of their own (replay more requests, or give --rates)")
+    return f"{(len(requests) - 1) * 1e3 / (requests[-1].arrival_ms - requests[0].arrival_ms):.6g}"
+
+
 def _parse_schemes(text: str) -> list[str]:
     from kvcompass.sim.schemes import SCHEMES
 
@@ -171,9 +203,16 @@ def _false_hits(args: argparse.Namespace, topology: Topology, results: dict[str,
 def _simulate(args: argparse.Namespace) -> int:
     from kvcompass.sim.engine import simulate
     from kvcompass.sim.metrics import Summary
-    from kvcompass.sim.workload import MOONCAKE_BLOCK_SIZE, Request, load_trace, resolve_trace, synthetic_mixed
+    from kvcompass.sim.workload import MOONCAKE_BLOCK_SIZE, RateMode, Request, load_trace, resolve_trace, synthetic_mixed
 
-    rates = _parse_rates(args.rates)
+    if args.arrivals == "trace":
+        if args.rates is not None:
+            raise _UsageError("--arrivals trace replays the trace's own timestamps: leave out --rates")
+        rates: list[str] = []
+    elif args.rates is None:
+        raise _UsageError("--rates is required (or --arrivals trace, to replay a trace's own timestamps)")
+    else:
+        rates = _parse_rates(args.rates)
     schemes = _parse_schemes(args.schemes)
     for name in ("max_requests", "block_size", "tenants"):
         v = getattr(args, name)
@@ -194,27 +233,38 @@ def _simulate(args: argparse.Namespace) -> int:
     trace_path = None if args.trace == "mixed" else resolve_trace(args.trace)
     if trace_path is None and args.tenants != 1:
         raise _UsageError("--tenants replicates a trace; the mixed workload has its own tenants")
+    arrivals: RateMode = args.arrivals or ("poisson" if trace_path is None else "rescale")
+    if trace_path is None and arrivals != "poisson":
+        raise _UsageError(f"--arrivals {arrivals}: the mixed workload has no timestamps of its own; its arrivals are Poisson at each rate")
+    weights = None if args.region_weights is None else _parse_region_weights(args.region_weights, topology)
 
-    def workload(rate: float) -> list[Request]:
+    def workload(rate: float | None) -> list[Request]:
         if trace_path is None:
+            assert rate is not None
             n = args.max_requests or DEFAULT_MIXED_REQUESTS
-            return synthetic_mixed(n, regions=topology, seed=args.seed, rate=rate, block_size=args.block_size or topology.block_size)
+            return synthetic_mixed(n, regions=topology, weights=weights, seed=args.seed, rate=rate, block_size=args.block_size or topology.block_size)
         return load_trace(
             trace_path,
             args.block_size or MOONCAKE_BLOCK_SIZE,
             regions=topology,
+            weights=weights,
             seed=args.seed,
             rate=rate,
-            mode="rescale",
+            mode=arrivals,
             max_requests=args.max_requests,
             tenants=args.tenants,
-            ties="keep" if args.keep_ties else "spread",
+            ties="keep" if args.keep_ties or arrivals == "trace" else "spread",
         )
+
+    own: list[Request] | None = None
+    if arrivals == "trace":  # one run per scheme at the trace's own times, keyed by its rate
+        own = workload(None)
+        rates = [_trace_rate(own)]
 
     results: dict[str, dict[str, Summary]] = {s: {} for s in schemes}
     total, done = len(schemes) * len(rates), 0
     for rate in rates:
-        requests = workload(float(rate))
+        requests = own if own is not None else workload(float(rate))
         for scheme in schemes:
             done += 1
             print(f"[{done}/{total}] {scheme} at {rate} req/s: {len(requests)} requests ...", end="", file=sys.stderr, flush=True)
@@ -233,7 +283,7 @@ def _simulate(args: argparse.Namespace) -> int:
             print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     extra: dict[str, object] = {}
     if args.sensitivity:
-        extra["sensitivity"] = _sensitivity(args, topology, workload(float(rates[0])), results.get("kvcompass", {}).get(rates[0]) if not any(faults.values()) else None)
+        extra["sensitivity"] = _sensitivity(args, topology, own if own is not None else workload(float(rates[0])), results.get("kvcompass", {}).get(rates[0]) if not any(faults.values()) else None)
     if args.false_hits:
         extra["false_hits"] = _false_hits(args, topology, results)
     if args.out is not None:
@@ -321,7 +371,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="TOKENS",
         help="tokens per trace hash id (default 512, the Mooncake traces'); for mixed, the prompt block (default: the topology's)",
     )
-    sim.add_argument("--rates", required=True, metavar="R1,R2,...", help="offered loads in req/s (traces are rescaled to each; mixed arrivals are Poisson)")
+    sim.add_argument("--rates", default=None, metavar="R1,R2,...", help="offered loads in req/s (traces are rescaled to each, or see --arrivals; mixed arrivals are Poisson)")
+    sim.add_argument(
+        "--arrivals",
+        choices=("rescale", "poisson", "trace"),
+        default=None,
+        help="how a trace's requests arrive: rescale (its times stretched to each rate; default), poisson (a Poisson "
+        "process at each rate, the trace's order kept), trace (its own timestamps, no --rates; results keyed by its own rate)",
+    )
+    sim.add_argument(
+        "--region-weights",
+        default=None,
+        metavar="REGION=W,...",
+        help="share of sessions starting in each region (unnamed regions: 0; default: proportional to prefill capacity)",
+    )
     sim.add_argument("--schemes", default="all", metavar="S1,S2,...|all", help="routing schemes to compare (default all)")
     sim.add_argument("--seed", type=int, default=0, help="seed for the workload's regions and arrivals and the simulator (default 0)")
     sim.add_argument("--max-requests", type=int, default=None, metavar="N", help="replay at most the first N requests")

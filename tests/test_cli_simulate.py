@@ -170,3 +170,49 @@ def test_gpu_sharing_flags(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         main([*argv, "--gpu-sharing", "shared"])
     assert e.value.code == 2
+
+
+def test_arrival_modes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--arrivals trace`` replays the file's own timestamps (results keyed by the trace's own
+    rate, no ``--rates``); ``rescale`` stretches them to the rate; ``poisson`` draws a Poisson
+    process at it in the trace's order."""
+    base = ["simulate", "--topology", "testbed-14x3", "--trace", str(EXCERPT), "--block-size", "512", "--schemes", "oracle", "--max-requests", "40", "--seed", "3"]
+    stamps = [float(json.loads(line)["timestamp"]) for line in EXCERPT.read_text().splitlines()[:40]]
+    arrivals: dict[str, list[float]] = {}
+    for mode, extra in (("trace", []), ("rescale", ["--rates", "2"]), ("poisson", ["--rates", "2"])):
+        out = tmp_path / mode
+        assert main([*base, "--arrivals", mode, *extra, "--out", str(out)]) == 0
+        res = _last_json(capsys.readouterr().out)["results"]["oracle"]
+        key = f"{39e3 / (stamps[-1] - stamps[0]):.6g}" if mode == "trace" else "2"
+        assert list(res) == [key] and res[key]["requests"] == 40
+        t = sorted(pl.read_parquet(out / "requests.parquet").get_column("arrival_ms").to_list())
+        arrivals[mode] = [x - t[0] for x in t]
+    assert arrivals["trace"] == pytest.approx([s - stamps[0] for s in sorted(stamps)])
+    assert arrivals["rescale"][-1] == pytest.approx(39e3 / 2) and arrivals["poisson"] != arrivals["rescale"]
+    gaps = sorted({round(b - a, 6) for a, b in zip(arrivals["trace"], arrivals["trace"][1:])})
+    assert gaps[0] == 0.0  # the trace's shared timestamps arrive together, as logged
+    for bad, what in (
+        (["--arrivals", "trace", "--rates", "2"], "leave out --rates"),
+        (["--arrivals", "rescale"], "--rates is required"),
+    ):
+        assert main([*base, *bad]) == 2
+        assert what in capsys.readouterr().err
+    mixed = ["simulate", "--topology", "testbed-14x3", "--trace", "mixed", "--max-requests", "10", "--schemes", "oracle"]
+    assert main([*mixed, "--arrivals", "rescale", "--rates", "5"]) == 2
+    assert "Poisson" in capsys.readouterr().err
+
+
+def test_region_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--region-weights`` sets where sessions start (unnamed regions get none), for traces and
+    the mixed workload alike; bad weights are one-line errors."""
+    trace = ["simulate", "--topology", "testbed-14x3", "--trace", str(EXCERPT), "--block-size", "512", "--max-requests", "40"]
+    mixed = ["simulate", "--topology", "testbed-14x3", "--trace", "mixed", "--max-requests", "60"]
+    for i, (argv, weights, want) in enumerate(((trace, "us=1", {"us"}), (mixed, "eu=1,asia=3", {"eu", "asia"}), (trace, "us=0,asia=2", {"asia"}))):
+        out = tmp_path / str(i)
+        assert main([*argv, "--rates", "5", "--schemes", "oracle", "--region-weights", weights, "--out", str(out)]) == 0
+        capsys.readouterr()
+        assert set(pl.read_parquet(out / "requests.parquet").get_column("region").to_list()) == want
+    for bad, what in (("mars=1", "unknown region 'mars'"), ("us=-1", ">= 0"), ("us=x", "not a number"), ("us=0", "weight > 0"), ("us", "REGION=WEIGHT"), ("us=1,us=2", "twice")):
+        assert main([*mixed, "--rates", "5", "--schemes", "oracle", "--region-weights", bad]) == 2
+        err = capsys.readouterr().err
+        assert what in err and len(err.strip().splitlines()) == 1, err
