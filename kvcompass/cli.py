@@ -201,7 +201,7 @@ def _false_hits(args: argparse.Namespace, topology: Topology, results: dict[str,
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from kvcompass.sim.engine import simulate
+    from kvcompass.sim.cells import run_cells
     from kvcompass.sim.metrics import Summary
     from kvcompass.sim.workload import MOONCAKE_BLOCK_SIZE, RateMode, Request, load_trace, resolve_trace, synthetic_mixed
 
@@ -226,6 +226,8 @@ def _simulate(args: argparse.Namespace) -> int:
             raise _UsageError(f"--{name.replace('_', '-')} must be a percentage in [0, 100{')' if name == 'patch_loss' else ']'}, got {v}")
     if not args.patch_delay_ms >= 0:
         raise _UsageError(f"--patch-delay-ms must be >= 0, got {args.patch_delay_ms}")
+    if args.jobs < 1:
+        raise _UsageError(f"--jobs must be >= 1, got {args.jobs}")
     if args.max_batched_tokens < 1:
         raise _UsageError(f"--max-batched-tokens must be >= 1, got {args.max_batched_tokens}")
     faults = {"wan_jitter": args.wan_jitter / 100, "patch_loss": args.patch_loss / 100, "patch_delay_ms": args.patch_delay_ms}
@@ -261,26 +263,23 @@ def _simulate(args: argparse.Namespace) -> int:
         own = workload(None)
         rates = [_trace_rate(own)]
 
-    results: dict[str, dict[str, Summary]] = {s: {} for s in schemes}
-    total, done = len(schemes) * len(rates), 0
-    for rate in rates:
-        requests = own if own is not None else workload(float(rate))
-        for scheme in schemes:
-            done += 1
-            print(f"[{done}/{total}] {scheme} at {rate} req/s: {len(requests)} requests ...", end="", file=sys.stderr, flush=True)
-            t0 = time.perf_counter()
-            results[scheme][rate] = simulate(
-                topology,
-                requests,
-                scheme,
-                seed=args.seed,
-                wan_jitter=faults["wan_jitter"],
-                patch_loss=faults["patch_loss"],
-                patch_delay_ms=faults["patch_delay_ms"],
-                gpu_sharing=args.gpu_sharing,
-                max_batched_tokens=args.max_batched_tokens,
-            )
-            print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    workloads = {rate: own if own is not None else workload(float(rate)) for rate in rates}
+    options = {"seed": args.seed, **faults, "gpu_sharing": args.gpu_sharing, "max_batched_tokens": args.max_batched_tokens}
+    cells = [(rate, scheme) for rate in rates for scheme in schemes]
+
+    def started(k: int, total: int, scheme: str, rate: str, n: int) -> None:
+        print(f"[{k}/{total}] {scheme} at {rate} req/s: {n} requests ...", end="", file=sys.stderr, flush=True)
+
+    def finished(k: int, total: int, scheme: str, rate: str, n: int, wall: float) -> None:
+        if args.jobs == 1:
+            print(f" done in {wall:.1f} s", file=sys.stderr, flush=True)
+        else:
+            print(f"[{k}/{total}] {scheme} at {rate} req/s: {n} requests done in {wall:.1f} s", file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    results: dict[str, dict[str, Summary]] = run_cells(topology, workloads, cells, options, jobs=args.jobs, on_start=started if args.jobs == 1 else None, on_done=finished)
+    if args.jobs > 1:
+        print(f"{len(cells)} runs on {min(args.jobs, len(cells))} processes in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     extra: dict[str, object] = {}
     if args.sensitivity:
         extra["sensitivity"] = _sensitivity(args, topology, own if own is not None else workload(float(rates[0])), results.get("kvcompass", {}).get(rates[0]) if not any(faults.values()) else None)
@@ -378,6 +377,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="how a trace's requests arrive: rescale (its times stretched to each rate; default), poisson (a Poisson "
         "process at each rate, the trace's order kept), trace (its own timestamps, no --rates; results keyed by its own rate)",
+    )
+    sim.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run up to N (scheme, rate) simulations side by side in worker processes (default 1; same results, "
+        "in the same order; each process holds its own copy of the workload and of one run's caches)",
     )
     sim.add_argument(
         "--region-weights",

@@ -216,3 +216,31 @@ def test_region_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         assert main([*mixed, "--rates", "5", "--schemes", "oracle", "--region-weights", bad]) == 2
         err = capsys.readouterr().err
         assert what in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_jobs_run_side_by_side_with_the_same_results(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--jobs 2`` runs the cells in two worker processes: the JSON line and the tables are
+    those of the serial run, in the same order (runs depend on their inputs and seed only)."""
+    argv = ["simulate", "--topology", "testbed-14x3", "--trace", "mixed", "--max-requests", "80", "--rates", "6,12", "--schemes", "kvcompass,oracle,dynamo", "--seed", "4"]
+    assert main([*argv, "--out", str(tmp_path / "serial")]) == 0
+    serial = capsys.readouterr()
+    assert main([*argv, "--jobs", "2", "--out", str(tmp_path / "jobs")]) == 0
+    jobs = capsys.readouterr()
+    assert serial.out.rstrip("\n").split("\n")[-1] == jobs.out.rstrip("\n").split("\n")[-1]
+    assert list(_last_json(jobs.out)["results"]) == ["kvcompass", "oracle", "dynamo"]
+    for table in ("summary.parquet", "requests.parquet"):
+        assert pl.read_parquet(tmp_path / "serial" / table).equals(pl.read_parquet(tmp_path / "jobs" / table))
+    assert "[6/6]" in jobs.err and "6 runs on 2 processes" in jobs.err
+    assert main([*argv, "--jobs", "0"]) == 2
+    assert "--jobs must be >= 1" in capsys.readouterr().err
+
+
+def test_run_cells_checks_its_arguments() -> None:
+    from kvcompass.discovery.topology import load_topology
+    from kvcompass.sim.cells import run_cells
+
+    topo = load_topology("testbed-14x3")
+    with pytest.raises(ValueError, match="jobs must be"):
+        run_cells(topo, {}, [], {}, jobs=0)
+    with pytest.raises(KeyError, match="no workload for rate '5'"):
+        run_cells(topo, {}, [("5", "oracle")], {}, jobs=2)

@@ -1,0 +1,105 @@
+"""The runs a comparison is made of, one per (rate, scheme) "cell", in this process or side by side
+in worker processes.
+
+Each cell is a whole :func:`~kvcompass.sim.engine.simulate` call and shares nothing with the
+others (every run builds its own plane, caches and agents from the same requests), so cells
+parallelise perfectly across cores; one run stays single-threaded (its event order is the
+result). Results are identical either way: a run depends only on its inputs and seed, never on
+the process it ran in (a test compares a two-process comparison with a serial one), and they
+come back in the order the cells were listed whatever order they finish in.
+
+Workers are started with the ``spawn`` method (a forked child of a process that has started
+polars' or BLAS's threads can deadlock); each receives the topology and the workloads once,
+at start, and then only (rate, scheme) pairs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from typing import Any
+
+from kvcompass.discovery.topology import Topology
+from kvcompass.sim.engine import simulate
+from kvcompass.sim.metrics import Summary
+from kvcompass.sim.workload import Request
+
+__all__ = ["Cell", "run_cells"]
+
+Cell = tuple[str, str]
+"""``(rate, scheme)``: the rate as the user wrote it (a key of the workloads) and a scheme name."""
+
+OnStart = Callable[[int, int, str, str, int], None]
+"""``(k, total, scheme, rate, requests)``: cell k of total is starting."""
+OnDone = Callable[[int, int, str, str, int, float], None]
+"""``(k, total, scheme, rate, requests, wall_s)``: cell k of total finished in wall_s seconds."""
+
+_worker: dict[str, Any] = {}
+
+
+def _init(topology: Topology, workloads: Mapping[str, Sequence[Request]], options: Mapping[str, Any]) -> None:
+    _worker.update(topology=topology, workloads=workloads, options=dict(options))
+
+
+def _run(rate: str, scheme: str) -> tuple[Summary, float]:
+    t0 = time.perf_counter()
+    s = simulate(_worker["topology"], _worker["workloads"][rate], scheme, **_worker["options"])
+    return s, time.perf_counter() - t0
+
+
+def run_cells(
+    topology: Topology,
+    workloads: Mapping[str, Sequence[Request]],
+    cells: Sequence[Cell],
+    options: Mapping[str, Any],
+    *,
+    jobs: int = 1,
+    on_start: OnStart | None = None,
+    on_done: OnDone | None = None,
+) -> dict[str, dict[str, Summary]]:
+    """Run every cell (``simulate(topology, workloads[rate], scheme, **options)``) on up to
+    ``jobs`` processes (1: here, in order); returns ``{scheme: {rate: Summary}}`` in the order of
+    ``cells``. ``on_start``/``on_done`` report progress (with ``jobs > 1`` a cell is reported
+    when it finishes, in the order cells finish)."""
+    if type(jobs) is not int or jobs < 1:
+        raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
+    for rate, _ in cells:
+        if rate not in workloads:
+            raise KeyError(f"no workload for rate {rate!r}")
+    total = len(cells)
+    done: dict[Cell, Summary] = {}
+    if jobs == 1 or total <= 1:
+        _init(topology, workloads, options)
+        try:
+            for k, (rate, scheme) in enumerate(cells, 1):
+                if on_start is not None:
+                    on_start(k, total, scheme, rate, len(workloads[rate]))
+                done[(rate, scheme)], wall = _run(rate, scheme)
+                if on_done is not None:
+                    on_done(k, total, scheme, rate, len(workloads[rate]), wall)
+        finally:
+            _worker.clear()
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=min(jobs, total), mp_context=ctx, initializer=_init, initargs=(topology, workloads, options)) as pool:
+            pending: dict[Future[tuple[Summary, float]], Cell] = {pool.submit(_run, rate, scheme): (rate, scheme) for rate, scheme in cells}
+            k = 0
+            try:
+                while pending:
+                    finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    for f in finished:
+                        rate, scheme = pending.pop(f)
+                        done[(rate, scheme)], wall = f.result()  # a run's error is raised here
+                        k += 1
+                        if on_done is not None:
+                            on_done(k, total, scheme, rate, len(workloads[rate]), wall)
+            except BaseException:
+                for f in pending:
+                    f.cancel()
+                raise
+    results: dict[str, dict[str, Summary]] = {}
+    for rate, scheme in cells:
+        results.setdefault(scheme, {})[rate] = done[(rate, scheme)]
+    return results
