@@ -292,8 +292,7 @@ def test_victim_heaps_stay_bounded() -> None:
     c = PrefixCache(1, vram_tokens=8, dram_tokens=8, policy="lfu")
     for t in range(3000):
         c.admit([t % 11, t % 5], float(t))
-    heaps: dict[int, list[Any]] = c._heaps  # noqa: SLF001 (white-box: the bound is the point)
-    assert all(len(h) <= 2 * 8 + 64 for h in heaps.values())
+    assert all(n <= 2 * 8 + 64 for n in c.heap_sizes())
     check_invariants(c)
 
 
@@ -550,3 +549,24 @@ def test_salted_prompts_share_no_blocks_and_an_agent_keys_them_in_the_tenants_na
     for seq, ev2 in enumerate((ev_acme, ev_other, ev_bad)):
         prefixed.on_message(encode_batch(ev2, seq, ts=1.0))
     assert prefixed.held() == dict.fromkeys(want_a, Tier.VRAM) and prefixed.stats.unindexed == 8
+
+
+def test_publish_false_builds_no_events_and_changes_nothing_else() -> None:
+    """A cache nobody listens to skips building events; its blocks, tiers and counters are those
+    of a publishing one fed the same calls."""
+    loud, quiet = PrefixCache(2, 6, 4, "lfu", hash_seed=3), PrefixCache(2, 6, 4, "lfu", hash_seed=3, publish=False)
+    calls = [([1, 2, 3, 4, 5, 6], 1.0), ([1, 2, 7, 7], 2.0), ([9, 9, 8, 8, 7, 7], 3.0), ([1, 2, 3, 4], 4.0)]
+    for tokens, now in calls:
+        assert loud.admit(tokens, now)
+        assert quiet.admit(tokens, now) == []
+    assert loud.copy_in([5, 5, 6, 6], Tier.DRAM, 5.0) and quiet.copy_in([5, 5, 6, 6], Tier.DRAM, 5.0) == []
+    assert list(loud.blocks()) == list(quiet.blocks()) and loud.stats == quiet.stats
+    assert quiet.clear() == [AllBlocksCleared()]  # a clear is one event, cheap to say
+
+
+def test_memory_bytes_counts_the_blocks() -> None:
+    c = PrefixCache(16, 16 * 4096, 0)
+    empty = c.memory_bytes
+    c.admit(np.arange(16 * 2000, dtype=np.uint32), 1.0)
+    # 2000 blocks of 16 four-byte tokens at least, plus their table entries.
+    assert c.memory_bytes - empty >= 2000 * 16 * 4

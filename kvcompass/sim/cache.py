@@ -78,23 +78,28 @@ them when it is admitted as part of its prompt.
 **Cost.** Each call costs O(blocks of the prompt + blocks moved × log(cache)): per-tier heaps of
 leaves with lazy deletion (an entry is live while its block is still a leaf of that tier with
 the same stamp), compacted when stale entries outnumber the tier's blocks, so no call scans the
-cache (compaction is amortised O(1) per push).
+cache (compaction is amortised O(1) per push). The blocks, heaps and chain hashing live in Rust
+(:class:`kvcompass._core.BlockCache`, ``rust/block_cache.rs``), which makes every choice above
+exactly as this module's Python implementation did before it (same victims, same events, same
+simulation results): a simulated fleet stores and looks up every block of every prompt, and one
+Python object per block was most of a baseline scheme's run. The core remembers the chains of
+the last two prompts it hashed (compared token for token), since an engine looks a prompt up
+on arrival, when it is queued and when its prefill starts before admitting it. Its memory is
+reported by :attr:`PrefixCache.memory_bytes` (Python's heap profilers do not see it).
 """
 
 from __future__ import annotations
 
 import hashlib
-import heapq
 import math
-import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from kvcompass._core import block_chain_hashes
+from kvcompass._core import BlockCache
 from kvcompass.agent.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvcompass.index import Tier, as_tokens
 
@@ -108,8 +113,7 @@ GPU_MEDIUM = "GPU"
 CPU_MEDIUM = "CPU"
 """vLLM's medium name for CPU-offloaded blocks (the agent maps ``CPU*`` to DRAM)."""
 
-_V, _D, _MOVING = 1, 2, 0  # a node's tier; _MOVING while a call lifts it out of DRAM
-_COMPACT_SLACK = 64
+_V, _D = 1, 2  # the core's tier numbers (Tier.VRAM, Tier.DRAM)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,31 +149,7 @@ class CacheStats:
         return asdict(self)
 
 
-class _Node:
-    __slots__ = ("parent", "tokens", "position", "tier", "uses", "last", "stamp", "nv", "nc", "salt")
-
-    def __init__(self, parent: int | None, tokens: bytes, position: int, tier: int) -> None:
-        self.parent = parent
-        self.tokens = tokens
-        self.position = position
-        self.tier = tier
-        self.uses = 0
-        self.last = 0.0
-        self.stamp = 0
-        self.nv = 0  # children in VRAM
-        self.nc = 0  # children cached (either tier)
-        self.salt: str | None = None  # a prompt-start block's cache salt
-
-
-class _Changes:
-    """What one call did, for netting into events."""
-
-    __slots__ = ("cpu_stored", "gpu_removed", "cpu_removed")
-
-    def __init__(self) -> None:
-        self.cpu_stored: list[int] = []  # demoted into DRAM
-        self.gpu_removed: list[int] = []  # demoted or dropped from VRAM
-        self.cpu_removed: list[int] = []  # evicted from DRAM
+_MEDIUM = {_V: GPU_MEDIUM, _D: CPU_MEDIUM}
 
 
 class PrefixCache:
@@ -179,10 +159,12 @@ class PrefixCache:
     (VRAM at least one block). ``policy``: ``"lru"`` or ``"lfu"``. ``hash_seed``: varies the
     block hashes (two caches with different seeds name the same block differently, as two vLLM
     processes do); the events' ``token_ids`` are what the agent keys by, so seeds never change
-    what is indexed.
+    what is indexed. ``publish``: whether the mutating calls build their events (a driver
+    nobody listens to, such as a simulated worker under a scheme that follows no KV events,
+    passes False and gets empty lists; the cache itself is the same either way).
     """
 
-    def __init__(self, block_size: int, vram_tokens: int, dram_tokens: int = 0, policy: Policy = "lru", *, hash_seed: int = 0) -> None:
+    def __init__(self, block_size: int, vram_tokens: int, dram_tokens: int = 0, policy: Policy = "lru", *, hash_seed: int = 0, publish: bool = True) -> None:
         if type(block_size) is not int or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         for name, v, lo in (("vram_tokens", vram_tokens, block_size), ("dram_tokens", dram_tokens, 0)):
@@ -194,67 +176,74 @@ class PrefixCache:
             raise ValueError(f"hash_seed must be an int in 0..2**64-1, got {hash_seed!r}")
         self.block_size = block_size
         self.policy: Policy = policy
-        self.stats = CacheStats()
-        self._cap = {_V: vram_tokens // block_size, _D: dram_tokens // block_size}
-        self._used = {_V: 0, _D: 0}
-        self._lfu = policy == "lfu"
+        self.publish = bool(publish)
         self._seed = hash_seed
-        self._block = struct.Struct(f"<{block_size}I")
-        self._nodes: dict[int, _Node] = {}
-        self._heaps: dict[int, list[tuple[int, float, int, int]]] = {_V: [], _D: []}
-        self._stamp = 0
+        self._core = BlockCache(block_size, vram_tokens // block_size, dram_tokens // block_size, policy == "lfu")
+        # Cache salts by number (0: none), as the core keeps them on prompt-start blocks.
+        self._salt_ids: dict[str, tuple[int, int]] = {}  # salt -> (id, chain seed)
+        self._salts: list[str] = [""]
 
     # ---- inspection -------------------------------------------------------------------------
 
     @property
+    def stats(self) -> CacheStats:
+        """A snapshot of the counters."""
+        return CacheStats(*self._core.stats())
+
+    @property
     def vram_capacity_tokens(self) -> int:
-        return self._cap[_V] * self.block_size
+        return self._core.capacity(_V) * self.block_size
 
     @property
     def dram_capacity_tokens(self) -> int:
-        return self._cap[_D] * self.block_size
+        return self._core.capacity(_D) * self.block_size
 
     @property
     def vram_tokens(self) -> int:
         """Tokens cached in VRAM now."""
-        return self._used[_V] * self.block_size
+        return self._core.used(_V) * self.block_size
 
     @property
     def dram_tokens(self) -> int:
         """Tokens cached in DRAM now."""
-        return self._used[_D] * self.block_size
+        return self._core.used(_D) * self.block_size
 
     def __len__(self) -> int:
         """Blocks cached (both tiers)."""
-        return len(self._nodes)
+        return len(self._core)
 
     def tier_of(self, block_hash: int) -> Tier:
         """Where block ``block_hash`` is cached (ABSENT if it is not)."""
-        x = self._nodes.get(block_hash)
-        return Tier.ABSENT if x is None else Tier(x.tier)
+        if type(block_hash) is not int or not 0 <= block_hash < 1 << 64:
+            return Tier.ABSENT
+        return Tier(self._core.tier_of(block_hash))
 
     def blocks(self) -> Iterator[CachedBlock]:
-        """Every cached block (O(cache size); for inspection and tests)."""
-        for h, x in self._nodes.items():
-            yield CachedBlock(h, x.parent, x.position, Tier(x.tier), x.uses, x.last)
+        """Every cached block, in the order they were stored (O(cache size); for inspection and tests)."""
+        for h, parent, position, tier, uses, last in self._core.blocks():
+            yield CachedBlock(h, parent, position, Tier(tier), uses, last)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes the cache's blocks, tables and heaps take (they live in Rust, where Python's
+        heap profilers do not look)."""
+        return int(self._core.memory_bytes())
+
+    def heap_sizes(self) -> tuple[int, int]:
+        """Entries (live or stale) in the VRAM and DRAM victim heaps: O(cache size) by compaction."""
+        return self._core.heap_len(_V), self._core.heap_len(_D)
 
     def block_hashes(self, tokens: Tokens, salt: str | None = None) -> list[int]:
         """The chain of hashes of the full blocks of ``tokens`` (cached or not)."""
-        return self._bytes(tokens, salt)[1]
+        arr, seed, _ = self._args(tokens, salt)
+        out: list[int] = self._core.chain(arr, seed).tolist()
+        return out
 
     def lookup(self, tokens: Tokens, salt: str | None = None) -> tuple[int, int]:
         """``(vram_hit_tokens, dram_hit_tokens)``: the longest cached prefix of ``tokens`` in whole
         blocks, split into its VRAM head and its DRAM tail (to be reloaded). Changes nothing."""
-        v = d = 0
-        nodes = self._nodes
-        for h in self._bytes(tokens, salt)[1]:
-            x = nodes.get(h)
-            if x is None:
-                break
-            if x.tier == _V:
-                v += 1
-            else:
-                d += 1
+        arr, seed, _ = self._args(tokens, salt)
+        v, d = self._core.lookup(arr, seed)
         return v * self.block_size, d * self.block_size
 
     # ---- mutation ---------------------------------------------------------------------------
@@ -262,7 +251,9 @@ class PrefixCache:
     def admit(self, tokens: Tokens, now: float, salt: str | None = None) -> list[Event]:
         """Record that a request for ``tokens`` was served at ``now``: every full block of the
         prompt (up to VRAM capacity) ends in VRAM. Returns the KV events to publish."""
-        return self._to_vram(tokens, now, salt, request=True)
+        _check_now(now)
+        arr, seed, sid = self._args(tokens, salt)
+        return self._events(self._core.place_vram(arr, seed, float(now), sid, True, self.publish))
 
     def copy_in(self, tokens: Tokens, tier: Tier, now: float, salt: str | None = None) -> list[Event]:
         """Place a replica of the full blocks of ``tokens`` in ``tier`` (a migration target).
@@ -271,297 +262,47 @@ class PrefixCache:
         request. DRAM: stores the blocks missing past the cached prefix into DRAM, evicting DRAM
         leaves for room, and leaves cached blocks where they are (so a VRAM head stays in VRAM);
         with no DRAM capacity it does nothing. Returns the KV events to publish."""
+        if tier not in (Tier.VRAM, Tier.DRAM):
+            raise ValueError(f"copy_in tier must be Tier.VRAM or Tier.DRAM, got {tier!r}")
+        _check_now(now)
+        arr, seed, sid = self._args(tokens, salt)
         if tier == Tier.VRAM:
-            return self._to_vram(tokens, now, salt, request=False)
-        if tier == Tier.DRAM:
-            return self._to_dram(tokens, now, salt)
-        raise ValueError(f"copy_in tier must be Tier.VRAM or Tier.DRAM, got {tier!r}")
+            raw = self._core.place_vram(arr, seed, float(now), sid, False, self.publish)
+        else:
+            raw = self._core.place_dram(arr, seed, float(now), sid, self.publish)
+        return self._events(raw)
 
     def clear(self) -> list[Event]:
         """Drop everything (vLLM's ``reset_prefix_cache``): ``[AllBlocksCleared()]``."""
-        self._nodes.clear()
-        self._heaps = {_V: [], _D: []}
-        self._used = {_V: 0, _D: 0}
-        self.stats.clears += 1
+        self._core.clear()
         return [AllBlocksCleared()]
 
-    # ---- the two placements -------------------------------------------------------------------
+    # ---- arguments and events -----------------------------------------------------------------
 
-    def _to_vram(self, tokens: Tokens, now: float, salt: str | None, *, request: bool) -> list[Event]:
-        _check_now(now)
-        buf, chain = self._bytes(tokens, salt)
-        n = len(chain)
-        nodes, bs = self._nodes, self.block_size
-        k = v = 0  # cached prefix (blocks), its VRAM head
-        for h in chain:
-            x = nodes.get(h)
-            if x is None:
-                break
-            k += 1
-            if x.tier == _V:
-                v += 1
-        if request:
-            self.stats.admits += 1
-            self.stats.prompt_tokens += len(buf) // 4
-            self.stats.vram_hit_tokens += v * bs
-            self.stats.dram_hit_tokens += (k - v) * bs
-        else:
-            self.stats.copies += 1
-        n_cap = min(n, self._cap[_V])
-        self.stats.truncated_blocks += n - n_cap
-        if n_cap == 0:
-            return []
-        ids = chain[:n_cap]
-        kept = min(k, n_cap)
-        # One use of the chain, parent first. Touched blocks get stamps no heap entry carries,
-        # so they cannot be picked as victims below; the chain's last block is re-entered at the
-        # end (it is the only one of them that can be a VRAM leaf).
-        for i in range(kept):
-            self._use(nodes[ids[i]], now)
-        lifted = ids[v:kept]
-        for h in lifted:  # out of DRAM; back in VRAM below
-            nodes[h].tier = _MOVING
-        self._used[_D] -= len(lifted)
-        ch = _Changes()
-        self._make_vram_room(n_cap - v, ch, set(ids[:v]))
-        for h in lifted:
-            x = nodes[h]
-            x.tier = _V
-            if x.parent is not None:
-                nodes[x.parent].nv += 1
-        self._used[_V] += len(lifted)
-        self.stats.promoted_blocks += len(lifted)
-        self._store_run(ids, kept, n_cap, buf, now, salt)
-        last = nodes[ids[n_cap - 1]]
-        if last.nv == 0:
-            self._push(_V, ids[n_cap - 1], last)
-        events = self._net(ch)
-        if n_cap > v:
-            events.append(self._stored_event(ids[v:n_cap], GPU_MEDIUM))
-        if lifted:
-            events.append(BlockRemoved(tuple(lifted), CPU_MEDIUM))
-        return events
+    def _args(self, tokens: Tokens, salt: str | None) -> tuple[npt.NDArray[np.uint32], int, int]:
+        """The prompt as a uint32 array, its chain seed (a salted prompt's chain is seeded by the
+        salt too, so no block is shared across salts) and the salt's number."""
+        arr = as_tokens(tokens)
+        if salt is None:
+            return arr, self._seed, 0
+        known = self._salt_ids.get(salt)
+        if known is None:
+            known = self._salt_ids[salt] = (len(self._salts), self._seed ^ _salt_seed(salt))
+            self._salts.append(salt)
+        return arr, known[1], known[0]
 
-    def _to_dram(self, tokens: Tokens, now: float, salt: str | None) -> list[Event]:
-        _check_now(now)
-        buf, chain = self._bytes(tokens, salt)
-        n = len(chain)
-        nodes = self._nodes
-        self.stats.copies += 1
-        parent: int | None = None
-        chain_dram: list[int] = []  # the cached prefix's DRAM tail: room it already takes
-        k = 0
-        for h in chain:
-            x = nodes.get(h)
-            if x is None:
-                break
-            if x.tier == _D:
-                chain_dram.append(h)
-            parent = h
-            k += 1
-        m = min(n - k, self._cap[_D] - len(chain_dram))
-        self.stats.truncated_blocks += n - k - max(m, 0)
-        if m <= 0:
-            return []
-        ch = _Changes()
-        pinned = set(chain_dram)
-        held: list[int] = []
-        while self._used[_D] + m > self._cap[_D]:
-            h = self._pop(_D, pinned, held)
-            self._remove(h, ch)
-        for h in held:
-            self._push(_D, h, nodes[h])
-        ids: list[int] = []
-        for i in range(k, k + m):
-            h = chain[i]
-            self._store(h, parent, buf, i, _D, now, salt)
-            ids.append(h)
-            parent = h
-        self._push(_D, ids[-1], nodes[ids[-1]])
-        events = self._net(ch)
-        events.append(self._stored_event(ids, CPU_MEDIUM))
-        return events
-
-    def _make_vram_room(self, needed: int, ch: _Changes, pinned: set[int]) -> None:
-        """Demote (or, without DRAM, drop) VRAM leaves other than ``pinned`` (the prompt's VRAM
-        head, which a demotion below it can turn into a leaf) until ``needed`` more blocks fit."""
-        nodes, cap, used = self._nodes, self._cap, self._used
-        held: list[int] = []
-        while used[_V] + needed > cap[_V]:
-            h = self._pop(_V, pinned, held)
-            x = nodes[h]
-            ch.gpu_removed.append(h)
-            if cap[_D] == 0:
-                self._remove(h, ch)
-                continue
-            if used[_D] >= cap[_D]:
-                self._remove(self._pop(_D), ch)
-            x.tier = _D
-            used[_V] -= 1
-            used[_D] += 1
-            self.stats.demoted_blocks += 1
-            ch.cpu_stored.append(h)
-            if x.parent is not None:
-                p = nodes[x.parent]
-                p.nv -= 1
-                if p.nv == 0 and p.tier == _V:
-                    self._push(_V, x.parent, p)
-            if x.nc == 0:
-                self._push(_D, h, x)
-        for h in held:
-            self._push(_V, h, nodes[h])
-
-    # ---- block bookkeeping --------------------------------------------------------------------
-
-    def _use(self, x: _Node, now: float) -> None:
-        self._stamp += 1
-        x.uses += 1
-        x.last = now
-        x.stamp = self._stamp
-
-    def _store(self, h: int, parent: int | None, buf: bytes, i: int, tier: int, now: float, salt: str | None = None) -> None:
-        w = self._block.size
-        x = _Node(parent, buf[i * w : (i + 1) * w], i, tier)
-        if parent is None:
-            x.salt = salt
-        self._use(x, now)
-        self._nodes[h] = x
-        self._used[tier] += 1
-        self.stats.stored_blocks += 1
-        if parent is not None:
-            p = self._nodes[parent]
-            p.nc += 1
-            if tier == _V:
-                p.nv += 1
-
-    def _store_run(self, ids: list[int], lo: int, hi: int, buf: bytes, now: float, salt: str | None) -> None:
-        """``_store`` of blocks ``lo..hi`` of a chain into VRAM, each the child of the one before
-        (the first, of block ``lo - 1``, which is cached), in one pass."""
-        if lo >= hi:
-            return
-        nodes, w = self._nodes, self._block.size
-        prev = ids[lo - 1] if lo else None
-        up = None if prev is None else nodes[prev]
-        stamp = self._stamp
-        for i in range(lo, hi):
-            h = ids[i]
-            x = _Node(prev, buf[i * w : (i + 1) * w], i, _V)
-            stamp += 1
-            x.uses, x.last, x.stamp = 1, now, stamp
-            if up is None:
-                x.salt = salt
+    def _events(self, raw: list[tuple[Any, ...]]) -> list[Event]:
+        out: list[Event] = []
+        for e in raw:
+            if e[0]:
+                _, medium, hashes, parent, tokens, salt = e
+                ids = tuple(hashes.tolist())
+                # vLLM puts a request's cache salt in the extra keys of its prompt's first block.
+                extra = ((self._salts[salt],),) + (None,) * (len(ids) - 1) if salt else None
+                out.append(BlockStored(block_hashes=ids, parent_block_hash=parent, token_ids=tuple(tokens.tolist()), extra_keys=extra, block_size=self.block_size, medium=_MEDIUM[medium]))
             else:
-                up.nc += 1
-                up.nv += 1
-            nodes[h] = x
-            prev, up = h, x
-        self._stamp = stamp
-        self._used[_V] += hi - lo
-        self.stats.stored_blocks += hi - lo
-
-    def _remove(self, h: int, ch: _Changes) -> None:
-        """Drop leaf ``h`` from the cache (a DRAM leaf, or a VRAM leaf when there is no DRAM)."""
-        x = self._nodes.pop(h)
-        self._used[x.tier] -= 1
-        self.stats.evicted_blocks += 1
-        if x.tier == _D:
-            ch.cpu_removed.append(h)
-        if x.parent is None:
-            return
-        p = self._nodes[x.parent]
-        p.nc -= 1
-        if x.tier == _V:
-            p.nv -= 1
-            if p.nv == 0 and p.tier == _V:
-                self._push(_V, x.parent, p)
-        elif p.nc == 0 and p.tier == _D:
-            self._push(_D, x.parent, p)
-
-    # ---- victim heaps -----------------------------------------------------------------------
-
-    def _push(self, tier: int, h: int, x: _Node) -> None:
-        heap = self._heaps[tier]
-        heapq.heappush(heap, (x.uses if self._lfu else 0, x.last, x.stamp, h))
-        if len(heap) > 2 * self._used[tier] + _COMPACT_SLACK:
-            live = {e for e in heap if self._live(tier, e)}
-            self._heaps[tier] = heap = sorted(live)
-
-    def _live(self, tier: int, e: tuple[int, float, int, int]) -> bool:
-        x = self._nodes.get(e[3])
-        if x is None or x.tier != tier or x.stamp != e[2]:
-            return False
-        return x.nv == 0 if tier == _V else x.nc == 0
-
-    def _pop(self, tier: int, pinned: set[int] | None = None, held: list[int] | None = None) -> int:
-        """The policy's least-valued leaf of ``tier`` (skipping ``pinned``, collected in ``held``
-        for the caller to push back)."""
-        heap = self._heaps[tier]
-        while heap:
-            e = heapq.heappop(heap)
-            if not self._live(tier, e):
-                continue
-            if pinned is not None and e[3] in pinned:
-                assert held is not None
-                held.append(e[3])
-                continue
-            return e[3]
-        raise AssertionError("no evictable leaf in a full tier: the cache invariants are broken")
-
-    # ---- events -------------------------------------------------------------------------------
-
-    def _net(self, ch: _Changes) -> list[Event]:
-        events: list[Event] = []
-        evicted = set(ch.cpu_removed)
-        demoted = set(ch.cpu_stored)
-        stored = [h for h in ch.cpu_stored if h not in evicted]
-        if stored:
-            stored.sort(key=lambda h: self._nodes[h].position)
-            for run in self._runs(stored):
-                events.append(self._stored_event(run, CPU_MEDIUM))
-        if ch.gpu_removed:
-            events.append(BlockRemoved(tuple(ch.gpu_removed), GPU_MEDIUM))
-        gone = [h for h in ch.cpu_removed if h not in demoted]
-        if gone:
-            events.append(BlockRemoved(tuple(gone), CPU_MEDIUM))
-        return events
-
-    def _runs(self, ids: list[int]) -> list[list[int]]:
-        """Group blocks (parents before children) into parent-to-child chains."""
-        runs: list[list[int]] = []
-        tails: dict[int, int] = {}
-        for h in ids:
-            p = self._nodes[h].parent
-            r = tails.pop(p, None) if p is not None else None
-            if r is None:
-                r = len(runs)
-                runs.append([])
-            runs[r].append(h)
-            tails[h] = r
-        return runs
-
-    def _stored_event(self, run: Sequence[int], medium: str) -> BlockStored:
-        nodes = self._nodes
-        raw = b"".join([nodes[h].tokens for h in run])
-        first = nodes[run[0]]
-        # vLLM puts a request's cache salt in the extra keys of its prompt's first block.
-        extra = None if first.parent is not None or first.salt is None else ((first.salt,),) + (None,) * (len(run) - 1)
-        return BlockStored(
-            block_hashes=tuple(run),
-            parent_block_hash=first.parent,
-            token_ids=struct.unpack(f"<{len(raw) // 4}I", raw),
-            extra_keys=extra,
-            block_size=self.block_size,
-            medium=medium,
-        )
-
-    # ---- hashing ------------------------------------------------------------------------------
-
-    def _bytes(self, tokens: Tokens, salt: str | None = None) -> tuple[bytes, list[int]]:
-        """The prompt's bytes (blocks are cut from them when stored) and its block chain (a
-        salted prompt's chain is seeded by the salt too, so no block is shared across salts)."""
-        arr = np.ascontiguousarray(as_tokens(tokens), dtype=np.uint32)
-        seed = self._seed if salt is None else self._seed ^ _salt_seed(salt)
-        return arr.astype("<u4", copy=False).tobytes(), block_chain_hashes(arr, self.block_size, seed).tolist()
+                out.append(BlockRemoved(tuple(e[2].tolist()), _MEDIUM[e[1]]))
+        return out
 
 
 def _salt_seed(salt: str) -> int:

@@ -275,6 +275,9 @@ class Simulator:
                 _capacity(spec.dram_tokens, block, DEFAULT_DRAM_TOKENS) if spec.dram_tokens or not spec.vram_tokens else 0,
                 config.policy,
                 hash_seed=i,
+                # Events are built only for someone to read them: the worker's agent or a scheme
+                # that follows KV events (the others, the Oracle say, never look).
+                publish=(self._indexed and spec.role != "decode") or self._on_kv is not None,
             )
             indexed = self._indexed and spec.role != "decode"
             agent = (
@@ -315,6 +318,11 @@ class Simulator:
             return self.plane.edges[self._edge_of[region]]
         except KeyError:
             raise InvalidArgumentError(f"no edge serves region {region!r}") from None
+
+    @property
+    def caches(self) -> dict[str, PrefixCache]:
+        """Every worker's emulated prefix cache, by worker id (for inspection after a run)."""
+        return {w: x.cache for w, x in self._workers.items()}
 
     def namespace(self, request: Request) -> Namespace:
         return self._ns_of.get(request.namespace, self._ns)

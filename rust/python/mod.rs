@@ -6,6 +6,7 @@
 
 mod arrays;
 mod bench;
+mod block_cache;
 mod errors;
 mod index;
 mod router;
@@ -74,6 +75,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(shard_of, m)?)?;
     m.add_function(wrap_pyfunction!(block_chain_hashes, m)?)?;
     index::register(m)?;
+    block_cache::register(m)?;
     router::register(m)?;
     bench::register(m)?;
     Ok(())

@@ -1,0 +1,620 @@
+//! The emulated engine's prefix cache: block-granular, two tiers (VRAM and host DRAM), LRU or
+//! LFU, netting each call's changes into the KV events a vLLM worker would publish.
+//!
+//! `kvcompass/sim/cache.py` documents the model (blocks named by a chained hash, contiguity,
+//! prefix-closed VRAM, leaf-only eviction per tier, event order); this is its data structure,
+//! moved out of Python because the simulator stores, looks up and promotes every block of every
+//! prompt on every worker it reaches (a few hundred blocks a request), and a Python object per
+//! block was most of a baseline scheme's run. Every choice is the same as the Python model it
+//! replaced, decision for decision: victims are the least-valued live leaf of a per-tier heap
+//! with lazy deletion, compared as the tuple `(uses if LFU else 0, last use, stamp, hash)`.
+//!
+//! Blocks are identified by their chain hash; a chain is computed here from the prompt's tokens
+//! with [`crate::chunk_hash::block_chain`] (so a call hashes once, without the GIL).
+
+use std::cmp::{Ordering, Reverse};
+use std::collections::{BinaryHeap, HashMap, HashSet};
+
+use crate::chunk_hash::block_chain;
+use crate::error::{CoreError, Result};
+
+/// A block's tier: VRAM and DRAM; `MOVING` while a call lifts it out of DRAM.
+pub const VRAM: u8 = 1;
+pub const DRAM: u8 = 2;
+const MOVING: u8 = 0;
+const COMPACT_SLACK: usize = 64;
+
+#[derive(Clone, Debug)]
+struct Node {
+    parent: Option<u64>,
+    tokens: Box<[u32]>,
+    position: u32,
+    tier: u8,
+    uses: u64,
+    last: f64,
+    stamp: u64,
+    nv: u32, // children in VRAM
+    nc: u32, // children cached (either tier)
+    salt: u32, // a prompt-start block's cache salt (0: none)
+    born: u64, // insertion order, for listing blocks as the Python dict did
+}
+
+/// A victim-heap entry, ordered as the tuple `(uses, last, stamp, hash)`.
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    uses: u64,
+    last: f64,
+    stamp: u64,
+    h: u64,
+}
+
+impl PartialEq for Entry {
+    fn eq(&self, o: &Self) -> bool {
+        self.cmp(o) == Ordering::Equal
+    }
+}
+impl Eq for Entry {}
+impl PartialOrd for Entry {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Entry {
+    fn cmp(&self, o: &Self) -> Ordering {
+        self.uses.cmp(&o.uses).then(self.last.total_cmp(&o.last)).then(self.stamp.cmp(&o.stamp)).then(self.h.cmp(&o.h))
+    }
+}
+
+/// One event of a call, in publication order. `medium` is [`VRAM`] (vLLM's "GPU") or [`DRAM`]
+/// ("CPU").
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// A contiguous run of blocks entered `medium`: their hashes, the run's parent, the run's
+    /// tokens, and the cache salt of its first block when the run starts a prompt (else 0).
+    Stored { medium: u8, hashes: Vec<u64>, parent: Option<u64>, tokens: Vec<u32>, salt: u32 },
+    /// Blocks left `medium`.
+    Removed { medium: u8, hashes: Vec<u64> },
+}
+
+/// Counters since construction (`clear` does not reset them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub admits: u64,
+    pub copies: u64,
+    pub clears: u64,
+    pub prompt_tokens: u64,
+    pub vram_hit_tokens: u64,
+    pub dram_hit_tokens: u64,
+    pub stored_blocks: u64,
+    pub promoted_blocks: u64,
+    pub demoted_blocks: u64,
+    pub evicted_blocks: u64,
+    pub truncated_blocks: u64,
+}
+
+/// One cached block, for inspection.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BlockInfo {
+    pub hash: u64,
+    pub parent: Option<u64>,
+    pub position: u32,
+    pub tier: u8,
+    pub uses: u64,
+    pub last: f64,
+}
+
+#[derive(Default)]
+struct Changes {
+    cpu_stored: Vec<u64>,  // demoted into DRAM
+    gpu_removed: Vec<u64>, // demoted or dropped from VRAM
+    cpu_removed: Vec<u64>, // evicted from DRAM
+}
+
+/// See the module notes. Capacities are in blocks.
+pub struct BlockCache {
+    block_size: usize,
+    cap: [usize; 3],
+    used: [usize; 3],
+    lfu: bool,
+    nodes: HashMap<u64, Node>,
+    heaps: [BinaryHeap<Reverse<Entry>>; 3],
+    stamp: u64,
+    born: u64,
+    pub stats: Stats,
+    // The chains of the last prompts hashed, most recent first: an engine looks a prompt up on
+    // arrival, again when it is queued and when its prefill starts, then admits it, and each
+    // of those would otherwise hash every block again. Kept with the tokens they were computed
+    // from and compared in full, so a hit is exact.
+    memo: Vec<(u64, Vec<u32>, Vec<u64>)>,
+}
+
+const MEMO: usize = 2;
+
+fn broken() -> CoreError {
+    CoreError::InvalidArgument("no evictable leaf in a full tier: the cache invariants are broken".into())
+}
+
+impl BlockCache {
+    /// `vram_blocks >= 1`; `dram_blocks` may be 0 (no offloading).
+    pub fn new(block_size: usize, vram_blocks: usize, dram_blocks: usize, lfu: bool) -> Result<Self> {
+        if block_size == 0 {
+            return Err(CoreError::InvalidArgument("block_size must be >= 1".into()));
+        }
+        if vram_blocks == 0 {
+            return Err(CoreError::InvalidArgument("VRAM must hold at least one block".into()));
+        }
+        Ok(BlockCache {
+            block_size,
+            cap: [0, vram_blocks, dram_blocks],
+            used: [0; 3],
+            lfu,
+            nodes: HashMap::new(),
+            heaps: [BinaryHeap::new(), BinaryHeap::new(), BinaryHeap::new()],
+            stamp: 0,
+            born: 0,
+            stats: Stats::default(),
+            memo: Vec::with_capacity(MEMO),
+        })
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+    pub fn capacity(&self, tier: u8) -> usize {
+        self.cap[tier as usize]
+    }
+    /// Blocks cached in `tier` now.
+    pub fn used(&self, tier: u8) -> usize {
+        self.used[tier as usize]
+    }
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+    /// The tier of a block (0 when it is not cached).
+    pub fn tier_of(&self, h: u64) -> u8 {
+        self.nodes.get(&h).map_or(0, |x| x.tier)
+    }
+    /// Entries in the victim heap of `tier` (live or stale), for the bound the tests check.
+    pub fn heap_len(&self, tier: u8) -> usize {
+        self.heaps[tier as usize].len()
+    }
+    /// Bytes this cache holds on the heap (tables at their capacity, block tokens, victim heaps,
+    /// the chain memo): what a Python heap profiler cannot see.
+    pub fn memory_bytes(&self) -> usize {
+        let nodes = self.nodes.capacity() * (std::mem::size_of::<(u64, Node)>() + 1) + self.nodes.len() * self.block_size * 4;
+        let heaps: usize = self.heaps.iter().map(|h| h.capacity() * std::mem::size_of::<Entry>()).sum();
+        let memo: usize = self.memo.iter().map(|(_, t, c)| t.capacity() * 4 + c.capacity() * 8).sum();
+        std::mem::size_of::<Self>() + nodes + heaps + memo
+    }
+
+    /// Every cached block, in the order they were stored.
+    pub fn blocks(&self) -> Vec<BlockInfo> {
+        let mut v: Vec<(u64, BlockInfo)> = self
+            .nodes
+            .iter()
+            .map(|(&h, x)| (x.born, BlockInfo { hash: h, parent: x.parent, position: x.position, tier: x.tier, uses: x.uses, last: x.last }))
+            .collect();
+        v.sort_unstable_by_key(|e| e.0);
+        v.into_iter().map(|e| e.1).collect()
+    }
+
+    /// The chain of hashes of the full blocks of `tokens` under `seed`.
+    pub fn chain(&self, tokens: &[u32], seed: u64) -> Result<Vec<u64>> {
+        block_chain(seed, tokens, self.block_size)
+    }
+
+    /// [`Self::chain`], remembered for the last few prompts (see the `memo` field).
+    pub fn chain_memo(&mut self, tokens: &[u32], seed: u64) -> Result<Vec<u64>> {
+        if let Some(i) = self.memo.iter().position(|(s, t, _)| *s == seed && t.as_slice() == tokens) {
+            let hit = self.memo.remove(i);
+            let chain = hit.2.clone();
+            self.memo.insert(0, hit);
+            return Ok(chain);
+        }
+        let chain = self.chain(tokens, seed)?;
+        if self.memo.len() == MEMO {
+            self.memo.pop();
+        }
+        self.memo.insert(0, (seed, tokens.to_vec(), chain.clone()));
+        Ok(chain)
+    }
+
+    /// `(vram_blocks, dram_blocks)` of the longest cached prefix of `chain`.
+    pub fn lookup(&self, chain: &[u64]) -> (usize, usize) {
+        let (mut v, mut d) = (0, 0);
+        for h in chain {
+            match self.nodes.get(h) {
+                None => break,
+                Some(x) if x.tier == VRAM => v += 1,
+                Some(_) => d += 1,
+            }
+        }
+        (v, d)
+    }
+
+    /// Every full block of the prompt (up to VRAM capacity) ends in VRAM: an admit after a
+    /// prefill (`request`) or a same-region copy. `events`: whether to build them.
+    pub fn place_vram(&mut self, tokens: &[u32], chain: &[u64], now: f64, salt: u32, request: bool, events: bool) -> Result<Vec<Event>> {
+        let bs = self.block_size;
+        let n = chain.len();
+        let (mut k, mut v) = (0usize, 0usize);
+        for h in chain {
+            match self.nodes.get(h) {
+                None => break,
+                Some(x) => {
+                    k += 1;
+                    if x.tier == VRAM {
+                        v += 1;
+                    }
+                }
+            }
+        }
+        if request {
+            self.stats.admits += 1;
+            self.stats.prompt_tokens += tokens.len() as u64;
+            self.stats.vram_hit_tokens += (v * bs) as u64;
+            self.stats.dram_hit_tokens += ((k - v) * bs) as u64;
+        } else {
+            self.stats.copies += 1;
+        }
+        let n_cap = n.min(self.cap[VRAM as usize]);
+        self.stats.truncated_blocks += (n - n_cap) as u64;
+        if n_cap == 0 {
+            return Ok(Vec::new());
+        }
+        let ids = &chain[..n_cap];
+        let kept = k.min(n_cap);
+        // One use of the chain, parent first; touched blocks carry stamps no heap entry has, so
+        // they are no victims below; the chain's last block is re-entered at the end.
+        for h in &ids[..kept] {
+            self.stamp += 1;
+            let x = self.nodes.get_mut(h).expect("cached prefix");
+            x.uses += 1;
+            x.last = now;
+            x.stamp = self.stamp;
+        }
+        let lifted: Vec<u64> = if v < kept { ids[v..kept].to_vec() } else { Vec::new() };
+        for h in &lifted {
+            self.nodes.get_mut(h).expect("cached prefix").tier = MOVING;
+        }
+        self.used[DRAM as usize] -= lifted.len();
+        let mut ch = Changes::default();
+        let pinned: HashSet<u64> = ids[..v.min(n_cap)].iter().copied().collect();
+        self.make_vram_room(n_cap as i64 - v as i64, &mut ch, &pinned)?;
+        for h in &lifted {
+            let x = self.nodes.get_mut(h).expect("lifted block");
+            x.tier = VRAM;
+            if let Some(p) = x.parent {
+                self.nodes.get_mut(&p).expect("parent of a cached block").nv += 1;
+            }
+        }
+        self.used[VRAM as usize] += lifted.len();
+        self.stats.promoted_blocks += lifted.len() as u64;
+        self.store_run(ids, kept, n_cap, tokens, now, salt);
+        let last = ids[n_cap - 1];
+        if self.nodes[&last].nv == 0 {
+            self.push(VRAM, last);
+        }
+        if !events {
+            return Ok(Vec::new());
+        }
+        let mut out = self.net(&ch);
+        if n_cap > v {
+            out.push(self.stored_event(&ids[v..n_cap], VRAM));
+        }
+        if !lifted.is_empty() {
+            out.push(Event::Removed { medium: DRAM, hashes: lifted });
+        }
+        Ok(out)
+    }
+
+    /// A cross-region copy lands in DRAM: the blocks missing past the cached prefix are stored
+    /// there (DRAM leaves evicted for room); nothing cached moves.
+    pub fn place_dram(&mut self, tokens: &[u32], chain: &[u64], now: f64, salt: u32, events: bool) -> Result<Vec<Event>> {
+        let n = chain.len();
+        self.stats.copies += 1;
+        let mut parent: Option<u64> = None;
+        let mut chain_dram: Vec<u64> = Vec::new();
+        let mut k = 0usize;
+        for &h in chain {
+            match self.nodes.get(&h) {
+                None => break,
+                Some(x) => {
+                    if x.tier == DRAM {
+                        chain_dram.push(h);
+                    }
+                }
+            }
+            parent = Some(h);
+            k += 1;
+        }
+        let m = (n - k).min(self.cap[DRAM as usize] - chain_dram.len());
+        self.stats.truncated_blocks += (n - k - m) as u64;
+        if m == 0 {
+            return Ok(Vec::new());
+        }
+        let mut ch = Changes::default();
+        let pinned: HashSet<u64> = chain_dram.iter().copied().collect();
+        let mut held: Vec<u64> = Vec::new();
+        while self.used[DRAM as usize] + m > self.cap[DRAM as usize] {
+            let h = self.pop(DRAM, Some(&pinned), &mut held)?;
+            self.remove(h, &mut ch);
+        }
+        for h in held {
+            self.push(DRAM, h);
+        }
+        let ids: Vec<u64> = chain[k..k + m].to_vec();
+        for (i, &h) in ids.iter().enumerate() {
+            self.store(h, parent, tokens, k + i, DRAM, now, salt);
+            parent = Some(h);
+        }
+        self.push(DRAM, *ids.last().expect("m > 0"));
+        if !events {
+            return Ok(Vec::new());
+        }
+        let mut out = self.net(&ch);
+        out.push(self.stored_event(&ids, DRAM));
+        Ok(out)
+    }
+
+    /// Drop everything (the caller publishes `AllBlocksCleared`).
+    pub fn clear(&mut self) {
+        self.nodes.clear();
+        for h in self.heaps.iter_mut() {
+            h.clear();
+        }
+        self.used = [0; 3];
+        self.stats.clears += 1;
+    }
+
+    /// Demote (or, without DRAM, drop) VRAM leaves other than `pinned` until `needed` more
+    /// blocks fit.
+    fn make_vram_room(&mut self, needed: i64, ch: &mut Changes, pinned: &HashSet<u64>) -> Result<()> {
+        let (v, d) = (VRAM as usize, DRAM as usize);
+        let mut held: Vec<u64> = Vec::new();
+        while self.used[v] as i64 + needed > self.cap[v] as i64 {
+            let h = self.pop(VRAM, Some(pinned), &mut held)?;
+            ch.gpu_removed.push(h);
+            if self.cap[d] == 0 {
+                self.remove(h, ch);
+                continue;
+            }
+            if self.used[d] >= self.cap[d] {
+                let mut none = Vec::new();
+                let victim = self.pop(DRAM, None, &mut none)?;
+                self.remove(victim, ch);
+            }
+            let x = self.nodes.get_mut(&h).expect("victim");
+            x.tier = DRAM;
+            let (parent, nc) = (x.parent, x.nc);
+            self.used[v] -= 1;
+            self.used[d] += 1;
+            self.stats.demoted_blocks += 1;
+            ch.cpu_stored.push(h);
+            if let Some(p) = parent {
+                let px = self.nodes.get_mut(&p).expect("parent of a cached block");
+                px.nv -= 1;
+                if px.nv == 0 && px.tier == VRAM {
+                    self.push(VRAM, p);
+                }
+            }
+            if nc == 0 {
+                self.push(DRAM, h);
+            }
+        }
+        for h in held {
+            self.push(VRAM, h);
+        }
+        Ok(())
+    }
+
+    fn new_node(&mut self, parent: Option<u64>, tokens: &[u32], i: usize, tier: u8, now: f64, salt: u32) -> Node {
+        let bs = self.block_size;
+        self.stamp += 1;
+        self.born += 1;
+        Node {
+            parent,
+            tokens: tokens[i * bs..(i + 1) * bs].into(),
+            position: i as u32,
+            tier,
+            uses: 1,
+            last: now,
+            stamp: self.stamp,
+            nv: 0,
+            nc: 0,
+            salt: if parent.is_none() { salt } else { 0 },
+            born: self.born,
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn store(&mut self, h: u64, parent: Option<u64>, tokens: &[u32], i: usize, tier: u8, now: f64, salt: u32) {
+        let x = self.new_node(parent, tokens, i, tier, now, salt);
+        self.nodes.insert(h, x);
+        self.used[tier as usize] += 1;
+        self.stats.stored_blocks += 1;
+        if let Some(p) = parent {
+            let px = self.nodes.get_mut(&p).expect("parent of a stored block");
+            px.nc += 1;
+            if tier == VRAM {
+                px.nv += 1;
+            }
+        }
+    }
+
+    /// Store blocks `lo..hi` of a chain into VRAM, each the child of the one before.
+    fn store_run(&mut self, ids: &[u64], lo: usize, hi: usize, tokens: &[u32], now: f64, salt: u32) {
+        let mut prev = if lo > 0 { Some(ids[lo - 1]) } else { None };
+        for (i, &h) in ids.iter().enumerate().take(hi).skip(lo) {
+            self.store(h, prev, tokens, i, VRAM, now, salt);
+            prev = Some(h);
+        }
+    }
+
+    /// Drop leaf `h` (a DRAM leaf, or a VRAM leaf when there is no DRAM).
+    fn remove(&mut self, h: u64, ch: &mut Changes) {
+        let x = self.nodes.remove(&h).expect("victim");
+        self.used[x.tier as usize] -= 1;
+        self.stats.evicted_blocks += 1;
+        if x.tier == DRAM {
+            ch.cpu_removed.push(h);
+        }
+        let Some(p) = x.parent else { return };
+        let px = self.nodes.get_mut(&p).expect("parent of a cached block");
+        px.nc -= 1;
+        if x.tier == VRAM {
+            px.nv -= 1;
+            if px.nv == 0 && px.tier == VRAM {
+                self.push(VRAM, p);
+            }
+        } else if px.nc == 0 && px.tier == DRAM {
+            self.push(DRAM, p);
+        }
+    }
+
+    fn push(&mut self, tier: u8, h: u64) {
+        let x = &self.nodes[&h];
+        let e = Entry { uses: if self.lfu { x.uses } else { 0 }, last: x.last, stamp: x.stamp, h };
+        let t = tier as usize;
+        self.heaps[t].push(Reverse(e));
+        if self.heaps[t].len() > 2 * self.used[t] + COMPACT_SLACK {
+            let old = std::mem::take(&mut self.heaps[t]);
+            let mut live: Vec<Entry> = old.into_iter().map(|r| r.0).filter(|e| self.live(tier, e)).collect();
+            live.sort_unstable();
+            live.dedup();
+            self.heaps[t] = live.into_iter().map(Reverse).collect();
+        }
+    }
+
+    fn live(&self, tier: u8, e: &Entry) -> bool {
+        match self.nodes.get(&e.h) {
+            Some(x) if x.tier == tier && x.stamp == e.stamp => {
+                if tier == VRAM {
+                    x.nv == 0
+                } else {
+                    x.nc == 0
+                }
+            }
+            _ => false,
+        }
+    }
+
+    /// The policy's least-valued leaf of `tier`, skipping `pinned` (collected in `held` for
+    /// the caller to push back).
+    fn pop(&mut self, tier: u8, pinned: Option<&HashSet<u64>>, held: &mut Vec<u64>) -> Result<u64> {
+        let t = tier as usize;
+        while let Some(Reverse(e)) = self.heaps[t].pop() {
+            if !self.live(tier, &e) {
+                continue;
+            }
+            if pinned.is_some_and(|p| p.contains(&e.h)) {
+                held.push(e.h);
+                continue;
+            }
+            return Ok(e.h);
+        }
+        Err(broken())
+    }
+
+    /// One call's changes as events: the CPU stores of demotions (in parent-to-child runs), the
+    /// GPU removals, the CPU removals of evictions (a block demoted and evicted in one call
+    /// shows only as removed from the GPU).
+    fn net(&self, ch: &Changes) -> Vec<Event> {
+        let mut out = Vec::new();
+        let evicted: HashSet<u64> = ch.cpu_removed.iter().copied().collect();
+        let demoted: HashSet<u64> = ch.cpu_stored.iter().copied().collect();
+        let mut stored: Vec<u64> = ch.cpu_stored.iter().copied().filter(|h| !evicted.contains(h)).collect();
+        if !stored.is_empty() {
+            stored.sort_by_key(|h| self.nodes[h].position); // stable, as Python's sort
+            for run in self.runs(&stored) {
+                out.push(self.stored_event(&run, DRAM));
+            }
+        }
+        if !ch.gpu_removed.is_empty() {
+            out.push(Event::Removed { medium: VRAM, hashes: ch.gpu_removed.clone() });
+        }
+        let gone: Vec<u64> = ch.cpu_removed.iter().copied().filter(|h| !demoted.contains(h)).collect();
+        if !gone.is_empty() {
+            out.push(Event::Removed { medium: DRAM, hashes: gone });
+        }
+        out
+    }
+
+    /// Group blocks (parents before children) into parent-to-child chains.
+    fn runs(&self, ids: &[u64]) -> Vec<Vec<u64>> {
+        let mut runs: Vec<Vec<u64>> = Vec::new();
+        let mut tails: HashMap<u64, usize> = HashMap::new();
+        for &h in ids {
+            let r = self.nodes[&h].parent.and_then(|p| tails.remove(&p));
+            let r = r.unwrap_or_else(|| {
+                runs.push(Vec::new());
+                runs.len() - 1
+            });
+            runs[r].push(h);
+            tails.insert(h, r);
+        }
+        runs
+    }
+
+    fn stored_event(&self, run: &[u64], medium: u8) -> Event {
+        let mut tokens = Vec::with_capacity(run.len() * self.block_size);
+        for h in run {
+            tokens.extend_from_slice(&self.nodes[h].tokens);
+        }
+        let first = &self.nodes[&run[0]];
+        Event::Stored { medium, hashes: run.to_vec(), parent: first.parent, tokens, salt: if first.parent.is_none() { first.salt } else { 0 } }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn admit(c: &mut BlockCache, tokens: &[u32], now: f64) -> Vec<Event> {
+        let chain = c.chain(tokens, 0).unwrap();
+        c.place_vram(tokens, &chain, now, 0, true, true).unwrap()
+    }
+
+    #[test]
+    fn admit_then_lookup_and_demotion_to_dram() {
+        let mut c = BlockCache::new(2, 2, 4, false).unwrap();
+        let a = [1, 2, 3, 4];
+        let ev = admit(&mut c, &a, 1.0);
+        assert_eq!(ev.len(), 1);
+        let ca = c.chain(&a, 0).unwrap();
+        assert_eq!(c.lookup(&ca), (2, 0));
+        // Another prompt: VRAM holds 2 blocks, so a's chain moves to DRAM, leaf first.
+        let ev = admit(&mut c, &[8, 8, 9, 9], 2.0);
+        assert_eq!(c.lookup(&ca), (0, 2));
+        assert!(matches!(&ev[0], Event::Stored { medium: DRAM, hashes, .. } if hashes == &ca));
+        assert!(matches!(&ev[1], Event::Removed { medium: VRAM, hashes } if hashes.len() == 2));
+        assert_eq!(c.stats.demoted_blocks, 2);
+        // a again: promoted from DRAM, which publishes a GPU store and a CPU removal.
+        let ev = admit(&mut c, &a, 3.0);
+        assert_eq!(c.lookup(&ca), (2, 0));
+        assert!(matches!(ev.last(), Some(Event::Removed { medium: DRAM, hashes }) if hashes == &ca));
+        assert_eq!(c.stats.promoted_blocks, 2);
+    }
+
+    #[test]
+    fn without_dram_victims_are_dropped() {
+        let mut c = BlockCache::new(1, 1, 0, false).unwrap();
+        admit(&mut c, &[1], 1.0);
+        let ev = admit(&mut c, &[2], 2.0);
+        assert_eq!(c.len(), 1);
+        assert_eq!(c.stats.evicted_blocks, 1);
+        assert!(matches!(&ev[0], Event::Removed { medium: VRAM, .. }));
+    }
+
+    #[test]
+    fn heaps_stay_bounded() {
+        let mut c = BlockCache::new(1, 8, 8, true).unwrap();
+        for t in 0..3000u32 {
+            admit(&mut c, &[t % 11, t % 5], t as f64);
+        }
+        assert!(c.heap_len(VRAM) <= 2 * 8 + COMPACT_SLACK && c.heap_len(DRAM) <= 2 * 8 + COMPACT_SLACK);
+    }
+}

@@ -1,0 +1,152 @@
+//! `BlockCache`: the emulated engine's prefix cache (`crate::block_cache`), wrapped by
+//! `kvcompass.sim.cache.PrefixCache`, which checks arguments and turns the raw events returned
+//! here into `kvcompass.agent.events` objects.
+
+use numpy::{IntoPyArray, PyArray1};
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+
+use super::arrays::u32_vec;
+use super::errors::core_err;
+use crate::block_cache::{BlockCache, Event, DRAM, VRAM};
+use crate::error::CoreError;
+
+/// `(hash, parent, position, tier, uses, last)`.
+type BlockRow = (u64, Option<u64>, u32, u8, u64, f64);
+
+#[pyclass(name = "BlockCache", module = "kvcompass._core")]
+pub struct PyBlockCache {
+    inner: BlockCache,
+}
+
+fn tier_arg(tier: u8) -> PyResult<u8> {
+    if tier == VRAM || tier == DRAM {
+        Ok(tier)
+    } else {
+        Err(core_err(CoreError::InvalidTier(tier)))
+    }
+}
+
+/// Events as tuples: `(True, medium, hashes, parent or None, tokens, salt)` for a store,
+/// `(False, medium, hashes)` for a removal; hashes uint64 and tokens uint32 arrays.
+fn events_out<'py>(py: Python<'py>, events: Vec<Event>) -> PyResult<Bound<'py, PyList>> {
+    let out = PyList::empty(py);
+    for e in events {
+        match e {
+            Event::Stored { medium, hashes, parent, tokens, salt } => {
+                let t = PyTuple::new(py, [true.into_pyobject(py)?.to_owned().into_any(), medium.into_pyobject(py)?.into_any(), hashes.into_pyarray(py).into_any(), parent.into_pyobject(py)?.into_any(), tokens.into_pyarray(py).into_any(), salt.into_pyobject(py)?.into_any()])?;
+                out.append(t)?;
+            }
+            Event::Removed { medium, hashes } => {
+                let t = PyTuple::new(py, [false.into_pyobject(py)?.to_owned().into_any(), medium.into_pyobject(py)?.into_any(), hashes.into_pyarray(py).into_any()])?;
+                out.append(t)?;
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[pymethods]
+impl PyBlockCache {
+    #[new]
+    #[pyo3(signature = (block_size, vram_blocks, dram_blocks, lfu))]
+    fn new(block_size: usize, vram_blocks: usize, dram_blocks: usize, lfu: bool) -> PyResult<Self> {
+        Ok(PyBlockCache { inner: BlockCache::new(block_size, vram_blocks, dram_blocks, lfu).map_err(core_err)? })
+    }
+
+    /// `(vram_blocks, dram_blocks)` of the longest cached prefix of `tokens` (chain under `seed`).
+    fn lookup(&mut self, py: Python<'_>, tokens: &Bound<'_, PyAny>, seed: u64) -> PyResult<(usize, usize)> {
+        let tokens = u32_vec("tokens", tokens)?;
+        let inner = &mut self.inner;
+        py.detach(|| {
+            let chain = inner.chain_memo(&tokens, seed)?;
+            Ok(inner.lookup(&chain))
+        })
+        .map_err(core_err)
+    }
+
+    /// Every full block of `tokens` (up to VRAM capacity) into VRAM; `request`: an admit (hit
+    /// statistics counted), else a copy. Returns the events (empty unless `events`).
+    #[pyo3(signature = (tokens, seed, now, salt, request, events=true))]
+    #[allow(clippy::too_many_arguments)]
+    fn place_vram<'py>(&mut self, py: Python<'py>, tokens: &Bound<'py, PyAny>, seed: u64, now: f64, salt: u32, request: bool, events: bool) -> PyResult<Bound<'py, PyList>> {
+        let tokens = u32_vec("tokens", tokens)?;
+        let inner = &mut self.inner;
+        let out = py
+            .detach(|| {
+                let chain = inner.chain_memo(&tokens, seed)?;
+                inner.place_vram(&tokens, &chain, now, salt, request, events)
+            })
+            .map_err(core_err)?;
+        events_out(py, out)
+    }
+
+    /// The blocks of `tokens` missing past its cached prefix into DRAM (a cross-region copy).
+    #[pyo3(signature = (tokens, seed, now, salt, events=true))]
+    fn place_dram<'py>(&mut self, py: Python<'py>, tokens: &Bound<'py, PyAny>, seed: u64, now: f64, salt: u32, events: bool) -> PyResult<Bound<'py, PyList>> {
+        let tokens = u32_vec("tokens", tokens)?;
+        let inner = &mut self.inner;
+        let out = py
+            .detach(|| {
+                let chain = inner.chain_memo(&tokens, seed)?;
+                inner.place_dram(&tokens, &chain, now, salt, events)
+            })
+            .map_err(core_err)?;
+        events_out(py, out)
+    }
+
+    fn clear(&mut self) {
+        self.inner.clear();
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// Blocks cached in `tier` (1: VRAM, 2: DRAM).
+    fn used(&self, tier: u8) -> PyResult<usize> {
+        Ok(self.inner.used(tier_arg(tier)?))
+    }
+
+    fn capacity(&self, tier: u8) -> PyResult<usize> {
+        Ok(self.inner.capacity(tier_arg(tier)?))
+    }
+
+    /// Entries (live or stale) in the victim heap of `tier`.
+    fn heap_len(&self, tier: u8) -> PyResult<usize> {
+        Ok(self.inner.heap_len(tier_arg(tier)?))
+    }
+
+    /// Heap bytes held by the cache (Rust allocations, invisible to tracemalloc).
+    fn memory_bytes(&self) -> usize {
+        self.inner.memory_bytes()
+    }
+
+    /// 0 (absent), 1 (VRAM) or 2 (DRAM).
+    fn tier_of(&self, block_hash: u64) -> u8 {
+        self.inner.tier_of(block_hash)
+    }
+
+    /// The counters, in `kvcompass.sim.cache.CacheStats` field order.
+    fn stats(&self) -> [u64; 11] {
+        let s = self.inner.stats;
+        [s.admits, s.copies, s.clears, s.prompt_tokens, s.vram_hit_tokens, s.dram_hit_tokens, s.stored_blocks, s.promoted_blocks, s.demoted_blocks, s.evicted_blocks, s.truncated_blocks]
+    }
+
+    /// Every cached block in storage order: `(hash, parent or None, position, tier, uses, last)`.
+    fn blocks(&self) -> Vec<BlockRow> {
+        self.inner.blocks().into_iter().map(|b| (b.hash, b.parent, b.position, b.tier, b.uses, b.last)).collect()
+    }
+
+    /// The chained hashes of the full blocks of `tokens` under `seed`.
+    fn chain<'py>(&self, py: Python<'py>, tokens: &Bound<'py, PyAny>, seed: u64) -> PyResult<Bound<'py, PyArray1<u64>>> {
+        let tokens = u32_vec("tokens", tokens)?;
+        let inner = &self.inner;
+        Ok(py.detach(|| inner.chain(&tokens, seed)).map_err(core_err)?.into_pyarray(py))
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyBlockCache>()?;
+    Ok(())
+}
