@@ -15,6 +15,8 @@ __all__ = [
     "prefix_keys_batch",
     "shard_of",
     "block_chain_hashes",
+    "expand_block_tokens",
+    "chain_block_ids",
     "BlockCache",
     "LudoTable",
     "LudoView",
@@ -48,6 +50,12 @@ def prefix_keys_batch(
 def block_chain_hashes(tokens: npt.NDArray[np.uint32], block_size: int, seed: int) -> npt.NDArray[np.uint64]:
     """Chained 64-bit hashes of the full blocks of ``tokens`` (SHA-256 of domain, ``seed``,
     parent hash and the block's tokens): the emulated engine's block names."""
+
+def expand_block_tokens(ids: npt.NDArray[np.uint64], input_length: int, block_size: int) -> npt.NDArray[np.uint32]:
+    """The first ``input_length`` synthetic token ids of blocks ``ids`` (``block_size`` each)."""
+
+def chain_block_ids(chains: npt.NDArray[np.uint64], counts: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """Block ids ``mix64(chain + j * golden) & (2**63 - 1)`` for ``j = 1..count`` of every run."""
 
 def shard_of(key: int, shards: int) -> int:
     """The shard that owns ``key`` (``key % shards``)."""

@@ -9,6 +9,7 @@ pub mod error;
 pub mod ludo;
 pub mod patch;
 pub mod score;
+pub mod token_ids;
 
 #[cfg(feature = "python")]
 mod python;

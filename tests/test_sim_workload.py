@@ -71,6 +71,24 @@ def test_mix_scalar_and_vector_agree() -> None:
     assert _mix64_np(np.array(xs, dtype=np.uint64)).tolist() == [_mix64(x) for x in xs]
 
 
+def test_rust_expansion_and_chain_ids_match_the_scalar_definition() -> None:
+    """The Rust arithmetic (rust/token_ids.rs) against the definition written out in Python."""
+    from kvcompass.sim.workload import _GOLDEN, _M64, _MAX_ID, _TOKEN_SALT
+
+    rng = np.random.default_rng(5)
+    ids = [int(x) for x in rng.integers(0, 2**63 - 1, size=7, dtype=np.int64)] + [0, 2**63 - 1]
+    for bs, length in ((16, 16 * len(ids)), (5, 5 * len(ids) - 3), (512, 512 * (len(ids) - 1) + 1)):
+        want = []
+        for i in range(length):
+            z = _mix64((_mix64(ids[i // bs] ^ _TOKEN_SALT) + (i % bs) * _GOLDEN) & _M64)
+            want.append(((z >> 32) * VOCAB) >> 32)
+        assert expand_blocks(ids, length, bs).tolist() == want
+    runs = ((int(rng.integers(0, 2**63)), 3), (2**64 - 1, 2), (0, 0), (77, 1))
+    want_ids = [_mix64((c + j * _GOLDEN) & _M64) & _MAX_ID for c, n in runs for j in range(1, n + 1)]
+    assert ChainBlocks(runs).hash_ids().tolist() == want_ids
+    assert ChainBlocks(()).hash_ids().tolist() == []
+
+
 def test_expansion_shape_dtype_and_range() -> None:
     tok = expand_blocks(np.arange(10, dtype=np.uint64), 150, 16)
     assert tok.dtype == np.uint32 and tok.shape == (150,)

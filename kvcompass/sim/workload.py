@@ -80,6 +80,7 @@ from typing import Literal, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
+from kvcompass import _core
 from kvcompass.discovery.topology import Topology
 from kvcompass.errors import InvalidArgumentError
 
@@ -174,12 +175,9 @@ def expand_blocks(hash_ids: Sequence[int] | npt.NDArray[np.integer], input_lengt
     ids = _ids_of(hash_ids)
     if input_length < 0 or ids.size != -(-input_length // block_size):
         raise InvalidArgumentError(f"{ids.size} hash ids cannot cover input_length {input_length} at block_size {block_size}: need ceil({input_length}/{block_size})")
-    seeds = _mix64_np(ids ^ np.uint64(_TOKEN_SALT))
-    steps = np.arange(block_size, dtype=np.uint64) * np.uint64(_GOLDEN)
-    z = (seeds[:, None] + steps[None, :]).reshape(-1)[:input_length]
-    z = _mix64_np(z)
-    # Multiply-shift maps the top 32 bits onto [0, VOCAB) without a division.
-    return (((z >> np.uint64(32)) * np.uint64(VOCAB)) >> np.uint64(32)).astype(np.uint32)
+    # Token j of a block is mix(mix(id ^ TOKEN_SALT) + j * GOLDEN), its top 32 bits mapped onto
+    # [0, VOCAB) by multiply-shift; computed in Rust (rust/token_ids.rs), one pass, no temporaries.
+    return _core.expand_block_tokens(np.ascontiguousarray(ids, dtype=np.uint64), input_length, block_size)
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,10 +212,10 @@ class ChainBlocks:
         return sum(count for _, count in self.runs)
 
     def hash_ids(self) -> U64Array:
-        parts = [_mix64_np(np.uint64(chain) + np.arange(1, count + 1, dtype=np.uint64) * np.uint64(_GOLDEN)) for chain, count in self.runs]
-        ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
-        ids &= np.uint64(_MAX_ID)
-        return ids
+        runs = self.runs
+        chains = np.fromiter((c for c, _ in runs), dtype=np.uint64, count=len(runs))
+        counts = np.fromiter((n for _, n in runs), dtype=np.uint64, count=len(runs))
+        return _core.chain_block_ids(chains, counts)
 
 
 BlockSource: TypeAlias = TraceBlocks | ChainBlocks

@@ -56,6 +56,28 @@ fn block_chain_hashes<'py>(py: Python<'py>, tokens: &Bound<'py, PyAny>, block_si
     Ok(out.into_pyarray(py))
 }
 
+/// Token ids of a prompt from its block ids (`kvcompass.sim.workload.expand_blocks` checks the
+/// arguments; this is the arithmetic).
+#[pyfunction]
+fn expand_block_tokens<'py>(py: Python<'py>, ids: &Bound<'py, PyAny>, input_length: usize, block_size: usize) -> PyResult<Bound<'py, PyArray1<u32>>> {
+    let ids = u64_vec("ids", ids)?;
+    if block_size == 0 || ids.len() != input_length.div_ceil(block_size) {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!("{} ids cannot cover input_length {input_length} at block_size {block_size}", ids.len())));
+    }
+    Ok(py.detach(|| crate::token_ids::expand_blocks(&ids, input_length, block_size)).into_pyarray(py))
+}
+
+/// Block ids of synthetic runs `(chains[i], counts[i])` (`kvcompass.sim.workload.ChainBlocks`).
+#[pyfunction]
+fn chain_block_ids<'py>(py: Python<'py>, chains: &Bound<'py, PyAny>, counts: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<u64>>> {
+    let chains = u64_vec("chains", chains)?;
+    let counts = u64_vec("counts", counts)?;
+    if chains.len() != counts.len() {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!("{} chains but {} counts", chains.len(), counts.len())));
+    }
+    Ok(crate::token_ids::chain_block_ids(&chains, &counts).into_pyarray(py))
+}
+
 /// The shard that owns a key.
 #[pyfunction]
 fn shard_of(key: u64, shards: u32) -> PyResult<u32> {
@@ -74,6 +96,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(prefix_keys_batch, m)?)?;
     m.add_function(wrap_pyfunction!(shard_of, m)?)?;
     m.add_function(wrap_pyfunction!(block_chain_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(expand_block_tokens, m)?)?;
+    m.add_function(wrap_pyfunction!(chain_block_ids, m)?)?;
     index::register(m)?;
     block_cache::register(m)?;
     router::register(m)?;
