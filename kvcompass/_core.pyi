@@ -17,6 +17,7 @@ __all__ = [
     "block_chain_hashes",
     "expand_block_tokens",
     "chain_block_ids",
+    "fold_queue_samples",
     "BlockCache",
     "LudoTable",
     "LudoView",
@@ -56,6 +57,21 @@ def expand_block_tokens(ids: npt.NDArray[np.uint64], input_length: int, block_si
 
 def chain_block_ids(chains: npt.NDArray[np.uint64], counts: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     """Block ids ``mix64(chain + j * golden) & (2**63 - 1)`` for ``j = 1..count`` of every run."""
+
+def fold_queue_samples(
+    obs: npt.NDArray[np.float64],
+    tq: npt.NDArray[np.float64],
+    pend: npt.NDArray[np.float64],
+    at: npt.NDArray[np.float64],
+    idle_since: npt.NDArray[np.float64],
+    indices: npt.NDArray[np.int64],
+    samples: npt.NDArray[np.float64],
+    now: float,
+    weight: float,
+    idle_ms: float,
+) -> None:
+    """``QueueEstimates.fold_many``'s arithmetic in place (indices distinct and in range, samples
+    finite and >= 0: ``ValueError`` otherwise, before anything changes)."""
 
 def shard_of(key: int, shards: int) -> int:
     """The shard that owns ``key`` (``key % shards``)."""

@@ -8,6 +8,7 @@ pub mod chunk_hash;
 pub mod error;
 pub mod ludo;
 pub mod patch;
+pub mod queues;
 pub mod score;
 pub mod token_ids;
 

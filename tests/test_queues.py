@@ -268,3 +268,37 @@ def test_handoff_moves_a_forwarded_request_off_a_worker_that_filled_up_meanwhile
     blind = make_edge(EdgeParams(load_aware=False))
     blind.set_local_queue("a0", 500.0, 0.0)
     assert blind.handoff(p, ns, "a0", 0.0).worker == "a0"
+
+
+def test_rust_fold_checks_before_it_writes() -> None:
+    """The in-place fold behind ``fold_many`` refuses repeated or out-of-range indices and bad
+    samples with nothing written."""
+    from kvcompass import _core
+
+    arrays = [np.zeros(3), np.zeros(3), np.zeros(3), np.full(3, -np.inf), np.full(3, np.nan)]
+    before = [a.copy() for a in arrays]
+    for idx, smp, what in (([0, 0], [1.0, 2.0], "repeated"), ([3], [1.0], "out of"), ([1], [-1.0], "finite and >= 0"), ([1], [np.nan], "finite"), ([0, 1], [1.0], "indices but")):
+        with pytest.raises(ValueError, match=what):
+            _core.fold_queue_samples(*arrays, np.array(idx, dtype=np.int64), np.array(smp, dtype=np.float64), 1.0, 0.5, 0.0)
+        for a, b in zip(arrays, before):
+            assert np.array_equal(a, b, equal_nan=True)
+    _core.fold_queue_samples(*arrays, np.array([2], dtype=np.int64), np.array([4.0]), 1.0, 0.5, 0.0)
+    assert arrays[0][2] == 4.0 and arrays[1][2] == 4.0 and arrays[3][2] == 1.0 and np.isnan(arrays[4][2])
+
+
+def test_edge_repeated_vectors_fold_as_the_first_did() -> None:
+    """An edge resolves a region's vector ids once and folds later vectors with the same ids as
+    arrays: the estimates, ignored counts and refusals are those of the full check."""
+    fast, slow = make_edge(), make_edge()
+    vectors = [{"b0": 80.0, "zz": 3.0, "b1": 10.0}, {"b0": 40.0, "zz": 1.0, "b1": 30.0}, {"b0": 5, "zz": 0, "b1": 7}, {"b1": 1.0, "b0": 2.0}]
+    for k, v in enumerate(vectors):
+        fast.on_broadcast("B", v, float(k))
+        slow._fold_vector_checked("B", v, float(k), tuple(v))  # noqa: SLF001 (the reference path)
+        assert (fast.queue_estimate("b0"), fast.queue_estimate("b1")) == (slow.queue_estimate("b0"), slow.queue_estimate("b1"))
+        assert fast.queue_age("b0", 9.0) == slow.queue_age("b0", 9.0)
+    assert fast.stats.queue_samples_ignored == slow.stats.queue_samples_ignored == 3
+    before = fast.queue_estimate("b0")
+    for bad in ({"b1": 1.0, "b0": -2.0}, {"b1": 1.0, "b0": math.nan}, {"b1": 1.0, "b0": "x"}):
+        with pytest.raises((InvalidArgumentError, ValueError)):
+            fast.on_broadcast("B", bad, 9.0)
+        assert fast.queue_estimate("b0") == before and fast.queue_age("b0", 9.0) == 6.0

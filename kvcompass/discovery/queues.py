@@ -40,6 +40,8 @@ from typing import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from kvcompass import _core
+
 __all__ = ["BroadcastSchedule", "QueueEstimates"]
 
 # Slack for "Delta has passed": a driver ticking every Delta accumulates float error
@@ -157,19 +159,15 @@ class QueueEstimates:
         as the loop, in a handful of array operations instead of a dozen scalar ones each."""
         if len(indices) == 0:
             return
-        obs, w = self._obs, self._weight
-        x = np.where(self._at[indices] > -math.inf, (1.0 - w) * obs[indices] + w * tq_ms, tq_ms)
-        floor = now - self._ttl
-        charges = self._charges
-        for j, i in enumerate(indices.tolist()):
-            if charges[i]:
-                self._settle(i, max(float(settled_before[j]), floor))
-        obs[indices] = x
-        self._tq[indices] = x + self._pend[indices]
-        self._at[indices] = np.maximum(self._at[indices], now)
-        idle = x <= self._idle_ms
-        since = self._idle_since[indices]
-        self._idle_since[indices] = np.where(idle, np.where(np.isnan(since), now, since), math.nan)
+        if self._order:  # some charge is open: close those the samples include
+            floor = now - self._ttl
+            charges = self._charges
+            for j, i in enumerate(indices.tolist()):
+                if charges[i]:
+                    self._settle(i, max(float(settled_before[j]), floor))
+        # Settling touches only the charges and the live totals, which the fold then rewrites, so
+        # it may come first; the EWMA, live totals, ages and idle clocks move in one Rust pass.
+        _core.fold_queue_samples(self._obs, self._tq, self._pend, self._at, self._idle_since, indices, tq_ms, float(now), self._weight, self._idle_ms)
         self.version += len(indices)
 
     def _store(self, index: int, x: float, now: float) -> None:

@@ -78,6 +78,54 @@ fn chain_block_ids<'py>(py: Python<'py>, chains: &Bound<'py, PyAny>, counts: &Bo
     Ok(crate::token_ids::chain_block_ids(&chains, &counts).into_pyarray(py))
 }
 
+/// `QueueEstimates.fold_many`'s arithmetic, in place on the estimate arrays (float64, one entry
+/// per worker); `indices` (int64) distinct and in range, `samples` (float64) checked by the
+/// caller, which settles the workers' open charges first.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn fold_queue_samples(
+    obs: &Bound<'_, PyArray1<f64>>,
+    tq: &Bound<'_, PyArray1<f64>>,
+    pend: &Bound<'_, PyArray1<f64>>,
+    at: &Bound<'_, PyArray1<f64>>,
+    idle_since: &Bound<'_, PyArray1<f64>>,
+    indices: &Bound<'_, PyArray1<i64>>,
+    samples: &Bound<'_, PyArray1<f64>>,
+    now: f64,
+    weight: f64,
+    idle_ms: f64,
+) -> PyResult<()> {
+    use numpy::PyUntypedArrayMethods;
+    use pyo3::exceptions::PyValueError;
+    let n = obs.len();
+    if [tq.len(), pend.len(), at.len(), idle_since.len()].iter().any(|&l| l != n) {
+        return Err(PyValueError::new_err("estimate arrays differ in length"));
+    }
+    let idx = indices.readonly();
+    let idx = idx.as_slice().map_err(|e| PyValueError::new_err(format!("indices: {e}")))?;
+    let smp = samples.readonly();
+    let smp = smp.as_slice().map_err(|e| PyValueError::new_err(format!("samples: {e}")))?;
+    if idx.len() != smp.len() {
+        return Err(PyValueError::new_err(format!("{} indices but {} samples", idx.len(), smp.len())));
+    }
+    let mut seen = vec![false; n];
+    let mut ix = Vec::with_capacity(idx.len());
+    for &i in idx {
+        if i < 0 || i as usize >= n || std::mem::replace(&mut seen[i as usize], true) {
+            return Err(PyValueError::new_err(format!("index {i}: out of 0..{n} or repeated")));
+        }
+        ix.push(i as usize);
+    }
+    if let Some(j) = crate::queues::first_bad_sample(smp) {
+        return Err(PyValueError::new_err(format!("sample {} = {} ms must be finite and >= 0", j, smp[j])));
+    }
+    let (mut o, mut t, p, mut a, mut s) = (obs.readwrite(), tq.readwrite(), pend.readonly(), at.readwrite(), idle_since.readwrite());
+    let bad = |e: numpy::AsSliceError| PyValueError::new_err(format!("estimate arrays must be contiguous: {e}"));
+    let mut est = crate::queues::Estimates { obs: o.as_slice_mut().map_err(bad)?, tq: t.as_slice_mut().map_err(bad)?, pend: p.as_slice().map_err(bad)?, at: a.as_slice_mut().map_err(bad)?, idle_since: s.as_slice_mut().map_err(bad)? };
+    crate::queues::fold(&mut est, &ix, smp, now, weight, idle_ms);
+    Ok(())
+}
+
 /// The shard that owns a key.
 #[pyfunction]
 fn shard_of(key: u64, shards: u32) -> PyResult<u32> {
@@ -98,6 +146,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(block_chain_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(expand_block_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(chain_block_ids, m)?)?;
+    m.add_function(wrap_pyfunction!(fold_queue_samples, m)?)?;
     index::register(m)?;
     block_cache::register(m)?;
     router::register(m)?;
