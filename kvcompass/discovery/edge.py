@@ -341,8 +341,9 @@ class Edge:
         self._settle_lag_s: list[float] = [(x / 2e3 if self._local_l[i] else x / 1e3) for i, x in enumerate(rtt.tolist())]
         self._settle_lag_s_arr = np.array(self._settle_lag_s, dtype=np.float64)
         # region -> (the ids of its last vector in order, their worker indices, how many of them
-        # are not this region's workers (ignored), the positions of the others)
-        self._vector_ids: dict[str, tuple[tuple[str, ...], npt.NDArray[np.int64], int, npt.NDArray[np.int64]]] = {}
+        # are not this region's workers (ignored), the positions of the others (None: all kept),
+        # their settle lags)
+        self._vector_ids: dict[str, tuple[tuple[str, ...], npt.NDArray[np.int64], int, npt.NDArray[np.int64] | None, npt.NDArray[np.float64]]] = {}
         self._lam, self._lam_version = 0.0, -1
         self._belief = CacheBelief(n, params.belief_weight, params.belief_initial)
         others = sorted({r for r in rtt_ms if r != region} | {r for r in regions if r != region})
@@ -814,14 +815,14 @@ class Edge:
         keys = tuple(vector)
         known = self._vector_ids.get(region)
         if known is not None and known[0] == keys:
+            ii, ignored, pos, lag = known[1], known[2], known[3], known[4]
             try:
                 vals = np.fromiter(vector.values(), dtype=np.float64, count=len(keys))
+                self._queues.fold_lagged(ii, vals if pos is None else vals[pos], now, lag)
             except (TypeError, ValueError):
-                vals = None  # not all numbers: the full check below says which
-            if vals is not None and bool(np.isfinite(vals).all()) and not bool((vals < 0).any()):
-                ii = known[1]
-                self._n.queue_samples_ignored += known[2]
-                self._queues.fold_many(ii, vals[known[3]], now, now - self._settle_lag_s_arr[ii])
+                pass  # a sample that is not a number, or not finite and >= 0: the full check names it
+            else:
+                self._n.queue_samples_ignored += ignored
                 return
         self._fold_vector_checked(region, vector, now, keys)
 
@@ -845,7 +846,8 @@ class Edge:
             vals.append(v)
         self._n.queue_samples_ignored += ignored
         ii = np.fromiter(idx, dtype=np.int64, count=len(idx))
-        self._vector_ids[region] = (keys, ii, ignored, np.fromiter(pos, dtype=np.int64, count=len(pos)))
+        kept = None if ignored == 0 else np.fromiter(pos, dtype=np.int64, count=len(pos))
+        self._vector_ids[region] = (keys, ii, ignored, kept, np.ascontiguousarray(self._settle_lag_s_arr[ii]))
         if idx:
             self._queues.fold_many(ii, np.fromiter(vals, dtype=np.float64, count=len(vals)), now, now - self._settle_lag_s_arr[ii])
 

@@ -155,19 +155,31 @@ class QueueEstimates:
 
     def fold_many(self, indices: npt.NDArray[np.int64], tq_ms: npt.NDArray[np.float64], now: float, settled_before: npt.NDArray[np.float64]) -> None:
         """:meth:`fold` of ``tq_ms[j]`` into worker ``indices[j]`` for every j at once (a whole
-        queue vector: indices distinct, samples already checked finite and >= 0). Same result
-        as the loop, in a handful of array operations instead of a dozen scalar ones each."""
+        queue vector: indices distinct; a sample that is not finite and >= 0 is a ValueError
+        before anything changes). Same result as the loop, in one Rust pass."""
+        self._fold(indices, tq_ms, now, settled_before, None)
+
+    def fold_lagged(self, indices: npt.NDArray[np.int64], tq_ms: npt.NDArray[np.float64], now: float, lag_s: npt.NDArray[np.float64]) -> None:
+        """:meth:`fold_many` with ``settled_before = now - lag_s``, computed only for workers with
+        open charges (most vectors find none)."""
+        self._fold(indices, tq_ms, now, None, lag_s)
+
+    def _fold(self, indices: npt.NDArray[np.int64], tq_ms: npt.NDArray[np.float64], now: float, before: npt.NDArray[np.float64] | None, lag: npt.NDArray[np.float64] | None) -> None:
         if len(indices) == 0:
             return
-        if self._order:  # some charge is open: close those the samples include
+        # The EWMA, live totals, ages and idle clocks in one Rust pass (it checks every sample
+        # and index first); then the charges the samples include close, which moves only the
+        # charges and the live totals (recomputed from the new estimates), so the order is free.
+        _core.fold_queue_samples(self._obs, self._tq, self._pend, self._at, self._idle_since, indices, tq_ms, float(now), self._weight, self._idle_ms)
+        if self._order:  # some charge is open
+            if before is None:
+                assert lag is not None
+                before = now - lag
             floor = now - self._ttl
             charges = self._charges
             for j, i in enumerate(indices.tolist()):
                 if charges[i]:
-                    self._settle(i, max(float(settled_before[j]), floor))
-        # Settling touches only the charges and the live totals, which the fold then rewrites, so
-        # it may come first; the EWMA, live totals, ages and idle clocks move in one Rust pass.
-        _core.fold_queue_samples(self._obs, self._tq, self._pend, self._at, self._idle_since, indices, tq_ms, float(now), self._weight, self._idle_ms)
+                    self._settle(i, max(float(before[j]), floor))
         self.version += len(indices)
 
     def _store(self, index: int, x: float, now: float) -> None:
