@@ -46,6 +46,24 @@ fn events_out<'py>(py: Python<'py>, events: Vec<Event>) -> PyResult<Bound<'py, P
     Ok(out)
 }
 
+impl PyBlockCache {
+    /// A placement: the prompt's chain (remembered or hashed) and `f`, without the GIL.
+    fn place<'py, F>(&mut self, py: Python<'py>, tokens: &Bound<'py, PyAny>, seed: u64, f: F) -> PyResult<Bound<'py, PyList>>
+    where
+        F: FnOnce(&mut BlockCache, &[u32], &[u64]) -> crate::error::Result<Vec<Event>> + Send,
+    {
+        let tokens = u32_vec("tokens", tokens)?;
+        let inner = &mut self.inner;
+        let out = py
+            .detach(|| {
+                let chain = inner.chain_memo(&tokens, seed)?;
+                f(inner, &tokens, &chain)
+            })
+            .map_err(core_err)?;
+        events_out(py, out)
+    }
+}
+
 #[pymethods]
 impl PyBlockCache {
     #[new]
@@ -70,29 +88,13 @@ impl PyBlockCache {
     #[pyo3(signature = (tokens, seed, now, salt, request, events=true))]
     #[allow(clippy::too_many_arguments)]
     fn place_vram<'py>(&mut self, py: Python<'py>, tokens: &Bound<'py, PyAny>, seed: u64, now: f64, salt: u32, request: bool, events: bool) -> PyResult<Bound<'py, PyList>> {
-        let tokens = u32_vec("tokens", tokens)?;
-        let inner = &mut self.inner;
-        let out = py
-            .detach(|| {
-                let chain = inner.chain_memo(&tokens, seed)?;
-                inner.place_vram(&tokens, &chain, now, salt, request, events)
-            })
-            .map_err(core_err)?;
-        events_out(py, out)
+        self.place(py, tokens, seed, |c, t, chain| c.place_vram(t, chain, now, salt, request, events))
     }
 
     /// The blocks of `tokens` missing past its cached prefix into DRAM (a cross-region copy).
     #[pyo3(signature = (tokens, seed, now, salt, events=true))]
     fn place_dram<'py>(&mut self, py: Python<'py>, tokens: &Bound<'py, PyAny>, seed: u64, now: f64, salt: u32, events: bool) -> PyResult<Bound<'py, PyList>> {
-        let tokens = u32_vec("tokens", tokens)?;
-        let inner = &mut self.inner;
-        let out = py
-            .detach(|| {
-                let chain = inner.chain_memo(&tokens, seed)?;
-                inner.place_dram(&tokens, &chain, now, salt, events)
-            })
-            .map_err(core_err)?;
-        events_out(py, out)
+        self.place(py, tokens, seed, |c, t, chain| c.place_dram(t, chain, now, salt, events))
     }
 
     fn clear(&mut self) {
