@@ -270,6 +270,11 @@ def _simulate(args: argparse.Namespace) -> int:
     def started(k: int, total: int, scheme: str, rate: str, n: int) -> None:
         print(f"[{k}/{total}] {scheme} at {rate} req/s: {n} requests ...", end="", file=sys.stderr, flush=True)
 
+    def running(k: int, total: int, scheme: str, rate: str, done: int, n: int) -> None:
+        # On a terminal the run's line counts its completed requests in place (a progress bar).
+        bar = "#" * (20 * done // n)
+        print(f"\r[{k}/{total}] {scheme} at {rate} req/s: [{bar:<20}] {done}/{n} requests ...", end="", file=sys.stderr, flush=True)
+
     def finished(k: int, total: int, scheme: str, rate: str, n: int, wall: float) -> None:
         if args.jobs == 1:
             print(f" done in {wall:.1f} s", file=sys.stderr, flush=True)
@@ -277,7 +282,10 @@ def _simulate(args: argparse.Namespace) -> int:
             print(f"[{k}/{total}] {scheme} at {rate} req/s: {n} requests done in {wall:.1f} s", file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
-    results: dict[str, dict[str, Summary]] = run_cells(topology, workloads, cells, options, jobs=args.jobs, on_start=started if args.jobs == 1 else None, on_done=finished)
+    tty = sys.stderr.isatty()
+    results: dict[str, dict[str, Summary]] = run_cells(
+        topology, workloads, cells, options, jobs=args.jobs, on_start=started if args.jobs == 1 else None, on_done=finished, on_progress=running if tty and args.jobs == 1 else None
+    )
     if args.jobs > 1:
         print(f"{len(cells)} runs on {min(args.jobs, len(cells))} processes in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     extra: dict[str, object] = {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+from functools import partial
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Any
@@ -35,6 +36,8 @@ OnStart = Callable[[int, int, str, str, int], None]
 """``(k, total, scheme, rate, requests)``: cell k of total is starting."""
 OnDone = Callable[[int, int, str, str, int, float], None]
 """``(k, total, scheme, rate, requests, wall_s)``: cell k of total finished in wall_s seconds."""
+OnProgress = Callable[[int, int, str, str, int, int], None]
+"""``(k, total, scheme, rate, done, requests)``: cell k has completed ``done`` of its requests."""
 
 _worker: dict[str, Any] = {}
 
@@ -43,9 +46,9 @@ def _init(topology: Topology, workloads: Mapping[str, Sequence[Request]], option
     _worker.update(topology=topology, workloads=workloads, options=dict(options))
 
 
-def _run(rate: str, scheme: str) -> tuple[Summary, float]:
+def _run(rate: str, scheme: str, progress: Callable[[int, int], None] | None = None) -> tuple[Summary, float]:
     t0 = time.perf_counter()
-    s = simulate(_worker["topology"], _worker["workloads"][rate], scheme, **_worker["options"])
+    s = simulate(_worker["topology"], _worker["workloads"][rate], scheme, progress=progress, **_worker["options"])
     return s, time.perf_counter() - t0
 
 
@@ -58,11 +61,13 @@ def run_cells(
     jobs: int = 1,
     on_start: OnStart | None = None,
     on_done: OnDone | None = None,
+    on_progress: OnProgress | None = None,
 ) -> dict[str, dict[str, Summary]]:
     """Run every cell (``simulate(topology, workloads[rate], scheme, **options)``) on up to
     ``jobs`` processes (1: here, in order); returns ``{scheme: {rate: Summary}}`` in the order of
     ``cells``. ``on_start``/``on_done`` report progress (with ``jobs > 1`` a cell is reported
-    when it finishes, in the order cells finish)."""
+    when it finishes, in the order cells finish), ``on_progress`` how far the running cell has
+    got (serial runs only)."""
     if type(jobs) is not int or jobs < 1:
         raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
     for rate, _ in cells:
@@ -76,7 +81,8 @@ def run_cells(
             for k, (rate, scheme) in enumerate(cells, 1):
                 if on_start is not None:
                     on_start(k, total, scheme, rate, len(workloads[rate]))
-                done[(rate, scheme)], wall = _run(rate, scheme)
+                tick = None if on_progress is None else partial(on_progress, k, total, scheme, rate)
+                done[(rate, scheme)], wall = _run(rate, scheme, tick)
                 if on_done is not None:
                     on_done(k, total, scheme, rate, len(workloads[rate]), wall)
         finally:

@@ -293,6 +293,8 @@ class Simulator:
         self._now = 0.0
         self._records: list[RequestRecord] = []
         self._ran = False
+        self._progress: Callable[[int, int], None] | None = None
+        self._progress_every = 1
         self._migrate = self._indexed and params.migration
         self._chunked = config.gpu_sharing == "chunked"
         # Decode instances per region, and for each region where its prefill hands off.
@@ -361,11 +363,15 @@ class Simulator:
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, action))
 
-    def run(self) -> Summary:
-        """Replay the workload to the last completion and summarise it."""
+    def run(self, progress: Callable[[int, int], None] | None = None) -> Summary:
+        """Replay the workload to the last completion and summarise it. ``progress(done, total)``
+        is called as requests complete (about every hundredth of the workload, and at the end),
+        for a driver to show how far a long run has got."""
         if self._ran:
             raise RuntimeError("a Simulator runs once")
         self._ran = True
+        self._progress = progress
+        self._progress_every = max(1, len(self._requests) // 100)
         for r in self._requests:
             self._at(r.arrival_ms, partial(self._arrive, r))
         if self._indexed and self._requests:
@@ -802,6 +808,9 @@ class Simulator:
             )
         )
         job.tokens = np.zeros(0, dtype=np.uint32)  # a finished request keeps no tokens
+        done = len(self._records)
+        if self._progress is not None and (done % self._progress_every == 0 or done == len(self._requests)):
+            self._progress(done, len(self._requests))
 
 
 def simulate(
@@ -822,9 +831,11 @@ def simulate(
     patch_delay_ms: float = 0.0,
     gpu_sharing: GpuSharing = "chunked",
     max_batched_tokens: int = 2048,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Summary:
     """Run ``requests`` through ``topology`` (a built-in name, a TOML path, or a Topology) with
-    ``scheme`` (a name from :data:`kvcompass.sim.schemes.SCHEMES` or a factory) and summarise."""
+    ``scheme`` (a name from :data:`kvcompass.sim.schemes.SCHEMES` or a factory) and summarise;
+    ``progress`` as in :meth:`Simulator.run`."""
     topo = topology if isinstance(topology, Topology) else load_topology(topology)
     config = SimConfig(
         seed=seed,
@@ -841,4 +852,4 @@ def simulate(
         gpu_sharing=gpu_sharing,
         max_batched_tokens=max_batched_tokens,
     )
-    return Simulator(topo, requests, scheme, config).run()
+    return Simulator(topo, requests, scheme, config).run(progress)
