@@ -83,16 +83,19 @@ _RawRemoved = tuple[bool, int, npt.NDArray[np.uint64]]
 class BlockCache:
     """The emulated engine's two-tier prefix cache (``kvcompass.sim.cache.PrefixCache`` wraps it
     and documents the model). Tiers are 1 (VRAM) and 2 (DRAM); capacities are in blocks; chains
-    are hashed from the tokens under ``seed``; ``salt`` is a caller's number for a cache salt
-    (0: none), returned with stored runs that start a prompt."""
+    are hashed from the tokens under ``salt_seed`` and named through ``name_seed``; ``salt`` is a
+    caller's number for a cache salt (0: none), returned with stored runs that start a prompt."""
 
-    def __new__(cls, block_size: int, vram_blocks: int, dram_blocks: int, lfu: bool) -> BlockCache: ...
-    def lookup(self, tokens: npt.NDArray[np.uint32], seed: int) -> tuple[int, int]:
+    def __new__(cls, block_size: int, vram_blocks: int, dram_blocks: int, lfu: bool, name_seed: int = 0) -> BlockCache: ...
+    @staticmethod
+    def memo_bytes() -> int:
+        """Bytes of this thread's chain memo (shared by every cache)."""
+    def lookup(self, tokens: npt.NDArray[np.uint32], salt_seed: int) -> tuple[int, int]:
         """``(vram_blocks, dram_blocks)`` of the longest cached prefix."""
-    def place_vram(self, tokens: npt.NDArray[np.uint32], seed: int, now: float, salt: int, request: bool, events: bool = True) -> list[_RawStored | _RawRemoved]:
+    def place_vram(self, tokens: npt.NDArray[np.uint32], salt_seed: int, now: float, salt: int, request: bool, events: bool = True) -> list[_RawStored | _RawRemoved]:
         """Admit (``request``) or copy the prompt's full blocks into VRAM; the raw events, stores
         as ``(True, medium, hashes, parent, tokens, salt)`` and removals as ``(False, medium, hashes)``."""
-    def place_dram(self, tokens: npt.NDArray[np.uint32], seed: int, now: float, salt: int, events: bool = True) -> list[_RawStored | _RawRemoved]:
+    def place_dram(self, tokens: npt.NDArray[np.uint32], salt_seed: int, now: float, salt: int, events: bool = True) -> list[_RawStored | _RawRemoved]:
         """Store the blocks missing past the cached prefix into DRAM; the raw events."""
     def clear(self) -> None: ...
     def __len__(self) -> int: ...
@@ -106,7 +109,7 @@ class BlockCache:
         """The 11 counters in ``CacheStats`` field order."""
     def blocks(self) -> list[tuple[int, int | None, int, int, int, float]]:
         """``(hash, parent, position, tier, uses, last)`` of every block, in storage order."""
-    def chain(self, tokens: npt.NDArray[np.uint32], seed: int) -> npt.NDArray[np.uint64]: ...
+    def chain(self, tokens: npt.NDArray[np.uint32], salt_seed: int) -> npt.NDArray[np.uint64]: ...
 
 def decode_batch_header(batch: bytes) -> dict[str, int]:
     """Header of an encoded batch (table, shard, epoch, seq, n_ops); raises MalformedPatchError."""

@@ -17,6 +17,12 @@ use std::collections::{BinaryHeap, HashMap, HashSet};
 
 use crate::chunk_hash::block_chain;
 use crate::error::{CoreError, Result};
+use crate::token_ids::mix64;
+
+/// Bytes held by this thread's chain memo (a few prompts' tokens and chains).
+pub fn memo_bytes() -> usize {
+    BASE_MEMO.with(|m| m.borrow().iter().map(|(_, _, t, c)| t.capacity() * 4 + c.capacity() * 8).sum())
+}
 
 /// A block's tier: VRAM and DRAM; `MOVING` while a call lifts it out of DRAM.
 pub const VRAM: u8 = 1;
@@ -120,23 +126,48 @@ pub struct BlockCache {
     heaps: [BinaryHeap<Reverse<Entry>>; 3],
     stamp: u64,
     born: u64,
+    name_seed: u64,
     pub stats: Stats,
-    // The chains of the last prompts hashed, most recent first: an engine looks a prompt up on
-    // arrival, again when it is queued and when its prefill starts, then admits it, and each
-    // of those would otherwise hash every block again. Kept with the tokens they were computed
-    // from and compared in full, so a hit is exact.
-    memo: Vec<(u64, Vec<u32>, Vec<u64>)>,
 }
 
-const MEMO: usize = 2;
+/// How many prompts' chains [`base_chain`] remembers (per thread).
+const MEMO: usize = 4;
+
+thread_local! {
+    // The chains of the last prompts hashed on this thread, most recent first, with the block
+    // size, salt seed and tokens they were computed from (compared in full, so a hit is exact).
+    // An engine looks a prompt up on arrival, when it is queued and when its prefill starts,
+    // then admits it, and a scheme with exact global state looks it up on every worker: one
+    // SHA-256 chain per prompt serves them all, since the caches differ only in how they name
+    // its blocks ([`BlockCache::chain`]).
+    static BASE_MEMO: std::cell::RefCell<Vec<(usize, u64, Vec<u32>, Vec<u64>)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The seed-free chain of `tokens` under a cache salt's seed (0: none), remembered.
+fn base_chain(tokens: &[u32], block_size: usize, salt_seed: u64) -> Result<Vec<u64>> {
+    BASE_MEMO.with(|m| {
+        let mut m = m.borrow_mut();
+        if let Some(i) = m.iter().position(|(b, s, t, _)| *b == block_size && *s == salt_seed && t.as_slice() == tokens) {
+            let hit = m.remove(i);
+            let chain = hit.3.clone();
+            m.insert(0, hit);
+            return Ok(chain);
+        }
+        let chain = block_chain(salt_seed, tokens, block_size)?;
+        m.truncate(MEMO - 1);
+        m.insert(0, (block_size, salt_seed, tokens.to_vec(), chain.clone()));
+        Ok(chain)
+    })
+}
 
 fn broken() -> CoreError {
     CoreError::InvalidArgument("no evictable leaf in a full tier: the cache invariants are broken".into())
 }
 
 impl BlockCache {
-    /// `vram_blocks >= 1`; `dram_blocks` may be 0 (no offloading).
-    pub fn new(block_size: usize, vram_blocks: usize, dram_blocks: usize, lfu: bool) -> Result<Self> {
+    /// `vram_blocks >= 1`; `dram_blocks` may be 0 (no offloading). `name_seed` varies how this
+    /// cache names blocks (see [`Self::chain`]).
+    pub fn new(block_size: usize, vram_blocks: usize, dram_blocks: usize, lfu: bool, name_seed: u64) -> Result<Self> {
         if block_size == 0 {
             return Err(CoreError::InvalidArgument("block_size must be >= 1".into()));
         }
@@ -152,8 +183,8 @@ impl BlockCache {
             heaps: [BinaryHeap::new(), BinaryHeap::new(), BinaryHeap::new()],
             stamp: 0,
             born: 0,
+            name_seed,
             stats: Stats::default(),
-            memo: Vec::with_capacity(MEMO),
         })
     }
 
@@ -181,13 +212,12 @@ impl BlockCache {
     pub fn heap_len(&self, tier: u8) -> usize {
         self.heaps[tier as usize].len()
     }
-    /// Bytes this cache holds on the heap (tables at their capacity, block tokens, victim heaps,
-    /// the chain memo): what a Python heap profiler cannot see.
+    /// Bytes this cache holds on the heap (tables at their capacity, block tokens, victim heaps):
+    /// what a Python heap profiler cannot see. The chain memo is shared (see [`memo_bytes`]).
     pub fn memory_bytes(&self) -> usize {
         let nodes = self.nodes.capacity() * (std::mem::size_of::<(u64, Node)>() + 1) + self.nodes.len() * self.block_size * 4;
         let heaps: usize = self.heaps.iter().map(|h| h.capacity() * std::mem::size_of::<Entry>()).sum();
-        let memo: usize = self.memo.iter().map(|(_, t, c)| t.capacity() * 4 + c.capacity() * 8).sum();
-        std::mem::size_of::<Self>() + nodes + heaps + memo
+        std::mem::size_of::<Self>() + nodes + heaps
     }
 
     /// Every cached block, in the order they were stored.
@@ -201,24 +231,17 @@ impl BlockCache {
         v.into_iter().map(|e| e.1).collect()
     }
 
-    /// The chain of hashes of the full blocks of `tokens` under `seed`.
-    pub fn chain(&self, tokens: &[u32], seed: u64) -> Result<Vec<u64>> {
-        block_chain(seed, tokens, self.block_size)
-    }
-
-    /// [`Self::chain`], remembered for the last few prompts (see the `memo` field).
-    pub fn chain_memo(&mut self, tokens: &[u32], seed: u64) -> Result<Vec<u64>> {
-        if let Some(i) = self.memo.iter().position(|(s, t, _)| *s == seed && t.as_slice() == tokens) {
-            let hit = self.memo.remove(i);
-            let chain = hit.2.clone();
-            self.memo.insert(0, hit);
-            return Ok(chain);
+    /// The names of the full blocks of `tokens` (a prompt with cache salt seed `salt_seed`, 0 for
+    /// none): the SHA-256 chain of the tokens (so a name stands for its whole prefix), mapped
+    /// through `mix64(h ^ name_seed)`, a bijection, so caches with different seeds name the same
+    /// block differently (as vLLM processes do) from one hash of the prompt; `name_seed` 0 keeps
+    /// the chain itself.
+    pub fn chain(&self, tokens: &[u32], salt_seed: u64) -> Result<Vec<u64>> {
+        let mut chain = base_chain(tokens, self.block_size, salt_seed)?;
+        if self.name_seed != 0 {
+            let s = self.name_seed;
+            chain.iter_mut().for_each(|h| *h = mix64(*h ^ s));
         }
-        let chain = self.chain(tokens, seed)?;
-        if self.memo.len() == MEMO {
-            self.memo.pop();
-        }
-        self.memo.insert(0, (seed, tokens.to_vec(), chain.clone()));
         Ok(chain)
     }
 
@@ -580,7 +603,7 @@ mod tests {
 
     #[test]
     fn admit_then_lookup_and_demotion_to_dram() {
-        let mut c = BlockCache::new(2, 2, 4, false).unwrap();
+        let mut c = BlockCache::new(2, 2, 4, false, 0).unwrap();
         let a = [1, 2, 3, 4];
         let ev = admit(&mut c, &a, 1.0);
         assert_eq!(ev.len(), 1);
@@ -601,7 +624,7 @@ mod tests {
 
     #[test]
     fn without_dram_victims_are_dropped() {
-        let mut c = BlockCache::new(1, 1, 0, false).unwrap();
+        let mut c = BlockCache::new(1, 1, 0, false, 0).unwrap();
         admit(&mut c, &[1], 1.0);
         let ev = admit(&mut c, &[2], 2.0);
         assert_eq!(c.len(), 1);
@@ -611,7 +634,7 @@ mod tests {
 
     #[test]
     fn heaps_stay_bounded() {
-        let mut c = BlockCache::new(1, 8, 8, true).unwrap();
+        let mut c = BlockCache::new(1, 8, 8, true, 0).unwrap();
         for t in 0..3000u32 {
             admit(&mut c, &[t % 11, t % 5], t as f64);
         }

@@ -6,12 +6,15 @@ order) depends only on the calls made.
 
 **Blocks.** A prompt is cut into blocks of ``block_size`` tokens; a trailing partial block is
 never cached (vLLM caches full blocks only). A block is identified by a chained content hash:
-the first 64 bits of SHA-256 over (seed, parent hash, the block's tokens as little-endian u32),
-computed for a whole prompt in one Rust call (:func:`kvcompass._core.block_chain_hashes`), so
-equal token prefixes give equal chains, a block's hash names its whole prefix, and hashes are
-ints in 0..2**64-1 that are the same in every run (``hash_seed`` varies them per emulated
-engine, as vLLM's per-process seed does). The cached blocks form a forest (a radix tree over blocks). Two blocks sharing a
-64-bit hash are taken to be one block: the chance of that among n blocks is about n²/2**65.
+the first 64 bits of SHA-256 over (salt seed, parent hash, the block's tokens as little-endian
+u32), as :func:`kvcompass._core.block_chain_hashes` computes it for a whole prompt (salt seed 0
+without a cache salt), so equal token prefixes give equal chains, a block's hash names its
+whole prefix, and hashes are ints in 0..2**64-1 that are the same in every run. A cache with
+``hash_seed`` s != 0 names block h ``mix64(h ^ s)`` (SplitMix64's finaliser, a bijection), so
+emulated engines name the same block differently, as vLLM's per-process seed makes them do,
+from one SHA-256 chain per prompt that every cache shares. The cached blocks form a forest (a
+radix tree over blocks). Two blocks sharing a 64-bit hash are taken to be one block: the chance
+of that among n blocks is about n²/2**65.
 
 **Cache salt.** Every call takes an optional ``salt`` (vLLM's per-request ``cache_salt``, a
 tenant's private namespace): a salted prompt's chain is seeded by the salt as well, so prompts
@@ -83,9 +86,10 @@ cache (compaction is amortised O(1) per push). The blocks, heaps and chain hashi
 exactly as this module's Python implementation did before it (same victims, same events, same
 simulation results): a simulated fleet stores and looks up every block of every prompt, and one
 Python object per block was most of a baseline scheme's run. The core remembers the chains of
-the last two prompts it hashed (compared token for token), since an engine looks a prompt up
-on arrival, when it is queued and when its prefill starts before admitting it. Its memory is
-reported by :attr:`PrefixCache.memory_bytes` (Python's heap profilers do not see it).
+the last four prompts hashed on the thread (compared token for token), since an engine looks a
+prompt up on arrival, when it is queued and when its prefill starts before admitting it, and a
+scheme with exact global state (the Central Directory) looks it up on every worker. A cache's
+memory is reported by :attr:`PrefixCache.memory_bytes` (Python's heap profilers do not see it).
 """
 
 from __future__ import annotations
@@ -178,9 +182,9 @@ class PrefixCache:
         self.policy: Policy = policy
         self.publish = bool(publish)
         self._seed = hash_seed
-        self._core = BlockCache(block_size, vram_tokens // block_size, dram_tokens // block_size, policy == "lfu")
+        self._core = BlockCache(block_size, vram_tokens // block_size, dram_tokens // block_size, policy == "lfu", hash_seed)
         # Cache salts by number (0: none), as the core keeps them on prompt-start blocks.
-        self._salt_ids: dict[str, tuple[int, int]] = {}  # salt -> (id, chain seed)
+        self._salt_ids: dict[str, tuple[int, int]] = {}  # salt -> (id, the salt's chain seed)
         self._salts: list[str] = [""]
 
     # ---- inspection -------------------------------------------------------------------------
@@ -281,13 +285,13 @@ class PrefixCache:
 
     def _args(self, tokens: Tokens, salt: str | None) -> tuple[npt.NDArray[np.uint32], int, int]:
         """The prompt as a uint32 array, its chain seed (a salted prompt's chain is seeded by the
-        salt too, so no block is shared across salts) and the salt's number."""
+        salt, so no block is shared across salts; 0 without one) and the salt's number."""
         arr = as_tokens(tokens)
         if salt is None:
-            return arr, self._seed, 0
+            return arr, 0, 0
         known = self._salt_ids.get(salt)
         if known is None:
-            known = self._salt_ids[salt] = (len(self._salts), self._seed ^ _salt_seed(salt))
+            known = self._salt_ids[salt] = (len(self._salts), _salt_seed(salt))
             self._salts.append(salt)
         return arr, known[1], known[0]
 

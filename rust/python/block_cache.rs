@@ -48,7 +48,7 @@ fn events_out<'py>(py: Python<'py>, events: Vec<Event>) -> PyResult<Bound<'py, P
 
 impl PyBlockCache {
     /// A placement: the prompt's chain (remembered or hashed) and `f`, without the GIL.
-    fn place<'py, F>(&mut self, py: Python<'py>, tokens: &Bound<'py, PyAny>, seed: u64, f: F) -> PyResult<Bound<'py, PyList>>
+    fn place<'py, F>(&mut self, py: Python<'py>, tokens: &Bound<'py, PyAny>, salt_seed: u64, f: F) -> PyResult<Bound<'py, PyList>>
     where
         F: FnOnce(&mut BlockCache, &[u32], &[u64]) -> crate::error::Result<Vec<Event>> + Send,
     {
@@ -56,7 +56,7 @@ impl PyBlockCache {
         let inner = &mut self.inner;
         let out = py
             .detach(|| {
-                let chain = inner.chain_memo(&tokens, seed)?;
+                let chain = inner.chain(&tokens, salt_seed)?;
                 f(inner, &tokens, &chain)
             })
             .map_err(core_err)?;
@@ -67,17 +67,23 @@ impl PyBlockCache {
 #[pymethods]
 impl PyBlockCache {
     #[new]
-    #[pyo3(signature = (block_size, vram_blocks, dram_blocks, lfu))]
-    fn new(block_size: usize, vram_blocks: usize, dram_blocks: usize, lfu: bool) -> PyResult<Self> {
-        Ok(PyBlockCache { inner: BlockCache::new(block_size, vram_blocks, dram_blocks, lfu).map_err(core_err)? })
+    #[pyo3(signature = (block_size, vram_blocks, dram_blocks, lfu, name_seed=0))]
+    fn new(block_size: usize, vram_blocks: usize, dram_blocks: usize, lfu: bool, name_seed: u64) -> PyResult<Self> {
+        Ok(PyBlockCache { inner: BlockCache::new(block_size, vram_blocks, dram_blocks, lfu, name_seed).map_err(core_err)? })
     }
 
-    /// `(vram_blocks, dram_blocks)` of the longest cached prefix of `tokens` (chain under `seed`).
-    fn lookup(&mut self, py: Python<'_>, tokens: &Bound<'_, PyAny>, seed: u64) -> PyResult<(usize, usize)> {
+    /// Bytes of this thread's chain memo, shared by every cache (a few prompts).
+    #[staticmethod]
+    fn memo_bytes() -> usize {
+        crate::block_cache::memo_bytes()
+    }
+
+    /// `(vram_blocks, dram_blocks)` of the longest cached prefix of `tokens` (`salt_seed`: the cache salt's, 0 for none).
+    fn lookup(&mut self, py: Python<'_>, tokens: &Bound<'_, PyAny>, salt_seed: u64) -> PyResult<(usize, usize)> {
         let tokens = u32_vec("tokens", tokens)?;
         let inner = &mut self.inner;
         py.detach(|| {
-            let chain = inner.chain_memo(&tokens, seed)?;
+            let chain = inner.chain(&tokens, salt_seed)?;
             Ok(inner.lookup(&chain))
         })
         .map_err(core_err)
@@ -85,16 +91,16 @@ impl PyBlockCache {
 
     /// Every full block of `tokens` (up to VRAM capacity) into VRAM; `request`: an admit (hit
     /// statistics counted), else a copy. Returns the events (empty unless `events`).
-    #[pyo3(signature = (tokens, seed, now, salt, request, events=true))]
+    #[pyo3(signature = (tokens, salt_seed, now, salt, request, events=true))]
     #[allow(clippy::too_many_arguments)]
-    fn place_vram<'py>(&mut self, py: Python<'py>, tokens: &Bound<'py, PyAny>, seed: u64, now: f64, salt: u32, request: bool, events: bool) -> PyResult<Bound<'py, PyList>> {
-        self.place(py, tokens, seed, |c, t, chain| c.place_vram(t, chain, now, salt, request, events))
+    fn place_vram<'py>(&mut self, py: Python<'py>, tokens: &Bound<'py, PyAny>, salt_seed: u64, now: f64, salt: u32, request: bool, events: bool) -> PyResult<Bound<'py, PyList>> {
+        self.place(py, tokens, salt_seed, |c, t, chain| c.place_vram(t, chain, now, salt, request, events))
     }
 
     /// The blocks of `tokens` missing past its cached prefix into DRAM (a cross-region copy).
-    #[pyo3(signature = (tokens, seed, now, salt, events=true))]
-    fn place_dram<'py>(&mut self, py: Python<'py>, tokens: &Bound<'py, PyAny>, seed: u64, now: f64, salt: u32, events: bool) -> PyResult<Bound<'py, PyList>> {
-        self.place(py, tokens, seed, |c, t, chain| c.place_dram(t, chain, now, salt, events))
+    #[pyo3(signature = (tokens, salt_seed, now, salt, events=true))]
+    fn place_dram<'py>(&mut self, py: Python<'py>, tokens: &Bound<'py, PyAny>, salt_seed: u64, now: f64, salt: u32, events: bool) -> PyResult<Bound<'py, PyList>> {
+        self.place(py, tokens, salt_seed, |c, t, chain| c.place_dram(t, chain, now, salt, events))
     }
 
     fn clear(&mut self) {
@@ -140,11 +146,11 @@ impl PyBlockCache {
         self.inner.blocks().into_iter().map(|b| (b.hash, b.parent, b.position, b.tier, b.uses, b.last)).collect()
     }
 
-    /// The chained hashes of the full blocks of `tokens` under `seed`.
-    fn chain<'py>(&self, py: Python<'py>, tokens: &Bound<'py, PyAny>, seed: u64) -> PyResult<Bound<'py, PyArray1<u64>>> {
+    /// This cache's names for the full blocks of `tokens` (see `crate::block_cache::BlockCache::chain`).
+    fn chain<'py>(&self, py: Python<'py>, tokens: &Bound<'py, PyAny>, salt_seed: u64) -> PyResult<Bound<'py, PyArray1<u64>>> {
         let tokens = u32_vec("tokens", tokens)?;
         let inner = &self.inner;
-        Ok(py.detach(|| inner.chain(&tokens, seed)).map_err(core_err)?.into_pyarray(py))
+        Ok(py.detach(|| inner.chain(&tokens, salt_seed)).map_err(core_err)?.into_pyarray(py))
     }
 }
 
