@@ -18,6 +18,8 @@ __all__ = [
     "expand_block_tokens",
     "chain_block_ids",
     "fold_queue_samples",
+    "first_bad_token",
+    "pack_tokens",
     "BlockCache",
     "LudoTable",
     "LudoView",
@@ -72,6 +74,12 @@ def fold_queue_samples(
 ) -> None:
     """``QueueEstimates.fold_many``'s arithmetic in place (indices distinct and in range, samples
     finite and >= 0: ``ValueError`` otherwise, before anything changes)."""
+
+def first_bad_token(tokens: list[int] | tuple[int, ...]) -> int:
+    """Index of the first item that is not an exact int in 0..2**32-1 (bools are not), or -1."""
+
+def pack_tokens(tokens: list[int] | tuple[int, ...]) -> bytes:
+    """Token ids as little-endian u32 bytes."""
 
 def shard_of(key: int, shards: int) -> int:
     """The shard that owns ``key`` (``key % shards``)."""

@@ -400,3 +400,17 @@ def test_frames_accept_any_buffer() -> None:
     assert (b.seq, b.events) == (3, (AllBlocksCleared(),))
     with pytest.raises(InvalidEventError, match="frame 2 must be bytes, got int"):
         ev.decode_message([f[0], f[1], 5])  # type: ignore[list-item]
+
+
+def test_token_checks_in_rust_match_the_rules() -> None:
+    """The one-pass check behind every decoded BlockStored (exact ints in 0..2**32-1, no bools)
+    and the packing the agent keys by."""
+    import struct
+
+    from kvcompass import _core
+
+    assert _core.first_bad_token([]) == -1 and _core.first_bad_token([0, 7, 2**32 - 1]) == -1
+    for bad, at in (([1, True], 1), ([1, 2, -1], 2), ([2**32], 0), ([0, 1.0], 1), ([[1]], 0), ([1, 2**70], 1), ([1, None], 1), ((3, "4"), 1)):
+        assert _core.first_bad_token(bad) == at, bad
+    toks = [0, 1, 65535, 2**32 - 1, 128_000]
+    assert _core.pack_tokens(toks) == _core.pack_tokens(tuple(toks)) == struct.pack("<5I", *toks)

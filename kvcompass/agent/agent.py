@@ -119,7 +119,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import struct
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -128,6 +127,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvcompass import _core
 from kvcompass.agent.events import (
     AllBlocksCleared,
     BlockHash,
@@ -713,7 +713,7 @@ class WorkerAgent:
         group = e.group_idx or 0
         medium = _medium_name(e.medium)
         n = e.block_size
-        tokens = struct.pack(f"<{len(e.token_ids)}I", *e.token_ids)
+        tokens = _core.pack_tokens(e.token_ids)  # little-endian u32, as struct.pack("<nI") would
         lora = e.lora_id is not None or e.lora_name is not None
         parent, wait = self._parent_of(group, e.parent_block_hash, e.block_hashes[0] if e.block_hashes else None)
         own_new = _own({medium})  # a new block is held by this medium alone

@@ -45,6 +45,7 @@ from typing import Literal, Union
 
 import msgpack  # type: ignore[import-untyped]  # ships no type information
 
+from kvcompass import _core
 from kvcompass.errors import InvalidEventError
 
 __all__ = [
@@ -366,6 +367,9 @@ def _hash(v: object, w: str) -> BlockHash:
 def _tokens(v: object, w: str) -> tuple[int, ...]:
     if not isinstance(v, list):
         raise _FieldError(f"{w} must be an array of ints, got {_kind(v)}")
+    if _core.first_bad_token(v) < 0:  # the usual case, checked in one Rust pass
+        return tuple(v)
+    # Something is wrong: name it as the checks below always have (types before ranges).
     if len(set(map(type, v)) - {int}):  # every element exactly an int (bool too is refused)
         i = next(i for i, t in enumerate(v) if type(t) is not int)
         raise _FieldError(f"{w}[{i}] must be an int token id, got {_kind(v[i])}")
