@@ -21,6 +21,7 @@ import sys
 import time
 import tracemalloc
 
+from kvcompass._core import BlockCache
 from kvcompass.discovery.topology import Topology, load_topology
 from kvcompass.sim.engine import SimConfig, Simulator, simulate
 from kvcompass.sim.schemes import SCHEMES
@@ -99,7 +100,7 @@ def main() -> int:
         sim.run()
         py_peak = tracemalloc.get_traced_memory()[1] / 2**20
         tracemalloc.stop()
-        caches[label] = sum(c.memory_bytes for c in sim.caches.values()) / 2**20
+        caches[label] = (sum(c.memory_bytes for c in sim.caches.values()) + BlockCache.memo_bytes()) / 2**20  # + the shared chain memo
         peaks[label] = py_peak + caches[label]
         del sim
     growth_kb = (peaks["full"] - peaks["half"]) * 1024 / max(1, n - n // 2)
