@@ -181,7 +181,6 @@ class PrefixCache:
         self.block_size = block_size
         self.policy: Policy = policy
         self.publish = bool(publish)
-        self._seed = hash_seed
         self._core = BlockCache(block_size, vram_tokens // block_size, dram_tokens // block_size, policy == "lfu", hash_seed)
         # Cache salts by number (0: none), as the core keeps them on prompt-start blocks.
         self._salt_ids: dict[str, tuple[int, int]] = {}  # salt -> (id, the salt's chain seed)
