@@ -10,6 +10,7 @@ pub mod ludo;
 pub mod patch;
 pub mod queues;
 pub mod score;
+pub mod sim;
 pub mod token_ids;
 
 #[cfg(feature = "python")]

@@ -107,7 +107,7 @@ from kvcompass._core import BlockCache
 from kvcompass.agent.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvcompass.index import Tier, as_tokens
 
-__all__ = ["CacheStats", "CachedBlock", "Policy", "PrefixCache", "GPU_MEDIUM", "CPU_MEDIUM"]
+__all__ = ["CacheStats", "CachedBlock", "Policy", "PrefixCache", "GPU_MEDIUM", "CPU_MEDIUM", "salt_seed"]
 
 Policy = Literal["lru", "lfu"]
 Tokens = Sequence[int] | npt.NDArray[np.uint32]
@@ -290,9 +290,23 @@ class PrefixCache:
             return arr, 0, 0
         known = self._salt_ids.get(salt)
         if known is None:
-            known = self._salt_ids[salt] = (len(self._salts), _salt_seed(salt))
+            known = self._salt_ids[salt] = (len(self._salts), salt_seed(salt))
             self._salts.append(salt)
         return arr, known[1], known[0]
+
+    def use_salts(self, salts: Sequence[str]) -> None:
+        """Number the cache salts ``salts`` 1, 2, ... (before any call names another): a driver
+        that hands the core salt numbers itself (the simulator's engine) uses one numbering for
+        every cache."""
+        if len(self._salts) > 1:
+            raise ValueError("use_salts must come before any salted call")
+        for s in salts:
+            self._salt_ids[s] = (len(self._salts), salt_seed(s))
+            self._salts.append(s)
+
+    def events_from_core(self, raw: list[tuple[Any, ...]]) -> list[Event]:
+        """The core's raw events (``BlockCache.place_*``) as :mod:`kvcompass.agent.events` objects."""
+        return self._events(raw)
 
     def _events(self, raw: list[tuple[Any, ...]]) -> list[Event]:
         out: list[Event] = []
@@ -308,7 +322,8 @@ class PrefixCache:
         return out
 
 
-def _salt_seed(salt: str) -> int:
+def salt_seed(salt: str) -> int:
+    """The chain seed of cache salt ``salt``: a salted prompt's block chain starts from it."""
     if not isinstance(salt, str) or not salt:
         raise ValueError(f"salt must be a non-empty string or None, got {salt!r}")
     return int.from_bytes(hashlib.sha256(b"kvcompass-salt\x00" + salt.encode()).digest()[:8], "little")

@@ -10,6 +10,15 @@ routes, beliefs and queue estimates. Only the workers' time and the network are 
 order, so a run is a pure function of its inputs and seed. There is no wall clock. The edge
 API takes seconds: every ``now`` handed to it is ``time_ms / 1000``.
 
+**Where it runs.** The clock, the workers, their caches, the in-flight accounting, WAN draws
+and the records are the Rust engine's (:class:`kvcompass._core.SimEngine`, ``rust/sim/``);
+this module builds it and is its driver: the scheme's routing, the edges, the agents and the
+units (the services' own objects) are called from it once per arrival, landing, published KV
+batch, response and queue change, and on the patch tick. What the engine tells the driver
+carries the sequence number the model schedules it at, so a callback the driver schedules in
+reply sorts exactly where it would in one single-threaded loop: a run is the same, float for
+float, as when all of it was Python (``tests/data/sim_golden.json`` pins every scheme).
+
 **A request's life.**
 
 1. Arrival at the edge of its region (the nearest edge region by RTT if its region runs none).
@@ -84,16 +93,16 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import heapq
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
+from types import SimpleNamespace
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
+from kvcompass._core import SimEngine
 from kvcompass.agent import WorkerAgent, encode_batch
 from kvcompass.agent.events import Event
 from kvcompass.discovery.edge import Edge
@@ -106,11 +115,11 @@ from kvcompass.discovery.plane import LocalPlane
 from kvcompass.discovery.topology import Topology, load_topology
 from kvcompass.errors import AgentSequenceError, InvalidArgumentError
 from kvcompass.index import Namespace, Tier
-from kvcompass.sim.cache import Policy, PrefixCache
+from kvcompass.sim.cache import Policy, PrefixCache, salt_seed
 from kvcompass.sim.costs import CostModel
 from kvcompass.sim.metrics import RequestRecord, Summary, summarize
 from kvcompass.sim.schemes import Choice, Fleet, Scheme, make_scheme, scheme_params
-from kvcompass.sim.workload import ChainBlocks, Request
+from kvcompass.sim.workload import Request
 
 __all__ = ["DEFAULT_DRAM_TOKENS", "DEFAULT_VRAM_TOKENS", "GPU_SHARING", "GpuSharing", "SimConfig", "Simulator", "simulate"]
 
@@ -175,68 +184,48 @@ class SimConfig:
             raise InvalidArgumentError(f"max_batched_tokens must be an int >= 1, got {self.max_batched_tokens!r}")
 
 
-@dataclass(slots=True, eq=False)
-class _Job:
-    request: Request
-    tokens: npt.NDArray[np.uint32]
-    choice: Choice
-    edge_region: str
-    one_way_ms: float
-    at_worker_ms: float = 0.0
-    estimate_ms: float = 0.0
-    start_ms: float = 0.0
-    vram_hit: int = 0
-    dram_hit: int = 0
-    ttft_ms: float = 0.0
-    dispatched_ms: float = 0.0
-    remaining: int = 0
-    context: int = 0
-    migration: MigrationAction | None = None
-    back_ms: float = -1.0  # last token's way back to the edge when decode ran elsewhere
-    left: int = 0  # chunked sharing: prompt tokens still to compute
-    extra_ms: float = 0.0  # chunked sharing: fixed cost and DRAM reload, paid with the first chunk
-
-
 class _Worker:
+    """A worker as the driver sees it: its spec, its cache (inspectable after a run; the
+    engine holds its blocks while the clock runs) and its agent."""
+
+    __slots__ = ("spec", "index", "cache", "agent", "engine_seq")
+
     def __init__(self, spec: WorkerSpec, index: int, cache: PrefixCache, agent: WorkerAgent | None) -> None:
         self.spec = spec
         self.index = index
         self.cache = cache
         self.agent = agent
         self.engine_seq = 0
-        self.waiting: deque[_Job] = deque()
-        self.waiting_ms = 0.0
-        # Estimated prefill (ms) of requests on their way here, by the region they came from.
-        self.dispatched: dict[str, float] = {}
-        self.current: _Job | None = None
-        self.busy_until = 0.0
-        self.busy: list[tuple[float, float]] = []
-        self.running: list[_Job] = []
-        self.joining: list[_Job] = []
-        self.stepping = False
-        # The decode segment in flight (see Simulator._step): its first step's start, batch size,
-        # context tokens at that start, fixed part of a step, steps until it ends, and a
-        # generation that tells its scheduled end from one a joining sequence superseded.
-        self.seg_start = 0.0
-        self.seg_batch = 0
-        self.seg_context = 0
-        self.seg_linear = 0.0
-        self.seg_steps = 0
-        self.seg_gen = 0
-        self.seg_mixed = False  # the step in flight carries a prefill chunk (not cut)
-        self.seg_cut = False  # the decode segment in flight was cut already
-        self.step_end = 0.0  # chunked sharing: end of the step in flight
-        self.rest_ms = 0.0  # chunked sharing: estimated prefill left after the step in flight
-        self.busy_job: _Job | None = None  # chunked sharing: the prompt the last busy interval is
+
+
+class _RunRng:
+    """The run's generator as schemes draw from it (``integers``), continuing the engine's
+    stream: numpy's PCG64 seeded by ``SimConfig.seed``, so every draw of the run, the engine's
+    and the schemes', comes from one stream in one order."""
+
+    __slots__ = ("_engine",)
+
+    def __init__(self, engine: SimEngine) -> None:
+        self._engine = engine
+
+    def integers(self, n: int) -> int:
+        return int(self._engine.rng_integers(int(n)))
 
 
 _SEGMENT_STEPS = 64
-"""Most decode steps one event covers (Simulator._step)."""
+"""Most decode steps one event covers (a segment; see the engine's notes)."""
 
 
 def _capacity(tokens: int, block: int, default: int) -> int:
     n = (tokens or default) // block * block
     return max(n, block)
+
+
+def _pcg_state(g: np.random.Generator) -> tuple[int, int, bool, int]:
+    s = g.bit_generator.state
+    if s["bit_generator"] != "PCG64":
+        raise InvalidArgumentError(f"the simulator continues numpy's PCG64 stream, not {s['bit_generator']}")
+    return int(s["state"]["state"]), int(s["state"]["inc"]), bool(s["has_uint32"]), int(s["uinteger"])
 
 
 class Simulator:
@@ -254,19 +243,23 @@ class Simulator:
         self._ns_of = {name: Namespace(config.model, name) for name in namespaces}
         self._salted = len(namespaces) > 1
         self._tenant_of = {ns.digest: name for name, ns in self._ns_of.items()}
-        self._rng = np.random.default_rng(config.seed)
-        # Faults draw from their own stream, so turning one on leaves every other draw as it was.
-        self._faults = np.random.default_rng([config.seed, 0x5EE5])
+        # Cache salts by number (0: none) and their chain seeds, the same in every cache.
+        self._salt_names = list(namespaces) if self._salted else []
+        self._salt_id = {name: i + 1 for i, name in enumerate(self._salt_names)}
+        self._salt_seed = {name: salt_seed(name) for name in self._salt_names}
         # An ablation scheme runs the plane with its switch flipped (schemes.scheme_params).
         params = scheme_params(scheme, config.params)
         if topology.disaggregated and not params.disaggregated:
             params = dataclasses.replace(params, disaggregated=True)
         self.plane = LocalPlane(topology, capacity=config.plane_capacity, params=params, seed=config.seed)
+        self._engine: SimEngine | None = None
+        self._run_rng: _RunRng | None = None
         self._scheme = make_scheme(scheme, self) if isinstance(scheme, str) else scheme(self)
         self._indexed = self._scheme.uses_index
         # A scheme that follows the workers' KV events itself (a Dynamo-style router) gets every
         # admit's events at prefill end.
         self._on_kv: Callable[[str, Sequence[Event], float], None] | None = getattr(self._scheme, "on_kv_events", None)
+        self._hand: Callable[..., Choice | None] | None = getattr(self._scheme, "handoff", None)
         plan, block = self.plane.plan, topology.block_size
         self._workers: dict[str, _Worker] = {}
         for i, spec in enumerate(topology.workers):
@@ -280,6 +273,7 @@ class Simulator:
                 # that follows KV events (the others, the Oracle say, never look).
                 publish=(self._indexed and spec.role != "decode") or self._on_kv is not None,
             )
+            cache.use_salts(self._salt_names)
             indexed = self._indexed and spec.role != "decode"
             agent = (
                 WorkerAgent(spec.id, self._ns, plan.registration(spec.region), self.plane.layout.shards, block_size=block, salts=self._ns_of if self._salted else None)
@@ -287,32 +281,68 @@ class Simulator:
                 else None
             )
             self._workers[spec.id] = _Worker(spec, i, cache, agent)
+        self._by_index = list(self._workers.values())
+        self._index = {w: x.index for w, x in self._workers.items()}
+        regions = topology.region_names
+        self._region_index = {r: i for i, r in enumerate(regions)}
         edge_regions = plan.edge_regions
         self._edge_of = {r: min(edge_regions, key=lambda e: (e != r, plan.rtt_ms(r, e))) for r in topology.region_names} if edge_regions else {}
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
-        self._seq = 0
-        self._now = 0.0
-        self._records: list[RequestRecord] = []
         self._ran = False
         self._progress: Callable[[int, int], None] | None = None
-        self._progress_every = 1
         self._migrate = self._indexed and params.migration
-        self._chunked = config.gpu_sharing == "chunked"
         # Decode instances per region, and for each region where its prefill hands off.
-        decoders = {r: [self._workers[w.id] for w in topology.workers_in(r) if w.role == "decode"] for r in topology.region_names}
-        with_decode = [r for r in topology.region_names if decoders[r]]
-        self._decoders: dict[str, list[_Worker]] = {}
+        decoders = {r: [self._workers[w.id].index for w in topology.workers_in(r) if w.role == "decode"] for r in regions}
+        with_decode = [r for r in regions if decoders[r]]
+        hand_to: list[list[int]] = [[] for _ in regions]
         if topology.disaggregated:
-            for r in topology.region_names:
+            for i, r in enumerate(regions):
                 near = min(with_decode, key=lambda d: (d != r, topology.rtt_ms(r, d), topology.region_index(d)))
-                self._decoders[r] = decoders[near]
+                hand_to[i] = decoders[near]
         self.migrations: dict[str, int] = {"copy": 0, "recompute": 0}
         """Migration actions carried out, by kind."""
         self.migration_log: list[MigrationAction] = []
-        self.handoffs = 0
-        """Forwarded requests the destination region's edge moved to another of its workers."""
-        self.decoded: dict[str, int] = dict.fromkeys(self._workers, 0)
-        """Tokens each worker decoded after the first (its continuous batch's work)."""
+        self._region_workers = {r: [w.id for w in topology.workers_in(r)] for r in regions}
+        reqs = self._requests
+        ids = [r.hash_ids() for r in reqs]
+        offsets = np.zeros(len(reqs) + 1, dtype=np.uint64)
+        if ids:
+            np.cumsum([len(x) for x in ids], out=offsets[1:])
+        salts = [self.salt(r) for r in reqs]
+        cost = config.cost
+        faults = np.random.default_rng([config.seed, 0x5EE5])  # faults draw from their own stream
+        self._engine = SimEngine(
+            (cost.prefill_ms_per_token, cost.prefill_base_ms, cost.reload_ms_per_token, cost.decode_base_ms, cost.decode_ms_per_seq, cost.decode_compute_ms_per_token, cost.decode_ms_per_context_token, cost.kv_bytes_per_token),
+            config.transfer_gbps,
+            config.gpu_sharing == "chunked",
+            config.max_batched_tokens,
+            config.wan_jitter,
+            _SEGMENT_STEPS,
+            self._indexed,
+            self._hand is not None,
+            np.array([[plan.rtt_ms(a, b) for b in regions] for a in regions], dtype=np.float64).ravel(),
+            [r in self.plane.edges for r in regions],
+            [[self._index[w] for w in self._region_workers[r]] for r in regions],
+            hand_to,
+            np.array([self._region_index[w.region] for w in topology.workers], dtype=np.uint32),
+            [x.cache._core for x in self._by_index],
+            [x.cache.publish for x in self._by_index],
+            [w.region in self.plane.edges for w in topology.workers],
+            np.array([r.arrival_ms for r in reqs], dtype=np.float64),
+            np.array([self._region_index[r.region] for r in reqs], dtype=np.uint32),
+            np.array([self._region_index[self._edge_of.get(r.region, r.region)] for r in reqs], dtype=np.uint32),
+            np.array([r.input_length for r in reqs], dtype=np.uint64),
+            np.array([r.output_length for r in reqs], dtype=np.uint64),
+            np.array([r.block_size for r in reqs], dtype=np.uint32),
+            np.array([0 if s is None else self._salt_id[s] for s in salts], dtype=np.uint32),
+            np.array([0 if s is None else self._salt_seed[s] for s in salts], dtype=np.uint64),
+            np.concatenate(ids).astype(np.uint64, copy=False) if ids else np.zeros(0, dtype=np.uint64),
+            offsets,
+            _pcg_state(np.random.default_rng(config.seed)),
+            _pcg_state(faults),
+            max(1, len(reqs) // 100),
+        )
+        self._run_rng = _RunRng(self._engine)
+        self._engine_holds_caches = True
 
     # ---- the Fleet a scheme reads ----------------------------------------------------------------
 
@@ -324,7 +354,8 @@ class Simulator:
 
     @property
     def caches(self) -> dict[str, PrefixCache]:
-        """Every worker's emulated prefix cache, by worker id (for inspection after a run)."""
+        """Every worker's emulated prefix cache, by worker id (for inspection after a run; the
+        engine holds their blocks while it runs)."""
         return {w: x.cache for w, x in self._workers.items()}
 
     def namespace(self, request: Request) -> Namespace:
@@ -333,36 +364,63 @@ class Simulator:
     def salt(self, request: Request) -> str | None:
         return request.namespace if self._salted else None
 
+    def _eng(self) -> SimEngine:
+        if self._engine is None:
+            raise RuntimeError("the simulator's engine is not built yet (a scheme may read the fleet from its first choose on)")
+        return self._engine
+
     def queued_ms(self, worker: str, now_ms: float) -> float:
-        w = self._workers[worker]
-        if w.current is None:
-            return w.waiting_ms
-        if self._chunked:
-            return w.waiting_ms + max(0.0, w.step_end - now_ms) + w.rest_ms
-        return w.waiting_ms + max(0.0, w.busy_until - now_ms)
+        return float(self._eng().queued_ms(self._index[worker], now_ms))
 
     def dispatched_ms(self, worker: str, origin: str | None = None) -> float:
-        d = self._workers[worker].dispatched
-        return sum(d.values()) if origin is None else d.get(origin, 0.0)
+        if origin is None:
+            return float(self._eng().dispatched_ms(self._index[worker]))
+        r = self._region_index.get(origin)
+        return 0.0 if r is None else float(self._eng().dispatched_ms(self._index[worker], r))
 
-    def rng(self) -> np.random.Generator:
-        return self._rng
+    def rng(self) -> Any:
+        """The run's generator (``integers(n)``), shared with the engine's own draws."""
+        if self._run_rng is None:
+            self._eng()
+        assert self._run_rng is not None
+        return self._run_rng
 
     def cached(self, worker: str, tokens: npt.NDArray[np.uint32], salt: str | None = None) -> tuple[int, int]:
-        return self._workers[worker].cache.lookup(tokens, salt)
+        if not self._engine_holds_caches:  # after the run, the blocks are back in the caches
+            return self._workers[worker].cache.lookup(tokens, salt)
+        seed = 0 if salt is None else self._salt_seed.get(salt)
+        if seed is None:  # a salt no request of the run carries: no block of it is cached
+            seed = salt_seed(salt) if salt is not None else 0
+        v, d = self._eng().cached(self._index[worker], tokens, seed)
+        return int(v), int(d)
 
     def waiting(self, worker: str) -> int:
-        return len(self._workers[worker].waiting)
+        return int(self._eng().waiting(self._index[worker]))
+
+    @property
+    def handoffs(self) -> int:
+        """Forwarded requests the destination region's edge moved to another of its workers."""
+        return int(self._eng().handoffs)
+
+    @property
+    def decoded(self) -> dict[str, int]:
+        """Tokens each worker decoded after the first (its continuous batch's work)."""
+        e = self._eng()
+        return {w: int(e.decoded(x.index)) for w, x in self._workers.items()}
+
+    @property
+    def events_processed(self) -> int:
+        """Engine events the run's clock has processed (a measure of its work per request)."""
+        return int(self._eng().events_processed)
 
     # ---- the clock -------------------------------------------------------------------------------
 
     @property
     def now_ms(self) -> float:
-        return self._now
+        return float(self._eng().now)
 
     def _at(self, t: float, action: Callable[[], None]) -> None:
-        self._seq += 1
-        heapq.heappush(self._heap, (t, self._seq, action))
+        self._eng().at(t, action)
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> Summary:
         """Replay the workload to the last completion and summarise it. ``progress(done, total)``
@@ -372,11 +430,10 @@ class Simulator:
             raise RuntimeError("a Simulator runs once")
         self._ran = True
         self._progress = progress
-        self._progress_every = max(1, len(self._requests) // 100)
-        for r in self._requests:
-            self._at(r.arrival_ms, partial(self._arrive, r))
+        engine = self._eng()
+        engine.start()
         if self._indexed and self._requests:
-            self._at(self._requests[0].arrival_ms, self._tick)
+            engine.at(self._requests[0].arrival_ms, self._tick)
             # Edges read their own region's queues live: every worker starts reported idle
             # (a worker never reported is "unknown", never a migration target).
             t0 = self._requests[0].arrival_ms / 1e3
@@ -384,265 +441,93 @@ class Simulator:
                 for w in self.topology.workers_in(edge.region):
                     if w.role != "decode" and w.id in edge.workers:
                         edge.set_local_queue(w.id, 0.0, t0)
+        driver = SimpleNamespace(
+            choose=self._choose,
+            handoff=self._handoff if self._hand is not None else None,
+            events=self._events,
+            respond=self._respond,
+            queue=self._queue,
+            progress=self._report if progress is not None else None,
+        )
         # The cyclic garbage collector is off while the clock runs: a run builds millions of
-        # long-lived objects (the agents' block trees, the caches' events) and creates no
-        # reference cycles (a test checks that a run leaves none), so every collection was a
-        # full traversal finding nothing, a third of a conversation-trace run. Reference
-        # counting still frees everything; the collector's state is restored afterwards.
+        # long-lived objects (the agents' block trees) and creates no reference cycles (a test
+        # checks that a run leaves none), so every collection was a full traversal finding
+        # nothing. Reference counting still frees everything; the collector's state is
+        # restored afterwards.
         collecting = gc.isenabled()
         gc.disable()
         try:
-            while self._heap:
-                t, _, action = heapq.heappop(self._heap)
-                self._now = t
-                action()
+            engine.run(driver)
         finally:
+            engine.return_caches([x.cache._core for x in self._by_index])
+            self._engine_holds_caches = False
             if collecting:
                 gc.enable()
-        if len(self._records) != len(self._requests):
-            raise RuntimeError(f"{len(self._requests) - len(self._records)} requests never completed")
+        n = len(self._requests)
+        if engine.completed != n:
+            raise RuntimeError(f"{n - engine.completed} requests never completed")
         ids = [w for w, x in self._workers.items() if x.spec.role != "decode"]  # prefill servers
-        busy = [self._workers[w].busy for w in ids]
-        return summarize(self._scheme.name, self.topology.name, self._records, ids, busy, window_ms=self.config.window_ms)
+        busy = [[(b, e) for b, e in engine.busy(self._index[w]).tolist()] for w in ids]
+        return summarize(self._scheme.name, self.topology.name, self._records(), ids, busy, window_ms=self.config.window_ms)
 
-    def _tick(self) -> None:
-        """Patch propagation and due queue broadcasts, every ``patch_interval_ms`` while work remains."""
-        now = self._now
-        cfg = self.config
-        if cfg.patch_loss or cfg.patch_delay_ms:
-            batches = self.plane.flush()
-            if batches or self.plane.unsettled:
-                lose = self._lose if cfg.patch_loss else None
-                self._at(now + cfg.patch_delay_ms, lambda: self._deliver(batches, lose))
-        else:
-            self.plane.propagate()
-        # Own-region queues are read live (a real edge polls its workers): a running prefill's
-        # remainder shrinks between events, so the busy workers are re-read every tick.
-        for w in self._workers.values():
-            if w.current is not None:
-                self._publish_queue(w)
-        if self._migrate:
-            for edge in self.plane.edges.values():
-                for a in edge.migration_actions(now / 1e3):
-                    self._start_migration(a)
-        for edge in self.plane.edges.values():
-            for b in edge.broadcast_due(now / 1e3):
-                target = self.plane.edges.get(b.target_region)
-                if target is not None:
-                    t = now + self._way(b.source_region, b.target_region)
-                    self._at(t, partial(target.on_broadcast, b.source_region, b.vector, t / 1e3))
-        if len(self._records) < len(self._requests):
-            self._at(now + self.config.patch_interval_ms, self._tick)
+    def _records(self) -> list[RequestRecord]:
+        order, worker, ttft, e2e, queue, vram, dram, claimed = (a.tolist() for a in self._eng().records())
+        spec = [x.spec for x in self._by_index]
+        out: list[RequestRecord] = []
+        for i in order:
+            r, w = self._requests[i], spec[worker[i]]
+            out.append(RequestRecord(r.id, r.region, w.id, w.region, r.arrival_ms, ttft[i], e2e[i], queue[i], r.input_length, r.output_length, vram[i], dram[i], claimed[i]))
+        return out
 
-    # ---- a request's life ------------------------------------------------------------------------
+    # ---- the engine's calls ------------------------------------------------------------------------
 
-    def _arrive(self, r: Request) -> None:
-        tokens = r.input_tokens()
-        choice = self._scheme.choose(r, tokens, self._now)
-        w = self._workers.get(choice.worker)
+    def _report(self, done: int) -> None:
+        if self._progress is not None:
+            self._progress(int(done), len(self._requests))
+
+    def _choose(self, req: int, tokens: npt.NDArray[np.uint32]) -> tuple[int, int, float]:
+        choice = self._scheme.choose(self._requests[req], tokens, self._engine.now)  # type: ignore[union-attr]
+        w = self._index.get(choice.worker)
         if w is None:
             raise InvalidArgumentError(f"scheme {self._scheme.name!r} chose unknown worker {choice.worker!r}")
-        edge_region = self._edge_of.get(r.region, r.region)
-        forward = self._way(edge_region, w.spec.region)
-        job = _Job(r, tokens, choice, edge_region, self._way(w.spec.region, edge_region))
-        v, d = w.cache.lookup(tokens, self.salt(r))
-        job.dispatched_ms = self._estimate_ms(w, r.input_length, v, d)
-        w.dispatched[r.region] = w.dispatched.get(r.region, 0.0) + job.dispatched_ms
-        # A scheme's lookup (a coordinator round trip, DHT hops) delays the forward.
-        self._at(self._now + choice.delay_ms + forward, lambda: self._land(w, job))
+        return w, int(choice.claimed), float(choice.delay_ms)
 
-    def _land(self, w: _Worker, job: _Job) -> None:
-        """The request reaches the worker's region: a scheme with a hand-off (KVCompass: the
+    def _handoff(self, job: int, req: int, tokens: npt.NDArray[np.uint32], worker: int, region: int) -> tuple[int, int] | None:
+        """The request reaches its worker's region: a scheme with a hand-off (KVCompass: the
         region's own edge re-places what another edge forwarded) may move it to another worker
-        there, one in-region way further; the in-flight accounting moves with it."""
-        hand = getattr(self._scheme, "handoff", None)
-        region = w.spec.region
-        if hand is None or region == job.edge_region:
-            self._enqueue(w, job)
-            return
-        c = hand(job.request, job.tokens, w.spec.id, region, self._now)
+        there, one in-region way further; the engine moves the in-flight accounting with it."""
+        assert self._hand is not None
+        w = self._by_index[worker]
+        r = self._requests[req]
+        c = self._hand(r, tokens, w.spec.id, w.spec.region, self._engine.now)  # type: ignore[union-attr]
         if c is None:
-            self._enqueue(w, job)
-            return
-        job.choice = dataclasses.replace(job.choice, claimed=c.claimed)
-        if c.worker == w.spec.id:
-            self._enqueue(w, job)
-            return
+            return None
         w2 = self._workers.get(c.worker)
-        if w2 is None or w2.spec.region != region:
-            raise InvalidArgumentError(f"scheme {self._scheme.name!r} handed request {job.request.id} to {c.worker!r}, not a worker of {region!r}")
-        origin = job.request.region
-        if job.dispatched_ms:
-            left = w.dispatched[origin] - job.dispatched_ms
-            w.dispatched[origin] = left if left > 1e-9 else 0.0
-        v, d = w2.cache.lookup(job.tokens, self.salt(job.request))
-        job.dispatched_ms = self._estimate_ms(w2, job.request.input_length, v, d)
-        w2.dispatched[origin] = w2.dispatched.get(origin, 0.0) + job.dispatched_ms
-        job.choice = dataclasses.replace(job.choice, worker=c.worker)
-        self.handoffs += 1
-        self._at(self._now + self._way(region, region), lambda: self._enqueue(w2, job))
+        if w2 is None or w2.spec.region != w.spec.region:
+            raise InvalidArgumentError(f"scheme {self._scheme.name!r} handed request {r.id} to {c.worker!r}, not a worker of {w.spec.region!r}")
+        return w2.index, int(c.claimed)
 
-    def _deliver(self, batches: list[PatchBatch], lose: Callable[[str, PatchBatch], bool] | None) -> None:
-        self.plane.deliver(batches, lose, repair=False)
+    def _events(self, worker: int, raw: list[tuple[Any, ...]]) -> None:
+        w = self._by_index[worker]
+        self._publish_events(w, w.cache.events_from_core(raw))
 
-    def _lose(self, region: str, batch: PatchBatch) -> bool:
-        return bool(self._faults.random() < self.config.patch_loss)
-
-    def _way(self, a: str, b: str) -> float:
-        """One WAN traversal from region ``a`` to ``b`` (ms), jittered when asked."""
-        base = self.plane.plan.rtt_ms(a, b) / 2
-        j = self.config.wan_jitter
-        return base * (1.0 + j * (2.0 * self._faults.random() - 1.0)) if j else base
-
-    def _start_migration(self, a: MigrationAction) -> None:
-        target = self._workers.get(a.target)
-        if target is None:
-            raise InvalidArgumentError(f"migration toward unknown worker {a.target!r}")
-        tokens = np.ascontiguousarray(a.tokens[: a.length], dtype=np.uint32)
-        self.migrations[a.kind] += 1
-        self.migration_log.append(a)
-        if a.kind == "copy":
-            wire = self.plane.plan.rtt_ms(a.source_region, a.target_region) / 2
-            ms = wire + self._cost.kv_bytes(len(tokens)) * 8 / (self.config.transfer_gbps * 1e9) * 1e3
-            salt = self._tenant_of.get(a.namespace) if self._salted else None
-            self._at(self._now + ms, lambda: self._land_copy(target, tokens, a.target_tier, salt))
-            return
-        block = self.topology.block_size
-        req = Request(-1, self._now, a.target_region, 0, self._tenant_of.get(a.namespace, self._ns.tenant), len(tokens), 0, block, -1, -1, ChainBlocks(((a.family, -(-len(tokens) // block)),)), kind="migration")
-        job = _Job(req, tokens, Choice(a.target), a.target_region, 0.0, migration=a)
-        self._at(self._now + self.plane.plan.rtt_ms(a.target_region, a.target_region) / 2, lambda: self._enqueue(target, job))
-
-    def _land_copy(self, w: _Worker, tokens: npt.NDArray[np.uint32], tier: Tier, salt: str | None) -> None:
-        self._publish_events(w, w.cache.copy_in(tokens, tier, self._now / 1e3, salt))
-
-    def _publish_events(self, w: _Worker, events: Sequence[Event]) -> None:
-        """The worker's KV events: to a scheme that follows them and through its agent."""
-        now = self._now
-        if self._on_kv is not None and events:
-            self._on_kv(w.spec.id, events, now)
-        if w.agent is not None and events:
-            frames = encode_batch(events, w.engine_seq, ts=now / 1e3)
-            w.engine_seq += 1
-            batches = w.agent.on_message(frames).batches
-            if batches:
-                self._at(now + self.config.event_delay_ms, lambda: self._ingest(w, batches))
-
-    def _enqueue(self, w: _Worker, job: _Job) -> None:
-        job.at_worker_ms = self._now
-        if job.dispatched_ms:
-            origin = job.request.region
-            left = w.dispatched[origin] - job.dispatched_ms
-            w.dispatched[origin] = left if left > 1e-9 else 0.0
-        v, d = w.cache.lookup(job.tokens, self.salt(job.request))
-        job.estimate_ms = self._estimate_ms(w, job.request.input_length, v, d)
-        w.waiting.append(job)
-        w.waiting_ms += job.estimate_ms
-        if self._chunked:
-            if w.stepping:
-                self._poke(w)
-            else:
-                self._step(w)
-        elif w.current is None:
-            self._start_prefill(w)
-        self._publish_queue(w)
-
-    def _prefill_ms(self, length: int, vram_hit: int, dram_hit: int) -> float:
-        reused = min(length, vram_hit + dram_hit)
-        return self._cost.prefill_ms(length - reused) + self._cost.reload_ms(dram_hit)
-
-    def _estimate_ms(self, w: _Worker, length: int, vram_hit: int, dram_hit: int) -> float:
-        """The worker's estimate of a prompt's prefill: its compute and reload and, with chunked
-        sharing, one step of the decode batch it holds now per chunk (what a vLLM worker that
-        knows its running batch can tell)."""
-        ms = self._prefill_ms(length, vram_hit, dram_hit)
-        if not self._chunked:
-            return ms
-        uncached = length - min(length, vram_hit + dram_hit)
-        batch = len(w.running) + len(w.joining)
-        if not uncached or not batch:
-            return ms
-        context = sum(j.context for j in w.running) + sum(j.context for j in w.joining)
-        room = max(self.config.max_batched_tokens - batch, 1)
-        return ms + -(-uncached // room) * self._cost.decode_step_ms(batch, context)
-
-    def _start_prefill(self, w: _Worker) -> None:
-        job = w.waiting.popleft()
-        w.waiting_ms = max(0.0, w.waiting_ms - job.estimate_ms) if w.waiting else 0.0
-        job.start_ms = self._now
-        job.vram_hit, job.dram_hit = w.cache.lookup(job.tokens, self.salt(job.request))
-        end = self._now + self._prefill_ms(job.request.input_length, job.vram_hit, job.dram_hit)
-        w.current, w.busy_until = job, end
-        w.busy.append((self._now, end))
-        self._at(end, lambda: self._end_prefill(w, job))
-
-    def _end_prefill(self, w: _Worker, job: _Job) -> None:
-        now = self._now
-        if job.migration is not None:  # a recompute migration: the replica, no response
-            self._publish_events(w, w.cache.copy_in(job.tokens, job.migration.target_tier, now / 1e3, self.salt(job.request)))
-            w.current = None
-            if w.waiting:
-                self._start_prefill(w)
-            self._publish_queue(w)
-            return
-        self._publish_events(w, w.cache.admit(job.tokens, now / 1e3, self.salt(job.request)))
-        job.ttft_ms = now + job.one_way_ms - job.request.arrival_ms
-        if self._indexed:
-            self._respond(w, job)
-        w.current = None
-        if w.waiting:
-            self._start_prefill(w)
-        self._publish_queue(w)
-        self._decode(w, job)
-
-    def _decode(self, w: _Worker, job: _Job) -> None:
-        """After the first token: the rest of the output in ``w``'s continuous batch, or in a
-        decode instance's of the region (disaggregated), or nothing when one token was asked."""
-        now = self._now
-        out = job.request.output_length
-        if out <= 1:
-            self._complete(job)
-            return
-        job.remaining, job.context = out - 1, job.request.input_length + 1
-        if not self._decoders:
-            self._join(w, job)
-            return
-        pool = self._decoders[w.spec.region]
-        d = pool[int(self._rng.integers(len(pool)))] if len(pool) > 1 else pool[0]
-        wire = 0.0 if d.spec.region == w.spec.region else self.plane.plan.rtt_ms(w.spec.region, d.spec.region) / 2
-        job.back_ms = self._way(d.spec.region, job.edge_region)
-        hand_off = wire + self._cost.kv_bytes(job.request.input_length) * 8 / (self.config.transfer_gbps * 1e9) * 1e3
-        self._at(now + hand_off, lambda: self._join(d, job))
-
-    def _join(self, w: _Worker, job: _Job) -> None:
-        w.joining.append(job)
-        if not w.stepping:
-            self._step(w)
-        else:
-            self._poke(w)
-
-    def _poke(self, w: _Worker) -> None:
-        """Work arrived for the next step (a sequence to decode; with chunked sharing, a prompt):
-        a decode segment in flight ends at its next step boundary."""
-        if not w.seg_mixed and not w.seg_cut:
-            w.seg_cut = True
-            self._cut(w)
-
-    def _respond(self, w: _Worker, job: _Job) -> None:
+    def _respond(self, worker: int, edge_region: int, claimed: int, reused: int, t: float, vector: npt.NDArray[np.float64] | None) -> None:
         """The first chunk back at the edge: reuse report and, from another region, a queue vector."""
-        edge = self.plane.edges.get(job.edge_region)
-        if edge is None:
-            return
-        vector: dict[str, float] | None = None
+        w = self._by_index[worker]
+        er = self.topology.region_names[edge_region]
+        edge = self.plane.edges[er]
         region = w.spec.region
-        if region != job.edge_region:
-            src = self.plane.edges.get(region)
-            if src is not None:
-                vector = src.piggyback_vector(job.edge_region, self._now / 1e3)
+        vec: dict[str, float] | None = None
+        if region != er:
+            if vector is None:
+                vec = self.plane.edges[region].piggyback_vector(er, self._eng().now / 1e3)
             else:
-                vector = {s.id: self.queued_ms(s.id, self._now) for s in self.topology.workers_in(region)}
-        t = self._now + job.one_way_ms
-        reused = job.vram_hit + job.dram_hit
-        self._at(t, lambda: edge.on_response(w.spec.id, job.choice.claimed, reused, vector, t / 1e3))
+                vec = dict(zip(self._region_workers[region], vector.tolist()))
+        self._eng().at(t, partial(edge.on_response, w.spec.id, claimed, reused, vec, t / 1e3))
+
+    def _queue(self, worker: int, queued_ms: float) -> None:
+        w = self._by_index[worker]
+        self.plane.edges[w.spec.region].set_local_queue(w.spec.id, queued_ms, self._eng().now / 1e3)
 
     def _ingest(self, w: _Worker, batches: Sequence[KeyOpBatch]) -> None:
         assert w.agent is not None
@@ -653,176 +538,79 @@ class Simulator:
                 for again in w.agent.on_rejected(b.shard):
                     self.plane.ingest(again, sender=w.spec.id)
 
-    def _publish_queue(self, w: _Worker) -> None:
-        if not self._indexed:
+    def _publish_events(self, w: _Worker, events: Sequence[Event]) -> None:
+        """The worker's KV events: to a scheme that follows them and through its agent."""
+        now = self._eng().now
+        if self._on_kv is not None and events:
+            self._on_kv(w.spec.id, events, now)
+        if w.agent is not None and events:
+            frames = encode_batch(events, w.engine_seq, ts=now / 1e3)
+            w.engine_seq += 1
+            batches = w.agent.on_message(frames).batches
+            if batches:
+                self._eng().at(now + self.config.event_delay_ms, partial(self._ingest, w, batches))
+
+    def _tick(self) -> None:
+        """Patch propagation and due queue broadcasts, every ``patch_interval_ms`` while work remains."""
+        engine = self._eng()
+        now = engine.now
+        cfg = self.config
+        if cfg.patch_loss or cfg.patch_delay_ms:
+            batches = self.plane.flush()
+            if batches or self.plane.unsettled:
+                lose = self._lose if cfg.patch_loss else None
+                engine.at(now + cfg.patch_delay_ms, partial(self._deliver, batches, lose))
+        else:
+            self.plane.propagate()
+        # Own-region queues are read live (a real edge polls its workers): a running prefill's
+        # remainder shrinks between events, so the busy workers are re-read every tick.
+        for w, q in engine.busy_queues():
+            self._queue(w, q)
+        if self._migrate:
+            for edge in self.plane.edges.values():
+                for a in edge.migration_actions(now / 1e3):
+                    self._start_migration(a)
+        ri = self._region_index
+        for edge in self.plane.edges.values():
+            for b in edge.broadcast_due(now / 1e3):
+                target = self.plane.edges.get(b.target_region)
+                if target is not None:
+                    t = now + engine.way(ri[b.source_region], ri[b.target_region])
+                    engine.at(t, partial(target.on_broadcast, b.source_region, b.vector, t / 1e3))
+        if engine.completed < len(self._requests):
+            engine.at(now + cfg.patch_interval_ms, self._tick)
+
+    def _deliver(self, batches: list[PatchBatch], lose: Callable[[str, PatchBatch], bool] | None) -> None:
+        self.plane.deliver(batches, lose, repair=False)
+
+    def _lose(self, region: str, batch: PatchBatch) -> bool:
+        return bool(self._eng().fault_random() < self.config.patch_loss)
+
+    def _start_migration(self, a: MigrationAction) -> None:
+        target = self._workers.get(a.target)
+        if target is None:
+            raise InvalidArgumentError(f"migration toward unknown worker {a.target!r}")
+        engine = self._eng()
+        tokens = np.ascontiguousarray(a.tokens[: a.length], dtype=np.uint32)
+        self.migrations[a.kind] += 1
+        self.migration_log.append(a)
+        plan = self.plane.plan
+        if a.kind == "copy":
+            ms = plan.rtt_ms(a.source_region, a.target_region) / 2 + engine.transfer_ms(len(tokens))
+            salt = self._tenant_of.get(a.namespace) if self._salted else None
+            engine.at(engine.now + ms, partial(self._land_copy, target, tokens, a.target_tier, salt))
             return
-        edge = self.plane.edges.get(w.spec.region)
-        if edge is not None:
-            edge.set_local_queue(w.spec.id, self.queued_ms(w.spec.id, self._now), self._now / 1e3)
+        tenant = self._tenant_of.get(a.namespace, self._ns.tenant)
+        sid, seed = (self._salt_id[tenant], self._salt_seed[tenant]) if self._salted else (0, 0)
+        t = engine.now + plan.rtt_ms(a.target_region, a.target_region) / 2
+        engine.migrate_recompute(t, target.index, tokens, int(a.target_tier), self._region_index[a.target_region], sid, seed)
 
-    def _step(self, w: _Worker) -> None:
-        """At a step boundary: with chunked sharing and a prompt to prefill, one mixed step
-        (:meth:`_mixed_step`); otherwise a decode segment, the steps the batch runs unchanged, up
-        to the step in which its first sequence finishes (at most ``_SEGMENT_STEPS``, which
-        bounds what a cut recomputes). Step ``i`` of a segment takes ``decode_step_ms(B, C + i*B)``
-        (every step adds a token to each context), so one event ends the whole segment; work
-        that arrives meanwhile (a sequence; with chunked sharing, a prompt) cuts it at the next
-        step boundary (:meth:`_cut`). The step
-        boundaries are the ones step-by-step events would give, float for float."""
-        w.running.extend(w.joining)
-        w.joining.clear()
-        if self._chunked:
-            if w.current is None and w.waiting:
-                self._begin_prefill(w)
-            if w.current is not None:
-                self._mixed_step(w, w.current)
-                return
-        if not w.running:
-            w.stepping = False
-            return
-        w.stepping, w.seg_mixed, w.seg_cut = True, False, False
-        cost = self._cost
-        batch = len(w.running)
-        context = sum(j.context for j in w.running)
-        steps = min(_SEGMENT_STEPS, min(j.remaining for j in w.running))
-        cost.decode_step_ms(batch, context)  # validates the counts once per segment
-        linear = max(cost.decode_base_ms + cost.decode_ms_per_seq * batch, cost.decode_compute_ms_per_token * batch)
-        w.seg_start, w.seg_batch, w.seg_context, w.seg_linear, w.seg_steps = self._now, batch, context, linear, steps
-        w.seg_gen += 1
-        self._at(self._boundary(w, steps), partial(self._end_segment, w, w.seg_gen))
-
-    def _boundary(self, w: _Worker, steps: int) -> float:
-        """The end of the segment's ``steps``-th step."""
-        t, b, batch, context, linear = w.seg_start, self._cost.decode_ms_per_context_token, w.seg_batch, w.seg_context, w.seg_linear
-        for i in range(steps):
-            t = t + max(linear + b * (context + i * batch), 1e-9)
-        return t
-
-    def _cut(self, w: _Worker) -> None:
-        """Work arrived during a decode segment: end it at the first step boundary after now."""
-        t, b, batch, context, linear = w.seg_start, self._cost.decode_ms_per_context_token, w.seg_batch, w.seg_context, w.seg_linear
-        now = self._now
-        for i in range(w.seg_steps):
-            t = t + max(linear + b * (context + i * batch), 1e-9)
-            if t > now:
-                if i + 1 < w.seg_steps:
-                    w.seg_steps = i + 1
-                    w.seg_gen += 1
-                    self._at(t, partial(self._end_segment, w, w.seg_gen))
-                return
-
-    def _begin_prefill(self, w: _Worker) -> None:
-        """Chunked sharing: the head of the FIFO becomes the prompt the steps carry."""
-        job = w.waiting.popleft()
-        w.waiting_ms = max(0.0, w.waiting_ms - job.estimate_ms) if w.waiting else 0.0
-        job.start_ms = self._now
-        job.vram_hit, job.dram_hit = w.cache.lookup(job.tokens, self.salt(job.request))
-        length = job.request.input_length
-        job.left = length - min(length, job.vram_hit + job.dram_hit)
-        job.extra_ms = (self._cost.prefill_base_ms if job.left else 0.0) + self._cost.reload_ms(job.dram_hit)
-        w.current = job
-
-    def _mixed_step(self, w: _Worker, job: _Job) -> None:
-        """Chunked sharing: one step of every running sequence's next token plus the next chunk of
-        the prompt, as vLLM schedules them (decodes first, the prompt fills the rest of the token
-        budget). Its time is the chunk's prefill plus the decode step the batch alone would take,
-        so a long prompt stalls the batch and a large batch slows the prompt."""
-        cost, now = self._cost, self._now
-        batch = len(w.running)
-        room = max(self.config.max_batched_tokens - batch, 1)
-        chunk = min(job.left, room)
-        compute = cost.prefill_ms_per_token * chunk + job.extra_ms
-        job.extra_ms = 0.0
-        decode = cost.decode_step_ms(batch, sum(j.context for j in w.running)) if batch else 0.0
-        rest = job.left - chunk
-        w.rest_ms = cost.prefill_ms_per_token * rest + (-(-rest // room) * decode if rest else 0.0)
-        if compute > 0:
-            if w.busy_job is job:  # one interval per prompt: its compute, from its first chunk on
-                b, e = w.busy[-1]
-                w.busy[-1] = (b, e + compute)
-            else:
-                w.busy.append((now, now + compute))
-                w.busy_job = job
-        w.stepping, w.seg_mixed, w.seg_batch = True, True, batch
-        w.seg_gen += 1
-        w.step_end = now + compute + decode
-        self._at(w.step_end, partial(self._end_mixed, w, job, chunk))
-
-    def _end_mixed(self, w: _Worker, job: _Job, chunk: int) -> None:
-        batch = w.seg_batch
-        if batch:
-            self.decoded[w.spec.id] += batch
-            done = False
-            for j in w.running:
-                j.remaining -= 1
-                j.context += 1
-                if j.remaining == 0:
-                    self._complete(j)
-                    done = True
-            if done:
-                w.running = [j for j in w.running if j.remaining > 0]
-        job.left -= chunk
-        if job.left == 0:
-            w.current = None
-            self._prefilled(w, job)
-        self._step(w)
-        self._publish_queue(w)
-
-    def _prefilled(self, w: _Worker, job: _Job) -> None:
-        """Chunked sharing: the prompt's last chunk is done: its KV is admitted (a migration's
-        replica lands in its tier), the first token leaves, and the sequence decodes from the
-        next step on (here, or at the decode instance of a disaggregated topology)."""
-        now = self._now
-        if job.migration is not None:
-            self._publish_events(w, w.cache.copy_in(job.tokens, job.migration.target_tier, now / 1e3, self.salt(job.request)))
-            return
-        self._publish_events(w, w.cache.admit(job.tokens, now / 1e3, self.salt(job.request)))
-        job.ttft_ms = now + job.one_way_ms - job.request.arrival_ms
-        if self._indexed:
-            self._respond(w, job)
-        self._decode(w, job)
-
-    def _end_segment(self, w: _Worker, gen: int) -> None:
-        if gen != w.seg_gen:
-            return  # superseded by a cut
-        steps = w.seg_steps
-        self.decoded[w.spec.id] += w.seg_batch * steps
-        done = False
-        for j in w.running:
-            j.remaining -= steps
-            j.context += steps
-            if j.remaining == 0:
-                self._complete(j)
-                done = True
-        if done:
-            w.running = [j for j in w.running if j.remaining > 0]
-        self._step(w)
-
-    def _complete(self, job: _Job) -> None:
-        r = job.request
-        w = self._workers[job.choice.worker]
-        e2e = self._now + (job.back_ms if job.back_ms >= 0 else job.one_way_ms) - r.arrival_ms
-        self._records.append(
-            RequestRecord(
-                id=r.id,
-                region=r.region,
-                worker=w.spec.id,
-                worker_region=w.spec.region,
-                arrival_ms=r.arrival_ms,
-                ttft_ms=job.ttft_ms,
-                e2e_ms=e2e,
-                queue_ms=job.start_ms - job.at_worker_ms,
-                input_tokens=r.input_length,
-                output_tokens=r.output_length,
-                vram_hit=job.vram_hit,
-                dram_hit=job.dram_hit,
-                claimed=job.choice.claimed,
-            )
-        )
-        job.tokens = np.zeros(0, dtype=np.uint32)  # a finished request keeps no tokens
-        done = len(self._records)
-        if self._progress is not None and (done % self._progress_every == 0 or done == len(self._requests)):
-            self._progress(done, len(self._requests))
+    def _land_copy(self, w: _Worker, tokens: npt.NDArray[np.uint32], tier: Tier, salt: str | None) -> None:
+        if tier not in (Tier.VRAM, Tier.DRAM):
+            raise ValueError(f"copy_in tier must be Tier.VRAM or Tier.DRAM, got {tier!r}")
+        sid, seed = (self._salt_id[salt], self._salt_seed[salt]) if salt is not None else (0, 0)
+        raw = self._eng().copy_in(w.index, tokens, int(tier), sid, seed)
+        self._publish_events(w, w.cache.events_from_core(raw))
 
 
 def simulate(

@@ -1,0 +1,531 @@
+//! `SimEngine`: the simulator's engine (`crate::sim`) driven from `kvcompass.sim.engine`.
+//!
+//! `run(driver)` turns the engine's steps into calls of the driver's methods (route an
+//! arrival, re-place a landing, KV events, responses, queue readings, progress) and calls the
+//! driver's scheduled callbacks when they are due. No borrow of the engine is held while
+//! Python runs, so the driver and the schemes may read the engine (queues, caches, the run's
+//! generator) and schedule callbacks from inside any call.
+
+use std::collections::HashMap;
+
+use numpy::{IntoPyArray, PyArray2, PyArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+
+use super::arrays::{f64_vec, u32_vec, u64_vec};
+use super::block_cache::{events_out, PyBlockCache};
+use super::errors::core_err;
+use crate::block_cache::BlockCache;
+use crate::error::CoreError;
+use crate::sim::{Choice, Config, Cost, Engine, Out, Pcg64, RequestSpec, Step, WorkerSetup};
+
+type RngState = (u128, u128, bool, u32);
+
+#[pyclass(name = "SimEngine", module = "kvcompass._core")]
+pub struct PySimEngine {
+    inner: Engine,
+    handles: HashMap<u64, Py<PyAny>>,
+    next_handle: u64,
+    running: bool,
+}
+
+fn bad(msg: String) -> PyErr {
+    core_err(CoreError::InvalidArgument(msg))
+}
+
+fn u16_of(name: &str, v: Vec<u32>) -> PyResult<Vec<u16>> {
+    v.into_iter()
+        .map(|x| u16::try_from(x).map_err(|_| bad(format!("{name}: {x} is out of range"))))
+        .collect()
+}
+
+/// The driver's answer to an arrival or a landing: `(worker, claimed[, delay_ms])`.
+fn choice_of(obj: &Bound<'_, PyAny>, with_delay: bool) -> PyResult<Choice> {
+    if with_delay {
+        let (worker, claimed, delay_ms): (u32, i64, f64) = obj.extract()?;
+        Ok(Choice {
+            worker,
+            claimed,
+            delay_ms,
+        })
+    } else {
+        let (worker, claimed): (u32, i64) = obj.extract()?;
+        Ok(Choice {
+            worker,
+            claimed,
+            delay_ms: 0.0,
+        })
+    }
+}
+
+impl PySimEngine {
+    /// Tell the driver what the engine queued for it, each call under the sequence number it
+    /// was queued at.
+    fn flush(slf: &Bound<'_, Self>, d: &Driver<'_>) -> PyResult<()> {
+        let py = slf.py();
+        let out = slf.borrow_mut().inner.take_out();
+        for o in out {
+            match o {
+                Out::Events {
+                    seq,
+                    worker,
+                    events,
+                } => {
+                    slf.borrow_mut().inner.set_context(Some(seq));
+                    let r = d.events.call1((worker, events_out(py, events)?));
+                    slf.borrow_mut().inner.set_context(None);
+                    r?;
+                }
+                Out::Respond {
+                    seq,
+                    worker,
+                    edge_region,
+                    claimed,
+                    reused,
+                    t,
+                    vector,
+                } => {
+                    slf.borrow_mut().inner.set_context(Some(seq));
+                    let v = vector.map(|v| v.into_pyarray(py));
+                    let r = d
+                        .respond
+                        .call1((worker, edge_region, claimed, reused, t, v));
+                    slf.borrow_mut().inner.set_context(None);
+                    r?;
+                }
+                Out::Queue { worker, queued_ms } => {
+                    d.queue.call1((worker, queued_ms))?;
+                }
+                Out::Progress { done } => {
+                    if let Some(p) = &d.progress {
+                        p.call1((done,))?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+struct Driver<'py> {
+    choose: Bound<'py, PyAny>,
+    handoff: Option<Bound<'py, PyAny>>,
+    events: Bound<'py, PyAny>,
+    respond: Bound<'py, PyAny>,
+    queue: Bound<'py, PyAny>,
+    progress: Option<Bound<'py, PyAny>>,
+}
+
+fn optional<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let m = obj.getattr(name)?;
+    Ok(if m.is_none() { None } else { Some(m) })
+}
+
+#[pymethods]
+impl PySimEngine {
+    /// See `kvcompass.sim.engine.Simulator`, which builds every argument from its topology,
+    /// workload, scheme and config. `caches`' blocks move into the engine until
+    /// `return_caches`.
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (cost, transfer_gbps, chunked, max_batched_tokens, wan_jitter, segment_steps, indexed, handoff, rtt, has_edge, region_workers, decoders, worker_regions, caches, publish, queue_to_edge, arrival_ms, region, edge_region, input_length, output_length, block_size, salt, salt_seed, ids, id_offsets, rng_state, fault_state, progress_every))]
+    fn new(
+        cost: (f64, f64, f64, f64, f64, f64, f64, u64),
+        transfer_gbps: f64,
+        chunked: bool,
+        max_batched_tokens: u64,
+        wan_jitter: f64,
+        segment_steps: u64,
+        indexed: bool,
+        handoff: bool,
+        rtt: &Bound<'_, PyAny>,
+        has_edge: Vec<bool>,
+        region_workers: Vec<Vec<u32>>,
+        decoders: Vec<Vec<u32>>,
+        worker_regions: &Bound<'_, PyAny>,
+        caches: Vec<Bound<'_, PyBlockCache>>,
+        publish: Vec<bool>,
+        queue_to_edge: Vec<bool>,
+        arrival_ms: &Bound<'_, PyAny>,
+        region: &Bound<'_, PyAny>,
+        edge_region: &Bound<'_, PyAny>,
+        input_length: &Bound<'_, PyAny>,
+        output_length: &Bound<'_, PyAny>,
+        block_size: &Bound<'_, PyAny>,
+        salt: &Bound<'_, PyAny>,
+        salt_seed: &Bound<'_, PyAny>,
+        ids: &Bound<'_, PyAny>,
+        id_offsets: &Bound<'_, PyAny>,
+        rng_state: RngState,
+        fault_state: RngState,
+        progress_every: u64,
+    ) -> PyResult<Self> {
+        let (a, b, c, d, e, f, g, h) = cost;
+        let cost = Cost {
+            prefill_ms_per_token: a,
+            prefill_base_ms: b,
+            reload_ms_per_token: c,
+            decode_base_ms: d,
+            decode_ms_per_seq: e,
+            decode_compute_ms_per_token: f,
+            decode_ms_per_context_token: g,
+            kv_bytes_per_token: h,
+        };
+        let cfg = Config {
+            cost,
+            transfer_gbps,
+            chunked,
+            max_batched_tokens,
+            wan_jitter,
+            segment_steps,
+            indexed,
+            handoff,
+            rtt: f64_vec("rtt", rtt)?,
+            has_edge,
+            region_workers,
+            decoders,
+        };
+        let wr = u16_of("worker_regions", u32_vec("worker_regions", worker_regions)?)?;
+        if caches.len() != wr.len() || publish.len() != wr.len() || queue_to_edge.len() != wr.len()
+        {
+            return Err(bad(format!(
+                "{} workers but {} caches, {} publish and {} queue flags",
+                wr.len(),
+                caches.len(),
+                publish.len(),
+                queue_to_edge.len()
+            )));
+        }
+        let mut workers = Vec::with_capacity(wr.len());
+        for (i, c) in caches.iter().enumerate() {
+            let mut c = c.borrow_mut();
+            let bs = c.inner.block_size();
+            let placeholder = BlockCache::new(bs, 1, 0, false, 0).map_err(core_err)?;
+            workers.push(WorkerSetup {
+                region: wr[i],
+                cache: std::mem::replace(&mut c.inner, placeholder),
+                publish: publish[i],
+                queue_to_edge: queue_to_edge[i],
+            });
+        }
+        let arrival = f64_vec("arrival_ms", arrival_ms)?;
+        let region = u16_of("region", u32_vec("region", region)?)?;
+        let edge_region = u16_of("edge_region", u32_vec("edge_region", edge_region)?)?;
+        let input_length = u64_vec("input_length", input_length)?;
+        let output_length = u64_vec("output_length", output_length)?;
+        let block_size = u32_vec("block_size", block_size)?;
+        let salt = u32_vec("salt", salt)?;
+        let salt_seed = u64_vec("salt_seed", salt_seed)?;
+        let n = arrival.len();
+        if [
+            region.len(),
+            edge_region.len(),
+            input_length.len(),
+            output_length.len(),
+            block_size.len(),
+            salt.len(),
+            salt_seed.len(),
+        ]
+        .iter()
+        .any(|&l| l != n)
+        {
+            return Err(bad("request columns differ in length".into()));
+        }
+        let reqs = (0..n)
+            .map(|i| RequestSpec {
+                arrival_ms: arrival[i],
+                region: region[i],
+                edge_region: edge_region[i],
+                input_length: input_length[i],
+                output_length: output_length[i],
+                block_size: block_size[i],
+                salt: salt[i],
+                salt_seed: salt_seed[i],
+            })
+            .collect();
+        let offs: Vec<usize> = u64_vec("id_offsets", id_offsets)?
+            .into_iter()
+            .map(|x| x as usize)
+            .collect();
+        let rng = Pcg64::from_state(rng_state.0, rng_state.1, rng_state.2, rng_state.3);
+        let faults = Pcg64::from_state(fault_state.0, fault_state.1, fault_state.2, fault_state.3);
+        let inner = Engine::new(
+            cfg,
+            workers,
+            reqs,
+            u64_vec("ids", ids)?,
+            offs,
+            rng,
+            faults,
+            progress_every,
+        )
+        .map_err(core_err)?;
+        Ok(PySimEngine {
+            inner,
+            handles: HashMap::new(),
+            next_handle: 0,
+            running: false,
+        })
+    }
+
+    /// Move the caches' blocks back into `caches` (the objects given to the constructor).
+    fn return_caches(&mut self, caches: Vec<Bound<'_, PyBlockCache>>) -> PyResult<()> {
+        let mut ws = self.inner.take_caches();
+        if ws.len() != caches.len() {
+            self.inner.put_caches(ws);
+            return Err(bad("return_caches needs the constructor's caches".into()));
+        }
+        for (c, mine) in caches.iter().zip(ws.iter_mut()) {
+            std::mem::swap(&mut c.borrow_mut().inner, mine);
+        }
+        self.inner.put_caches(ws);
+        Ok(())
+    }
+
+    /// Replay to the end. `driver` has `choose(req, tokens) -> (worker, claimed, delay_ms)`,
+    /// `handoff` (None, or `(job, req, tokens, worker, region) -> (worker, claimed) | None`),
+    /// `events(worker, raw_events)`, `respond(worker, edge_region, claimed, reused, t, vector)`,
+    /// `queue(worker, queued_ms)` and `progress` (None or `(done) -> None`).
+    fn run(slf: &Bound<'_, Self>, driver: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = slf.py();
+        {
+            let mut me = slf.borrow_mut();
+            if me.running {
+                return Err(bad("the engine is already running".into()));
+            }
+            me.running = true;
+        }
+        let d = Driver {
+            choose: driver.getattr("choose")?,
+            handoff: optional(driver, "handoff")?,
+            events: driver.getattr("events")?,
+            respond: driver.getattr("respond")?,
+            queue: driver.getattr("queue")?,
+            progress: optional(driver, "progress")?,
+        };
+        let result = (|| -> PyResult<()> {
+            loop {
+                let step = slf.borrow_mut().inner.next().map_err(core_err)?;
+                let Some(step) = step else { return Ok(()) };
+                match step {
+                    Step::Out => Self::flush(slf, &d)?,
+                    Step::Arrive { req } => {
+                        let tokens = slf
+                            .borrow()
+                            .inner
+                            .pending_tokens()
+                            .unwrap_or(&[])
+                            .to_vec()
+                            .into_pyarray(py);
+                        let c = choice_of(&d.choose.call1((req, tokens))?, true)?;
+                        slf.borrow_mut().inner.arrive(req, c).map_err(core_err)?;
+                    }
+                    Step::Land {
+                        job,
+                        req,
+                        worker,
+                        region,
+                    } => {
+                        let c = match &d.handoff {
+                            None => None,
+                            Some(h) => {
+                                let tokens = slf
+                                    .borrow()
+                                    .inner
+                                    .job_tokens(job)
+                                    .unwrap_or(&[])
+                                    .to_vec()
+                                    .into_pyarray(py);
+                                let r = h.call1((job, req, tokens, worker, region))?;
+                                if r.is_none() {
+                                    None
+                                } else {
+                                    Some(choice_of(&r, false)?)
+                                }
+                            }
+                        };
+                        slf.borrow_mut().inner.land(job, c).map_err(core_err)?;
+                    }
+                    Step::External(h) => {
+                        let f = slf.borrow_mut().handles.remove(&h);
+                        if let Some(f) = f {
+                            f.call0(py)?;
+                        }
+                    }
+                }
+            }
+        })();
+        slf.borrow_mut().running = false;
+        result
+    }
+
+    /// Schedule every arrival (before anything the driver schedules after this call).
+    fn start(&mut self) {
+        self.inner.start();
+    }
+
+    /// Moving the KV of `tokens` between workers (ms), by the run's cost model and link.
+    fn transfer_ms(&self, tokens: u64) -> f64 {
+        self.inner.transfer_ms(tokens)
+    }
+
+    /// Call `fn()` at `t` (ms of virtual time).
+    fn at(&mut self, t: f64, f: Py<PyAny>) -> PyResult<()> {
+        let h = self.next_handle;
+        self.next_handle += 1;
+        self.inner.at_external(t, h).map_err(core_err)?;
+        self.handles.insert(h, f);
+        Ok(())
+    }
+
+    #[getter]
+    fn now(&self) -> f64 {
+        self.inner.now()
+    }
+
+    fn queued_ms(&self, worker: u32, now: f64) -> PyResult<f64> {
+        self.inner.queued_ms(worker, now).map_err(core_err)
+    }
+
+    #[pyo3(signature = (worker, origin=None))]
+    fn dispatched_ms(&self, worker: u32, origin: Option<u16>) -> PyResult<f64> {
+        self.inner.dispatched_ms(worker, origin).map_err(core_err)
+    }
+
+    fn waiting(&self, worker: u32) -> PyResult<usize> {
+        self.inner.waiting(worker).map_err(core_err)
+    }
+
+    fn cached(
+        &self,
+        py: Python<'_>,
+        worker: u32,
+        tokens: &Bound<'_, PyAny>,
+        salt_seed: u64,
+    ) -> PyResult<(u64, u64)> {
+        let tokens = u32_vec("tokens", tokens)?;
+        let inner = &self.inner;
+        py.detach(|| inner.cached(worker, &tokens, salt_seed))
+            .map_err(core_err)
+    }
+
+    /// One WAN traversal (ms) from region `a` to `b`, jittered (a draw) when the run asks.
+    fn way(&mut self, a: u16, b: u16) -> f64 {
+        self.inner.way(a, b)
+    }
+
+    /// The run's generator: `Generator.integers(n)` (numpy's stream, continued).
+    fn rng_integers(&mut self, n: u64) -> PyResult<u64> {
+        if n == 0 {
+            return Err(bad("integers(0): the range is empty".into()));
+        }
+        Ok(self.inner.rng().integers(n))
+    }
+
+    /// The faults' generator: `Generator.random()`.
+    fn fault_random(&mut self) -> f64 {
+        self.inner.faults().random()
+    }
+
+    /// The state of the run's and the faults' generators (numpy's terms).
+    fn rng_states(&mut self) -> (RngState, RngState) {
+        (self.inner.rng().state(), self.inner.faults().state())
+    }
+
+    fn copy_in<'py>(
+        &mut self,
+        py: Python<'py>,
+        worker: u32,
+        tokens: &Bound<'py, PyAny>,
+        tier: u8,
+        salt: u32,
+        salt_seed: u64,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let tokens = u32_vec("tokens", tokens)?;
+        let ev = self
+            .inner
+            .copy_in(worker, &tokens, tier, salt, salt_seed)
+            .map_err(core_err)?;
+        events_out(py, ev)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn migrate_recompute(
+        &mut self,
+        t: f64,
+        worker: u32,
+        tokens: &Bound<'_, PyAny>,
+        tier: u8,
+        region: u16,
+        salt: u32,
+        salt_seed: u64,
+    ) -> PyResult<()> {
+        let tokens = u32_vec("tokens", tokens)?;
+        self.inner
+            .migrate_recompute(t, worker, tokens, tier, region, salt, salt_seed)
+            .map_err(core_err)
+    }
+
+    /// `(worker, queued_ms)` of the workers running a prefill whose edge reads their queue.
+    fn busy_queues(&self) -> Vec<(u32, f64)> {
+        self.inner.busy_queues()
+    }
+
+    #[getter]
+    fn completed(&self) -> u64 {
+        self.inner.completed()
+    }
+
+    #[getter]
+    fn handoffs(&self) -> u64 {
+        self.inner.handoffs
+    }
+
+    #[getter]
+    fn events_processed(&self) -> u64 {
+        self.inner.events_processed
+    }
+
+    fn decoded(&self, worker: u32) -> PyResult<u64> {
+        self.inner.decoded(worker).map_err(core_err)
+    }
+
+    /// The worker's busy intervals `(begin, end)` ms as an (n, 2) array.
+    fn busy<'py>(&self, py: Python<'py>, worker: u32) -> PyResult<Bound<'py, PyArray2<f64>>> {
+        let b = self.inner.busy(worker).map_err(core_err)?;
+        let flat: Vec<f64> = b.iter().flat_map(|&(x, y)| [x, y]).collect();
+        Ok(flat.into_pyarray(py).reshape([b.len(), 2])?)
+    }
+
+    /// The records: a tuple of arrays `(order, worker, ttft_ms, e2e_ms, queue_ms, vram_hit,
+    /// dram_hit, claimed)`, each indexed by request except `order` (completion order).
+    fn records<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let r = &self.inner.records;
+        PyTuple::new(
+            py,
+            [
+                r.order.clone().into_pyarray(py).into_any(),
+                r.worker.clone().into_pyarray(py).into_any(),
+                r.ttft_ms.clone().into_pyarray(py).into_any(),
+                r.e2e_ms.clone().into_pyarray(py).into_any(),
+                r.queue_ms.clone().into_pyarray(py).into_any(),
+                r.vram_hit.clone().into_pyarray(py).into_any(),
+                r.dram_hit.clone().into_pyarray(py).into_any(),
+                r.claimed.clone().into_pyarray(py).into_any(),
+            ],
+        )
+    }
+
+    /// Bytes the engine's caches hold in Rust (while they are in the engine).
+    fn cache_memory_bytes(&self) -> usize {
+        (0..self.inner.workers() as u32)
+            .filter_map(|w| self.inner.cache(w).ok())
+            .map(|c| c.memory_bytes())
+            .sum()
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PySimEngine>()?;
+    Ok(())
+}

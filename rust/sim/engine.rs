@@ -1,0 +1,1328 @@
+//! The event loop and the worker model (see the module notes of [`crate::sim`] and
+//! `kvcompass/sim/engine.py`, which documents every rule implemented here).
+
+use std::cmp::Ordering;
+use std::collections::{BinaryHeap, VecDeque};
+
+use super::rng::Pcg64;
+use crate::block_cache::{BlockCache, Event, DRAM, VRAM};
+use crate::error::{CoreError, Result};
+use crate::token_ids::expand_blocks;
+
+/// The calibrated cost model (`kvcompass.sim.costs.CostModel`), float for float.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Cost {
+    pub prefill_ms_per_token: f64,
+    pub prefill_base_ms: f64,
+    pub reload_ms_per_token: f64,
+    pub decode_base_ms: f64,
+    pub decode_ms_per_seq: f64,
+    pub decode_compute_ms_per_token: f64,
+    pub decode_ms_per_context_token: f64,
+    pub kv_bytes_per_token: u64,
+}
+
+impl Cost {
+    #[inline]
+    pub fn prefill_ms(&self, uncached: u64) -> f64 {
+        if uncached == 0 {
+            0.0
+        } else {
+            self.prefill_base_ms + self.prefill_ms_per_token * uncached as f64
+        }
+    }
+    #[inline]
+    pub fn reload_ms(&self, dram: u64) -> f64 {
+        self.reload_ms_per_token * dram as f64
+    }
+    #[inline]
+    fn linear(&self, batch: u64) -> f64 {
+        (self.decode_base_ms + self.decode_ms_per_seq * batch as f64)
+            .max(self.decode_compute_ms_per_token * batch as f64)
+    }
+    /// One decode step of `batch` sequences holding `context` tokens (0 for an empty batch).
+    #[inline]
+    pub fn decode_step_ms(&self, batch: u64, context: u64) -> f64 {
+        if batch == 0 {
+            return 0.0;
+        }
+        self.linear(batch) + self.decode_ms_per_context_token * context as f64
+    }
+    /// Moving the KV of `tokens` over a `gbps` link.
+    #[inline]
+    pub fn transfer_ms(&self, tokens: u64, gbps: f64) -> f64 {
+        (self.kv_bytes_per_token * tokens * 8) as f64 / (gbps * 1e9) * 1e3
+    }
+}
+
+/// A run's knobs (`kvcompass.sim.engine.SimConfig` plus what the driver derives from the
+/// topology and the scheme).
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub cost: Cost,
+    pub transfer_gbps: f64,
+    pub chunked: bool,
+    pub max_batched_tokens: u64,
+    pub wan_jitter: f64,
+    pub segment_steps: u64,
+    /// The scheme reads the discovery plane: responses and queue readings go to the driver.
+    pub indexed: bool,
+    /// The scheme re-places forwarded requests on landing ([`Step::Land`]).
+    pub handoff: bool,
+    /// Regions × regions RTT (ms), row-major.
+    pub rtt: Vec<f64>,
+    /// Per region: whether an edge runs there.
+    pub has_edge: Vec<bool>,
+    /// Per region: its workers (all roles), in topology order.
+    pub region_workers: Vec<Vec<u32>>,
+    /// Per region: the decode instances its prefill hands off to (empty: not disaggregated).
+    pub decoders: Vec<Vec<u32>>,
+}
+
+/// One emulated worker as the driver builds it.
+pub struct WorkerSetup {
+    pub region: u16,
+    pub cache: BlockCache,
+    /// Its cache calls build KV events (someone reads them).
+    pub publish: bool,
+    /// Its queue readings go to its region's edge.
+    pub queue_to_edge: bool,
+}
+
+/// One request of the workload: its block ids expand to its tokens at arrival.
+#[derive(Clone, Copy, Debug)]
+pub struct RequestSpec {
+    pub arrival_ms: f64,
+    pub region: u16,
+    pub edge_region: u16,
+    pub input_length: u64,
+    pub output_length: u64,
+    pub block_size: u32,
+    pub salt: u32,
+    pub salt_seed: u64,
+}
+
+/// A routing decision: worker index, claimed tokens, lookup delay beyond the edge.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Choice {
+    pub worker: u32,
+    pub claimed: i64,
+    pub delay_ms: f64,
+}
+
+/// What the driver must do next.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Step {
+    /// Tell the driver what [`Engine::take_out`] holds, then call [`Engine::next`] again.
+    Out,
+    /// Route request `req` (its tokens: [`Engine::pending_tokens`]), then [`Engine::arrive`].
+    Arrive { req: u32 },
+    /// Job `job` (request `req`) reached `worker` in `region`, another edge's region: the
+    /// scheme may re-place it, then [`Engine::land`].
+    Land {
+        job: u32,
+        req: u32,
+        worker: u32,
+        region: u16,
+    },
+    /// A driver event scheduled with [`Engine::at_external`] is due.
+    External(u64),
+}
+
+/// What the driver is told, in the model's order. `seq`: where whatever it schedules in reply sorts.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Out {
+    /// A worker's KV events (to its agent and to a scheme that follows them).
+    Events {
+        seq: u64,
+        worker: u32,
+        events: Vec<Event>,
+    },
+    /// The first token leaves `worker` for the edge of `edge_region`, arriving at `t`: the reuse
+    /// report, and for a worker of another region its region's queue vector (`vector`: read
+    /// here when that region runs no edge; else the driver asks that region's edge).
+    Respond {
+        seq: u64,
+        worker: u32,
+        edge_region: u16,
+        claimed: i64,
+        reused: u64,
+        t: f64,
+        vector: Option<Vec<f64>>,
+    },
+    /// A worker's queued prefill work changed: its region's edge reads it live.
+    Queue { worker: u32, queued_ms: f64 },
+    /// `done` requests have completed.
+    Progress { done: u64 },
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Ev {
+    Arrive(u32),
+    Land(u32),
+    Enqueue { w: u32, job: u32 },
+    EndPrefill { w: u32, job: u32 },
+    EndSegment { w: u32, gen: u64 },
+    EndMixed { w: u32, job: u32, chunk: u64 },
+    Join { w: u32, job: u32 },
+    External(u64),
+}
+
+struct Entry {
+    t: f64,
+    seq: u64,
+    sub: u32,
+    ev: Ev,
+}
+
+impl PartialEq for Entry {
+    fn eq(&self, o: &Self) -> bool {
+        self.cmp(o) == Ordering::Equal
+    }
+}
+impl Eq for Entry {}
+impl PartialOrd for Entry {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Entry {
+    /// Reversed: the heap pops the earliest `(t, seq, sub)`, floats compared as Python does.
+    fn cmp(&self, o: &Self) -> Ordering {
+        o.t.partial_cmp(&self.t)
+            .unwrap_or(Ordering::Equal)
+            .then(o.seq.cmp(&self.seq))
+            .then(o.sub.cmp(&self.sub))
+    }
+}
+
+const NO_REQ: u32 = u32::MAX;
+
+struct Job {
+    req: u32,
+    tokens: Vec<u32>,
+    worker: u32,
+    claimed: i64,
+    edge_region: u16,
+    origin: u16,
+    one_way_ms: f64,
+    at_worker_ms: f64,
+    estimate_ms: f64,
+    start_ms: f64,
+    vram_hit: u64,
+    dram_hit: u64,
+    ttft_ms: f64,
+    dispatched_ms: f64,
+    remaining: u64,
+    context: u64,
+    migration_tier: u8,
+    back_ms: f64,
+    left: u64,
+    extra_ms: f64,
+    salt: u32,
+    salt_seed: u64,
+    input_length: u64,
+    output_length: u64,
+    arrival_ms: f64,
+}
+
+struct Worker {
+    region: u16,
+    cache: BlockCache,
+    publish: bool,
+    queue_to_edge: bool,
+    waiting: VecDeque<u32>,
+    waiting_ms: f64,
+    dispatched: Vec<(u16, f64)>,
+    current: Option<u32>,
+    busy_until: f64,
+    busy: Vec<(f64, f64)>,
+    running: Vec<u32>,
+    joining: Vec<u32>,
+    stepping: bool,
+    seg_start: f64,
+    seg_batch: u64,
+    seg_context: u64,
+    seg_linear: f64,
+    seg_steps: u64,
+    seg_gen: u64,
+    seg_mixed: bool,
+    seg_cut: bool,
+    step_end: f64,
+    rest_ms: f64,
+    busy_job: Option<u32>,
+    decoded: u64,
+}
+
+/// `max(0.0, x)` as Python evaluates it.
+#[inline]
+fn pos(x: f64) -> f64 {
+    if x > 0.0 {
+        x
+    } else {
+        0.0
+    }
+}
+
+/// The per-request records, as columns indexed by request (completion order in `order`).
+#[derive(Default)]
+pub struct Records {
+    pub order: Vec<u32>,
+    pub worker: Vec<u32>,
+    pub ttft_ms: Vec<f64>,
+    pub e2e_ms: Vec<f64>,
+    pub queue_ms: Vec<f64>,
+    pub vram_hit: Vec<u64>,
+    pub dram_hit: Vec<u64>,
+    pub claimed: Vec<i64>,
+}
+
+pub struct Engine {
+    cfg: Config,
+    regions: usize,
+    workers: Vec<Worker>,
+    reqs: Vec<RequestSpec>,
+    ids: Vec<u64>,
+    id_offs: Vec<usize>,
+    jobs: Vec<Job>,
+    heap: BinaryHeap<Entry>,
+    seq: u64,
+    ctx: Option<(u64, u32)>,
+    now: f64,
+    rng: Pcg64,
+    faults: Pcg64,
+    out: Vec<Out>,
+    pending: Option<(u32, Vec<u32>)>,
+    pub records: Records,
+    done: u64,
+    progress_every: u64,
+    pub handoffs: u64,
+    pub events_processed: u64,
+    started: bool,
+}
+
+impl Engine {
+    /// `ids` holds every request's block ids back to back, `id_offs[i]..id_offs[i+1]` for
+    /// request `i`; requests in arrival order.
+    pub fn new(
+        cfg: Config,
+        workers: Vec<WorkerSetup>,
+        reqs: Vec<RequestSpec>,
+        ids: Vec<u64>,
+        id_offs: Vec<usize>,
+        rng: Pcg64,
+        faults: Pcg64,
+        progress_every: u64,
+    ) -> Result<Self> {
+        let regions = cfg.has_edge.len();
+        let bad = |m: String| Err(CoreError::InvalidArgument(m));
+        if cfg.rtt.len() != regions * regions
+            || cfg.region_workers.len() != regions
+            || cfg.decoders.len() != regions
+        {
+            return bad(format!("topology arrays do not agree on {regions} regions"));
+        }
+        if id_offs.len() != reqs.len() + 1
+            || id_offs.last().copied() != Some(ids.len())
+            || id_offs.windows(2).any(|w| w[0] > w[1])
+        {
+            return bad("block id offsets do not cover the requests".into());
+        }
+        for (i, r) in reqs.iter().enumerate() {
+            if r.region as usize >= regions || r.edge_region as usize >= regions {
+                return bad(format!("request {i}: region out of range"));
+            }
+            let n = id_offs[i + 1] - id_offs[i];
+            if r.block_size == 0 || n as u64 != r.input_length.div_ceil(r.block_size as u64) {
+                return bad(format!(
+                    "request {i}: {n} block ids cannot cover input_length {} at block_size {}",
+                    r.input_length, r.block_size
+                ));
+            }
+            if i > 0 && !(reqs[i - 1].arrival_ms <= r.arrival_ms) {
+                return bad(format!("request {i}: arrivals are not in order"));
+            }
+        }
+        for w in &workers {
+            if w.region as usize >= regions {
+                return bad("worker region out of range".into());
+            }
+        }
+        let n = workers.len() as u32;
+        if cfg
+            .region_workers
+            .iter()
+            .chain(&cfg.decoders)
+            .flatten()
+            .any(|&w| w >= n)
+        {
+            return bad("worker index out of range".into());
+        }
+        if cfg.segment_steps == 0 || cfg.max_batched_tokens == 0 || !(cfg.transfer_gbps > 0.0) {
+            return bad(
+                "segment_steps, max_batched_tokens and transfer_gbps must be positive".into(),
+            );
+        }
+        let workers = workers
+            .into_iter()
+            .map(|s| Worker {
+                region: s.region,
+                cache: s.cache,
+                publish: s.publish,
+                queue_to_edge: s.queue_to_edge,
+                waiting: VecDeque::new(),
+                waiting_ms: 0.0,
+                dispatched: Vec::new(),
+                current: None,
+                busy_until: 0.0,
+                busy: Vec::new(),
+                running: Vec::new(),
+                joining: Vec::new(),
+                stepping: false,
+                seg_start: 0.0,
+                seg_batch: 0,
+                seg_context: 0,
+                seg_linear: 0.0,
+                seg_steps: 0,
+                seg_gen: 0,
+                seg_mixed: false,
+                seg_cut: false,
+                step_end: 0.0,
+                rest_ms: 0.0,
+                busy_job: None,
+                decoded: 0,
+            })
+            .collect();
+        let n_req = reqs.len();
+        Ok(Engine {
+            cfg,
+            regions,
+            workers,
+            reqs,
+            ids,
+            id_offs,
+            jobs: Vec::with_capacity(n_req),
+            heap: BinaryHeap::new(),
+            seq: 0,
+            ctx: None,
+            now: 0.0,
+            rng,
+            faults,
+            out: Vec::new(),
+            pending: None,
+            records: Records {
+                order: Vec::with_capacity(n_req),
+                worker: vec![u32::MAX; n_req],
+                ttft_ms: vec![0.0; n_req],
+                e2e_ms: vec![0.0; n_req],
+                queue_ms: vec![0.0; n_req],
+                vram_hit: vec![0; n_req],
+                dram_hit: vec![0; n_req],
+                claimed: vec![0; n_req],
+            },
+            done: 0,
+            progress_every: progress_every.max(1),
+            handoffs: 0,
+            events_processed: 0,
+            started: false,
+        })
+    }
+
+    // ---- the clock ---------------------------------------------------------------------------
+
+    pub fn now(&self) -> f64 {
+        self.now
+    }
+
+    fn push(&mut self, t: f64, ev: Ev) {
+        let (seq, sub) = match &mut self.ctx {
+            Some((s, sub)) => {
+                *sub += 1;
+                (*s, *sub)
+            }
+            None => {
+                self.seq += 1;
+                (self.seq, 0)
+            }
+        };
+        self.heap.push(Entry { t, seq, sub, ev });
+    }
+
+    /// A sequence number for something the driver is told now (what it schedules in reply
+    /// sorts here).
+    fn reserve(&mut self) -> u64 {
+        self.seq += 1;
+        self.seq
+    }
+
+    /// What the driver schedules while it handles an [`Out`] carrying `seq` sorts at `seq`
+    /// (in the order scheduled); `None` after.
+    pub fn set_context(&mut self, seq: Option<u64>) {
+        self.ctx = seq.map(|s| (s, 0));
+    }
+
+    /// Schedule driver event `handle` at `t` (ms).
+    pub fn at_external(&mut self, t: f64, handle: u64) -> Result<()> {
+        if !t.is_finite() {
+            return Err(CoreError::InvalidArgument(format!(
+                "event time must be finite, got {t}"
+            )));
+        }
+        self.push(t, Ev::External(handle));
+        Ok(())
+    }
+
+    /// Schedule every arrival (before anything else, so equal times keep arrival order).
+    pub fn start(&mut self) {
+        if self.started {
+            return;
+        }
+        self.started = true;
+        for i in 0..self.reqs.len() {
+            let t = self.reqs[i].arrival_ms;
+            self.push(t, Ev::Arrive(i as u32));
+        }
+    }
+
+    /// The engine's own events up to the next thing the driver must do; `None` at the end.
+    pub fn next(&mut self) -> Result<Option<Step>> {
+        loop {
+            if !self.out.is_empty() {
+                return Ok(Some(Step::Out));
+            }
+            let Some(e) = self.heap.pop() else {
+                return Ok(None);
+            };
+            self.now = e.t;
+            self.events_processed += 1;
+            match e.ev {
+                Ev::Arrive(req) => {
+                    let r = self.reqs[req as usize];
+                    let ids = &self.ids[self.id_offs[req as usize]..self.id_offs[req as usize + 1]];
+                    let tokens = expand_blocks(ids, r.input_length as usize, r.block_size as usize);
+                    self.pending = Some((req, tokens));
+                    return Ok(Some(Step::Arrive { req }));
+                }
+                Ev::Land(job) => {
+                    let j = &self.jobs[job as usize];
+                    let w = j.worker;
+                    let region = self.workers[w as usize].region;
+                    if !self.cfg.handoff || region == j.edge_region {
+                        self.enqueue(w, job)?;
+                    } else {
+                        return Ok(Some(Step::Land {
+                            job,
+                            req: j.req,
+                            worker: w,
+                            region,
+                        }));
+                    }
+                }
+                Ev::Enqueue { w, job } => self.enqueue(w, job)?,
+                Ev::EndPrefill { w, job } => self.end_prefill(w, job)?,
+                Ev::EndSegment { w, gen } => self.end_segment(w, gen)?,
+                Ev::EndMixed { w, job, chunk } => self.end_mixed(w, job, chunk)?,
+                Ev::Join { w, job } => self.join(w, job)?,
+                Ev::External(h) => return Ok(Some(Step::External(h))),
+            }
+        }
+    }
+
+    pub fn take_out(&mut self) -> Vec<Out> {
+        std::mem::take(&mut self.out)
+    }
+
+    /// The tokens of the request [`Step::Arrive`] named.
+    pub fn pending_tokens(&self) -> Option<&[u32]> {
+        self.pending.as_ref().map(|(_, t)| t.as_slice())
+    }
+
+    pub fn job_tokens(&self, job: u32) -> Option<&[u32]> {
+        self.jobs.get(job as usize).map(|j| j.tokens.as_slice())
+    }
+
+    // ---- what schemes and the driver read ------------------------------------------------------
+
+    pub fn workers(&self) -> usize {
+        self.workers.len()
+    }
+    pub fn requests(&self) -> usize {
+        self.reqs.len()
+    }
+    pub fn completed(&self) -> u64 {
+        self.done
+    }
+
+    fn worker(&self, w: u32) -> Result<&Worker> {
+        self.workers
+            .get(w as usize)
+            .ok_or_else(|| CoreError::InvalidArgument(format!("unknown worker index {w}")))
+    }
+
+    /// The worker's exact queued prefill work (ms) at `now`, the running prefill's remainder included.
+    pub fn queued_ms(&self, w: u32, now: f64) -> Result<f64> {
+        let x = self.worker(w)?;
+        Ok(self.queued(x, now))
+    }
+
+    fn queued(&self, x: &Worker, now: f64) -> f64 {
+        if x.current.is_none() {
+            x.waiting_ms
+        } else if self.cfg.chunked {
+            x.waiting_ms + pos(x.step_end - now) + x.rest_ms
+        } else {
+            x.waiting_ms + pos(x.busy_until - now)
+        }
+    }
+
+    /// Estimated prefill (ms) on its way to the worker, for requests from `origin` (all: None).
+    pub fn dispatched_ms(&self, w: u32, origin: Option<u16>) -> Result<f64> {
+        let x = self.worker(w)?;
+        Ok(match origin {
+            None => x.dispatched.iter().fold(0.0, |a, (_, v)| a + v),
+            Some(o) => x
+                .dispatched
+                .iter()
+                .find(|(r, _)| *r == o)
+                .map_or(0.0, |(_, v)| *v),
+        })
+    }
+
+    /// Requests waiting at the worker for prefill (the running one excluded).
+    pub fn waiting(&self, w: u32) -> Result<usize> {
+        Ok(self.worker(w)?.waiting.len())
+    }
+
+    /// `(vram, dram)` hit tokens of the worker's cache for `tokens`.
+    pub fn cached(&self, w: u32, tokens: &[u32], salt_seed: u64) -> Result<(u64, u64)> {
+        let x = self.worker(w)?;
+        lookup(&x.cache, tokens, salt_seed)
+    }
+
+    /// Move every worker's cache out (for the driver to inspect after a run); `put_caches` undoes it.
+    pub fn take_caches(&mut self) -> Vec<BlockCache> {
+        self.workers
+            .iter_mut()
+            .map(|x| {
+                std::mem::replace(
+                    &mut x.cache,
+                    BlockCache::new(1, 1, 0, false, 0).expect("a one-block cache"),
+                )
+            })
+            .collect()
+    }
+
+    pub fn put_caches(&mut self, caches: Vec<BlockCache>) {
+        for (x, c) in self.workers.iter_mut().zip(caches) {
+            x.cache = c;
+        }
+    }
+
+    pub fn cache(&self, w: u32) -> Result<&BlockCache> {
+        Ok(&self.worker(w)?.cache)
+    }
+
+    pub fn busy(&self, w: u32) -> Result<&[(f64, f64)]> {
+        Ok(&self.worker(w)?.busy)
+    }
+
+    pub fn decoded(&self, w: u32) -> Result<u64> {
+        Ok(self.worker(w)?.decoded)
+    }
+
+    /// Workers running a prefill whose queue their edge reads (the tick re-reads them), with
+    /// their queued work now.
+    pub fn busy_queues(&self) -> Vec<(u32, f64)> {
+        if !self.cfg.indexed {
+            return Vec::new();
+        }
+        self.workers
+            .iter()
+            .enumerate()
+            .filter(|(_, x)| x.current.is_some() && x.queue_to_edge)
+            .map(|(i, x)| (i as u32, self.queued(x, self.now)))
+            .collect()
+    }
+
+    /// One WAN traversal from region `a` to `b` (ms), jittered when the run asks.
+    pub fn way(&mut self, a: u16, b: u16) -> f64 {
+        let base = self.cfg.rtt[a as usize * self.regions + b as usize] / 2.0;
+        let j = self.cfg.wan_jitter;
+        if j != 0.0 {
+            base * (1.0 + j * (2.0 * self.faults.random() - 1.0))
+        } else {
+            base
+        }
+    }
+
+    /// Moving the KV of `tokens` between workers (ms).
+    pub fn transfer_ms(&self, tokens: u64) -> f64 {
+        self.cfg.cost.transfer_ms(tokens, self.cfg.transfer_gbps)
+    }
+
+    pub fn rng(&mut self) -> &mut Pcg64 {
+        &mut self.rng
+    }
+    pub fn faults(&mut self) -> &mut Pcg64 {
+        &mut self.faults
+    }
+
+    // ---- the driver's answers ----------------------------------------------------------------
+
+    /// Route the pending arrival to `c`.
+    pub fn arrive(&mut self, req: u32, c: Choice) -> Result<()> {
+        let tokens = match self.pending.take() {
+            Some((r, t)) if r == req => t,
+            _ => {
+                return Err(CoreError::InvalidArgument(format!(
+                    "request {req} is not the pending arrival"
+                )))
+            }
+        };
+        self.worker(c.worker)?;
+        let r = self.reqs[req as usize];
+        let wr = self.workers[c.worker as usize].region;
+        let forward = self.way(r.edge_region, wr);
+        let back = self.way(wr, r.edge_region);
+        let job = self.jobs.len() as u32;
+        self.jobs.push(Job {
+            req,
+            tokens,
+            worker: c.worker,
+            claimed: c.claimed,
+            edge_region: r.edge_region,
+            origin: r.region,
+            one_way_ms: back,
+            at_worker_ms: 0.0,
+            estimate_ms: 0.0,
+            start_ms: 0.0,
+            vram_hit: 0,
+            dram_hit: 0,
+            ttft_ms: 0.0,
+            dispatched_ms: 0.0,
+            remaining: 0,
+            context: 0,
+            migration_tier: 0,
+            back_ms: -1.0,
+            left: 0,
+            extra_ms: 0.0,
+            salt: r.salt,
+            salt_seed: r.salt_seed,
+            input_length: r.input_length,
+            output_length: r.output_length,
+            arrival_ms: r.arrival_ms,
+        });
+        let est = self.estimate_now(c.worker, job)?;
+        self.jobs[job as usize].dispatched_ms = est;
+        add_dispatched(&mut self.workers[c.worker as usize], r.region, est);
+        let t = self.now + c.delay_ms + forward;
+        self.push(t, Ev::Land(job));
+        Ok(())
+    }
+
+    /// The scheme's answer to [`Step::Land`]: `None` keeps the job where it was sent.
+    pub fn land(&mut self, job: u32, c: Option<Choice>) -> Result<()> {
+        let w = self
+            .jobs
+            .get(job as usize)
+            .ok_or_else(|| CoreError::InvalidArgument(format!("unknown job {job}")))?
+            .worker;
+        let Some(c) = c else {
+            return self.enqueue(w, job);
+        };
+        self.jobs[job as usize].claimed = c.claimed;
+        if c.worker == w {
+            return self.enqueue(w, job);
+        }
+        let region = self.workers[w as usize].region;
+        if self.worker(c.worker)?.region != region {
+            return Err(CoreError::InvalidArgument(format!(
+                "hand-off of job {job} to worker {} outside region {region}",
+                c.worker
+            )));
+        }
+        let (origin, dispatched) = (
+            self.jobs[job as usize].origin,
+            self.jobs[job as usize].dispatched_ms,
+        );
+        if dispatched != 0.0 {
+            sub_dispatched(&mut self.workers[w as usize], origin, dispatched);
+        }
+        let est = self.estimate_now(c.worker, job)?;
+        self.jobs[job as usize].dispatched_ms = est;
+        add_dispatched(&mut self.workers[c.worker as usize], origin, est);
+        self.jobs[job as usize].worker = c.worker;
+        self.handoffs += 1;
+        let t = self.now + self.way(region, region);
+        self.push(t, Ev::Enqueue { w: c.worker, job });
+        Ok(())
+    }
+
+    /// A migration's copy lands: the blocks of `tokens` into `tier` of worker `w`'s cache.
+    pub fn copy_in(
+        &mut self,
+        w: u32,
+        tokens: &[u32],
+        tier: u8,
+        salt: u32,
+        salt_seed: u64,
+    ) -> Result<Vec<Event>> {
+        self.worker(w)?;
+        let now = self.now / 1e3;
+        let x = &mut self.workers[w as usize];
+        copy_into(&mut x.cache, tokens, tier, now, salt, salt_seed, x.publish)
+    }
+
+    /// A recompute migration: the prompt joins worker `w`'s FIFO at `t`, its replica to `tier`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn migrate_recompute(
+        &mut self,
+        t: f64,
+        w: u32,
+        tokens: Vec<u32>,
+        tier: u8,
+        region: u16,
+        salt: u32,
+        salt_seed: u64,
+    ) -> Result<()> {
+        self.worker(w)?;
+        if tier != VRAM && tier != DRAM {
+            return Err(CoreError::InvalidTier(tier));
+        }
+        let job = self.jobs.len() as u32;
+        let n = tokens.len() as u64;
+        self.jobs.push(Job {
+            req: NO_REQ,
+            tokens,
+            worker: w,
+            claimed: 0,
+            edge_region: region,
+            origin: region,
+            one_way_ms: 0.0,
+            at_worker_ms: 0.0,
+            estimate_ms: 0.0,
+            start_ms: 0.0,
+            vram_hit: 0,
+            dram_hit: 0,
+            ttft_ms: 0.0,
+            dispatched_ms: 0.0,
+            remaining: 0,
+            context: 0,
+            migration_tier: tier,
+            back_ms: -1.0,
+            left: 0,
+            extra_ms: 0.0,
+            salt,
+            salt_seed,
+            input_length: n,
+            output_length: 0,
+            arrival_ms: self.now,
+        });
+        self.push(t, Ev::Enqueue { w, job });
+        Ok(())
+    }
+
+    // ---- a request's life --------------------------------------------------------------------
+
+    fn prefill_ms(&self, length: u64, v: u64, d: u64) -> f64 {
+        let reused = length.min(v + d);
+        self.cfg.cost.prefill_ms(length - reused) + self.cfg.cost.reload_ms(d)
+    }
+
+    /// The worker's estimate of the job's prefill from a lookup of its cache now.
+    fn estimate_now(&self, w: u32, job: u32) -> Result<f64> {
+        let x = &self.workers[w as usize];
+        let j = &self.jobs[job as usize];
+        let (v, d) = lookup(&x.cache, &j.tokens, j.salt_seed)?;
+        Ok(self.estimate(x, j.input_length, v, d))
+    }
+
+    fn estimate(&self, x: &Worker, length: u64, v: u64, d: u64) -> f64 {
+        let ms = self.prefill_ms(length, v, d);
+        if !self.cfg.chunked {
+            return ms;
+        }
+        let uncached = length - length.min(v + d);
+        let batch = (x.running.len() + x.joining.len()) as u64;
+        if uncached == 0 || batch == 0 {
+            return ms;
+        }
+        let context: u64 = x
+            .running
+            .iter()
+            .chain(&x.joining)
+            .map(|&j| self.jobs[j as usize].context)
+            .sum();
+        let room = self.cfg.max_batched_tokens.saturating_sub(batch).max(1);
+        ms + uncached.div_ceil(room) as f64 * self.cfg.cost.decode_step_ms(batch, context)
+    }
+
+    fn enqueue(&mut self, w: u32, job: u32) -> Result<()> {
+        let now = self.now;
+        let (origin, dispatched) = {
+            let j = &mut self.jobs[job as usize];
+            j.at_worker_ms = now;
+            (j.origin, j.dispatched_ms)
+        };
+        if dispatched != 0.0 {
+            sub_dispatched(&mut self.workers[w as usize], origin, dispatched);
+        }
+        let est = self.estimate_now(w, job)?;
+        self.jobs[job as usize].estimate_ms = est;
+        let x = &mut self.workers[w as usize];
+        x.waiting.push_back(job);
+        x.waiting_ms += est;
+        if self.cfg.chunked {
+            if x.stepping {
+                self.poke(w);
+            } else {
+                self.step(w)?;
+            }
+        } else if x.current.is_none() {
+            self.start_prefill(w)?;
+        }
+        self.publish_queue(w);
+        Ok(())
+    }
+
+    fn publish_queue(&mut self, w: u32) {
+        let x = &self.workers[w as usize];
+        if self.cfg.indexed && x.queue_to_edge {
+            let q = self.queued(x, self.now);
+            self.out.push(Out::Queue {
+                worker: w,
+                queued_ms: q,
+            });
+        }
+    }
+
+    fn publish_events(&mut self, w: u32, events: Vec<Event>) {
+        if !events.is_empty() {
+            let seq = self.reserve();
+            self.out.push(Out::Events {
+                seq,
+                worker: w,
+                events,
+            });
+        }
+    }
+
+    /// The head of the FIFO leaves it: its hits and start.
+    fn pop_waiting(&mut self, w: u32) -> Result<u32> {
+        let now = self.now;
+        let x = &mut self.workers[w as usize];
+        let job = x
+            .waiting
+            .pop_front()
+            .ok_or_else(|| CoreError::InvalidArgument("no waiting job".into()))?;
+        let est = self.jobs[job as usize].estimate_ms;
+        x.waiting_ms = if x.waiting.is_empty() {
+            0.0
+        } else {
+            pos(x.waiting_ms - est)
+        };
+        let j = &mut self.jobs[job as usize];
+        j.start_ms = now;
+        let (v, d) = lookup(&x.cache, &j.tokens, j.salt_seed)?;
+        j.vram_hit = v;
+        j.dram_hit = d;
+        Ok(job)
+    }
+
+    fn start_prefill(&mut self, w: u32) -> Result<()> {
+        let job = self.pop_waiting(w)?;
+        let j = &self.jobs[job as usize];
+        let end = self.now + self.prefill_ms(j.input_length, j.vram_hit, j.dram_hit);
+        let now = self.now;
+        let x = &mut self.workers[w as usize];
+        x.current = Some(job);
+        x.busy_until = end;
+        x.busy.push((now, end));
+        self.push(end, Ev::EndPrefill { w, job });
+        Ok(())
+    }
+
+    /// The prompt's KV enters the cache (a migration's replica lands in its tier); true for a
+    /// migration, which sends no response.
+    fn admit(&mut self, w: u32, job: u32) -> Result<bool> {
+        let now = self.now / 1e3;
+        let x = &mut self.workers[w as usize];
+        let j = &self.jobs[job as usize];
+        if j.migration_tier != 0 {
+            let ev = copy_into(
+                &mut x.cache,
+                &j.tokens,
+                j.migration_tier,
+                now,
+                j.salt,
+                j.salt_seed,
+                x.publish,
+            )?;
+            self.publish_events(w, ev);
+            return Ok(true);
+        }
+        let chain = x.cache.chain(&j.tokens, j.salt_seed)?;
+        let ev = x
+            .cache
+            .place_vram(&j.tokens, &chain, now, j.salt, true, x.publish)?;
+        self.publish_events(w, ev);
+        let j = &mut self.jobs[job as usize];
+        j.ttft_ms = self.now + j.one_way_ms - j.arrival_ms;
+        if self.cfg.indexed {
+            self.respond(w, job);
+        }
+        Ok(false)
+    }
+
+    fn end_prefill(&mut self, w: u32, job: u32) -> Result<()> {
+        let migration = self.admit(w, job)?;
+        self.workers[w as usize].current = None;
+        if !self.workers[w as usize].waiting.is_empty() {
+            self.start_prefill(w)?;
+        }
+        self.publish_queue(w);
+        if !migration {
+            self.decode(w, job)?;
+        }
+        Ok(())
+    }
+
+    fn respond(&mut self, w: u32, job: u32) {
+        let j = &self.jobs[job as usize];
+        if !self.cfg.has_edge[j.edge_region as usize] {
+            return;
+        }
+        let region = self.workers[w as usize].region;
+        let vector = if region != j.edge_region && !self.cfg.has_edge[region as usize] {
+            Some(
+                self.cfg.region_workers[region as usize]
+                    .iter()
+                    .map(|&i| self.queued(&self.workers[i as usize], self.now))
+                    .collect(),
+            )
+        } else {
+            None
+        };
+        let (edge_region, claimed, reused, t) = (
+            j.edge_region,
+            j.claimed,
+            j.vram_hit + j.dram_hit,
+            self.now + j.one_way_ms,
+        );
+        let seq = self.reserve();
+        self.out.push(Out::Respond {
+            seq,
+            worker: w,
+            edge_region,
+            claimed,
+            reused,
+            t,
+            vector,
+        });
+    }
+
+    fn decode(&mut self, w: u32, job: u32) -> Result<()> {
+        let j = &mut self.jobs[job as usize];
+        let out = j.output_length;
+        if out <= 1 {
+            self.complete(job);
+            return Ok(());
+        }
+        j.remaining = out - 1;
+        j.context = j.input_length + 1;
+        let region = self.workers[w as usize].region;
+        if self.cfg.decoders[region as usize].is_empty() {
+            return self.join(w, job);
+        }
+        let pool = &self.cfg.decoders[region as usize];
+        let d = if pool.len() > 1 {
+            pool[self.rng.integers(pool.len() as u64) as usize]
+        } else {
+            pool[0]
+        };
+        let dr = self.workers[d as usize].region;
+        let wire = if dr == region {
+            0.0
+        } else {
+            self.cfg.rtt[region as usize * self.regions + dr as usize] / 2.0
+        };
+        let edge_region = self.jobs[job as usize].edge_region;
+        let back = self.way(dr, edge_region);
+        self.jobs[job as usize].back_ms = back;
+        let hand_off = wire
+            + self
+                .cfg
+                .cost
+                .transfer_ms(self.jobs[job as usize].input_length, self.cfg.transfer_gbps);
+        self.push(self.now + hand_off, Ev::Join { w: d, job });
+        Ok(())
+    }
+
+    fn join(&mut self, w: u32, job: u32) -> Result<()> {
+        let x = &mut self.workers[w as usize];
+        x.joining.push(job);
+        if !x.stepping {
+            self.step(w)
+        } else {
+            self.poke(w);
+            Ok(())
+        }
+    }
+
+    fn poke(&mut self, w: u32) {
+        let x = &mut self.workers[w as usize];
+        if !x.seg_mixed && !x.seg_cut {
+            x.seg_cut = true;
+            self.cut(w);
+        }
+    }
+
+    fn step(&mut self, w: u32) -> Result<()> {
+        let x = &mut self.workers[w as usize];
+        let joining = std::mem::take(&mut x.joining);
+        x.running.extend(joining);
+        if self.cfg.chunked {
+            if x.current.is_none() && !x.waiting.is_empty() {
+                self.begin_prefill(w)?;
+            }
+            if let Some(job) = self.workers[w as usize].current {
+                self.mixed_step(w, job);
+                return Ok(());
+            }
+        }
+        let x = &self.workers[w as usize];
+        if x.running.is_empty() {
+            self.workers[w as usize].stepping = false;
+            return Ok(());
+        }
+        let batch = x.running.len() as u64;
+        let mut context = 0u64;
+        let mut least = u64::MAX;
+        for &j in &x.running {
+            let j = &self.jobs[j as usize];
+            context += j.context;
+            least = least.min(j.remaining);
+        }
+        let steps = self.cfg.segment_steps.min(least);
+        let linear = self.cfg.cost.linear(batch);
+        let now = self.now;
+        let x = &mut self.workers[w as usize];
+        x.stepping = true;
+        x.seg_mixed = false;
+        x.seg_cut = false;
+        x.seg_start = now;
+        x.seg_batch = batch;
+        x.seg_context = context;
+        x.seg_linear = linear;
+        x.seg_steps = steps;
+        x.seg_gen += 1;
+        let gen = x.seg_gen;
+        let t = self.boundary(w, steps);
+        self.push(t, Ev::EndSegment { w, gen });
+        Ok(())
+    }
+
+    /// The end of the segment's `steps`-th step.
+    fn boundary(&self, w: u32, steps: u64) -> f64 {
+        let x = &self.workers[w as usize];
+        let b = self.cfg.cost.decode_ms_per_context_token;
+        let mut t = x.seg_start;
+        for i in 0..steps {
+            t += (x.seg_linear + b * (x.seg_context + i * x.seg_batch) as f64).max(1e-9);
+        }
+        t
+    }
+
+    fn cut(&mut self, w: u32) {
+        let b = self.cfg.cost.decode_ms_per_context_token;
+        let now = self.now;
+        let x = &mut self.workers[w as usize];
+        let mut t = x.seg_start;
+        for i in 0..x.seg_steps {
+            t += (x.seg_linear + b * (x.seg_context + i * x.seg_batch) as f64).max(1e-9);
+            if t > now {
+                if i + 1 < x.seg_steps {
+                    x.seg_steps = i + 1;
+                    x.seg_gen += 1;
+                    let gen = x.seg_gen;
+                    self.push(t, Ev::EndSegment { w, gen });
+                }
+                return;
+            }
+        }
+    }
+
+    fn begin_prefill(&mut self, w: u32) -> Result<()> {
+        let job = self.pop_waiting(w)?;
+        let cost = self.cfg.cost;
+        let j = &mut self.jobs[job as usize];
+        let length = j.input_length;
+        j.left = length - length.min(j.vram_hit + j.dram_hit);
+        j.extra_ms = (if j.left != 0 {
+            cost.prefill_base_ms
+        } else {
+            0.0
+        }) + cost.reload_ms(j.dram_hit);
+        self.workers[w as usize].current = Some(job);
+        Ok(())
+    }
+
+    fn mixed_step(&mut self, w: u32, job: u32) {
+        let cost = self.cfg.cost;
+        let now = self.now;
+        let x = &self.workers[w as usize];
+        let batch = x.running.len() as u64;
+        let room = self.cfg.max_batched_tokens.saturating_sub(batch).max(1);
+        let decode = if batch != 0 {
+            cost.decode_step_ms(
+                batch,
+                x.running
+                    .iter()
+                    .map(|&j| self.jobs[j as usize].context)
+                    .sum(),
+            )
+        } else {
+            0.0
+        };
+        let j = &mut self.jobs[job as usize];
+        let chunk = j.left.min(room);
+        let compute = cost.prefill_ms_per_token * chunk as f64 + j.extra_ms;
+        j.extra_ms = 0.0;
+        let rest = j.left - chunk;
+        let x = &mut self.workers[w as usize];
+        x.rest_ms = cost.prefill_ms_per_token * rest as f64
+            + if rest != 0 {
+                rest.div_ceil(room) as f64 * decode
+            } else {
+                0.0
+            };
+        if compute > 0.0 {
+            if x.busy_job == Some(job) {
+                if let Some(last) = x.busy.last_mut() {
+                    last.1 += compute;
+                }
+            } else {
+                x.busy.push((now, now + compute));
+                x.busy_job = Some(job);
+            }
+        }
+        x.stepping = true;
+        x.seg_mixed = true;
+        x.seg_batch = batch;
+        x.seg_gen += 1;
+        x.step_end = now + compute + decode;
+        let t = x.step_end;
+        self.push(t, Ev::EndMixed { w, job, chunk });
+    }
+
+    /// Every running sequence advances `steps` tokens; the finished ones complete.
+    fn advance(&mut self, w: u32, steps: u64) {
+        let running = std::mem::take(&mut self.workers[w as usize].running);
+        let mut keep = Vec::with_capacity(running.len());
+        for &j in &running {
+            let job = &mut self.jobs[j as usize];
+            job.remaining -= steps;
+            job.context += steps;
+            if job.remaining == 0 {
+                self.complete(j);
+            } else {
+                keep.push(j);
+            }
+        }
+        self.workers[w as usize].running = keep;
+    }
+
+    fn end_mixed(&mut self, w: u32, job: u32, chunk: u64) -> Result<()> {
+        let batch = self.workers[w as usize].seg_batch;
+        if batch != 0 {
+            self.workers[w as usize].decoded += batch;
+            self.advance(w, 1);
+        }
+        let j = &mut self.jobs[job as usize];
+        j.left -= chunk;
+        if j.left == 0 {
+            self.workers[w as usize].current = None;
+            if !self.admit(w, job)? {
+                self.decode(w, job)?;
+            }
+        }
+        self.step(w)?;
+        self.publish_queue(w);
+        Ok(())
+    }
+
+    fn end_segment(&mut self, w: u32, gen: u64) -> Result<()> {
+        let x = &self.workers[w as usize];
+        if gen != x.seg_gen {
+            return Ok(()); // superseded by a cut
+        }
+        let steps = x.seg_steps;
+        self.workers[w as usize].decoded += x.seg_batch * steps;
+        self.advance(w, steps);
+        self.step(w)
+    }
+
+    fn complete(&mut self, job: u32) {
+        let now = self.now;
+        let j = &mut self.jobs[job as usize];
+        let i = j.req as usize;
+        let r = &mut self.records;
+        r.order.push(j.req);
+        r.worker[i] = j.worker;
+        r.ttft_ms[i] = j.ttft_ms;
+        r.e2e_ms[i] =
+            now + (if j.back_ms >= 0.0 {
+                j.back_ms
+            } else {
+                j.one_way_ms
+            }) - j.arrival_ms;
+        r.queue_ms[i] = j.start_ms - j.at_worker_ms;
+        r.vram_hit[i] = j.vram_hit;
+        r.dram_hit[i] = j.dram_hit;
+        r.claimed[i] = j.claimed;
+        j.tokens = Vec::new(); // a finished request keeps no tokens
+        self.done += 1;
+        let total = self.reqs.len() as u64;
+        if self.done % self.progress_every == 0 || self.done == total {
+            self.out.push(Out::Progress { done: self.done });
+        }
+    }
+}
+
+fn lookup(cache: &BlockCache, tokens: &[u32], salt_seed: u64) -> Result<(u64, u64)> {
+    let chain = cache.chain(tokens, salt_seed)?;
+    let (v, d) = cache.lookup(&chain);
+    let b = cache.block_size() as u64;
+    Ok((v as u64 * b, d as u64 * b))
+}
+
+fn copy_into(
+    cache: &mut BlockCache,
+    tokens: &[u32],
+    tier: u8,
+    now: f64,
+    salt: u32,
+    salt_seed: u64,
+    publish: bool,
+) -> Result<Vec<Event>> {
+    let chain = cache.chain(tokens, salt_seed)?;
+    match tier {
+        VRAM => cache.place_vram(tokens, &chain, now, salt, false, publish),
+        DRAM => cache.place_dram(tokens, &chain, now, salt, publish),
+        t => Err(CoreError::InvalidTier(t)),
+    }
+}
+
+fn add_dispatched(x: &mut Worker, origin: u16, ms: f64) {
+    match x.dispatched.iter_mut().find(|(r, _)| *r == origin) {
+        Some((_, v)) => *v += ms,
+        None => x.dispatched.push((origin, 0.0 + ms)),
+    }
+}
+
+fn sub_dispatched(x: &mut Worker, origin: u16, ms: f64) {
+    if let Some((_, v)) = x.dispatched.iter_mut().find(|(r, _)| *r == origin) {
+        let left = *v - ms;
+        *v = if left > 1e-9 { left } else { 0.0 };
+    }
+}

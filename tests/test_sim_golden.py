@@ -1,0 +1,33 @@
+"""The simulator's results are pinned (``tests/data/sim_golden.json``, made by
+``tests/fixtures/make_sim_golden.py`` from the Python engine before the engine moved to Rust):
+every scheme, tenants, faults (WAN jitter, patch loss and delay), prefill-decode
+disaggregation, the ``lanes`` GPU model and LFU must give the same records, float for float.
+The engine's draws continue numpy's PCG64 stream, so even the runs with random faults match."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcompass.discovery.topology import load_topology
+from kvcompass.sim.engine import simulate
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "fixtures"))
+sys.path.insert(0, str(HERE))
+
+from make_sim_golden import cases, figures, workload  # noqa: E402
+
+GOLDEN: dict[str, Any] = json.loads((HERE / "data" / "sim_golden.json").read_text())
+
+
+@pytest.mark.parametrize("case", cases(), ids=[c[0] for c in cases()])
+def test_the_engine_reproduces_the_pinned_runs(case: tuple[str, str, str, dict[str, Any]]) -> None:
+    name, topo_name, wl, kw = case
+    topo = load_topology(topo_name)
+    got = figures(simulate(topo, workload(wl, topo), **kw))
+    assert got == GOLDEN[name]
