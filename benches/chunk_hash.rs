@@ -12,15 +12,9 @@ fn bench(c: &mut Criterion) {
         let tokens: Vec<u32> = (0..n as u32).map(|i| i.wrapping_mul(2654435761)).collect();
         let lengths: Vec<u32> = (1..=15u32).map(|i| i * n as u32 / 15).collect();
         g.throughput(Throughput::Bytes(4 * n as u64));
-        g.bench_with_input(
-            BenchmarkId::new("prefix_keys_15_lengths", n),
-            &tokens,
-            |b, t| b.iter(|| prefix_keys(&ns, black_box(t), &lengths).unwrap()),
-        );
+        g.bench_with_input(BenchmarkId::new("prefix_keys_15_lengths", n), &tokens, |b, t| b.iter(|| prefix_keys(&ns, black_box(t), &lengths).unwrap()));
         let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-        g.bench_with_input(BenchmarkId::new("sha256_raw", n), &bytes, |b, x| {
-            b.iter(|| Sha256::digest(black_box(x)))
-        });
+        g.bench_with_input(BenchmarkId::new("sha256_raw", n), &bytes, |b, x| b.iter(|| Sha256::digest(black_box(x))));
     }
     g.finish();
 }

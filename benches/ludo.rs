@@ -58,13 +58,7 @@ struct Filled {
 
 fn filled(fp_bits: u8) -> Filled {
     let t0 = Instant::now();
-    let cfg = TableConfig {
-        capacity: CAPACITY,
-        value_bits: 32,
-        fp_bits,
-        seed: 7,
-        ..TableConfig::default()
-    };
+    let cfg = TableConfig { capacity: CAPACITY, value_bits: 32, fp_bits, seed: 7, ..TableConfig::default() };
     let cap = LudoTable::new(cfg).unwrap().capacity();
     let n = cap * 95 / 100;
     let entries: Vec<(u64, u64)> = (0..n).map(|i| (key(i), value(i))).collect();
@@ -81,11 +75,7 @@ fn filled(fp_bits: u8) -> Filled {
         table.view().memory_bytes() as f64 / (1 << 20) as f64,
         t0.elapsed()
     );
-    Filled {
-        table,
-        keys,
-        next: n,
-    }
+    Filled { table, keys, next: n }
 }
 
 fn drain(t: &mut LudoTable) {
@@ -111,9 +101,35 @@ fn bench_view(c: &mut Criterion, f: &mut Filled, fp_bits: u8) {
         })
     });
     g.throughput(Throughput::Elements(BATCH as u64));
-    g.bench_function(
-        BenchmarkId::new("lookup_batch_1024", format!("fp{fp_bits}")),
-        |b| {
+    g.bench_function(BenchmarkId::new("lookup_batch_1024", format!("fp{fp_bits}")), |b| {
+        let mut out = vec![0u64; BATCH];
+        let chunks = keys.len() / BATCH;
+        let mut i = 0usize;
+        b.iter(|| {
+            view.lookup_batch(black_box(&keys[i * BATCH..(i + 1) * BATCH]), &mut out);
+            i += 1;
+            if i == chunks {
+                i = 0;
+            }
+            black_box(out[BATCH - 1])
+        })
+    });
+    // Sanity: the keyless view returns every present key's own value (sampled).
+    for &k in keys.iter().step_by(997) {
+        assert_eq!(view.lookup(k), f.table.get(k).unwrap());
+    }
+
+    // `lookup_batch` only takes its prefetching path while the fallback is empty; at 95% a
+    // fill usually leaves an entry or two there. Remove those keys and measure again.
+    if f.table.fallback_len() > 0 {
+        let gone: Vec<u64> = f.table.view().fallback_entries().iter().map(|e| e.0).collect();
+        for &k in &gone {
+            f.table.remove(k).unwrap();
+        }
+        f.table.take_batch();
+        f.keys.retain(|k| !gone.contains(k));
+        let (view, keys) = (f.table.view(), &f.keys);
+        g.bench_function(BenchmarkId::new("lookup_batch_1024", format!("fp{fp_bits}_fallback_empty")), |b| {
             let mut out = vec![0u64; BATCH];
             let chunks = keys.len() / BATCH;
             let mut i = 0usize;
@@ -125,45 +141,7 @@ fn bench_view(c: &mut Criterion, f: &mut Filled, fp_bits: u8) {
                 }
                 black_box(out[BATCH - 1])
             })
-        },
-    );
-    // Sanity: the keyless view returns every present key's own value (sampled).
-    for &k in keys.iter().step_by(997) {
-        assert_eq!(view.lookup(k), f.table.get(k).unwrap());
-    }
-
-    // `lookup_batch` only takes its prefetching path while the fallback is empty; at 95% a
-    // fill usually leaves an entry or two there. Remove those keys and measure again.
-    if f.table.fallback_len() > 0 {
-        let gone: Vec<u64> = f
-            .table
-            .view()
-            .fallback_entries()
-            .iter()
-            .map(|e| e.0)
-            .collect();
-        for &k in &gone {
-            f.table.remove(k).unwrap();
-        }
-        f.table.take_batch();
-        f.keys.retain(|k| !gone.contains(k));
-        let (view, keys) = (f.table.view(), &f.keys);
-        g.bench_function(
-            BenchmarkId::new("lookup_batch_1024", format!("fp{fp_bits}_fallback_empty")),
-            |b| {
-                let mut out = vec![0u64; BATCH];
-                let chunks = keys.len() / BATCH;
-                let mut i = 0usize;
-                b.iter(|| {
-                    view.lookup_batch(black_box(&keys[i * BATCH..(i + 1) * BATCH]), &mut out);
-                    i += 1;
-                    if i == chunks {
-                        i = 0;
-                    }
-                    black_box(out[BATCH - 1])
-                })
-            },
-        );
+        });
     }
     g.finish();
 }
@@ -232,9 +210,7 @@ fn bench_writes(c: &mut Criterion, f: &mut Filled) {
     {
         let Filled { table, keys, next } = f;
         let mut rng = Rng(1234);
-        let upd: Vec<(u64, u32)> = (0..768)
-            .map(|_| (keys[rng.below(keys.len())], rng.below(16) as u32))
-            .collect();
+        let upd: Vec<(u64, u32)> = (0..768).map(|_| (keys[rng.below(keys.len())], rng.below(16) as u32)).collect();
         let churn: Vec<(u64, u32)> = (0..128)
             .map(|_| {
                 let k = key(*next);
@@ -284,12 +260,7 @@ fn bench_writes(c: &mut Criterion, f: &mut Filled) {
                 n
             })
         });
-        eprintln!(
-            "apply_field_ops: len {} -> {} rebuilds {}",
-            len0,
-            table.len(),
-            table.rebuilds()
-        );
+        eprintln!("apply_field_ops: len {} -> {} rebuilds {}", len0, table.len(), table.rebuilds());
     }
     g.finish();
 }
@@ -299,9 +270,7 @@ fn make_256_ops(f: &mut Filled, rng: &mut Rng, round: u64) {
     let Filled { table, keys, next } = f;
     for _ in 0..192 {
         let k = keys[rng.below(keys.len())];
-        table
-            .set(k, (value(k) ^ (round << 8)) & 0xffff_ffff | 1)
-            .unwrap();
+        table.set(k, (value(k) ^ (round << 8)) & 0xffff_ffff | 1).unwrap();
     }
     for _ in 0..32 {
         let j = rng.below(keys.len());
@@ -341,11 +310,7 @@ fn bench_patch(c: &mut Criterion, f: &mut Filled) {
             total
         })
     });
-    assert_eq!(
-        follower.state_bytes(),
-        f.table.view().state_bytes(),
-        "follower diverged"
-    );
+    assert_eq!(follower.state_bytes(), f.table.view().state_bytes(), "follower diverged");
     eprintln!("patch: {batches} batches, {:.1} ops per batch on average (a rebuild would make one a snapshot)", ops as f64 / batches.max(1) as f64);
 
     // Decode alone: one representative 256-op batch, and the full snapshot.
@@ -353,29 +318,15 @@ fn bench_patch(c: &mut Criterion, f: &mut Filled) {
     let batch = f.table.take_batch().unwrap();
     follower.apply_batch(&batch).unwrap();
     g.throughput(Throughput::Bytes(batch.len() as u64));
-    g.bench_with_input(
-        BenchmarkId::new(
-            "decode_batch",
-            format!(
-                "{}_ops_{}B",
-                decode_batch(&batch).unwrap().ops.len(),
-                batch.len()
-            ),
-        ),
-        &batch,
-        |b, x| b.iter(|| decode_batch(black_box(x)).unwrap()),
-    );
+    g.bench_with_input(BenchmarkId::new("decode_batch", format!("{}_ops_{}B", decode_batch(&batch).unwrap().ops.len(), batch.len())), &batch, |b, x| {
+        b.iter(|| decode_batch(black_box(x)).unwrap())
+    });
     let snap = f.table.export_snapshot().unwrap();
     g.throughput(Throughput::Bytes(snap.len() as u64));
     g.sample_size(20);
-    g.bench_with_input(
-        BenchmarkId::new(
-            "decode_batch",
-            format!("snapshot_{:.1}MiB", snap.len() as f64 / (1 << 20) as f64),
-        ),
-        &snap,
-        |b, x| b.iter(|| decode_batch(black_box(x)).unwrap()),
-    );
+    g.bench_with_input(BenchmarkId::new("decode_batch", format!("snapshot_{:.1}MiB", snap.len() as f64 / (1 << 20) as f64)), &snap, |b, x| {
+        b.iter(|| decode_batch(black_box(x)).unwrap())
+    });
     g.bench_function("apply_snapshot_to_fresh_view", |b| {
         b.iter_batched(
             || LudoView::new(f.table.config().table, f.table.config().shard),

@@ -12,9 +12,7 @@ use kvcompass::chunk_hash::{namespace_digest, prefix_keys, shard_of};
 use kvcompass::ludo::hash::mix64;
 use kvcompass::ludo::maintenance::{LudoTable, TableConfig};
 use kvcompass::ludo::LudoView;
-use kvcompass::score::{
-    route_with, RouteScratch, RouteTable, ScoreParams, WorkerArrays, TIER_DRAM, TIER_VRAM,
-};
+use kvcompass::score::{route_with, RouteScratch, RouteTable, ScoreParams, WorkerArrays, TIER_DRAM, TIER_VRAM};
 use sha2::{Digest, Sha256};
 use std::hint::black_box;
 use std::time::Duration;
@@ -41,11 +39,7 @@ struct Scenario {
 }
 
 fn scenario(ns: &[u8; 32], prompt: &[u32]) -> Scenario {
-    let plan: Vec<Vec<u32>> = vec![
-        vec![256, 512, 1024, 2048, 4096],
-        vec![384, 768, 1536, 3072, 4096],
-        vec![256, 640, 1280, 2560, 4000],
-    ];
+    let plan: Vec<Vec<u32>> = vec![vec![256, 512, 1024, 2048, 4096], vec![384, 768, 1536, 3072, 4096], vec![256, 640, 1280, 2560, 4000]];
     let sizes = [8usize, 2, 4];
     let mut workers = Vec::new();
     let mut region = Vec::new();
@@ -60,20 +54,11 @@ fn scenario(ns: &[u8; 32], prompt: &[u32]) -> Scenario {
     for (r, fields) in workers.iter().enumerate() {
         let mut tables: Vec<LudoTable> = (0..SHARDS)
             .map(|s| {
-                let cfg = TableConfig {
-                    table: r as u32,
-                    shard: s,
-                    capacity: 131_072,
-                    value_bits: 32,
-                    fp_bits: FP_BITS,
-                    seed: 11 + r as u64,
-                    ..TableConfig::default()
-                };
+                let cfg = TableConfig { table: r as u32, shard: s, capacity: 131_072, value_bits: 32, fp_bits: FP_BITS, seed: 11 + r as u64, ..TableConfig::default() };
                 // Unrelated prefixes held by random workers of this region.
                 let bg: Vec<(u64, u64)> = (0..BACKGROUND_PER_SHARD)
                     .map(|i| {
-                        let k = ((mix64(i ^ ((r as u64) << 40) ^ ((s as u64) << 48)) >> 1) & !1)
-                            | s as u64;
+                        let k = ((mix64(i ^ ((r as u64) << 40) ^ ((s as u64) << 48)) >> 1) & !1) | s as u64;
                         let f = (mix64(k) % fields.len() as u64) as u32;
                         (k, 1u64 << (2 * f))
                     })
@@ -99,9 +84,7 @@ fn scenario(ns: &[u8; 32], prompt: &[u32]) -> Scenario {
             // the closure rule discounts.
             let gap = if f == 3 { &keys[4..] } else { &keys[..0] };
             for &k in keys[..held].iter().chain(gap) {
-                tables[shard_of(k, SHARDS) as usize]
-                    .set_field(k, f as u32, tier)
-                    .unwrap();
+                tables[shard_of(k, SHARDS) as usize].set_field(k, f as u32, tier).unwrap();
             }
         }
         for (t, v) in tables.iter_mut().zip(follow.iter_mut()) {
@@ -114,69 +97,27 @@ fn scenario(ns: &[u8; 32], prompt: &[u32]) -> Scenario {
     }
 
     let beta = (0..w).map(|i| 0.05 + 0.01 * (i % 5) as f64).collect();
-    let wan = region
-        .iter()
-        .map(|&r| [2.0, 35.0, 80.0][r as usize])
-        .collect();
+    let wan = region.iter().map(|&r| [2.0, 35.0, 80.0][r as usize]).collect();
     let tq = (0..w).map(|i| (i * 7 % 13) as f64).collect();
     let belief = (0..w).map(|i| 1.0 - 0.02 * (i % 4) as f64).collect();
-    Scenario {
-        plan,
-        workers,
-        views,
-        region,
-        beta,
-        wan,
-        tq,
-        belief,
-    }
+    Scenario { plan, workers, views, region, beta, wan, tq, belief }
 }
 
 fn bench(c: &mut Criterion) {
     let ns = namespace_digest("llama-3.1-8b", "bench");
-    let prompt: Vec<u32> = (0..PROMPT as u32)
-        .map(|i| mix64(i as u64) as u32 % 128_000)
-        .collect();
+    let prompt: Vec<u32> = (0..PROMPT as u32).map(|i| mix64(i as u64) as u32 % 128_000).collect();
     let cold: Vec<u32> = prompt.iter().map(|t| t ^ 1).collect();
     let sc = scenario(&ns, &prompt);
-    let tables: Vec<RouteTable<'_, LudoView>> = (0..3)
-        .map(|r| RouteTable {
-            region: r as u32,
-            workers: &sc.workers[r],
-            shards: &sc.views[r],
-        })
-        .collect();
-    let wa = WorkerArrays {
-        region: &sc.region,
-        beta: &sc.beta,
-        wan: &sc.wan,
-        tq: &sc.tq,
-        belief: &sc.belief,
-    };
-    let open = ScoreParams {
-        gamma: 0.01,
-        lambda: 0.1,
-        closure: false,
-    };
-    let closed = ScoreParams {
-        closure: true,
-        ..open
-    };
+    let tables: Vec<RouteTable<'_, LudoView>> =
+        (0..3).map(|r| RouteTable { region: r as u32, workers: &sc.workers[r], shards: &sc.views[r] }).collect();
+    let wa = WorkerArrays { region: &sc.region, beta: &sc.beta, wan: &sc.wan, tq: &sc.tq, belief: &sc.belief };
+    let open = ScoreParams { gamma: 0.01, lambda: 0.1, closure: false };
+    let closed = ScoreParams { closure: true, ..open };
 
     let mut scratch = RouteScratch::new();
-    for (name, p, t) in [
-        ("hit", &open, &prompt),
-        ("hit_closure", &closed, &prompt),
-        ("cold", &open, &cold),
-    ] {
+    for (name, p, t) in [("hit", &open, &prompt), ("hit_closure", &closed, &prompt), ("cold", &open, &cold)] {
         let w = route_with(&mut scratch, &ns, t, &sc.plan, &tables, &wa, p).unwrap();
-        eprintln!(
-            "route {name}: winner {} score {:.1} matches {:?} tiers {:?}",
-            w.winner,
-            w.score,
-            scratch.matches(),
-            scratch.tiers()
-        );
+        eprintln!("route {name}: winner {} score {:.1} matches {:?} tiers {:?}", w.winner, w.score, scratch.matches(), scratch.tiers());
     }
     // With 8-bit fingerprints a cold probe false-hits with p ~ 1/256 per (table, level).
     let false_hits = scratch.matches().iter().filter(|&&m| m != 0).count();
@@ -185,20 +126,12 @@ fn bench(c: &mut Criterion) {
     let bytes: Vec<u8> = prompt.iter().flat_map(|t| t.to_le_bytes()).collect();
     let mut g = c.benchmark_group("route_14w_3r_2shards");
     g.throughput(Throughput::Bytes(bytes.len() as u64));
-    for (name, p, t) in [
-        ("hit", &open, &prompt),
-        ("hit_closure", &closed, &prompt),
-        ("cold", &open, &cold),
-    ] {
+    for (name, p, t) in [("hit", &open, &prompt), ("hit_closure", &closed, &prompt), ("cold", &open, &cold)] {
         g.bench_function(BenchmarkId::new("route_with", name), |b| {
-            b.iter(|| {
-                route_with(&mut scratch, &ns, black_box(t), &sc.plan, &tables, &wa, p).unwrap()
-            })
+            b.iter(|| route_with(&mut scratch, &ns, black_box(t), &sc.plan, &tables, &wa, p).unwrap())
         });
     }
-    g.bench_function("sha256_raw_16KiB", |b| {
-        b.iter(|| Sha256::digest(black_box(&bytes)))
-    });
+    g.bench_function("sha256_raw_16KiB", |b| b.iter(|| Sha256::digest(black_box(&bytes))));
     g.finish();
 }
 

@@ -13,7 +13,9 @@
 //! with [`crate::chunk_hash::block_chain`] (so a call hashes once, without the GIL).
 
 use std::cmp::{Ordering, Reverse};
-use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::collections::BinaryHeap;
+
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use crate::chunk_hash::block_chain;
 use crate::error::{CoreError, Result};
@@ -21,12 +23,7 @@ use crate::token_ids::mix64;
 
 /// Bytes held by this thread's chain memo (a few prompts' tokens and chains).
 pub fn memo_bytes() -> usize {
-    BASE_MEMO.with(|m| {
-        m.borrow()
-            .iter()
-            .map(|(_, _, t, c)| t.capacity() * 4 + c.capacity() * 8)
-            .sum()
-    })
+    BASE_MEMO.with(|m| m.borrow().iter().map(|(_, _, t, c)| t.capacity() * 4 + c.capacity() * 8).sum())
 }
 
 /// A block's tier: VRAM and DRAM; `MOVING` while a call lifts it out of DRAM.
@@ -44,8 +41,8 @@ struct Node {
     uses: u64,
     last: f64,
     stamp: u64,
-    nv: u32,   // children in VRAM
-    nc: u32,   // children cached (either tier)
+    nv: u32, // children in VRAM
+    nc: u32, // children cached (either tier)
     salt: u32, // a prompt-start block's cache salt (0: none)
     born: u64, // insertion order, for listing blocks as the Python dict did
 }
@@ -72,11 +69,7 @@ impl PartialOrd for Entry {
 }
 impl Ord for Entry {
     fn cmp(&self, o: &Self) -> Ordering {
-        self.uses
-            .cmp(&o.uses)
-            .then(self.last.total_cmp(&o.last))
-            .then(self.stamp.cmp(&o.stamp))
-            .then(self.h.cmp(&o.h))
+        self.uses.cmp(&o.uses).then(self.last.total_cmp(&o.last)).then(self.stamp.cmp(&o.stamp)).then(self.h.cmp(&o.h))
     }
 }
 
@@ -86,13 +79,7 @@ impl Ord for Entry {
 pub enum Event {
     /// A contiguous run of blocks entered `medium`: their hashes, the run's parent, the run's
     /// tokens, and the cache salt of its first block when the run starts a prompt (else 0).
-    Stored {
-        medium: u8,
-        hashes: Vec<u64>,
-        parent: Option<u64>,
-        tokens: Vec<u32>,
-        salt: u32,
-    },
+    Stored { medium: u8, hashes: Vec<u64>, parent: Option<u64>, tokens: Vec<u32>, salt: u32 },
     /// Blocks left `medium`.
     Removed { medium: u8, hashes: Vec<u64> },
 }
@@ -162,10 +149,7 @@ thread_local! {
 fn base_chain(tokens: &[u32], block_size: usize, salt_seed: u64) -> Result<Vec<u64>> {
     BASE_MEMO.with(|m| {
         let mut m = m.borrow_mut();
-        if let Some(i) = m
-            .iter()
-            .position(|(b, s, t, _)| *b == block_size && *s == salt_seed && t.as_slice() == tokens)
-        {
+        if let Some(i) = m.iter().position(|(b, s, t, _)| *b == block_size && *s == salt_seed && t.as_slice() == tokens) {
             let hit = m.remove(i);
             let chain = hit.3.clone();
             m.insert(0, hit);
@@ -179,35 +163,25 @@ fn base_chain(tokens: &[u32], block_size: usize, salt_seed: u64) -> Result<Vec<u
 }
 
 fn broken() -> CoreError {
-    CoreError::InvalidArgument(
-        "no evictable leaf in a full tier: the cache invariants are broken".into(),
-    )
+    CoreError::InvalidArgument("no evictable leaf in a full tier: the cache invariants are broken".into())
 }
 
 impl BlockCache {
     /// `vram_blocks >= 1`; `dram_blocks` may be 0 (no offloading). `name_seed` varies how this
     /// cache names blocks (see [`Self::chain`]).
-    pub fn new(
-        block_size: usize,
-        vram_blocks: usize,
-        dram_blocks: usize,
-        lfu: bool,
-        name_seed: u64,
-    ) -> Result<Self> {
+    pub fn new(block_size: usize, vram_blocks: usize, dram_blocks: usize, lfu: bool, name_seed: u64) -> Result<Self> {
         if block_size == 0 {
             return Err(CoreError::InvalidArgument("block_size must be >= 1".into()));
         }
         if vram_blocks == 0 {
-            return Err(CoreError::InvalidArgument(
-                "VRAM must hold at least one block".into(),
-            ));
+            return Err(CoreError::InvalidArgument("VRAM must hold at least one block".into()));
         }
         Ok(BlockCache {
             block_size,
             cap: [0, vram_blocks, dram_blocks],
             used: [0; 3],
             lfu,
-            nodes: HashMap::new(),
+            nodes: HashMap::default(),
             heaps: [BinaryHeap::new(), BinaryHeap::new(), BinaryHeap::new()],
             stamp: 0,
             born: 0,
@@ -243,13 +217,8 @@ impl BlockCache {
     /// Bytes this cache holds on the heap (tables at their capacity, block tokens, victim heaps):
     /// what a Python heap profiler cannot see. The chain memo is shared (see [`memo_bytes`]).
     pub fn memory_bytes(&self) -> usize {
-        let nodes = self.nodes.capacity() * (std::mem::size_of::<(u64, Node)>() + 1)
-            + self.nodes.len() * self.block_size * 4;
-        let heaps: usize = self
-            .heaps
-            .iter()
-            .map(|h| h.capacity() * std::mem::size_of::<Entry>())
-            .sum();
+        let nodes = self.nodes.capacity() * (std::mem::size_of::<(u64, Node)>() + 1) + self.nodes.len() * self.block_size * 4;
+        let heaps: usize = self.heaps.iter().map(|h| h.capacity() * std::mem::size_of::<Entry>()).sum();
         std::mem::size_of::<Self>() + nodes + heaps
     }
 
@@ -258,19 +227,7 @@ impl BlockCache {
         let mut v: Vec<(u64, BlockInfo)> = self
             .nodes
             .iter()
-            .map(|(&h, x)| {
-                (
-                    x.born,
-                    BlockInfo {
-                        hash: h,
-                        parent: x.parent,
-                        position: x.position,
-                        tier: x.tier,
-                        uses: x.uses,
-                        last: x.last,
-                    },
-                )
-            })
+            .map(|(&h, x)| (x.born, BlockInfo { hash: h, parent: x.parent, position: x.position, tier: x.tier, uses: x.uses, last: x.last }))
             .collect();
         v.sort_unstable_by_key(|e| e.0);
         v.into_iter().map(|e| e.1).collect()
@@ -290,6 +247,35 @@ impl BlockCache {
         Ok(chain)
     }
 
+    /// This cache's name for block `h` of a seed-free chain ([`block_chain`]).
+    #[inline]
+    pub fn name(&self, h: u64) -> u64 {
+        if self.name_seed != 0 {
+            mix64(h ^ self.name_seed)
+        } else {
+            h
+        }
+    }
+
+    /// This cache's names for the seed-free chain `base`.
+    pub fn named(&self, base: &[u64]) -> Vec<u64> {
+        base.iter().map(|&h| self.name(h)).collect()
+    }
+
+    /// [`Self::lookup`] of the seed-free chain `base`, named on the way (no allocation): a
+    /// driver that keeps a prompt's chain hashes it once for every cache.
+    pub fn lookup_base(&self, base: &[u64]) -> (usize, usize) {
+        let (mut v, mut d) = (0, 0);
+        for &h in base {
+            match self.nodes.get(&self.name(h)) {
+                None => break,
+                Some(x) if x.tier == VRAM => v += 1,
+                Some(_) => d += 1,
+            }
+        }
+        (v, d)
+    }
+
     /// `(vram_blocks, dram_blocks)` of the longest cached prefix of `chain`.
     pub fn lookup(&self, chain: &[u64]) -> (usize, usize) {
         let (mut v, mut d) = (0, 0);
@@ -305,15 +291,7 @@ impl BlockCache {
 
     /// Every full block of the prompt (up to VRAM capacity) ends in VRAM: an admit after a
     /// prefill (`request`) or a same-region copy. `events`: whether to build them.
-    pub fn place_vram(
-        &mut self,
-        tokens: &[u32],
-        chain: &[u64],
-        now: f64,
-        salt: u32,
-        request: bool,
-        events: bool,
-    ) -> Result<Vec<Event>> {
+    pub fn place_vram(&mut self, tokens: &[u32], chain: &[u64], now: f64, salt: u32, request: bool, events: bool) -> Result<Vec<Event>> {
         let bs = self.block_size;
         let n = chain.len();
         let (mut k, mut v) = (0usize, 0usize);
@@ -352,11 +330,7 @@ impl BlockCache {
             x.last = now;
             x.stamp = self.stamp;
         }
-        let lifted: Vec<u64> = if v < kept {
-            ids[v..kept].to_vec()
-        } else {
-            Vec::new()
-        };
+        let lifted: Vec<u64> = if v < kept { ids[v..kept].to_vec() } else { Vec::new() };
         for h in &lifted {
             self.nodes.get_mut(h).expect("cached prefix").tier = MOVING;
         }
@@ -386,24 +360,14 @@ impl BlockCache {
             out.push(self.stored_event(&ids[v..n_cap], VRAM));
         }
         if !lifted.is_empty() {
-            out.push(Event::Removed {
-                medium: DRAM,
-                hashes: lifted,
-            });
+            out.push(Event::Removed { medium: DRAM, hashes: lifted });
         }
         Ok(out)
     }
 
     /// A cross-region copy lands in DRAM: the blocks missing past the cached prefix are stored
     /// there (DRAM leaves evicted for room); nothing cached moves.
-    pub fn place_dram(
-        &mut self,
-        tokens: &[u32],
-        chain: &[u64],
-        now: f64,
-        salt: u32,
-        events: bool,
-    ) -> Result<Vec<Event>> {
+    pub fn place_dram(&mut self, tokens: &[u32], chain: &[u64], now: f64, salt: u32, events: bool) -> Result<Vec<Event>> {
         let n = chain.len();
         self.stats.copies += 1;
         let mut parent: Option<u64> = None;
@@ -462,12 +426,7 @@ impl BlockCache {
 
     /// Demote (or, without DRAM, drop) VRAM leaves other than `pinned` until `needed` more
     /// blocks fit.
-    fn make_vram_room(
-        &mut self,
-        needed: i64,
-        ch: &mut Changes,
-        pinned: &HashSet<u64>,
-    ) -> Result<()> {
+    fn make_vram_room(&mut self, needed: i64, ch: &mut Changes, pinned: &HashSet<u64>) -> Result<()> {
         let (v, d) = (VRAM as usize, DRAM as usize);
         let mut held: Vec<u64> = Vec::new();
         while self.used[v] as i64 + needed > self.cap[v] as i64 {
@@ -506,15 +465,7 @@ impl BlockCache {
         Ok(())
     }
 
-    fn new_node(
-        &mut self,
-        parent: Option<u64>,
-        tokens: &[u32],
-        i: usize,
-        tier: u8,
-        now: f64,
-        salt: u32,
-    ) -> Node {
+    fn new_node(&mut self, parent: Option<u64>, tokens: &[u32], i: usize, tier: u8, now: f64, salt: u32) -> Node {
         let bs = self.block_size;
         self.stamp += 1;
         self.born += 1;
@@ -534,16 +485,7 @@ impl BlockCache {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn store(
-        &mut self,
-        h: u64,
-        parent: Option<u64>,
-        tokens: &[u32],
-        i: usize,
-        tier: u8,
-        now: f64,
-        salt: u32,
-    ) {
+    fn store(&mut self, h: u64, parent: Option<u64>, tokens: &[u32], i: usize, tier: u8, now: f64, salt: u32) {
         let x = self.new_node(parent, tokens, i, tier, now, salt);
         self.nodes.insert(h, x);
         self.used[tier as usize] += 1;
@@ -558,15 +500,7 @@ impl BlockCache {
     }
 
     /// Store blocks `lo..hi` of a chain into VRAM, each the child of the one before.
-    fn store_run(
-        &mut self,
-        ids: &[u64],
-        lo: usize,
-        hi: usize,
-        tokens: &[u32],
-        now: f64,
-        salt: u32,
-    ) {
+    fn store_run(&mut self, ids: &[u64], lo: usize, hi: usize, tokens: &[u32], now: f64, salt: u32) {
         let mut prev = if lo > 0 { Some(ids[lo - 1]) } else { None };
         for (i, &h) in ids.iter().enumerate().take(hi).skip(lo) {
             self.store(h, prev, tokens, i, VRAM, now, salt);
@@ -597,21 +531,12 @@ impl BlockCache {
 
     fn push(&mut self, tier: u8, h: u64) {
         let x = &self.nodes[&h];
-        let e = Entry {
-            uses: if self.lfu { x.uses } else { 0 },
-            last: x.last,
-            stamp: x.stamp,
-            h,
-        };
+        let e = Entry { uses: if self.lfu { x.uses } else { 0 }, last: x.last, stamp: x.stamp, h };
         let t = tier as usize;
         self.heaps[t].push(Reverse(e));
         if self.heaps[t].len() > 2 * self.used[t] + COMPACT_SLACK {
             let old = std::mem::take(&mut self.heaps[t]);
-            let mut live: Vec<Entry> = old
-                .into_iter()
-                .map(|r| r.0)
-                .filter(|e| self.live(tier, e))
-                .collect();
+            let mut live: Vec<Entry> = old.into_iter().map(|r| r.0).filter(|e| self.live(tier, e)).collect();
             live.sort_unstable();
             live.dedup();
             self.heaps[t] = live.into_iter().map(Reverse).collect();
@@ -655,12 +580,7 @@ impl BlockCache {
         let mut out = Vec::new();
         let evicted: HashSet<u64> = ch.cpu_removed.iter().copied().collect();
         let demoted: HashSet<u64> = ch.cpu_stored.iter().copied().collect();
-        let mut stored: Vec<u64> = ch
-            .cpu_stored
-            .iter()
-            .copied()
-            .filter(|h| !evicted.contains(h))
-            .collect();
+        let mut stored: Vec<u64> = ch.cpu_stored.iter().copied().filter(|h| !evicted.contains(h)).collect();
         if !stored.is_empty() {
             stored.sort_by_key(|h| self.nodes[h].position); // stable, as Python's sort
             for run in self.runs(&stored) {
@@ -668,22 +588,11 @@ impl BlockCache {
             }
         }
         if !ch.gpu_removed.is_empty() {
-            out.push(Event::Removed {
-                medium: VRAM,
-                hashes: ch.gpu_removed.clone(),
-            });
+            out.push(Event::Removed { medium: VRAM, hashes: ch.gpu_removed.clone() });
         }
-        let gone: Vec<u64> = ch
-            .cpu_removed
-            .iter()
-            .copied()
-            .filter(|h| !demoted.contains(h))
-            .collect();
+        let gone: Vec<u64> = ch.cpu_removed.iter().copied().filter(|h| !demoted.contains(h)).collect();
         if !gone.is_empty() {
-            out.push(Event::Removed {
-                medium: DRAM,
-                hashes: gone,
-            });
+            out.push(Event::Removed { medium: DRAM, hashes: gone });
         }
         out
     }
@@ -691,7 +600,7 @@ impl BlockCache {
     /// Group blocks (parents before children) into parent-to-child chains.
     fn runs(&self, ids: &[u64]) -> Vec<Vec<u64>> {
         let mut runs: Vec<Vec<u64>> = Vec::new();
-        let mut tails: HashMap<u64, usize> = HashMap::new();
+        let mut tails: HashMap<u64, usize> = HashMap::default();
         for &h in ids {
             let r = self.nodes[&h].parent.and_then(|p| tails.remove(&p));
             let r = r.unwrap_or_else(|| {
@@ -710,17 +619,7 @@ impl BlockCache {
             tokens.extend_from_slice(&self.nodes[h].tokens);
         }
         let first = &self.nodes[&run[0]];
-        Event::Stored {
-            medium,
-            hashes: run.to_vec(),
-            parent: first.parent,
-            tokens,
-            salt: if first.parent.is_none() {
-                first.salt
-            } else {
-                0
-            },
-        }
+        Event::Stored { medium, hashes: run.to_vec(), parent: first.parent, tokens, salt: if first.parent.is_none() { first.salt } else { 0 } }
     }
 }
 
@@ -750,9 +649,7 @@ mod tests {
         // a again: promoted from DRAM, which publishes a GPU store and a CPU removal.
         let ev = admit(&mut c, &a, 3.0);
         assert_eq!(c.lookup(&ca), (2, 0));
-        assert!(
-            matches!(ev.last(), Some(Event::Removed { medium: DRAM, hashes }) if hashes == &ca)
-        );
+        assert!(matches!(ev.last(), Some(Event::Removed { medium: DRAM, hashes }) if hashes == &ca));
         assert_eq!(c.stats.promoted_blocks, 2);
     }
 
@@ -772,8 +669,6 @@ mod tests {
         for t in 0..3000u32 {
             admit(&mut c, &[t % 11, t % 5], t as f64);
         }
-        assert!(
-            c.heap_len(VRAM) <= 2 * 8 + COMPACT_SLACK && c.heap_len(DRAM) <= 2 * 8 + COMPACT_SLACK
-        );
+        assert!(c.heap_len(VRAM) <= 2 * 8 + COMPACT_SLACK && c.heap_len(DRAM) <= 2 * 8 + COMPACT_SLACK);
     }
 }

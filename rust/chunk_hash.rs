@@ -60,12 +60,7 @@ fn feed(h: &mut Sha256, tokens: &[u32]) {
 
 /// Keys of `tokens[..c]` for every `c` in `lengths` (any order, duplicates allowed), written to
 /// `out[i]` for `lengths[i]`; lengths beyond the prompt give [`NO_KEY`]. One hashing pass.
-pub fn prefix_keys_into(
-    ns: &[u8; 32],
-    tokens: &[u32],
-    lengths: &[u32],
-    out: &mut [u64],
-) -> Result<()> {
+pub fn prefix_keys_into(ns: &[u8; 32], tokens: &[u32], lengths: &[u32], out: &mut [u64]) -> Result<()> {
     if out.len() != lengths.len() {
         return Err(CoreError::InvalidArgument(format!(
             "output holds {} keys for {} lengths",
@@ -74,9 +69,7 @@ pub fn prefix_keys_into(
         )));
     }
     if let Some(&z) = lengths.iter().find(|&&c| c == 0) {
-        return Err(CoreError::InvalidArgument(format!(
-            "prefix length {z}: lengths must be >= 1"
-        )));
+        return Err(CoreError::InvalidArgument(format!("prefix length {z}: lengths must be >= 1")));
     }
     // Visit lengths in ascending order without allocating when they already are sorted
     // (the common case: a level plan is sorted).
@@ -117,16 +110,9 @@ pub fn prefix_keys(ns: &[u8; 32], tokens: &[u32], lengths: &[u32]) -> Result<Vec
 
 /// Batch form: prompt `i` is `tokens[offsets[i]..offsets[i+1]]`. Returns a row-major
 /// `(prompts, lengths)` matrix of keys.
-pub fn prefix_keys_batch(
-    ns: &[u8; 32],
-    tokens: &[u32],
-    offsets: &[u64],
-    lengths: &[u32],
-) -> Result<Vec<u64>> {
+pub fn prefix_keys_batch(ns: &[u8; 32], tokens: &[u32], offsets: &[u64], lengths: &[u32]) -> Result<Vec<u64>> {
     if offsets.is_empty() {
-        return Err(CoreError::InvalidArgument(
-            "offsets must hold at least one element".into(),
-        ));
+        return Err(CoreError::InvalidArgument("offsets must hold at least one element".into()));
     }
     let n = offsets.len() - 1;
     let mut out = vec![0u64; n * lengths.len()];
@@ -264,10 +250,7 @@ mod tests {
         let got = prefix_keys_batch(&ns, &tokens, &offsets, &lengths).unwrap();
         for i in 0..3 {
             let p = &tokens[offsets[i] as usize..offsets[i + 1] as usize];
-            assert_eq!(
-                &got[i * 3..i * 3 + 3],
-                prefix_keys(&ns, p, &lengths).unwrap().as_slice()
-            );
+            assert_eq!(&got[i * 3..i * 3 + 3], prefix_keys(&ns, p, &lengths).unwrap().as_slice());
         }
         assert!(prefix_keys_batch(&ns, &tokens, &[0, 60], &lengths).is_err());
         assert!(prefix_keys_batch(&ns, &tokens, &[5, 2], &lengths).is_err());

@@ -10,23 +10,13 @@ pub enum CoreError {
     SequenceGap { epoch: u64, expected: u64, got: u64 },
     /// A batch the view has already applied (duplicate) or one older than its position.
     #[error("stale patch batch: epoch {got_epoch} seq {got_seq} is not after the view's epoch {epoch} seq {seq}")]
-    StalePatch {
-        epoch: u64,
-        seq: u64,
-        got_epoch: u64,
-        got_seq: u64,
-    },
+    StalePatch { epoch: u64, seq: u64, got_epoch: u64, got_seq: u64 },
     /// A newer epoch arrived without a snapshot: the view must resync from a snapshot.
     #[error("epoch changed from {epoch} to {got_epoch} without a snapshot; resync required")]
     EpochChanged { epoch: u64, got_epoch: u64 },
     /// The batch was addressed to another (table, shard).
     #[error("patch for table {got_table} shard {got_shard} applied to view of table {table} shard {shard}")]
-    WrongTable {
-        table: u32,
-        shard: u32,
-        got_table: u32,
-        got_shard: u32,
-    },
+    WrongTable { table: u32, shard: u32, got_table: u32, got_shard: u32 },
     /// Bytes that do not decode as a patch batch (truncated, corrupt, bad checksum, bad version).
     #[error("malformed patch: {0}")]
     MalformedPatch(String),

@@ -47,30 +47,14 @@ pub struct Step {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Op {
-    SetValue {
-        bucket: u32,
-        slot: u8,
-        value: u64,
-    },
-    ClearSlot {
-        bucket: u32,
-        slot: u8,
-    },
+    SetValue { bucket: u32, slot: u8, value: u64 },
+    ClearSlot { bucket: u32, slot: u8 },
     /// Applied in order: the deepest cuckoo move first, the new key last.
-    InsertPath {
-        steps: Vec<Step>,
-    },
-    FallbackSet {
-        key: u64,
-        value: u64,
-    },
-    FallbackRemove {
-        key: u64,
-    },
+    InsertPath { steps: Vec<Step> },
+    FallbackSet { key: u64, value: u64 },
+    FallbackRemove { key: u64 },
     /// A whole view state (see `LudoView::state_bytes`); only ever the first op of a batch.
-    Snapshot {
-        state: Vec<u8>,
-    },
+    Snapshot { state: Vec<u8> },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,11 +81,7 @@ impl Batch {
 /// Append one op's encoding to `out`.
 pub fn encode_op(op: &Op, out: &mut Vec<u8>) {
     match op {
-        Op::SetValue {
-            bucket,
-            slot,
-            value,
-        } => {
+        Op::SetValue { bucket, slot, value } => {
             out.push(TAG_SET_VALUE);
             out.extend_from_slice(&bucket.to_le_bytes());
             out.push(*slot);
@@ -220,10 +200,7 @@ pub fn decode_header(buf: &[u8]) -> Result<BatchHeader> {
 
 fn check_frame(buf: &[u8]) -> Result<(BatchHeader, &[u8])> {
     if buf.len() < HEADER_LEN + 4 {
-        return Err(malformed(format!(
-            "{} bytes is shorter than a batch header",
-            buf.len()
-        )));
+        return Err(malformed(format!("{} bytes is shorter than a batch header", buf.len())));
     }
     let mut r = Reader::new(buf);
     if r.bytes(4, "magic")? != MAGIC {
@@ -231,9 +208,7 @@ fn check_frame(buf: &[u8]) -> Result<(BatchHeader, &[u8])> {
     }
     let version = r.u8("version")?;
     if version != VERSION {
-        return Err(malformed(format!(
-            "unsupported patch version {version} (this build reads {VERSION})"
-        )));
+        return Err(malformed(format!("unsupported patch version {version} (this build reads {VERSION})")));
     }
     let flags = r.u8("flags")?;
     let reserved = r.u16("reserved")?;
@@ -259,16 +234,7 @@ fn check_frame(buf: &[u8]) -> Result<(BatchHeader, &[u8])> {
     if crc32fast::hash(body) != u32::from_le_bytes(c) {
         return Err(malformed("checksum mismatch"));
     }
-    Ok((
-        BatchHeader {
-            table,
-            shard,
-            epoch,
-            seq,
-            n_ops,
-        },
-        &buf[HEADER_LEN..HEADER_LEN + payload_len],
-    ))
+    Ok((BatchHeader { table, shard, epoch, seq, n_ops }, &buf[HEADER_LEN..HEADER_LEN + payload_len]))
 }
 
 /// Decode a whole batch. Structural checks only; geometry checks happen in the view.
@@ -277,31 +243,18 @@ pub fn decode_batch(buf: &[u8]) -> Result<Batch> {
     let mut r = Reader::new(payload);
     // Every op takes at least 2 bytes, which bounds the allocation a lying n_ops can cause.
     if header.n_ops as usize > payload.len() / 2 + 1 {
-        return Err(malformed(format!(
-            "{} ops cannot fit in {} payload bytes",
-            header.n_ops,
-            payload.len()
-        )));
+        return Err(malformed(format!("{} ops cannot fit in {} payload bytes", header.n_ops, payload.len())));
     }
     let mut ops = Vec::with_capacity(header.n_ops as usize);
     for i in 0..header.n_ops {
         let tag = r.u8("op tag")?;
         let op = match tag {
-            TAG_SET_VALUE => Op::SetValue {
-                bucket: r.u32("bucket")?,
-                slot: r.u8("slot")?,
-                value: r.u64("value")?,
-            },
-            TAG_CLEAR_SLOT => Op::ClearSlot {
-                bucket: r.u32("bucket")?,
-                slot: r.u8("slot")?,
-            },
+            TAG_SET_VALUE => Op::SetValue { bucket: r.u32("bucket")?, slot: r.u8("slot")?, value: r.u64("value")? },
+            TAG_CLEAR_SLOT => Op::ClearSlot { bucket: r.u32("bucket")?, slot: r.u8("slot")? },
             TAG_INSERT_PATH => {
                 let n = r.u8("step count")? as usize;
                 if n == 0 || n > MAX_STEPS {
-                    return Err(malformed(format!(
-                        "insert path of {n} steps (1..={MAX_STEPS} allowed)"
-                    )));
+                    return Err(malformed(format!("insert path of {n} steps (1..={MAX_STEPS} allowed)")));
                 }
                 let mut steps = Vec::with_capacity(n);
                 for _ in 0..n {
@@ -314,30 +267,17 @@ pub fn decode_batch(buf: &[u8]) -> Result<Batch> {
                     let fp = r.u16("fingerprint")?;
                     let nf = r.u32("flip count")? as usize;
                     if nf > r.remaining() / 4 {
-                        return Err(malformed(format!(
-                            "{nf} flips cannot fit in the remaining payload"
-                        )));
+                        return Err(malformed(format!("{nf} flips cannot fit in the remaining payload")));
                     }
                     let mut flips = Vec::with_capacity(nf);
                     for _ in 0..nf {
                         flips.push(r.u32("flip")?);
                     }
-                    steps.push(Step {
-                        bucket,
-                        seed,
-                        perm,
-                        slot,
-                        value,
-                        fp,
-                        flips,
-                    });
+                    steps.push(Step { bucket, seed, perm, slot, value, fp, flips });
                 }
                 Op::InsertPath { steps }
             }
-            TAG_FALLBACK_SET => Op::FallbackSet {
-                key: r.u64("key")?,
-                value: r.u64("value")?,
-            },
+            TAG_FALLBACK_SET => Op::FallbackSet { key: r.u64("key")?, value: r.u64("value")? },
             TAG_FALLBACK_REMOVE => Op::FallbackRemove { key: r.u64("key")? },
             TAG_SNAPSHOT => {
                 if i != 0 {
@@ -347,20 +287,14 @@ pub fn decode_batch(buf: &[u8]) -> Result<Batch> {
                 if n > r.remaining() as u64 {
                     return Err(malformed("snapshot longer than the payload"));
                 }
-                Op::Snapshot {
-                    state: r.bytes(n as usize, "snapshot")?.to_vec(),
-                }
+                Op::Snapshot { state: r.bytes(n as usize, "snapshot")?.to_vec() }
             }
             t => return Err(malformed(format!("unknown op tag {t} at op {i}"))),
         };
         ops.push(op);
     }
     if r.remaining() != 0 {
-        return Err(malformed(format!(
-            "{} trailing payload bytes after {} ops",
-            r.remaining(),
-            header.n_ops
-        )));
+        return Err(malformed(format!("{} trailing payload bytes after {} ops", r.remaining(), header.n_ops)));
     }
     Ok(Batch { header, ops })
 }
@@ -372,32 +306,12 @@ mod tests {
 
     fn sample_ops() -> Vec<Op> {
         vec![
-            Op::SetValue {
-                bucket: 3,
-                slot: 1,
-                value: 0x15,
-            },
+            Op::SetValue { bucket: 3, slot: 1, value: 0x15 },
             Op::ClearSlot { bucket: 9, slot: 3 },
             Op::InsertPath {
                 steps: vec![
-                    Step {
-                        bucket: 4,
-                        seed: 17,
-                        perm: [1, 0, 4, 3],
-                        slot: 2,
-                        value: 2,
-                        fp: 0,
-                        flips: vec![1, 5 | FLIP_B],
-                    },
-                    Step {
-                        bucket: 1,
-                        seed: 0,
-                        perm: [0, 1, 2, 3],
-                        slot: 0,
-                        value: 1,
-                        fp: 0,
-                        flips: vec![],
-                    },
+                    Step { bucket: 4, seed: 17, perm: [1, 0, 4, 3], slot: 2, value: 2, fp: 0, flips: vec![1, 5 | FLIP_B] },
+                    Step { bucket: 1, seed: 0, perm: [0, 1, 2, 3], slot: 0, value: 1, fp: 0, flips: vec![] },
                 ],
             },
             Op::FallbackSet { key: 77, value: 4 },
@@ -410,16 +324,7 @@ mod tests {
         for o in ops {
             encode_op(o, &mut p);
         }
-        encode_batch(
-            &BatchHeader {
-                table: 2,
-                shard: 1,
-                epoch: 5,
-                seq,
-                n_ops: ops.len() as u32,
-            },
-            &p,
-        )
+        encode_batch(&BatchHeader { table: 2, shard: 1, epoch: 5, seq, n_ops: ops.len() as u32 }, &p)
     }
 
     #[test]
@@ -427,16 +332,7 @@ mod tests {
         let ops = sample_ops();
         let b = decode_batch(&frame(&ops, 9)).unwrap();
         assert_eq!(b.ops, ops);
-        assert_eq!(
-            b.header,
-            BatchHeader {
-                table: 2,
-                shard: 1,
-                epoch: 5,
-                seq: 9,
-                n_ops: 5
-            }
-        );
+        assert_eq!(b.header, BatchHeader { table: 2, shard: 1, epoch: 5, seq: 9, n_ops: 5 });
         assert!(!b.is_snapshot());
     }
 
@@ -444,10 +340,7 @@ mod tests {
     fn every_truncation_and_bit_flip_is_rejected() {
         let bytes = frame(&sample_ops(), 1);
         for n in 0..bytes.len() {
-            assert!(
-                decode_batch(&bytes[..n]).is_err(),
-                "prefix of {n} bytes accepted"
-            );
+            assert!(decode_batch(&bytes[..n]).is_err(), "prefix of {n} bytes accepted");
         }
         for i in 0..bytes.len() {
             let mut b = bytes.clone();
@@ -458,16 +351,8 @@ mod tests {
 
     #[test]
     fn snapshot_must_come_first() {
-        let ops = vec![
-            Op::ClearSlot { bucket: 0, slot: 0 },
-            Op::Snapshot {
-                state: vec![1, 2, 3],
-            },
-        ];
-        assert!(matches!(
-            decode_batch(&frame(&ops, 1)),
-            Err(CoreError::MalformedPatch(_))
-        ));
+        let ops = vec![Op::ClearSlot { bucket: 0, slot: 0 }, Op::Snapshot { state: vec![1, 2, 3] }];
+        assert!(matches!(decode_batch(&frame(&ops, 1)), Err(CoreError::MalformedPatch(_))));
     }
 
     proptest! {

@@ -25,20 +25,9 @@ pub fn first_bad_sample(samples: &[f64]) -> Option<usize> {
 /// the estimate becomes `(1 - w) * old + w * sample` (the sample itself for a worker never
 /// heard of, `at = -inf`), the live total that plus the open charges, `at` at least `now`, and
 /// the idle clock starts at `now` when the estimate is at most `idle_ms` (and stops otherwise).
-pub fn fold(
-    e: &mut Estimates<'_>,
-    indices: &[usize],
-    samples: &[f64],
-    now: f64,
-    weight: f64,
-    idle_ms: f64,
-) {
+pub fn fold(e: &mut Estimates<'_>, indices: &[usize], samples: &[f64], now: f64, weight: f64, idle_ms: f64) {
     for (&i, &s) in indices.iter().zip(samples) {
-        let x = if e.at[i] > f64::NEG_INFINITY {
-            (1.0 - weight) * e.obs[i] + weight * s
-        } else {
-            s
-        };
+        let x = if e.at[i] > f64::NEG_INFINITY { (1.0 - weight) * e.obs[i] + weight * s } else { s };
         e.obs[i] = x;
         e.tq[i] = x + e.pend[i];
         if now > e.at[i] {
@@ -60,20 +49,8 @@ mod tests {
 
     #[test]
     fn ewma_charges_and_idle_clock() {
-        let (mut obs, mut tq, pend, mut at, mut idle) = (
-            vec![0.0, 100.0],
-            vec![0.0, 150.0],
-            vec![0.0, 50.0],
-            vec![f64::NEG_INFINITY, 1.0],
-            vec![f64::NAN, f64::NAN],
-        );
-        let mut e = Estimates {
-            obs: &mut obs,
-            tq: &mut tq,
-            pend: &pend,
-            at: &mut at,
-            idle_since: &mut idle,
-        };
+        let (mut obs, mut tq, pend, mut at, mut idle) = (vec![0.0, 100.0], vec![0.0, 150.0], vec![0.0, 50.0], vec![f64::NEG_INFINITY, 1.0], vec![f64::NAN, f64::NAN]);
+        let mut e = Estimates { obs: &mut obs, tq: &mut tq, pend: &pend, at: &mut at, idle_since: &mut idle };
         fold(&mut e, &[0, 1], &[0.0, 200.0], 2.0, 0.5, 1.0);
         assert_eq!((obs[0], obs[1]), (0.0, 150.0)); // first sample taken as is; then EWMA
         assert_eq!(tq[1], 200.0);

@@ -62,26 +62,13 @@ mod tests {
     #[test]
     fn known_answers() {
         // The same values tests/test_sim_workload.py pins for the Python entry point.
-        assert_eq!(
-            expand_blocks(&[0, 1], 5, 4),
-            vec![85192, 20828, 103872, 6824, 75434]
-        );
-        assert_eq!(
-            expand_blocks(&[(1 << 63) - 1], 3, 8),
-            vec![85479, 93283, 118171]
-        );
+        assert_eq!(expand_blocks(&[0, 1], 5, 4), vec![85192, 20828, 103872, 6824, 75434]);
+        assert_eq!(expand_blocks(&[(1 << 63) - 1], 3, 8), vec![85479, 93283, 118171]);
     }
 
     #[test]
     fn runs_expand_in_order() {
         let ids = chain_block_ids(&[5, 9], &[2, 1]);
-        assert_eq!(
-            ids,
-            vec![
-                mix64(5 + GOLDEN) & MAX_ID,
-                mix64(5u64.wrapping_add(2u64.wrapping_mul(GOLDEN))) & MAX_ID,
-                mix64(9 + GOLDEN) & MAX_ID
-            ]
-        );
+        assert_eq!(ids, vec![mix64(5 + GOLDEN) & MAX_ID, mix64(5u64.wrapping_add(2u64.wrapping_mul(GOLDEN))) & MAX_ID, mix64(9 + GOLDEN) & MAX_ID]);
     }
 }

@@ -43,17 +43,7 @@ pub struct TableConfig {
 
 impl Default for TableConfig {
     fn default() -> Self {
-        TableConfig {
-            table: 0,
-            shard: 0,
-            epoch: 1,
-            capacity: 1024,
-            value_bits: 32,
-            fp_bits: 0,
-            seed: 0,
-            max_capacity: 1 << 32,
-            fallback_limit: 64,
-        }
+        TableConfig { table: 0, shard: 0, epoch: 1, capacity: 1024, value_bits: 32, fp_bits: 0, seed: 0, max_capacity: 1 << 32, fallback_limit: 64 }
     }
 }
 
@@ -77,10 +67,7 @@ unsafe impl Plain for Bucket {}
 // SAFETY: two u8, no padding.
 unsafe impl Plain for Meta {}
 
-const EMPTY_BUCKET: Bucket = Bucket {
-    keys: [EMPTY; SLOTS],
-    vals: [0; SLOTS],
-};
+const EMPTY_BUCKET: Bucket = Bucket { keys: [EMPTY; SLOTS], vals: [0; SLOTS] };
 
 #[derive(Clone, Copy, Debug, Default)]
 struct Meta {
@@ -111,10 +98,7 @@ pub struct LudoTable {
 impl LudoTable {
     pub fn new(cfg: TableConfig) -> Result<Self> {
         if cfg.max_capacity < cfg.capacity {
-            return Err(CoreError::Capacity {
-                needed: cfg.capacity,
-                max: cfg.max_capacity,
-            });
+            return Err(CoreError::Capacity { needed: cfg.capacity, max: cfg.max_capacity });
         }
         let geo = Geometry::for_capacity(cfg.capacity, cfg.value_bits, cfg.fp_bits, cfg.seed)?;
         let nb = geo.n_buckets as usize;
@@ -211,10 +195,7 @@ impl LudoTable {
 
     fn check_value(&self, value: u64) -> Result<()> {
         if value & !self.geo.value_mask() != 0 {
-            return Err(CoreError::ValueTooWide {
-                value,
-                bits: self.geo.value_bits as u32,
-            });
+            return Err(CoreError::ValueTooWide { value, bits: self.geo.value_bits as u32 });
         }
         Ok(())
     }
@@ -311,13 +292,7 @@ impl LudoTable {
             return None;
         }
         self.seq += 1;
-        let h = BatchHeader {
-            table: self.cfg.table,
-            shard: self.cfg.shard,
-            epoch: self.cfg.epoch,
-            seq: self.seq,
-            n_ops: self.pending_ops,
-        };
+        let h = BatchHeader { table: self.cfg.table, shard: self.cfg.shard, epoch: self.cfg.epoch, seq: self.seq, n_ops: self.pending_ops };
         let out = patch::encode_batch(&h, &self.pending);
         self.pending.clear();
         self.pending_ops = 0;
@@ -330,25 +305,11 @@ impl LudoTable {
     /// snapshot would already contain edits whose batch the view would then apply twice.
     pub fn export_snapshot(&self) -> Result<Vec<u8>> {
         if self.pending_ops != 0 {
-            return Err(CoreError::InvalidArgument(format!(
-                "{} ops are pending; take the batch before exporting a snapshot",
-                self.pending_ops
-            )));
+            return Err(CoreError::InvalidArgument(format!("{} ops are pending; take the batch before exporting a snapshot", self.pending_ops)));
         }
         let mut p = Vec::new();
-        patch::encode_op(
-            &Op::Snapshot {
-                state: self.view.state_bytes(),
-            },
-            &mut p,
-        );
-        let h = BatchHeader {
-            table: self.cfg.table,
-            shard: self.cfg.shard,
-            epoch: self.cfg.epoch,
-            seq: self.seq,
-            n_ops: 1,
-        };
+        patch::encode_op(&Op::Snapshot { state: self.view.state_bytes() }, &mut p);
+        let h = BatchHeader { table: self.cfg.table, shard: self.cfg.shard, epoch: self.cfg.epoch, seq: self.seq, n_ops: 1 };
         Ok(patch::encode_batch(&h, &p))
     }
 
@@ -357,10 +318,7 @@ impl LudoTable {
     /// [`Self::export_snapshot`] of it, which is how they resync.
     pub fn start_epoch(&mut self, epoch: u64) -> Result<()> {
         if epoch <= self.cfg.epoch {
-            return Err(CoreError::InvalidArgument(format!(
-                "new epoch {epoch} must exceed the current epoch {}",
-                self.cfg.epoch
-            )));
+            return Err(CoreError::InvalidArgument(format!("new epoch {epoch} must exceed the current epoch {}", self.cfg.epoch)));
         }
         self.cfg.epoch = epoch;
         self.seq = 0;
@@ -384,11 +342,7 @@ impl LudoTable {
         if let Some((b, s)) = self.find_in(key, b0, b1) {
             if self.buckets[b as usize].vals[s] != value {
                 self.buckets[b as usize].vals[s] = value;
-                self.emit(Op::SetValue {
-                    bucket: b,
-                    slot: s as u8,
-                    value,
-                });
+                self.emit(Op::SetValue { bucket: b, slot: s as u8, value });
             }
             return Ok(Placement::Updated);
         }
@@ -406,14 +360,10 @@ impl LudoTable {
         Self::check_key(key)?;
         self.check_value(value)?;
         if value == 0 {
-            return Err(CoreError::InvalidArgument(
-                "cannot insert value 0 (it means absent)".into(),
-            ));
+            return Err(CoreError::InvalidArgument("cannot insert value 0 (it means absent)".into()));
         }
         if self.get(key).is_some() {
-            return Err(CoreError::InvalidArgument(format!(
-                "key {key:#x} is already in the table"
-            )));
+            return Err(CoreError::InvalidArgument(format!("key {key:#x} is already in the table")));
         }
         self.insert_new(key, value)
     }
@@ -453,10 +403,7 @@ impl LudoTable {
         self.buckets[bi].vals[s] = 0;
         self.meta[bi].count -= 1;
         self.live -= 1;
-        self.emit(Op::ClearSlot {
-            bucket: b,
-            slot: s as u8,
-        });
+        self.emit(Op::ClearSlot { bucket: b, slot: s as u8 });
         old
     }
 
@@ -481,11 +428,7 @@ impl LudoTable {
                 self.remove_at(b, s, key);
             } else if new != cur {
                 self.buckets[b as usize].vals[s] = new;
-                self.emit(Op::SetValue {
-                    bucket: b,
-                    slot: s as u8,
-                    value: new,
-                });
+                self.emit(Op::SetValue { bucket: b, slot: s as u8, value: new });
             }
             return Ok(new);
         }
@@ -502,21 +445,13 @@ impl LudoTable {
     /// wire because unchanged values emit nothing.
     pub fn apply_field_ops(&mut self, keys: &[u64], fields: &[u32], tiers: &[u8]) -> Result<usize> {
         if keys.len() != fields.len() || keys.len() != tiers.len() {
-            return Err(CoreError::InvalidArgument(format!(
-                "{} keys, {} fields, {} tiers: lengths must match",
-                keys.len(),
-                fields.len(),
-                tiers.len()
-            )));
+            return Err(CoreError::InvalidArgument(format!("{} keys, {} fields, {} tiers: lengths must match", keys.len(), fields.len(), tiers.len())));
         }
         let nf = self.geo.value_bits as u32 / 2;
         for i in 0..keys.len() {
             Self::check_key(keys[i])?;
             if fields[i] >= nf {
-                return Err(CoreError::InvalidField {
-                    field: fields[i],
-                    fields: nf,
-                });
+                return Err(CoreError::InvalidField { field: fields[i], fields: nf });
             }
             if tiers[i] > 2 {
                 return Err(CoreError::InvalidTier(tiers[i]));
@@ -543,10 +478,7 @@ impl LudoTable {
 
     fn insert_new(&mut self, key: u64, value: u64) -> Result<Placement> {
         if self.len() + 1 > self.cfg.max_capacity {
-            return Err(CoreError::Capacity {
-                needed: self.len() + 1,
-                max: self.cfg.max_capacity,
-            });
+            return Err(CoreError::Capacity { needed: self.len() + 1, max: self.cfg.max_capacity });
         }
         if self.len() + 1 > self.geo.capacity() {
             self.grow(self.len() + 1)?;
@@ -630,28 +562,12 @@ impl LudoTable {
         self.buckets[bi].keys[slot] = key;
         self.buckets[bi].vals[slot] = value;
         self.meta[bi].count += 1;
-        Step {
-            bucket,
-            seed,
-            perm,
-            slot: slot as u8,
-            value,
-            fp: hash::fingerprint(key, &self.seeds, self.geo.fp_bits) as u16,
-            flips: Vec::new(),
-        }
+        Step { bucket, seed, perm, slot: slot as u8, value, fp: hash::fingerprint(key, &self.seeds, self.geo.fp_bits) as u16, flips: Vec::new() }
     }
 
     /// Find room for a new key whose Othello edge (u, v) joins two separate components, moving
     /// up to MAX_CUCKOO_DEPTH keys. Returns the number of moves, or None (nothing changed).
-    fn cuckoo_place(
-        &mut self,
-        key: u64,
-        value: u64,
-        b0: u32,
-        b1: u32,
-        u: u32,
-        v: u32,
-    ) -> Option<usize> {
+    fn cuckoo_place(&mut self, key: u64, value: u64, b0: u32, b1: u32, u: u32, v: u32) -> Option<usize> {
         let (c0, c1) = (self.meta[b0 as usize].count, self.meta[b1 as usize].count);
         // Prefer the emptier candidate so buckets fill evenly.
         let first = if c1 < c0 { [b1, b0] } else { [b0, b1] };
@@ -745,17 +661,7 @@ impl LudoTable {
     /// Execute a cuckoo path (root-first list of (from, slot, to)) deepest move first, then put
     /// the new key into `root`, and emit the whole thing as one InsertPath op.
     #[allow(clippy::too_many_arguments)]
-    fn finish_insert(
-        &mut self,
-        key: u64,
-        value: u64,
-        root: u32,
-        b0: u32,
-        u: u32,
-        v: u32,
-        path: &[(u32, u8, u32)],
-        seeds: &[u8],
-    ) -> usize {
+    fn finish_insert(&mut self, key: u64, value: u64, root: u32, b0: u32, u: u32, v: u32, path: &[(u32, u8, u32)], seeds: &[u8]) -> usize {
         let mut steps = Vec::with_capacity(path.len() + 1);
         for (n, &(from, slot, to)) in path.iter().rev().enumerate() {
             let (fi, si) = (from as usize, slot as usize);
@@ -798,10 +704,7 @@ impl LudoTable {
         }
         let cap = cap.max(needed).min(self.cfg.max_capacity);
         if cap < needed {
-            return Err(CoreError::Capacity {
-                needed,
-                max: self.cfg.max_capacity,
-            });
+            return Err(CoreError::Capacity { needed, max: self.cfg.max_capacity });
         }
         self.rebuild(cap, self.geo.seed.wrapping_add(1))
     }
@@ -827,11 +730,7 @@ impl LudoTable {
         let mut capacity = capacity.max(entries.len() as u64);
         let mut tries = 0;
         let fresh = loop {
-            let cfg = TableConfig {
-                capacity,
-                seed,
-                ..self.cfg
-            };
+            let cfg = TableConfig { capacity, seed, ..self.cfg };
             let mut t = LudoTable::new(cfg)?;
             t.quiet = true;
             // Keep the rebuilt table from recursing into rebuilds of its own.
@@ -865,12 +764,7 @@ impl LudoTable {
         self.pending.clear();
         self.pending_ops = 0;
         if !quiet {
-            patch::encode_op(
-                &Op::Snapshot {
-                    state: self.view.state_bytes(),
-                },
-                &mut self.pending,
-            );
+            patch::encode_op(&Op::Snapshot { state: self.view.state_bytes() }, &mut self.pending);
             self.pending_ops = 1;
         }
         Ok(())
@@ -882,14 +776,13 @@ impl LudoTable {
         for (k, v) in self.entries() {
             let got = self.view.lookup(k);
             if got != v {
-                return Err(CoreError::InvalidArgument(format!(
-                    "key {k:#x}: view returns {got:#x}, table holds {v:#x}"
-                )));
+                return Err(CoreError::InvalidArgument(format!("key {k:#x}: view returns {got:#x}, table holds {v:#x}")));
             }
         }
         Ok(())
     }
 }
+
 
 #[cfg(test)]
 mod tests {
@@ -899,13 +792,7 @@ mod tests {
     use std::collections::HashMap;
 
     fn cfg(capacity: u64, fp_bits: u8, value_bits: u8) -> TableConfig {
-        TableConfig {
-            capacity,
-            fp_bits,
-            value_bits,
-            fallback_limit: 4,
-            ..TableConfig::default()
-        }
+        TableConfig { capacity, fp_bits, value_bits, fallback_limit: 4, ..TableConfig::default() }
     }
 
     /// A remote view that starts from the writer's initial snapshot and then sees only batches.
@@ -922,27 +809,15 @@ mod tests {
             assert_eq!(t.view().lookup(k), val, "mirror lookup of {k:#x}");
             assert_eq!(v.lookup(k), val, "follower lookup of {k:#x}");
         }
-        assert_eq!(
-            v.state_bytes(),
-            t.view().state_bytes(),
-            "follower diverged from writer"
-        );
+        assert_eq!(v.state_bytes(), t.view().state_bytes(), "follower diverged from writer");
         let mut snap = LudoView::new(t.cfg.table, t.cfg.shard);
         snap.apply_batch(&t.export_snapshot().unwrap()).unwrap();
-        assert_eq!(
-            snap.state_bytes(),
-            v.state_bytes(),
-            "patch-built view differs from a fresh snapshot"
-        );
+        assert_eq!(snap.state_bytes(), v.state_bytes(), "patch-built view differs from a fresh snapshot");
     }
 
     #[test]
     fn fills_to_95_percent_with_rare_fallbacks() {
-        let mut t = LudoTable::new(TableConfig {
-            capacity: 20_000,
-            ..TableConfig::default()
-        })
-        .unwrap();
+        let mut t = LudoTable::new(TableConfig { capacity: 20_000, ..TableConfig::default() }).unwrap();
         let cap = t.capacity();
         let mut v = follower(&t);
         let mut model = HashMap::new();
@@ -984,12 +859,7 @@ mod tests {
 
     #[test]
     fn hard_maximum_is_a_capacity_error_and_changes_nothing() {
-        let mut t = LudoTable::new(TableConfig {
-            capacity: 16,
-            max_capacity: 16,
-            ..TableConfig::default()
-        })
-        .unwrap();
+        let mut t = LudoTable::new(TableConfig { capacity: 16, max_capacity: 16, ..TableConfig::default() }).unwrap();
         let mut last = None;
         for i in 0..100u64 {
             match t.set(i + 1, 1) {
@@ -1009,12 +879,7 @@ mod tests {
 
     #[test]
     fn fingerprints_answer_absent_for_unknown_keys() {
-        let mut t = LudoTable::new(TableConfig {
-            capacity: 4000,
-            fp_bits: 8,
-            ..TableConfig::default()
-        })
-        .unwrap();
+        let mut t = LudoTable::new(TableConfig { capacity: 4000, fp_bits: 8, ..TableConfig::default() }).unwrap();
         for i in 0..3800u64 {
             t.insert(hash::mix64(i) >> 1, 1).unwrap();
         }
@@ -1036,21 +901,10 @@ mod tests {
         assert!(t.is_empty());
         t.take_batch();
         let before = t.view().state_bytes();
-        assert_eq!(
-            t.set_field(10, 16, 1),
-            Err(CoreError::InvalidField {
-                field: 16,
-                fields: 16
-            })
-        );
+        assert_eq!(t.set_field(10, 16, 1), Err(CoreError::InvalidField { field: 16, fields: 16 }));
         assert_eq!(t.set_field(10, 0, 3), Err(CoreError::InvalidTier(3)));
-        assert_eq!(
-            t.set_field(1 << 63, 0, 1),
-            Err(CoreError::InvalidKey(1 << 63))
-        );
-        assert!(t
-            .apply_field_ops(&[1, 2, 3], &[0, 1, 2], &[1, 1, 3])
-            .is_err());
+        assert_eq!(t.set_field(1 << 63, 0, 1), Err(CoreError::InvalidKey(1 << 63)));
+        assert!(t.apply_field_ops(&[1, 2, 3], &[0, 1, 2], &[1, 1, 3]).is_err());
         assert!(t.set(5, 1 << 40).is_err());
         assert_eq!(t.view().state_bytes(), before);
         assert_eq!(t.pending_ops(), 0);
@@ -1069,18 +923,8 @@ mod tests {
         }
         v.apply_batch(&batches[0]).unwrap();
         let before = v.state_bytes();
-        assert_eq!(
-            v.apply_batch(&batches[2]),
-            Err(CoreError::SequenceGap {
-                epoch: 1,
-                expected: 2,
-                got: 3
-            })
-        );
-        assert!(matches!(
-            v.apply_batch(&batches[0]),
-            Err(CoreError::StalePatch { .. })
-        ));
+        assert_eq!(v.apply_batch(&batches[2]), Err(CoreError::SequenceGap { epoch: 1, expected: 2, got: 3 }));
+        assert!(matches!(v.apply_batch(&batches[0]), Err(CoreError::StalePatch { .. })));
         assert_eq!(v.state_bytes(), before);
         assert_eq!(v.seq(), 1);
         for b in &batches[1..] {
@@ -1091,29 +935,17 @@ mod tests {
         t.start_epoch(2).unwrap();
         t.set(100, 2).unwrap();
         let delta = t.take_batch().unwrap();
-        assert_eq!(
-            v.apply_batch(&delta),
-            Err(CoreError::EpochChanged {
-                epoch: 1,
-                got_epoch: 2
-            })
-        );
+        assert_eq!(v.apply_batch(&delta), Err(CoreError::EpochChanged { epoch: 1, got_epoch: 2 }));
         let mut t2 = t.clone();
         t2.set(101, 2).unwrap();
         let later = t2.take_batch().unwrap();
         let snap = t2.export_snapshot().unwrap();
         v.apply_batch(&snap).unwrap();
         assert_eq!((v.epoch(), v.seq()), (2, 2));
-        assert!(matches!(
-            v.apply_batch(&later),
-            Err(CoreError::StalePatch { .. })
-        ));
+        assert!(matches!(v.apply_batch(&later), Err(CoreError::StalePatch { .. })));
         assert_eq!(v.state_bytes(), t2.view().state_bytes());
         let mut other = LudoView::new(9, 0);
-        assert!(matches!(
-            other.apply_batch(&snap),
-            Err(CoreError::WrongTable { .. })
-        ));
+        assert!(matches!(other.apply_batch(&snap), Err(CoreError::WrongTable { .. })));
     }
 
     #[test]
@@ -1127,17 +959,8 @@ mod tests {
 
     #[test]
     fn bulk_build_matches_entries() {
-        let entries: Vec<(u64, u64)> = (0..5000u64)
-            .map(|i| (hash::mix64(i) >> 1, (i & 0xff) + 1))
-            .collect();
-        let t = LudoTable::build(
-            TableConfig {
-                capacity: 0,
-                ..TableConfig::default()
-            },
-            &entries,
-        )
-        .unwrap();
+        let entries: Vec<(u64, u64)> = (0..5000u64).map(|i| (hash::mix64(i) >> 1, (i & 0xff) + 1)).collect();
+        let t = LudoTable::build(TableConfig { capacity: 0, ..TableConfig::default() }, &entries).unwrap();
         assert_eq!(t.len(), 5000);
         assert_eq!(t.pending_ops(), 0);
         t.verify().unwrap();

@@ -44,52 +44,27 @@ impl<T: Plain> HugeBuf<T> {
     pub(crate) fn filled(n: usize, value: T) -> Self {
         let bytes = n.saturating_mul(std::mem::size_of::<T>());
         if let Some(m) = Self::map(n, bytes) {
-            let mut b = HugeBuf {
-                mapped: Some(m),
-                fallback: Vec::new(),
-            };
+            let mut b = HugeBuf { mapped: Some(m), fallback: Vec::new() };
             // Fresh anonymous pages read as zero (a valid T, since T: Plain); only a non-zero
             // fill needs to touch them.
             // SAFETY: T is Plain (no padding), so its bytes can be read.
-            let zero = unsafe {
-                std::slice::from_raw_parts(
-                    &value as *const T as *const u8,
-                    std::mem::size_of::<T>(),
-                )
-            }
-            .iter()
-            .all(|&x| x == 0);
+            let zero = unsafe { std::slice::from_raw_parts(&value as *const T as *const u8, std::mem::size_of::<T>()) }.iter().all(|&x| x == 0);
             if !zero {
                 b.fill(value);
             }
             return b;
         }
-        HugeBuf {
-            mapped: None,
-            fallback: vec![value; n],
-        }
+        HugeBuf { mapped: None, fallback: vec![value; n] }
     }
 
     #[cfg(target_os = "linux")]
     fn map(n: usize, bytes: usize) -> Option<(std::ptr::NonNull<T>, usize, usize)> {
-        if bytes < HUGE_MIN
-            || std::mem::align_of::<T>() > 4096
-            || std::env::var_os("KVCOMPASS_NO_HUGEPAGES").is_some()
-        {
+        if bytes < HUGE_MIN || std::mem::align_of::<T>() > 4096 || std::env::var_os("KVCOMPASS_NO_HUGEPAGES").is_some() {
             return None;
         }
         let len = bytes.next_multiple_of(HUGE_PAGE);
         // SAFETY: an anonymous private mapping with no address hint; the result is checked.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
         if p == libc::MAP_FAILED {
             return None;
         }
@@ -148,28 +123,17 @@ impl<T: Plain> Clone for HugeBuf<T> {
         let bytes = self.len() * std::mem::size_of::<T>();
         match Self::map(self.len(), bytes) {
             Some(m) => {
-                let mut b = HugeBuf {
-                    mapped: Some(m),
-                    fallback: Vec::new(),
-                };
+                let mut b = HugeBuf { mapped: Some(m), fallback: Vec::new() };
                 b.copy_from_slice(self);
                 b
             }
-            None => HugeBuf {
-                mapped: None,
-                fallback: self.to_vec(),
-            },
+            None => HugeBuf { mapped: None, fallback: self.to_vec() },
         }
     }
 }
 
 impl<T: Plain + std::fmt::Debug> std::fmt::Debug for HugeBuf<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "HugeBuf(len={}, huge={})",
-            self.len(),
-            self.mapped.is_some()
-        )
+        write!(f, "HugeBuf(len={}, huge={})", self.len(), self.mapped.is_some())
     }
 }

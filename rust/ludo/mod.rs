@@ -30,12 +30,7 @@ pub(crate) fn prefetch<T>(arr: &[T], idx: usize) {
     #[cfg(target_arch = "x86_64")]
     if idx < arr.len() {
         // SAFETY: the pointer is in bounds; a prefetch never faults and has no other effect.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch(
-                arr.as_ptr().add(idx) as *const i8,
-                std::arch::x86_64::_MM_HINT_T0,
-            )
-        }
+        unsafe { std::arch::x86_64::_mm_prefetch(arr.as_ptr().add(idx) as *const i8, std::arch::x86_64::_MM_HINT_T0) }
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (arr, idx);

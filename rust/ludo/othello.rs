@@ -35,10 +35,7 @@ struct Node {
 // SAFETY: four u32, no padding.
 unsafe impl Plain for Node {}
 
-const FRESH: Node = Node {
-    nbr: [NIL; INLINE],
-    up: ROOT | 1,
-};
+const FRESH: Node = Node { nbr: [NIL; INLINE], up: ROOT | 1 };
 
 #[derive(Clone, Debug)]
 pub struct Forest {
@@ -61,15 +58,7 @@ pub enum Join {
 
 impl Forest {
     pub fn new(ma: u32, mb: u32) -> Self {
-        Forest {
-            ma,
-            nodes: HugeBuf::filled(ma as usize + mb as usize, FRESH),
-            overflow: HashMap::new(),
-            live: 0,
-            stale: 0,
-            queue: Vec::new(),
-            queue_b: Vec::new(),
-        }
+        Forest { ma, nodes: HugeBuf::filled(ma as usize + mb as usize, FRESH), overflow: HashMap::new(), live: 0, stale: 0, queue: Vec::new(), queue_b: Vec::new() }
     }
 
     /// Graph node of A cell `ia` / B cell `ib`.
@@ -259,9 +248,7 @@ impl Forest {
             self.overflow.remove(&x);
         }
         let n = &mut self.nodes[x as usize];
-        let Some(i) = n.nbr.iter().position(|&z| z == y) else {
-            return;
-        };
+        let Some(i) = n.nbr.iter().position(|&z| z == y) else { return };
         let last = n.nbr.iter().rposition(|&z| z != NIL).unwrap_or(i);
         n.nbr[i] = n.nbr[last];
         n.nbr[last] = NIL;
@@ -318,11 +305,7 @@ impl Forest {
             + self.nodes.bytes()
             + 8 * (self.queue.capacity() + self.queue_b.capacity())
             + self.overflow.capacity() * (4 + std::mem::size_of::<Vec<u32>>() + 1)
-            + self
-                .overflow
-                .values()
-                .map(|v| 4 * v.capacity())
-                .sum::<usize>()
+            + self.overflow.values().map(|v| 4 * v.capacity()).sum::<usize>()
     }
 }
 

@@ -37,24 +37,12 @@ impl Geometry {
     /// Size a table for `capacity` entries at [`MAX_LOAD`]: Othello B has one node per slot and
     /// A about 4/3 as many, which keeps the random bipartite graph sparse enough to stay a forest.
     pub fn for_capacity(capacity: u64, value_bits: u8, fp_bits: u8, seed: u64) -> Result<Self> {
-        let nb = ((capacity.max(1) as f64) / (SLOTS as f64 * MAX_LOAD))
-            .ceil()
-            .max(2.0) as u64;
+        let nb = ((capacity.max(1) as f64) / (SLOTS as f64 * MAX_LOAD)).ceil().max(2.0) as u64;
         let mb = nb * SLOTS as u64;
         let ma = mb + mb.div_ceil(3);
-        let g = Geometry {
-            value_bits,
-            fp_bits,
-            seed,
-            n_buckets: nb.min(u32::MAX as u64) as u32,
-            ma: ma.min(u32::MAX as u64) as u32,
-            mb: mb.min(u32::MAX as u64) as u32,
-        };
+        let g = Geometry { value_bits, fp_bits, seed, n_buckets: nb.min(u32::MAX as u64) as u32, ma: ma.min(u32::MAX as u64) as u32, mb: mb.min(u32::MAX as u64) as u32 };
         if nb > MAX_BUCKETS as u64 {
-            return Err(CoreError::Capacity {
-                needed: capacity,
-                max: g.max_capacity(),
-            });
+            return Err(CoreError::Capacity { needed: capacity, max: g.max_capacity() });
         }
         g.validate()?;
         Ok(g)
@@ -62,32 +50,16 @@ impl Geometry {
 
     pub fn validate(&self) -> Result<()> {
         if self.value_bits != 32 && self.value_bits != 64 {
-            return Err(CoreError::InvalidArgument(format!(
-                "value_bits must be 32 or 64, got {}",
-                self.value_bits
-            )));
+            return Err(CoreError::InvalidArgument(format!("value_bits must be 32 or 64, got {}", self.value_bits)));
         }
         if self.fp_bits > MAX_FP_BITS {
-            return Err(CoreError::InvalidArgument(format!(
-                "fp_bits must be 0..={MAX_FP_BITS}, got {}",
-                self.fp_bits
-            )));
+            return Err(CoreError::InvalidArgument(format!("fp_bits must be 0..={MAX_FP_BITS}, got {}", self.fp_bits)));
         }
         if self.n_buckets < 2 || self.n_buckets > MAX_BUCKETS {
-            return Err(CoreError::InvalidArgument(format!(
-                "n_buckets {} outside 2..={MAX_BUCKETS}",
-                self.n_buckets
-            )));
+            return Err(CoreError::InvalidArgument(format!("n_buckets {} outside 2..={MAX_BUCKETS}", self.n_buckets)));
         }
-        if self.ma == 0
-            || self.mb == 0
-            || self.ma as u64 > 2 * MAX_BUCKETS as u64 * 4
-            || self.mb as u64 > 2 * MAX_BUCKETS as u64 * 4
-        {
-            return Err(CoreError::InvalidArgument(format!(
-                "Othello sizes ma={} mb={} out of range",
-                self.ma, self.mb
-            )));
+        if self.ma == 0 || self.mb == 0 || self.ma as u64 > 2 * MAX_BUCKETS as u64 * 4 || self.mb as u64 > 2 * MAX_BUCKETS as u64 * 4 {
+            return Err(CoreError::InvalidArgument(format!("Othello sizes ma={} mb={} out of range", self.ma, self.mb)));
         }
         Ok(())
     }
@@ -191,18 +163,7 @@ pub struct LudoView {
 impl LudoView {
     /// An empty view bound to (table, shard); it answers nothing until a snapshot arrives.
     pub fn new(table: u32, shard: u32) -> Self {
-        LudoView {
-            table,
-            shard,
-            epoch: 0,
-            seq: 0,
-            geo: None,
-            seeds: Seeds::from_table_seed(0),
-            words: HugeBuf::filled(0, 0),
-            oa: HugeBuf::filled(0, 0),
-            ob: HugeBuf::filled(0, 0),
-            fallback: Vec::new(),
-        }
+        LudoView { table, shard, epoch: 0, seq: 0, geo: None, seeds: Seeds::from_table_seed(0), words: HugeBuf::filled(0, 0), oa: HugeBuf::filled(0, 0), ob: HugeBuf::filled(0, 0), fallback: Vec::new() }
     }
 
     /// A view with the given geometry and all slots empty (what a fresh writer starts from).
@@ -253,10 +214,7 @@ impl LudoView {
         if self.fallback.is_empty() {
             return None;
         }
-        self.fallback
-            .binary_search_by_key(&key, |e| e.0)
-            .ok()
-            .map(|i| self.fallback[i].1)
+        self.fallback.binary_search_by_key(&key, |e| e.0).ok().map(|i| self.fallback[i].1)
     }
     pub(crate) fn set_position(&mut self, epoch: u64, seq: u64) {
         self.epoch = epoch;
@@ -279,10 +237,7 @@ impl LudoView {
 
     #[inline(always)]
     pub(crate) fn value_at(&self, g: &Geometry, bucket: u32, slot: usize) -> u64 {
-        let off = Self::rec_off(g, bucket)
-            + 8
-            + SLOTS * g.fp_bits as usize
-            + slot * g.value_bits as usize;
+        let off = Self::rec_off(g, bucket) + 8 + SLOTS * g.fp_bits as usize + slot * g.value_bits as usize;
         read_bits(&self.words, off, g.value_bits as u32)
     }
 
@@ -291,11 +246,7 @@ impl LudoView {
         if g.fp_bits == 0 {
             return 0;
         }
-        read_bits(
-            &self.words,
-            Self::rec_off(g, bucket) + 8 + slot * g.fp_bits as usize,
-            g.fp_bits as u32,
-        )
+        read_bits(&self.words, Self::rec_off(g, bucket) + 8 + slot * g.fp_bits as usize, g.fp_bits as u32)
     }
 
     fn set_seed(&mut self, g: &Geometry, bucket: u32, s: u8) {
@@ -304,19 +255,9 @@ impl LudoView {
 
     fn set_slot(&mut self, g: &Geometry, bucket: u32, slot: usize, value: u64, fp: u64) {
         let base = Self::rec_off(g, bucket);
-        write_bits(
-            &mut self.words,
-            base + 8 + SLOTS * g.fp_bits as usize + slot * g.value_bits as usize,
-            g.value_bits as u32,
-            value,
-        );
+        write_bits(&mut self.words, base + 8 + SLOTS * g.fp_bits as usize + slot * g.value_bits as usize, g.value_bits as u32, value);
         if g.fp_bits > 0 {
-            write_bits(
-                &mut self.words,
-                base + 8 + slot * g.fp_bits as usize,
-                g.fp_bits as u32,
-                fp,
-            );
+            write_bits(&mut self.words, base + 8 + slot * g.fp_bits as usize, g.fp_bits as u32, fp);
         }
     }
 
@@ -326,11 +267,7 @@ impl LudoView {
     }
 
     pub(crate) fn flip(&mut self, cell: u32) {
-        let (arr, i) = if cell & FLIP_B != 0 {
-            (&mut self.ob, cell & !FLIP_B)
-        } else {
-            (&mut self.oa, cell)
-        };
+        let (arr, i) = if cell & FLIP_B != 0 { (&mut self.ob, cell & !FLIP_B) } else { (&mut self.oa, cell) };
         arr[(i >> 6) as usize] ^= 1 << (i & 63);
     }
 
@@ -362,16 +299,9 @@ impl LudoView {
         let g = self.geo.as_ref()?;
         let (b0, b1) = hash::buckets(key, &self.seeds, g.n_buckets);
         let (ia, ib) = hash::othello_edge(key, &self.seeds, g.ma, g.mb);
-        let b = if self.othello_bit(ia, ib) == 0 {
-            b0
-        } else {
-            b1
-        };
+        let b = if self.othello_bit(ia, ib) == 0 { b0 } else { b1 };
         let s = self.seed_at(g, b);
-        Some(Probe {
-            bucket: b,
-            slot: hash::slot(key, &self.seeds, s),
-        })
+        Some(Probe { bucket: b, slot: hash::slot(key, &self.seeds, s) })
     }
 
     /// The value stored for `key`, or 0 for "no holder". Without fingerprints a never-inserted
@@ -391,15 +321,10 @@ impl LudoView {
         let rb = g.record_bits();
         prefetch(&self.words, (b0 as usize * rb) >> 6);
         prefetch(&self.words, (b1 as usize * rb) >> 6);
-        let b = if self.othello_bit(ia, ib) == 0 {
-            b0
-        } else {
-            b1
-        };
+        let b = if self.othello_bit(ia, ib) == 0 { b0 } else { b1 };
         let s = self.seed_at(g, b);
         let slot = hash::slot(key, &self.seeds, s);
-        if g.fp_bits > 0 && self.fp_at(g, b, slot) != hash::fingerprint(key, &self.seeds, g.fp_bits)
-        {
+        if g.fp_bits > 0 && self.fp_at(g, b, slot) != hash::fingerprint(key, &self.seeds, g.fp_bits) {
             return 0;
         }
         self.value_at(g, b, slot)
@@ -439,20 +364,10 @@ impl LudoView {
                         continue;
                     }
                 }
-                let b = if self.othello_bit(ia, ib) == 0 {
-                    b0
-                } else {
-                    b1
-                };
+                let b = if self.othello_bit(ia, ib) == 0 { b0 } else { b1 };
                 let s = self.seed_at(g, b);
                 let slot = hash::slot(k, &self.seeds, s);
-                out[i + j] = if g.fp_bits > 0
-                    && self.fp_at(g, b, slot) != hash::fingerprint(k, &self.seeds, g.fp_bits)
-                {
-                    0
-                } else {
-                    self.value_at(g, b, slot)
-                };
+                out[i + j] = if g.fp_bits > 0 && self.fp_at(g, b, slot) != hash::fingerprint(k, &self.seeds, g.fp_bits) { 0 } else { self.value_at(g, b, slot) };
             }
             i += m;
         }
@@ -462,10 +377,7 @@ impl LudoView {
 
     fn check_value(g: &Geometry, v: u64) -> Result<()> {
         if v & !g.value_mask() != 0 {
-            return Err(CoreError::MalformedPatch(format!(
-                "value {v:#x} wider than {} bits",
-                g.value_bits
-            )));
+            return Err(CoreError::MalformedPatch(format!("value {v:#x} wider than {} bits", g.value_bits)));
         }
         Ok(())
     }
@@ -476,18 +388,14 @@ impl LudoView {
     fn validate_ops(&self, g: &Geometry, ops: &[Op]) -> Result<()> {
         let mut overlay: std::collections::HashMap<u32, u8> = std::collections::HashMap::new();
         let occupied = |ov: &std::collections::HashMap<u32, u8>, b: u32| -> u8 {
-            ov.get(&b).copied().unwrap_or_else(|| {
-                (0..SLOTS).fold(0u8, |m, j| m | (((self.value_at(g, b, j) != 0) as u8) << j))
-            })
+            ov.get(&b).copied().unwrap_or_else(|| (0..SLOTS).fold(0u8, |m, j| m | (((self.value_at(g, b, j) != 0) as u8) << j)))
         };
         for op in ops {
             Self::validate_op(g, op)?;
             match op {
                 Op::SetValue { bucket, slot, .. } => {
                     if occupied(&overlay, *bucket) & (1 << slot) == 0 {
-                        return Err(CoreError::MalformedPatch(format!(
-                            "set-value into empty slot {slot} of bucket {bucket}"
-                        )));
+                        return Err(CoreError::MalformedPatch(format!("set-value into empty slot {slot} of bucket {bucket}")));
                     }
                 }
                 Op::ClearSlot { bucket, slot } => {
@@ -501,19 +409,13 @@ impl LudoView {
                         for (j, &p) in st.perm.iter().enumerate() {
                             if p < PERM_EMPTY {
                                 if old & (1 << p) == 0 {
-                                    return Err(CoreError::MalformedPatch(format!(
-                                        "slot permutation of bucket {} moves empty slot {p}",
-                                        st.bucket
-                                    )));
+                                    return Err(CoreError::MalformedPatch(format!("slot permutation of bucket {} moves empty slot {p}", st.bucket)));
                                 }
                                 m |= 1 << j;
                             }
                         }
                         if m & (1 << st.slot) != 0 {
-                            return Err(CoreError::MalformedPatch(format!(
-                                "insert step overwrites occupied slot {} of bucket {}",
-                                st.slot, st.bucket
-                            )));
+                            return Err(CoreError::MalformedPatch(format!("insert step overwrites occupied slot {} of bucket {}", st.slot, st.bucket)));
                         }
                         overlay.insert(st.bucket, m | (1 << st.slot));
                     }
@@ -529,16 +431,9 @@ impl LudoView {
         let bad = |m: String| Err(CoreError::MalformedPatch(m));
         let bucket_ok = |b: u32| b < g.n_buckets;
         match op {
-            Op::SetValue {
-                bucket,
-                slot,
-                value,
-            } => {
+            Op::SetValue { bucket, slot, value } => {
                 if !bucket_ok(*bucket) || *slot as usize >= SLOTS {
-                    return bad(format!(
-                        "set-value at bucket {bucket} slot {slot} outside {} buckets",
-                        g.n_buckets
-                    ));
+                    return bad(format!("set-value at bucket {bucket} slot {slot} outside {} buckets", g.n_buckets));
                 }
                 if *value == 0 {
                     return bad("set-value writes 0 (a removal is a clear-slot)".into());
@@ -547,28 +442,14 @@ impl LudoView {
             }
             Op::ClearSlot { bucket, slot } => {
                 if !bucket_ok(*bucket) || *slot as usize >= SLOTS {
-                    return bad(format!(
-                        "clear at bucket {bucket} slot {slot} outside {} buckets",
-                        g.n_buckets
-                    ));
+                    return bad(format!("clear at bucket {bucket} slot {slot} outside {} buckets", g.n_buckets));
                 }
                 Ok(())
             }
             Op::InsertPath { steps } => {
-                for Step {
-                    bucket,
-                    seed,
-                    perm,
-                    slot,
-                    value,
-                    fp,
-                    flips,
-                } in steps
-                {
+                for Step { bucket, seed, perm, slot, value, fp, flips } in steps {
                     if !bucket_ok(*bucket) || *slot as usize >= SLOTS || *seed > MAX_SEED {
-                        return bad(format!(
-                            "insert step at bucket {bucket} slot {slot} seed {seed} out of range"
-                        ));
+                        return bad(format!("insert step at bucket {bucket} slot {slot} seed {seed} out of range"));
                     }
                     let mut seen = 0u8;
                     for &p in perm {
@@ -586,20 +467,11 @@ impl LudoView {
                     if *value == 0 {
                         return bad("insert step writes value 0".into());
                     }
-                    if (g.fp_bits == 0 && *fp != 0)
-                        || (g.fp_bits > 0 && (*fp == 0 || (*fp as u64) >> g.fp_bits != 0))
-                    {
-                        return bad(format!(
-                            "fingerprint {fp} invalid for {} fingerprint bits",
-                            g.fp_bits
-                        ));
+                    if (g.fp_bits == 0 && *fp != 0) || (g.fp_bits > 0 && (*fp == 0 || (*fp as u64) >> g.fp_bits != 0)) {
+                        return bad(format!("fingerprint {fp} invalid for {} fingerprint bits", g.fp_bits));
                     }
                     for &c in flips {
-                        let (lim, i) = if c & FLIP_B != 0 {
-                            (g.mb, c & !FLIP_B)
-                        } else {
-                            (g.ma, c)
-                        };
+                        let (lim, i) = if c & FLIP_B != 0 { (g.mb, c & !FLIP_B) } else { (g.ma, c) };
                         if i >= lim {
                             return bad(format!("Othello flip {i} outside array of {lim}"));
                         }
@@ -609,9 +481,7 @@ impl LudoView {
             }
             Op::FallbackSet { key, value } => {
                 if key >> 63 != 0 || *value == 0 {
-                    return bad(format!(
-                        "fallback entry key {key:#x} value {value:#x} invalid"
-                    ));
+                    return bad(format!("fallback entry key {key:#x} value {value:#x} invalid"));
                 }
                 Self::check_value(g, *value)
             }
@@ -629,18 +499,9 @@ impl LudoView {
     /// the new slot, flip the Othello cells.
     pub(crate) fn apply_step(&mut self, st: &Step) {
         let Some(g) = self.geo else { return };
-        let old: [(u64, u64); SLOTS] = std::array::from_fn(|j| {
-            (
-                self.value_at(&g, st.bucket, j),
-                self.fp_at(&g, st.bucket, j),
-            )
-        });
+        let old: [(u64, u64); SLOTS] = std::array::from_fn(|j| (self.value_at(&g, st.bucket, j), self.fp_at(&g, st.bucket, j)));
         for (j, &p) in st.perm.iter().enumerate() {
-            let (v, f) = if p < PERM_EMPTY {
-                old[p as usize]
-            } else {
-                (0, 0)
-            };
+            let (v, f) = if p < PERM_EMPTY { old[p as usize] } else { (0, 0) };
             self.set_slot(&g, st.bucket, j, v, f);
         }
         self.set_seed(&g, st.bucket, st.seed);
@@ -658,11 +519,7 @@ impl LudoView {
             None => return,
         };
         match op {
-            Op::SetValue {
-                bucket,
-                slot,
-                value,
-            } => {
+            Op::SetValue { bucket, slot, value } => {
                 let fp = self.fp_at(&g, *bucket, *slot as usize);
                 self.set_slot(&g, *bucket, *slot as usize, *value, fp);
             }
@@ -672,12 +529,10 @@ impl LudoView {
                     self.apply_step(st);
                 }
             }
-            Op::FallbackSet { key, value } => {
-                match self.fallback.binary_search_by_key(key, |e| e.0) {
-                    Ok(i) => self.fallback[i].1 = *value,
-                    Err(i) => self.fallback.insert(i, (*key, *value)),
-                }
-            }
+            Op::FallbackSet { key, value } => match self.fallback.binary_search_by_key(key, |e| e.0) {
+                Ok(i) => self.fallback[i].1 = *value,
+                Err(i) => self.fallback.insert(i, (*key, *value)),
+            },
             Op::FallbackRemove { key } => {
                 if let Ok(i) = self.fallback.binary_search_by_key(key, |e| e.0) {
                     self.fallback.remove(i);
@@ -697,21 +552,11 @@ impl LudoView {
     pub fn apply_decoded(&mut self, batch: &Batch) -> Result<Applied> {
         let h = &batch.header;
         if h.table != self.table || h.shard != self.shard {
-            return Err(CoreError::WrongTable {
-                table: self.table,
-                shard: self.shard,
-                got_table: h.table,
-                got_shard: h.shard,
-            });
+            return Err(CoreError::WrongTable { table: self.table, shard: self.shard, got_table: h.table, got_shard: h.shard });
         }
         if let Some(Op::Snapshot { state }) = batch.ops.first() {
             if self.geo.is_some() && (h.epoch, h.seq) < (self.epoch, self.seq) {
-                return Err(CoreError::StalePatch {
-                    epoch: self.epoch,
-                    seq: self.seq,
-                    got_epoch: h.epoch,
-                    got_seq: h.seq,
-                });
+                return Err(CoreError::StalePatch { epoch: self.epoch, seq: self.seq, got_epoch: h.epoch, got_seq: h.seq });
             }
             let mut fresh = LudoView::from_state(self.table, self.shard, state)?;
             let g = fresh.geo.ok_or(CoreError::Uninitialised)?;
@@ -722,46 +567,24 @@ impl LudoView {
             fresh.epoch = h.epoch;
             fresh.seq = h.seq;
             *self = fresh;
-            return Ok(Applied {
-                epoch: h.epoch,
-                seq: h.seq,
-                ops: h.n_ops,
-                snapshot: true,
-            });
+            return Ok(Applied { epoch: h.epoch, seq: h.seq, ops: h.n_ops, snapshot: true });
         }
         let g = *self.geo_or_err()?;
         if h.epoch < self.epoch || (h.epoch == self.epoch && h.seq <= self.seq) {
-            return Err(CoreError::StalePatch {
-                epoch: self.epoch,
-                seq: self.seq,
-                got_epoch: h.epoch,
-                got_seq: h.seq,
-            });
+            return Err(CoreError::StalePatch { epoch: self.epoch, seq: self.seq, got_epoch: h.epoch, got_seq: h.seq });
         }
         if h.epoch > self.epoch {
-            return Err(CoreError::EpochChanged {
-                epoch: self.epoch,
-                got_epoch: h.epoch,
-            });
+            return Err(CoreError::EpochChanged { epoch: self.epoch, got_epoch: h.epoch });
         }
         if h.seq != self.seq + 1 {
-            return Err(CoreError::SequenceGap {
-                epoch: self.epoch,
-                expected: self.seq + 1,
-                got: h.seq,
-            });
+            return Err(CoreError::SequenceGap { epoch: self.epoch, expected: self.seq + 1, got: h.seq });
         }
         self.validate_ops(&g, &batch.ops)?;
         for op in &batch.ops {
             self.apply_op(op);
         }
         self.seq = h.seq;
-        Ok(Applied {
-            epoch: h.epoch,
-            seq: h.seq,
-            ops: h.n_ops,
-            snapshot: false,
-        })
+        Ok(Applied { epoch: h.epoch, seq: h.seq, ops: h.n_ops, snapshot: false })
     }
 
     // ---- state encoding -------------------------------------------------------------------
@@ -769,9 +592,7 @@ impl LudoView {
     /// The canonical encoding of the view's contents (not its position): two views with equal
     /// state bytes answer every lookup identically.
     pub fn state_bytes(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(
-            64 + 8 * (self.words.len() + self.oa.len() + self.ob.len()) + 16 * self.fallback.len(),
-        );
+        let mut out = Vec::with_capacity(64 + 8 * (self.words.len() + self.oa.len() + self.ob.len()) + 16 * self.fallback.len());
         out.extend_from_slice(STATE_MAGIC);
         out.push(STATE_VERSION);
         let g = match self.geo {
@@ -819,27 +640,13 @@ impl LudoView {
         if r.u8("snapshot flag")? != 1 {
             return Err(bad("state of an uninitialised view"));
         }
-        let g = Geometry {
-            value_bits: r.u8("value bits")?,
-            fp_bits: r.u8("fp bits")?,
-            seed: r.u64("seed")?,
-            n_buckets: r.u32("buckets")?,
-            ma: r.u32("ma")?,
-            mb: r.u32("mb")?,
-        };
+        let g = Geometry { value_bits: r.u8("value bits")?, fp_bits: r.u8("fp bits")?, seed: r.u64("seed")?, n_buckets: r.u32("buckets")?, ma: r.u32("ma")?, mb: r.u32("mb")? };
         g.validate().map_err(|e| bad(&e.to_string()))?;
         let nf = r.u32("fallback count")? as usize;
-        let (nw, na, nbw) = (
-            g.bucket_words(),
-            (g.ma as usize).div_ceil(64),
-            (g.mb as usize).div_ceil(64),
-        );
+        let (nw, na, nbw) = (g.bucket_words(), (g.ma as usize).div_ceil(64), (g.mb as usize).div_ceil(64));
         let need = (nw + na + nbw) * 8 + nf * 16;
         if r.remaining() != need {
-            return Err(bad(&format!(
-                "{} bytes of arrays, geometry needs {need}",
-                r.remaining()
-            )));
+            return Err(bad(&format!("{} bytes of arrays, geometry needs {need}", r.remaining())));
         }
         let mut read_words = |n: usize, what: &str| -> Result<HugeBuf<u64>> {
             let b = r.bytes(n * 8, what)?;
@@ -866,18 +673,7 @@ impl LudoView {
             }
             fallback.push((k, v));
         }
-        let view = LudoView {
-            table,
-            shard,
-            epoch: 0,
-            seq: 0,
-            geo: Some(g),
-            seeds: Seeds::from_table_seed(g.seed),
-            words,
-            oa,
-            ob,
-            fallback,
-        };
+        let view = LudoView { table, shard, epoch: 0, seq: 0, geo: Some(g), seeds: Seeds::from_table_seed(g.seed), words, oa, ob, fallback };
         // Reject bytes that no writer could have produced, so a corrupt snapshot cannot pass as
         // a valid one: seeds in range, padding bits zero, fingerprints consistent with values.
         let total_bits = g.n_buckets as usize * g.record_bits();
@@ -892,10 +688,7 @@ impl LudoView {
                 }
             }
         }
-        if tail_nonzero(&view.words, total_bits)
-            || tail_nonzero(&view.oa, g.ma as usize)
-            || tail_nonzero(&view.ob, g.mb as usize)
-        {
+        if tail_nonzero(&view.words, total_bits) || tail_nonzero(&view.oa, g.ma as usize) || tail_nonzero(&view.ob, g.mb as usize) {
             return Err(bad("nonzero padding bits"));
         }
         Ok(view)
@@ -905,11 +698,7 @@ impl LudoView {
 
     /// Heap plus inline bytes held by this view.
     pub fn memory_bytes(&self) -> usize {
-        std::mem::size_of::<Self>()
-            + self.words.bytes()
-            + self.oa.bytes()
-            + self.ob.bytes()
-            + 16 * self.fallback.capacity()
+        std::mem::size_of::<Self>() + self.words.bytes() + self.oa.bytes() + self.ob.bytes() + 16 * self.fallback.capacity()
     }
 
     /// Occupied bucket slots plus fallback entries (a view scan; for statistics, not hot paths).
@@ -937,6 +726,7 @@ fn tail_nonzero(words: &[u64], used_bits: usize) -> bool {
     }
     words.get(i..).is_some_and(|t| t.iter().any(|&w| w != 0))
 }
+
 
 impl crate::score::TierLookup for LudoView {
     #[inline]
@@ -981,17 +771,7 @@ mod tests {
     fn state_roundtrip_and_corrupt_snapshots_rejected() {
         let g = Geometry::for_capacity(100, 32, 8, 3).unwrap();
         let mut v = LudoView::empty(0, 0, 1, g).unwrap();
-        v.apply_op(&Op::InsertPath {
-            steps: vec![Step {
-                bucket: 1,
-                seed: 3,
-                perm: [0, 1, 2, 3],
-                slot: 2,
-                value: 5,
-                fp: 9,
-                flips: vec![3, 2 | FLIP_B],
-            }],
-        });
+        v.apply_op(&Op::InsertPath { steps: vec![Step { bucket: 1, seed: 3, perm: [0, 1, 2, 3], slot: 2, value: 5, fp: 9, flips: vec![3, 2 | FLIP_B] }] });
         v.apply_op(&Op::FallbackSet { key: 42, value: 7 });
         let s = v.state_bytes();
         let w = LudoView::from_state(0, 0, &s).unwrap();

@@ -8,41 +8,19 @@ use pyo3::types::PyBytes;
 fn describe(obj: &Bound<'_, PyAny>) -> String {
     match (obj.getattr("dtype"), obj.getattr("ndim")) {
         (Ok(d), Ok(n)) => format!("a {n}-D array of {d}"),
-        _ => format!(
-            "{}",
-            obj.get_type()
-                .name()
-                .map(|n| n.to_string())
-                .unwrap_or_else(|_| "?".into())
-        ),
+        _ => format!("{}", obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())),
     }
 }
 
 /// Copy a 1-D contiguous numpy array of exactly dtype `T` (no silent casts: a float or int64
 /// array is a caller bug worth surfacing, not something to truncate).
-pub fn vec_of<T: Element + Copy>(
-    name: &str,
-    dtype: &str,
-    obj: &Bound<'_, PyAny>,
-) -> PyResult<Vec<T>> {
-    let arr = obj.cast::<PyArray1<T>>().map_err(|_| {
-        PyValueError::new_err(format!(
-            "{name}: expected a 1-D numpy array of {dtype}, got {}",
-            describe(obj)
-        ))
-    })?;
+pub fn vec_of<T: Element + Copy>(name: &str, dtype: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<T>> {
+    let arr = obj.cast::<PyArray1<T>>().map_err(|_| PyValueError::new_err(format!("{name}: expected a 1-D numpy array of {dtype}, got {}", describe(obj))))?;
     if !arr.is_contiguous() {
-        return Err(PyValueError::new_err(format!(
-            "{name}: array must be C-contiguous (use numpy.ascontiguousarray)"
-        )));
+        return Err(PyValueError::new_err(format!("{name}: array must be C-contiguous (use numpy.ascontiguousarray)")));
     }
-    let ro = arr
-        .try_readonly()
-        .map_err(|e| PyValueError::new_err(format!("{name}: {e}")))?;
-    Ok(ro
-        .as_slice()
-        .map_err(|e| PyValueError::new_err(format!("{name}: {e}")))?
-        .to_vec())
+    let ro = arr.try_readonly().map_err(|e| PyValueError::new_err(format!("{name}: {e}")))?;
+    Ok(ro.as_slice().map_err(|e| PyValueError::new_err(format!("{name}: {e}")))?.to_vec())
 }
 
 pub fn u32_vec(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
@@ -60,16 +38,6 @@ pub fn f64_vec(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<f64>> {
 
 /// A 32-byte namespace digest.
 pub fn ns_bytes(obj: &Bound<'_, PyAny>) -> PyResult<[u8; 32]> {
-    let b = obj.cast::<PyBytes>().map_err(|_| {
-        PyValueError::new_err(format!(
-            "namespace: expected 32 bytes from namespace_digest(), got {}",
-            describe(obj)
-        ))
-    })?;
-    b.as_bytes().try_into().map_err(|_| {
-        PyValueError::new_err(format!(
-            "namespace: expected 32 bytes, got {}",
-            b.as_bytes().len()
-        ))
-    })
+    let b = obj.cast::<PyBytes>().map_err(|_| PyValueError::new_err(format!("namespace: expected 32 bytes from namespace_digest(), got {}", describe(obj))))?;
+    b.as_bytes().try_into().map_err(|_| PyValueError::new_err(format!("namespace: expected 32 bytes, got {}", b.as_bytes().len())))
 }

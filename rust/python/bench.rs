@@ -26,12 +26,7 @@ fn check_block(block: usize) -> PyResult<()> {
 /// Mean ns per single-key `lookup` over consecutive blocks of `block` keys (one sample a block).
 #[pyfunction]
 #[pyo3(signature = (view, keys, block=256))]
-fn bench_lookup_ns<'py>(
-    py: Python<'py>,
-    view: PyRef<'py, PyLudoView>,
-    keys: &Bound<'py, PyAny>,
-    block: usize,
-) -> PyResult<Bound<'py, PyArray1<f64>>> {
+fn bench_lookup_ns<'py>(py: Python<'py>, view: PyRef<'py, PyLudoView>, keys: &Bound<'py, PyAny>, block: usize) -> PyResult<Bound<'py, PyArray1<f64>>> {
     check_block(block)?;
     let keys = u64_vec("keys", keys)?;
     let inner = view.inner.clone();
@@ -55,75 +50,54 @@ fn bench_lookup_ns<'py>(
 /// Per-op ns of `remove(old[i])` then `insert(new[i], value)`: occupancy stays where it is, so
 /// each insert is measured at the table's current load. Batches are taken (untimed) every 256.
 #[pyfunction]
-fn bench_remove_insert_ns<'py>(
-    py: Python<'py>,
-    table: PyRef<'py, PyLudoTable>,
-    old: &Bound<'py, PyAny>,
-    new: &Bound<'py, PyAny>,
-    value: u64,
-) -> PyResult<(Bound<'py, PyArray1<f64>>, Bound<'py, PyArray1<f64>>)> {
+fn bench_remove_insert_ns<'py>(py: Python<'py>, table: PyRef<'py, PyLudoTable>, old: &Bound<'py, PyAny>, new: &Bound<'py, PyAny>, value: u64) -> PyResult<(Bound<'py, PyArray1<f64>>, Bound<'py, PyArray1<f64>>)> {
     let old = u64_vec("old", old)?;
     let new = u64_vec("new", new)?;
     if old.len() != new.len() {
-        return Err(PyValueError::new_err(
-            "old and new must have the same length",
-        ));
+        return Err(PyValueError::new_err("old and new must have the same length"));
     }
     let tb: &PyLudoTable = &table;
-    let (ins, rem) = py
-        .detach(|| {
-            tb.with_table(|t| {
-                let mut ins = Vec::with_capacity(new.len());
-                let mut rem = Vec::with_capacity(old.len());
-                for i in 0..new.len() {
-                    let a = Instant::now();
-                    t.remove(old[i])?;
-                    let b = Instant::now();
-                    t.insert(new[i], value)?;
-                    let c = Instant::now();
-                    rem.push((b - a).as_nanos() as f64);
-                    ins.push((c - b).as_nanos() as f64);
-                    if i % 256 == 255 {
-                        black_box(t.take_batch());
-                    }
-                }
+    let (ins, rem) = py.detach(|| tb.with_table(|t| {
+        let mut ins = Vec::with_capacity(new.len());
+        let mut rem = Vec::with_capacity(old.len());
+        for i in 0..new.len() {
+            let a = Instant::now();
+            t.remove(old[i])?;
+            let b = Instant::now();
+            t.insert(new[i], value)?;
+            let c = Instant::now();
+            rem.push((b - a).as_nanos() as f64);
+            ins.push((c - b).as_nanos() as f64);
+            if i % 256 == 255 {
                 black_box(t.take_batch());
-                Ok((ins, rem))
-            })
-        })?
-        .map_err(core_err)?;
+            }
+        }
+        black_box(t.take_batch());
+        Ok((ins, rem))
+    }))?.map_err(core_err)?;
     Ok((ins.into_pyarray(py), rem.into_pyarray(py)))
 }
 
 /// Mean ns per value update (`set` on present keys, alternating two values) per block.
 #[pyfunction]
 #[pyo3(signature = (table, keys, block=256))]
-fn bench_update_ns<'py>(
-    py: Python<'py>,
-    table: PyRef<'py, PyLudoTable>,
-    keys: &Bound<'py, PyAny>,
-    block: usize,
-) -> PyResult<Bound<'py, PyArray1<f64>>> {
+fn bench_update_ns<'py>(py: Python<'py>, table: PyRef<'py, PyLudoTable>, keys: &Bound<'py, PyAny>, block: usize) -> PyResult<Bound<'py, PyArray1<f64>>> {
     check_block(block)?;
     let keys = u64_vec("keys", keys)?;
     let tb: &PyLudoTable = &table;
-    let out = py
-        .detach(|| {
-            tb.with_table(|t| {
-                let mut out = Vec::with_capacity(keys.len() / block + 1);
-                for (bi, c) in keys.chunks(block).enumerate() {
-                    let v = 1 + (bi as u64 & 1);
-                    let a = Instant::now();
-                    for &k in c {
-                        t.set(k, v)?;
-                    }
-                    out.push(a.elapsed().as_nanos() as f64 / c.len() as f64);
-                    black_box(t.take_batch());
-                }
-                Ok(out)
-            })
-        })?
-        .map_err(core_err)?;
+    let out = py.detach(|| tb.with_table(|t| {
+        let mut out = Vec::with_capacity(keys.len() / block + 1);
+        for (bi, c) in keys.chunks(block).enumerate() {
+            let v = 1 + (bi as u64 & 1);
+            let a = Instant::now();
+            for &k in c {
+                t.set(k, v)?;
+            }
+            out.push(a.elapsed().as_nanos() as f64 / c.len() as f64);
+            black_box(t.take_batch());
+        }
+        Ok(out)
+    }))?.map_err(core_err)?;
     Ok(out.into_pyarray(py))
 }
 
@@ -131,35 +105,11 @@ fn bench_update_ns<'py>(
 #[pyfunction]
 #[pyo3(signature = (router, tokens, namespace, region, beta, wan, tq, belief, n, gamma=0.005, lam=0.0, closure=true))]
 #[allow(clippy::too_many_arguments)]
-fn bench_route_ns<'py>(
-    py: Python<'py>,
-    router: PyRef<'py, PyRouter>,
-    tokens: &Bound<'py, PyAny>,
-    namespace: &Bound<'py, PyAny>,
-    region: &Bound<'py, PyAny>,
-    beta: &Bound<'py, PyAny>,
-    wan: &Bound<'py, PyAny>,
-    tq: &Bound<'py, PyAny>,
-    belief: &Bound<'py, PyAny>,
-    n: usize,
-    gamma: f64,
-    lam: f64,
-    closure: bool,
-) -> PyResult<Bound<'py, PyArray1<f64>>> {
+fn bench_route_ns<'py>(py: Python<'py>, router: PyRef<'py, PyRouter>, tokens: &Bound<'py, PyAny>, namespace: &Bound<'py, PyAny>, region: &Bound<'py, PyAny>, beta: &Bound<'py, PyAny>, wan: &Bound<'py, PyAny>, tq: &Bound<'py, PyAny>, belief: &Bound<'py, PyAny>, n: usize, gamma: f64, lam: f64, closure: bool) -> PyResult<Bound<'py, PyArray1<f64>>> {
     let ns = ns_bytes(namespace)?;
     let tokens = u32_vec("tokens", tokens)?;
-    let w = Workers {
-        region: u32_vec("region", region)?,
-        beta: f64_vec("beta", beta)?,
-        wan: f64_vec("wan", wan)?,
-        tq: f64_vec("tq", tq)?,
-        belief: f64_vec("belief", belief)?,
-    };
-    let params = ScoreParams {
-        gamma,
-        lambda: lam,
-        closure,
-    };
+    let w = Workers { region: u32_vec("region", region)?, beta: f64_vec("beta", beta)?, wan: f64_vec("wan", wan)?, tq: f64_vec("tq", tq)?, belief: f64_vec("belief", belief)? };
+    let params = ScoreParams { gamma, lambda: lam, closure };
     let r = &*router;
     let out = py.detach(|| {
         let mut scratch = RouteScratch::new();
@@ -176,11 +126,7 @@ fn bench_route_ns<'py>(
 
 /// Per-call ns of a plain SHA-256 over the tokens' little-endian bytes (the route's floor).
 #[pyfunction]
-fn bench_sha256_ns<'py>(
-    py: Python<'py>,
-    tokens: &Bound<'py, PyAny>,
-    n: usize,
-) -> PyResult<Bound<'py, PyArray1<f64>>> {
+fn bench_sha256_ns<'py>(py: Python<'py>, tokens: &Bound<'py, PyAny>, n: usize) -> PyResult<Bound<'py, PyArray1<f64>>> {
     let tokens = u32_vec("tokens", tokens)?;
     let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
     let out = py.detach(|| {

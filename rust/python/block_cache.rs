@@ -33,35 +33,12 @@ pub(crate) fn events_out<'py>(py: Python<'py>, events: Vec<Event>) -> PyResult<B
     let out = PyList::empty(py);
     for e in events {
         match e {
-            Event::Stored {
-                medium,
-                hashes,
-                parent,
-                tokens,
-                salt,
-            } => {
-                let t = PyTuple::new(
-                    py,
-                    [
-                        true.into_pyobject(py)?.to_owned().into_any(),
-                        medium.into_pyobject(py)?.into_any(),
-                        hashes.into_pyarray(py).into_any(),
-                        parent.into_pyobject(py)?.into_any(),
-                        tokens.into_pyarray(py).into_any(),
-                        salt.into_pyobject(py)?.into_any(),
-                    ],
-                )?;
+            Event::Stored { medium, hashes, parent, tokens, salt } => {
+                let t = PyTuple::new(py, [true.into_pyobject(py)?.to_owned().into_any(), medium.into_pyobject(py)?.into_any(), hashes.into_pyarray(py).into_any(), parent.into_pyobject(py)?.into_any(), tokens.into_pyarray(py).into_any(), salt.into_pyobject(py)?.into_any()])?;
                 out.append(t)?;
             }
             Event::Removed { medium, hashes } => {
-                let t = PyTuple::new(
-                    py,
-                    [
-                        false.into_pyobject(py)?.to_owned().into_any(),
-                        medium.into_pyobject(py)?.into_any(),
-                        hashes.into_pyarray(py).into_any(),
-                    ],
-                )?;
+                let t = PyTuple::new(py, [false.into_pyobject(py)?.to_owned().into_any(), medium.into_pyobject(py)?.into_any(), hashes.into_pyarray(py).into_any()])?;
                 out.append(t)?;
             }
         }
@@ -71,13 +48,7 @@ pub(crate) fn events_out<'py>(py: Python<'py>, events: Vec<Event>) -> PyResult<B
 
 impl PyBlockCache {
     /// A placement: the prompt's chain (remembered or hashed) and `f`, without the GIL.
-    fn place<'py, F>(
-        &mut self,
-        py: Python<'py>,
-        tokens: &Bound<'py, PyAny>,
-        salt_seed: u64,
-        f: F,
-    ) -> PyResult<Bound<'py, PyList>>
+    fn place<'py, F>(&mut self, py: Python<'py>, tokens: &Bound<'py, PyAny>, salt_seed: u64, f: F) -> PyResult<Bound<'py, PyList>>
     where
         F: FnOnce(&mut BlockCache, &[u32], &[u64]) -> crate::error::Result<Vec<Event>> + Send,
     {
@@ -97,17 +68,8 @@ impl PyBlockCache {
 impl PyBlockCache {
     #[new]
     #[pyo3(signature = (block_size, vram_blocks, dram_blocks, lfu, name_seed=0))]
-    fn new(
-        block_size: usize,
-        vram_blocks: usize,
-        dram_blocks: usize,
-        lfu: bool,
-        name_seed: u64,
-    ) -> PyResult<Self> {
-        Ok(PyBlockCache {
-            inner: BlockCache::new(block_size, vram_blocks, dram_blocks, lfu, name_seed)
-                .map_err(core_err)?,
-        })
+    fn new(block_size: usize, vram_blocks: usize, dram_blocks: usize, lfu: bool, name_seed: u64) -> PyResult<Self> {
+        Ok(PyBlockCache { inner: BlockCache::new(block_size, vram_blocks, dram_blocks, lfu, name_seed).map_err(core_err)? })
     }
 
     /// Bytes of this thread's chain memo, shared by every cache (a few prompts).
@@ -117,12 +79,7 @@ impl PyBlockCache {
     }
 
     /// `(vram_blocks, dram_blocks)` of the longest cached prefix of `tokens` (`salt_seed`: the cache salt's, 0 for none).
-    fn lookup(
-        &mut self,
-        py: Python<'_>,
-        tokens: &Bound<'_, PyAny>,
-        salt_seed: u64,
-    ) -> PyResult<(usize, usize)> {
+    fn lookup(&mut self, py: Python<'_>, tokens: &Bound<'_, PyAny>, salt_seed: u64) -> PyResult<(usize, usize)> {
         let tokens = u32_vec("tokens", tokens)?;
         let inner = &mut self.inner;
         py.detach(|| {
@@ -136,35 +93,14 @@ impl PyBlockCache {
     /// statistics counted), else a copy. Returns the events (empty unless `events`).
     #[pyo3(signature = (tokens, salt_seed, now, salt, request, events=true))]
     #[allow(clippy::too_many_arguments)]
-    fn place_vram<'py>(
-        &mut self,
-        py: Python<'py>,
-        tokens: &Bound<'py, PyAny>,
-        salt_seed: u64,
-        now: f64,
-        salt: u32,
-        request: bool,
-        events: bool,
-    ) -> PyResult<Bound<'py, PyList>> {
-        self.place(py, tokens, salt_seed, |c, t, chain| {
-            c.place_vram(t, chain, now, salt, request, events)
-        })
+    fn place_vram<'py>(&mut self, py: Python<'py>, tokens: &Bound<'py, PyAny>, salt_seed: u64, now: f64, salt: u32, request: bool, events: bool) -> PyResult<Bound<'py, PyList>> {
+        self.place(py, tokens, salt_seed, |c, t, chain| c.place_vram(t, chain, now, salt, request, events))
     }
 
     /// The blocks of `tokens` missing past its cached prefix into DRAM (a cross-region copy).
     #[pyo3(signature = (tokens, salt_seed, now, salt, events=true))]
-    fn place_dram<'py>(
-        &mut self,
-        py: Python<'py>,
-        tokens: &Bound<'py, PyAny>,
-        salt_seed: u64,
-        now: f64,
-        salt: u32,
-        events: bool,
-    ) -> PyResult<Bound<'py, PyList>> {
-        self.place(py, tokens, salt_seed, |c, t, chain| {
-            c.place_dram(t, chain, now, salt, events)
-        })
+    fn place_dram<'py>(&mut self, py: Python<'py>, tokens: &Bound<'py, PyAny>, salt_seed: u64, now: f64, salt: u32, events: bool) -> PyResult<Bound<'py, PyList>> {
+        self.place(py, tokens, salt_seed, |c, t, chain| c.place_dram(t, chain, now, salt, events))
     }
 
     fn clear(&mut self) {
@@ -202,43 +138,19 @@ impl PyBlockCache {
     /// The counters, in `kvcompass.sim.cache.CacheStats` field order.
     fn stats(&self) -> [u64; 11] {
         let s = self.inner.stats;
-        [
-            s.admits,
-            s.copies,
-            s.clears,
-            s.prompt_tokens,
-            s.vram_hit_tokens,
-            s.dram_hit_tokens,
-            s.stored_blocks,
-            s.promoted_blocks,
-            s.demoted_blocks,
-            s.evicted_blocks,
-            s.truncated_blocks,
-        ]
+        [s.admits, s.copies, s.clears, s.prompt_tokens, s.vram_hit_tokens, s.dram_hit_tokens, s.stored_blocks, s.promoted_blocks, s.demoted_blocks, s.evicted_blocks, s.truncated_blocks]
     }
 
     /// Every cached block in storage order: `(hash, parent or None, position, tier, uses, last)`.
     fn blocks(&self) -> Vec<BlockRow> {
-        self.inner
-            .blocks()
-            .into_iter()
-            .map(|b| (b.hash, b.parent, b.position, b.tier, b.uses, b.last))
-            .collect()
+        self.inner.blocks().into_iter().map(|b| (b.hash, b.parent, b.position, b.tier, b.uses, b.last)).collect()
     }
 
     /// This cache's names for the full blocks of `tokens` (see `crate::block_cache::BlockCache::chain`).
-    fn chain<'py>(
-        &self,
-        py: Python<'py>,
-        tokens: &Bound<'py, PyAny>,
-        salt_seed: u64,
-    ) -> PyResult<Bound<'py, PyArray1<u64>>> {
+    fn chain<'py>(&self, py: Python<'py>, tokens: &Bound<'py, PyAny>, salt_seed: u64) -> PyResult<Bound<'py, PyArray1<u64>>> {
         let tokens = u32_vec("tokens", tokens)?;
         let inner = &self.inner;
-        Ok(py
-            .detach(|| inner.chain(&tokens, salt_seed))
-            .map_err(core_err)?
-            .into_pyarray(py))
+        Ok(py.detach(|| inner.chain(&tokens, salt_seed)).map_err(core_err)?.into_pyarray(py))
     }
 }
 

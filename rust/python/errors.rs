@@ -22,83 +22,20 @@ pub fn core_err(e: CoreError) -> PyErr {
     Python::attach(|py| {
         let msg = e.to_string();
         let made = match &e {
-            CoreError::SequenceGap {
-                epoch,
-                expected,
-                got,
-            } => build(
-                py,
-                "SequenceGapError",
-                msg,
-                &[("epoch", *epoch), ("expected", *expected), ("got", *got)],
-            ),
-            CoreError::StalePatch {
-                epoch,
-                seq,
-                got_epoch,
-                got_seq,
-            } => build(
-                py,
-                "StalePatchError",
-                msg,
-                &[
-                    ("epoch", *epoch),
-                    ("seq", *seq),
-                    ("got_epoch", *got_epoch),
-                    ("got_seq", *got_seq),
-                ],
-            ),
-            CoreError::EpochChanged { epoch, got_epoch } => build(
-                py,
-                "EpochChangedError",
-                msg,
-                &[("epoch", *epoch), ("got_epoch", *got_epoch)],
-            ),
-            CoreError::WrongTable {
-                table,
-                shard,
-                got_table,
-                got_shard,
-            } => build(
-                py,
-                "WrongTableError",
-                msg,
-                &[
-                    ("table", *table as u64),
-                    ("shard", *shard as u64),
-                    ("got_table", *got_table as u64),
-                    ("got_shard", *got_shard as u64),
-                ],
-            ),
+            CoreError::SequenceGap { epoch, expected, got } => build(py, "SequenceGapError", msg, &[("epoch", *epoch), ("expected", *expected), ("got", *got)]),
+            CoreError::StalePatch { epoch, seq, got_epoch, got_seq } => build(py, "StalePatchError", msg, &[("epoch", *epoch), ("seq", *seq), ("got_epoch", *got_epoch), ("got_seq", *got_seq)]),
+            CoreError::EpochChanged { epoch, got_epoch } => build(py, "EpochChangedError", msg, &[("epoch", *epoch), ("got_epoch", *got_epoch)]),
+            CoreError::WrongTable { table, shard, got_table, got_shard } => build(py, "WrongTableError", msg, &[("table", *table as u64), ("shard", *shard as u64), ("got_table", *got_table as u64), ("got_shard", *got_shard as u64)]),
             CoreError::MalformedPatch(_) => build(py, "MalformedPatchError", msg, &[]),
             CoreError::Uninitialised => build(py, "UninitialisedViewError", msg, &[]),
-            CoreError::Capacity { needed, max } => build(
-                py,
-                "CapacityError",
-                msg,
-                &[("needed", *needed), ("max", *max)],
-            ),
+            CoreError::Capacity { needed, max } => build(py, "CapacityError", msg, &[("needed", *needed), ("max", *max)]),
             CoreError::InvalidKey(k) => build(py, "InvalidKeyError", msg, &[("key", *k)]),
-            CoreError::ValueTooWide { value, bits } => build(
-                py,
-                "InvalidValueError",
-                msg,
-                &[("value", *value), ("bits", *bits as u64)],
-            ),
+            CoreError::ValueTooWide { value, bits } => build(py, "InvalidValueError", msg, &[("value", *value), ("bits", *bits as u64)]),
             CoreError::InvalidTier(t) => build(py, "InvalidTierError", msg, &[("tier", *t as u64)]),
-            CoreError::InvalidField { field, fields } => build(
-                py,
-                "InvalidFieldError",
-                msg,
-                &[("field", *field as u64), ("fields", *fields as u64)],
-            ),
+            CoreError::InvalidField { field, fields } => build(py, "InvalidFieldError", msg, &[("field", *field as u64), ("fields", *fields as u64)]),
             CoreError::KeyNotFound(k) => build(py, "KeyNotFoundError", msg, &[("key", *k)]),
             CoreError::InvalidArgument(_) => build(py, "InvalidArgumentError", msg, &[]),
         };
-        made.unwrap_or_else(|err| {
-            PyRuntimeError::new_err(format!(
-                "{e} (and kvcompass.errors could not be loaded: {err})"
-            ))
-        })
+        made.unwrap_or_else(|err| PyRuntimeError::new_err(format!("{e} (and kvcompass.errors could not be loaded: {err})")))
     })
 }

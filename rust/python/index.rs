@@ -45,28 +45,8 @@ fn placement_str(p: Placement) -> &'static str {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn config(
-    table: u32,
-    shard: u32,
-    epoch: u64,
-    capacity: u64,
-    value_bits: u8,
-    fp_bits: u8,
-    seed: u64,
-    max_capacity: u64,
-    fallback_limit: usize,
-) -> TableConfig {
-    TableConfig {
-        table,
-        shard,
-        epoch,
-        capacity,
-        value_bits,
-        fp_bits,
-        seed,
-        max_capacity,
-        fallback_limit,
-    }
+fn config(table: u32, shard: u32, epoch: u64, capacity: u64, value_bits: u8, fp_bits: u8, seed: u64, max_capacity: u64, fallback_limit: usize) -> TableConfig {
+    TableConfig { table, shard, epoch, capacity, value_bits, fp_bits, seed, max_capacity, fallback_limit }
 }
 
 #[pymethods]
@@ -74,86 +54,32 @@ impl PyLudoTable {
     #[new]
     #[pyo3(signature = (table=0, shard=0, epoch=1, capacity=1024, value_bits=32, fp_bits=0, seed=0, max_capacity=1u64 << 32, fallback_limit=64))]
     #[allow(clippy::too_many_arguments)]
-    fn new(
-        table: u32,
-        shard: u32,
-        epoch: u64,
-        capacity: u64,
-        value_bits: u8,
-        fp_bits: u8,
-        seed: u64,
-        max_capacity: u64,
-        fallback_limit: usize,
-    ) -> PyResult<Self> {
-        let t = LudoTable::new(config(
-            table,
-            shard,
-            epoch,
-            capacity,
-            value_bits,
-            fp_bits,
-            seed,
-            max_capacity,
-            fallback_limit,
-        ))
-        .map_err(core_err)?;
-        Ok(PyLudoTable {
-            inner: RwLock::new(t),
-        })
+    fn new(table: u32, shard: u32, epoch: u64, capacity: u64, value_bits: u8, fp_bits: u8, seed: u64, max_capacity: u64, fallback_limit: usize) -> PyResult<Self> {
+        let t = LudoTable::new(config(table, shard, epoch, capacity, value_bits, fp_bits, seed, max_capacity, fallback_limit)).map_err(core_err)?;
+        Ok(PyLudoTable { inner: RwLock::new(t) })
     }
 
     /// Bulk build from parallel key/value arrays (later duplicates win); emits no patches.
     #[staticmethod]
     #[pyo3(signature = (keys, values, table=0, shard=0, epoch=1, capacity=0, value_bits=32, fp_bits=0, seed=0, max_capacity=1u64 << 32, fallback_limit=64))]
     #[allow(clippy::too_many_arguments)]
-    fn build(
-        py: Python<'_>,
-        keys: &Bound<'_, PyAny>,
-        values: &Bound<'_, PyAny>,
-        table: u32,
-        shard: u32,
-        epoch: u64,
-        capacity: u64,
-        value_bits: u8,
-        fp_bits: u8,
-        seed: u64,
-        max_capacity: u64,
-        fallback_limit: usize,
-    ) -> PyResult<Self> {
+    fn build(py: Python<'_>, keys: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>, table: u32, shard: u32, epoch: u64, capacity: u64, value_bits: u8, fp_bits: u8, seed: u64, max_capacity: u64, fallback_limit: usize) -> PyResult<Self> {
         let k = u64_vec("keys", keys)?;
         let v = u64_vec("values", values)?;
         if k.len() != v.len() {
-            return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                "{} keys but {} values",
-                k.len(),
-                v.len()
-            )));
+            return Err(pyo3::exceptions::PyValueError::new_err(format!("{} keys but {} values", k.len(), v.len())));
         }
-        let cfg = config(
-            table,
-            shard,
-            epoch,
-            capacity,
-            value_bits,
-            fp_bits,
-            seed,
-            max_capacity,
-            fallback_limit,
-        );
+        let cfg = config(table, shard, epoch, capacity, value_bits, fp_bits, seed, max_capacity, fallback_limit);
         let t = py.detach(|| {
             let entries: Vec<(u64, u64)> = k.into_iter().zip(v).collect();
             LudoTable::build(cfg, &entries)
         });
-        Ok(PyLudoTable {
-            inner: RwLock::new(t.map_err(core_err)?),
-        })
+        Ok(PyLudoTable { inner: RwLock::new(t.map_err(core_err)?) })
     }
 
     /// Insert a new key (error if present). Returns "bucket" or "fallback".
     fn insert(&self, key: u64, value: u64) -> PyResult<&'static str> {
-        Ok(placement_str(
-            self.w()?.insert(key, value).map_err(core_err)?,
-        ))
+        Ok(placement_str(self.w()?.insert(key, value).map_err(core_err)?))
     }
     /// Change an existing key's value (KeyNotFoundError if absent); 0 removes it.
     fn update(&self, key: u64, value: u64) -> PyResult<()> {
@@ -183,18 +109,11 @@ impl PyLudoTable {
         self.w()?.set_field(key, field, tier).map_err(core_err)
     }
     /// Apply many field ops (validated first, GIL released); returns how many were applied.
-    fn apply_field_ops(
-        &self,
-        py: Python<'_>,
-        keys: &Bound<'_, PyAny>,
-        fields: &Bound<'_, PyAny>,
-        tiers: &Bound<'_, PyAny>,
-    ) -> PyResult<usize> {
+    fn apply_field_ops(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, fields: &Bound<'_, PyAny>, tiers: &Bound<'_, PyAny>) -> PyResult<usize> {
         let k = u64_vec("keys", keys)?;
         let f = u32_vec("fields", fields)?;
         let t = u8_vec("tiers", tiers)?;
-        py.detach(|| self.with_table(|g| g.apply_field_ops(&k, &f, &t)))?
-            .map_err(core_err)
+        py.detach(|| self.with_table(|g| g.apply_field_ops(&k, &f, &t)))?.map_err(core_err)
     }
     /// Close the pending edits into the next sequenced batch; None when nothing changed.
     fn take_batch<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
@@ -204,9 +123,7 @@ impl PyLudoTable {
     fn export_snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         // Never hold the lock across re-taking the GIL: a writer holding the GIL would wait on
         // the lock while this thread waits on the GIL.
-        let b = py
-            .detach(|| self.r().map(|g| g.export_snapshot()))?
-            .map_err(core_err)?;
+        let b = py.detach(|| self.r().map(|g| g.export_snapshot()))?.map_err(core_err)?;
         Ok(PyBytes::new(py, &b))
     }
     /// Begin a new epoch (a restarted writer); seq restarts at 0.
@@ -234,10 +151,7 @@ impl PyLudoTable {
         Ok(PyBytes::new(py, &self.r()?.view().digest()))
     }
     /// All live (keys, values) as two uint64 arrays.
-    fn entries<'py>(
-        &self,
-        py: Python<'py>,
-    ) -> PyResult<(Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<u64>>)> {
+    fn entries<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<u64>>)> {
         let e = self.r()?.entries();
         let (k, v): (Vec<u64>, Vec<u64>) = e.into_iter().unzip();
         Ok((k.into_pyarray(py), v.into_pyarray(py)))
@@ -314,13 +228,7 @@ pub struct PyApplyResult {
 #[pymethods]
 impl PyApplyResult {
     fn __repr__(&self) -> String {
-        format!(
-            "ApplyResult(epoch={}, seq={}, ops={}, snapshot={})",
-            self.epoch,
-            self.seq,
-            self.ops,
-            if self.snapshot { "True" } else { "False" }
-        )
+        format!("ApplyResult(epoch={}, seq={}, ops={}, snapshot={})", self.epoch, self.seq, self.ops, if self.snapshot { "True" } else { "False" })
     }
 }
 
@@ -340,9 +248,7 @@ impl PyLudoView {
 impl PyLudoView {
     #[new]
     fn new(table: u32, shard: u32) -> Self {
-        PyLudoView {
-            inner: Arc::new(RwLock::new(LudoView::new(table, shard))),
-        }
+        PyLudoView { inner: Arc::new(RwLock::new(LudoView::new(table, shard))) }
     }
 
     /// Apply one encoded batch: only the next seq of the current epoch, or a snapshot not older
@@ -352,29 +258,18 @@ impl PyLudoView {
         let inner = self.inner.clone();
         let a = py
             .detach(move || {
-                let mut g = inner.write().map_err(|_| {
-                    crate::error::CoreError::InvalidArgument("lock poisoned".into())
-                })?;
+                let mut g = inner.write().map_err(|_| crate::error::CoreError::InvalidArgument("lock poisoned".into()))?;
                 g.apply_batch(&bytes)
             })
             .map_err(core_err)?;
-        Ok(PyApplyResult {
-            epoch: a.epoch,
-            seq: a.seq,
-            ops: a.ops,
-            snapshot: a.snapshot,
-        })
+        Ok(PyApplyResult { epoch: a.epoch, seq: a.seq, ops: a.ops, snapshot: a.snapshot })
     }
     /// The value under `key` (0 = no holder; may be a structural false hit without fingerprints).
     fn lookup(&self, key: u64) -> PyResult<u64> {
         Ok(self.r()?.lookup(key))
     }
     /// Batch lookup with prefetching (GIL released); uint64 in, uint64 out.
-    fn lookup_batch<'py>(
-        &self,
-        py: Python<'py>,
-        keys: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyArray1<u64>>> {
+    fn lookup_batch<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<u64>>> {
         let k = u64_vec("keys", keys)?;
         // The read lock is taken and dropped inside the GIL-free section (see export_snapshot).
         let out = py.detach(|| {
@@ -398,9 +293,7 @@ impl PyLudoView {
     }
     /// Shape of the view as a dict, or None before the first snapshot.
     fn geometry<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let Some(g) = self.r()?.geometry() else {
-            return Ok(None);
-        };
+        let Some(g) = self.r()?.geometry() else { return Ok(None) };
         let d = PyDict::new(py);
         d.set_item("value_bits", g.value_bits)?;
         d.set_item("fp_bits", g.fp_bits)?;
@@ -441,14 +334,7 @@ impl PyLudoView {
     }
     fn __repr__(&self) -> PyResult<String> {
         let g = self.r()?;
-        Ok(format!(
-            "LudoView(table={}, shard={}, epoch={}, seq={}, initialised={})",
-            g.table(),
-            g.shard(),
-            g.epoch(),
-            g.seq(),
-            if g.is_initialised() { "True" } else { "False" }
-        ))
+        Ok(format!("LudoView(table={}, shard={}, epoch={}, seq={}, initialised={})", g.table(), g.shard(), g.epoch(), g.seq(), if g.is_initialised() { "True" } else { "False" }))
     }
 }
 

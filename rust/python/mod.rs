@@ -28,37 +28,22 @@ fn namespace_digest<'py>(py: Python<'py>, model: &str, tenant: &str) -> Bound<'p
 
 /// Keys of tokens[:c] for each c in lengths, in one hashing pass; NO_KEY past the prompt.
 #[pyfunction]
-fn prefix_keys<'py>(
-    py: Python<'py>,
-    namespace: &Bound<'py, PyAny>,
-    tokens: &Bound<'py, PyAny>,
-    lengths: &Bound<'py, PyAny>,
-) -> PyResult<Bound<'py, PyArray1<u64>>> {
+fn prefix_keys<'py>(py: Python<'py>, namespace: &Bound<'py, PyAny>, tokens: &Bound<'py, PyAny>, lengths: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<u64>>> {
     let ns = ns_bytes(namespace)?;
     let tokens = u32_vec("tokens", tokens)?;
     let lengths = u32_vec("lengths", lengths)?;
-    let keys = py
-        .detach(|| chunk_hash::prefix_keys(&ns, &tokens, &lengths))
-        .map_err(core_err)?;
+    let keys = py.detach(|| chunk_hash::prefix_keys(&ns, &tokens, &lengths)).map_err(core_err)?;
     Ok(keys.into_pyarray(py))
 }
 
 /// Batch form: prompt i is tokens[offsets[i]:offsets[i+1]]; returns a (prompts, lengths) array.
 #[pyfunction]
-fn prefix_keys_batch<'py>(
-    py: Python<'py>,
-    namespace: &Bound<'py, PyAny>,
-    tokens: &Bound<'py, PyAny>,
-    offsets: &Bound<'py, PyAny>,
-    lengths: &Bound<'py, PyAny>,
-) -> PyResult<Bound<'py, PyArray2<u64>>> {
+fn prefix_keys_batch<'py>(py: Python<'py>, namespace: &Bound<'py, PyAny>, tokens: &Bound<'py, PyAny>, offsets: &Bound<'py, PyAny>, lengths: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<u64>>> {
     let ns = ns_bytes(namespace)?;
     let tokens = u32_vec("tokens", tokens)?;
     let offsets = u64_vec("offsets", offsets)?;
     let lengths = u32_vec("lengths", lengths)?;
-    let keys = py
-        .detach(|| chunk_hash::prefix_keys_batch(&ns, &tokens, &offsets, &lengths))
-        .map_err(core_err)?;
+    let keys = py.detach(|| chunk_hash::prefix_keys_batch(&ns, &tokens, &offsets, &lengths)).map_err(core_err)?;
     let rows = offsets.len().saturating_sub(1);
     let arr = keys.into_pyarray(py);
     Ok(arr.reshape([rows, lengths.len()])?)
@@ -66,55 +51,30 @@ fn prefix_keys_batch<'py>(
 
 /// Chained hashes of the full blocks of `tokens` (the emulated engine's block names).
 #[pyfunction]
-fn block_chain_hashes<'py>(
-    py: Python<'py>,
-    tokens: &Bound<'py, PyAny>,
-    block_size: usize,
-    seed: u64,
-) -> PyResult<Bound<'py, PyArray1<u64>>> {
+fn block_chain_hashes<'py>(py: Python<'py>, tokens: &Bound<'py, PyAny>, block_size: usize, seed: u64) -> PyResult<Bound<'py, PyArray1<u64>>> {
     let tokens = u32_vec("tokens", tokens)?;
-    let out = py
-        .detach(|| chunk_hash::block_chain(seed, &tokens, block_size))
-        .map_err(core_err)?;
+    let out = py.detach(|| chunk_hash::block_chain(seed, &tokens, block_size)).map_err(core_err)?;
     Ok(out.into_pyarray(py))
 }
 
 /// Token ids of a prompt from its block ids (`kvcompass.sim.workload.expand_blocks` checks the
 /// arguments; this is the arithmetic).
 #[pyfunction]
-fn expand_block_tokens<'py>(
-    py: Python<'py>,
-    ids: &Bound<'py, PyAny>,
-    input_length: usize,
-    block_size: usize,
-) -> PyResult<Bound<'py, PyArray1<u32>>> {
+fn expand_block_tokens<'py>(py: Python<'py>, ids: &Bound<'py, PyAny>, input_length: usize, block_size: usize) -> PyResult<Bound<'py, PyArray1<u32>>> {
     let ids = u64_vec("ids", ids)?;
     if block_size == 0 || ids.len() != input_length.div_ceil(block_size) {
-        return Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "{} ids cannot cover input_length {input_length} at block_size {block_size}",
-            ids.len()
-        )));
+        return Err(pyo3::exceptions::PyValueError::new_err(format!("{} ids cannot cover input_length {input_length} at block_size {block_size}", ids.len())));
     }
-    Ok(py
-        .detach(|| crate::token_ids::expand_blocks(&ids, input_length, block_size))
-        .into_pyarray(py))
+    Ok(py.detach(|| crate::token_ids::expand_blocks(&ids, input_length, block_size)).into_pyarray(py))
 }
 
 /// Block ids of synthetic runs `(chains[i], counts[i])` (`kvcompass.sim.workload.ChainBlocks`).
 #[pyfunction]
-fn chain_block_ids<'py>(
-    py: Python<'py>,
-    chains: &Bound<'py, PyAny>,
-    counts: &Bound<'py, PyAny>,
-) -> PyResult<Bound<'py, PyArray1<u64>>> {
+fn chain_block_ids<'py>(py: Python<'py>, chains: &Bound<'py, PyAny>, counts: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<u64>>> {
     let chains = u64_vec("chains", chains)?;
     let counts = u64_vec("counts", counts)?;
     if chains.len() != counts.len() {
-        return Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "{} chains but {} counts",
-            chains.len(),
-            counts.len()
-        )));
+        return Err(pyo3::exceptions::PyValueError::new_err(format!("{} chains but {} counts", chains.len(), counts.len())));
     }
     Ok(crate::token_ids::chain_block_ids(&chains, &counts).into_pyarray(py))
 }
@@ -139,60 +99,30 @@ fn fold_queue_samples(
     use numpy::PyUntypedArrayMethods;
     use pyo3::exceptions::PyValueError;
     let n = obs.len();
-    if [tq.len(), pend.len(), at.len(), idle_since.len()]
-        .iter()
-        .any(|&l| l != n)
-    {
+    if [tq.len(), pend.len(), at.len(), idle_since.len()].iter().any(|&l| l != n) {
         return Err(PyValueError::new_err("estimate arrays differ in length"));
     }
     let idx = indices.readonly();
-    let idx = idx
-        .as_slice()
-        .map_err(|e| PyValueError::new_err(format!("indices: {e}")))?;
+    let idx = idx.as_slice().map_err(|e| PyValueError::new_err(format!("indices: {e}")))?;
     let smp = samples.readonly();
-    let smp = smp
-        .as_slice()
-        .map_err(|e| PyValueError::new_err(format!("samples: {e}")))?;
+    let smp = smp.as_slice().map_err(|e| PyValueError::new_err(format!("samples: {e}")))?;
     if idx.len() != smp.len() {
-        return Err(PyValueError::new_err(format!(
-            "{} indices but {} samples",
-            idx.len(),
-            smp.len()
-        )));
+        return Err(PyValueError::new_err(format!("{} indices but {} samples", idx.len(), smp.len())));
     }
     let mut seen = vec![false; n];
     let mut ix = Vec::with_capacity(idx.len());
     for &i in idx {
         if i < 0 || i as usize >= n || std::mem::replace(&mut seen[i as usize], true) {
-            return Err(PyValueError::new_err(format!(
-                "index {i}: out of 0..{n} or repeated"
-            )));
+            return Err(PyValueError::new_err(format!("index {i}: out of 0..{n} or repeated")));
         }
         ix.push(i as usize);
     }
     if let Some(j) = crate::queues::first_bad_sample(smp) {
-        return Err(PyValueError::new_err(format!(
-            "sample {} = {} ms must be finite and >= 0",
-            j, smp[j]
-        )));
+        return Err(PyValueError::new_err(format!("sample {} = {} ms must be finite and >= 0", j, smp[j])));
     }
-    let (mut o, mut t, p, mut a, mut s) = (
-        obs.readwrite(),
-        tq.readwrite(),
-        pend.readonly(),
-        at.readwrite(),
-        idle_since.readwrite(),
-    );
-    let bad = |e: numpy::AsSliceError| {
-        PyValueError::new_err(format!("estimate arrays must be contiguous: {e}"))
-    };
-    let mut est = crate::queues::Estimates {
-        obs: o.as_slice_mut().map_err(bad)?,
-        tq: t.as_slice_mut().map_err(bad)?,
-        pend: p.as_slice().map_err(bad)?,
-        at: a.as_slice_mut().map_err(bad)?,
-        idle_since: s.as_slice_mut().map_err(bad)?,
-    };
+    let (mut o, mut t, p, mut a, mut s) = (obs.readwrite(), tq.readwrite(), pend.readonly(), at.readwrite(), idle_since.readwrite());
+    let bad = |e: numpy::AsSliceError| PyValueError::new_err(format!("estimate arrays must be contiguous: {e}"));
+    let mut est = crate::queues::Estimates { obs: o.as_slice_mut().map_err(bad)?, tq: t.as_slice_mut().map_err(bad)?, pend: p.as_slice().map_err(bad)?, at: a.as_slice_mut().map_err(bad)?, idle_since: s.as_slice_mut().map_err(bad)? };
     crate::queues::fold(&mut est, &ix, smp, now, weight, idle_ms);
     Ok(())
 }
@@ -210,9 +140,7 @@ fn first_bad_token(tokens: &Bound<'_, PyAny>) -> PyResult<i64> {
     if let Ok(t) = tokens.cast::<PyTuple>() {
         return Ok(t.iter().position(|x| !ok(&x)).map_or(-1, |i| i as i64));
     }
-    Err(pyo3::exceptions::PyTypeError::new_err(
-        "tokens: expected a list or tuple of ints",
-    ))
+    Err(pyo3::exceptions::PyTypeError::new_err("tokens: expected a list or tuple of ints"))
 }
 
 /// Token ids (a list or tuple of ints in 0..2**32-1) as little-endian u32 bytes, the form the
@@ -234,9 +162,7 @@ fn pack_tokens<'py>(py: Python<'py>, tokens: &Bound<'py, PyAny>) -> PyResult<Bou
             push(t)?;
         }
     } else {
-        return Err(pyo3::exceptions::PyTypeError::new_err(
-            "tokens: expected a list or tuple of ints",
-        ));
+        return Err(pyo3::exceptions::PyTypeError::new_err("tokens: expected a list or tuple of ints"));
     }
     Ok(PyBytes::new(py, &out))
 }
@@ -245,9 +171,7 @@ fn pack_tokens<'py>(py: Python<'py>, tokens: &Bound<'py, PyAny>) -> PyResult<Bou
 #[pyfunction]
 fn shard_of(key: u64, shards: u32) -> PyResult<u32> {
     if shards == 0 {
-        return Err(pyo3::exceptions::PyValueError::new_err(
-            "shards must be >= 1",
-        ));
+        return Err(pyo3::exceptions::PyValueError::new_err("shards must be >= 1"));
     }
     Ok(chunk_hash::shard_of(key, shards))
 }

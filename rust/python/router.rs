@@ -67,46 +67,19 @@ impl PyRouteResult {
         self.scores.clone_ref(py)
     }
     fn __repr__(&self) -> String {
-        format!(
-            "RouteResult(winner={}, score={:.3})",
-            self.winner, self.score
-        )
+        format!("RouteResult(winner={}, score={:.3})", self.winner, self.score)
     }
 }
 
 impl PyRouter {
-    pub(crate) fn run(
-        &self,
-        ns: &[u8; 32],
-        tokens: &[u32],
-        w: &Workers,
-        params: &ScoreParams,
-        scratch: &mut RouteScratch,
-    ) -> PyResult<crate::score::RouteWinner> {
+    pub(crate) fn run(&self, ns: &[u8; 32], tokens: &[u32], w: &Workers, params: &ScoreParams, scratch: &mut RouteScratch) -> PyResult<crate::score::RouteWinner> {
         let mut guards = Vec::with_capacity(self.views.len());
         for v in &self.views {
-            guards.push(
-                v.read()
-                    .map_err(|_| PyRuntimeError::new_err("view lock poisoned"))?,
-            );
+            guards.push(v.read().map_err(|_| PyRuntimeError::new_err("view lock poisoned"))?);
         }
         let refs: Vec<&LudoView> = guards.iter().map(|g| &**g).collect();
-        let tables: Vec<RouteTable<'_, &LudoView>> = self
-            .tables
-            .iter()
-            .map(|t| RouteTable {
-                region: t.region,
-                workers: &t.workers,
-                shards: &refs[t.shards.clone()],
-            })
-            .collect();
-        let wa = WorkerArrays {
-            region: &w.region,
-            beta: &w.beta,
-            wan: &w.wan,
-            tq: &w.tq,
-            belief: &w.belief,
-        };
+        let tables: Vec<RouteTable<'_, &LudoView>> = self.tables.iter().map(|t| RouteTable { region: t.region, workers: &t.workers, shards: &refs[t.shards.clone()] }).collect();
+        let wa = WorkerArrays { region: &w.region, beta: &w.beta, wan: &w.wan, tq: &w.tq, belief: &w.belief };
         route_with(scratch, ns, tokens, &self.plan, &tables, &wa, params).map_err(core_err)
     }
 }
@@ -116,82 +89,40 @@ impl PyRouter {
     /// plan[r]: ascending prefix lengths this edge queries toward region r.
     /// tables: (region, workers: uint32 array of global worker indices per field, [LudoView per shard]).
     #[new]
-    fn new(
-        plan: Vec<Vec<u32>>,
-        tables: Vec<(u32, Bound<'_, PyAny>, Vec<PyRef<'_, PyLudoView>>)>,
-    ) -> PyResult<Self> {
+    fn new(plan: Vec<Vec<u32>>, tables: Vec<(u32, Bound<'_, PyAny>, Vec<PyRef<'_, PyLudoView>>)>) -> PyResult<Self> {
         for (r, lengths) in plan.iter().enumerate() {
             if lengths.first() == Some(&0) || lengths.windows(2).any(|w| w[0] >= w[1]) {
-                return Err(PyValueError::new_err(format!(
-                    "plan[{r}] must be strictly ascending lengths >= 1, got {lengths:?}"
-                )));
+                return Err(PyValueError::new_err(format!("plan[{r}] must be strictly ascending lengths >= 1, got {lengths:?}")));
             }
         }
         let mut specs = Vec::with_capacity(tables.len());
         let mut views = Vec::new();
         for (i, (region, workers, shards)) in tables.into_iter().enumerate() {
             if region as usize >= plan.len() {
-                return Err(PyValueError::new_err(format!(
-                    "tables[{i}]: region {region} has no plan (plan covers {} regions)",
-                    plan.len()
-                )));
+                return Err(PyValueError::new_err(format!("tables[{i}]: region {region} has no plan (plan covers {} regions)", plan.len())));
             }
             if shards.is_empty() {
-                return Err(PyValueError::new_err(format!(
-                    "tables[{i}]: needs at least one shard view"
-                )));
+                return Err(PyValueError::new_err(format!("tables[{i}]: needs at least one shard view")));
             }
             let workers = u32_vec(&format!("tables[{i}].workers"), &workers)?;
             let start = views.len();
             for s in shards {
                 views.push(s.inner.clone());
             }
-            specs.push(TableSpec {
-                region,
-                workers,
-                shards: start..views.len(),
-            });
+            specs.push(TableSpec { region, workers, shards: start..views.len() });
         }
-        Ok(PyRouter {
-            plan,
-            tables: specs,
-            views,
-            scratch: Mutex::new(RouteScratch::new()),
-        })
+        Ok(PyRouter { plan, tables: specs, views, scratch: Mutex::new(RouteScratch::new()) })
     }
 
     /// Route one prompt: hash every plan length once, read every table, apply the closure
     /// check, score every worker. GIL released for the whole loop.
     #[pyo3(signature = (tokens, namespace, region, beta, wan, tq, belief, gamma=0.005, lam=0.0, closure=true))]
     #[allow(clippy::too_many_arguments)]
-    fn route(
-        &self,
-        py: Python<'_>,
-        tokens: &Bound<'_, PyAny>,
-        namespace: &Bound<'_, PyAny>,
-        region: &Bound<'_, PyAny>,
-        beta: &Bound<'_, PyAny>,
-        wan: &Bound<'_, PyAny>,
-        tq: &Bound<'_, PyAny>,
-        belief: &Bound<'_, PyAny>,
-        gamma: f64,
-        lam: f64,
-        closure: bool,
-    ) -> PyResult<PyRouteResult> {
+    fn route(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>, namespace: &Bound<'_, PyAny>, region: &Bound<'_, PyAny>, beta: &Bound<'_, PyAny>, wan: &Bound<'_, PyAny>, tq: &Bound<'_, PyAny>, belief: &Bound<'_, PyAny>, gamma: f64, lam: f64, closure: bool) -> PyResult<PyRouteResult> {
         let ns = ns_bytes(namespace)?;
         let tokens = u32_vec("tokens", tokens)?;
-        let w = Workers {
-            region: u32_vec("region", region)?,
-            beta: f64_vec("beta", beta)?,
-            wan: f64_vec("wan", wan)?,
-            tq: f64_vec("tq", tq)?,
-            belief: f64_vec("belief", belief)?,
-        };
-        let params = ScoreParams {
-            gamma,
-            lambda: lam,
-            closure,
-        };
+        let w = Workers { region: u32_vec("region", region)?, beta: f64_vec("beta", beta)?, wan: f64_vec("wan", wan)?, tq: f64_vec("tq", tq)?, belief: f64_vec("belief", belief)? };
+        let params = ScoreParams { gamma, lambda: lam, closure };
         let (win, m, t, s) = py.detach(|| {
             // Reuse the warm scratch when free; a concurrent caller gets a fresh one instead of
             // waiting.
@@ -205,20 +136,9 @@ impl PyRouter {
                 }
             };
             let win = self.run(&ns, &tokens, &w, &params, scratch)?;
-            Ok::<_, PyErr>((
-                win,
-                scratch.matches().to_vec(),
-                scratch.tiers().to_vec(),
-                scratch.scores().to_vec(),
-            ))
+            Ok::<_, PyErr>((win, scratch.matches().to_vec(), scratch.tiers().to_vec(), scratch.scores().to_vec()))
         })?;
-        Ok(PyRouteResult {
-            winner: win.winner,
-            score: win.score,
-            matches: m.into_pyarray(py).unbind(),
-            tiers: t.into_pyarray(py).unbind(),
-            scores: s.into_pyarray(py).unbind(),
-        })
+        Ok(PyRouteResult { winner: win.winner, score: win.score, matches: m.into_pyarray(py).unbind(), tiers: t.into_pyarray(py).unbind(), scores: s.into_pyarray(py).unbind() })
     }
 
     /// Number of tables this router reads.
@@ -231,12 +151,7 @@ impl PyRouter {
         self.plan.clone()
     }
     fn __repr__(&self) -> String {
-        format!(
-            "Router(regions={}, tables={}, views={})",
-            self.plan.len(),
-            self.tables.len(),
-            self.views.len()
-        )
+        format!("Router(regions={}, tables={}, views={})", self.plan.len(), self.tables.len(), self.views.len())
     }
 }
 

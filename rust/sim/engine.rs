@@ -7,6 +7,7 @@ use std::collections::{BinaryHeap, VecDeque};
 use super::rng::Pcg64;
 use crate::block_cache::{BlockCache, Event, DRAM, VRAM};
 use crate::error::{CoreError, Result};
+use crate::chunk_hash::block_chain;
 use crate::token_ids::expand_blocks;
 
 /// The calibrated cost model (`kvcompass.sim.costs.CostModel`), float for float.
@@ -201,6 +202,8 @@ const NO_REQ: u32 = u32::MAX;
 struct Job {
     req: u32,
     tokens: Vec<u32>,
+    /// The seed-free block chain of `tokens` (hashed once; every cache names it its own way).
+    chain: Vec<u64>,
     worker: u32,
     claimed: i64,
     edge_region: u16,
@@ -279,6 +282,7 @@ pub struct Records {
 
 pub struct Engine {
     cfg: Config,
+    block_size: usize,
     regions: usize,
     workers: Vec<Worker>,
     reqs: Vec<RequestSpec>,
@@ -363,6 +367,10 @@ impl Engine {
                 "segment_steps, max_batched_tokens and transfer_gbps must be positive".into(),
             );
         }
+        let block_size = workers.first().map_or(1, |w| w.cache.block_size());
+        if workers.iter().any(|w| w.cache.block_size() != block_size) {
+            return bad("every worker's cache must have the same block size".into());
+        }
         let workers = workers
             .into_iter()
             .map(|s| Worker {
@@ -396,6 +404,7 @@ impl Engine {
         let n_req = reqs.len();
         Ok(Engine {
             cfg,
+            block_size,
             regions,
             workers,
             reqs,
@@ -685,9 +694,11 @@ impl Engine {
         let forward = self.way(r.edge_region, wr);
         let back = self.way(wr, r.edge_region);
         let job = self.jobs.len() as u32;
+        let chain = block_chain(r.salt_seed, &tokens, self.block_size)?;
         self.jobs.push(Job {
             req,
             tokens,
+            chain,
             worker: c.worker,
             claimed: c.claimed,
             edge_region: r.edge_region,
@@ -791,9 +802,11 @@ impl Engine {
         }
         let job = self.jobs.len() as u32;
         let n = tokens.len() as u64;
+        let chain = block_chain(salt_seed, &tokens, self.block_size)?;
         self.jobs.push(Job {
             req: NO_REQ,
             tokens,
+            chain,
             worker: w,
             claimed: 0,
             edge_region: region,
@@ -833,7 +846,7 @@ impl Engine {
     fn estimate_now(&self, w: u32, job: u32) -> Result<f64> {
         let x = &self.workers[w as usize];
         let j = &self.jobs[job as usize];
-        let (v, d) = lookup(&x.cache, &j.tokens, j.salt_seed)?;
+        let (v, d) = lookup_base(&x.cache, &j.chain);
         Ok(self.estimate(x, j.input_length, v, d))
     }
 
@@ -923,7 +936,7 @@ impl Engine {
         };
         let j = &mut self.jobs[job as usize];
         j.start_ms = now;
-        let (v, d) = lookup(&x.cache, &j.tokens, j.salt_seed)?;
+        let (v, d) = lookup_base(&x.cache, &j.chain);
         j.vram_hit = v;
         j.dram_hit = d;
         Ok(job)
@@ -1281,6 +1294,7 @@ impl Engine {
         r.dram_hit[i] = j.dram_hit;
         r.claimed[i] = j.claimed;
         j.tokens = Vec::new(); // a finished request keeps no tokens
+        j.chain = Vec::new();
         self.done += 1;
         let total = self.reqs.len() as u64;
         if self.done % self.progress_every == 0 || self.done == total {
@@ -1296,19 +1310,23 @@ fn lookup(cache: &BlockCache, tokens: &[u32], salt_seed: u64) -> Result<(u64, u6
     Ok((v as u64 * b, d as u64 * b))
 }
 
-fn copy_into(
-    cache: &mut BlockCache,
-    tokens: &[u32],
-    tier: u8,
-    now: f64,
-    salt: u32,
-    salt_seed: u64,
-    publish: bool,
-) -> Result<Vec<Event>> {
+fn lookup_base(cache: &BlockCache, base: &[u64]) -> (u64, u64) {
+    let (v, d) = cache.lookup_base(base);
+    let b = cache.block_size() as u64;
+    (v as u64 * b, d as u64 * b)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn copy_into(cache: &mut BlockCache, tokens: &[u32], tier: u8, now: f64, salt: u32, salt_seed: u64, publish: bool) -> Result<Vec<Event>> {
     let chain = cache.chain(tokens, salt_seed)?;
+    place(cache, tokens, &chain, tier, now, salt, publish)
+}
+
+/// A migration's replica of `tokens` (named `chain` by this cache) into `tier`.
+fn place(cache: &mut BlockCache, tokens: &[u32], chain: &[u64], tier: u8, now: f64, salt: u32, publish: bool) -> Result<Vec<Event>> {
     match tier {
-        VRAM => cache.place_vram(tokens, &chain, now, salt, false, publish),
-        DRAM => cache.place_dram(tokens, &chain, now, salt, publish),
+        VRAM => cache.place_vram(tokens, chain, now, salt, false, publish),
+        DRAM => cache.place_dram(tokens, chain, now, salt, publish),
         t => Err(CoreError::InvalidTier(t)),
     }
 }
