@@ -140,7 +140,7 @@ thread_local! {
     // size, salt seed and tokens they were computed from (compared in full, so a hit is exact).
     // An engine looks a prompt up on arrival, when it is queued and when its prefill starts,
     // then admits it, and a scheme with exact global state looks it up on every worker: one
-    // SHA-256 chain per prompt serves them all, since the caches differ only in how they name
+    // hash chain per prompt serves them all, since the caches differ only in how they name
     // its blocks ([`BlockCache::chain`]).
     static BASE_MEMO: std::cell::RefCell<Vec<(usize, u64, Vec<u32>, Vec<u64>)>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -234,7 +234,7 @@ impl BlockCache {
     }
 
     /// The names of the full blocks of `tokens` (a prompt with cache salt seed `salt_seed`, 0 for
-    /// none): the SHA-256 chain of the tokens (so a name stands for its whole prefix), mapped
+    /// none): the XXH3 chain of the tokens (so a name stands for its whole prefix), mapped
     /// through `mix64(h ^ name_seed)`, a bijection, so caches with different seeds name the same
     /// block differently (as vLLM processes do) from one hash of the prompt; `name_seed` 0 keeps
     /// the chain itself.

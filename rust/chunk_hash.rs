@@ -4,6 +4,7 @@
 //! All lengths of one prompt are produced in a single pass over the tokens: the hasher state is
 //! cloned at every requested boundary, so a route pays one SHA-256 pass over its longest prefix.
 
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 use sha2::{Digest, Sha256};
 
 use crate::error::{CoreError, Result};
@@ -132,39 +133,34 @@ pub fn prefix_keys_batch(ns: &[u8; 32], tokens: &[u32], offsets: &[u64], lengths
 }
 
 /// Domain separator of the emulated engine's block hashes (never equal to a prefix key's input).
-const BLOCK_DOMAIN: &[u8] = b"kvcompass-block-v1";
+const BLOCK_DOMAIN: &[u8] = b"kvcompass-block-v2";
 
-/// Chained block hashes of the full blocks of `tokens`: block `i` is named by the first 64 bits
-/// (little-endian) of SHA-256(domain || seed || parent || its tokens as LE u32), where parent is
-/// `0x00` for the first block and `0x01 || previous hash` after it. Equal token prefixes give
-/// equal chains and a hash names its whole prefix, as vLLM's prefix-cache hashes do; `seed`
-/// varies them per emulated engine. A trailing partial block is not hashed.
+/// Chained block hashes of the full blocks of `tokens`: block `i` is named by XXH3-64 of its
+/// tokens (LE u32) seeded with the previous block's name, the first block's seed being XXH3-64
+/// of the domain seeded with `seed`. Equal token prefixes give equal chains and a name stands
+/// for its whole prefix, as vLLM's prefix-cache hashes do; `seed` (a cache salt's) varies them.
+/// A trailing partial block is not hashed.
+///
+/// Why XXH3 and not SHA-256 (the index's keys are SHA-256): these names only identify blocks
+/// inside one emulated engine and in its KV events, where vLLM itself uses a fast
+/// non-cryptographic hash by default; the simulator hashes every prompt it replays, and
+/// SHA-256 of a 5,000-token prompt (two compressions per 16-token block) was most of a
+/// baseline's per-request time. Any two distinct blocks collide with probability ~2^-64.
 pub fn block_chain(seed: u64, tokens: &[u32], block_size: usize) -> Result<Vec<u64>> {
     if block_size == 0 {
         return Err(CoreError::InvalidArgument("block_size must be >= 1".into()));
     }
     let n = tokens.len() / block_size;
     let mut out = Vec::with_capacity(n);
-    let mut base = Sha256::new();
-    base.update(BLOCK_DOMAIN);
-    base.update(seed.to_le_bytes());
-    let mut parent: Option<u64> = None;
-    for i in 0..n {
-        let mut h = base.clone();
-        match parent {
-            None => h.update([0u8]),
-            Some(p) => {
-                h.update([1u8]);
-                h.update(p.to_le_bytes());
-            }
+    let mut h = xxh3_64_with_seed(BLOCK_DOMAIN, seed);
+    let mut buf: Vec<u8> = Vec::with_capacity(block_size * 4);
+    for block in tokens[..n * block_size].chunks_exact(block_size) {
+        buf.clear();
+        for t in block {
+            buf.extend_from_slice(&t.to_le_bytes());
         }
-        feed(&mut h, &tokens[i * block_size..(i + 1) * block_size]);
-        let d = h.finalize();
-        let mut b = [0u8; 8];
-        b.copy_from_slice(&d[..8]);
-        let v = u64::from_le_bytes(b);
-        out.push(v);
-        parent = Some(v);
+        h = xxh3_64_with_seed(&buf, h);
+        out.push(h);
     }
     Ok(out)
 }

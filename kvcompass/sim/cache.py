@@ -6,13 +6,13 @@ order) depends only on the calls made.
 
 **Blocks.** A prompt is cut into blocks of ``block_size`` tokens; a trailing partial block is
 never cached (vLLM caches full blocks only). A block is identified by a chained content hash:
-the first 64 bits of SHA-256 over (salt seed, parent hash, the block's tokens as little-endian
-u32), as :func:`kvcompass._core.block_chain_hashes` computes it for a whole prompt (salt seed 0
+XXH3-64 of the block's tokens (little-endian u32) seeded with its parent's hash (the first
+block's seed derived from the salt seed), as :func:`kvcompass._core.block_chain_hashes` computes it for a whole prompt (salt seed 0
 without a cache salt), so equal token prefixes give equal chains, a block's hash names its
 whole prefix, and hashes are ints in 0..2**64-1 that are the same in every run. A cache with
 ``hash_seed`` s != 0 names block h ``mix64(h ^ s)`` (SplitMix64's finaliser, a bijection), so
 emulated engines name the same block differently, as vLLM's per-process seed makes them do,
-from one SHA-256 chain per prompt that every cache shares. The cached blocks form a forest (a
+from one hash chain per prompt that every cache shares. The cached blocks form a forest (a
 radix tree over blocks). Two blocks sharing a 64-bit hash are taken to be one block: the chance
 of that among n blocks is about n²/2**65.
 

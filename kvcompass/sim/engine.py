@@ -343,6 +343,12 @@ class Simulator:
         )
         self._run_rng = _RunRng(self._engine)
         self._engine_holds_caches = True
+        native = getattr(self._scheme, "engine_policy", None)
+        if native is not None:
+            p = native(self._requests)
+            self._engine.set_policy(p.kind, [[self._index[w] for w in pool] for pool in p.pools], p.per_region)
+        elif not callable(getattr(self._scheme, "choose", None)):
+            raise InvalidArgumentError(f"scheme {self._scheme.name!r} has neither choose nor engine_policy")
 
     # ---- the Fleet a scheme reads ----------------------------------------------------------------
 
@@ -486,7 +492,7 @@ class Simulator:
             self._progress(int(done), len(self._requests))
 
     def _choose(self, req: int, tokens: npt.NDArray[np.uint32]) -> tuple[int, int, float]:
-        choice = self._scheme.choose(self._requests[req], tokens, self._engine.now)  # type: ignore[union-attr]
+        choice = self._scheme.choose(self._requests[req], tokens, self._engine.now)  # type: ignore[attr-defined,union-attr]
         w = self._index.get(choice.worker)
         if w is None:
             raise InvalidArgumentError(f"scheme {self._scheme.name!r} chose unknown worker {choice.worker!r}")

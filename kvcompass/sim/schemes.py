@@ -75,6 +75,7 @@ __all__ = [
     "NoHandoff",
     "PlanetServe",
     "Scheme",
+    "EnginePolicy",
     "SkyWalker",
     "make_scheme",
     "scheme_params",
@@ -139,11 +140,23 @@ class Fleet(Protocol):
 
 
 class Scheme(Protocol):
+    """A scheme routes with :meth:`choose` (called by the engine for every arrival) or, for a
+    baseline implemented in the simulator's Rust engine, names that implementation with
+    ``engine_policy(requests) -> EnginePolicy`` instead (no call per request)."""
+
     name: str
     uses_index: bool
     """Whether the scheme reads the discovery plane (the simulator skips feeding it otherwise)."""
 
-    def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice: ...
+
+@dataclass(frozen=True, slots=True)
+class EnginePolicy:
+    """A baseline run inside the engine (``rust/sim/engine.rs``, ``Policy``): ``kind`` and its
+    worker pools by worker id (one per region when ``per_region``, else one)."""
+
+    kind: str
+    pools: tuple[tuple[str, ...], ...]
+    per_region: bool
 
 
 def _servers_in(t: Topology, region: str) -> list[WorkerSpec]:
@@ -185,34 +198,36 @@ class KVCompassScheme:
 
 
 class LocalLeastLoaded:
-    """The own-region worker with the least queued prefill work (cache-blind)."""
+    """The own-region worker with the least queued prefill work plus the work this region's
+    balancer dispatched that has not arrived (cache-blind), ties drawn from the run's generator.
+    Runs in the engine (``least-loaded`` with a pool per region)."""
 
     name = "local-least-loaded"
     uses_index = False
 
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
-        self._by_region = {r: [w.id for w in _servers_in(fleet.topology, r)] for r in fleet.topology.region_names}
+        self._by_region = {r: tuple(w.id for w in _servers_in(fleet.topology, r)) for r in fleet.topology.region_names}
 
-    def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
-        workers = self._by_region.get(request.region) or []
-        if not workers:
-            raise InvalidArgumentError(f"region {request.region!r} has no workers: local-least-loaded cannot serve request {request.id}")
-        return Choice(_least_loaded(self._fleet, workers, now_ms, request.region))
+    def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
+        for r in requests:
+            if not self._by_region.get(r.region):
+                raise InvalidArgumentError(f"region {r.region!r} has no workers: local-least-loaded cannot serve request {r.id}")
+        return EnginePolicy("least-loaded", tuple(self._by_region[r] for r in self._fleet.topology.region_names), per_region=True)
 
 
 class Oracle:
-    """The globally least-loaded worker, WAN and caches ignored."""
+    """The globally least-loaded worker by queued plus all dispatched prefill work, WAN and caches
+    ignored, ties drawn. Runs in the engine (``least-loaded`` with one pool)."""
 
     name = "oracle"
     uses_index = False
 
     def __init__(self, fleet: Fleet) -> None:
-        self._fleet = fleet
-        self._workers = [w.id for w in fleet.topology.indexed_workers]
+        self._workers = tuple(w.id for w in fleet.topology.indexed_workers)
 
-    def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
-        return Choice(_least_loaded(self._fleet, self._workers, now_ms, None))
+    def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
+        return EnginePolicy("least-loaded", (self._workers,), per_region=False)
 
 
 class KVCompassAblation(KVCompassScheme):

@@ -17,7 +17,7 @@ use super::block_cache::{events_out, PyBlockCache};
 use super::errors::core_err;
 use crate::block_cache::BlockCache;
 use crate::error::CoreError;
-use crate::sim::{Choice, Config, Cost, Engine, Out, Pcg64, RequestSpec, Step, WorkerSetup};
+use crate::sim::{Choice, Config, Cost, Engine, Out, Pcg64, Policy, RequestSpec, Step, WorkerSetup};
 
 type RngState = (u128, u128, bool, u32);
 
@@ -357,6 +357,16 @@ impl PySimEngine {
         })();
         slf.borrow_mut().running = false;
         result
+    }
+
+    /// Route arrivals with a baseline implemented in the engine instead of the driver's
+    /// `choose`: `("least-loaded", pools, per_region)` (see `crate::sim::Policy`).
+    fn set_policy(&mut self, name: &str, pools: Vec<Vec<u32>>, per_region: bool) -> PyResult<()> {
+        let policy = match name {
+            "least-loaded" => Policy::LeastLoaded { pools, per_region },
+            other => return Err(bad(format!("unknown engine policy {other:?} (known: least-loaded)"))),
+        };
+        self.inner.set_policy(policy).map_err(core_err)
     }
 
     /// Schedule every arrival (before anything the driver schedules after this call).

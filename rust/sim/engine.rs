@@ -80,6 +80,18 @@ pub struct Config {
     pub decoders: Vec<Vec<u32>>,
 }
 
+/// Who routes arrivals: the driver ([`Step::Arrive`]), or a baseline implemented here.
+#[derive(Clone, Debug, Default)]
+pub enum Policy {
+    #[default]
+    Driver,
+    /// The worker with the least queued plus dispatched prefill work among a pool, ties drawn
+    /// from the run's generator (`kvcompass.sim.schemes`: `oracle` with one pool of every
+    /// server and the dispatched work of every origin; `local-least-loaded` with one pool per
+    /// region, the request's region's, and that region's own dispatched share).
+    LeastLoaded { pools: Vec<Vec<u32>>, per_region: bool },
+}
+
 /// One emulated worker as the driver builds it.
 pub struct WorkerSetup {
     pub region: u16,
@@ -282,6 +294,9 @@ pub struct Records {
 
 pub struct Engine {
     cfg: Config,
+    policy: Policy,
+    scratch: Vec<f64>,
+    cand: Vec<u32>,
     block_size: usize,
     regions: usize,
     workers: Vec<Worker>,
@@ -404,6 +419,9 @@ impl Engine {
         let n_req = reqs.len();
         Ok(Engine {
             cfg,
+            policy: Policy::Driver,
+            scratch: Vec::new(),
+            cand: Vec::new(),
             block_size,
             regions,
             workers,
@@ -435,6 +453,52 @@ impl Engine {
             events_processed: 0,
             started: false,
         })
+    }
+
+    /// Route arrivals with `policy` (before [`Self::start`]).
+    pub fn set_policy(&mut self, policy: Policy) -> Result<()> {
+        let n = self.workers.len() as u32;
+        if let Policy::LeastLoaded { pools, per_region } = &policy {
+            if pools.iter().flatten().any(|&w| w >= n) || (*per_region && pools.len() != self.regions) || (!*per_region && pools.len() != 1) {
+                return Err(CoreError::InvalidArgument("least-loaded pools do not match the topology".into()));
+            }
+            if let Some(i) = self.reqs.iter().position(|r| pools[if *per_region { r.region as usize } else { 0 }].is_empty()) {
+                return Err(CoreError::InvalidArgument(format!("request {i} (in arrival order) has no worker to go to")));
+            }
+        }
+        self.policy = policy;
+        Ok(())
+    }
+
+    /// A native policy's choice for request `req` (None: the driver decides).
+    fn choose_native(&mut self, req: u32) -> Option<Choice> {
+        match &self.policy {
+            Policy::Driver => None,
+            Policy::LeastLoaded { pools, per_region } => {
+                let r = self.reqs[req as usize];
+                let (pool, origin) = if *per_region { (&pools[r.region as usize], Some(r.region)) } else { (&pools[0], None) };
+                let mut q = std::mem::take(&mut self.scratch);
+                q.clear();
+                let mut least = f64::INFINITY;
+                for &w in pool {
+                    let x = &self.workers[w as usize];
+                    let d = match origin {
+                        None => x.dispatched.iter().fold(0.0, |a, (_, v)| a + v),
+                        Some(o) => x.dispatched.iter().find(|(r, _)| *r == o).map_or(0.0, |(_, v)| *v),
+                    };
+                    let v = self.queued(x, self.now) + d;
+                    least = least.min(v);
+                    q.push(v);
+                }
+                let mut cand = std::mem::take(&mut self.cand);
+                cand.clear();
+                cand.extend(pool.iter().zip(&q).filter(|(_, &v)| v <= least + 1e-9).map(|(&w, _)| w));
+                let w = if cand.len() > 1 { cand[self.rng.integers(cand.len() as u64) as usize] } else { cand[0] };
+                self.scratch = q;
+                self.cand = cand;
+                Some(Choice { worker: w, claimed: 0, delay_ms: 0.0 })
+            }
+        }
     }
 
     // ---- the clock ---------------------------------------------------------------------------
@@ -510,7 +574,10 @@ impl Engine {
                     let ids = &self.ids[self.id_offs[req as usize]..self.id_offs[req as usize + 1]];
                     let tokens = expand_blocks(ids, r.input_length as usize, r.block_size as usize);
                     self.pending = Some((req, tokens));
-                    return Ok(Some(Step::Arrive { req }));
+                    match self.choose_native(req) {
+                        Some(c) => self.arrive(req, c)?,
+                        None => return Ok(Some(Step::Arrive { req })),
+                    }
                 }
                 Ev::Land(job) => {
                     let j = &self.jobs[job as usize];

@@ -14,5 +14,5 @@
 pub mod engine;
 pub mod rng;
 
-pub use engine::{Choice, Config, Cost, Engine, Out, RequestSpec, Step, WorkerSetup};
+pub use engine::{Choice, Config, Cost, Engine, Out, Policy, RequestSpec, Step, WorkerSetup};
 pub use rng::Pcg64;
