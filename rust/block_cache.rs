@@ -129,6 +129,7 @@ pub struct BlockCache {
     stamp: u64,
     born: u64,
     name_seed: u64,
+    keep_tokens: bool,
     pub stats: Stats,
 }
 
@@ -186,8 +187,20 @@ impl BlockCache {
             stamp: 0,
             born: 0,
             name_seed,
+            keep_tokens: true,
             stats: Stats::default(),
         })
+    }
+
+    /// Whether blocks keep their tokens (default). Only the stored events carry tokens: a
+    /// cache nobody reads events of may drop them (a quarter of a block's bytes and an
+    /// allocation per block); asking such a cache for events is then an error.
+    pub fn set_keep_tokens(&mut self, keep: bool) -> Result<()> {
+        if !self.nodes.is_empty() && keep != self.keep_tokens {
+            return Err(CoreError::InvalidArgument("keep_tokens can change only while the cache is empty".into()));
+        }
+        self.keep_tokens = keep;
+        Ok(())
     }
 
     pub fn block_size(&self) -> usize {
@@ -292,6 +305,7 @@ impl BlockCache {
     /// Every full block of the prompt (up to VRAM capacity) ends in VRAM: an admit after a
     /// prefill (`request`) or a same-region copy. `events`: whether to build them.
     pub fn place_vram(&mut self, tokens: &[u32], chain: &[u64], now: f64, salt: u32, request: bool, events: bool) -> Result<Vec<Event>> {
+        self.check_events(events)?;
         let bs = self.block_size;
         let n = chain.len();
         let (mut k, mut v) = (0usize, 0usize);
@@ -368,6 +382,7 @@ impl BlockCache {
     /// A cross-region copy lands in DRAM: the blocks missing past the cached prefix are stored
     /// there (DRAM leaves evicted for room); nothing cached moves.
     pub fn place_dram(&mut self, tokens: &[u32], chain: &[u64], now: f64, salt: u32, events: bool) -> Result<Vec<Event>> {
+        self.check_events(events)?;
         let n = chain.len();
         self.stats.copies += 1;
         let mut parent: Option<u64> = None;
@@ -465,13 +480,20 @@ impl BlockCache {
         Ok(())
     }
 
+    fn check_events(&self, events: bool) -> Result<()> {
+        if events && !self.keep_tokens {
+            return Err(CoreError::InvalidArgument("this cache keeps no tokens, so it cannot publish events".into()));
+        }
+        Ok(())
+    }
+
     fn new_node(&mut self, parent: Option<u64>, tokens: &[u32], i: usize, tier: u8, now: f64, salt: u32) -> Node {
         let bs = self.block_size;
         self.stamp += 1;
         self.born += 1;
         Node {
             parent,
-            tokens: tokens[i * bs..(i + 1) * bs].into(),
+            tokens: if self.keep_tokens { tokens[i * bs..(i + 1) * bs].into() } else { Box::default() },
             position: i as u32,
             tier,
             uses: 1,

@@ -134,9 +134,61 @@ def test_chord_lookup_delay_grows_with_hops() -> None:
     req = _request(0, 0.0, "r0", 3, 640)
     sim, chord = _scheme(topo, ChordDHT, [req])
     assert isinstance(chord, ChordDHT)
-    choice = chord.choose(req, req.input_tokens(), 0.0)
-    assert choice.worker == rec.worker and choice.delay_ms > 0
-    assert rec.ttft_ms == pytest.approx(choice.delay_ms + topo.rtt_ms("r0", rec.worker_region) + CostModel().prefill_ms(640))
+    worker, _, delay = chord.lookup("r0", reference_level_key(sim, req.input_tokens())[1])
+    assert worker == rec.worker and delay > 0
+    assert rec.ttft_ms == pytest.approx(delay + topo.rtt_ms("r0", rec.worker_region) + CostModel().prefill_ms(640))
+
+
+_GOLD = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(x: Any) -> Any:
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def reference_level_key(fleet: Any, tokens: Any, salt: str | None = None) -> tuple[int, int]:
+    """The content key of the hash-placed baselines (consistent hashing, Chord), written out in
+    numpy as the Python schemes computed it before they moved into the engine: the longest
+    fitting own-region level's whole-block prefix hash (the raw tokens below one block), named
+    with the level by BLAKE2b-64 of the arguments' repr."""
+    from kvcompass.sim.schemes import _h64, _levels
+
+    levels = _levels(fleet)
+    block = fleet.topology.block_size
+    fit = [i for i, c in enumerate(levels) if c <= len(tokens)]
+    level = fit[-1] if fit else 0
+    t = tokens[: min(len(tokens), levels[level])]
+    n = len(t) // block
+    if n == 0:
+        return level, _h64(level, _h64("short", salt, tokens.tobytes()))
+    rows = t[: n * block].astype(np.uint64).reshape(n, block)
+    with np.errstate(over="ignore"):
+        coef = _mix(np.arange(1, block + 1, dtype=np.uint64) * _GOLD)
+        per = _mix((rows * coef).sum(axis=1, dtype=np.uint64) + np.arange(n, dtype=np.uint64) * _GOLD)
+        out = _mix(np.cumsum(per, dtype=np.uint64))
+        if salt is not None:
+            out = _mix(out ^ np.uint64(_h64("salt", salt)))
+    return level, _h64(level, int(out[-1]))
+
+
+@pytest.mark.parametrize("length", [5, 15, 16, 700, 5000])
+def test_consistent_hash_places_by_the_reference_key(testbed: Topology, length: int) -> None:
+    """The engine's consistent hashing puts a prompt on the ring owner of the reference key (the
+    short-prompt path included), and a tenant's salt changes the key."""
+    from kvcompass.sim.schemes import _Ring
+
+    req = _request(0, 0.0, "us", 40 + length, length)
+    sim, ch = _scheme(testbed, ConsistentHash, [req])
+    assert isinstance(ch, ConsistentHash)
+    level, key = reference_level_key(sim, req.input_tokens())
+    ring: _Ring = ch._rings[level]
+    i = int(np.searchsorted(ring.positions, np.uint64(key), side="left"))
+    assert simulate(testbed, [req], "consistent-hash").records[0].worker == ring.owners[i % len(ring.owners)]
+    assert reference_level_key(sim, req.input_tokens(), "tenant-1") != (level, key)
 
 
 def test_chord_delay_adds_one_way_per_hop() -> None:
@@ -236,3 +288,18 @@ def test_dynamo_sees_a_remote_holder_only_after_the_next_broadcast(scheme: str) 
     assert a.worker_region == "r1"
     assert b.worker_region == "r0" and b.claimed == 0  # the broadcast has not told r0 yet
     assert c.worker == a.worker and c.claimed == c.reused == 8000  # now it has
+
+
+def test_consistent_hash_keys_a_tenant_with_its_salt(testbed: Topology) -> None:
+    """With several tenants each prompt is keyed under its tenant's salt (same tokens, other key)."""
+    from kvcompass.sim.schemes import _Ring
+
+    blocks = ChainBlocks(((77, 40),))
+    reqs = [Request(i, 10.0 * i, "us", i, name, 640, 1, 16, i, -1, blocks) for i, name in enumerate(["alpha", "beta"])]
+    sim, ch = _scheme(testbed, ConsistentHash, reqs)
+    assert isinstance(ch, ConsistentHash)
+    out = {r.id: r.worker for r in simulate(testbed, reqs, "consistent-hash").records}
+    for r in reqs:
+        level, key = reference_level_key(sim, r.input_tokens(), r.namespace)
+        ring: _Ring = ch._rings[level]
+        assert out[r.id] == ring.owners[int(np.searchsorted(ring.positions, np.uint64(key), side="left")) % len(ring.owners)]

@@ -118,7 +118,7 @@ from kvcompass.index import Namespace, Tier
 from kvcompass.sim.cache import Policy, PrefixCache, salt_seed
 from kvcompass.sim.costs import CostModel
 from kvcompass.sim.metrics import RequestRecord, Summary, summarize
-from kvcompass.sim.schemes import Choice, Fleet, Scheme, make_scheme, scheme_params
+from kvcompass.sim.schemes import Choice, Fleet, Scheme, _h64, make_scheme, scheme_params
 from kvcompass.sim.workload import Request
 
 __all__ = ["DEFAULT_DRAM_TOKENS", "DEFAULT_VRAM_TOKENS", "GPU_SHARING", "GpuSharing", "SimConfig", "Simulator", "simulate"]
@@ -345,8 +345,10 @@ class Simulator:
         self._engine_holds_caches = True
         native = getattr(self._scheme, "engine_policy", None)
         if native is not None:
+            # Content-keyed baselines key a salted prompt with its salt as schemes._h64 does.
+            self._engine.set_salts([0] + [_h64("salt", s) for s in self._salt_names], ["None"] + [repr(s) for s in self._salt_names])
             p = native(self._requests)
-            self._engine.set_policy(p.kind, [[self._index[w] for w in pool] for pool in p.pools], p.per_region)
+            getattr(self._engine, f"set_{p.method}")(*p.args)
         elif not callable(getattr(self._scheme, "choose", None)):
             raise InvalidArgumentError(f"scheme {self._scheme.name!r} has neither choose nor engine_policy")
 
@@ -402,6 +404,23 @@ class Simulator:
 
     def waiting(self, worker: str) -> int:
         return int(self._eng().waiting(self._index[worker]))
+
+    def worker_index(self, worker: str) -> int:
+        try:
+            return self._index[worker]
+        except KeyError:
+            raise InvalidArgumentError(f"unknown worker {worker!r}") from None
+
+    def region_index(self, region: str) -> int:
+        try:
+            return self._region_index[region]
+        except KeyError:
+            raise InvalidArgumentError(f"unknown region {region!r}") from None
+
+    def chord_lookup(self, origin: str, key: int) -> tuple[str, int, float]:
+        """The engine's Chord lookup of ``key`` from ``origin`` (the chord scheme's runs only)."""
+        w, hops, delay = self._eng().chord_lookup(self.region_index(origin), key)
+        return self._by_index[w].spec.id, int(hops), float(delay)
 
     @property
     def handoffs(self) -> int:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import hashlib
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
@@ -138,6 +138,14 @@ class Fleet(Protocol):
         """How many requests wait at the worker for prefill (the running one excluded)."""
         ...
 
+    def worker_index(self, worker: str) -> int:
+        """The worker's index in the engine (topology order)."""
+        ...
+
+    def region_index(self, region: str) -> int:
+        """The region's index in the engine (topology order)."""
+        ...
+
 
 class Scheme(Protocol):
     """A scheme routes with :meth:`choose` (called by the engine for every arrival) or, for a
@@ -151,26 +159,18 @@ class Scheme(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class EnginePolicy:
-    """A baseline run inside the engine (``rust/sim/engine.rs``, ``Policy``): ``kind`` and its
-    worker pools by worker id (one per region when ``per_region``, else one)."""
+    """A baseline run inside the engine (``rust/sim/policy.rs``): the engine method that installs
+    it (``_core.SimEngine.set_<method>``) and its arguments, workers and regions as the fleet's
+    indices (:meth:`Fleet.worker_index`, :meth:`Fleet.region_index`)."""
 
-    kind: str
-    pools: tuple[tuple[str, ...], ...]
-    per_region: bool
+    method: str
+    args: tuple[object, ...]
 
 
 def _servers_in(t: Topology, region: str) -> list[WorkerSpec]:
     """The workers of ``region`` a request may be routed to: under prefill-decode
     disaggregation only prefill workers (the decode instance is the simulator's to draw)."""
     return [w for w in t.workers_in(region) if w.role != "decode"]
-
-
-def _least_loaded(fleet: Fleet, workers: list[str], now_ms: float, origin: str | None) -> str:
-    """The worker with the least queued plus dispatched work (``origin``'s share of the latter,
-    see :meth:`Fleet.dispatched_ms`), ties drawn."""
-    q = np.array([fleet.queued_ms(w, now_ms) + fleet.dispatched_ms(w, origin) for w in workers])
-    cand = np.flatnonzero(q <= q.min() + 1e-9)
-    return workers[int(cand[int(fleet.rng().integers(len(cand)))])] if len(cand) > 1 else workers[int(cand[0])]
 
 
 class KVCompassScheme:
@@ -213,7 +213,8 @@ class LocalLeastLoaded:
         for r in requests:
             if not self._by_region.get(r.region):
                 raise InvalidArgumentError(f"region {r.region!r} has no workers: local-least-loaded cannot serve request {r.id}")
-        return EnginePolicy("least-loaded", tuple(self._by_region[r] for r in self._fleet.topology.region_names), per_region=True)
+        f = self._fleet
+        return EnginePolicy("least_loaded", ([[f.worker_index(w) for w in self._by_region[r]] for r in f.topology.region_names], True))
 
 
 class Oracle:
@@ -224,10 +225,10 @@ class Oracle:
     uses_index = False
 
     def __init__(self, fleet: Fleet) -> None:
-        self._workers = tuple(w.id for w in fleet.topology.indexed_workers)
+        self._fleet = fleet
 
     def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
-        return EnginePolicy("least-loaded", (self._workers,), per_region=False)
+        return EnginePolicy("least_loaded", ([[self._fleet.worker_index(w.id) for w in self._fleet.topology.indexed_workers]], False))
 
 
 class KVCompassAblation(KVCompassScheme):
@@ -310,6 +311,11 @@ class NoFingerprint(KVCompassAblation):
 
 # ---- helpers shared by the baselines ---------------------------------------------------------------
 
+HISTORY_CAPACITY = 1 << 20
+"""Prefixes a region balancer's routing history holds (PlanetServe, SkyWalker), least recently
+routed evicted first: a hash radix tree of what it routed where (SGLang-router style), every
+whole-block prefix of a routed prompt mapped to the workers it was sent to."""
+
 _M64 = (1 << 64) - 1
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
 
@@ -323,21 +329,6 @@ def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     return x ^ (x >> np.uint64(31))
 
 
-def _prefix_hashes(tokens: npt.NDArray[np.uint32], block: int, salt: str | None = None) -> npt.NDArray[np.uint64]:
-    """One 64-bit hash per whole-block prefix of ``tokens``: entry ``i`` names ``tokens[:(i+1)*block]``.
-    Each block is hashed with its position and the prefix hash is the mix of their running sum,
-    so two prompts share entry ``i`` exactly when (barring collisions) they share that prefix
-    (and their salt: a salted prompt's hashes are mixed with the salt's)."""
-    n = len(tokens) // block
-    if n == 0:
-        return np.zeros(0, dtype=np.uint64)
-    t = tokens[: n * block].astype(np.uint64).reshape(n, block)
-    coef = _mix(np.arange(1, block + 1, dtype=np.uint64) * _GOLD)
-    per_block = _mix((t * coef).sum(axis=1, dtype=np.uint64) + np.arange(n, dtype=np.uint64) * _GOLD)
-    out = _mix(np.cumsum(per_block, dtype=np.uint64))
-    return out if salt is None else _mix(out ^ np.uint64(_h64("salt", salt)))
-
-
 def _h64(*parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
 
@@ -348,33 +339,14 @@ def _levels(fleet: Fleet) -> tuple[int, ...]:
     return own_region_levels(t.own_region_min, levels=t.levels, block_size=t.block_size, max_prefix=t.max_prefix)
 
 
-def _level_key(fleet: Fleet, levels: tuple[int, ...], tokens: npt.NDArray[np.uint32], salt: str | None = None) -> tuple[int, int]:
-    """``(level index, key)`` of the longest level that fits the prompt; a prompt shorter than the
-    first level is keyed on the first level by its whole-block prefix (or its raw tokens)."""
-    block = fleet.topology.block_size
-    fit = [i for i, c in enumerate(levels) if c <= len(tokens)]
-    level = fit[-1] if fit else 0
-    n = min(len(tokens), levels[level]) if levels else len(tokens)
-    ph = _prefix_hashes(tokens[:n], block, salt)
-    key = int(ph[-1]) if len(ph) else _h64("short", salt, tokens.tobytes())
-    return level, _h64(level, key)
-
-
-def _one_way(fleet: Fleet, a: str, b: str) -> float:
-    return fleet.topology.rtt_ms(a, b) / 2
-
-
 class _Ring:
-    """A consistent-hash ring of ``workers`` with ``vnodes`` virtual nodes each (Karger et al.)."""
+    """A consistent-hash ring of ``workers`` with ``vnodes`` virtual nodes each (Karger et al.): a
+    key belongs to the first position at or after it, wrapping around (the engine's lookup)."""
 
     def __init__(self, workers: list[str], salt: object, vnodes: int = 64) -> None:
         pts = sorted((_h64("ring", salt, w, v), w) for w in workers for v in range(vnodes))
-        self._pos = np.array([p for p, _ in pts], dtype=np.uint64)
-        self._owner = [w for _, w in pts]
-
-    def owner(self, key: int) -> str:
-        i = int(np.searchsorted(self._pos, np.uint64(key), side="left"))
-        return self._owner[i % len(self._owner)]
+        self.positions = np.array([p for p, _ in pts], dtype=np.uint64)
+        self.owners = [w for _, w in pts]
 
 
 class ConsistentHash:
@@ -396,9 +368,10 @@ class ConsistentHash:
         workers = [w.id for w in fleet.topology.indexed_workers]
         self._rings = [_Ring(workers, ("level", i)) for i in range(max(1, len(self._levels)))]
 
-    def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
-        level, key = _level_key(self._fleet, self._levels, tokens, self._fleet.salt(request))
-        return Choice(self._rings[level].owner(key))
+    def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
+        f = self._fleet
+        rings = [(r.positions, [f.worker_index(w) for w in r.owners]) for r in self._rings]
+        return EnginePolicy("consistent_hash", (list(self._levels), rings))
 
 
 class ChordDHT:
@@ -440,77 +413,24 @@ class ChordDHT:
         """``x`` in the open ring interval (a, b)."""
         return a < x < b if a < b else (x > a or x < b) if a != b else x != a
 
-    def lookup(self, origin_region: str, key: int) -> tuple[int, int, float]:
-        """``(owner node index, hops, delay_ms)`` of a recursive lookup of ``key`` from ``origin_region``."""
-        entry = self._entry.get(origin_region)
-        if entry is None:  # no node in the region: enter at the nearest one
-            entry = min(range(len(self._ids)), key=lambda i: (self._fleet.topology.rtt_ms(origin_region, self._regions[i]), i))
-        delay = _one_way(self._fleet, origin_region, self._regions[entry])
-        cur, hops = entry, 0
-        n = len(self._ids)
-        while True:
-            succ = (cur + 1) % n
-            if key == self._ids[succ] or self._between(key, self._ids[cur], self._ids[succ]) or n == 1:
-                owner = succ if n > 1 else cur
-                break
-            nxt = cur
-            for f in reversed(self._fingers[cur]):
-                if self._between(self._ids[f], self._ids[cur], key):
-                    nxt = f
-                    break
-            if nxt == cur:
-                nxt = succ
-            delay += _one_way(self._fleet, self._regions[cur], self._regions[nxt])
-            cur, hops = nxt, hops + 1
-        delay += _one_way(self._fleet, self._regions[cur], origin_region)
-        return owner, hops, delay
+    def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
+        f = self._fleet
+        return EnginePolicy(
+            "chord",
+            (
+                list(self._levels),
+                list(self._ids),
+                [f.worker_index(w) for w in self._names],
+                [f.region_index(r) for r in self._regions],
+                self._fingers,
+                [self._entry[r] for r in f.topology.region_names],
+            ),
+        )
 
-    def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
-        _, key = _level_key(self._fleet, self._levels, tokens, self._fleet.salt(request))
-        owner, _, delay = self.lookup(request.region, key)
-        return Choice(self._names[owner], 0, delay)
-
-
-class _History:
-    """A region balancer's hash radix tree of what it routed where (SGLang-router style): every
-    whole-block prefix hash of a routed prompt maps to the workers it was sent to. Bounded by
-    ``capacity`` prefixes, least recently used evicted first."""
-
-    def __init__(self, capacity: int = 1 << 20) -> None:
-        self._tree: OrderedDict[int, set[str]] = OrderedDict()
-        self._capacity = capacity
-
-    def match(self, hashes: list[int]) -> tuple[int, set[str]]:
-        """``(blocks, holders)`` of the longest routed prefix (walked from the root)."""
-        best: set[str] = set()
-        n = 0
-        for h in hashes:
-            s = self._tree.get(h)
-            if not s:
-                break
-            best, n = s, n + 1
-        return n, best
-
-    def insert(self, hashes: list[int], worker: str) -> None:
-        for h in hashes:
-            s = self._tree.get(h)
-            if s is None:
-                self._tree[h] = {worker}
-            else:
-                s.add(worker)
-                self._tree.move_to_end(h)
-        while len(self._tree) > self._capacity:
-            self._tree.popitem(last=False)
-
-
-def _prefix_pick(fleet: Fleet, tree: _History, hashes: list[int], workers: list[str], now_ms: float, origin: str) -> tuple[str | None, int]:
-    """The least-loaded worker among ``workers`` holding the longest routed prefix, and its
-    match in tokens; ``(None, 0)`` when no prefix of the prompt was routed to any of them."""
-    n, holders = tree.match(hashes)
-    cand = [w for w in workers if w in holders]
-    if n == 0 or not cand:
-        return None, 0
-    return _least_loaded(fleet, cand, now_ms, origin), n * fleet.topology.block_size
+    def lookup(self, origin_region: str, key: int) -> tuple[str, int, float]:
+        """``(owner worker, hops, delay_ms)`` of a recursive lookup of ``key`` from
+        ``origin_region``, as the engine routes requests (for inspection and tests)."""
+        return self._fleet.chord_lookup(origin_region, key)
 
 
 class PlanetServe:
@@ -529,19 +449,13 @@ class PlanetServe:
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
         self._by_region = {r: [w.id for w in _servers_in(fleet.topology, r)] for r in fleet.topology.region_names}
-        self._trees = {r: _History() for r in fleet.topology.region_names}
 
-    def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
-        workers = self._by_region.get(request.region) or []
-        if not workers:
-            raise InvalidArgumentError(f"region {request.region!r} has no workers: planetserve cannot serve request {request.id}")
-        hashes: list[int] = _prefix_hashes(tokens, self._fleet.topology.block_size, self._fleet.salt(request)).tolist()
-        tree = self._trees[request.region]
-        worker, claimed = _prefix_pick(self._fleet, tree, hashes, workers, now_ms, request.region)
-        if worker is None:
-            worker = _least_loaded(self._fleet, workers, now_ms, request.region)
-        tree.insert(hashes, worker)
-        return Choice(worker, claimed)
+    def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
+        for r in requests:
+            if not self._by_region.get(r.region):
+                raise InvalidArgumentError(f"region {r.region!r} has no workers: planetserve cannot serve request {r.id}")
+        f = self._fleet
+        return EnginePolicy("planetserve", ([[f.worker_index(w) for w in self._by_region[r]] for r in f.topology.region_names], HISTORY_CAPACITY))
 
 
 class CentralDirectory:
@@ -568,24 +482,12 @@ class CentralDirectory:
         origins = [r.name for r in t.regions if r.edges > 0] or list(t.region_names)
         self.coordinator = min(t.region_names, key=lambda c: (sum(t.rtt_ms(o, c) for o in origins), t.region_index(c)))
 
-    def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
-        f, p, t = self._fleet, self._p, self._fleet.topology
-        delay = t.rtt_ms(request.region, self.coordinator)
-        L = len(tokens)
-        q = np.array([f.queued_ms(w.id, now_ms) + f.dispatched_ms(w.id) for w in self._workers])
-        lam = min(p.lambda_max, float(q.min()) / p.tau_ms)
-        salt = f.salt(request)
-        hits = [f.cached(w.id, tokens, salt) for w in self._workers]
-        scores = np.array(
-            [
-                p.wan_fraction * t.rtt_ms(request.region, w.region) + q[i] + (1 + lam) * w.beta_ms_per_token * max(0, L - v - d) + p.gamma_ms_per_token * d
-                for i, (w, (v, d)) in enumerate(zip(self._workers, hits))
-            ]
+    def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
+        f, p = self._fleet, self._p
+        return EnginePolicy(
+            "central_directory",
+            ([f.worker_index(w.id) for w in self._workers], [w.beta_ms_per_token for w in self._workers], f.region_index(self.coordinator), p.wan_fraction, p.lambda_max, p.tau_ms, p.gamma_ms_per_token, p.tie_ms),
         )
-        cand = np.flatnonzero(scores <= scores.min() + p.tie_ms)
-        i = int(cand[int(f.rng().integers(len(cand)))]) if len(cand) > 1 else int(cand[0])
-        v, d = hits[i]
-        return Choice(self._workers[i].id, min(L, v + d), delay)
 
 
 class SkyWalker:
@@ -607,40 +509,19 @@ class SkyWalker:
         self._fleet = fleet
         t = fleet.topology
         self._by_region = {r: [w.id for w in _servers_in(t, r)] for r in t.region_names}
-        self._region_of = {w.id: w.region for w in t.indexed_workers}
-        self._trees = {r: _History() for r in t.region_names}
         self._remote = {r: sorted((o for o in t.region_names if o != r and self._by_region[o]), key=lambda o: (t.rtt_ms(r, o), t.region_index(o))) for r in t.region_names}
 
-    def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
-        f, region = self._fleet, request.region
-        local = self._by_region.get(region) or []
-        hashes: list[int] = _prefix_hashes(tokens, f.topology.block_size, f.salt(request)).tolist()
-        worker: str | None = None
-        claimed = 0
-        holder, match = _prefix_pick(f, self._trees[region], hashes, local, now_ms, region) if local else (None, 0)
-        free = [w for w in local if f.waiting(w) == 0]
-        if holder is not None and f.waiting(holder) == 0:
-            worker, claimed = holder, match
-        elif free:
-            worker = _least_loaded(f, free, now_ms, region)
-        else:
-            for o in self._remote.get(region, []):
-                rfree = [w for w in self._by_region[o] if f.waiting(w) == 0]
-                if rfree:
-                    worker = _least_loaded(f, rfree, now_ms, region)
-                    break
-            if worker is None:
-                if holder is not None:
-                    worker, claimed = holder, match
-                elif local:
-                    worker = _least_loaded(f, local, now_ms, region)
-                else:
-                    raise InvalidArgumentError(f"region {region!r} has no workers and no remote replica is free: skywalker cannot serve request {request.id}")
-        if claimed == 0 and worker != holder:
-            n, holders = self._trees[self._region_of[worker]].match(hashes)
-            claimed = n * f.topology.block_size if worker in holders else 0
-        self._trees[self._region_of[worker]].insert(hashes, worker)
-        return Choice(worker, claimed)
+    def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
+        f, t = self._fleet, self._fleet.topology
+        return EnginePolicy(
+            "skywalker",
+            (
+                [[f.worker_index(w) for w in self._by_region[r]] for r in t.region_names],
+                [[f.region_index(o) for o in self._remote[r]] for r in t.region_names],
+                [f.region_index(w.region) for w in t.workers],
+                HISTORY_CAPACITY,
+            ),
+        )
 
 
 def _token_keys(tokens: npt.NDArray[np.uint32], block: int, salt: str | None = None) -> list[int]:

@@ -17,7 +17,7 @@ use super::block_cache::{events_out, PyBlockCache};
 use super::errors::core_err;
 use crate::block_cache::BlockCache;
 use crate::error::CoreError;
-use crate::sim::{Choice, Config, Cost, Engine, Out, Pcg64, Policy, RequestSpec, Step, WorkerSetup};
+use crate::sim::{Baseline, Choice, Config, Cost, Engine, History, Out, Pcg64, Policy, RequestSpec, Salts, Step, WorkerSetup};
 
 type RngState = (u128, u128, bool, u32);
 
@@ -359,14 +359,75 @@ impl PySimEngine {
         result
     }
 
-    /// Route arrivals with a baseline implemented in the engine instead of the driver's
-    /// `choose`: `("least-loaded", pools, per_region)` (see `crate::sim::Policy`).
-    fn set_policy(&mut self, name: &str, pools: Vec<Vec<u32>>, per_region: bool) -> PyResult<()> {
-        let policy = match name {
-            "least-loaded" => Policy::LeastLoaded { pools, per_region },
-            other => return Err(bad(format!("unknown engine policy {other:?} (known: least-loaded)"))),
-        };
-        self.inner.set_policy(policy).map_err(core_err)
+    /// Route arrivals with the least-loaded worker of a pool (one pool, or one per region for
+    /// the request's region) instead of the driver's `choose` (`crate::sim::Policy`).
+    fn set_least_loaded(&mut self, pools: Vec<Vec<u32>>, per_region: bool) -> PyResult<()> {
+        self.inner.set_policy(Policy::LeastLoaded { pools, per_region }).map_err(core_err)
+    }
+
+    /// Content-keyed baselines' salt keys: `_h64("salt", s)` and `repr(s)` per salt number (0: none).
+    fn set_salts(&mut self, h64: Vec<u64>, repr: Vec<String>) -> PyResult<()> {
+        if h64.len() != repr.len() || h64.is_empty() {
+            return Err(bad("set_salts needs one key and one repr per salt number, 0 included".into()));
+        }
+        self.inner.set_salts(Salts { h64, repr });
+        Ok(())
+    }
+
+    /// Consistent hashing: a ring `(sorted positions, owner per position)` per level.
+    fn set_consistent_hash(&mut self, levels: Vec<u64>, rings: Vec<(Bound<'_, PyAny>, Vec<u32>)>) -> PyResult<()> {
+        let mut out = Vec::with_capacity(rings.len());
+        for (pos, owner) in rings {
+            let pos = u64_vec("ring positions", &pos)?;
+            if pos.len() != owner.len() || pos.is_empty() || pos.windows(2).any(|w| w[0] > w[1]) {
+                return Err(bad("a ring needs sorted positions and one owner each".into()));
+            }
+            out.push((pos, owner));
+        }
+        if out.len() < levels.len().max(1) {
+            return Err(bad("one ring per level".into()));
+        }
+        self.inner.set_policy(Policy::Baseline(Baseline::ConsistentHash { levels, rings: out })).map_err(core_err)
+    }
+
+    /// Chord: nodes sorted by id (`ids`, their workers and regions), 64 fingers each, and the
+    /// entry node per region (None: the nearest node).
+    #[allow(clippy::too_many_arguments)]
+    fn set_chord(&mut self, levels: Vec<u64>, ids: Vec<u64>, nodes: Vec<u32>, regions: Vec<u16>, fingers: Vec<Vec<u32>>, entry: Vec<Option<u32>>) -> PyResult<()> {
+        let n = ids.len();
+        if n == 0 || nodes.len() != n || regions.len() != n || fingers.len() != n || fingers.iter().flatten().any(|&f| f as usize >= n) || entry.iter().flatten().any(|&e| e as usize >= n) {
+            return Err(bad("chord tables do not agree".into()));
+        }
+        self.inner.set_policy(Policy::Baseline(Baseline::Chord { levels, ids, nodes, regions, fingers, entry })).map_err(core_err)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn set_central_directory(&mut self, workers: Vec<u32>, beta: Vec<f64>, coordinator: u16, wan_fraction: f64, lambda_max: f64, tau_ms: f64, gamma: f64, tie_ms: f64) -> PyResult<()> {
+        if workers.is_empty() || beta.len() != workers.len() {
+            return Err(bad("one prefill rate per worker".into()));
+        }
+        self.inner.set_policy(Policy::Baseline(Baseline::CentralDirectory { workers, beta, coordinator, wan_fraction, lambda_max, tau_ms, gamma, tie_ms })).map_err(core_err)
+    }
+
+    /// The installed Chord's lookup of `key` from region `origin`: `(worker, hops, delay_ms)`.
+    fn chord_lookup(&self, origin: u16, key: u64) -> PyResult<(u32, u32, f64)> {
+        self.inner.chord_lookup(origin, key).map_err(core_err)
+    }
+
+    /// PlanetServe: a pool and a routing history of `capacity` prefixes per region.
+    fn set_planetserve(&mut self, pools: Vec<Vec<u32>>, capacity: usize) -> PyResult<()> {
+        let trees = pools.iter().map(|_| History::new(capacity)).collect();
+        self.inner.set_policy(Policy::Baseline(Baseline::PlanetServe { pools, trees })).map_err(core_err)
+    }
+
+    /// SkyWalker: pools and histories per region, the remote regions of each in push order,
+    /// and every worker's region.
+    fn set_skywalker(&mut self, pools: Vec<Vec<u32>>, remote: Vec<Vec<u16>>, region_of: Vec<u16>, capacity: usize) -> PyResult<()> {
+        if remote.len() != pools.len() || remote.iter().flatten().any(|&r| r as usize >= pools.len()) || region_of.iter().any(|&r| r as usize >= pools.len()) {
+            return Err(bad("skywalker tables do not agree".into()));
+        }
+        let trees = pools.iter().map(|_| History::new(capacity)).collect();
+        self.inner.set_policy(Policy::Baseline(Baseline::SkyWalker { pools, trees, remote, region_of })).map_err(core_err)
     }
 
     /// Schedule every arrival (before anything the driver schedules after this call).

@@ -5,6 +5,10 @@ use std::cmp::Ordering;
 use std::collections::{BinaryHeap, VecDeque};
 
 use super::rng::Pcg64;
+pub use policy::{Baseline, History, Salts};
+
+#[path = "policy.rs"]
+mod policy;
 use crate::block_cache::{BlockCache, Event, DRAM, VRAM};
 use crate::error::{CoreError, Result};
 use crate::chunk_hash::block_chain;
@@ -90,6 +94,8 @@ pub enum Policy {
     /// server and the dispatched work of every origin; `local-least-loaded` with one pool per
     /// region, the request's region's, and that region's own dispatched share).
     LeastLoaded { pools: Vec<Vec<u32>>, per_region: bool },
+    /// A content-keyed or exact-state baseline ([`Baseline`]).
+    Baseline(Baseline),
 }
 
 /// One emulated worker as the driver builds it.
@@ -311,7 +317,8 @@ pub struct Engine {
     rng: Pcg64,
     faults: Pcg64,
     out: Vec<Out>,
-    pending: Option<(u32, Vec<u32>)>,
+    pending: Option<(u32, Vec<u32>, Vec<u64>)>,
+    salts: Salts,
     pub records: Records,
     done: u64,
     progress_every: u64,
@@ -386,6 +393,10 @@ impl Engine {
         if workers.iter().any(|w| w.cache.block_size() != block_size) {
             return bad("every worker's cache must have the same block size".into());
         }
+        let mut workers = workers;
+        for w in &mut workers {
+            w.cache.set_keep_tokens(w.publish)?;
+        }
         let workers = workers
             .into_iter()
             .map(|s| Worker {
@@ -437,6 +448,7 @@ impl Engine {
             faults,
             out: Vec::new(),
             pending: None,
+            salts: Salts::default(),
             records: Records {
                 order: Vec::with_capacity(n_req),
                 worker: vec![u32::MAX; n_req],
@@ -458,6 +470,25 @@ impl Engine {
     /// Route arrivals with `policy` (before [`Self::start`]).
     pub fn set_policy(&mut self, policy: Policy) -> Result<()> {
         let n = self.workers.len() as u32;
+        let pools_ok = |pools: &Vec<Vec<u32>>| pools.len() == self.regions && !pools.iter().flatten().any(|&w| w >= n);
+        match &policy {
+            Policy::Baseline(Baseline::PlanetServe { pools, .. }) if !pools_ok(pools) => return Err(CoreError::InvalidArgument("planetserve pools do not match the topology".into())),
+            Policy::Baseline(Baseline::SkyWalker { pools, region_of, .. }) if !pools_ok(pools) || region_of.len() != n as usize => return Err(CoreError::InvalidArgument("skywalker pools do not match the topology".into())),
+            Policy::Baseline(Baseline::ConsistentHash { rings, .. }) if rings.iter().flat_map(|r| &r.1).any(|&w| w >= n) => return Err(CoreError::InvalidArgument("a ring owner is not a worker".into())),
+            Policy::Baseline(Baseline::Chord { nodes, regions, .. }) if nodes.iter().any(|&w| w >= n) || regions.iter().any(|&r| r as usize >= self.regions) => return Err(CoreError::InvalidArgument("a chord node is not a worker".into())),
+            Policy::Baseline(Baseline::CentralDirectory { workers, coordinator, .. }) if workers.iter().any(|&w| w >= n) || *coordinator as usize >= self.regions => return Err(CoreError::InvalidArgument("central directory workers do not match the topology".into())),
+            _ => {}
+        }
+        if self.salts.h64.is_empty() {
+            let salts = self.reqs.iter().map(|r| r.salt).max().unwrap_or(0) as usize;
+            if salts > 0 && matches!(policy, Policy::Baseline(_)) {
+                return Err(CoreError::InvalidArgument("set the salts' keys before a content-keyed baseline".into()));
+            }
+            self.salts = Salts { h64: vec![0], repr: vec!["None".into()] };
+        }
+        if self.reqs.iter().any(|r| r.salt as usize >= self.salts.h64.len()) {
+            return Err(CoreError::InvalidArgument("a request's salt has no key".into()));
+        }
         if let Policy::LeastLoaded { pools, per_region } = &policy {
             if pools.iter().flatten().any(|&w| w >= n) || (*per_region && pools.len() != self.regions) || (!*per_region && pools.len() != 1) {
                 return Err(CoreError::InvalidArgument("least-loaded pools do not match the topology".into()));
@@ -470,34 +501,41 @@ impl Engine {
         Ok(())
     }
 
-    /// A native policy's choice for request `req` (None: the driver decides).
-    fn choose_native(&mut self, req: u32) -> Option<Choice> {
-        match &self.policy {
-            Policy::Driver => None,
+    /// The salts' keys for content-keyed baselines (`_h64("salt", s)` and `repr(s)` per salt number).
+    pub fn set_salts(&mut self, salts: Salts) {
+        self.salts = salts;
+    }
+
+    /// A native policy's choice for the pending request (None: the driver decides).
+    fn choose_native(&mut self) -> Result<Option<Choice>> {
+        let mut policy = std::mem::take(&mut self.policy);
+        let out = match &mut policy {
+            Policy::Driver => Ok(None),
             Policy::LeastLoaded { pools, per_region } => {
-                let r = self.reqs[req as usize];
+                let (req, _, _) = self.pending.as_ref().expect("an arrival is pending");
+                let r = self.reqs[*req as usize];
                 let (pool, origin) = if *per_region { (&pools[r.region as usize], Some(r.region)) } else { (&pools[0], None) };
-                let mut q = std::mem::take(&mut self.scratch);
-                q.clear();
-                let mut least = f64::INFINITY;
-                for &w in pool {
-                    let x = &self.workers[w as usize];
-                    let d = match origin {
-                        None => x.dispatched.iter().fold(0.0, |a, (_, v)| a + v),
-                        Some(o) => x.dispatched.iter().find(|(r, _)| *r == o).map_or(0.0, |(_, v)| *v),
-                    };
-                    let v = self.queued(x, self.now) + d;
-                    least = least.min(v);
-                    q.push(v);
-                }
-                let mut cand = std::mem::take(&mut self.cand);
-                cand.clear();
-                cand.extend(pool.iter().zip(&q).filter(|(_, &v)| v <= least + 1e-9).map(|(&w, _)| w));
-                let w = if cand.len() > 1 { cand[self.rng.integers(cand.len() as u64) as usize] } else { cand[0] };
-                self.scratch = q;
-                self.cand = cand;
-                Some(Choice { worker: w, claimed: 0, delay_ms: 0.0 })
+                Ok(Some(Choice { worker: self.least_loaded(pool, origin), claimed: 0, delay_ms: 0.0 }))
             }
+            Policy::Baseline(b) => {
+                let (req, tokens, chain) = self.pending.take().expect("an arrival is pending");
+                let c = self.choose_baseline(b, req, &tokens, &chain);
+                self.pending = Some((req, tokens, chain));
+                c.map(Some)
+            }
+        };
+        self.policy = policy;
+        out
+    }
+
+    /// The installed Chord's lookup of `key` from region `origin`: `(owner worker, hops, delay_ms)`.
+    pub fn chord_lookup(&self, origin: u16, key: u64) -> Result<(u32, u32, f64)> {
+        match &self.policy {
+            Policy::Baseline(b @ Baseline::Chord { nodes, .. }) if (origin as usize) < self.regions => {
+                let (owner, hops, delay) = self.chord_route(b, origin, key);
+                Ok((nodes[owner], hops, delay))
+            }
+            _ => Err(CoreError::InvalidArgument("chord_lookup needs the chord policy and a known region".into())),
         }
     }
 
@@ -573,8 +611,9 @@ impl Engine {
                     let r = self.reqs[req as usize];
                     let ids = &self.ids[self.id_offs[req as usize]..self.id_offs[req as usize + 1]];
                     let tokens = expand_blocks(ids, r.input_length as usize, r.block_size as usize);
-                    self.pending = Some((req, tokens));
-                    match self.choose_native(req) {
+                    let chain = block_chain(r.salt_seed, &tokens, self.block_size)?;
+                    self.pending = Some((req, tokens, chain));
+                    match self.choose_native()? {
                         Some(c) => self.arrive(req, c)?,
                         None => return Ok(Some(Step::Arrive { req })),
                     }
@@ -610,7 +649,7 @@ impl Engine {
 
     /// The tokens of the request [`Step::Arrive`] named.
     pub fn pending_tokens(&self) -> Option<&[u32]> {
-        self.pending.as_ref().map(|(_, t)| t.as_slice())
+        self.pending.as_ref().map(|(_, t, _)| t.as_slice())
     }
 
     pub fn job_tokens(&self, job: u32) -> Option<&[u32]> {
@@ -747,8 +786,8 @@ impl Engine {
 
     /// Route the pending arrival to `c`.
     pub fn arrive(&mut self, req: u32, c: Choice) -> Result<()> {
-        let tokens = match self.pending.take() {
-            Some((r, t)) if r == req => t,
+        let (tokens, chain) = match self.pending.take() {
+            Some((r, t, c)) if r == req => (t, c),
             _ => {
                 return Err(CoreError::InvalidArgument(format!(
                     "request {req} is not the pending arrival"
@@ -761,7 +800,6 @@ impl Engine {
         let forward = self.way(r.edge_region, wr);
         let back = self.way(wr, r.edge_region);
         let job = self.jobs.len() as u32;
-        let chain = block_chain(r.salt_seed, &tokens, self.block_size)?;
         self.jobs.push(Job {
             req,
             tokens,
