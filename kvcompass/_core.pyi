@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import final
 
 import numpy as np
@@ -21,6 +22,7 @@ __all__ = [
     "first_bad_token",
     "pack_tokens",
     "BlockCache",
+    "SimEngine",
     "LudoTable",
     "LudoView",
     "ApplyResult",
@@ -118,6 +120,88 @@ class BlockCache:
     def blocks(self) -> list[tuple[int, int | None, int, int, int, float]]:
         """``(hash, parent, position, tier, uses, last)`` of every block, in storage order."""
     def chain(self, tokens: npt.NDArray[np.uint32], salt_seed: int) -> npt.NDArray[np.uint64]: ...
+
+_RngState = tuple[int, int, bool, int]
+
+@final
+class SimEngine:
+    """The simulator's engine (``rust/sim/``): clock, workers, caches, in-flight accounting, WAN
+    and fault draws, records, and the baselines that run inside it. ``kvcompass.sim.engine``
+    builds it and drives it (``run(driver)``); see that module for every argument."""
+
+    def __new__(
+        cls,
+        cost: tuple[float, float, float, float, float, float, float, int],
+        transfer_gbps: float,
+        chunked: bool,
+        max_batched_tokens: int,
+        wan_jitter: float,
+        segment_steps: int,
+        indexed: bool,
+        handoff: bool,
+        rtt: npt.NDArray[np.float64],
+        has_edge: list[bool],
+        region_workers: list[list[int]],
+        decoders: list[list[int]],
+        worker_regions: npt.NDArray[np.uint32],
+        caches: list[BlockCache],
+        publish: list[bool],
+        queue_to_edge: list[bool],
+        arrival_ms: npt.NDArray[np.float64],
+        region: npt.NDArray[np.uint32],
+        edge_region: npt.NDArray[np.uint32],
+        input_length: npt.NDArray[np.uint64],
+        output_length: npt.NDArray[np.uint64],
+        block_size: npt.NDArray[np.uint32],
+        salt: npt.NDArray[np.uint32],
+        salt_seed: npt.NDArray[np.uint64],
+        ids: npt.NDArray[np.uint64],
+        id_offsets: npt.NDArray[np.uint64],
+        rng_state: _RngState,
+        fault_state: _RngState,
+        progress_every: int,
+    ) -> SimEngine: ...
+    def return_caches(self, caches: list[BlockCache]) -> None:
+        """Move the caches' blocks back into the constructor's ``BlockCache`` objects."""
+    def run(self, driver: object) -> None:
+        """Replay to the end, calling the driver's ``choose``, ``handoff``, ``events``,
+        ``respond``, ``queue`` and ``progress`` and the callbacks given to ``at``."""
+    def set_least_loaded(self, pools: list[list[int]], per_region: bool) -> None: ...
+    def set_salts(self, h64: list[int], repr: list[str]) -> None: ...
+    def set_consistent_hash(self, levels: list[int], rings: list[tuple[npt.NDArray[np.uint64], list[int]]]) -> None: ...
+    def set_chord(self, levels: list[int], ids: list[int], nodes: list[int], regions: list[int], fingers: list[list[int]], entry: list[int | None]) -> None: ...
+    def set_central_directory(self, workers: list[int], beta: list[float], coordinator: int, wan_fraction: float, lambda_max: float, tau_ms: float, gamma: float, tie_ms: float) -> None: ...
+    def chord_lookup(self, origin: int, key: int) -> tuple[int, int, float]: ...
+    def set_planetserve(self, pools: list[list[int]], capacity: int) -> None: ...
+    def set_skywalker(self, pools: list[list[int]], remote: list[list[int]], region_of: list[int], capacity: int) -> None: ...
+    def start(self) -> None:
+        """Schedule every arrival (before anything scheduled after this call)."""
+    def transfer_ms(self, tokens: int) -> float: ...
+    def at(self, t: float, f: Callable[[], object]) -> None:
+        """Call ``f()`` at ``t`` ms of virtual time."""
+    @property
+    def now(self) -> float: ...
+    def queued_ms(self, worker: int, now: float) -> float: ...
+    def dispatched_ms(self, worker: int, origin: int | None = None) -> float: ...
+    def waiting(self, worker: int) -> int: ...
+    def cached(self, worker: int, tokens: npt.NDArray[np.uint32], salt_seed: int) -> tuple[int, int]: ...
+    def way(self, a: int, b: int) -> float: ...
+    def rng_integers(self, n: int) -> int: ...
+    def fault_random(self) -> float: ...
+    def rng_states(self) -> tuple[_RngState, _RngState]: ...
+    def copy_in(self, worker: int, tokens: npt.NDArray[np.uint32], tier: int, salt: int, salt_seed: int) -> list[_RawStored | _RawRemoved]: ...
+    def migrate_recompute(self, t: float, worker: int, tokens: npt.NDArray[np.uint32], tier: int, region: int, salt: int, salt_seed: int) -> None: ...
+    def busy_queues(self) -> list[tuple[int, float]]: ...
+    @property
+    def completed(self) -> int: ...
+    @property
+    def handoffs(self) -> int: ...
+    @property
+    def events_processed(self) -> int: ...
+    def decoded(self, worker: int) -> int: ...
+    def busy(self, worker: int) -> npt.NDArray[np.float64]: ...
+    def records(self) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint32], npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.int64]]: ...
+    def cache_memory_bytes(self) -> int: ...
 
 def decode_batch_header(batch: bytes) -> dict[str, int]:
     """Header of an encoded batch (table, shard, epoch, seq, n_ops); raises MalformedPatchError."""

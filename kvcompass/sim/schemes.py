@@ -146,6 +146,11 @@ class Fleet(Protocol):
         """The region's index in the engine (topology order)."""
         ...
 
+    def chord_lookup(self, origin: str, key: int) -> tuple[str, int, float]:
+        """The engine's Chord lookup of ``key`` from ``origin``: ``(owner worker, hops, delay_ms)``
+        (in a run of the chord scheme)."""
+        ...
+
 
 class Scheme(Protocol):
     """A scheme routes with :meth:`choose` (called by the engine for every arrival) or, for a
