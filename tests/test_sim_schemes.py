@@ -12,7 +12,7 @@ from kvcompass.discovery.params import EdgeParams
 from kvcompass.discovery.topology import Topology, load_topology, topology_from_dict
 from kvcompass.sim.costs import CostModel
 from kvcompass.sim.engine import SimConfig, Simulator, simulate
-from kvcompass.sim.schemes import SCHEMES, CentralDirectory, ChordDHT, ConsistentHash, Dynamo, Fleet, Scheme, _overlap, _token_keys, scheme_params
+from kvcompass.sim.schemes import SCHEMES, CentralDirectory, ChordDHT, ConsistentHash, Dynamo, Fleet, Scheme, scheme_params
 from kvcompass.sim.workload import ChainBlocks, MixedConfig, Request, synthetic_mixed
 
 SMALL = MixedConfig(
@@ -261,15 +261,14 @@ def test_a_factory_scheme_is_accepted(testbed: Topology) -> None:
 def test_dynamo_follows_the_workers_kv_events_exactly(testbed: Topology, mixed: list[Request]) -> None:
     sim = Simulator(testbed, mixed, "dynamo", SimConfig(seed=4))
     sim.run()
-    scheme = sim._scheme
-    assert isinstance(scheme, Dynamo)
-    state = scheme._s
+    assert isinstance(sim._scheme, Dynamo)
+    engine = sim._engine
+    assert engine is not None
     for r in mixed[::5]:
         tokens = r.input_tokens()
-        keys = _token_keys(tokens, testbed.block_size)
         for w in testbed.workers:
             v, d = sim._workers[w.id].cache.lookup(tokens)
-            assert _overlap(keys, state.exact[w.id]) * testbed.block_size == v + d
+            assert engine.dynamo_exact_blocks(sim.worker_index(w.id), tokens, 0) * testbed.block_size == v + d
 
 
 @pytest.mark.parametrize("scheme", ["dynamo", "dynamo-global"])

@@ -271,7 +271,7 @@ class Simulator:
                 hash_seed=i,
                 # Events are built only for someone to read them: the worker's agent or a scheme
                 # that follows KV events (the others, the Oracle say, never look).
-                publish=(self._indexed and spec.role != "decode") or self._on_kv is not None,
+                publish=(self._indexed and spec.role != "decode") or self._on_kv is not None or bool(getattr(self._scheme, "follows_kv_events", False)),
             )
             cache.use_salts(self._salt_names)
             indexed = self._indexed and spec.role != "decode"

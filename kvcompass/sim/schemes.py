@@ -41,7 +41,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import hashlib
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
@@ -49,7 +48,6 @@ from typing import ClassVar, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kvcompass.agent.events import BlockRemoved, BlockStored, Event
 from kvcompass.discovery.edge import Edge
 from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.discovery.params import EdgeParams
@@ -529,127 +527,22 @@ class SkyWalker:
         )
 
 
-def _token_keys(tokens: npt.NDArray[np.uint32], block: int, salt: str | None = None) -> list[int]:
-    """Worker-independent prefix keys of the whole blocks of ``tokens``, chained as
-    :meth:`_KVTracker.apply` chains a BlockStored run's blocks (same function, same keys; a
-    salted prompt's chain starts from its salt, as the tracker reads it from the extra keys)."""
-    n = len(tokens) // block
-    out: list[int] = []
-    k = _root_key(salt)
-    for row in tokens[: n * block].reshape(n, block).tolist():
-        k = hash((k, tuple(row)))
-        out.append(k)
-    return out
-
-
-def _root_key(salt: object) -> int:
-    return 0 if salt is None else _h64("salt", salt)
-
-
-class _KVTracker:
-    """A worker's KV events turned into worker-independent prefix keys: which prefix each of its
-    (engine-seeded) block hashes names and on which medium it is now. :meth:`apply` returns the
-    view operations ``(prefix key, medium or None to drop)`` the events amount to."""
-
-    def __init__(self) -> None:
-        self.medium: dict[int | bytes, str] = {}
-        self.key: dict[int | bytes, int] = {}
-
-    def apply(self, events: Sequence[Event]) -> list[tuple[int, str | None]]:
-        ops: list[tuple[int, str | None]] = []
-        for e in events:
-            if isinstance(e, BlockStored):
-                if e.parent_block_hash is None:
-                    first = e.extra_keys[0] if e.extra_keys else None
-                    parent: int | None = _root_key(first[0] if isinstance(first, tuple) and len(first) == 1 else first)
-                else:
-                    parent = self.key.get(e.parent_block_hash)
-                if parent is None:
-                    continue  # a run whose parent left already: nothing reusable from the root
-                k = parent
-                medium = e.medium or "GPU"
-                for j, h in enumerate(e.block_hashes):
-                    k = hash((k, tuple(e.token_ids[j * e.block_size : (j + 1) * e.block_size])))
-                    self.key[h], self.medium[h] = k, medium
-                    ops.append((k, medium))
-            elif isinstance(e, BlockRemoved):
-                medium = e.medium or "GPU"
-                for h in e.block_hashes:
-                    if self.medium.get(h) == medium:
-                        del self.medium[h]
-                        ops.append((self.key.pop(h), None))
-            else:  # AllBlocksCleared
-                ops.extend((k, None) for k in self.key.values())
-                self.medium.clear()
-                self.key.clear()
-        return ops
-
-
-def _apply_ops(view: dict[int, str], ops: list[tuple[int, str | None]], counts: dict[int, int] | None = None) -> None:
-    for k, medium in ops:
-        had = k in view
-        if medium is None:
-            view.pop(k, None)
-            if had and counts is not None:
-                counts[k] -= 1
-                if counts[k] == 0:
-                    del counts[k]
-        else:
-            view[k] = medium
-            if not had and counts is not None:
-                counts[k] = counts.get(k, 0) + 1
-
-
-def _overlap(keys: list[int], view: dict[int, str] | dict[int, int]) -> int:
-    n = 0
-    for k in keys:
-        if k not in view:
-            break
-        n += 1
-    return n
-
-
-class _DynamoState:
-    """What Dynamo-style routers know: each worker's KV state from its events, exact (the region
-    router's own event stream) and as of the last global broadcast (refreshed every
-    ``period_ms``); queues exact for the own region and as sampled per broadcast elsewhere."""
-
-    def __init__(self, fleet: Fleet, period_ms: float) -> None:
-        self.fleet = fleet
-        self.period_ms = period_ms
-        t = fleet.topology
-        self.workers = list(t.indexed_workers)
-        self.by_region = {r: [w for w in t.indexed_workers if w.region == r] for r in t.region_names}
-        self.tracker = {w.id: _KVTracker() for w in t.workers}
-        self.exact: dict[str, dict[int, str]] = {w.id: {} for w in t.workers}
-        self.stale: dict[str, dict[int, str]] = {w.id: {} for w in t.workers}
-        self.region_filter: dict[str, dict[int, int]] = {r: {} for r in t.region_names}
-        self.log: dict[str, deque[tuple[float, list[tuple[int, str | None]]]]] = {w.id: deque() for w in t.workers}
-        self.queue: dict[str, float] = {w.id: 0.0 for w in t.workers}
-        self.epoch = -1
-
-    def on_kv_events(self, worker: str, events: Sequence[Event], now_ms: float) -> None:
-        ops = self.tracker[worker].apply(events)
-        _apply_ops(self.exact[worker], ops)
-        self.log[worker].append((now_ms, ops))
-
-    def refresh(self, now_ms: float) -> None:
-        epoch = int(now_ms // self.period_ms)
-        if epoch <= self.epoch:
-            return
-        cutoff = epoch * self.period_ms
-        for w in self.workers:
-            log, view, counts = self.log[w.id], self.stale[w.id], self.region_filter[w.region]
-            while log and log[0][0] <= cutoff:
-                _apply_ops(view, log.popleft()[1], counts)
-            self.queue[w.id] = self.fleet.queued_ms(w.id, now_ms)
-        self.epoch = epoch
-
-
-def _pick(fleet: Fleet, scores: list[float], tie_ms: float) -> int:
-    best = min(scores)
-    cand = [i for i, x in enumerate(scores) if x <= best + tie_ms]
-    return cand[int(fleet.rng().integers(len(cand)))] if len(cand) > 1 else cand[0]
+def _dynamo_policy(fleet: Fleet, period_ms: float, global_router: bool) -> EnginePolicy:
+    """The engine's Dynamo-style state (``rust/sim/policy.rs``, ``DynamoState``): what the
+    routers know of each worker's KV state from its events, exact (the region router's own
+    stream) and as of the last global broadcast, the per-region prefix filter and the queues
+    sampled per broadcast. Blocks are keyed by the content of their prefix (tokens and salt),
+    worker-independently, as a KV indexer keys what every worker reports."""
+    t = fleet.topology
+    indexed = list(t.indexed_workers)
+    by_region = {r: [w for w in indexed if w.region == r] for r in t.region_names}
+    glob = None
+    if global_router:
+        regions = [r for r in t.region_names if by_region[r]]
+        beta = [sum(w.beta_ms_per_token for w in by_region[r]) / len(by_region[r]) for r in regions]
+        glob = ([fleet.region_index(r) for r in regions], beta, [[fleet.worker_index(w.id) for w in by_region[r]] for r in regions])
+    # Every emulated cache names its blocks with its worker index as seed (engine.Simulator).
+    return EnginePolicy("dynamo", (period_ms, [fleet.worker_index(w.id) for w in indexed], [w.beta_ms_per_token for w in t.workers], [fleet.worker_index(w.id) for w in t.workers], glob))
 
 
 class Dynamo:
@@ -671,28 +564,14 @@ class Dynamo:
     name = "dynamo"
     uses_index = False
 
+    follows_kv_events = True
+
     def __init__(self, fleet: Fleet, period_ms: float = 1e3 * EdgeParams().broadcast_period_s) -> None:
         self._fleet = fleet
-        self._s = _DynamoState(fleet, period_ms)
+        self._period_ms = period_ms
 
-    def on_kv_events(self, worker: str, events: Sequence[Event], now_ms: float) -> None:
-        self._s.on_kv_events(worker, events, now_ms)
-
-    def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
-        s, f, t = self._s, self._fleet, self._fleet.topology
-        s.refresh(now_ms)
-        block, L = t.block_size, len(tokens)
-        keys = _token_keys(tokens, block, f.salt(request))
-        scores: list[float] = []
-        matches: list[int] = []
-        for w in s.workers:
-            local = w.region == request.region
-            m = min(L, _overlap(keys, s.exact[w.id] if local else s.stale[w.id]) * block)
-            q = (f.queued_ms(w.id, now_ms) if local else s.queue[w.id]) + f.dispatched_ms(w.id, request.region)
-            scores.append(t.rtt_ms(request.region, w.region) + q + w.beta_ms_per_token * (L - m))
-            matches.append(m)
-        i = _pick(f, scores, 1.0)
-        return Choice(s.workers[i].id, matches[i])
+    def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
+        return _dynamo_policy(self._fleet, self._period_ms, global_router=False)
 
 
 class DynamoGlobal:
@@ -710,30 +589,14 @@ class DynamoGlobal:
     name = "dynamo-global"
     uses_index = False
 
+    follows_kv_events = True
+
     def __init__(self, fleet: Fleet, period_ms: float = 1e3 * EdgeParams().broadcast_period_s) -> None:
         self._fleet = fleet
-        self._s = _DynamoState(fleet, period_ms)
-        self._regions = [r for r in fleet.topology.region_names if self._s.by_region[r]]
-        self._beta = {r: sum(w.beta_ms_per_token for w in self._s.by_region[r]) / len(self._s.by_region[r]) for r in self._regions}
+        self._period_ms = period_ms
 
-    def on_kv_events(self, worker: str, events: Sequence[Event], now_ms: float) -> None:
-        self._s.on_kv_events(worker, events, now_ms)
-
-    def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
-        s, f, t = self._s, self._fleet, self._fleet.topology
-        s.refresh(now_ms)
-        block, L = t.block_size, len(tokens)
-        keys = _token_keys(tokens, block, f.salt(request))
-        region_scores = [
-            t.rtt_ms(request.region, r) + min(s.queue[w.id] + f.dispatched_ms(w.id, request.region) for w in s.by_region[r]) + self._beta[r] * (L - min(L, _overlap(keys, s.region_filter[r]) * block))
-            for r in self._regions
-        ]
-        region = self._regions[_pick(f, region_scores, 1.0)]
-        workers = s.by_region[region]
-        matches = [min(L, _overlap(keys, s.exact[w.id]) * block) for w in workers]
-        scores = [f.queued_ms(w.id, now_ms) + f.dispatched_ms(w.id, request.region) + w.beta_ms_per_token * (L - m) for w, m in zip(workers, matches)]
-        i = _pick(f, scores, 1.0)
-        return Choice(workers[i].id, matches[i])
+    def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
+        return _dynamo_policy(self._fleet, self._period_ms, global_router=True)
 
 
 SCHEMES: dict[str, Callable[[Fleet], Scheme]] = {

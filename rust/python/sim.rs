@@ -17,7 +17,7 @@ use super::block_cache::{events_out, PyBlockCache};
 use super::errors::core_err;
 use crate::block_cache::BlockCache;
 use crate::error::CoreError;
-use crate::sim::{Baseline, Choice, Config, Cost, Engine, History, Out, Pcg64, Policy, RequestSpec, Salts, Step, WorkerSetup};
+use crate::sim::{Baseline, DynamoState, Choice, Config, Cost, Engine, History, Out, Pcg64, Policy, RequestSpec, Salts, Step, WorkerSetup};
 
 type RngState = (u128, u128, bool, u32);
 
@@ -407,6 +407,32 @@ impl PySimEngine {
             return Err(bad("one prefill rate per worker".into()));
         }
         self.inner.set_policy(Policy::Baseline(Baseline::CentralDirectory { workers, beta, coordinator, wan_fraction, lambda_max, tau_ms, gamma, tie_ms })).map_err(core_err)
+    }
+
+    /// Dynamo-style routers: the broadcast period, the indexed workers, every worker's beta and
+    /// cache name seed, and for the global router `(regions with workers, their mean beta,
+    /// their workers)`.
+    #[pyo3(signature = (period_ms, workers, beta, seeds, global_=None))]
+    fn set_dynamo(&mut self, period_ms: f64, workers: Vec<u32>, beta: Vec<f64>, seeds: Vec<u64>, global_: Option<(Vec<u16>, Vec<f64>, Vec<Vec<u32>>)>) -> PyResult<()> {
+        let n = self.inner.workers();
+        if !(period_ms > 0.0) || beta.len() != n || seeds.len() != n || workers.iter().any(|&w| w as usize >= n) {
+            return Err(bad("dynamo tables do not match the topology".into()));
+        }
+        if let Some((regions, rbeta, by_region)) = &global_ {
+            if regions.len() != rbeta.len() || regions.len() != by_region.len() || by_region.iter().any(|p| p.is_empty()) || by_region.iter().flatten().any(|&w| w as usize >= n) {
+                return Err(bad("dynamo-global tables do not agree".into()));
+            }
+        }
+        let regions = self.inner.regions();
+        let st = DynamoState::new(period_ms, workers, beta, seeds, regions, global_);
+        self.inner.set_policy(Policy::Baseline(Baseline::Dynamo(Box::new(st)))).map_err(core_err)
+    }
+
+    /// Blocks of `tokens` (under `salt_seed`) the installed Dynamo router knows worker `w` holds.
+    fn dynamo_exact_blocks(&self, worker: u32, tokens: &Bound<'_, PyAny>, salt_seed: u64) -> PyResult<usize> {
+        let tokens = u32_vec("tokens", tokens)?;
+        let chain = crate::chunk_hash::block_chain(salt_seed, &tokens, self.inner.block_size()).map_err(core_err)?;
+        self.inner.dynamo_exact_blocks(worker, &chain).map_err(core_err)
     }
 
     /// The installed Chord's lookup of `key` from region `origin`: `(worker, hops, delay_ms)`.

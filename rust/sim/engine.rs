@@ -5,7 +5,7 @@ use std::cmp::Ordering;
 use std::collections::{BinaryHeap, VecDeque};
 
 use super::rng::Pcg64;
-pub use policy::{Baseline, History, Salts};
+pub use policy::{Baseline, DynamoState, History, Salts};
 
 #[path = "policy.rs"]
 mod policy;
@@ -528,6 +528,15 @@ impl Engine {
         out
     }
 
+    /// The installed Dynamo router's exact view of worker `w`: blocks of the seed-free chain
+    /// `chain` it knows the worker holds, from the root.
+    pub fn dynamo_exact_blocks(&self, w: u32, chain: &[u64]) -> Result<usize> {
+        match &self.policy {
+            Policy::Baseline(Baseline::Dynamo(s)) => s.exact_blocks(w, chain),
+            _ => Err(CoreError::InvalidArgument("dynamo_exact_blocks needs a dynamo policy".into())),
+        }
+    }
+
     /// The installed Chord's lookup of `key` from region `origin`: `(owner worker, hops, delay_ms)`.
     pub fn chord_lookup(&self, origin: u16, key: u64) -> Result<(u32, u32, f64)> {
         match &self.policy {
@@ -658,6 +667,12 @@ impl Engine {
 
     // ---- what schemes and the driver read ------------------------------------------------------
 
+    pub fn regions(&self) -> usize {
+        self.regions
+    }
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
     pub fn workers(&self) -> usize {
         self.workers.len()
     }
@@ -1015,6 +1030,10 @@ impl Engine {
     }
 
     fn publish_events(&mut self, w: u32, events: Vec<Event>) {
+        if let Policy::Baseline(Baseline::Dynamo(s)) = &mut self.policy {
+            s.on_events(w, &events, self.now);
+            return;
+        }
         if !events.is_empty() {
             let seq = self.reserve();
             self.out.push(Out::Events {

@@ -164,6 +164,168 @@ impl History {
     }
 }
 
+/// Python's float floor division `a // b` (not `(a / b).floor()`, which differs when the
+/// quotient rounds up to an integer).
+fn py_floordiv(a: f64, b: f64) -> f64 {
+    let m = a % b;
+    let mut div = (a - m) / b;
+    if m != 0.0 && ((b < 0.0) != (m < 0.0)) {
+        div -= 1.0;
+    }
+    if div != 0.0 {
+        let mut f = div.floor();
+        if div - f > 0.5 {
+            f += 1.0;
+        }
+        f
+    } else {
+        0.0f64.copysign(a / b)
+    }
+}
+
+const fn mod_inverse(c: u64) -> u64 {
+    let mut inv = c; // Newton's iteration doubles the correct low bits each step
+    let mut i = 0;
+    while i < 6 {
+        inv = inv.wrapping_mul(2u64.wrapping_sub(c.wrapping_mul(inv)));
+        i += 1;
+    }
+    inv
+}
+
+/// The inverse of [`crate::token_ids::mix64`] (a bijection): the seed-free chain value a
+/// cache's block name stands for.
+fn unmix64(mut y: u64) -> u64 {
+    const C1: u64 = 0xBF58_476D_1CE4_E5B9;
+    const C2: u64 = 0x94D0_49BB_1331_11EB;
+    y ^= (y >> 31) ^ (y >> 62);
+    y = y.wrapping_mul(mod_inverse(C2));
+    y ^= (y >> 27) ^ (y >> 54);
+    y = y.wrapping_mul(mod_inverse(C1));
+    y ^= (y >> 30) ^ (y >> 60);
+    y.wrapping_sub(GOLD)
+}
+
+/// What Dynamo-style routers know (`schemes.Dynamo`): each worker's KV state from its events,
+/// exact and as of the last global broadcast (every `period_ms`), a per-region prefix filter,
+/// and queues sampled per broadcast. A block is keyed by the seed-free chain value its name
+/// stands for (worker-independent: equal keys exactly for equal token prefixes and salt).
+#[derive(Clone, Debug)]
+pub struct DynamoState {
+    period_ms: f64,
+    /// Indexed workers, topology order.
+    workers: Vec<u32>,
+    beta: Vec<f64>,
+    seeds: Vec<u64>,
+    tracker: Vec<FxHashMap<u64, u8>>,
+    exact: Vec<FxHashMap<u64, u8>>,
+    stale: Vec<FxHashMap<u64, u8>>,
+    filter: Vec<FxHashMap<u64, u32>>,
+    log: Vec<VecDeque<(f64, Vec<(u64, u8)>)>>,
+    queue: Vec<f64>,
+    epoch: f64,
+    /// Dynamo-global: the regions with workers, their mean beta and their workers.
+    global: Option<(Vec<u16>, Vec<f64>, Vec<Vec<u32>>)>,
+}
+
+impl DynamoState {
+    /// `workers`: the indexed workers; `beta`, `seeds`: per worker (all); `regions` count.
+    pub fn new(period_ms: f64, workers: Vec<u32>, beta: Vec<f64>, seeds: Vec<u64>, regions: usize, global: Option<(Vec<u16>, Vec<f64>, Vec<Vec<u32>>)>) -> Self {
+        let n = beta.len();
+        DynamoState {
+            period_ms,
+            workers,
+            beta,
+            seeds,
+            tracker: vec![FxHashMap::default(); n],
+            exact: vec![FxHashMap::default(); n],
+            stale: vec![FxHashMap::default(); n],
+            filter: vec![FxHashMap::default(); regions],
+            log: vec![VecDeque::new(); n],
+            queue: vec![0.0; n],
+            epoch: -1.0,
+            global,
+        }
+    }
+
+    fn key(&self, w: usize, name: u64) -> u64 {
+        if self.seeds[w] != 0 {
+            unmix64(name) ^ self.seeds[w]
+        } else {
+            name
+        }
+    }
+
+    /// A worker's KV events (`_KVTracker.apply`, then the exact view and the log).
+    pub fn on_events(&mut self, w: u32, events: &[crate::block_cache::Event], now: f64) {
+        use crate::block_cache::Event;
+        let w = w as usize;
+        let mut ops: Vec<(u64, u8)> = Vec::new();
+        for e in events {
+            match e {
+                Event::Stored { medium, hashes, parent, .. } => {
+                    if let Some(p) = parent {
+                        if !self.tracker[w].contains_key(p) {
+                            continue; // a run whose parent left already: nothing reusable from the root
+                        }
+                    }
+                    for &h in hashes {
+                        self.tracker[w].insert(h, *medium);
+                        ops.push((self.key(w, h), *medium));
+                    }
+                }
+                Event::Removed { medium, hashes } => {
+                    for &h in hashes {
+                        if self.tracker[w].get(&h) == Some(medium) {
+                            self.tracker[w].remove(&h);
+                            ops.push((self.key(w, h), 0));
+                        }
+                    }
+                }
+            }
+        }
+        apply_ops(&mut self.exact[w], &ops, None);
+        self.log[w].push_back((now, ops));
+    }
+
+    /// Leading blocks of `chain` in worker `w`'s exact view.
+    pub fn exact_blocks(&self, w: u32, chain: &[u64]) -> Result<usize> {
+        let view = self.exact.get(w as usize).ok_or_else(|| CoreError::InvalidArgument(format!("unknown worker index {w}")))?;
+        Ok(Self::overlap(chain, view))
+    }
+
+    /// Leading blocks of `keys` in `view`.
+    fn overlap<V>(keys: &[u64], view: &FxHashMap<u64, V>) -> usize {
+        keys.iter().take_while(|k| view.contains_key(k)).count()
+    }
+}
+
+fn apply_ops(view: &mut FxHashMap<u64, u8>, ops: &[(u64, u8)], mut counts: Option<&mut FxHashMap<u64, u32>>) {
+    for &(k, medium) in ops {
+        let had = view.contains_key(&k);
+        if medium == 0 {
+            view.remove(&k);
+            if had {
+                if let Some(c) = counts.as_deref_mut() {
+                    if let Some(n) = c.get_mut(&k) {
+                        *n -= 1;
+                        if *n == 0 {
+                            c.remove(&k);
+                        }
+                    }
+                }
+            }
+        } else {
+            view.insert(k, medium);
+            if !had {
+                if let Some(c) = counts.as_deref_mut() {
+                    *c.entry(k).or_insert(0) += 1;
+                }
+            }
+        }
+    }
+}
+
 /// The static state of each baseline (built by `kvcompass.sim.schemes`).
 #[derive(Clone, Debug)]
 pub enum Baseline {
@@ -172,6 +334,7 @@ pub enum Baseline {
     CentralDirectory { workers: Vec<u32>, beta: Vec<f64>, coordinator: u16, wan_fraction: f64, lambda_max: f64, tau_ms: f64, gamma: f64, tie_ms: f64 },
     PlanetServe { pools: Vec<Vec<u32>>, trees: Vec<History> },
     SkyWalker { pools: Vec<Vec<u32>>, trees: Vec<History>, remote: Vec<Vec<u16>>, region_of: Vec<u16> },
+    Dynamo(Box<DynamoState>),
 }
 
 fn between(x: u64, a: u64, b: u64) -> bool {
@@ -211,6 +374,79 @@ impl Engine {
         self.scratch = q;
         self.cand = cand;
         w
+    }
+
+    /// `_DynamoState.refresh`: at the first arrival of a new broadcast period, every worker's
+    /// stale view catches up with its events up to the period's start and its queue is sampled.
+    fn dynamo_refresh(&mut self, s: &mut DynamoState) {
+        let epoch = py_floordiv(self.now, s.period_ms);
+        if epoch <= s.epoch {
+            return;
+        }
+        let cutoff = epoch * s.period_ms;
+        for &w in &s.workers {
+            let wi = w as usize;
+            let region = self.workers[wi].region as usize;
+            while s.log[wi].front().is_some_and(|e| e.0 <= cutoff) {
+                let (_, ops) = s.log[wi].pop_front().expect("checked");
+                apply_ops(&mut s.stale[wi], &ops, Some(&mut s.filter[region]));
+            }
+            s.queue[wi] = self.queued(&self.workers[wi], self.now);
+        }
+        s.epoch = epoch;
+    }
+
+    /// `schemes._pick`: the best score, near-equal ones (within `tie`) drawn among.
+    fn pick(&mut self, scores: &[f64], tie: f64) -> usize {
+        let best = scores.iter().copied().fold(f64::INFINITY, f64::min);
+        let cand: Vec<usize> = (0..scores.len()).filter(|&i| scores[i] <= best + tie).collect();
+        if cand.len() > 1 {
+            cand[self.rng.integers(cand.len() as u64) as usize]
+        } else {
+            cand[0]
+        }
+    }
+
+    fn dispatched_from(&self, w: u32, origin: u16) -> f64 {
+        self.workers[w as usize].dispatched.iter().find(|(r, _)| *r == origin).map_or(0.0, |(_, v)| *v)
+    }
+
+    fn choose_dynamo(&mut self, s: &mut DynamoState, origin: u16, l: u64, keys: &[u64]) -> Choice {
+        self.dynamo_refresh(s);
+        let block = self.block_size as u64;
+        let now = self.now;
+        if let Some((regions, rbeta, by_region)) = &s.global {
+            let mut rs = Vec::with_capacity(regions.len());
+            for (k, &r) in regions.iter().enumerate() {
+                let load = by_region[k].iter().map(|&w| s.queue[w as usize] + self.dispatched_from(w, origin)).fold(f64::INFINITY, f64::min);
+                let m = l.min(DynamoState::overlap(keys, &s.filter[r as usize]) as u64 * block);
+                rs.push(self.rtt(origin, r) + load + rbeta[k] * (l - m) as f64);
+            }
+            let k = self.pick(&rs, 1.0);
+            let workers = &by_region[k];
+            let mut matches = Vec::with_capacity(workers.len());
+            let mut scores = Vec::with_capacity(workers.len());
+            for &w in workers {
+                let m = l.min(DynamoState::overlap(keys, &s.exact[w as usize]) as u64 * block);
+                scores.push(self.queued(&self.workers[w as usize], now) + self.dispatched_from(w, origin) + s.beta[w as usize] * (l - m) as f64);
+                matches.push(m);
+            }
+            let i = self.pick(&scores, 1.0);
+            return Choice { worker: workers[i], claimed: matches[i] as i64, delay_ms: 0.0 };
+        }
+        let mut matches = Vec::with_capacity(s.workers.len());
+        let mut scores = Vec::with_capacity(s.workers.len());
+        for &w in &s.workers {
+            let x = &self.workers[w as usize];
+            let local = x.region == origin;
+            let view = if local { &s.exact[w as usize] } else { &s.stale[w as usize] };
+            let m = l.min(DynamoState::overlap(keys, view) as u64 * block);
+            let q = (if local { self.queued(x, now) } else { s.queue[w as usize] }) + self.dispatched_from(w, origin);
+            scores.push(self.rtt(origin, x.region) + q + s.beta[w as usize] * (l - m) as f64);
+            matches.push(m);
+        }
+        let i = self.pick(&scores, 1.0);
+        Choice { worker: s.workers[i], claimed: matches[i] as i64, delay_ms: 0.0 }
     }
 
     /// Chord's recursive lookup of `key` from region `origin`: `(owner node, hops, delay_ms)`.
@@ -305,6 +541,7 @@ impl Engine {
                 let (v, d) = hits[i];
                 done(workers[i], l.min(v + d) as i64, delay)
             }
+            Baseline::Dynamo(st) => Ok(self.choose_dynamo(st, r.region, tokens.len() as u64, chain)),
             Baseline::PlanetServe { pools, trees } => {
                 let region = r.region as usize;
                 let pool = std::mem::take(&mut pools[region]);
@@ -373,6 +610,20 @@ fn lookup_base_tokens(cache: &crate::block_cache::BlockCache, base: &[u64]) -> (
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unmix64_inverts_mix64() {
+        for x in [0u64, 1, 42, u64::MAX, 0x0123_4567_89AB_CDEF] {
+            assert_eq!(unmix64(crate::token_ids::mix64(x)), x);
+        }
+    }
+
+    #[test]
+    fn floordiv_is_pythons() {
+        assert_eq!(py_floordiv(1.0, 0.1), 9.0); // (1.0 / 0.1).floor() would say 10
+        assert_eq!(py_floordiv(250.0, 100.0), 2.0);
+        assert_eq!(py_floordiv(99.99, 100.0), 0.0);
+    }
 
     #[test]
     fn bytes_repr_is_pythons() {
