@@ -111,6 +111,15 @@ pub struct BlockInfo {
     pub last: f64,
 }
 
+/// Blocks a call must not evict: none, a set, or those it stamped (a live heap entry carries its
+/// block's current stamp, so `stamp > s` picks out the blocks this call touched).
+#[derive(Clone, Copy)]
+enum Pin<'a> {
+    Nothing,
+    Set(&'a HashSet<u64>),
+    StampedAfter(u64),
+}
+
 #[derive(Default)]
 struct Changes {
     cpu_stored: Vec<u64>,  // demoted into DRAM
@@ -335,6 +344,7 @@ impl BlockCache {
         }
         let ids = &chain[..n_cap];
         let kept = k.min(n_cap);
+        let touched_after = self.stamp;
         // One use of the chain, parent first; touched blocks carry stamps no heap entry has, so
         // they are no victims below; the chain's last block is re-entered at the end.
         for h in &ids[..kept] {
@@ -350,8 +360,9 @@ impl BlockCache {
         }
         self.used[DRAM as usize] -= lifted.len();
         let mut ch = Changes::default();
-        let pinned: HashSet<u64> = ids[..v.min(n_cap)].iter().copied().collect();
-        self.make_vram_room(n_cap as i64 - v as i64, &mut ch, &pinned)?;
+        // The chain's VRAM head must not be demoted to make room for its own tail: those are
+        // exactly the VRAM blocks stamped by this call (the lifted ones are in no tier yet).
+        self.make_vram_room(n_cap as i64 - v as i64, &mut ch, Pin::StampedAfter(touched_after))?;
         for h in &lifted {
             let x = self.nodes.get_mut(h).expect("lifted block");
             x.tier = VRAM;
@@ -409,7 +420,7 @@ impl BlockCache {
         let pinned: HashSet<u64> = chain_dram.iter().copied().collect();
         let mut held: Vec<u64> = Vec::new();
         while self.used[DRAM as usize] + m > self.cap[DRAM as usize] {
-            let h = self.pop(DRAM, Some(&pinned), &mut held)?;
+            let h = self.pop(DRAM, Pin::Set(&pinned), &mut held)?;
             self.remove(h, &mut ch);
         }
         for h in held {
@@ -441,11 +452,11 @@ impl BlockCache {
 
     /// Demote (or, without DRAM, drop) VRAM leaves other than `pinned` until `needed` more
     /// blocks fit.
-    fn make_vram_room(&mut self, needed: i64, ch: &mut Changes, pinned: &HashSet<u64>) -> Result<()> {
+    fn make_vram_room(&mut self, needed: i64, ch: &mut Changes, pinned: Pin<'_>) -> Result<()> {
         let (v, d) = (VRAM as usize, DRAM as usize);
         let mut held: Vec<u64> = Vec::new();
         while self.used[v] as i64 + needed > self.cap[v] as i64 {
-            let h = self.pop(VRAM, Some(pinned), &mut held)?;
+            let h = self.pop(VRAM, pinned, &mut held)?;
             ch.gpu_removed.push(h);
             if self.cap[d] == 0 {
                 self.remove(h, ch);
@@ -453,7 +464,7 @@ impl BlockCache {
             }
             if self.used[d] >= self.cap[d] {
                 let mut none = Vec::new();
-                let victim = self.pop(DRAM, None, &mut none)?;
+                let victim = self.pop(DRAM, Pin::Nothing, &mut none)?;
                 self.remove(victim, ch);
             }
             let x = self.nodes.get_mut(&h).expect("victim");
@@ -580,13 +591,18 @@ impl BlockCache {
 
     /// The policy's least-valued leaf of `tier`, skipping `pinned` (collected in `held` for
     /// the caller to push back).
-    fn pop(&mut self, tier: u8, pinned: Option<&HashSet<u64>>, held: &mut Vec<u64>) -> Result<u64> {
+    fn pop(&mut self, tier: u8, pinned: Pin<'_>, held: &mut Vec<u64>) -> Result<u64> {
         let t = tier as usize;
         while let Some(Reverse(e)) = self.heaps[t].pop() {
             if !self.live(tier, &e) {
                 continue;
             }
-            if pinned.is_some_and(|p| p.contains(&e.h)) {
+            let pin = match pinned {
+                Pin::Nothing => false,
+                Pin::Set(p) => p.contains(&e.h),
+                Pin::StampedAfter(s) => e.stamp > s,
+            };
+            if pin {
                 held.push(e.h);
                 continue;
             }

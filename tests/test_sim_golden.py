@@ -13,14 +13,13 @@ from typing import Any
 
 import pytest
 
-from kvcompass.discovery.topology import load_topology
 from kvcompass.sim.engine import simulate
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "fixtures"))
 sys.path.insert(0, str(HERE))
 
-from make_sim_golden import cases, figures, workload  # noqa: E402
+from make_sim_golden import cases, figures, topology, workload  # noqa: E402
 
 GOLDEN: dict[str, Any] = json.loads((HERE / "data" / "sim_golden.json").read_text())
 
@@ -28,6 +27,6 @@ GOLDEN: dict[str, Any] = json.loads((HERE / "data" / "sim_golden.json").read_tex
 @pytest.mark.parametrize("case", cases(), ids=[c[0] for c in cases()])
 def test_the_engine_reproduces_the_pinned_runs(case: tuple[str, str, str, dict[str, Any]]) -> None:
     name, topo_name, wl, kw = case
-    topo = load_topology(topo_name)
+    topo = topology(topo_name)
     got = figures(simulate(topo, workload(wl, topo), **kw))
     assert got == GOLDEN[name]
