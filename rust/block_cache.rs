@@ -287,28 +287,45 @@ impl BlockCache {
     /// [`Self::lookup`] of the seed-free chain `base`, named on the way (no allocation): a
     /// driver that keeps a prompt's chain hashes it once for every cache.
     pub fn lookup_base(&self, base: &[u64]) -> (usize, usize) {
-        let (mut v, mut d) = (0, 0);
-        for &h in base {
-            match self.nodes.get(&self.name(h)) {
-                None => break,
-                Some(x) if x.tier == VRAM => v += 1,
-                Some(_) => d += 1,
+        let (k, v) = self.prefix(base.len(), |i| self.name(base[i]));
+        (v, k - v)
+    }
+
+    /// `(cached, vram)`: how many leading blocks of a chain of `n` blocks (block `i` named
+    /// `name(i)`) are cached, and how many of those are in VRAM. Both are binary searches, not
+    /// walks: a cached block's parent is cached (contiguity) and a VRAM block's parent is in
+    /// VRAM (prefix-closed VRAM), and a name stands for its whole prefix, so "block i is
+    /// cached" (and "is in VRAM") holds for a leading run of the chain and then never again.
+    /// A long prompt's lookup touches ~2 log2(n) hash-table slots instead of n, and every
+    /// slot is a cache miss in a fleet-sized table.
+    fn prefix(&self, n: usize, name: impl Fn(usize) -> u64) -> (usize, usize) {
+        let tier = |i: usize| self.nodes.get(&name(i)).map_or(0, |x| x.tier);
+        let (mut lo, mut hi) = (0usize, n);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if tier(mid) != 0 {
+                lo = mid + 1;
+            } else {
+                hi = mid;
             }
         }
-        (v, d)
+        let k = lo;
+        let (mut lo, mut hi) = (0usize, k);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if tier(mid) == VRAM {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        (k, lo)
     }
 
     /// `(vram_blocks, dram_blocks)` of the longest cached prefix of `chain`.
     pub fn lookup(&self, chain: &[u64]) -> (usize, usize) {
-        let (mut v, mut d) = (0, 0);
-        for h in chain {
-            match self.nodes.get(h) {
-                None => break,
-                Some(x) if x.tier == VRAM => v += 1,
-                Some(_) => d += 1,
-            }
-        }
-        (v, d)
+        let (k, v) = self.prefix(chain.len(), |i| chain[i]);
+        (v, k - v)
     }
 
     /// Every full block of the prompt (up to VRAM capacity) ends in VRAM: an admit after a
@@ -317,18 +334,7 @@ impl BlockCache {
         self.check_events(events)?;
         let bs = self.block_size;
         let n = chain.len();
-        let (mut k, mut v) = (0usize, 0usize);
-        for h in chain {
-            match self.nodes.get(h) {
-                None => break,
-                Some(x) => {
-                    k += 1;
-                    if x.tier == VRAM {
-                        v += 1;
-                    }
-                }
-            }
-        }
+        let (k, v) = self.prefix(n, |i| chain[i]);
         if request {
             self.stats.admits += 1;
             self.stats.prompt_tokens += tokens.len() as u64;
