@@ -23,6 +23,11 @@ __all__ = [
     "pack_tokens",
     "BlockCache",
     "SimEngine",
+    "cost_prefill_ms",
+    "cost_reload_ms",
+    "cost_decode_step_ms",
+    "cost_estimate_ms",
+    "cost_chunk_step",
     "LudoTable",
     "LudoView",
     "ApplyResult",
@@ -122,6 +127,14 @@ class BlockCache:
     def chain(self, tokens: npt.NDArray[np.uint32], salt_seed: int) -> npt.NDArray[np.uint64]: ...
 
 _RngState = tuple[int, int, bool, int]
+_CostArgs = tuple[float, float, float, float, float, float, float, int]
+
+def cost_prefill_ms(cost: _CostArgs, uncached: int) -> float:
+    """``kvcompass.sim.costs.CostModel.prefill_ms`` (the cost forms live here, once)."""
+def cost_reload_ms(cost: _CostArgs, dram: int) -> float: ...
+def cost_decode_step_ms(cost: _CostArgs, batch: int, context: int) -> float: ...
+def cost_estimate_ms(cost: _CostArgs, length: int, vram_hit: int, dram_hit: int, batch: int, context: int, max_batched_tokens: int, chunked: bool) -> float: ...
+def cost_chunk_step(cost: _CostArgs, left: int, extra_ms: float, batch: int, context: int, max_batched_tokens: int) -> tuple[int, float, float]: ...
 
 @final
 class SimEngine:

@@ -462,18 +462,13 @@ class EmulatedWorker:
         return await job.done
 
     def _prefill_ms(self, n: int, v: int, d: int) -> float:
-        cost = self.config.cost
-        return cost.prefill_ms(n - v - d) + cost.reload_ms(d)
+        return self.config.cost.estimate_ms(n, v, d, chunked=False)
 
     def _estimate_ms(self, n: int, v: int, d: int) -> float:
         """The prompt's prefill with, under chunked sharing, one decode step of the batch running
-        now beside each chunk (what the load report prices)."""
-        ms = self._prefill_ms(n, v, d)
-        uncached = n - v - d
-        if self.config.gpu_sharing != "chunked" or not uncached or not self._decoding:
-            return ms
-        room = max(self.config.max_batched_tokens - self._decoding, 1)
-        return ms + -(-uncached // room) * self.config.cost.decode_step_ms(self._decoding, self._context)
+        now beside each chunk (what the load report prices; the simulator's engine's rule)."""
+        cfg = self.config
+        return cfg.cost.estimate_ms(n, v, d, batch=self._decoding, context=self._context, max_batched_tokens=cfg.max_batched_tokens, chunked=cfg.gpu_sharing == "chunked")
 
     async def _compute(self, n: int, v: int, d: int) -> None:
         """Sleep the prompt's prefill: at once with separate lanes, chunk by chunk (each beside a
@@ -488,12 +483,10 @@ class EmulatedWorker:
         extra = (cost.prefill_base_ms if left else 0.0) + cost.reload_ms(d)
         try:
             while True:
-                room = max(cfg.max_batched_tokens - self._decoding, 1)
-                chunk = min(left, room)
-                compute = cost.prefill_ms_per_token * chunk + extra
+                chunk, compute, decode = cost.chunk_step(left, extra, self._decoding, self._context, cfg.max_batched_tokens)
                 extra = 0.0
                 self._chunk_ms = compute
-                step = compute + (cost.decode_step_ms(self._decoding, self._context) if self._decoding else 0.0)
+                step = compute + decode
                 await asyncio.sleep(step * scale / 1e3 if scale > 0 else 0)
                 left -= chunk
                 if left <= 0:

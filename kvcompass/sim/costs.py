@@ -36,6 +36,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcompass import _core
+
 __all__ = [
     "CostModel",
     "LinearFit",
@@ -134,24 +136,57 @@ class CostModel:
         if self.kv_bytes_per_token <= 0 or not isinstance(self.kv_bytes_per_token, int):
             raise ValueError(f"CostModel.kv_bytes_per_token = {self.kv_bytes_per_token!r}: must be a positive int")
 
+    # The forms live in Rust (``rust/sim/engine.rs``, ``Cost``), where the simulator's engine
+    # runs them; these methods are the same code for the services' emulated workers, so a
+    # timing rule exists once.
+
+    @property
+    def core_args(self) -> tuple[float, float, float, float, float, float, float, int]:
+        """The model's figures in the order ``kvcompass._core`` takes them."""
+        return (
+            self.prefill_ms_per_token,
+            self.prefill_base_ms,
+            self.reload_ms_per_token,
+            self.decode_base_ms,
+            self.decode_ms_per_seq,
+            self.decode_compute_ms_per_token,
+            self.decode_ms_per_context_token,
+            self.kv_bytes_per_token,
+        )
+
     def prefill_ms(self, uncached_tokens: int) -> float:
         """Time to prefill ``uncached_tokens`` (0 when nothing needs computing)."""
-        n = _count("uncached_tokens", uncached_tokens)
-        return self.prefill_base_ms + self.prefill_ms_per_token * n if n else 0.0
+        return _core.cost_prefill_ms(self.core_args, _count("uncached_tokens", uncached_tokens))
 
     def reload_ms(self, dram_tokens: int) -> float:
         """Time to reload ``dram_tokens`` of cached KV from host DRAM into VRAM."""
-        return self.reload_ms_per_token * _count("dram_tokens", dram_tokens)
+        return _core.cost_reload_ms(self.core_args, _count("dram_tokens", dram_tokens))
 
     def decode_step_ms(self, batch_size: int, context_tokens: int) -> float:
         """One decode step of ``batch_size`` sequences holding ``context_tokens`` in total
-        (0 for an empty batch)."""
-        b = _count("batch_size", batch_size)
-        c = _count("context_tokens", context_tokens)
-        if not b:
-            return 0.0
-        linear = max(self.decode_base_ms + self.decode_ms_per_seq * b, self.decode_compute_ms_per_token * b)
-        return linear + self.decode_ms_per_context_token * c
+        (0 for an empty batch): ``max(t0 + a * B, c * B) + b * context``."""
+        return _core.cost_decode_step_ms(self.core_args, _count("batch_size", batch_size), _count("context_tokens", context_tokens))
+
+    def estimate_ms(self, length: int, vram_hit: int, dram_hit: int, *, batch: int = 0, context: int = 0, max_batched_tokens: int = 2048, chunked: bool = True) -> float:
+        """A worker's estimate of a waiting prompt's prefill (what its queue reports): the uncached
+        part computed and the DRAM part reloaded and, with chunked sharing, one decode step of
+        the batch it runs now (``batch`` sequences of ``context`` tokens) per chunk."""
+        return _core.cost_estimate_ms(
+            self.core_args,
+            _count("length", length),
+            _count("vram_hit", vram_hit),
+            _count("dram_hit", dram_hit),
+            _count("batch", batch),
+            _count("context", context),
+            _count("max_batched_tokens", max_batched_tokens),
+            bool(chunked),
+        )
+
+    def chunk_step(self, left: int, extra_ms: float, batch: int, context: int, max_batched_tokens: int = 2048) -> tuple[int, float, float]:
+        """One vLLM step under chunked sharing with ``left`` prompt tokens to compute (``extra_ms``
+        of fixed cost and reload paid with the first chunk): ``(chunk tokens, the chunk's compute
+        ms, the decode step ms)``; the step takes their sum."""
+        return _core.cost_chunk_step(self.core_args, _count("left", left), float(extra_ms), _count("batch", batch), _count("context", context), _count("max_batched_tokens", max_batched_tokens))
 
     def kv_bytes(self, tokens: int) -> int:
         """Bytes of KV cache that ``tokens`` occupy."""

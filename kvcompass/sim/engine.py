@@ -303,9 +303,9 @@ class Simulator:
         self.migration_log: list[MigrationAction] = []
         self._region_workers = {r: [w.id for w in topology.workers_in(r)] for r in regions}
         reqs = self._requests
-        for r in reqs:
-            if r.region not in self._region_index:
-                raise InvalidArgumentError(f"request {r.id} comes from region {r.region!r}, which the topology {topology.name!r} does not have (regions: {', '.join(regions)})")
+        for q in reqs:
+            if q.region not in self._region_index:
+                raise InvalidArgumentError(f"request {q.id} comes from region {q.region!r}, which the topology {topology.name!r} does not have (regions: {', '.join(regions)})")
         ids = [r.hash_ids() for r in reqs]
         offsets = np.zeros(len(reqs) + 1, dtype=np.uint64)
         if ids:

@@ -622,7 +622,47 @@ impl PySimEngine {
     }
 }
 
+type CostArgs = (f64, f64, f64, f64, f64, f64, f64, u64);
+
+fn cost_of(c: CostArgs) -> Cost {
+    let (a, b, cc, d, e, f, g, h) = c;
+    Cost { prefill_ms_per_token: a, prefill_base_ms: b, reload_ms_per_token: cc, decode_base_ms: d, decode_ms_per_seq: e, decode_compute_ms_per_token: f, decode_ms_per_context_token: g, kv_bytes_per_token: h }
+}
+
+/// The cost model's forms (`crate::sim::Cost`), for `kvcompass.sim.costs.CostModel`: the one
+/// implementation the simulator's engine and the services' emulated workers share.
+#[pyfunction]
+fn cost_prefill_ms(cost: CostArgs, uncached: u64) -> f64 {
+    cost_of(cost).prefill_ms(uncached)
+}
+
+#[pyfunction]
+fn cost_reload_ms(cost: CostArgs, dram: u64) -> f64 {
+    cost_of(cost).reload_ms(dram)
+}
+
+#[pyfunction]
+fn cost_decode_step_ms(cost: CostArgs, batch: u64, context: u64) -> f64 {
+    cost_of(cost).decode_step_ms(batch, context)
+}
+
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn cost_estimate_ms(cost: CostArgs, length: u64, vram_hit: u64, dram_hit: u64, batch: u64, context: u64, max_batched_tokens: u64, chunked: bool) -> f64 {
+    cost_of(cost).estimate_ms(length, vram_hit, dram_hit, batch, context, max_batched_tokens, chunked)
+}
+
+#[pyfunction]
+fn cost_chunk_step(cost: CostArgs, left: u64, extra_ms: f64, batch: u64, context: u64, max_batched_tokens: u64) -> (u64, f64, f64) {
+    cost_of(cost).chunk_step(left, extra_ms, batch, context, max_batched_tokens)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(cost_prefill_ms, m)?)?;
+    m.add_function(wrap_pyfunction!(cost_reload_ms, m)?)?;
+    m.add_function(wrap_pyfunction!(cost_decode_step_ms, m)?)?;
+    m.add_function(wrap_pyfunction!(cost_estimate_ms, m)?)?;
+    m.add_function(wrap_pyfunction!(cost_chunk_step, m)?)?;
     m.add_class::<PySimEngine>()?;
     Ok(())
 }

@@ -53,6 +53,40 @@ impl Cost {
         }
         self.linear(batch) + self.decode_ms_per_context_token * context as f64
     }
+    /// A prompt of `length` tokens with `v` VRAM and `d` DRAM hit tokens: the uncached rest
+    /// computed, the DRAM part reloaded (separate lanes: the whole prefill at once).
+    #[inline]
+    pub fn prefill_with_reuse_ms(&self, length: u64, v: u64, d: u64) -> f64 {
+        self.prefill_ms(length - length.min(v + d)) + self.reload_ms(d)
+    }
+
+    /// A worker's estimate of a waiting prompt's prefill: [`Self::prefill_with_reuse_ms`] and,
+    /// with chunked sharing, one decode step of the batch it runs now (`batch` sequences of
+    /// `context` tokens) per chunk, as a vLLM worker that knows its running batch can tell.
+    #[allow(clippy::too_many_arguments)]
+    pub fn estimate_ms(&self, length: u64, v: u64, d: u64, batch: u64, context: u64, max_batched_tokens: u64, chunked: bool) -> f64 {
+        let ms = self.prefill_with_reuse_ms(length, v, d);
+        let uncached = length - length.min(v + d);
+        if !chunked || uncached == 0 || batch == 0 {
+            return ms;
+        }
+        let room = max_batched_tokens.saturating_sub(batch).max(1);
+        ms + uncached.div_ceil(room) as f64 * self.decode_step_ms(batch, context)
+    }
+
+    /// One vLLM step under chunked sharing with `left` prompt tokens still to compute (and
+    /// `extra_ms` of fixed cost and reload paid with the first chunk): every running sequence's
+    /// next token first, the prompt fills the rest of the token budget. `(chunk tokens, the
+    /// chunk's compute ms, the decode step ms)`; the step takes their sum.
+    #[inline]
+    pub fn chunk_step(&self, left: u64, extra_ms: f64, batch: u64, context: u64, max_batched_tokens: u64) -> (u64, f64, f64) {
+        let room = max_batched_tokens.saturating_sub(batch).max(1);
+        let chunk = left.min(room);
+        let compute = self.prefill_ms_per_token * chunk as f64 + extra_ms;
+        let decode = if batch != 0 { self.decode_step_ms(batch, context) } else { 0.0 };
+        (chunk, compute, decode)
+    }
+
     /// Moving the KV of `tokens` over a `gbps` link.
     #[inline]
     pub fn transfer_ms(&self, tokens: u64, gbps: f64) -> f64 {
@@ -958,8 +992,7 @@ impl Engine {
     // ---- a request's life --------------------------------------------------------------------
 
     fn prefill_ms(&self, length: u64, v: u64, d: u64) -> f64 {
-        let reused = length.min(v + d);
-        self.cfg.cost.prefill_ms(length - reused) + self.cfg.cost.reload_ms(d)
+        self.cfg.cost.prefill_with_reuse_ms(length, v, d)
     }
 
     /// The worker's estimate of the job's prefill from a lookup of its cache now.
@@ -971,23 +1004,13 @@ impl Engine {
     }
 
     fn estimate(&self, x: &Worker, length: u64, v: u64, d: u64) -> f64 {
-        let ms = self.prefill_ms(length, v, d);
-        if !self.cfg.chunked {
-            return ms;
-        }
-        let uncached = length - length.min(v + d);
-        let batch = (x.running.len() + x.joining.len()) as u64;
-        if uncached == 0 || batch == 0 {
-            return ms;
-        }
-        let context: u64 = x
-            .running
-            .iter()
-            .chain(&x.joining)
-            .map(|&j| self.jobs[j as usize].context)
-            .sum();
-        let room = self.cfg.max_batched_tokens.saturating_sub(batch).max(1);
-        ms + uncached.div_ceil(room) as f64 * self.cfg.cost.decode_step_ms(batch, context)
+        let (batch, context) = if self.cfg.chunked {
+            let context: u64 = x.running.iter().chain(&x.joining).map(|&j| self.jobs[j as usize].context).sum();
+            ((x.running.len() + x.joining.len()) as u64, context)
+        } else {
+            (0, 0)
+        };
+        self.cfg.cost.estimate_ms(length, v, d, batch, context, self.cfg.max_batched_tokens, self.cfg.chunked)
     }
 
     fn enqueue(&mut self, w: u32, job: u32) -> Result<()> {
@@ -1310,20 +1333,9 @@ impl Engine {
         let x = &self.workers[w as usize];
         let batch = x.running.len() as u64;
         let room = self.cfg.max_batched_tokens.saturating_sub(batch).max(1);
-        let decode = if batch != 0 {
-            cost.decode_step_ms(
-                batch,
-                x.running
-                    .iter()
-                    .map(|&j| self.jobs[j as usize].context)
-                    .sum(),
-            )
-        } else {
-            0.0
-        };
+        let context: u64 = x.running.iter().map(|&j| self.jobs[j as usize].context).sum();
         let j = &mut self.jobs[job as usize];
-        let chunk = j.left.min(room);
-        let compute = cost.prefill_ms_per_token * chunk as f64 + j.extra_ms;
+        let (chunk, compute, decode) = cost.chunk_step(j.left, j.extra_ms, batch, context, self.cfg.max_batched_tokens);
         j.extra_ms = 0.0;
         let rest = j.left - chunk;
         let x = &mut self.workers[w as usize];
