@@ -377,6 +377,21 @@ class WorkerAgent:
             self._new_incarnation()
         return self._accept(b, live=True)
 
+    def on_batch(self, batch: EngineBatch) -> AgentOutput:
+        """Take one message already decoded (an in-process engine, such as the simulator's
+        emulated workers, hands over its events without the wire round trip); the same checks
+        and sequencing as :meth:`on_message`, the payload digest being ``batch.digest``."""
+        b = self._decode(lambda _: batch, ())
+        assert b is not None
+        self.stats.messages += 1
+        if b.seq <= self._last_seq or b.seq in self._buffer:
+            known = self._seen.get(b.seq) if b.seq <= self._last_seq else self._buffer[b.seq].digest
+            if known == b.digest:
+                self.stats.duplicates += 1
+                return AgentOutput()
+            self._new_incarnation()
+        return self._accept(b, live=True)
+
     def on_replay(self, frames: Sequence[bytes | bytearray | memoryview]) -> AgentOutput:
         """Take one replay reply ``(seq, payload)``; the end frame (seq -1) closes the replay."""
         b = self._decode(decode_replay, frames)

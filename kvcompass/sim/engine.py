@@ -103,8 +103,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcompass._core import SimEngine
-from kvcompass.agent import WorkerAgent, encode_batch
-from kvcompass.agent.events import Event
+from kvcompass.agent import WorkerAgent
+from kvcompass.agent.events import EngineBatch, Event
 from kvcompass.discovery.edge import Edge
 from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.discovery.maintenance import PatchBatch
@@ -486,17 +486,20 @@ class Simulator:
         gc.disable()
         try:
             engine.run(driver)
+            n = len(self._requests)
+            if engine.completed != n:
+                raise RuntimeError(f"{n - engine.completed} requests never completed")
+            # The records too are built before the collector is back: a collection among the
+            # agents' millions of objects per few hundred new records was most of this step.
+            ids = [w for w, x in self._workers.items() if x.spec.role != "decode"]  # prefill servers
+            busy = [[(b, e) for b, e in engine.busy(self._index[w]).tolist()] for w in ids]
+            summary = summarize(self._scheme.name, self.topology.name, self._records(), ids, busy, window_ms=self.config.window_ms)
         finally:
             engine.return_caches([x.cache._core for x in self._by_index])
             self._engine_holds_caches = False
             if collecting:
                 gc.enable()
-        n = len(self._requests)
-        if engine.completed != n:
-            raise RuntimeError(f"{n - engine.completed} requests never completed")
-        ids = [w for w, x in self._workers.items() if x.spec.role != "decode"]  # prefill servers
-        busy = [[(b, e) for b, e in engine.busy(self._index[w]).tolist()] for w in ids]
-        return summarize(self._scheme.name, self.topology.name, self._records(), ids, busy, window_ms=self.config.window_ms)
+        return summary
 
     def _records(self) -> list[RequestRecord]:
         order, worker, ttft, e2e, queue, vram, dram, claimed = (a.tolist() for a in self._eng().records())
@@ -572,9 +575,11 @@ class Simulator:
         if self._on_kv is not None and events:
             self._on_kv(w.spec.id, events, now)
         if w.agent is not None and events:
-            frames = encode_batch(events, w.engine_seq, ts=now / 1e3)
+            # The events go to the agent as a decoded message (the emulated engine is in this
+            # process); the wire format's round trip is the services' and their tests'.
+            seq = w.engine_seq
             w.engine_seq += 1
-            batches = w.agent.on_message(frames).batches
+            batches = w.agent.on_batch(EngineBatch(seq, now / 1e3, tuple(events), digest=seq.to_bytes(8, "big"))).batches
             if batches:
                 self._eng().at(now + self.config.event_delay_ms, partial(self._ingest, w, batches))
 
