@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -346,6 +347,7 @@ class Simulator:
         )
         self._run_rng = _RunRng(self._engine)
         self._engine_holds_caches = True
+        self._inbox: dict[str, list[tuple[float, int, int, str, dict[str, float]]]] = {r: [] for r in self.plane.edges}
         native = getattr(self._scheme, "engine_policy", None)
         if native is not None:
             # Content-keyed baselines key a salted prompt with its salt as schemes._h64 does.
@@ -359,9 +361,32 @@ class Simulator:
 
     def edge_for(self, region: str) -> Edge:
         try:
-            return self.plane.edges[self._edge_of[region]]
+            edge = self.plane.edges[self._edge_of[region]]
         except KeyError:
             raise InvalidArgumentError(f"no edge serves region {region!r}") from None
+        self._settle(edge)
+        return edge
+
+    def _settle(self, edge: Edge, bound: tuple[float, int, int] | None = None) -> None:
+        """Deliver the queue-vector broadcasts that reached ``edge`` before the event being
+        processed (or before ``bound``), in (time, seq) order.
+
+        Broadcasts are not engine events: most arrive at an edge nobody reads before the next
+        one (8 edges x 7 regions every 100 ms), so each is filed under the sequence key its
+        delivery event would have had and applied when something next touches that edge. Every
+        access to an edge goes through here first (:meth:`edge_for`, responses, queue readings,
+        the tick), so the edge is in exactly the state the event-per-broadcast clock gave it."""
+        box = self._inbox.get(edge.region)
+        if not box:
+            return
+        cur = self._eng().current() if bound is None else bound
+        while box and box[0][:3] < cur:
+            t, _, _, source, vector = heapq.heappop(box)
+            edge.on_broadcast(source, vector, t / 1e3)
+
+    def _settle_all(self, bound: tuple[float, int, int] | None = None) -> None:
+        for edge in self.plane.edges.values():
+            self._settle(edge, bound)
 
     @property
     def caches(self) -> dict[str, PrefixCache]:
@@ -486,6 +511,7 @@ class Simulator:
         gc.disable()
         try:
             engine.run(driver)
+            self._settle_all((float("inf"), 0, 0))  # broadcasts still in flight when the last request completed
             n = len(self._requests)
             if engine.completed != n:
                 raise RuntimeError(f"{n - engine.completed} requests never completed")
@@ -551,14 +577,22 @@ class Simulator:
         vec: dict[str, float] | None = None
         if region != er:
             if vector is None:
-                vec = self.plane.edges[region].piggyback_vector(er, self._eng().now / 1e3)
+                src = self.plane.edges[region]
+                self._settle(src)
+                vec = src.piggyback_vector(er, self._eng().now / 1e3)
             else:
                 vec = dict(zip(self._region_workers[region], vector.tolist()))
-        self._eng().at(t, partial(edge.on_response, w.spec.id, claimed, reused, vec, t / 1e3))
+        self._eng().at(t, partial(self._on_response, edge, w.spec.id, claimed, reused, vec, t / 1e3))
+
+    def _on_response(self, edge: Edge, worker: str, claimed: int, reused: int, vector: dict[str, float] | None, now: float) -> None:
+        self._settle(edge)
+        edge.on_response(worker, claimed, reused, vector, now)
 
     def _queue(self, worker: int, queued_ms: float) -> None:
         w = self._by_index[worker]
-        self.plane.edges[w.spec.region].set_local_queue(w.spec.id, queued_ms, self._eng().now / 1e3)
+        edge = self.plane.edges[w.spec.region]
+        self._settle(edge)
+        edge.set_local_queue(w.spec.id, queued_ms, self._eng().now / 1e3)
 
     def _ingest(self, w: _Worker, batches: Sequence[KeyOpBatch]) -> None:
         assert w.agent is not None
@@ -588,6 +622,7 @@ class Simulator:
         engine = self._eng()
         now = engine.now
         cfg = self.config
+        self._settle_all()
         if cfg.patch_loss or cfg.patch_delay_ms:
             batches = self.plane.flush()
             if batches or self.plane.unsettled:
@@ -606,14 +641,15 @@ class Simulator:
         ri = self._region_index
         for edge in self.plane.edges.values():
             for b in edge.broadcast_due(now / 1e3):
-                target = self.plane.edges.get(b.target_region)
-                if target is not None:
+                if b.target_region in self._inbox:
                     t = now + engine.way(ri[b.source_region], ri[b.target_region])
-                    engine.at(t, partial(target.on_broadcast, b.source_region, b.vector, t / 1e3))
+                    seq, sub = engine.reserve_key()
+                    heapq.heappush(self._inbox[b.target_region], (t, seq, sub, b.source_region, b.vector))
         if engine.completed < len(self._requests):
             engine.at(now + cfg.patch_interval_ms, self._tick)
 
     def _deliver(self, batches: list[PatchBatch], lose: Callable[[str, PatchBatch], bool] | None) -> None:
+        self._settle_all()
         self.plane.deliver(batches, lose, repair=False)
 
     def _lose(self, region: str, batch: PatchBatch) -> bool:

@@ -466,6 +466,16 @@ impl PySimEngine {
         self.inner.transfer_ms(tokens)
     }
 
+    /// The `(seq, sub)` a callback scheduled now would sort by, taken without scheduling one.
+    fn reserve_key(&mut self) -> (u64, u32) {
+        self.inner.reserve_key()
+    }
+
+    /// `(t, seq, sub)` of the event being processed.
+    fn current(&self) -> (f64, u64, u32) {
+        self.inner.current()
+    }
+
     /// Call `fn()` at `t` (ms of virtual time).
     fn at(&mut self, t: f64, f: Py<PyAny>) -> PyResult<()> {
         let h = self.next_handle;

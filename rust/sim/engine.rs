@@ -347,6 +347,7 @@ pub struct Engine {
     heap: BinaryHeap<Entry>,
     seq: u64,
     ctx: Option<(u64, u32)>,
+    cur: (f64, u64, u32),
     now: f64,
     rng: Pcg64,
     faults: Pcg64,
@@ -477,6 +478,7 @@ impl Engine {
             heap: BinaryHeap::new(),
             seq: 0,
             ctx: None,
+            cur: (0.0, 0, 0),
             now: 0.0,
             rng,
             faults,
@@ -615,6 +617,27 @@ impl Engine {
         self.ctx = seq.map(|s| (s, 0));
     }
 
+    /// The `(seq, sub)` an event scheduled now would get, taken without scheduling one: the
+    /// driver files something it delivers lazily (queue-vector broadcasts) under it, and
+    /// applies it before anything that sorts after it reads the same state ([`Self::current`]).
+    pub fn reserve_key(&mut self) -> (u64, u32) {
+        match &mut self.ctx {
+            Some((s, sub)) => {
+                *sub += 1;
+                (*s, *sub)
+            }
+            None => {
+                self.seq += 1;
+                (self.seq, 0)
+            }
+        }
+    }
+
+    /// `(t, seq, sub)` of the event being processed.
+    pub fn current(&self) -> (f64, u64, u32) {
+        self.cur
+    }
+
     /// Schedule driver event `handle` at `t` (ms).
     pub fn at_external(&mut self, t: f64, handle: u64) -> Result<()> {
         if !t.is_finite() {
@@ -648,6 +671,7 @@ impl Engine {
                 return Ok(None);
             };
             self.now = e.t;
+            self.cur = (e.t, e.seq, e.sub);
             self.events_processed += 1;
             match e.ev {
                 Ev::Arrive(req) => {
