@@ -3,6 +3,7 @@
 //! Everything here is plain Rust with no Python dependency; the PyO3 bindings live in
 //! [`python`] behind the `python` feature so `cargo test`/`cargo bench` never link libpython.
 
+pub mod agent_forest;
 pub mod block_cache;
 pub mod chunk_hash;
 pub mod error;

@@ -119,11 +119,9 @@ from __future__ import annotations
 
 import hashlib
 import re
-from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -142,18 +140,9 @@ from kvcompass.discovery.ops import KeyOpBatch
 from kvcompass.errors import InvalidArgumentError, InvalidEventError
 from kvcompass.index import Namespace, Tier
 
-if TYPE_CHECKING:
-    from hashlib import _Hash as Sha256
-else:
-    Sha256 = object
-
 __all__ = ["TENANT_SALT_PREFIX", "AgentOutput", "AgentStats", "ReplayRequest", "WorkerAgent", "boot_incarnation", "medium_tier"]
 
 _Frames = Sequence[bytes | bytearray | memoryview]
-
-_Slot = tuple[int, BlockHash]
-"""What an engine event names a block by: (KV-cache group index, block hash). With content
-hashes several blocks can share one; the agent's own block ids are ints."""
 
 _Removal = tuple[int, str, BlockHash]
 """One hash of a BlockRemoved: (group, medium name, hash)."""
@@ -257,35 +246,6 @@ class AgentStats:
         return asdict(self)
 
 
-class _Block:
-    """One engine block at one place in a chain. ``parent`` is the parent's block id (None at a
-    prompt start, and for an orphan, whose ``wait`` is the parent hash it waits for).
-    Keyed (``state`` set) once its whole ancestry is known; until then an orphan keeps its
-    tokens. ``chain`` is the tier of the prefix ending at this block (0: not held), ``own`` the
-    best tier among the media holding this block itself, ``touched`` the store clock when the
-    engine last stored it (ties between content-hash look-alikes go by it)."""
-
-    __slots__ = ("group", "hash", "parent", "wait", "size", "start", "state", "tokens", "keys", "media", "own", "chain", "kids", "opaque", "touched", "root")
-
-    def __init__(self, group: int, h: BlockHash, parent: int | None, wait: BlockHash | None, size: int, opaque: bool, touched: int) -> None:
-        self.group = group
-        self.hash = h
-        self.parent = parent
-        self.wait = wait
-        self.size = size
-        self.start = -1
-        self.state: Sha256 | None = None
-        self.tokens: bytes | None = None
-        self.keys: tuple[int, ...] = ()
-        self.media: set[str] = set()
-        self.own = 0
-        self.chain = 0
-        self.kids: dict[BlockHash, int] = {}  # children by hash: one block per (parent, hash)
-        self.opaque = opaque
-        self.touched = touched
-        self.root: Sha256 | None = None  # a salted prompt start: its tenant's hash root
-
-
 class WorkerAgent:
     """Turns one engine's KV events into key-op batches for one worker.
 
@@ -336,24 +296,18 @@ class WorkerAgent:
         self.block_size = block_size
         self.window = window
         self.max_buffered = max_buffered
-        self.stats = AgentStats()
         self._lengths = tuple(lengths)
-        self._root: Sha256 = hashlib.sha256(namespace.digest)
-        self._salt_roots: dict[str, Sha256] = {}
+        self._salt_roots: dict[str, bytes] = {}  # salt -> the namespace digest it keys under
         for salt, ns in (salts or {}).items():
             if not isinstance(salt, str) or not salt or not isinstance(ns, Namespace):
                 raise InvalidArgumentError(f"salts must map non-empty strings to Namespaces, got {salt!r}: {ns!r}")
-            self._salt_roots[salt] = hashlib.sha256(ns.digest)
+            self._salt_roots[salt] = ns.digest
         self._tenant_salts = bool(tenant_salts)
         self._incarnation = incarnation
-        self._blocks: dict[int, _Block] = {}  # block id -> block
-        self._roots: dict[_Slot, int] = {}  # blocks that start a prompt
-        self._by_hash: dict[_Slot, dict[int, None]] = {}  # every block carrying a hash (ordered set)
-        self._orphans: dict[_Slot, dict[BlockHash, int]] = {}  # (group, missing parent hash) -> {hash: orphan}
-        self._ids = 0  # the next block id
-        self._tick = 0  # the store clock (``_Block.touched``)
-        self._counts: dict[int, list[int]] = {}  # key -> [chains holding it in VRAM, in DRAM]
-        self._step_old: dict[int, int] = {}  # key -> its tier before this call first touched it
+        # The block forest (blocks, chains, orphans, tombstones, key counts and the keys changed
+        # since the last flush) is Rust's: rust/agent_forest.rs, rule for rule the module notes.
+        self._forest = _core.AgentForest(list(self._lengths), namespace.digest)
+        self._stats = AgentStats()
         self._next_seq = [1] * shards
         self._reset_pending: set[int] = set(range(shards))
         self._last_seq = -1
@@ -368,11 +322,11 @@ class WorkerAgent:
         """Take one PUB message ``(topic, seq, payload)``."""
         b = self._decode(decode_message, frames)
         assert b is not None
-        self.stats.messages += 1
+        self._stats.messages += 1
         if b.seq <= self._last_seq or b.seq in self._buffer:
             known = self._seen.get(b.seq) if b.seq <= self._last_seq else self._buffer[b.seq].digest
             if known == b.digest:
-                self.stats.duplicates += 1
+                self._stats.duplicates += 1
                 return AgentOutput()
             self._new_incarnation()
         return self._accept(b, live=True)
@@ -383,11 +337,11 @@ class WorkerAgent:
         and sequencing as :meth:`on_message`, the payload digest being ``batch.digest``."""
         b = self._decode(lambda _: batch, ())
         assert b is not None
-        self.stats.messages += 1
+        self._stats.messages += 1
         if b.seq <= self._last_seq or b.seq in self._buffer:
             known = self._seen.get(b.seq) if b.seq <= self._last_seq else self._buffer[b.seq].digest
             if known == b.digest:
-                self.stats.duplicates += 1
+                self._stats.duplicates += 1
                 return AgentOutput()
             self._new_incarnation()
         return self._accept(b, live=True)
@@ -402,9 +356,9 @@ class WorkerAgent:
             if self._buffer:  # the ring no longer held what the gap needs
                 self._resync(forget=False)
             return AgentOutput(self._flush())
-        self.stats.replayed += 1
+        self._stats.replayed += 1
         if b.seq <= self._last_seq or b.seq in self._buffer:
-            self.stats.duplicates += 1
+            self._stats.duplicates += 1
             return AgentOutput(self._flush())
         return self._accept(b, live=False)
 
@@ -457,10 +411,27 @@ class WorkerAgent:
         for s in range(self.shards):
             out.append(KeyOpBatch(self.worker_id, self._incarnation, s, self._next_seq[s], empty_k, empty_t))
             self._next_seq[s] += 1
-        self.stats.batches_emitted += len(out)
+        self._stats.batches_emitted += len(out)
         return tuple(out)
 
     # ---- inspection ---------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> AgentStats:
+        """The counters (the block forest's brought up to date)."""
+        st = self._stats
+        (
+            st.blocks_stored,
+            st.blocks_removed,
+            st.orphans,
+            st.adopted,
+            st.unindexed,
+            st.unknown_removals,
+            st.conflicts,
+            st.ambiguous_parents,
+            st.ambiguous_removals,
+        ) = self._forest.stats()
+        return st
 
     @property
     def incarnation(self) -> int:
@@ -486,60 +457,25 @@ class WorkerAgent:
 
     def __len__(self) -> int:
         """Engine blocks tracked (including orphans, unindexed blocks and tombstones)."""
-        return len(self._blocks)
+        return len(self._forest)
 
     def held(self) -> dict[int, Tier]:
         """Every key this worker holds now, with its tier."""
-        return {k: Tier(_tier(c)) for k, c in self._counts.items()}
+        keys, tiers = self._forest.held()
+        return {k: Tier(t) for k, t in zip(keys.tolist(), tiers.tolist())}
 
     def digest(self) -> bytes:
         """SHA-256 of the agent's whole state (not its stats): equal digests, equal agents.
 
-        Blocks are named by their place (group, then the chain of hashes from the prompt start
-        or from an orphan's missing parent), not by the agent's internal ids, and the store
-        clock by rank, so equal histories of the engine's cache digest equally."""
-        names: dict[int, bytes] = {}
-
-        def name(bid: int) -> bytes:
-            path: list[int] = []
-            cur: int | None = bid
-            while cur is not None and cur not in names:
-                path.append(cur)
-                cur = self._blocks[cur].parent
-            for b in reversed(path):
-                x = self._blocks[b]
-                up = names[x.parent] if x.parent is not None else repr((x.group, None if x.wait is None else _hk(x.wait))).encode()
-                names[b] = hashlib.sha256(up + repr(_hk(x.hash)).encode()).digest()
-            return names[bid]
-
-        rank = {bid: i for i, bid in enumerate(sorted(self._blocks, key=lambda b: self._blocks[b].touched))}
-        blocks = []
-        for bid, x in self._blocks.items():
-            blocks.append(
-                (
-                    name(bid),
-                    None if x.parent is None else name(x.parent),
-                    None if x.wait is None else _hk(x.wait),
-                    x.size,
-                    x.start,
-                    None if x.state is None else x.state.copy().digest(),
-                    x.tokens,
-                    x.keys,
-                    sorted(x.media),
-                    x.own,
-                    x.chain,
-                    x.opaque,
-                    rank[bid],
-                )
-            )
-        blocks.sort()
+        The block forest digests itself (blocks named by their place, not by internal ids, and
+        the store clock by rank, so equal histories of the engine's cache digest equally); the
+        sequencing state is added here."""
         state = (
             self._incarnation,
             self._last_seq,
             self._next_seq,
             sorted(self._reset_pending),
-            blocks,
-            sorted((k, c) for k, c in self._counts.items()),
+            self._forest.digest(),
             sorted(self._seen.items()),
             sorted((s, b.digest) for s, b in self._buffer.items()),
             self._replay_from,
@@ -560,7 +496,7 @@ class WorkerAgent:
                             index=i,
                         )
         except InvalidEventError:
-            self.stats.malformed += 1
+            self._stats.malformed += 1
             raise
         return b
 
@@ -572,13 +508,13 @@ class WorkerAgent:
             self._drain()
         else:  # b.seq > expected: callers filtered older ones
             if not self._buffer:
-                self.stats.gaps += 1
+                self._stats.gaps += 1
             self._buffer[b.seq] = b
             if len(self._buffer) > self.max_buffered:
                 self._resync(forget=False)
             elif self._replay_from is None and live:
                 self._replay_from = expected
-                self.stats.replay_requests += 1
+                self._stats.replay_requests += 1
                 replay = ReplayRequest(expected)
         return AgentOutput(self._flush(), replay)
 
@@ -589,7 +525,7 @@ class WorkerAgent:
             self._replay_from = None
 
     def _resync(self, *, forget: bool) -> None:
-        self.stats.resyncs += 1
+        self._stats.resyncs += 1
         if forget:
             self._clear()
         for seq in sorted(self._buffer):
@@ -599,10 +535,10 @@ class WorkerAgent:
         self._reset_pending = set(range(self.shards))
 
     def _new_incarnation(self) -> None:
-        self.stats.restarts += 1
+        self._stats.restarts += 1
         self._incarnation += 1
         self._clear()
-        self._step_old.clear()
+        self._forest.forget_changes()
         self._next_seq = [1] * self.shards
         self._reset_pending = set(range(self.shards))
         self._last_seq = -1
@@ -623,13 +559,13 @@ class WorkerAgent:
                 while i < len(events) and isinstance(nxt := events[i], BlockRemoved):
                     run += self._removals(nxt)
                     i += 1
-                self._removed(run)
+                self._forest.removed(run)
             else:
                 assert isinstance(e, AllBlocksCleared)
                 self._clear()
-                self.stats.clears += 1
-        self.stats.events += len(b.events)
-        self.stats.applied += 1
+                self._stats.clears += 1
+        self._stats.events += len(b.events)
+        self._stats.applied += 1
         self._last_seq = b.seq
         self._seen[b.seq] = b.digest
         self._seen_order.append(b.seq)
@@ -637,74 +573,32 @@ class WorkerAgent:
             self._seen.pop(self._seen_order.popleft(), None)
 
     def _flush(self) -> tuple[KeyOpBatch, ...]:
-        changed: dict[int, list[tuple[int, int]]] = {}
-        for key, old in self._step_old.items():
-            c = self._counts.get(key)
-            new = 0 if c is None else _tier(c)
-            if new != old:
-                changed.setdefault(key % self.shards, []).append((key, new))
-        self._step_old.clear()
-        for s in self._reset_pending:
-            changed[s] = []
-        if self._reset_pending:
-            for key, c in self._counts.items():
-                s = key % self.shards
-                if s in self._reset_pending:
-                    changed[s].append((key, _tier(c)))
         out = []
-        for s in sorted(changed):
-            ops = sorted(changed[s])
+        for s, keys, tiers in self._forest.flush(self.shards, sorted(self._reset_pending)):
             batch = KeyOpBatch(
                 worker=self.worker_id,
                 incarnation=self._incarnation,
                 shard=s,
                 seq=self._next_seq[s],
-                keys=np.array([k for k, _ in ops], dtype=np.uint64),
-                tiers=np.array([t for _, t in ops], dtype=np.uint8),
+                keys=keys,
+                tiers=tiers,
                 reset=s in self._reset_pending,
             )
             self._next_seq[s] += 1
-            self.stats.ops_emitted += len(ops)
+            self._stats.ops_emitted += len(keys)
             out.append(batch)
-        self.stats.batches_emitted += len(out)
+        self._stats.batches_emitted += len(out)
         self._reset_pending.clear()
         return tuple(out)
 
-    # ---- the block forest ---------------------------------------------------------------------
+    # ---- the block forest (rust/agent_forest.rs) ------------------------------------------------
 
     def _clear(self) -> None:
-        for key, c in self._counts.items():
-            if key not in self._step_old:
-                self._step_old[key] = _tier(c)
-        self._counts.clear()
-        self._blocks.clear()
-        self._roots.clear()
-        self._by_hash.clear()
-        self._orphans.clear()
+        self._forest.clear()
 
-    def _parent_of(self, group: int, ph: BlockHash | None, first: BlockHash | None) -> tuple[int | None, BlockHash | None]:
-        """Where a BlockStored's first block hangs: (parent block id, None), or (None, ``ph``)
-        under a parent the agent does not know (an orphan), or (None, None) at a prompt start."""
-        if ph is None:
-            return None, None
-        slot = (group, ph)
-        waiting = self._orphans.get(slot)
-        if waiting is not None and first in waiting:  # that orphan, stored again
-            return None, ph
-        cands = self._by_hash.get(slot)
-        if not cands:
-            return None, ph
-        if len(cands) == 1:
-            return next(iter(cands)), None
-        # Content hashes: the same page at several places. The pages of one node arrive chained,
-        # each right after its parent, so the most recently stored live candidate is the one.
-        self.stats.ambiguous_parents += 1
-        blocks = self._blocks
-        return max(cands, key=lambda c: (bool(blocks[c].media), blocks[c].touched)), None
-
-    def _salt_root(self, extra: object) -> Sha256 | None:
-        """The hash root of the tenant a first block's extra keys name: exactly one key, a salt
-        this agent was given; None for anything else."""
+    def _salt_root(self, extra: object) -> bytes | None:
+        """The namespace digest of the tenant a first block's extra keys name: exactly one key, a
+        salt this agent was given; None for anything else."""
         if not (isinstance(extra, tuple) and len(extra) == 1 and isinstance(extra[0], str)):
             return None
         salt = extra[0]
@@ -712,348 +606,24 @@ class WorkerAgent:
         if root is None and self._tenant_salts and salt.startswith(TENANT_SALT_PREFIX):
             tenant = salt[len(TENANT_SALT_PREFIX) :]
             if _TENANT_RE.fullmatch(tenant):
-                root = self._salt_roots[salt] = hashlib.sha256(Namespace(self.namespace.model, tenant).digest)
+                root = self._salt_roots[salt] = Namespace(self.namespace.model, tenant).digest
         return root
 
-    def _child(self, group: int, parent: int | None, wait: BlockHash | None, h: BlockHash) -> int | None:
-        """The block with hash ``h`` at that place, if the agent has it."""
-        if parent is not None:
-            return self._blocks[parent].kids.get(h)
-        if wait is not None:
-            waiting = self._orphans.get((group, wait))
-            return None if waiting is None else waiting.get(h)
-        return self._roots.get((group, h))
-
     def _stored(self, e: BlockStored) -> None:
-        group = e.group_idx or 0
-        medium = _medium_name(e.medium)
-        n = e.block_size
-        tokens = _core.pack_tokens(e.token_ids)  # little-endian u32, as struct.pack("<nI") would
-        lora = e.lora_id is not None or e.lora_name is not None
-        parent, wait = self._parent_of(group, e.parent_block_hash, e.block_hashes[0] if e.block_hashes else None)
-        own_new = _own({medium})  # a new block is held by this medium alone
-        blocks, by_hash, orphans, stats = self._blocks, self._by_hash, self._orphans, self.stats
-        for i, h in enumerate(e.block_hashes):
-            self._tick += 1
-            bid = blocks[parent].kids.get(h) if parent is not None else self._child(group, parent, wait, h)
-            if bid is not None:
-                x = blocks[bid]
-                if x.size != n:
-                    stats.conflicts += 1
-                    return  # the rest of the event hangs off a block we cannot place
-                x.touched = self._tick
-                if medium not in x.media:
-                    x.media.add(medium)
-                    self._set_own(bid, x)
-                parent, wait = bid, None
-                continue
-            slot = (group, h)
-            if wait is not None and slot in by_hash:
-                # A known hash under a parent never seen: a contradiction with chained hashes,
-                # and with content hashes a block that orphan adoption could put anywhere.
-                stats.conflicts += 1
-                return
-            bid, self._ids = self._ids, self._ids + 1
-            root: Sha256 | None = None
-            opaque = lora
-            if e.extra_keys is not None and e.extra_keys[i] is not None:
-                # A prompt's first block salted with a salt we serve: keyed in that tenant's
-                # namespace. Any other extra key (multimodal inputs, an unknown salt): unindexed.
-                if i == 0 and parent is None and wait is None:
-                    root = self._salt_root(e.extra_keys[0])
-                opaque = opaque or root is None
-            x = _Block(group, h, parent, wait, n, opaque, self._tick)
-            x.root = root
-            x.media.add(medium)
-            x.own = own_new
-            blocks[bid] = x
-            same = by_hash.get(slot)
-            if same is None:
-                by_hash[slot] = {bid: None}
-            else:
-                same[bid] = None
-            stats.blocks_stored += 1
-            p = None if parent is None else blocks[parent]
-            if p is not None:
-                p.kids[h] = bid
-                x.opaque = x.opaque or p.opaque
-            elif wait is not None:
-                orphans.setdefault((group, wait), {})[h] = bid
-                stats.orphans += 1
-            else:
-                self._roots[slot] = bid
-            chunk = tokens[i * n * 4 : (i + 1) * n * 4]
-            if x.opaque:
-                stats.unindexed += 1
-            elif wait is None and (p is None or p.state is not None):
-                self._key(x, chunk)
-                # _refresh(bid) for a block with no children and no chain tier yet (_chain_of
-                # of a keyed block held by ``medium``):
-                if not own_new:
-                    tier = 0
-                elif p is None:
-                    tier = own_new
-                else:
-                    tier = (own_new if own_new > p.chain else p.chain) if p.chain else 0
-                if tier:
-                    if x.keys:
-                        self._count(x.keys, tier, +1)
-                    x.chain = tier
-            else:
-                x.tokens = chunk
-            waiting = orphans.get(slot)
-            if waiting:
-                for child in list(waiting.values()):
-                    if child != bid:  # an orphan waits for *another* block with its parent's hash
-                        self._adopt(bid, child)
-            parent, wait = bid, None
+        extra = e.extra_keys
+        self._forest.stored(
+            e.group_idx or 0,
+            _medium_name(e.medium),
+            e.block_size,
+            _core.pack_tokens(e.token_ids),  # little-endian u32, as struct.pack("<nI") would
+            e.lora_id is not None or e.lora_name is not None,
+            e.parent_block_hash,
+            e.block_hashes,
+            None if extra is None else [k is not None for k in extra],
+            self._salt_root(extra[0]) if extra is not None and extra and extra[0] is not None else None,
+        )
 
     @staticmethod
     def _removals(e: BlockRemoved) -> list[_Removal]:
         group, medium = e.group_idx or 0, _medium_name(e.medium)
         return [(group, medium, h) for h in e.block_hashes]
-
-    def _removed(self, run: list[_Removal]) -> None:
-        """Apply a run of removals (consecutive BlockRemoved events; they commute).
-
-        A hash named at least as often as blocks hold it removes them all. Otherwise (content
-        hashes) the run is taken as what a radix cache evicts, a set closed under descendants,
-        so a candidate can go only if every child that holds the medium goes too (its hash is
-        still pending in the run, recursively). When no more candidates than removals pass
-        that test, they are the ones. When no rule places any pending removal, the oldest
-        passing candidate goes (leaves first, then any) and ``ambiguous_removals`` counts it."""
-        todo: dict[_Removal, int] = {}
-        for r in run:
-            todo[r] = todo.get(r, 0) + 1
-        while todo:
-            progress = False
-            for r, n in list(todo.items()):  # each entry changes only on its own turn
-                medium = r[1]
-                cands = self._holding(r)
-                if len(cands) > n:
-                    cands = self._removable(cands, r, todo)
-                    if not cands or len(cands) > n:
-                        continue
-                elif len(cands) < n:
-                    self.stats.unknown_removals += n - len(cands)  # they name nothing held
-                    n = len(cands)
-                for c in cands:
-                    self._remove(c, medium)
-                if len(cands) == n:
-                    del todo[r]
-                else:
-                    todo[r] = n - len(cands)
-                progress = True
-            if not progress:  # stuck: no rule places any of them; the oldest candidate goes
-                r = next(iter(todo))
-                cands = self._holding(r)
-                cands = self._removable(cands, r, todo) or cands
-                cands = [c for c in cands if self._is_leaf(c, r[1])] or cands
-                self.stats.ambiguous_removals += 1
-                self._remove(min(cands, key=lambda c: self._blocks[c].touched), r[1])
-                self._done(todo, r)
-
-    def _removable(self, cands: list[int], r: _Removal, todo: dict[_Removal, int]) -> list[int]:
-        """The candidates that the run can remove with every descendant holding the medium:
-        the run still names each hash in that subtree at least as often as the subtree has it."""
-        group, medium, _ = r
-        out = []
-        for c in cands:
-            need: dict[BlockHash, int] = {}
-            stack = [c]
-            while stack:  # visits at most as many blocks as the run names, plus one
-                x = self._blocks[stack.pop()]
-                n = need[x.hash] = need.get(x.hash, 0) + 1
-                if n > todo.get((group, medium, x.hash), 0):
-                    break
-                stack.extend(kid for kid in x.kids.values() if medium in self._blocks[kid].media)
-            else:
-                out.append(c)
-        return out
-
-    @staticmethod
-    def _done(todo: dict[_Removal, int], r: _Removal) -> None:
-        if todo[r] == 1:
-            del todo[r]
-        else:
-            todo[r] -= 1
-
-    def _holding(self, r: _Removal) -> list[int]:
-        group, medium, h = r
-        return [c for c in self._by_hash.get((group, h), ()) if medium in self._blocks[c].media]
-
-    def _is_leaf(self, bid: int, medium: str) -> bool:
-        return not any(medium in self._blocks[k].media for k in self._blocks[bid].kids.values())
-
-    def _remove(self, bid: int, medium: str) -> None:
-        x = self._blocks[bid]
-        x.media.discard(medium)
-        self.stats.blocks_removed += 1
-        self._set_own(bid, x)
-        self._collect(bid)
-
-    def _set_own(self, bid: int, x: _Block) -> None:
-        own = _own(x.media)
-        if own != x.own:
-            x.own = own
-            self._refresh(bid)
-
-    def _key(self, x: _Block, tokens: bytes) -> None:
-        """Key block ``x`` (its parent is keyed, or it starts the prompt) from its tokens."""
-        if x.parent is None:
-            start, h = 0, (self._root if x.root is None else x.root).copy()
-        else:
-            p = self._blocks[x.parent]
-            assert p.state is not None
-            start, h = p.start + p.size, p.state.copy()
-        end = start + x.size
-        lengths = self._lengths
-        lo = bisect_right(lengths, start)
-        if lo == len(lengths) or lengths[lo] > end:  # most blocks: no registration length ends in it
-            h.update(tokens)
-            x.start, x.state, x.keys, x.tokens = start, h, (), None
-            return
-        hi = bisect_right(lengths, end, lo)
-        keys = []
-        view = memoryview(tokens)
-        pos = start
-        for c in lengths[lo:hi]:
-            h.update(view[(pos - start) * 4 : (c - start) * 4])
-            pos = c
-            keys.append(int.from_bytes(h.copy().digest()[:8], "big") >> 1)
-        h.update(view[(pos - start) * 4 :])
-        x.start, x.state, x.keys, x.tokens = start, h, tuple(keys), None
-
-    def _adopt(self, pid: int, cid: int) -> None:
-        """Orphan ``cid`` was waiting for a block with ``pid``'s hash, which has just been stored."""
-        p, c = self._blocks[pid], self._blocks[cid]
-        if self._is_ancestor(cid, pid) or c.hash in p.kids:  # the engine contradicted itself
-            self.stats.conflicts += 1
-            self._make_opaque(cid)  # never key this loop; it stays an orphan
-            return
-        assert c.wait is not None
-        self._unlink_orphan(c.group, c.wait, c.hash)
-        c.parent, c.wait = pid, None
-        p.kids[c.hash] = cid
-        self.stats.adopted += 1
-        if p.opaque:
-            self._make_opaque(cid)
-        elif p.state is not None:
-            self._key_subtree(cid)
-
-    def _unlink_orphan(self, group: int, wait: BlockHash, h: BlockHash) -> None:
-        slot = (group, wait)
-        waiting = self._orphans[slot]
-        del waiting[h]
-        if not waiting:
-            del self._orphans[slot]
-
-    def _is_ancestor(self, a: int, b: int) -> bool:
-        cur: int | None = b
-        while cur is not None:  # parent links never form a cycle (_adopt refuses one)
-            if cur == a:
-                return True
-            cur = self._blocks[cur].parent
-        return False
-
-    def _make_opaque(self, bid: int) -> None:
-        stack = [bid]
-        while stack:
-            cid = stack.pop()
-            x = self._blocks[cid]
-            if x.opaque:
-                continue
-            x.opaque, x.tokens = True, None
-            if x.state is not None:  # was keyed: withdraw its keys
-                x.state = None
-                self._refresh(cid)
-                x.keys = ()
-            self.stats.unindexed += 1
-            stack.extend(x.kids.values())
-
-    def _key_subtree(self, bid: int) -> None:
-        """Key ``bid`` and every orphan below it (their ancestry is complete now)."""
-        stack = [bid]
-        while stack:
-            cid = stack.pop()
-            x = self._blocks[cid]
-            if x.opaque or x.state is not None or x.tokens is None:
-                continue
-            self._key(x, x.tokens)
-            self._refresh(cid)
-            stack.extend(x.kids.values())
-
-    def _refresh(self, bid: int) -> None:
-        """Recompute the chain tier of ``bid`` and, where it changed, of its descendants."""
-        stack = [bid]
-        while stack:
-            cid = stack.pop()
-            x = self._blocks[cid]
-            new = self._chain_of(x)
-            if new == x.chain:
-                continue
-            if x.chain:
-                self._count(x.keys, x.chain, -1)
-            if new:
-                self._count(x.keys, new, +1)
-            x.chain = new
-            stack.extend(x.kids.values())
-
-    def _chain_of(self, x: _Block) -> int:
-        if x.state is None or not x.own:
-            return 0
-        if x.parent is None:
-            return x.own
-        p = self._blocks[x.parent]
-        return max(x.own, p.chain) if p.chain else 0
-
-    def _count(self, keys: Iterable[int], tier: int, delta: int) -> None:
-        step_old, counts, i = self._step_old, self._counts, tier - 1
-        for k in keys:
-            c = counts.get(k)
-            if k not in step_old:
-                step_old[k] = 0 if c is None else _tier(c)
-            if c is None:
-                c = counts[k] = [0, 0]
-            c[i] += delta
-            if not c[0] and not c[1]:
-                del counts[k]
-
-    def _collect(self, bid: int) -> None:
-        """Drop ``bid`` and then its ancestors while they hold nothing and have no children."""
-        cur: int | None = bid
-        while cur is not None:
-            x = self._blocks.get(cur)
-            if x is None or x.media or x.kids:
-                return
-            del self._blocks[cur]
-            slot = (x.group, x.hash)
-            same = self._by_hash[slot]
-            del same[cur]
-            if not same:
-                del self._by_hash[slot]
-            if x.parent is not None:
-                del self._blocks[x.parent].kids[x.hash]
-            elif x.wait is not None:
-                self._unlink_orphan(x.group, x.wait, x.hash)
-            else:
-                del self._roots[slot]
-            cur = x.parent
-
-
-def _own(media: set[str]) -> int:
-    best = 0
-    for m in media:
-        t = int(medium_tier(m))
-        if t and (not best or t < best):
-            best = t
-    return best
-
-
-def _tier(c: list[int]) -> int:
-    return 1 if c[0] else 2 if c[1] else 0
-
-
-def _hk(h: BlockHash) -> tuple[int, int | bytes]:
-    """A sort key for a hash of either kind."""
-    return (1, h) if isinstance(h, bytes) else (0, h)

@@ -4,6 +4,7 @@
 //! precise `ValueError`, copied into owned Rust values, and batch work then runs with the GIL
 //! released. Core errors map to the exception classes of `kvcompass.errors` in one place.
 
+mod agent;
 mod arrays;
 mod bench;
 mod block_cache;
@@ -193,6 +194,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     index::register(m)?;
     block_cache::register(m)?;
     sim::register(m)?;
+    agent::register(m)?;
     router::register(m)?;
     bench::register(m)?;
     Ok(())

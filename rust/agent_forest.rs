@@ -1,0 +1,872 @@
+//! The worker agent's block forest: which engine blocks a worker holds, where each sits in its
+//! chain, and which registration-length prefix keys the chains hold, in which tier.
+//!
+//! `kvcompass/agent/agent.py` documents the model (block identity for chained and content
+//! hashes, parents, removal runs, orphans, unindexed blocks, salts, tombstones, what counts as
+//! held); `WorkerAgent` keeps the message sequencing, replays and incarnations in Python and
+//! hands every decoded event to this structure, which was its Python block tree rule for rule.
+//! It moved here because the simulator files every block every emulated engine stores (tens of
+//! blocks per request on every worker it reaches) and a Python object per block was the largest
+//! share of a KVCompass run; the services' agents run the same code.
+//!
+//! Keys: a block keeps the SHA-256 state after its last token, so a new block costs one block of
+//! hashing and a key at a registration length `c` inside it costs a clone, the partial block and
+//! a digest; keys equal [`crate::chunk_hash::prefix_keys`] of the same tokens.
+
+use std::collections::hash_map::Entry;
+
+use rustc_hash::{FxHashMap, FxHashSet};
+use sha2::{Digest, Sha256};
+
+/// An engine block hash: an unsigned 64-bit int or bytes (the decoder normalises both).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum BHash {
+    Int(u64),
+    Bytes(Box<[u8]>),
+}
+
+impl BHash {
+    /// A canonical byte form (for digests): the kind, then the value.
+    fn put(&self, out: &mut Vec<u8>) {
+        match self {
+            BHash::Int(v) => {
+                out.push(0);
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            BHash::Bytes(b) => {
+                out.push(1);
+                out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+                out.extend_from_slice(b);
+            }
+        }
+    }
+}
+
+type Slot = (u32, BHash);
+type Bid = u32;
+
+/// One hash of a BlockRemoved: (group, medium id, hash).
+pub type Removal = (u32, u16, BHash);
+
+/// The tier a medium maps to: `GPU` VRAM (1), `CPU*` DRAM (2), anything else none (0).
+pub fn medium_tier(name: &str) -> u8 {
+    if name == "GPU" {
+        1
+    } else if name.starts_with("CPU") {
+        2
+    } else {
+        0
+    }
+}
+
+/// The agent's counters that the forest moves (the rest are the sequencer's).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ForestStats {
+    pub blocks_stored: u64,
+    pub blocks_removed: u64,
+    pub orphans: u64,
+    pub adopted: u64,
+    pub unindexed: u64,
+    pub unknown_removals: u64,
+    pub conflicts: u64,
+    pub ambiguous_parents: u64,
+    pub ambiguous_removals: u64,
+}
+
+struct Block {
+    group: u32,
+    hash: BHash,
+    parent: Option<Bid>,
+    wait: Option<BHash>,
+    size: u32,
+    start: i64,
+    state: Option<Sha256>,
+    tokens: Option<Box<[u8]>>,
+    keys: Box<[u64]>,
+    media: Vec<u16>,
+    own: u8,
+    chain: u8,
+    kids: FxHashMap<BHash, Bid>,
+    opaque: bool,
+    touched: u64,
+    root: Option<Sha256>,
+}
+
+/// One BlockStored, as the agent hands it over (medium already normalised, tokens packed as
+/// little-endian u32, the first block's salt resolved to its tenant's namespace digest).
+pub struct Stored<'a> {
+    pub group: u32,
+    pub medium: &'a str,
+    pub block_size: u32,
+    pub tokens: &'a [u8],
+    pub lora: bool,
+    pub parent: Option<BHash>,
+    pub hashes: Vec<BHash>,
+    /// Per block: the event carries an extra key for it.
+    pub extra: Vec<bool>,
+    /// The first block's extra key names a salt this agent serves: its namespace digest.
+    pub salt_root: Option<[u8; 32]>,
+}
+
+pub struct Forest {
+    lengths: Vec<u32>,
+    root: Sha256,
+    media: Vec<(String, u8)>,
+    medium_ids: FxHashMap<String, u16>,
+    blocks: FxHashMap<Bid, Block>,
+    roots: FxHashMap<Slot, Bid>,
+    by_hash: FxHashMap<Slot, Vec<Bid>>,
+    orphans: FxHashMap<Slot, Vec<(BHash, Bid)>>,
+    ids: Bid,
+    tick: u64,
+    counts: FxHashMap<u64, [i64; 2]>,
+    step_old: FxHashMap<u64, u8>,
+    pub stats: ForestStats,
+}
+
+fn tier_of(c: &[i64; 2]) -> u8 {
+    if c[0] != 0 {
+        1
+    } else if c[1] != 0 {
+        2
+    } else {
+        0
+    }
+}
+
+impl Forest {
+    /// `lengths`: the registration lengths (sorted, unique); `namespace`: the digest of the
+    /// namespace unsalted prompts are keyed in.
+    pub fn new(mut lengths: Vec<u32>, namespace: &[u8]) -> Self {
+        lengths.sort_unstable();
+        lengths.dedup();
+        let mut root = Sha256::new();
+        root.update(namespace);
+        Forest {
+            lengths,
+            root,
+            media: Vec::new(),
+            medium_ids: FxHashMap::default(),
+            blocks: FxHashMap::default(),
+            roots: FxHashMap::default(),
+            by_hash: FxHashMap::default(),
+            orphans: FxHashMap::default(),
+            ids: 0,
+            tick: 0,
+            counts: FxHashMap::default(),
+            step_old: FxHashMap::default(),
+            stats: ForestStats::default(),
+        }
+    }
+
+    /// The id of a (normalised) medium name.
+    pub fn medium(&mut self, name: &str) -> u16 {
+        if let Some(&m) = self.medium_ids.get(name) {
+            return m;
+        }
+        let m = self.media.len() as u16;
+        self.media.push((name.to_string(), medium_tier(name)));
+        self.medium_ids.insert(name.to_string(), m);
+        m
+    }
+
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// Every key held now with its tier (1 VRAM, 2 DRAM).
+    pub fn held(&self) -> Vec<(u64, u8)> {
+        self.counts.iter().map(|(&k, c)| (k, tier_of(c))).collect()
+    }
+
+    /// Forget everything (an AllBlocksCleared, an engine restart); the keys' old tiers are
+    /// remembered for the next [`Self::flush`].
+    pub fn clear(&mut self) {
+        for (k, c) in &self.counts {
+            self.step_old.entry(*k).or_insert_with(|| tier_of(c));
+        }
+        self.counts.clear();
+        self.blocks.clear();
+        self.roots.clear();
+        self.by_hash.clear();
+        self.orphans.clear();
+    }
+
+    /// Forget which keys changed since the last flush (a new incarnation re-reports all).
+    pub fn forget_changes(&mut self) {
+        self.step_old.clear();
+    }
+
+    /// The key ops since the last flush, per shard: keys whose tier changed (net), and for
+    /// the shards in `reset` every key held there. `(shard, keys, tiers)` sorted by shard, ops
+    /// sorted by key.
+    pub fn flush(&mut self, shards: u32, reset: &[u32]) -> Vec<(u32, Vec<u64>, Vec<u8>)> {
+        let mut changed: std::collections::BTreeMap<u32, Vec<(u64, u8)>> = std::collections::BTreeMap::new();
+        for (&key, &old) in &self.step_old {
+            let new = self.counts.get(&key).map_or(0, tier_of);
+            if new != old {
+                changed.entry((key % shards as u64) as u32).or_default().push((key, new));
+            }
+        }
+        self.step_old.clear();
+        let reset_set: FxHashSet<u32> = reset.iter().copied().collect();
+        for &s in reset {
+            changed.insert(s, Vec::new());
+        }
+        if !reset.is_empty() {
+            for (&key, c) in &self.counts {
+                let s = (key % shards as u64) as u32;
+                if reset_set.contains(&s) {
+                    changed.get_mut(&s).expect("inserted above").push((key, tier_of(c)));
+                }
+            }
+        }
+        changed
+            .into_iter()
+            .map(|(s, mut ops)| {
+                ops.sort_unstable();
+                (s, ops.iter().map(|o| o.0).collect(), ops.iter().map(|o| o.1).collect())
+            })
+            .collect()
+    }
+
+    fn own_of(&self, media: &[u16]) -> u8 {
+        let mut best = 0u8;
+        for &m in media {
+            let t = self.media[m as usize].1;
+            if t != 0 && (best == 0 || t < best) {
+                best = t;
+            }
+        }
+        best
+    }
+
+    /// Where a BlockStored's first block hangs: (parent, None), or (None, its hash) under a
+    /// parent the agent does not know (an orphan), or (None, None) at a prompt start.
+    fn parent_of(&mut self, group: u32, ph: Option<&BHash>, first: Option<&BHash>) -> (Option<Bid>, Option<BHash>) {
+        let Some(ph) = ph else { return (None, None) };
+        let slot = (group, ph.clone());
+        if let (Some(waiting), Some(first)) = (self.orphans.get(&slot), first) {
+            if waiting.iter().any(|(h, _)| h == first) {
+                return (None, Some(ph.clone())); // that orphan, stored again
+            }
+        }
+        let Some(cands) = self.by_hash.get(&slot).filter(|c| !c.is_empty()) else {
+            return (None, Some(ph.clone()));
+        };
+        if cands.len() == 1 {
+            return (Some(cands[0]), None);
+        }
+        // Content hashes: the same page at several places; the most recently stored live one.
+        self.stats.ambiguous_parents += 1;
+        let blocks = &self.blocks;
+        let mut best = cands[0];
+        let score = |b: Bid| (!blocks[&b].media.is_empty(), blocks[&b].touched);
+        for &c in &cands[1..] {
+            if score(c) > score(best) {
+                best = c;
+            }
+        }
+        (Some(best), None)
+    }
+
+    fn child(&self, group: u32, parent: Option<Bid>, wait: Option<&BHash>, h: &BHash) -> Option<Bid> {
+        if let Some(p) = parent {
+            return self.blocks[&p].kids.get(h).copied();
+        }
+        if let Some(w) = wait {
+            return self.orphans.get(&(group, w.clone())).and_then(|v| v.iter().find(|(x, _)| x == h).map(|(_, b)| *b));
+        }
+        self.roots.get(&(group, h.clone())).copied()
+    }
+
+    /// A BlockStored event.
+    pub fn stored(&mut self, e: &Stored<'_>) {
+        let group = e.group;
+        let medium = self.medium(e.medium);
+        let n = e.block_size;
+        let (mut parent, mut wait) = self.parent_of(group, e.parent.as_ref(), e.hashes.first());
+        let own_new = self.own_of(&[medium]);
+        for (i, h) in e.hashes.iter().enumerate() {
+            self.tick += 1;
+            if let Some(bid) = self.child(group, parent, wait.as_ref(), h) {
+                let tick = self.tick;
+                let x = self.blocks.get_mut(&bid).expect("a known block");
+                if x.size != n {
+                    self.stats.conflicts += 1;
+                    return; // the rest of the event hangs off a block we cannot place
+                }
+                x.touched = tick;
+                if !x.media.contains(&medium) {
+                    x.media.push(medium);
+                    self.set_own(bid);
+                }
+                parent = Some(bid);
+                wait = None;
+                continue;
+            }
+            let slot = (group, h.clone());
+            if wait.is_some() && self.by_hash.contains_key(&slot) {
+                // A known hash under a parent never seen: see the module notes.
+                self.stats.conflicts += 1;
+                return;
+            }
+            let bid = self.ids;
+            self.ids += 1;
+            let mut root: Option<Sha256> = None;
+            let mut opaque = e.lora;
+            if e.extra.get(i).copied().unwrap_or(false) {
+                if i == 0 && parent.is_none() && wait.is_none() {
+                    root = e.salt_root.map(|d| {
+                        let mut r = Sha256::new();
+                        r.update(d);
+                        r
+                    });
+                }
+                opaque = opaque || root.is_none();
+            }
+            let p_opaque = parent.map(|p| self.blocks[&p].opaque);
+            let x = Block {
+                group,
+                hash: h.clone(),
+                parent,
+                wait: wait.clone(),
+                size: n,
+                start: -1,
+                state: None,
+                tokens: None,
+                keys: Box::default(),
+                media: vec![medium],
+                own: own_new,
+                chain: 0,
+                kids: FxHashMap::default(),
+                opaque: opaque || p_opaque.unwrap_or(false),
+                touched: self.tick,
+                root,
+            };
+            let x_opaque = x.opaque;
+            self.blocks.insert(bid, x);
+            self.by_hash.entry(slot.clone()).or_default().push(bid);
+            self.stats.blocks_stored += 1;
+            if let Some(p) = parent {
+                self.blocks.get_mut(&p).expect("parent").kids.insert(h.clone(), bid);
+            } else if let Some(w) = &wait {
+                self.orphans.entry((group, w.clone())).or_default().push((h.clone(), bid));
+                self.stats.orphans += 1;
+            } else {
+                self.roots.insert(slot.clone(), bid);
+            }
+            let lo = (i * n as usize * 4).min(e.tokens.len());
+            let hi = ((i + 1) * n as usize * 4).min(e.tokens.len());
+            let chunk = &e.tokens[lo..hi];
+            let p_keyed = parent.map(|p| self.blocks[&p].state.is_some());
+            if x_opaque {
+                self.stats.unindexed += 1;
+            } else if wait.is_none() && p_keyed.unwrap_or(true) {
+                self.key(bid, chunk);
+                // refresh(bid) for a block with no children and no chain tier yet
+                let tier = if own_new == 0 {
+                    0
+                } else {
+                    match parent {
+                        None => own_new,
+                        Some(p) => {
+                            let pc = self.blocks[&p].chain;
+                            if pc != 0 {
+                                own_new.max(pc)
+                            } else {
+                                0
+                            }
+                        }
+                    }
+                };
+                if tier != 0 {
+                    let keys = self.blocks[&bid].keys.clone();
+                    if !keys.is_empty() {
+                        self.count(&keys, tier, 1);
+                    }
+                    self.blocks.get_mut(&bid).expect("new block").chain = tier;
+                }
+            } else {
+                self.blocks.get_mut(&bid).expect("new block").tokens = Some(chunk.into());
+            }
+            if let Some(waiting) = self.orphans.get(&slot) {
+                let kids: Vec<Bid> = waiting.iter().map(|(_, b)| *b).collect();
+                for child in kids {
+                    if child != bid {
+                        self.adopt(bid, child);
+                    }
+                }
+            }
+            parent = Some(bid);
+            wait = None;
+        }
+    }
+
+    /// Key block `bid` (its parent is keyed, or it starts the prompt) from its tokens.
+    fn key(&mut self, bid: Bid, tokens: &[u8]) {
+        let (start, mut h) = {
+            let x = &self.blocks[&bid];
+            match x.parent {
+                None => (0i64, x.root.clone().unwrap_or_else(|| self.root.clone())),
+                Some(p) => {
+                    let p = &self.blocks[&p];
+                    (p.start + p.size as i64, p.state.clone().expect("a keyed parent"))
+                }
+            }
+        };
+        let size = self.blocks[&bid].size as i64;
+        let end = start + size;
+        let lengths = &self.lengths;
+        let lo = lengths.partition_point(|&c| (c as i64) <= start);
+        let mut keys = Vec::new();
+        if lo < lengths.len() && (lengths[lo] as i64) <= end {
+            let hi = lo + lengths[lo..].partition_point(|&c| (c as i64) <= end);
+            let mut pos = start;
+            for &c in &lengths[lo..hi] {
+                let a = (((pos - start) * 4) as usize).min(tokens.len());
+                let b = (((c as i64 - start) * 4) as usize).min(tokens.len());
+                h.update(&tokens[a..b]);
+                pos = c as i64;
+                let d = h.clone().finalize();
+                keys.push(u64::from_be_bytes(d[..8].try_into().expect("8 bytes")) >> 1);
+            }
+            let a = (((pos - start) * 4) as usize).min(tokens.len());
+            h.update(&tokens[a..]);
+        } else {
+            h.update(tokens);
+        }
+        let x = self.blocks.get_mut(&bid).expect("block");
+        x.start = start;
+        x.state = Some(h);
+        x.keys = keys.into_boxed_slice();
+        x.tokens = None;
+    }
+
+    fn set_own(&mut self, bid: Bid) {
+        let own = self.own_of(&self.blocks[&bid].media);
+        let x = self.blocks.get_mut(&bid).expect("block");
+        if own != x.own {
+            x.own = own;
+            self.refresh(bid);
+        }
+    }
+
+    fn chain_of(&self, bid: Bid) -> u8 {
+        let x = &self.blocks[&bid];
+        if x.state.is_none() || x.own == 0 {
+            return 0;
+        }
+        match x.parent {
+            None => x.own,
+            Some(p) => {
+                let pc = self.blocks[&p].chain;
+                if pc != 0 {
+                    x.own.max(pc)
+                } else {
+                    0
+                }
+            }
+        }
+    }
+
+    /// Recompute the chain tier of `bid` and, where it changed, of its descendants.
+    fn refresh(&mut self, bid: Bid) {
+        let mut stack = vec![bid];
+        while let Some(cid) = stack.pop() {
+            let new = self.chain_of(cid);
+            let (old, keys) = {
+                let x = &self.blocks[&cid];
+                if new == x.chain {
+                    continue;
+                }
+                (x.chain, x.keys.clone())
+            };
+            if old != 0 {
+                self.count(&keys, old, -1);
+            }
+            if new != 0 {
+                self.count(&keys, new, 1);
+            }
+            let x = self.blocks.get_mut(&cid).expect("block");
+            x.chain = new;
+            stack.extend(x.kids.values().copied());
+        }
+    }
+
+    fn count(&mut self, keys: &[u64], tier: u8, delta: i64) {
+        let i = (tier - 1) as usize;
+        for &k in keys {
+            let cur = self.counts.get(&k).map_or(0, tier_of);
+            self.step_old.entry(k).or_insert(cur);
+            let c = self.counts.entry(k).or_insert([0, 0]);
+            c[i] += delta;
+            if c[0] == 0 && c[1] == 0 {
+                self.counts.remove(&k);
+            }
+        }
+    }
+
+    fn adopt(&mut self, pid: Bid, cid: Bid) {
+        let c_hash = self.blocks[&cid].hash.clone();
+        if self.is_ancestor(cid, pid) || self.blocks[&pid].kids.contains_key(&c_hash) {
+            self.stats.conflicts += 1;
+            self.make_opaque(cid);
+            return;
+        }
+        let (group, w) = {
+            let c = &self.blocks[&cid];
+            (c.group, c.wait.clone().expect("an orphan waits"))
+        };
+        self.unlink_orphan(group, &w, &c_hash);
+        {
+            let c = self.blocks.get_mut(&cid).expect("orphan");
+            c.parent = Some(pid);
+            c.wait = None;
+        }
+        self.blocks.get_mut(&pid).expect("parent").kids.insert(c_hash, cid);
+        self.stats.adopted += 1;
+        let (p_opaque, p_keyed) = {
+            let p = &self.blocks[&pid];
+            (p.opaque, p.state.is_some())
+        };
+        if p_opaque {
+            self.make_opaque(cid);
+        } else if p_keyed {
+            self.key_subtree(cid);
+        }
+    }
+
+    fn unlink_orphan(&mut self, group: u32, wait: &BHash, h: &BHash) {
+        let slot = (group, wait.clone());
+        if let Entry::Occupied(mut o) = self.orphans.entry(slot) {
+            o.get_mut().retain(|(x, _)| x != h);
+            if o.get().is_empty() {
+                o.remove();
+            }
+        }
+    }
+
+    fn is_ancestor(&self, a: Bid, b: Bid) -> bool {
+        let mut cur = Some(b);
+        while let Some(c) = cur {
+            if c == a {
+                return true;
+            }
+            cur = self.blocks[&c].parent;
+        }
+        false
+    }
+
+    fn make_opaque(&mut self, bid: Bid) {
+        let mut stack = vec![bid];
+        while let Some(cid) = stack.pop() {
+            let keyed = {
+                let x = self.blocks.get_mut(&cid).expect("block");
+                if x.opaque {
+                    continue;
+                }
+                x.opaque = true;
+                x.tokens = None;
+                x.state.is_some()
+            };
+            if keyed {
+                self.blocks.get_mut(&cid).expect("block").state = None;
+                self.refresh(cid);
+                self.blocks.get_mut(&cid).expect("block").keys = Box::default();
+            }
+            self.stats.unindexed += 1;
+            stack.extend(self.blocks[&cid].kids.values().copied());
+        }
+    }
+
+    fn key_subtree(&mut self, bid: Bid) {
+        let mut stack = vec![bid];
+        while let Some(cid) = stack.pop() {
+            let tokens = {
+                let x = &self.blocks[&cid];
+                if x.opaque || x.state.is_some() || x.tokens.is_none() {
+                    continue;
+                }
+                x.tokens.clone().expect("checked")
+            };
+            self.key(cid, &tokens);
+            self.refresh(cid);
+            stack.extend(self.blocks[&cid].kids.values().copied());
+        }
+    }
+
+    // ---- removals ------------------------------------------------------------------------------
+
+    fn holding(&self, r: &Removal) -> Vec<Bid> {
+        let (group, medium, h) = r;
+        self.by_hash.get(&(*group, h.clone())).map_or_else(Vec::new, |c| c.iter().copied().filter(|b| self.blocks[b].media.contains(medium)).collect())
+    }
+
+    fn is_leaf(&self, bid: Bid, medium: u16) -> bool {
+        !self.blocks[&bid].kids.values().any(|k| self.blocks[k].media.contains(&medium))
+    }
+
+    fn removable(&self, cands: &[Bid], r: &Removal, todo: &Todo) -> Vec<Bid> {
+        let (group, medium, _) = r;
+        let mut out = Vec::new();
+        'cand: for &c in cands {
+            let mut need: FxHashMap<&BHash, u64> = FxHashMap::default();
+            let mut stack = vec![c];
+            while let Some(b) = stack.pop() {
+                let x = &self.blocks[&b];
+                let n = need.entry(&x.hash).or_insert(0);
+                *n += 1;
+                if *n > todo.get(&(*group, *medium, x.hash.clone())) {
+                    continue 'cand;
+                }
+                stack.extend(x.kids.values().copied().filter(|k| self.blocks[k].media.contains(medium)));
+            }
+            out.push(c);
+        }
+        out
+    }
+
+    fn remove(&mut self, bid: Bid, medium: u16) {
+        let x = self.blocks.get_mut(&bid).expect("block");
+        x.media.retain(|&m| m != medium);
+        self.stats.blocks_removed += 1;
+        self.set_own(bid);
+        self.collect(bid);
+    }
+
+    /// Drop `bid` and then its ancestors while they hold nothing and have no children.
+    fn collect(&mut self, bid: Bid) {
+        let mut cur = Some(bid);
+        while let Some(c) = cur {
+            match self.blocks.get(&c) {
+                Some(x) if x.media.is_empty() && x.kids.is_empty() => {}
+                _ => return,
+            }
+            let x = self.blocks.remove(&c).expect("checked");
+            let slot = (x.group, x.hash.clone());
+            if let Entry::Occupied(mut o) = self.by_hash.entry(slot.clone()) {
+                o.get_mut().retain(|&b| b != c);
+                if o.get().is_empty() {
+                    o.remove();
+                }
+            }
+            if let Some(p) = x.parent {
+                self.blocks.get_mut(&p).expect("parent").kids.remove(&x.hash);
+            } else if let Some(w) = &x.wait {
+                self.unlink_orphan(x.group, w, &x.hash);
+            } else {
+                self.roots.remove(&slot);
+            }
+            cur = x.parent;
+        }
+    }
+
+    /// A run of removals (consecutive BlockRemoved events; they commute): see the module notes.
+    pub fn removed(&mut self, run: Vec<Removal>) {
+        let mut todo = Todo::default();
+        for r in run {
+            todo.add(r);
+        }
+        while !todo.is_empty() {
+            let mut progress = false;
+            for idx in 0..todo.items.len() {
+                let Some((r, n)) = todo.items[idx].clone() else { continue };
+                let mut n = n;
+                let medium = r.1;
+                let mut cands = self.holding(&r);
+                if cands.len() as u64 > n {
+                    cands = self.removable(&cands, &r, &todo);
+                    if cands.is_empty() || cands.len() as u64 > n {
+                        continue;
+                    }
+                } else if (cands.len() as u64) < n {
+                    self.stats.unknown_removals += n - cands.len() as u64;
+                    n = cands.len() as u64;
+                }
+                for &c in &cands {
+                    self.remove(c, medium);
+                }
+                if cands.len() as u64 == n {
+                    todo.delete(idx);
+                } else {
+                    todo.set(idx, n - cands.len() as u64);
+                }
+                progress = true;
+            }
+            if !progress {
+                let idx = todo.first().expect("not empty");
+                let r = todo.items[idx].clone().expect("live").0;
+                let holding = self.holding(&r);
+                let mut cands = self.removable(&holding, &r, &todo);
+                if cands.is_empty() {
+                    cands = holding;
+                }
+                let leaves: Vec<Bid> = cands.iter().copied().filter(|&c| self.is_leaf(c, r.1)).collect();
+                if !leaves.is_empty() {
+                    cands = leaves;
+                }
+                self.stats.ambiguous_removals += 1;
+                let victim = cands.iter().copied().min_by_key(|c| self.blocks[c].touched).expect("a candidate");
+                self.remove(victim, r.1);
+                let left = todo.items[idx].as_ref().expect("live").1;
+                if left == 1 {
+                    todo.delete(idx);
+                } else {
+                    todo.set(idx, left - 1);
+                }
+            }
+        }
+    }
+
+    // ---- inspection ----------------------------------------------------------------------------
+
+    /// SHA-256 of the forest's state: blocks named by their place (group, then the chain of
+    /// hashes from the prompt start or from an orphan's missing parent), never by internal ids,
+    /// and the store clock by rank, so equal histories of the engine's cache digest equally.
+    pub fn digest(&self) -> [u8; 32] {
+        let mut names: FxHashMap<Bid, [u8; 32]> = FxHashMap::default();
+        let name = |bid: Bid, names: &mut FxHashMap<Bid, [u8; 32]>| -> [u8; 32] {
+            let mut path = Vec::new();
+            let mut cur = Some(bid);
+            while let Some(c) = cur {
+                if names.contains_key(&c) {
+                    break;
+                }
+                path.push(c);
+                cur = self.blocks[&c].parent;
+            }
+            for &b in path.iter().rev() {
+                let x = &self.blocks[&b];
+                let mut up = Vec::new();
+                match x.parent {
+                    Some(p) => up.extend_from_slice(&names[&p]),
+                    None => {
+                        up.extend_from_slice(b"root");
+                        up.extend_from_slice(&x.group.to_le_bytes());
+                        match &x.wait {
+                            None => up.push(0),
+                            Some(w) => {
+                                up.push(1);
+                                w.put(&mut up);
+                            }
+                        }
+                    }
+                }
+                x.hash.put(&mut up);
+                names.insert(b, Sha256::digest(&up).into());
+            }
+            names[&bid]
+        };
+        let mut order: Vec<(u64, Bid)> = self.blocks.iter().map(|(&b, x)| (x.touched, b)).collect();
+        order.sort_unstable();
+        let rank: FxHashMap<Bid, usize> = order.iter().enumerate().map(|(i, &(_, b))| (b, i)).collect();
+        let mut rows: Vec<Vec<u8>> = Vec::with_capacity(self.blocks.len());
+        for (&bid, x) in &self.blocks {
+            let mut row = Vec::new();
+            row.extend_from_slice(&name(bid, &mut names));
+            match x.parent {
+                Some(p) => {
+                    row.push(1);
+                    row.extend_from_slice(&name(p, &mut names));
+                }
+                None => row.push(0),
+            }
+            match &x.wait {
+                Some(w) => {
+                    row.push(1);
+                    w.put(&mut row);
+                }
+                None => row.push(0),
+            }
+            row.extend_from_slice(&x.size.to_le_bytes());
+            row.extend_from_slice(&x.start.to_le_bytes());
+            match &x.state {
+                Some(s) => {
+                    row.push(1);
+                    row.extend_from_slice(&s.clone().finalize());
+                }
+                None => row.push(0),
+            }
+            match &x.tokens {
+                Some(t) => {
+                    row.push(1);
+                    row.extend_from_slice(&(t.len() as u32).to_le_bytes());
+                    row.extend_from_slice(t);
+                }
+                None => row.push(0),
+            }
+            row.extend_from_slice(&(x.keys.len() as u32).to_le_bytes());
+            for k in x.keys.iter() {
+                row.extend_from_slice(&k.to_le_bytes());
+            }
+            let mut media: Vec<&str> = x.media.iter().map(|&m| self.media[m as usize].0.as_str()).collect();
+            media.sort_unstable();
+            row.extend_from_slice(&(media.len() as u32).to_le_bytes());
+            for m in media {
+                row.extend_from_slice(&(m.len() as u32).to_le_bytes());
+                row.extend_from_slice(m.as_bytes());
+            }
+            row.extend_from_slice(&[x.own, x.chain, x.opaque as u8]);
+            row.extend_from_slice(&(rank[&bid] as u64).to_le_bytes());
+            rows.push(row);
+        }
+        rows.sort_unstable();
+        let mut h = Sha256::new();
+        h.update((rows.len() as u64).to_le_bytes());
+        for r in &rows {
+            h.update((r.len() as u32).to_le_bytes());
+            h.update(r);
+        }
+        let mut counts: Vec<(u64, [i64; 2])> = self.counts.iter().map(|(&k, &c)| (k, c)).collect();
+        counts.sort_unstable();
+        for (k, c) in counts {
+            h.update(k.to_le_bytes());
+            h.update(c[0].to_le_bytes());
+            h.update(c[1].to_le_bytes());
+        }
+        h.finalize().into()
+    }
+}
+
+/// The pending removals of a run, in first-named order, with how often each is named.
+#[derive(Default)]
+struct Todo {
+    items: Vec<Option<(Removal, u64)>>,
+    index: FxHashMap<Removal, usize>,
+    live: usize,
+}
+
+impl Todo {
+    fn add(&mut self, r: Removal) {
+        match self.index.get(&r) {
+            Some(&i) => self.items[i].as_mut().expect("live").1 += 1,
+            None => {
+                self.index.insert(r.clone(), self.items.len());
+                self.items.push(Some((r, 1)));
+                self.live += 1;
+            }
+        }
+    }
+    fn get(&self, r: &Removal) -> u64 {
+        self.index.get(r).and_then(|&i| self.items[i].as_ref()).map_or(0, |x| x.1)
+    }
+    fn set(&mut self, i: usize, n: u64) {
+        self.items[i].as_mut().expect("live").1 = n;
+    }
+    fn delete(&mut self, i: usize) {
+        if let Some((r, _)) = self.items[i].take() {
+            self.index.remove(&r);
+            self.live -= 1;
+        }
+    }
+    fn first(&self) -> Option<usize> {
+        self.items.iter().position(|x| x.is_some())
+    }
+    fn is_empty(&self) -> bool {
+        self.live == 0
+    }
+}

@@ -1,0 +1,94 @@
+//! `AgentForest`: the worker agent's block forest (`crate::agent_forest`), driven by
+//! `kvcompass.agent.WorkerAgent`, which decodes and sequences the engine's messages.
+
+use numpy::{IntoPyArray, PyArray1};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyTuple};
+
+use crate::agent_forest::{BHash, Forest, Removal, Stored};
+
+fn bhash(obj: &Bound<'_, PyAny>) -> PyResult<BHash> {
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(BHash::Bytes(b.as_bytes().into()));
+    }
+    Ok(BHash::Int(obj.extract::<u64>()?))
+}
+
+#[pyclass(name = "AgentForest", module = "kvcompass._core")]
+pub struct PyForest {
+    inner: Forest,
+}
+
+#[pymethods]
+impl PyForest {
+    /// `lengths`: registration lengths; `namespace`: the digest unsalted prompts are keyed under.
+    #[new]
+    fn new(lengths: Vec<u32>, namespace: &[u8]) -> Self {
+        PyForest { inner: Forest::new(lengths, namespace) }
+    }
+
+    /// One BlockStored: `medium` normalised (upper case, None read as "GPU"), `tokens` packed
+    /// little-endian u32, `extra` one flag per block (None: no extra keys), `salt_root` the
+    /// namespace digest the first block's salt names (None: none or not ours).
+    #[pyo3(signature = (group, medium, block_size, tokens, lora, parent, hashes, extra, salt_root))]
+    #[allow(clippy::too_many_arguments)]
+    fn stored(&mut self, group: u32, medium: &str, block_size: u32, tokens: &[u8], lora: bool, parent: Option<Bound<'_, PyAny>>, hashes: &Bound<'_, PyTuple>, extra: Option<Vec<bool>>, salt_root: Option<[u8; 32]>) -> PyResult<()> {
+        let parent = parent.map(|p| bhash(&p)).transpose()?;
+        let hashes = hashes.iter().map(|h| bhash(&h)).collect::<PyResult<Vec<_>>>()?;
+        let extra = extra.unwrap_or_default();
+        self.inner.stored(&Stored { group, medium, block_size, tokens, lora, parent, hashes, extra, salt_root });
+        Ok(())
+    }
+
+    /// A run of removals: `(group, medium, hash)` each.
+    fn removed(&mut self, run: &Bound<'_, PyList>) -> PyResult<()> {
+        let mut out: Vec<Removal> = Vec::with_capacity(run.len());
+        for item in run.iter() {
+            let (group, medium, h): (u32, String, Bound<'_, PyAny>) = item.extract()?;
+            let m = self.inner.medium(&medium);
+            out.push((group, m, bhash(&h)?));
+        }
+        self.inner.removed(out);
+        Ok(())
+    }
+
+    fn clear(&mut self) {
+        self.inner.clear();
+    }
+
+    fn forget_changes(&mut self) {
+        self.inner.forget_changes();
+    }
+
+    /// `[(shard, keys, tiers)]`: the key ops since the last flush (see `Forest::flush`).
+    #[allow(clippy::type_complexity)]
+    fn flush<'py>(&mut self, py: Python<'py>, shards: u32, reset: Vec<u32>) -> Vec<(u32, Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<u8>>)> {
+        self.inner.flush(shards, &reset).into_iter().map(|(s, k, t)| (s, k.into_pyarray(py), t.into_pyarray(py))).collect()
+    }
+
+    /// `(keys, tiers)` of every key held now.
+    fn held<'py>(&self, py: Python<'py>) -> (Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<u8>>) {
+        let (k, t): (Vec<u64>, Vec<u8>) = self.inner.held().into_iter().unzip();
+        (k.into_pyarray(py), t.into_pyarray(py))
+    }
+
+    fn digest<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.inner.digest())
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// blocks_stored, blocks_removed, orphans, adopted, unindexed, unknown_removals, conflicts,
+    /// ambiguous_parents, ambiguous_removals.
+    fn stats(&self) -> [u64; 9] {
+        let s = self.inner.stats;
+        [s.blocks_stored, s.blocks_removed, s.orphans, s.adopted, s.unindexed, s.unknown_removals, s.conflicts, s.ambiguous_parents, s.ambiguous_removals]
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyForest>()?;
+    Ok(())
+}
