@@ -61,7 +61,7 @@ fn engine() -> Engine {
         }
         offs.push(ids.len());
         let region = g.integers(REGIONS as u64) as u16;
-        reqs.push(RequestSpec { arrival_ms: i as f64 * 2.5, region, edge_region: region, input_length: PROMPT, output_length: 16, block_size: BLOCK, salt: 0, salt_seed: 0 });
+        reqs.push(RequestSpec { arrival_ms: i as f64 * 2.5, region, edge_region: region, input_length: PROMPT, output_length: 16, block_size: BLOCK, salt: 0, salt_seed: 0, runs: false });
     }
     let mut e = Engine::new(cfg, workers, reqs, ids, offs, Pcg64::seeded(1), Pcg64::seeded(2), 1 << 40).unwrap();
     e.set_policy(Policy::LeastLoaded { pools: vec![(0..n as u32).collect()], per_region: false }).unwrap();

@@ -187,6 +187,7 @@ class SimEngine:
         salt_seed: npt.NDArray[np.uint64],
         ids: npt.NDArray[np.uint64],
         id_offsets: npt.NDArray[np.uint64],
+        id_runs: list[bool],
         rng_state: _RngState,
         fault_state: _RngState,
         progress_every: int,

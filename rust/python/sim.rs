@@ -128,7 +128,7 @@ impl PySimEngine {
     /// `return_caches`.
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (cost, transfer_gbps, chunked, max_batched_tokens, wan_jitter, segment_steps, indexed, handoff, rtt, has_edge, region_workers, decoders, worker_regions, caches, publish, queue_to_edge, arrival_ms, region, edge_region, input_length, output_length, block_size, salt, salt_seed, ids, id_offsets, rng_state, fault_state, progress_every))]
+    #[pyo3(signature = (cost, transfer_gbps, chunked, max_batched_tokens, wan_jitter, segment_steps, indexed, handoff, rtt, has_edge, region_workers, decoders, worker_regions, caches, publish, queue_to_edge, arrival_ms, region, edge_region, input_length, output_length, block_size, salt, salt_seed, ids, id_offsets, id_runs, rng_state, fault_state, progress_every))]
     fn new(
         cost: (f64, f64, f64, f64, f64, f64, f64, u64),
         transfer_gbps: f64,
@@ -156,6 +156,7 @@ impl PySimEngine {
         salt_seed: &Bound<'_, PyAny>,
         ids: &Bound<'_, PyAny>,
         id_offsets: &Bound<'_, PyAny>,
+        id_runs: Vec<bool>,
         rng_state: RngState,
         fault_state: RngState,
         progress_every: u64,
@@ -225,6 +226,7 @@ impl PySimEngine {
             block_size.len(),
             salt.len(),
             salt_seed.len(),
+            id_runs.len(),
         ]
         .iter()
         .any(|&l| l != n)
@@ -241,6 +243,7 @@ impl PySimEngine {
                 block_size: block_size[i],
                 salt: salt[i],
                 salt_seed: salt_seed[i],
+                runs: id_runs[i],
             })
             .collect();
         let offs: Vec<usize> = u64_vec("id_offsets", id_offsets)?

@@ -12,7 +12,7 @@ mod policy;
 use crate::block_cache::{BlockCache, Event, DRAM, VRAM};
 use crate::error::{CoreError, Result};
 use crate::chunk_hash::block_chain;
-use crate::token_ids::expand_blocks;
+use crate::token_ids::{chain_block_ids, expand_blocks};
 
 /// The calibrated cost model (`kvcompass.sim.costs.CostModel`), float for float.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -153,6 +153,9 @@ pub struct RequestSpec {
     pub block_size: u32,
     pub salt: u32,
     pub salt_seed: u64,
+    /// Its slice of the block ids is runs `(chain, count)` of synthetic ids
+    /// ([`crate::token_ids::chain_block_ids`]), not the ids themselves.
+    pub runs: bool,
 }
 
 /// A routing decision: worker index, claimed tokens, lookup delay beyond the edge.
@@ -393,7 +396,15 @@ impl Engine {
             if r.region as usize >= regions || r.edge_region as usize >= regions {
                 return bad(format!("request {i}: region out of range"));
             }
-            let n = id_offs[i + 1] - id_offs[i];
+            let slice = &ids[id_offs[i]..id_offs[i + 1]];
+            let n = if r.runs {
+                if slice.len() % 2 != 0 {
+                    return bad(format!("request {i}: block runs come in (chain, count) pairs"));
+                }
+                slice.chunks_exact(2).map(|p| p[1]).sum::<u64>() as usize
+            } else {
+                slice.len()
+            };
             if r.block_size == 0 || n as u64 != r.input_length.div_ceil(r.block_size as u64) {
                 return bad(format!(
                     "request {i}: {n} block ids cannot cover input_length {} at block_size {}",
@@ -676,8 +687,14 @@ impl Engine {
             match e.ev {
                 Ev::Arrive(req) => {
                     let r = self.reqs[req as usize];
-                    let ids = &self.ids[self.id_offs[req as usize]..self.id_offs[req as usize + 1]];
-                    let tokens = expand_blocks(ids, r.input_length as usize, r.block_size as usize);
+                    let slice = &self.ids[self.id_offs[req as usize]..self.id_offs[req as usize + 1]];
+                    let tokens = if r.runs {
+                        let chains: Vec<u64> = slice.iter().step_by(2).copied().collect();
+                        let counts: Vec<u64> = slice.iter().skip(1).step_by(2).copied().collect();
+                        expand_blocks(&chain_block_ids(&chains, &counts), r.input_length as usize, r.block_size as usize)
+                    } else {
+                        expand_blocks(slice, r.input_length as usize, r.block_size as usize)
+                    };
                     let chain = block_chain(r.salt_seed, &tokens, self.block_size)?;
                     self.pending = Some((req, tokens, chain));
                     match self.choose_native()? {
