@@ -331,13 +331,24 @@ impl BlockCache {
     /// Every full block of the prompt (up to VRAM capacity) ends in VRAM: an admit after a
     /// prefill (`request`) or a same-region copy. `events`: whether to build them.
     pub fn place_vram(&mut self, tokens: &[u32], chain: &[u64], now: f64, salt: u32, request: bool, events: bool) -> Result<Vec<Event>> {
+        self.place_vram_len(tokens, tokens.len(), chain, now, salt, request, events)
+    }
+
+    /// [`Self::place_vram`] of a prompt of `prompt_len` tokens; `tokens` may be empty when this
+    /// cache keeps no tokens (a driver that never asks it for events need not hold a prompt's
+    /// tokens while it waits).
+    #[allow(clippy::too_many_arguments)]
+    pub fn place_vram_len(&mut self, tokens: &[u32], prompt_len: usize, chain: &[u64], now: f64, salt: u32, request: bool, events: bool) -> Result<Vec<Event>> {
+        if self.keep_tokens && tokens.len() != prompt_len {
+            return Err(CoreError::InvalidArgument("a cache that keeps tokens needs the prompt's tokens".into()));
+        }
         self.check_events(events)?;
         let bs = self.block_size;
         let n = chain.len();
         let (k, v) = self.prefix(n, |i| chain[i]);
         if request {
             self.stats.admits += 1;
-            self.stats.prompt_tokens += tokens.len() as u64;
+            self.stats.prompt_tokens += prompt_len as u64;
             self.stats.vram_hit_tokens += (v * bs) as u64;
             self.stats.dram_hit_tokens += ((k - v) * bs) as u64;
         } else {

@@ -278,7 +278,6 @@ struct Job {
     left: u64,
     extra_ms: f64,
     salt: u32,
-    salt_seed: u64,
     input_length: u64,
     output_length: u64,
     arrival_ms: f64,
@@ -885,6 +884,9 @@ impl Engine {
             }
         };
         self.worker(c.worker)?;
+        // A worker whose cache publishes no events never needs the prompt's tokens again (its
+        // chain names the blocks): a waiting job keeps 8 bytes a block, not 4 a token.
+        let tokens = if self.workers[c.worker as usize].publish { tokens } else { Vec::new() };
         let r = self.reqs[req as usize];
         let wr = self.workers[c.worker as usize].region;
         let forward = self.way(r.edge_region, wr);
@@ -913,7 +915,6 @@ impl Engine {
             left: 0,
             extra_ms: 0.0,
             salt: r.salt,
-            salt_seed: r.salt_seed,
             input_length: r.input_length,
             output_length: r.output_length,
             arrival_ms: r.arrival_ms,
@@ -1021,7 +1022,6 @@ impl Engine {
             left: 0,
             extra_ms: 0.0,
             salt,
-            salt_seed,
             input_length: n,
             output_length: 0,
             arrival_ms: self.now,
@@ -1149,23 +1149,13 @@ impl Engine {
         let now = self.now / 1e3;
         let x = &mut self.workers[w as usize];
         let j = &self.jobs[job as usize];
+        let chain = x.cache.named(&j.chain);
         if j.migration_tier != 0 {
-            let ev = copy_into(
-                &mut x.cache,
-                &j.tokens,
-                j.migration_tier,
-                now,
-                j.salt,
-                j.salt_seed,
-                x.publish,
-            )?;
+            let ev = place(&mut x.cache, &j.tokens, &chain, j.migration_tier, now, j.salt, x.publish)?;
             self.publish_events(w, ev);
             return Ok(true);
         }
-        let chain = x.cache.chain(&j.tokens, j.salt_seed)?;
-        let ev = x
-            .cache
-            .place_vram(&j.tokens, &chain, now, j.salt, true, x.publish)?;
+        let ev = x.cache.place_vram_len(&j.tokens, j.input_length as usize, &chain, now, j.salt, true, x.publish)?;
         self.publish_events(w, ev);
         let j = &mut self.jobs[job as usize];
         j.ttft_ms = self.now + j.one_way_ms - j.arrival_ms;
