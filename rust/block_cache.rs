@@ -32,19 +32,33 @@ pub const DRAM: u8 = 2;
 const MOVING: u8 = 0;
 const COMPACT_SLACK: usize = 64;
 
+/// 56 bytes: a fleet-sized simulation holds ten million of these (128 workers' full caches),
+/// so the parent is a value and a flag rather than an `Option`, and the tokens, which only the
+/// stored events need, live in a side table that caches nobody reads events of leave empty.
 #[derive(Clone, Debug)]
 struct Node {
-    parent: Option<u64>,
-    tokens: Box<[u32]>,
-    position: u32,
-    tier: u8,
-    uses: u64,
+    parent: u64,
     last: f64,
     stamp: u64,
-    nv: u32, // children in VRAM
-    nc: u32, // children cached (either tier)
-    salt: u32, // a prompt-start block's cache salt (0: none)
     born: u64, // insertion order, for listing blocks as the Python dict did
+    uses: u32,
+    position: u32,
+    nv: u32,   // children in VRAM
+    nc: u32,   // children cached (either tier)
+    salt: u32, // a prompt-start block's cache salt (0: none)
+    tier: u8,
+    has_parent: bool,
+}
+
+impl Node {
+    #[inline]
+    fn parent(&self) -> Option<u64> {
+        if self.has_parent {
+            Some(self.parent)
+        } else {
+            None
+        }
+    }
 }
 
 /// A victim-heap entry, ordered as the tuple `(uses, last, stamp, hash)`.
@@ -139,6 +153,8 @@ pub struct BlockCache {
     born: u64,
     name_seed: u64,
     keep_tokens: bool,
+    /// Each block's tokens, when the cache keeps them (for the stored events).
+    toks: HashMap<u64, Box<[u32]>>,
     pub stats: Stats,
 }
 
@@ -197,6 +213,7 @@ impl BlockCache {
             born: 0,
             name_seed,
             keep_tokens: true,
+            toks: HashMap::default(),
             stats: Stats::default(),
         })
     }
@@ -239,7 +256,7 @@ impl BlockCache {
     /// Bytes this cache holds on the heap (tables at their capacity, block tokens, victim heaps):
     /// what a Python heap profiler cannot see. The chain memo is shared (see [`memo_bytes`]).
     pub fn memory_bytes(&self) -> usize {
-        let nodes = self.nodes.capacity() * (std::mem::size_of::<(u64, Node)>() + 1) + self.nodes.len() * self.block_size * 4;
+        let nodes = self.nodes.capacity() * (std::mem::size_of::<(u64, Node)>() + 1) + self.toks.capacity() * (std::mem::size_of::<(u64, Box<[u32]>)>() + 1) + self.toks.len() * self.block_size * 4;
         let heaps: usize = self.heaps.iter().map(|h| h.capacity() * std::mem::size_of::<Entry>()).sum();
         std::mem::size_of::<Self>() + nodes + heaps
     }
@@ -249,7 +266,7 @@ impl BlockCache {
         let mut v: Vec<(u64, BlockInfo)> = self
             .nodes
             .iter()
-            .map(|(&h, x)| (x.born, BlockInfo { hash: h, parent: x.parent, position: x.position, tier: x.tier, uses: x.uses, last: x.last }))
+            .map(|(&h, x)| (x.born, BlockInfo { hash: h, parent: x.parent(), position: x.position, tier: x.tier, uses: x.uses as u64, last: x.last }))
             .collect();
         v.sort_unstable_by_key(|e| e.0);
         v.into_iter().map(|e| e.1).collect()
@@ -383,7 +400,7 @@ impl BlockCache {
         for h in &lifted {
             let x = self.nodes.get_mut(h).expect("lifted block");
             x.tier = VRAM;
-            if let Some(p) = x.parent {
+            if let Some(p) = x.parent() {
                 self.nodes.get_mut(&p).expect("parent of a cached block").nv += 1;
             }
         }
@@ -460,6 +477,7 @@ impl BlockCache {
     /// Drop everything (the caller publishes `AllBlocksCleared`).
     pub fn clear(&mut self) {
         self.nodes.clear();
+        self.toks.clear();
         for h in self.heaps.iter_mut() {
             h.clear();
         }
@@ -486,7 +504,7 @@ impl BlockCache {
             }
             let x = self.nodes.get_mut(&h).expect("victim");
             x.tier = DRAM;
-            let (parent, nc) = (x.parent, x.nc);
+            let (parent, nc) = (x.parent(), x.nc);
             self.used[v] -= 1;
             self.used[d] += 1;
             self.stats.demoted_blocks += 1;
@@ -515,13 +533,12 @@ impl BlockCache {
         Ok(())
     }
 
-    fn new_node(&mut self, parent: Option<u64>, tokens: &[u32], i: usize, tier: u8, now: f64, salt: u32) -> Node {
-        let bs = self.block_size;
+    fn new_node(&mut self, parent: Option<u64>, i: usize, tier: u8, now: f64, salt: u32) -> Node {
         self.stamp += 1;
         self.born += 1;
         Node {
-            parent,
-            tokens: if self.keep_tokens { tokens[i * bs..(i + 1) * bs].into() } else { Box::default() },
+            parent: parent.unwrap_or(0),
+            has_parent: parent.is_some(),
             position: i as u32,
             tier,
             uses: 1,
@@ -536,8 +553,12 @@ impl BlockCache {
 
     #[allow(clippy::too_many_arguments)]
     fn store(&mut self, h: u64, parent: Option<u64>, tokens: &[u32], i: usize, tier: u8, now: f64, salt: u32) {
-        let x = self.new_node(parent, tokens, i, tier, now, salt);
+        let x = self.new_node(parent, i, tier, now, salt);
         self.nodes.insert(h, x);
+        if self.keep_tokens {
+            let bs = self.block_size;
+            self.toks.insert(h, tokens[i * bs..(i + 1) * bs].into());
+        }
         self.used[tier as usize] += 1;
         self.stats.stored_blocks += 1;
         if let Some(p) = parent {
@@ -566,7 +587,8 @@ impl BlockCache {
         if x.tier == DRAM {
             ch.cpu_removed.push(h);
         }
-        let Some(p) = x.parent else { return };
+        self.toks.remove(&h);
+        let Some(p) = x.parent() else { return };
         let px = self.nodes.get_mut(&p).expect("parent of a cached block");
         px.nc -= 1;
         if x.tier == VRAM {
@@ -581,7 +603,7 @@ impl BlockCache {
 
     fn push(&mut self, tier: u8, h: u64) {
         let x = &self.nodes[&h];
-        let e = Entry { uses: if self.lfu { x.uses } else { 0 }, last: x.last, stamp: x.stamp, h };
+        let e = Entry { uses: if self.lfu { x.uses as u64 } else { 0 }, last: x.last, stamp: x.stamp, h };
         let t = tier as usize;
         self.heaps[t].push(Reverse(e));
         if self.heaps[t].len() > 2 * self.used[t] + COMPACT_SLACK {
@@ -657,7 +679,7 @@ impl BlockCache {
         let mut runs: Vec<Vec<u64>> = Vec::new();
         let mut tails: HashMap<u64, usize> = HashMap::default();
         for &h in ids {
-            let r = self.nodes[&h].parent.and_then(|p| tails.remove(&p));
+            let r = self.nodes[&h].parent().and_then(|p| tails.remove(&p));
             let r = r.unwrap_or_else(|| {
                 runs.push(Vec::new());
                 runs.len() - 1
@@ -671,10 +693,10 @@ impl BlockCache {
     fn stored_event(&self, run: &[u64], medium: u8) -> Event {
         let mut tokens = Vec::with_capacity(run.len() * self.block_size);
         for h in run {
-            tokens.extend_from_slice(&self.nodes[h].tokens);
+            tokens.extend_from_slice(self.toks.get(h).map_or(&[][..], |t| &t[..]));
         }
         let first = &self.nodes[&run[0]];
-        Event::Stored { medium, hashes: run.to_vec(), parent: first.parent, tokens, salt: if first.parent.is_none() { first.salt } else { 0 } }
+        Event::Stored { medium, hashes: run.to_vec(), parent: first.parent(), tokens, salt: if first.parent().is_none() { first.salt } else { 0 } }
     }
 }
 
