@@ -118,7 +118,7 @@ from kvcompass.errors import AgentSequenceError, InvalidArgumentError
 from kvcompass.index import Namespace, Tier
 from kvcompass.sim.cache import Policy, PrefixCache, salt_seed
 from kvcompass.sim.costs import CostModel
-from kvcompass.sim.metrics import RequestRecord, Summary, summarize
+from kvcompass.sim.metrics import RecordTable, Summary, summarize
 from kvcompass.sim.schemes import Choice, Fleet, Scheme, _h64, make_scheme, scheme_params
 from kvcompass.sim.workload import ChainBlocks, Request
 
@@ -532,14 +532,34 @@ class Simulator:
                 gc.enable()
         return summary
 
-    def _records(self) -> list[RequestRecord]:
-        order, worker, ttft, e2e, queue, vram, dram, claimed = (a.tolist() for a in self._eng().records())
-        spec = [x.spec for x in self._by_index]
-        out: list[RequestRecord] = []
-        for i in order:
-            r, w = self._requests[i], spec[worker[i]]
-            out.append(RequestRecord(r.id, r.region, w.id, w.region, r.arrival_ms, ttft[i], e2e[i], queue[i], r.input_length, r.output_length, vram[i], dram[i], claimed[i]))
-        return out
+    def _records(self) -> RecordTable:
+        """The engine's record columns as a :class:`RecordTable` (no object per request)."""
+        order, worker, ttft, e2e, queue, vram, dram, claimed = self._eng().records()
+        reqs = self._requests
+        regions = list(self.topology.region_names)
+        workers = [x.spec.id for x in self._by_index]
+        names = regions + workers
+        nr = len(regions)
+        ri = self._region_index
+        region = np.array([ri[r.region] for r in reqs], dtype=np.int32)
+        wregion = np.array([ri[x.spec.region] for x in self._by_index], dtype=np.int32)
+        w = worker.astype(np.int64)
+        cols: dict[str, npt.NDArray[Any]] = {
+            "id": np.array([r.id for r in reqs], dtype=np.int64),
+            "region": region,
+            "worker": (w + nr).astype(np.int32),
+            "worker_region": wregion[w],
+            "arrival_ms": np.array([r.arrival_ms for r in reqs], dtype=np.float64),
+            "ttft_ms": ttft,
+            "e2e_ms": e2e,
+            "queue_ms": queue,
+            "input_tokens": np.array([r.input_length for r in reqs], dtype=np.int64),
+            "output_tokens": np.array([r.output_length for r in reqs], dtype=np.int64),
+            "vram_hit": vram.astype(np.int64),
+            "dram_hit": dram.astype(np.int64),
+            "claimed": claimed.astype(np.int64),
+        }
+        return RecordTable(cols, names)
 
     # ---- the engine's calls ------------------------------------------------------------------------
 

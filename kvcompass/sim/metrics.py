@@ -30,13 +30,14 @@ Plain numpy: percentiles use numpy's default (linear) interpolation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, overload
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["RequestRecord", "Summary", "busy_matrix", "summarize"]
+__all__ = ["RecordTable", "RequestRecord", "Summary", "busy_matrix", "summarize"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,88 @@ class RequestRecord:
         return self.claimed > self.reused
 
 
+_INT_COLUMNS = ("id", "input_tokens", "output_tokens", "vram_hit", "dram_hit", "claimed")
+_FLOAT_COLUMNS = ("arrival_ms", "ttft_ms", "e2e_ms", "queue_ms")
+
+
+class RecordTable(Sequence[RequestRecord]):
+    """A run's records as columns, sorted by request id: a sequence of :class:`RequestRecord`
+    made on access. A paper-scale run completes hundreds of thousands of requests, and one
+    Python object per record was hundreds of megabytes; the columns are about 100 bytes a
+    request. Regions and workers are codes into ``names``."""
+
+    __slots__ = ("_c", "_names")
+
+    def __init__(self, columns: dict[str, npt.NDArray[Any]], names: Sequence[str]) -> None:
+        n = len(columns["id"])
+        for k in (*_INT_COLUMNS, *_FLOAT_COLUMNS, "region", "worker", "worker_region"):
+            if len(columns[k]) != n:
+                raise ValueError(f"record column {k!r} has {len(columns[k])} rows, not {n}")
+        order = np.argsort(columns["id"], kind="stable")
+        self._c = {k: np.ascontiguousarray(v[order]) for k, v in columns.items()}
+        self._names = tuple(names)
+
+    @classmethod
+    def from_records(cls, records: Sequence[RequestRecord]) -> RecordTable:
+        names: dict[str, int] = {}
+
+        def code(x: str) -> int:
+            return names.setdefault(x, len(names))
+        cols: dict[str, npt.NDArray[Any]] = {k: np.array([getattr(r, k) for r in records], dtype=np.int64) for k in _INT_COLUMNS}
+        cols.update({k: np.array([getattr(r, k) for r in records], dtype=np.float64) for k in _FLOAT_COLUMNS})
+        for k in ("region", "worker", "worker_region"):
+            cols[k] = np.array([code(getattr(r, k)) for r in records], dtype=np.int32)
+        return cls(cols, list(names))
+
+    def column(self, name: str) -> npt.NDArray[Any]:
+        """One column (read-only view); region and worker columns are codes (see :meth:`name`)."""
+        v = self._c[name].view()
+        v.flags.writeable = False
+        return v
+
+    def name(self, code: int) -> str:
+        return self._names[code]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """What the region and worker codes stand for."""
+        return self._names
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to any sequence of the same records in the same order (a tuple of them too)."""
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __len__(self) -> int:
+        return len(self._c["id"])
+
+    def _row(self, i: int) -> RequestRecord:
+        c, names = self._c, self._names
+        return RequestRecord(
+            int(c["id"][i]), names[c["region"][i]], names[c["worker"][i]], names[c["worker_region"][i]],
+            float(c["arrival_ms"][i]), float(c["ttft_ms"][i]), float(c["e2e_ms"][i]), float(c["queue_ms"][i]),
+            int(c["input_tokens"][i]), int(c["output_tokens"][i]), int(c["vram_hit"][i]), int(c["dram_hit"][i]), int(c["claimed"][i]),
+        )  # fmt: skip
+
+    @overload
+    def __getitem__(self, i: int) -> RequestRecord: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[RequestRecord]: ...
+    def __getitem__(self, i: int | slice) -> RequestRecord | list[RequestRecord]:
+        if isinstance(i, slice):
+            return [self._row(j) for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError("record index out of range")
+        return self._row(i % n if n else i)
+
+    def __iter__(self) -> Iterator[RequestRecord]:
+        return (self._row(i) for i in range(len(self)))
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class Summary:
     """A run's figures (see the module notes for each definition)."""
@@ -93,7 +176,7 @@ class Summary:
     utilisation: npt.NDArray[np.float64]  # workers x windows
     load_factor: npt.NDArray[np.float64]  # workers x windows
     peak_load_factor: float
-    records: tuple[RequestRecord, ...]
+    records: RecordTable
 
     @property
     def token_reuse(self) -> float:
@@ -148,24 +231,26 @@ def summarize(
     *,
     window_ms: float = 1000.0,
 ) -> Summary:
-    """The summary of a run from its records and each worker's prefill busy intervals."""
-    recs = tuple(sorted(records, key=lambda r: r.id))
-    ttft = np.array([r.ttft_ms for r in recs], dtype=np.float64)
-    e2e = np.array([r.e2e_ms for r in recs], dtype=np.float64)
+    """The summary of a run from its records (objects or a :class:`RecordTable`) and each
+    worker's prefill busy intervals."""
+    recs = records if isinstance(records, RecordTable) else RecordTable.from_records(records)
+    c = recs._c
+    ttft, e2e, arrival = c["ttft_ms"], c["e2e_ms"], c["arrival_ms"]
     n = len(recs)
-    reused = sum(r.reused for r in recs)
-    recomputed = sum(r.recomputed for r in recs)
-    hits = [r for r in recs if r.reused > 0]
-    prompt = sum(r.input_tokens for r in recs)
-    claims = [r for r in recs if r.claimed > 0]
-    if recs:
-        start = min(r.arrival_ms for r in recs)
-        end = max(r.arrival_ms + r.e2e_ms for r in recs)
+    reused_each = c["vram_hit"] + c["dram_hit"]
+    reused = int(reused_each.sum())
+    recomputed = int((c["input_tokens"] - reused_each).sum())
+    prompt = int(c["input_tokens"].sum())
+    claims = c["claimed"] > 0
+    if n:
+        start = float(arrival.min())
+        end = float((arrival + e2e).max())
     else:
         start = end = 0.0
     span_s = (end - start) / 1e3
-    tokens = sum(r.input_tokens + r.output_tokens for r in recs)
-    util = busy_matrix(busy, start, end, window_ms) if recs else np.zeros((len(workers), 0))
+    tokens = int((c["input_tokens"] + c["output_tokens"]).sum())
+    local = c["worker_region"] == c["region"]
+    util = busy_matrix(busy, start, end, window_ms) if n else np.zeros((len(workers), 0))
     mean = util.mean(axis=0) if len(workers) else np.zeros(util.shape[1])
     lf = np.divide(util, mean, out=np.zeros_like(util), where=mean > 0)
     return Summary(
@@ -175,14 +260,14 @@ def summarize(
         ttft_ms=_pct(ttft),
         e2e_ms=_pct(e2e),
         mean_ttft_ms=float(ttft.mean()) if n else 0.0,
-        mean_queue_ms=float(np.mean([r.queue_ms for r in recs])) if n else 0.0,
+        mean_queue_ms=float(np.mean(c["queue_ms"])) if n else 0.0,
         throughput_tokens_s=tokens / span_s if span_s > 0 else 0.0,
         reused_tokens=reused,
         recomputed_tokens=recomputed,
         hit_rate=reused / prompt if prompt else 0.0,
-        local_hit_rate=sum(r.reused for r in hits if r.worker_region == r.region) / prompt if prompt else 0.0,
-        cross_region_hit_rate=sum(r.reused for r in hits if r.worker_region != r.region) / prompt if prompt else 0.0,
-        false_hit_rate=sum(r.false_hit for r in claims) / len(claims) if claims else 0.0,
+        local_hit_rate=int(reused_each[local].sum()) / prompt if prompt else 0.0,
+        cross_region_hit_rate=int(reused_each[~local].sum()) / prompt if prompt else 0.0,
+        false_hit_rate=int((c["claimed"][claims] > reused_each[claims]).sum()) / int(claims.sum()) if claims.any() else 0.0,
         window_ms=window_ms,
         workers=tuple(workers),
         utilisation=util,

@@ -130,18 +130,36 @@ _RECORD_SCHEMA: dict[str, type[pl.DataType]] = {
 
 
 def records_to_frame(results: Results) -> pl.DataFrame:
-    """Every completed request of every run, tagged with its ``scheme`` and ``rate``."""
-    cols: dict[str, list[object]] = {k: [] for k in _RECORD_SCHEMA}
+    """Every completed request of every run, tagged with its ``scheme`` and ``rate`` (built from
+    the runs' record columns, not an object per request)."""
+    frames = []
     for scheme, by_rate in results.items():
         for rate, s in by_rate.items():
-            for r in s.records:
-                values: tuple[object, ...] = (
-                    scheme, rate, r.id, r.region, r.worker, r.worker_region, r.arrival_ms, r.ttft_ms, r.e2e_ms, r.queue_ms,
-                    r.input_tokens, r.output_tokens, r.vram_hit, r.dram_hit, r.reused, r.recomputed, r.claimed, r.false_hit,
-                )  # fmt: skip
-                for k, v in zip(_RECORD_SCHEMA, values):
-                    cols[k].append(v)
-    return pl.DataFrame(cols, schema=_RECORD_SCHEMA)
+            t = s.records
+            names = np.array(t.names, dtype=object)
+            reused = t.column("vram_hit") + t.column("dram_hit")
+            cols: dict[str, object] = {
+                "scheme": [scheme] * len(t),
+                "rate": [rate] * len(t),
+                "id": t.column("id"),
+                "region": names[t.column("region")].tolist(),
+                "worker": names[t.column("worker")].tolist(),
+                "worker_region": names[t.column("worker_region")].tolist(),
+                "arrival_ms": t.column("arrival_ms"),
+                "ttft_ms": t.column("ttft_ms"),
+                "e2e_ms": t.column("e2e_ms"),
+                "queue_ms": t.column("queue_ms"),
+                "input_tokens": t.column("input_tokens"),
+                "output_tokens": t.column("output_tokens"),
+                "vram_hit": t.column("vram_hit"),
+                "dram_hit": t.column("dram_hit"),
+                "reused": reused,
+                "recomputed": t.column("input_tokens") - reused,
+                "claimed": t.column("claimed"),
+                "false_hit": t.column("claimed") > reused,
+            }
+            frames.append(pl.DataFrame(cols, schema=_RECORD_SCHEMA))
+    return pl.concat(frames) if frames else pl.DataFrame(schema=_RECORD_SCHEMA)
 
 
 def write_tables(out_dir: str | Path, frame: pl.DataFrame, records: pl.DataFrame) -> list[Path]:
