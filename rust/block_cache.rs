@@ -153,6 +153,8 @@ pub struct BlockCache {
     born: u64,
     name_seed: u64,
     keep_tokens: bool,
+    /// Live entries of each heap at its last compaction.
+    heap_floor: [usize; 3],
     /// Each block's tokens, when the cache keeps them (for the stored events).
     toks: HashMap<u64, Box<[u32]>>,
     pub stats: Stats,
@@ -213,6 +215,7 @@ impl BlockCache {
             born: 0,
             name_seed,
             keep_tokens: true,
+            heap_floor: [0; 3],
             toks: HashMap::default(),
             stats: Stats::default(),
         })
@@ -606,11 +609,16 @@ impl BlockCache {
         let e = Entry { uses: if self.lfu { x.uses as u64 } else { 0 }, last: x.last, stamp: x.stamp, h };
         let t = tier as usize;
         self.heaps[t].push(Reverse(e));
-        if self.heaps[t].len() > 2 * self.used[t] + COMPACT_SLACK {
+        // Compact when stale entries could outnumber the live ones: against the live count at
+        // the last compaction (leaves, usually a small share of a tier's blocks, since most
+        // blocks are inside chains), not the tier's size, which let a full cache carry two
+        // stale entries per block. Each compaction at least halves the heap: O(1) amortised.
+        if self.heaps[t].len() > 2 * self.used[t].min(self.heap_floor[t]) + COMPACT_SLACK {
             let old = std::mem::take(&mut self.heaps[t]);
             let mut live: Vec<Entry> = old.into_iter().map(|r| r.0).filter(|e| self.live(tier, e)).collect();
             live.sort_unstable();
             live.dedup();
+            self.heap_floor[t] = live.len();
             self.heaps[t] = live.into_iter().map(Reverse).collect();
         }
     }

@@ -254,11 +254,16 @@ impl Ord for Entry {
 
 const NO_REQ: u32 = u32::MAX;
 
+/// Jobs a queue keeps whole; those behind them are stripped ([`Engine::strip`]).
+const KEEP_AHEAD: usize = 16;
+
 struct Job {
     req: u32,
     tokens: Vec<u32>,
     /// The seed-free block chain of `tokens` (hashed once; every cache names it its own way).
     chain: Vec<u64>,
+    /// Tokens and chain dropped while it waits deep in a queue.
+    stripped: bool,
     worker: u32,
     claimed: i64,
     edge_region: u16,
@@ -686,14 +691,7 @@ impl Engine {
             match e.ev {
                 Ev::Arrive(req) => {
                     let r = self.reqs[req as usize];
-                    let slice = &self.ids[self.id_offs[req as usize]..self.id_offs[req as usize + 1]];
-                    let tokens = if r.runs {
-                        let chains: Vec<u64> = slice.iter().step_by(2).copied().collect();
-                        let counts: Vec<u64> = slice.iter().skip(1).step_by(2).copied().collect();
-                        expand_blocks(&chain_block_ids(&chains, &counts), r.input_length as usize, r.block_size as usize)
-                    } else {
-                        expand_blocks(slice, r.input_length as usize, r.block_size as usize)
-                    };
+                    let tokens = self.request_tokens(req);
                     let chain = block_chain(r.salt_seed, &tokens, self.block_size)?;
                     self.pending = Some((req, tokens, chain));
                     match self.choose_native()? {
@@ -896,6 +894,7 @@ impl Engine {
             req,
             tokens,
             chain,
+            stripped: false,
             worker: c.worker,
             claimed: c.claimed,
             edge_region: r.edge_region,
@@ -1003,6 +1002,7 @@ impl Engine {
             req: NO_REQ,
             tokens,
             chain,
+            stripped: false,
             worker: w,
             claimed: 0,
             edge_region: region,
@@ -1069,6 +1069,10 @@ impl Engine {
         let x = &mut self.workers[w as usize];
         x.waiting.push_back(job);
         x.waiting_ms += est;
+        if x.waiting.len() > KEEP_AHEAD {
+            self.strip(job);
+        }
+        let x = &self.workers[w as usize];
         if self.cfg.chunked {
             if x.stepping {
                 self.poke(w);
@@ -1122,12 +1126,54 @@ impl Engine {
         } else {
             pos(x.waiting_ms - est)
         };
+        if self.jobs[job as usize].stripped {
+            self.restore(job, w)?;
+        }
+        let x = &self.workers[w as usize];
         let j = &mut self.jobs[job as usize];
         j.start_ms = now;
         let (v, d) = lookup_base(&x.cache, &j.chain);
         j.vram_hit = v;
         j.dram_hit = d;
         Ok(job)
+    }
+
+    /// A job deep in a queue keeps neither its tokens nor its chain (an overloaded worker's
+    /// queue grows with the run, and a 5,000-token prompt's are 22 KB); they are derived again
+    /// from the request's block ids when its prefill starts ([`Self::restore`]).
+    fn strip(&mut self, job: u32) {
+        let j = &mut self.jobs[job as usize];
+        if j.req != NO_REQ {
+            j.tokens = Vec::new();
+            j.chain = Vec::new();
+            j.stripped = true;
+        }
+    }
+
+    fn restore(&mut self, job: u32, w: u32) -> Result<()> {
+        let req = self.jobs[job as usize].req;
+        let tokens = self.request_tokens(req);
+        let r = self.reqs[req as usize];
+        let chain = block_chain(r.salt_seed, &tokens, self.block_size)?;
+        let publish = self.workers[w as usize].publish;
+        let j = &mut self.jobs[job as usize];
+        j.chain = chain;
+        j.tokens = if publish { tokens } else { Vec::new() };
+        j.stripped = false;
+        Ok(())
+    }
+
+    /// Request `req`'s tokens, expanded from its block ids (or runs of them).
+    fn request_tokens(&self, req: u32) -> Vec<u32> {
+        let r = self.reqs[req as usize];
+        let slice = &self.ids[self.id_offs[req as usize]..self.id_offs[req as usize + 1]];
+        if r.runs {
+            let chains: Vec<u64> = slice.iter().step_by(2).copied().collect();
+            let counts: Vec<u64> = slice.iter().skip(1).step_by(2).copied().collect();
+            expand_blocks(&chain_block_ids(&chains, &counts), r.input_length as usize, r.block_size as usize)
+        } else {
+            expand_blocks(slice, r.input_length as usize, r.block_size as usize)
+        }
     }
 
     fn start_prefill(&mut self, w: u32) -> Result<()> {
