@@ -155,6 +155,8 @@ pub struct BlockCache {
     keep_tokens: bool,
     /// Live entries of each heap at its last compaction.
     heap_floor: [usize; 3],
+    /// Blocks removed since the tables were last rebuilt.
+    removed: usize,
     /// Each block's tokens, when the cache keeps them (for the stored events).
     toks: HashMap<u64, Box<[u32]>>,
     pub stats: Stats,
@@ -216,6 +218,7 @@ impl BlockCache {
             name_seed,
             keep_tokens: true,
             heap_floor: [0; 3],
+            removed: 0,
             toks: HashMap::default(),
             stats: Stats::default(),
         })
@@ -585,6 +588,17 @@ impl BlockCache {
     /// Drop leaf `h` (a DRAM leaf, or a VRAM leaf when there is no DRAM).
     fn remove(&mut self, h: u64, ch: &mut Changes) {
         let x = self.nodes.remove(&h).expect("victim");
+        self.removed += 1;
+        if self.removed > self.nodes.capacity() / 4 {
+            // A full cache evicts as much as it stores; every removal can leave a tombstone,
+            // and when tombstones use up the table's slack hashbrown doubles it (the items do
+            // not fit in half the capacity), so a full 82k-block cache ended in a table sized
+            // for 229k. Rebuilding the table at its size before that happens keeps it sized
+            // for what it holds (O(n) per n/4 removals).
+            self.nodes.shrink_to(self.nodes.len());
+            self.toks.shrink_to(self.toks.len());
+            self.removed = 0;
+        }
         self.used[x.tier as usize] -= 1;
         self.stats.evicted_blocks += 1;
         if x.tier == DRAM {
