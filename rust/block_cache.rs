@@ -255,6 +255,11 @@ impl BlockCache {
     pub fn tier_of(&self, h: u64) -> u8 {
         self.nodes.get(&h).map_or(0, |x| x.tier)
     }
+    /// Slots of the block table and of each victim heap's allocation (memory accounting).
+    pub fn capacities(&self) -> (usize, usize, usize) {
+        (self.nodes.capacity(), self.heaps[VRAM as usize].capacity(), self.heaps[DRAM as usize].capacity())
+    }
+
     /// Entries in the victim heap of `tier` (live or stale), for the bound the tests check.
     pub fn heap_len(&self, tier: u8) -> usize {
         self.heaps[tier as usize].len()
@@ -593,10 +598,11 @@ impl BlockCache {
             // A full cache evicts as much as it stores; every removal can leave a tombstone,
             // and when tombstones use up the table's slack hashbrown doubles it (the items do
             // not fit in half the capacity), so a full 82k-block cache ended in a table sized
-            // for 229k. Rebuilding the table at its size before that happens keeps it sized
-            // for what it holds (O(n) per n/4 removals).
-            self.nodes.shrink_to(self.nodes.len());
-            self.toks.shrink_to(self.toks.len());
+            // for 229k. Rebuilding the table afresh before that happens keeps it sized for what
+            // it holds (O(n) per n/4 removals).
+            // (`shrink_to` would keep a table of the same size class, tombstones and all.)
+            self.nodes = std::mem::take(&mut self.nodes).into_iter().collect();
+            self.toks = std::mem::take(&mut self.toks).into_iter().collect();
             self.removed = 0;
         }
         self.used[x.tier as usize] -= 1;

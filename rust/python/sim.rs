@@ -626,6 +626,17 @@ impl PySimEngine {
         )
     }
 
+    /// Per cache: `(blocks, block-table slots, VRAM heap entries, DRAM heap entries, heap slots)`.
+    fn cache_tables(&self) -> Vec<(usize, usize, usize, usize, usize)> {
+        (0..self.inner.workers() as u32)
+            .filter_map(|w| self.inner.cache(w).ok())
+            .map(|c| {
+                let (t, hv, hd) = c.capacities();
+                (c.len(), t, c.heap_len(1), c.heap_len(2), hv + hd)
+            })
+            .collect()
+    }
+
     /// Bytes the engine's caches hold in Rust (while they are in the engine).
     fn cache_memory_bytes(&self) -> usize {
         (0..self.inner.workers() as u32)

@@ -1204,6 +1204,10 @@ impl Engine {
         let ev = x.cache.place_vram_len(&j.tokens, j.input_length as usize, &chain, now, j.salt, true, x.publish)?;
         self.publish_events(w, ev);
         let j = &mut self.jobs[job as usize];
+        // Its KV is in the cache now: decoding needs neither the prompt's tokens nor its chain
+        // (a long-context decode batch would otherwise hold every prompt it serves).
+        j.tokens = Vec::new();
+        j.chain = Vec::new();
         j.ttft_ms = self.now + j.one_way_ms - j.arrival_ms;
         if self.cfg.indexed {
             self.respond(w, job);
@@ -1557,3 +1561,4 @@ fn sub_dispatched(x: &mut Worker, origin: u16, ms: f64) {
         *v = if left > 1e-9 { left } else { 0.0 };
     }
 }
+
