@@ -46,7 +46,7 @@ fn engine() -> Engine {
         decoders: vec![Vec::new(); REGIONS],
     };
     let workers = (0..n)
-        .map(|i| WorkerSetup { region: (i / PER_REGION) as u16, cache: BlockCache::new(BLOCK as usize, 4096, 8192, false, i as u64).unwrap(), publish: false, queue_to_edge: false })
+        .map(|i| WorkerSetup { region: (i / PER_REGION) as u16, beta: 0.07, cache: BlockCache::new(BLOCK as usize, 4096, 8192, false, i as u64).unwrap(), publish: false, queue_to_edge: false })
         .collect();
     let mut g = Pcg64::seeded(7);
     let blocks = PROMPT.div_ceil(BLOCK as u64) as usize;

@@ -174,6 +174,7 @@ class SimEngine:
         region_workers: list[list[int]],
         decoders: list[list[int]],
         worker_regions: npt.NDArray[np.uint32],
+        worker_beta: npt.NDArray[np.float64],
         caches: list[BlockCache],
         publish: list[bool],
         queue_to_edge: list[bool],

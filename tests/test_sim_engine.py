@@ -404,3 +404,27 @@ def test_a_run_leaves_no_reference_cycles(scheme: str, testbed: Topology, mixed:
     finally:
         if collecting:
             gc.enable()
+
+
+@pytest.mark.parametrize("gpu_sharing", ["chunked", "lanes"])
+def test_prefill_is_charged_at_the_topologys_beta(gpu_sharing: str) -> None:
+    """One source of truth for the prefill rate: each worker computes at its topology's
+    ``beta_ms_per_token`` (what the edges score with), whatever the run's CostModel says. A lone
+    request's TTFT is its tokens at that beta plus one RTT (there and back in one region)."""
+    raw: dict[str, Any] = {
+        "name": "slow-and-fast",
+        "rtt_ms": {"a": {"a": 2.0, "b": 40.0}, "b": {"a": 40.0, "b": 3.0}},
+        "regions": {"a": {}, "b": {}},
+        "workers": [
+            {"id": "wa", "region": "a", "beta_ms_per_token": 0.05, "vram_tokens": 65536, "dram_tokens": 0},
+            {"id": "wb", "region": "b", "beta_ms_per_token": 0.2, "vram_tokens": 65536, "dram_tokens": 0},
+        ],
+    }
+    topo = topology_from_dict(raw)
+    reqs = [_request(0, 0.0, "a", 1, 3000), _request(1, 0.0, "b", 2, 1600)]
+    s = simulate(topo, reqs, "local-least-loaded", seed=1, gpu_sharing=gpu_sharing)  # type: ignore[arg-type]
+    by_id = {r.id: r for r in s.records}
+    assert by_id[0].worker == "wa" and by_id[1].worker == "wb"
+    assert by_id[0].ttft_ms == pytest.approx(3000 * 0.05 + 2.0)
+    assert by_id[1].ttft_ms == pytest.approx(1600 * 0.2 + 3.0)
+    assert CostModel().prefill_ms_per_token == 0.085  # not what either worker was charged

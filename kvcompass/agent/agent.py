@@ -322,14 +322,7 @@ class WorkerAgent:
         """Take one PUB message ``(topic, seq, payload)``."""
         b = self._decode(decode_message, frames)
         assert b is not None
-        self._stats.messages += 1
-        if b.seq <= self._last_seq or b.seq in self._buffer:
-            known = self._seen.get(b.seq) if b.seq <= self._last_seq else self._buffer[b.seq].digest
-            if known == b.digest:
-                self._stats.duplicates += 1
-                return AgentOutput()
-            self._new_incarnation()
-        return self._accept(b, live=True)
+        return self._live(b)
 
     def on_batch(self, batch: EngineBatch) -> AgentOutput:
         """Take one message already decoded (an in-process engine, such as the simulator's
@@ -337,6 +330,11 @@ class WorkerAgent:
         and sequencing as :meth:`on_message`, the payload digest being ``batch.digest``."""
         b = self._decode(lambda _: batch, ())
         assert b is not None
+        return self._live(b)
+
+    def _live(self, b: EngineBatch) -> AgentOutput:
+        """A live message: a re-delivery is ignored, other bytes under a seen seq mean the
+        engine restarted (see the module notes), the rest is sequenced."""
         self._stats.messages += 1
         if b.seq <= self._last_seq or b.seq in self._buffer:
             known = self._seen.get(b.seq) if b.seq <= self._last_seq else self._buffer[b.seq].digest

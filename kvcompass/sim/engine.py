@@ -29,7 +29,8 @@ float, as when all of it was Python (``tests/data/sim_golden.json`` pins every s
    in-region RTT when they are the same).
 3. Prompts are prefilled in FIFO order. At prefill start ``(vram_hit, dram_hit) =
    cache.lookup(tokens)`` and the prefill computes ``cost.prefill_ms(uncached) +
-   cost.reload_ms(dram_hit)``, in steps it shares with the decode batch (see GPU sharing
+   cost.reload_ms(dram_hit)`` at the worker's own prefill rate (the topology's
+   ``beta_ms_per_token``, which the edges score with; ``SimConfig.cost`` gives the rest), in steps it shares with the decode batch (see GPU sharing
    below). At prefill end ``cache.admit(tokens)``; its KV events are
    encoded as a vLLM PUB message, handed to the worker's agent, and the key-op batches reach
    ``plane.ingest`` ``event_delay_ms`` later (agent batching plus the hop to the unit).
@@ -139,6 +140,8 @@ class SimConfig:
 
     seed: int = 0
     cost: CostModel = field(default_factory=CostModel)
+    """Decode, reload, fixed costs and KV size; each worker's prefill rate is its topology's
+    ``beta_ms_per_token`` (one source of truth with the routers' scores), not this model's."""
     model: str = "llama-3.1-8b"
     event_delay_ms: float = 5.0
     patch_interval_ms: float = 10.0
@@ -332,6 +335,9 @@ class Simulator:
             [[self._index[w] for w in self._region_workers[r]] for r in regions],
             hand_to,
             np.array([self._region_index[w.region] for w in topology.workers], dtype=np.uint32),
+            # Each worker prefills at its topology's rate, the one the edges' scores and the
+            # level plan use (and the services' emulated workers run at).
+            np.array([w.beta_ms_per_token for w in topology.workers], dtype=np.float64),
             [x.cache._core for x in self._by_index],
             [x.cache.publish for x in self._by_index],
             [w.region in self.plane.edges for w in topology.workers],

@@ -128,7 +128,7 @@ impl PySimEngine {
     /// `return_caches`.
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (cost, transfer_gbps, chunked, max_batched_tokens, wan_jitter, segment_steps, indexed, handoff, rtt, has_edge, region_workers, decoders, worker_regions, caches, publish, queue_to_edge, arrival_ms, region, edge_region, input_length, output_length, block_size, salt, salt_seed, ids, id_offsets, id_runs, rng_state, fault_state, progress_every))]
+    #[pyo3(signature = (cost, transfer_gbps, chunked, max_batched_tokens, wan_jitter, segment_steps, indexed, handoff, rtt, has_edge, region_workers, decoders, worker_regions, worker_beta, caches, publish, queue_to_edge, arrival_ms, region, edge_region, input_length, output_length, block_size, salt, salt_seed, ids, id_offsets, id_runs, rng_state, fault_state, progress_every))]
     fn new(
         cost: (f64, f64, f64, f64, f64, f64, f64, u64),
         transfer_gbps: f64,
@@ -143,6 +143,7 @@ impl PySimEngine {
         region_workers: Vec<Vec<u32>>,
         decoders: Vec<Vec<u32>>,
         worker_regions: &Bound<'_, PyAny>,
+        worker_beta: &Bound<'_, PyAny>,
         caches: Vec<Bound<'_, PyBlockCache>>,
         publish: Vec<bool>,
         queue_to_edge: Vec<bool>,
@@ -187,7 +188,8 @@ impl PySimEngine {
             decoders,
         };
         let wr = u16_of("worker_regions", u32_vec("worker_regions", worker_regions)?)?;
-        if caches.len() != wr.len() || publish.len() != wr.len() || queue_to_edge.len() != wr.len()
+        let beta = f64_vec("worker_beta", worker_beta)?;
+        if caches.len() != wr.len() || publish.len() != wr.len() || queue_to_edge.len() != wr.len() || beta.len() != wr.len()
         {
             return Err(bad(format!(
                 "{} workers but {} caches, {} publish and {} queue flags",
@@ -204,6 +206,7 @@ impl PySimEngine {
             let placeholder = BlockCache::new(bs, 1, 0, false, 0).map_err(core_err)?;
             workers.push(WorkerSetup {
                 region: wr[i],
+                beta: beta[i],
                 cache: std::mem::replace(&mut c.inner, placeholder),
                 publish: publish[i],
                 queue_to_edge: queue_to_edge[i],

@@ -135,6 +135,9 @@ pub enum Policy {
 /// One emulated worker as the driver builds it.
 pub struct WorkerSetup {
     pub region: u16,
+    /// Its prefill rate (ms per uncached token; the topology's `beta_ms_per_token`), which
+    /// replaces the run's cost model's for this worker.
+    pub beta: f64,
     pub cache: BlockCache,
     /// Its cache calls build KV events (someone reads them).
     pub publish: bool,
@@ -288,8 +291,45 @@ struct Job {
     arrival_ms: f64,
 }
 
+impl Job {
+    /// A job that has not reached its worker yet.
+    #[allow(clippy::too_many_arguments)]
+    fn fresh(req: u32, tokens: Vec<u32>, chain: Vec<u64>, worker: u32, (edge_region, origin): (u16, u16), salt: u32, (input_length, output_length): (u64, u64), arrival_ms: f64) -> Self {
+        Job {
+            req,
+            tokens,
+            chain,
+            stripped: false,
+            worker,
+            claimed: 0,
+            edge_region,
+            origin,
+            one_way_ms: 0.0,
+            at_worker_ms: 0.0,
+            estimate_ms: 0.0,
+            start_ms: 0.0,
+            vram_hit: 0,
+            dram_hit: 0,
+            ttft_ms: 0.0,
+            dispatched_ms: 0.0,
+            remaining: 0,
+            context: 0,
+            migration_tier: 0,
+            back_ms: -1.0,
+            left: 0,
+            extra_ms: 0.0,
+            salt,
+            input_length,
+            output_length,
+            arrival_ms,
+        }
+    }
+}
+
 struct Worker {
     region: u16,
+    /// The run's cost model at this worker's prefill rate.
+    cost: Cost,
     cache: BlockCache,
     publish: bool,
     queue_to_edge: bool,
@@ -423,6 +463,9 @@ impl Engine {
             if w.region as usize >= regions {
                 return bad("worker region out of range".into());
             }
+            if !(w.beta.is_finite() && w.beta > 0.0) {
+                return bad(format!("a worker's prefill rate must be a positive number of ms per token, got {}", w.beta));
+            }
         }
         let n = workers.len() as u32;
         if cfg
@@ -451,6 +494,7 @@ impl Engine {
             .into_iter()
             .map(|s| Worker {
                 region: s.region,
+                cost: Cost { prefill_ms_per_token: s.beta, ..cfg.cost },
                 cache: s.cache,
                 publish: s.publish,
                 queue_to_edge: s.queue_to_edge,
@@ -890,34 +934,10 @@ impl Engine {
         let forward = self.way(r.edge_region, wr);
         let back = self.way(wr, r.edge_region);
         let job = self.jobs.len() as u32;
-        self.jobs.push(Job {
-            req,
-            tokens,
-            chain,
-            stripped: false,
-            worker: c.worker,
-            claimed: c.claimed,
-            edge_region: r.edge_region,
-            origin: r.region,
-            one_way_ms: back,
-            at_worker_ms: 0.0,
-            estimate_ms: 0.0,
-            start_ms: 0.0,
-            vram_hit: 0,
-            dram_hit: 0,
-            ttft_ms: 0.0,
-            dispatched_ms: 0.0,
-            remaining: 0,
-            context: 0,
-            migration_tier: 0,
-            back_ms: -1.0,
-            left: 0,
-            extra_ms: 0.0,
-            salt: r.salt,
-            input_length: r.input_length,
-            output_length: r.output_length,
-            arrival_ms: r.arrival_ms,
-        });
+        let mut j = Job::fresh(req, tokens, chain, c.worker, (r.edge_region, r.region), r.salt, (r.input_length, r.output_length), r.arrival_ms);
+        j.claimed = c.claimed;
+        j.one_way_ms = back;
+        self.jobs.push(j);
         let est = self.estimate_now(c.worker, job)?;
         self.jobs[job as usize].dispatched_ms = est;
         add_dispatched(&mut self.workers[c.worker as usize], r.region, est);
@@ -998,42 +1018,17 @@ impl Engine {
         let job = self.jobs.len() as u32;
         let n = tokens.len() as u64;
         let chain = block_chain(salt_seed, &tokens, self.block_size)?;
-        self.jobs.push(Job {
-            req: NO_REQ,
-            tokens,
-            chain,
-            stripped: false,
-            worker: w,
-            claimed: 0,
-            edge_region: region,
-            origin: region,
-            one_way_ms: 0.0,
-            at_worker_ms: 0.0,
-            estimate_ms: 0.0,
-            start_ms: 0.0,
-            vram_hit: 0,
-            dram_hit: 0,
-            ttft_ms: 0.0,
-            dispatched_ms: 0.0,
-            remaining: 0,
-            context: 0,
-            migration_tier: tier,
-            back_ms: -1.0,
-            left: 0,
-            extra_ms: 0.0,
-            salt,
-            input_length: n,
-            output_length: 0,
-            arrival_ms: self.now,
-        });
+        let mut j = Job::fresh(NO_REQ, tokens, chain, w, (region, region), salt, (n, 0), self.now);
+        j.migration_tier = tier;
+        self.jobs.push(j);
         self.push(t, Ev::Enqueue { w, job });
         Ok(())
     }
 
     // ---- a request's life --------------------------------------------------------------------
 
-    fn prefill_ms(&self, length: u64, v: u64, d: u64) -> f64 {
-        self.cfg.cost.prefill_with_reuse_ms(length, v, d)
+    fn prefill_ms(&self, w: u32, length: u64, v: u64, d: u64) -> f64 {
+        self.workers[w as usize].cost.prefill_with_reuse_ms(length, v, d)
     }
 
     /// The worker's estimate of the job's prefill from a lookup of its cache now.
@@ -1051,7 +1046,7 @@ impl Engine {
         } else {
             (0, 0)
         };
-        self.cfg.cost.estimate_ms(length, v, d, batch, context, self.cfg.max_batched_tokens, self.cfg.chunked)
+        x.cost.estimate_ms(length, v, d, batch, context, self.cfg.max_batched_tokens, self.cfg.chunked)
     }
 
     fn enqueue(&mut self, w: u32, job: u32) -> Result<()> {
@@ -1179,7 +1174,7 @@ impl Engine {
     fn start_prefill(&mut self, w: u32) -> Result<()> {
         let job = self.pop_waiting(w)?;
         let j = &self.jobs[job as usize];
-        let end = self.now + self.prefill_ms(j.input_length, j.vram_hit, j.dram_hit);
+        let end = self.now + self.prefill_ms(w, j.input_length, j.vram_hit, j.dram_hit);
         let now = self.now;
         let x = &mut self.workers[w as usize];
         x.current = Some(job);
@@ -1395,7 +1390,7 @@ impl Engine {
 
     fn begin_prefill(&mut self, w: u32) -> Result<()> {
         let job = self.pop_waiting(w)?;
-        let cost = self.cfg.cost;
+        let cost = self.workers[w as usize].cost;
         let j = &mut self.jobs[job as usize];
         let length = j.input_length;
         j.left = length - length.min(j.vram_hit + j.dram_hit);
@@ -1409,7 +1404,7 @@ impl Engine {
     }
 
     fn mixed_step(&mut self, w: u32, job: u32) {
-        let cost = self.cfg.cost;
+        let cost = self.workers[w as usize].cost;
         let now = self.now;
         let x = &self.workers[w as usize];
         let batch = x.running.len() as u64;
