@@ -73,6 +73,167 @@ pub struct ForestStats {
     pub ambiguous_removals: u64,
 }
 
+/// A block's children by hash. Most blocks have none or one (a chain), so one is held inline;
+/// a hash table per block was a third of a fleet-sized forest's bytes.
+#[derive(Default)]
+enum Kids {
+    #[default]
+    Empty,
+    One(BHash, Bid),
+    Many(Box<FxHashMap<BHash, Bid>>),
+}
+
+enum KidsIter<'a> {
+    Done,
+    One(&'a Bid),
+    Many(std::collections::hash_map::Values<'a, BHash, Bid>),
+}
+
+impl<'a> Iterator for KidsIter<'a> {
+    type Item = &'a Bid;
+    fn next(&mut self) -> Option<&'a Bid> {
+        match self {
+            KidsIter::Done => None,
+            KidsIter::One(b) => {
+                let b = *b;
+                *self = KidsIter::Done;
+                Some(b)
+            }
+            KidsIter::Many(it) => it.next(),
+        }
+    }
+}
+
+impl Kids {
+    fn get(&self, h: &BHash) -> Option<&Bid> {
+        match self {
+            Kids::Empty => None,
+            Kids::One(k, b) => (k == h).then_some(b),
+            Kids::Many(m) => m.get(h),
+        }
+    }
+    fn contains_key(&self, h: &BHash) -> bool {
+        self.get(h).is_some()
+    }
+    fn insert(&mut self, h: BHash, b: Bid) {
+        match self {
+            Kids::Empty => *self = Kids::One(h, b),
+            Kids::One(k, old) if *k == h => *old = b,
+            Kids::One(..) => {
+                let Kids::One(k, old) = std::mem::take(self) else { unreachable!() };
+                let mut m = FxHashMap::default();
+                m.insert(k, old);
+                m.insert(h, b);
+                *self = Kids::Many(Box::new(m));
+            }
+            Kids::Many(m) => {
+                m.insert(h, b);
+            }
+        }
+    }
+    fn remove(&mut self, h: &BHash) {
+        match self {
+            Kids::One(k, _) if k == h => *self = Kids::Empty,
+            Kids::Many(m) => {
+                m.remove(h);
+                if m.is_empty() {
+                    *self = Kids::Empty;
+                }
+            }
+            _ => {}
+        }
+    }
+    fn is_empty(&self) -> bool {
+        matches!(self, Kids::Empty)
+    }
+    fn values(&self) -> KidsIter<'_> {
+        match self {
+            Kids::Empty => KidsIter::Done,
+            Kids::One(_, b) => KidsIter::One(b),
+            Kids::Many(m) => KidsIter::Many(m.values()),
+        }
+    }
+}
+
+/// The media holding a block: medium ids below 64 as bits, any others in a spill list.
+#[derive(Default)]
+struct Media {
+    bits: u64,
+    more: Option<Box<Vec<u16>>>,
+}
+
+impl Media {
+    fn contains(&self, m: &u16) -> bool {
+        if *m < 64 {
+            self.bits & (1 << *m) != 0
+        } else {
+            self.more.as_ref().is_some_and(|v| v.contains(m))
+        }
+    }
+    fn push(&mut self, m: u16) {
+        if m < 64 {
+            self.bits |= 1 << m;
+        } else if !self.contains(&m) {
+            self.more.get_or_insert_with(Default::default).push(m);
+        }
+    }
+    fn remove(&mut self, m: u16) {
+        if m < 64 {
+            self.bits &= !(1 << m);
+        } else if let Some(v) = &mut self.more {
+            v.retain(|&x| x != m);
+            if v.is_empty() {
+                self.more = None;
+            }
+        }
+    }
+    fn is_empty(&self) -> bool {
+        self.bits == 0 && self.more.is_none()
+    }
+    fn iter(&self) -> impl Iterator<Item = u16> + '_ {
+        (0..64u16).filter(move |&i| self.bits & (1 << i) != 0).chain(self.more.iter().flat_map(|v| v.iter().copied()))
+    }
+}
+
+/// The blocks carrying one (group, hash): one, except for content hashes at several places.
+enum Bids {
+    One(Bid),
+    Many(Vec<Bid>),
+}
+
+impl Bids {
+    fn as_slice(&self) -> &[Bid] {
+        match self {
+            Bids::One(b) => std::slice::from_ref(b),
+            Bids::Many(v) => v,
+        }
+    }
+    fn push(&mut self, b: Bid) {
+        match self {
+            Bids::One(a) => *self = Bids::Many(vec![*a, b]),
+            Bids::Many(v) => v.push(b),
+        }
+    }
+    /// Drop `b`; true when none is left.
+    fn remove(&mut self, b: Bid) -> bool {
+        match self {
+            Bids::One(a) => *a == b,
+            Bids::Many(v) => {
+                v.retain(|&x| x != b);
+                match v.len() {
+                    0 => true,
+                    1 => {
+                        let only = v[0];
+                        *self = Bids::One(only);
+                        false
+                    }
+                    _ => false,
+                }
+            }
+        }
+    }
+}
+
 struct Block {
     group: u32,
     hash: BHash,
@@ -83,13 +244,14 @@ struct Block {
     state: Option<Sha256>,
     tokens: Option<Box<[u8]>>,
     keys: Box<[u64]>,
-    media: Vec<u16>,
+    media: Media,
     own: u8,
     chain: u8,
-    kids: FxHashMap<BHash, Bid>,
+    kids: Kids,
     opaque: bool,
     touched: u64,
-    root: Option<Sha256>,
+    /// A salted prompt start: its tenant's hash root (rare, so boxed).
+    root: Option<Box<Sha256>>,
 }
 
 /// One BlockStored, as the agent hands it over (medium already normalised, tokens packed as
@@ -115,7 +277,7 @@ pub struct Forest {
     medium_ids: FxHashMap<String, u16>,
     blocks: FxHashMap<Bid, Block>,
     roots: FxHashMap<Slot, Bid>,
-    by_hash: FxHashMap<Slot, Vec<Bid>>,
+    by_hash: FxHashMap<Slot, Bids>,
     orphans: FxHashMap<Slot, Vec<(BHash, Bid)>>,
     ids: Bid,
     tick: u64,
@@ -233,9 +395,9 @@ impl Forest {
             .collect()
     }
 
-    fn own_of(&self, media: &[u16]) -> u8 {
+    fn own_of(&self, media: impl Iterator<Item = u16>) -> u8 {
         let mut best = 0u8;
-        for &m in media {
+        for m in media {
             let t = self.media[m as usize].1;
             if t != 0 && (best == 0 || t < best) {
                 best = t;
@@ -254,7 +416,7 @@ impl Forest {
                 return (None, Some(ph.clone())); // that orphan, stored again
             }
         }
-        let Some(cands) = self.by_hash.get(&slot).filter(|c| !c.is_empty()) else {
+        let Some(cands) = self.by_hash.get(&slot).map(|c| c.as_slice()).filter(|c| !c.is_empty()) else {
             return (None, Some(ph.clone()));
         };
         if cands.len() == 1 {
@@ -289,7 +451,7 @@ impl Forest {
         let medium = self.medium(e.medium);
         let n = e.block_size;
         let (mut parent, mut wait) = self.parent_of(group, e.parent.as_ref(), e.hashes.first());
-        let own_new = self.own_of(&[medium]);
+        let own_new = self.own_of(std::iter::once(medium));
         for (i, h) in e.hashes.iter().enumerate() {
             self.tick += 1;
             if let Some(bid) = self.child(group, parent, wait.as_ref(), h) {
@@ -316,14 +478,14 @@ impl Forest {
             }
             let bid = self.ids;
             self.ids += 1;
-            let mut root: Option<Sha256> = None;
+            let mut root: Option<Box<Sha256>> = None;
             let mut opaque = e.lora;
             if e.extra.get(i).copied().unwrap_or(false) {
                 if i == 0 && parent.is_none() && wait.is_none() {
                     root = e.salt_root.map(|d| {
                         let mut r = Sha256::new();
                         r.update(d);
-                        r
+                        Box::new(r)
                     });
                 }
                 opaque = opaque || root.is_none();
@@ -339,17 +501,26 @@ impl Forest {
                 state: None,
                 tokens: None,
                 keys: Box::default(),
-                media: vec![medium],
+                media: {
+                    let mut m = Media::default();
+                    m.push(medium);
+                    m
+                },
                 own: own_new,
                 chain: 0,
-                kids: FxHashMap::default(),
+                kids: Kids::default(),
                 opaque: opaque || p_opaque.unwrap_or(false),
                 touched: self.tick,
                 root,
             };
             let x_opaque = x.opaque;
             self.blocks.insert(bid, x);
-            self.by_hash.entry(slot.clone()).or_default().push(bid);
+            match self.by_hash.entry(slot.clone()) {
+                Entry::Occupied(mut o) => o.get_mut().push(bid),
+                Entry::Vacant(v) => {
+                    v.insert(Bids::One(bid));
+                }
+            }
             self.stats.blocks_stored += 1;
             if let Some(p) = parent {
                 self.blocks.get_mut(&p).expect("parent").kids.insert(h.clone(), bid);
@@ -411,7 +582,7 @@ impl Forest {
         let (start, mut h) = {
             let x = &self.blocks[&bid];
             match x.parent {
-                None => (0i64, x.root.clone().unwrap_or_else(|| self.root.clone())),
+                None => (0i64, x.root.as_deref().cloned().unwrap_or_else(|| self.root.clone())),
                 Some(p) => {
                     let p = &self.blocks[&p];
                     (p.start + p.size as i64, p.state.clone().expect("a keyed parent"))
@@ -447,7 +618,7 @@ impl Forest {
     }
 
     fn set_own(&mut self, bid: Bid) {
-        let own = self.own_of(&self.blocks[&bid].media);
+        let own = self.own_of(self.blocks[&bid].media.iter());
         let x = self.blocks.get_mut(&bid).expect("block");
         if own != x.own {
             x.own = own;
@@ -603,7 +774,7 @@ impl Forest {
 
     fn holding(&self, r: &Removal) -> Vec<Bid> {
         let (group, medium, h) = r;
-        self.by_hash.get(&(*group, h.clone())).map_or_else(Vec::new, |c| c.iter().copied().filter(|b| self.blocks[b].media.contains(medium)).collect())
+        self.by_hash.get(&(*group, h.clone())).map_or_else(Vec::new, |c| c.as_slice().iter().copied().filter(|b| self.blocks[b].media.contains(medium)).collect())
     }
 
     fn is_leaf(&self, bid: Bid, medium: u16) -> bool {
@@ -632,7 +803,7 @@ impl Forest {
 
     fn remove(&mut self, bid: Bid, medium: u16) {
         let x = self.blocks.get_mut(&bid).expect("block");
-        x.media.retain(|&m| m != medium);
+        x.media.remove(medium);
         self.stats.blocks_removed += 1;
         self.set_own(bid);
         self.collect(bid);
@@ -649,8 +820,7 @@ impl Forest {
             let x = self.blocks.remove(&c).expect("checked");
             let slot = (x.group, x.hash.clone());
             if let Entry::Occupied(mut o) = self.by_hash.entry(slot.clone()) {
-                o.get_mut().retain(|&b| b != c);
-                if o.get().is_empty() {
+                if o.get_mut().remove(c) {
                     o.remove();
                 }
             }
@@ -803,7 +973,7 @@ impl Forest {
             for k in x.keys.iter() {
                 row.extend_from_slice(&k.to_le_bytes());
             }
-            let mut media: Vec<&str> = x.media.iter().map(|&m| self.media[m as usize].0.as_str()).collect();
+            let mut media: Vec<&str> = x.media.iter().map(|m| self.media[m as usize].0.as_str()).collect();
             media.sort_unstable();
             row.extend_from_slice(&(media.len() as u32).to_le_bytes());
             for m in media {
@@ -870,3 +1040,5 @@ impl Todo {
         self.live == 0
     }
 }
+
+
