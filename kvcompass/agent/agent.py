@@ -16,9 +16,15 @@ different: a newer agent process owns this worker, and this one should stop.
 
 **Keys from tokens.** Engine block hashes are seeded per process, so they name blocks but are
 useless as index keys. The agent keeps, per engine block, its parent, its token span and the
-SHA-256 state after its last token (``hashlib`` objects copy their midstate), so a new block
-costs one block of hashing and a key at a registration length ``c`` inside it costs a copy, the
-partial block and a digest. Keys equal :func:`kvcompass.prefix_keys` of the same tokens.
+SHA-256 state after its last token, so a new block costs one block of hashing and a key at a
+registration length ``c`` inside it costs a copy, the partial block and a digest. Keys equal
+:func:`kvcompass.prefix_keys` of the same tokens.
+
+**Where it runs.** The block forest described below (blocks, chains, orphans, removal runs,
+key counts) is Rust (``rust/agent_forest.rs``, :class:`kvcompass._core.AgentForest`), rule for
+rule; this class decodes and sequences the engine's messages (gaps, replays, re-deliveries,
+restarts, incarnations) and hands every event to it. The services' agent runner and the
+simulator use the same object.
 
 **What counts as held.** The engine can reuse prefix ``[0, c)`` only if every block covering it
 is cached somewhere. So prefix ``c`` is held iff the whole chain of blocks from the prompt start
