@@ -428,3 +428,24 @@ def test_prefill_is_charged_at_the_topologys_beta(gpu_sharing: str) -> None:
     assert by_id[0].ttft_ms == pytest.approx(3000 * 0.05 + 2.0)
     assert by_id[1].ttft_ms == pytest.approx(1600 * 0.2 + 3.0)
     assert CostModel().prefill_ms_per_token == 0.085  # not what either worker was charged
+
+
+def test_record_table_is_a_sequence_of_records_that_pickles(testbed: Topology, mixed: list[Request]) -> None:
+    """A run's records are columns (no object per request) that still read as RequestRecords:
+    by index (negative too), by slice, in iteration, equal to the same records as a tuple, and
+    intact through pickling (``--jobs`` ships summaries between processes)."""
+    import pickle
+
+    from kvcompass.sim.metrics import RecordTable
+
+    s = simulate(testbed, mixed[:60], "kvcompass", seed=2)
+    t = s.records
+    assert isinstance(t, RecordTable) and len(t) == 60
+    rows = list(t)
+    assert [r.id for r in rows] == sorted(r.id for r in mixed[:60])
+    assert t[-1] == rows[-1] and t[0] == rows[0] and t[2:5] == rows[2:5]
+    with pytest.raises(IndexError):
+        t[60]
+    assert t == tuple(rows) and RecordTable.from_records(rows) == t
+    back = pickle.loads(pickle.dumps(s))
+    assert back.records == t and back.hit_rate == s.hit_rate
