@@ -70,17 +70,7 @@ struct Entry {
     h: u64,
 }
 
-impl PartialEq for Entry {
-    fn eq(&self, o: &Self) -> bool {
-        self.cmp(o) == Ordering::Equal
-    }
-}
-impl Eq for Entry {}
-impl PartialOrd for Entry {
-    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-        Some(self.cmp(o))
-    }
-}
+crate::ord_from_cmp!(Entry);
 impl Ord for Entry {
     fn cmp(&self, o: &Self) -> Ordering {
         self.uses.cmp(&o.uses).then(self.last.total_cmp(&o.last)).then(self.stamp.cmp(&o.stamp)).then(self.h.cmp(&o.h))

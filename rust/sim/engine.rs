@@ -234,17 +234,7 @@ struct Entry {
     ev: Ev,
 }
 
-impl PartialEq for Entry {
-    fn eq(&self, o: &Self) -> bool {
-        self.cmp(o) == Ordering::Equal
-    }
-}
-impl Eq for Entry {}
-impl PartialOrd for Entry {
-    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-        Some(self.cmp(o))
-    }
-}
+crate::ord_from_cmp!(Entry);
 impl Ord for Entry {
     /// Reversed: the heap pops the earliest `(t, seq, sub)`, floats compared as Python does.
     fn cmp(&self, o: &Self) -> Ordering {
