@@ -449,3 +449,15 @@ def test_record_table_is_a_sequence_of_records_that_pickles(testbed: Topology, m
     assert t == tuple(rows) and RecordTable.from_records(rows) == t
     back = pickle.loads(pickle.dumps(s))
     assert back.records == t and back.hit_rate == s.hit_rate
+
+
+def test_the_runs_generator_continues_numpys_pcg64_stream(testbed: Topology) -> None:
+    """Schemes draw from the engine's stream as from ``np.random.default_rng(seed)``: the same
+    integers and floats in the same order (the engine's own draws share that one stream)."""
+    from kvcompass.sim.engine import SimConfig, Simulator
+
+    sim = Simulator(testbed, [_request(0, 0.0, "us", 1, 64)], "oracle", SimConfig(seed=11))
+    ref = np.random.default_rng(11)
+    for n in (2, 3, 7, 1000, 2**40, 5):
+        assert sim.rng().integers(n) == int(ref.integers(n))
+        assert sim.rng().random() == float(ref.random())

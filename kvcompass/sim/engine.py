@@ -213,7 +213,12 @@ class _RunRng:
         self._engine = engine
 
     def integers(self, n: int) -> int:
+        """``Generator.integers(n)``: a draw in ``0..n``."""
         return int(self._engine.rng_integers(int(n)))
+
+    def random(self) -> float:
+        """``Generator.random()``: a draw in [0, 1)."""
+        return float(self._engine.rng_random())
 
 
 _SEGMENT_STEPS = 64

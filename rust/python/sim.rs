@@ -535,6 +535,11 @@ impl PySimEngine {
         Ok(self.inner.rng().integers(n))
     }
 
+    /// The run's generator: `Generator.random()`.
+    fn rng_random(&mut self) -> f64 {
+        self.inner.rng().random()
+    }
+
     /// The faults' generator: `Generator.random()`.
     fn fault_random(&mut self) -> f64 {
         self.inner.faults().random()
