@@ -461,3 +461,17 @@ def test_the_runs_generator_continues_numpys_pcg64_stream(testbed: Topology) -> 
     for n in (2, 3, 7, 1000, 2**40, 5):
         assert sim.rng().integers(n) == int(ref.integers(n))
         assert sim.rng().random() == float(ref.random())
+
+
+def test_a_summary_reports_the_caches_churn() -> None:
+    """Demotions and evictions over the run (issue 14: a run that never fills its caches says so):
+    none with roomy caches, some once a few prompts overflow a worker's VRAM and DRAM."""
+    import dataclasses as dc
+
+    roomy = _one_worker()
+    tight = dc.replace(roomy, workers=tuple(dc.replace(w, vram_tokens=512, dram_tokens=512) for w in roomy.workers))
+    reqs = [_request(i, 100.0 * i, "a", 10 + i, 400, output=2) for i in range(8)]
+    a = simulate(roomy, reqs, "oracle", seed=1)
+    b = simulate(tight, reqs, "oracle", seed=1)
+    assert a.demoted_blocks == a.evicted_blocks == 0
+    assert b.demoted_blocks > 0 and b.evicted_blocks > 0

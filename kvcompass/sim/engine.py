@@ -541,7 +541,9 @@ class Simulator:
             self._engine_holds_caches = False
             if collecting:
                 gc.enable()
-        return summary
+        # Cache churn, for telling a run that reached steady state from one that never filled.
+        stats = [x.cache.stats for x in self._by_index]
+        return dataclasses.replace(summary, demoted_blocks=sum(c.demoted_blocks for c in stats), evicted_blocks=sum(c.evicted_blocks for c in stats))
 
     def _records(self) -> RecordTable:
         """The engine's record columns as a :class:`RecordTable` (no object per request)."""

@@ -177,6 +177,10 @@ class Summary:
     load_factor: npt.NDArray[np.float64]  # workers x windows
     peak_load_factor: float
     records: RecordTable
+    demoted_blocks: int = 0
+    """Blocks the run's caches moved from VRAM to DRAM to make room (cache churn)."""
+    evicted_blocks: int = 0
+    """Blocks the run's caches dropped (from DRAM, or from VRAM without DRAM)."""
 
     @property
     def token_reuse(self) -> float:

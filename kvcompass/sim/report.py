@@ -56,6 +56,8 @@ def summary_row(s: Summary) -> dict[str, float | int]:
         "false_hit_rate": s.false_hit_rate,
         "peak_load_factor": s.peak_load_factor,
         "requests": s.requests,
+        "demoted_blocks": s.demoted_blocks,
+        "evicted_blocks": s.evicted_blocks,
     }
 
 
@@ -95,6 +97,8 @@ def summaries_to_frame(results: Results) -> pl.DataFrame:
         "false_hit_rate": pl.Float64,
         "peak_load_factor": pl.Float64,
         "requests": pl.Int64,
+        "demoted_blocks": pl.Int64,
+        "evicted_blocks": pl.Int64,
         "ttft_p90_ms": pl.Float64,
         "e2e_p90_ms": pl.Float64,
         "mean_ttft_ms": pl.Float64,
