@@ -507,10 +507,10 @@ impl Engine {
                 let i = pos.partition_point(|&p| p < key);
                 done(owner[i % owner.len()], 0, 0.0)
             }
-            Baseline::Chord { levels, nodes, .. } => {
+            Baseline::Chord { levels, .. } => {
                 let (_, key) = level_key(levels, tokens, block, &self.salts, r.salt);
-                let nodes = nodes.clone();
                 let (owner, _, delay) = self.chord_route(b, r.region, key);
+                let Baseline::Chord { nodes, .. } = &*b else { unreachable!("matched above") };
                 done(nodes[owner], 0, delay)
             }
             Baseline::CentralDirectory { workers, beta, coordinator, wan_fraction, lambda_max, tau_ms, gamma, tie_ms } => {
