@@ -120,7 +120,7 @@ from kvcompass.index import Namespace, Tier
 from kvcompass.sim.cache import Policy, PrefixCache, salt_seed
 from kvcompass.sim.costs import CostModel
 from kvcompass.sim.metrics import RecordTable, Summary, summarize
-from kvcompass.sim.schemes import Choice, Fleet, Scheme, _h64, make_scheme, scheme_params
+from kvcompass.sim.schemes import Choice, Fleet, Scheme, make_scheme, salt_key, scheme_params
 from kvcompass.sim.workload import ChainBlocks, Request
 
 __all__ = ["DEFAULT_DRAM_TOKENS", "DEFAULT_VRAM_TOKENS", "GPU_SHARING", "GpuSharing", "SimConfig", "Simulator", "simulate"]
@@ -367,7 +367,7 @@ class Simulator:
         native = getattr(self._scheme, "engine_policy", None)
         if native is not None:
             # Content-keyed baselines key a salted prompt with its salt as schemes._h64 does.
-            self._engine.set_salts([0] + [_h64("salt", s) for s in self._salt_names], ["None"] + [repr(s) for s in self._salt_names])
+            self._engine.set_salts([0] + [salt_key(s) for s in self._salt_names], ["None"] + [repr(s) for s in self._salt_names])
             p = native(self._requests)
             getattr(self._engine, f"set_{p.method}")(*p.args)
         elif not callable(getattr(self._scheme, "choose", None)):

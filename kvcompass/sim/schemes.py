@@ -76,6 +76,7 @@ __all__ = [
     "EnginePolicy",
     "SkyWalker",
     "make_scheme",
+    "salt_key",
     "scheme_params",
 ]
 
@@ -330,6 +331,12 @@ def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     x = x ^ (x >> np.uint64(27))
     x = x * np.uint64(0x94D049BB133111EB)
     return x ^ (x >> np.uint64(31))
+
+
+def salt_key(salt: str) -> int:
+    """The key content-keyed baselines mix a tenant's salt into (BLAKE2b-64 of its repr, as
+    ``_h64("salt", salt)``): what the engine's baselines are given per salt."""
+    return _h64("salt", salt)
 
 
 def _h64(*parts: object) -> int:
