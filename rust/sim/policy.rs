@@ -556,7 +556,8 @@ impl Engine {
             }
             Baseline::SkyWalker { pools, trees, remote, region_of } => {
                 let region = r.region as usize;
-                let local = pools[region].clone();
+                // Taken out for the call and put back (remote regions are never this one).
+                let local = std::mem::take(&mut pools[region]);
                 let picked = if local.is_empty() { None } else { self.prefix_pick(&trees[region], chain, &local, r.region) };
                 let waiting = |e: &Engine, w: u32| e.workers[w as usize].waiting.len();
                 let free: Vec<u32> = local.iter().copied().filter(|&w| waiting(self, w) == 0).collect();
@@ -583,6 +584,7 @@ impl Engine {
                         } else if !local.is_empty() {
                             worker = Some(self.least_loaded(&local, Some(r.region)));
                         } else {
+                            pools[region] = local;
                             return Err(CoreError::InvalidArgument(format!("request {req} (in arrival order): its region has no workers and no remote replica is free: skywalker cannot serve it")));
                         }
                     }
@@ -593,6 +595,7 @@ impl Engine {
                     let (n, holders) = trees[wr].matched(chain);
                     claimed = if holders.contains(&worker) { (n * block) as i64 } else { 0 };
                 }
+                pools[region] = local;
                 trees[wr].insert(chain, worker);
                 done(worker, claimed, 0.0)
             }
