@@ -29,6 +29,7 @@ __all__ = [
     "cost_decode_step_ms",
     "cost_estimate_ms",
     "cost_chunk_step",
+    "cost_saturated_ms",
     "LudoTable",
     "LudoView",
     "ApplyResult",
@@ -136,6 +137,9 @@ def cost_reload_ms(cost: _CostArgs, dram: int) -> float: ...
 def cost_decode_step_ms(cost: _CostArgs, batch: int, context: int) -> float: ...
 def cost_estimate_ms(cost: _CostArgs, length: int, vram_hit: int, dram_hit: int, batch: int, context: int, max_batched_tokens: int, chunked: bool) -> float: ...
 def cost_chunk_step(cost: _CostArgs, left: int, extra_ms: float, batch: int, context: int, max_batched_tokens: int) -> tuple[int, float, float]: ...
+def cost_saturated_ms(cost: _CostArgs, inputs: npt.NDArray[np.uint64], outputs: npt.NDArray[np.uint64], max_batched_tokens: int) -> tuple[float, float, float]:
+    """``(prefill_ms, mixed_decode_ms, batched_decode_ms)`` a saturated worker spends per request
+    with nothing reused (``kvcompass.sim.capacity``)."""
 
 @final
 class AgentForest:

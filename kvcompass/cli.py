@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Sequence
 
 from kvcompass.discovery.plan import LevelPlan
 from kvcompass.discovery.topology import Topology, builtin_topologies, load_topology
-from kvcompass.errors import KVCompassError
+from kvcompass.errors import InvalidArgumentError, KVCompassError
 
 if TYPE_CHECKING:
+    from kvcompass.sim.capacity import Capacity
     from kvcompass.sim.metrics import Summary
     from kvcompass.sim.workload import Request
 
@@ -98,6 +99,21 @@ def _parse_rates(text: str) -> list[str]:
     if len({float(r) for r in rates}) != len(rates):
         raise _UsageError(f"--rates: {text!r} repeats a rate")
     return rates
+
+
+def _parse_loads(text: str) -> list[float]:
+    loads: list[float] = []
+    for part in text.split(","):
+        try:
+            v = float(part.strip())
+        except ValueError:
+            raise _UsageError(f"--load: {part.strip()!r} is not a number (give fractions of the no-reuse capacity, e.g. 0.5,0.9,1.1)") from None
+        if not (v > 0 and v != float("inf")):
+            raise _UsageError(f"--load: {part.strip()!r} must be > 0")
+        loads.append(v)
+    if len(set(loads)) != len(loads):
+        raise _UsageError(f"--load: {text!r} repeats a load")
+    return loads
 
 
 def _parse_region_weights(text: str, topology: Topology) -> list[float]:
@@ -202,15 +218,22 @@ def _false_hits(args: argparse.Namespace, topology: Topology, results: dict[str,
 
 def _simulate(args: argparse.Namespace) -> int:
     from kvcompass.sim.cells import run_cells
+    from kvcompass.sim.capacity import Capacity
     from kvcompass.sim.metrics import Summary
     from kvcompass.sim.workload import MOONCAKE_BLOCK_SIZE, RateMode, Request, load_trace, resolve_trace, synthetic_mixed
 
+    loads: list[float] | None = None
+    if args.rates is not None and args.load is not None:
+        raise _UsageError("give --rates (req/s) or --load (fractions of the capacity), not both")
     if args.arrivals == "trace":
-        if args.rates is not None:
-            raise _UsageError("--arrivals trace replays the trace's own timestamps: leave out --rates")
+        if args.rates is not None or args.load is not None:
+            raise _UsageError(f"--arrivals trace replays the trace's own timestamps: leave out {'--rates' if args.rates is not None else '--load'}")
         rates: list[str] = []
+    elif args.load is not None:
+        loads = _parse_loads(args.load)
+        rates = []
     elif args.rates is None:
-        raise _UsageError("--rates is required (or --arrivals trace, to replay a trace's own timestamps)")
+        raise _UsageError("--rates or --load is required (or --arrivals trace, to replay a trace's own timestamps)")
     else:
         rates = _parse_rates(args.rates)
     schemes = _parse_schemes(args.schemes)
@@ -262,6 +285,24 @@ def _simulate(args: argparse.Namespace) -> int:
     if arrivals == "trace":  # one run per scheme at the trace's own times, keyed by its rate
         own = workload(None)
         rates = [_trace_rate(own)]
+    capacity = None
+    if loads is not None:
+        from kvcompass.sim.capacity import no_reuse_capacity, rates_for_loads
+
+        # Only the prompts' lengths matter, and they do not depend on the rate (the synthetic
+        # workload's first N differ by a few sessions: well under 0.1 % of the capacity).
+        try:
+            capacity = no_reuse_capacity(topology, workload(1.0), gpu_sharing=args.gpu_sharing, max_batched_tokens=args.max_batched_tokens)
+            rates = rates_for_loads(capacity, loads)
+        except InvalidArgumentError as e:
+            raise _UsageError(f"--load: {e}") from None
+        print(
+            f"no-reuse capacity of {topology.name} for this workload: {capacity.req_per_s:.1f} req/s ({args.gpu_sharing} sharing, bound by "
+            f"{capacity.bound}; mean prompt {capacity.mean_input_tokens:.0f} tokens, output {capacity.mean_output_tokens:.0f}); "
+            + ", ".join(f"load {load:g} = {rate} req/s" for load, rate in zip(loads, rates)),
+            file=sys.stderr,
+            flush=True,
+        )
 
     workloads = {rate: own if own is not None else workload(float(rate)) for rate in rates}
     options = {"seed": args.seed, **faults, "gpu_sharing": args.gpu_sharing, "max_batched_tokens": args.max_batched_tokens}
@@ -299,17 +340,27 @@ def _simulate(args: argparse.Namespace) -> int:
         out = Path(args.out)
         paths = write_tables(out, summaries_to_frame(results), records_to_frame(results))
         paths += write_figures(out, results)
-        paths.append(_write_run(out, args, topology))
+        paths.append(_write_run(out, args, topology, _load_doc(capacity, loads, rates)))
         print(f"wrote {len(paths)} files to {out}: {' '.join(p.name for p in paths)}")
     from kvcompass.sim.report import summary_row
 
     doc: dict[str, object] = {"results": {s: {r: summary_row(results[s][r]) for r in rates} for s in schemes}}
+    doc.update(_load_doc(capacity, loads, rates))
     doc.update(extra)
     sys.stdout.write(json.dumps(doc) + "\n")
     return 0
 
 
-def _write_run(out: Path, args: argparse.Namespace, topology: Topology) -> Path:
+def _load_doc(capacity: Capacity | None, loads: list[float] | None, rates: list[str]) -> dict[str, object]:
+    """With ``--load``: the capacity the rates were computed from and each rate's load."""
+    if capacity is None or loads is None:
+        return {}
+    doc = capacity.as_dict()
+    doc.pop("per_worker")
+    return {"capacity": doc, "loads": dict(zip(rates, loads))}
+
+
+def _write_run(out: Path, args: argparse.Namespace, topology: Topology, extra: dict[str, object] | None = None) -> Path:
     """``run.json``: what produced the tables beside it (every option as given, the topology's
     name, the package version and, in a git checkout, the commit), so a result can be rerun."""
     import subprocess
@@ -326,7 +377,7 @@ def _write_run(out: Path, args: argparse.Namespace, topology: Topology) -> Path:
     except (OSError, subprocess.SubprocessError):
         commit = None
     options = {k: v for k, v in sorted(vars(args).items()) if k not in ("command", "func") and not callable(v)}
-    doc = {"command": "kvcompass simulate", "options": options, "topology": topology.name, "version": __version__, "git_commit": commit}
+    doc = {"command": "kvcompass simulate", "options": options, "topology": topology.name, "version": __version__, "git_commit": commit, **(extra or {})}
     path = out / "run.json"
     path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     return path
@@ -379,6 +430,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="tokens per trace hash id (default 512, the Mooncake traces'); for mixed, the prompt block (default: the topology's)",
     )
     sim.add_argument("--rates", default=None, metavar="R1,R2,...", help="offered loads in req/s (traces are rescaled to each, or see --arrivals; mixed arrivals are Poisson)")
+    sim.add_argument(
+        "--load",
+        default=None,
+        metavar="L1,L2,...",
+        help="offered loads as fractions of the workload's no-reuse capacity on the topology (computed under the engine's "
+        "step model, printed, and written to run.json and the JSON line); instead of --rates, results keyed by the computed rate",
+    )
     sim.add_argument(
         "--arrivals",
         choices=("rescale", "poisson", "trace"),

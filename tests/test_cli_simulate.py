@@ -264,3 +264,35 @@ def test_progress_is_reported_as_requests_complete() -> None:
     cells: list[tuple[int, str, int]] = []
     run_cells(topo, {"10": reqs}, [("10", "oracle"), ("10", "dynamo")], {"seed": 2}, on_progress=lambda k, t, s, r, d, n: cells.append((k, s, d)))
     assert cells[0][:2] == (1, "oracle") and cells[-1] == (2, "dynamo", 250)
+
+
+def test_load_is_a_fraction_of_the_no_reuse_capacity(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvcompass.discovery.topology import load_topology
+    from kvcompass.sim.capacity import no_reuse_capacity
+    from kvcompass.sim.workload import synthetic_mixed
+
+    argv = ["simulate", "--topology", "testbed-14x3", "--trace", "mixed", "--max-requests", "60", "--schemes", "oracle", "--seed", "4"]
+    assert main([*argv, "--load", "0.5,1.2", "--out", str(tmp_path)]) == 0
+    cap = capsys.readouterr()
+    doc = _last_json(cap.out)
+    topo = load_topology("testbed-14x3")
+    want = no_reuse_capacity(topo, synthetic_mixed(60, regions=topo, seed=4, rate=1.0, block_size=topo.block_size)).req_per_s
+    assert doc["capacity"]["req_per_s"] == pytest.approx(want)
+    assert doc["capacity"]["bound"] == "workers" and doc["capacity"]["gpu_sharing"] == "chunked"
+    rates = list(doc["results"]["oracle"])
+    assert [float(r) for r in rates] == pytest.approx([0.5 * want, 1.2 * want], rel=1e-3)
+    assert doc["loads"] == dict(zip(rates, [0.5, 1.2]))
+    assert "no-reuse capacity of testbed-14x3" in cap.err
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["capacity"] == doc["capacity"] and run["loads"] == doc["loads"]
+    # The rates it computed are the rates it ran: the same as giving them by hand.
+    assert main([*argv, "--rates", ",".join(rates)]) == 0
+    assert _last_json(capsys.readouterr().out)["results"] == doc["results"]
+
+
+@pytest.mark.parametrize("extra", [["--load", "0"], ["--load", "0.5,x"], ["--load", "0.5,0.5"], ["--load", "0.5", "--rates", "5"]])
+def test_bad_loads_are_usage_errors(extra: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--topology", "testbed-14x3", "--trace", "mixed", "--max-requests", "10", "--schemes", "oracle"]
+    assert main([*argv, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvcompass simulate: error: ") and ("--load" in err or "--rates" in err)

@@ -87,6 +87,64 @@ impl Cost {
         (chunk, compute, decode)
     }
 
+    /// What a saturated worker spends per request when nothing is reused, under this step
+    /// model: the mean-field fixed point of a worker that always has a prompt waiting.
+    /// `(prefill_ms, mixed_decode_ms, batched_decode_ms)`, means over the prompts
+    /// `(input, output)`:
+    ///
+    /// * `prefill_ms`: `beta * L` plus the fixed cost of every prompt that computes a token.
+    /// * `mixed_decode_ms` (chunked sharing, every step a mixed one): each step carries one
+    ///   prompt's next chunk of at most `M - B` tokens and advances the `B` running sequences
+    ///   one token. A prompt of `L` tokens takes `ceil(L / (M - B))` steps, so a request brings
+    ///   `n = E[ceil(L / (M - B))]` steps and `E[O - 1]` sequence-steps (its first token is the
+    ///   prefill's), and in steady state `B = E[O - 1] / n`. Per request the steps cost
+    ///   `n * max(t0 + a B, c B) + b * E[(O - 1) L + O (O - 1) / 2]` (each decode step reads the
+    ///   sequence's context, `L + 1` and growing by one); below one running sequence on
+    ///   average only a share `B` of the steps pays the floor `t0`.
+    /// * `batched_decode_ms` (a decode lane or a decode instance, whose batch grows with load,
+    ///   so the step floor `t0` vanishes per token): `max(a, c) * E[O - 1]` plus the same
+    ///   context term.
+    ///
+    /// The capacity of a worker is `1000 / (prefill + mixed)` req/s with chunked sharing,
+    /// `1000 / max(prefill, batched)` with lanes; `kvcompass.sim.capacity` sums the fleet.
+    pub fn saturated_ms(&self, prompts: &[(u64, u64)], max_batched_tokens: u64) -> (f64, f64, f64) {
+        if prompts.is_empty() {
+            return (0.0, 0.0, 0.0);
+        }
+        let n = prompts.len() as f64;
+        let mut prefill = 0.0;
+        let mut seq_steps = 0.0;
+        let mut context = 0.0;
+        for &(l, o) in prompts {
+            prefill += self.prefill_ms(l);
+            let d = o.saturating_sub(1) as f64;
+            seq_steps += d;
+            context += d * l as f64 + d * (d + 1.0) / 2.0;
+        }
+        let (prefill, seq_steps, context) = (prefill / n, seq_steps / n, context / n);
+        let steps_per_request = |room: u64| prompts.iter().map(|&(l, _)| l.div_ceil(room).max(1) as f64).sum::<f64>() / n;
+        // B = E[O - 1] / E[ceil(L / (M - B))]: start from an empty batch; a handful of rounds
+        // settle it (B only shrinks the room; room is clamped to one token).
+        let mut batch = 0.0f64;
+        let mut steps = steps_per_request(max_batched_tokens.max(1));
+        for _ in 0..32 {
+            let room = max_batched_tokens.saturating_sub(batch.round() as u64).max(1);
+            steps = steps_per_request(room);
+            let next = seq_steps / steps;
+            if (next - batch).abs() < 1e-9 {
+                break;
+            }
+            batch = next;
+        }
+        let ctx = self.decode_ms_per_context_token * context;
+        // A step with an empty batch pays no decode at all: with fewer than one running
+        // sequence on average, only that share of the steps pays the floor.
+        let floor = steps * batch.min(1.0) * self.decode_base_ms;
+        let mixed = (floor + self.decode_ms_per_seq * seq_steps).max(self.decode_compute_ms_per_token * seq_steps) + ctx;
+        let batched = self.decode_ms_per_seq.max(self.decode_compute_ms_per_token) * seq_steps + ctx;
+        (prefill, mixed, batched)
+    }
+
     /// Moving the KV of `tokens` over a `gbps` link.
     #[inline]
     pub fn transfer_ms(&self, tokens: u64, gbps: f64) -> f64 {

@@ -1,0 +1,133 @@
+"""A workload's no-reuse capacity on a topology: the offered rate that saturates the fleet when
+no prompt token is ever reused, under the engine's own step model.
+
+Why: a rate in req/s means nothing across topologies and workloads (150 req/s is 0.8 of
+paper-64x8's capacity on the Mixed-like workload, a tenth of it on short chat prompts). Loads
+are stated against this figure (``kvcompass simulate --load 0.9``), so "90 % load" means the
+same thing on every workload, and reuse is what lets a scheme go beyond 1.0.
+
+The model (the forms are :meth:`kvcompass._core.cost_saturated_ms`, beside the step rule they
+derive from): a saturated worker always has a prompt waiting, so with chunked sharing every
+step is a mixed one, and a request costs its prefill plus its share of the steps' decode work;
+with lanes it costs the larger of its prefill and its decode (the lanes overlap). The mean is
+over the workload's prompts, each worker at its own ``beta_ms_per_token``, and the fleet's
+capacity is the sum of its workers' (perfect balance: no scheme can exceed it without reuse).
+With prefill-decode disaggregation the prefill workers and the decode instances are two
+stages and the smaller one bounds the fleet.
+
+What it leaves out, on purpose: reuse (that is what is being measured), WAN time (it delays
+but does not consume GPU time) and migrations. The engine agrees with it to within a few per
+cent on a workload without reuse (``tests/test_sim_capacity.py`` runs the Oracle past it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from kvcompass import _core
+from kvcompass.discovery.topology import Topology
+from kvcompass.errors import InvalidArgumentError
+from kvcompass.sim.costs import CostModel
+from kvcompass.sim.workload import Request
+
+__all__ = ["Capacity", "no_reuse_capacity", "rates_for_loads"]
+
+Bound = Literal["workers", "prefill", "decode"]
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """The fleet's no-reuse capacity for one workload."""
+
+    req_per_s: float
+    """The offered rate (req/s) at which the fleet is saturated without reuse."""
+    per_worker: dict[str, float]
+    """Each worker's share (req/s): its own capacity in its stage."""
+    bound: Bound
+    """What binds: ``workers`` (every worker prefills and decodes), or with disaggregation the
+    ``prefill`` workers or the ``decode`` instances."""
+    mean_input_tokens: float
+    mean_output_tokens: float
+    gpu_sharing: str
+
+    def as_dict(self) -> dict[str, object]:
+        """For ``run.json`` and the JSON line."""
+        return {
+            "req_per_s": self.req_per_s,
+            "bound": self.bound,
+            "mean_input_tokens": self.mean_input_tokens,
+            "mean_output_tokens": self.mean_output_tokens,
+            "gpu_sharing": self.gpu_sharing,
+            "per_worker": dict(self.per_worker),
+        }
+
+
+def no_reuse_capacity(topology: Topology, requests: Sequence[Request], *, cost: CostModel | None = None, gpu_sharing: str = "chunked", max_batched_tokens: int = 2048) -> Capacity:
+    """The capacity of ``topology`` for ``requests`` (only their lengths matter) with the
+    engine's step model: ``cost`` for decode, reload and fixed costs (default: the simulator's),
+    each worker's prefill at its ``beta_ms_per_token``."""
+    if not requests:
+        raise InvalidArgumentError("capacity of an empty workload: give at least one request")
+    if gpu_sharing not in ("chunked", "lanes"):
+        raise InvalidArgumentError(f"gpu_sharing must be chunked or lanes, got {gpu_sharing!r}")
+    if type(max_batched_tokens) is not int or max_batched_tokens < 1:
+        raise InvalidArgumentError(f"max_batched_tokens must be an int >= 1, got {max_batched_tokens!r}")
+    base = cost or CostModel()
+    inputs = np.fromiter((r.input_length for r in requests), dtype=np.uint64, count=len(requests))
+    outputs = np.fromiter((r.output_length for r in requests), dtype=np.uint64, count=len(requests))
+    terms: dict[float, tuple[float, float, float]] = {}  # by beta: workers mostly share one
+    per_worker: dict[str, float] = {}
+    prefill_side = decode_side = 0.0
+    split = topology.disaggregated
+    for w in topology.workers:
+        if w.beta_ms_per_token not in terms:
+            c = dataclasses.replace(base, prefill_ms_per_token=w.beta_ms_per_token)
+            terms[w.beta_ms_per_token] = _core.cost_saturated_ms(c.core_args, inputs, outputs, max_batched_tokens)
+        prefill, mixed, batched = terms[w.beta_ms_per_token]
+        if split:
+            # Disaggregated: a prefill worker hands every sequence off, a decode instance
+            # only decodes (its batch grows with load, so its step floor fades per token).
+            if w.role == "decode":
+                r = 1000.0 / batched if batched > 0 else float("inf")
+                decode_side += r
+            else:
+                r = 1000.0 / prefill if prefill > 0 else float("inf")
+                prefill_side += r
+        else:
+            per_request = prefill + mixed if gpu_sharing == "chunked" else max(prefill, batched)
+            r = 1000.0 / per_request if per_request > 0 else float("inf")
+            prefill_side += r
+        per_worker[w.id] = r
+    if split:
+        bound: Bound = "prefill" if prefill_side <= decode_side else "decode"
+        total = min(prefill_side, decode_side)
+    else:
+        bound, total = "workers", prefill_side
+    if not np.isfinite(total):
+        raise InvalidArgumentError("the workload costs no GPU time (every prompt empty and no output): it has no capacity to load against")
+    return Capacity(
+        req_per_s=float(total),
+        per_worker=per_worker,
+        bound=bound,
+        mean_input_tokens=float(inputs.mean()),
+        mean_output_tokens=float(outputs.mean()),
+        gpu_sharing=gpu_sharing,
+    )
+
+
+def rates_for_loads(capacity: Capacity, loads: Sequence[float]) -> list[str]:
+    """The offered rates (req/s, as result keys) for ``loads`` (fractions of ``capacity``):
+    four significant figures, so a key reads as a rate and two loads never share one."""
+    rates: list[str] = []
+    for load in loads:
+        if not load > 0:
+            raise InvalidArgumentError(f"load must be > 0, got {load}")
+        rates.append(np.format_float_positional(float(f"{capacity.req_per_s * load:.4g}"), trim="-"))
+    if len(set(rates)) != len(rates):
+        raise InvalidArgumentError(f"loads {list(loads)} give the same rate at four figures: use loads further apart")
+    return rates

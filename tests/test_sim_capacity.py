@@ -1,0 +1,106 @@
+"""The no-reuse capacity (``kvcompass.sim.capacity``) against the engine it models: past it the
+fleet saturates at about that rate, below it queues stay bounded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvcompass.discovery.topology import Topology, load_topology, topology_from_dict
+from kvcompass.errors import InvalidArgumentError
+from kvcompass.sim.capacity import no_reuse_capacity, rates_for_loads
+from kvcompass.sim.costs import CostModel
+from kvcompass.sim.engine import simulate
+from kvcompass.sim.metrics import Summary
+from kvcompass.sim.workload import ChainBlocks, Request
+
+
+def _unique(topo: Topology, n: int, rate: float, seed: int = 3) -> list[Request]:
+    """``n`` prompts that share no block (nothing to reuse), lengths 256-4096 and outputs
+    2-60 (decodes short beside the run, so it reaches its steady state), Poisson arrivals at ``rate`` req/s, regions uniform."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(256, 4097, size=n)
+    outputs = rng.integers(2, 61, size=n)
+    times = np.cumsum(rng.exponential(1000.0 / rate, size=n))
+    regions = topo.region_names
+    picks = rng.integers(0, len(regions), size=n)
+    b = topo.block_size
+    return [
+        Request(i, float(times[i]), regions[int(picks[i])], 0, "public", int(lengths[i]), int(outputs[i]), b, i, -1, ChainBlocks(((1_000_000 + i, -(-int(lengths[i]) // b)),)))
+        for i in range(n)
+    ]
+
+
+def _completion_rate(s: Summary) -> float:
+    """Completions per second over the middle half of the run's completions (no ramp-up, no
+    drain)."""
+    done = np.sort(np.array([r.arrival_ms + r.e2e_ms for r in s.records]))
+    lo, hi = len(done) // 4, 3 * len(done) // 4
+    return 1000.0 * (hi - lo) / float(done[hi] - done[lo])
+
+
+def _queue_growth(s: Summary) -> tuple[float, float]:
+    """Mean queueing of the first and the last quarter of the arrivals."""
+    q = np.array([r.queue_ms for r in sorted(s.records, key=lambda r: r.arrival_ms)])
+    k = len(q) // 4
+    return float(q[:k].mean()), float(q[-k:].mean())
+
+
+@pytest.mark.parametrize("gpu_sharing", ["chunked", "lanes"])
+def test_the_engine_saturates_at_the_computed_capacity(gpu_sharing: str) -> None:
+    topo = load_topology("testbed-14x3")
+    probe = _unique(topo, 3000, 1.0)
+    cap = no_reuse_capacity(topo, probe, gpu_sharing=gpu_sharing)
+    assert cap.bound == "workers" and len(cap.per_worker) == len(topo.workers)
+    over = simulate(topo, _unique(topo, 3000, 1.3 * cap.req_per_s), "oracle", seed=0, gpu_sharing=gpu_sharing)
+    assert over.reused_tokens == 0
+    assert _completion_rate(over) == pytest.approx(cap.req_per_s, rel=0.08)
+    first, last = _queue_growth(over)
+    assert last > 5 * max(first, 100.0)  # past capacity the queues grow without bound
+    under = simulate(topo, _unique(topo, 3000, 0.8 * cap.req_per_s), "oracle", seed=0, gpu_sharing=gpu_sharing)
+    first, last = _queue_growth(under)
+    assert last < 2 * max(first, 200.0)  # below it they stay bounded
+
+
+def _one_worker(beta: float) -> Topology:
+    raw: dict[str, Any] = {
+        "name": "one",
+        "rtt_ms": {"a": {"a": 2.0}},
+        "regions": {"a": {}},
+        "workers": [{"id": "w0", "region": "a", "beta_ms_per_token": beta, "vram_tokens": 4096, "dram_tokens": 0}],
+    }
+    return topology_from_dict(raw)
+
+
+def test_prefill_only_capacity_is_one_over_beta_times_length() -> None:
+    topo = _one_worker(0.05)
+    reqs = [Request(i, float(i), "a", 0, "public", 1000, 1, 16, i, -1, ChainBlocks(((i, 63),))) for i in range(10)]
+    cap = no_reuse_capacity(topo, reqs, cost=CostModel(prefill_base_ms=0.0))
+    assert cap.req_per_s == pytest.approx(1000.0 / (0.05 * 1000))  # the topology's beta, not the cost model's
+    assert cap.mean_input_tokens == 1000 and cap.mean_output_tokens == 1
+
+
+def test_disaggregated_capacity_is_bound_by_the_smaller_stage() -> None:
+    topo = load_topology("testbed-pd-10x3")
+    reqs = _unique(topo, 500, 1.0)
+    cap = no_reuse_capacity(topo, reqs)
+    roles = {w.id: w.role for w in topo.workers}
+    prefill = sum(r for w, r in cap.per_worker.items() if roles[w] != "decode")
+    decode = sum(r for w, r in cap.per_worker.items() if roles[w] == "decode")
+    assert cap.req_per_s == pytest.approx(min(prefill, decode))
+    assert cap.bound == ("prefill" if prefill <= decode else "decode")
+
+
+def test_rates_for_loads_are_plain_keys_and_refuse_bad_loads() -> None:
+    topo = _one_worker(0.05)
+    reqs = [Request(0, 0.0, "a", 0, "public", 1000, 1, 16, 0, -1, ChainBlocks(((1, 63),)))]
+    cap = no_reuse_capacity(topo, reqs, cost=CostModel(prefill_base_ms=0.0))
+    assert rates_for_loads(cap, [0.5, 1.1]) == ["10", "22"]
+    with pytest.raises(InvalidArgumentError, match="load must be > 0"):
+        rates_for_loads(cap, [0.0])
+    with pytest.raises(InvalidArgumentError, match="same rate"):
+        rates_for_loads(cap, [0.5, 0.50001])
+    with pytest.raises(InvalidArgumentError, match="empty workload"):
+        no_reuse_capacity(topo, [])
