@@ -193,7 +193,7 @@ def test_arrival_modes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert gaps[0] == 0.0  # the trace's shared timestamps arrive together, as logged
     for bad, what in (
         (["--arrivals", "trace", "--rates", "2"], "leave out --rates"),
-        (["--arrivals", "rescale"], "--rates is required"),
+        (["--arrivals", "rescale"], "--rates or --load is required"),
     ):
         assert main([*base, *bad]) == 2
         assert what in capsys.readouterr().err
