@@ -98,7 +98,6 @@ def test_all_schemes_means_every_registered_one(capsys: pytest.CaptureFixture[st
         {"--rates": "0"},
         {"--max-requests": "0"},
         {"--tenants": "0"},
-        {"--tenants": "2"},  # the mixed workload has tenants of its own
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(change: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -296,3 +295,25 @@ def test_bad_loads_are_usage_errors(extra: list[str], capsys: pytest.CaptureFixt
     assert main([*argv, *extra]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvcompass simulate: error: ") and ("--load" in err or "--rates" in err)
+
+
+def test_mixed_tenants_share_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvcompass.sim.workload import synthetic_mixed
+
+    def firsts(private: bool) -> dict[int, set[tuple[int, ...]]]:
+        """Each tenant's first blocks (16 tokens)."""
+        reqs = synthetic_mixed(400, regions=("a", "b"), seed=2, tenants=4, rate=10.0, private_pools=private)
+        by: dict[int, set[tuple[int, ...]]] = {}
+        for r in reqs:
+            by.setdefault(r.tenant, set()).add(tuple(r.input_tokens()[:16].tolist()))
+        return by
+
+    shared, private = firsts(False), firsts(True)
+    assert len(private) == 4
+    # With shared pools, tool catalogues (the first segment of agent prompts) recur across
+    # tenants; with private pools no first block is common to two tenants.
+    assert any(shared[a] & shared[b] for a in shared for b in shared if a < b)
+    assert not any(private[a] & private[b] for a in private for b in private if a < b)
+    argv = ["simulate", "--topology", "testbed-14x3", "--trace", "mixed", "--max-requests", "40", "--rates", "8", "--schemes", "oracle", "--tenants", "5"]
+    assert main(argv) == 0
+    assert _last_json(capsys.readouterr().out)["results"]["oracle"]["8"]["requests"] == 40

@@ -821,6 +821,7 @@ def synthetic_mixed(
     block_size: int = 16,
     config: MixedConfig | None = None,
     namespace: str = "public",
+    private_pools: bool = False,
 ) -> list[Request]:
     """``n`` requests of a seeded Mixed-like workload (see :class:`MixedConfig` for every
     parameter and its source).
@@ -839,6 +840,11 @@ def synthetic_mixed(
     root session by ``weights``. Sessions start in a virtual schedule (agent calls
     ``call_gap_ms`` apart on average) that fixes the request order; arrival times are then a
     Poisson process at ``rate`` req/s over that order, so the offered load is exactly ``rate``.
+
+    ``private_pools``: every tenant draws from its own copy of the tool catalogues, documents
+    and problems (same sizes and popularity, different content), so tenants share nothing at
+    all: the paper's Mixed at scale, "50 independent tenants each replaying the workload with
+    a unique private system prompt" (§5.3, ``kvcompass simulate --trace mixed --tenants 50``).
     """
     n = _check_int("n", n, 1)
     tenants = _check_int("tenants", tenants, 1)
@@ -863,10 +869,10 @@ def synthetic_mixed(
     kind_cdf[-1] = 1.0
     session_gap_ms = 1000.0 * float(np.dot(kind_p / kind_p.sum(), per_session)) / rate_v
 
-    def pick(tag: int) -> tuple[int, int]:
+    def pick(tag: int, tenant: int) -> tuple[int, int]:
         item = int(_draw(cdfs[tag], rng.random(1))[0])
         length = pools[tag][item]
-        return _seg_id(tag, item, length), length
+        return (_seg_id(tag, item, length, tenant) if private_pools else _seg_id(tag, item, length)), length
 
     drafts: list[_Draft] = []
     t = 0.0
@@ -879,7 +885,7 @@ def synthetic_mixed(
         region = int(_draw(region_cdf, rng.random(1))[0])
         base = _Prompt(block_size)
         if kind == 0:
-            seg, ln = pick(_SEG_TOOLSET)
+            seg, ln = pick(_SEG_TOOLSET, tenant)
             prompt = base.extended(seg, ln).extended(systems[tenant], sys_len[tenant])
             ln = int(rng.integers(cfg.tool_query[0], cfg.tool_query[1] + 1))
             prompt = prompt.extended(_seg_id(_SEG_QUERY, seed, session, ln), ln)
@@ -896,7 +902,7 @@ def synthetic_mixed(
             tag, tail_tag, tail, out_law = (
                 (_SEG_DOC, _SEG_QUESTION, cfg.question, cfg.answer) if kind == 1 else (_SEG_PROBLEM, _SEG_INSTR, cfg.instruction, cfg.code)
             )
-            seg, ln = pick(tag)
+            seg, ln = pick(tag, tenant)
             prompt = base.extended(systems[tenant], sys_len[tenant]).extended(seg, ln)
             ln = int(rng.integers(tail[0], tail[1] + 1))
             prompt = prompt.extended(_seg_id(tail_tag, seed, session, ln), ln)
