@@ -394,6 +394,25 @@ def _simulate_main(args: argparse.Namespace) -> int:
         return 2
 
 
+def _reproduce_main(args: argparse.Namespace) -> int:
+    from kvcompass.sim.reproduce import reproduce
+
+    try:
+        if args.jobs < 1:
+            raise _UsageError(f"--jobs must be >= 1, got {args.jobs}")
+        if args.requests is not None and args.requests < 100:
+            raise _UsageError(f"--requests must be >= 100, got {args.requests}")
+        if args.seed < 0:
+            raise _UsageError(f"--seed must be >= 0, got {args.seed}")
+        rows = reproduce(args.figure, args.out, quick=args.quick, jobs=args.jobs, seed=args.seed, requests=args.requests)
+    except (_UsageError, KVCompassError, OSError) as e:
+        print(f"kvcompass reproduce: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    agree = sum(1 for r in rows if r.note.startswith("agrees"))
+    print(f"figure {args.figure}: {len(rows)} rows, {agree} agree within 1.5x; wrote {args.out}/report.md, report.json, run.json, figure{args.figure}.png")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvcompass", description="KVCompass: a KV-cache discovery plane for Internet-scale LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -415,6 +434,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="RTT matrix to use when the topology has none of its own (default: ../shared/data, else the bundled excerpt)",
     )
+    rep = sub.add_parser(
+        "reproduce",
+        help="run one of the paper's figures' grids and write the paper's numbers beside ours (report.md, report.json, the figure)",
+        description="Reproducible here: figures 12 and 14 (Mixed). Absent so far: figures 11, 13, 15-18, tables 4-5, "
+        "the WildChat/LMSYS columns (no chat traces offline) and a Ray fan-out.",
+    )
+    rep.add_argument("--figure", required=True, metavar="N", help="the paper's figure: 12 or 14")
+    rep.add_argument("--quick", action="store_true", help="fewer rates and requests (fits in 10 minutes on 2 cores)")
+    rep.add_argument("--jobs", type=int, default=1, metavar="N", help="run up to N simulations side by side in worker processes (default 1)")
+    rep.add_argument("--requests", type=int, default=None, metavar="N", help="requests a run (default 12000 with --quick, else 100000)")
+    rep.add_argument("--seed", type=int, default=1)
+    rep.add_argument("--out", required=True, metavar="DIR", help="where report.md, report.json, run.json and the figure go")
     sim = sub.add_parser("simulate", help="replay a workload through the simulator under each scheme and rate; last stdout line is one JSON object")
     sim.add_argument("--topology", required=True, metavar="NAME_OR_PATH", help=f"a built-in topology ({', '.join(builtin_topologies())}) or a TOML file")
     sim.add_argument(
@@ -512,6 +543,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _plan(args)
     if args.command == "simulate":
         return _simulate_main(args)
+    if args.command == "reproduce":
+        return _reproduce_main(args)
     return 2
 
 

@@ -1,0 +1,58 @@
+"""``kvcompass reproduce``: the paper's transcribed figures beside ours, in report.json (rows with
+numeric paper and ours values), report.md and the figure, on a small grid."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvcompass.cli import main
+from kvcompass.sim.reproduce import BASELINES, FIGURES, REFERENCE_RATE, paper_rows
+
+KEYS = {"figure", "metric", "scheme", "load", "rate", "paper_rate", "paper", "ours", "ratio", "note"}
+
+
+def test_every_transcribed_row_names_a_known_scheme_rate_and_source() -> None:
+    for figure, spec in FIGURES.items():
+        rows = paper_rows(figure)
+        assert rows, figure
+        for r in rows:
+            assert r["paper"] > 0 and r["where"].startswith("section ")
+            assert r["scheme"] in spec.schemes or r["scheme"] in ("all-baselines", "hash-placement")
+            assert r["paper_rate"] in spec.paper_rates and r["paper_rate"] in spec.quick_rates
+    assert set(BASELINES) <= set(FIGURES["12"].schemes)
+
+
+def test_figure_12_writes_its_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["reproduce", "--figure", "12", "--quick", "--requests", "300", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "figure 12: 13 rows" in out
+    rows = json.loads((tmp_path / "report.json").read_text())
+    assert len(rows) >= 10 and all(set(r) == KEYS for r in rows)
+    for r in rows:
+        assert isinstance(r["paper"], float) and isinstance(r["ours"], float) and r["ours"] > 0
+        assert r["ratio"] == pytest.approx(r["ours"] / r["paper"])
+        assert r["load"] == pytest.approx(r["paper_rate"] / REFERENCE_RATE)
+        assert r["note"].startswith(("agrees", "disagrees"))
+    run = json.loads((tmp_path / "run.json").read_text())
+    # Each rate is the load times the workload's no-reuse capacity.
+    for p, v in run["rates"].items():
+        assert float(v["rate"]) == pytest.approx(float(p) / REFERENCE_RATE * run["capacity"]["req_per_s"], rel=1e-3)
+    # Ours is computed from the runs: the P99 ratio of a row is the runs' P99s divided.
+    cd = next(r for r in rows if r["metric"] == "p99_ttft_ratio" and r["scheme"] == "central-directory")
+    rate = str(cd["rate"]).removesuffix(".0")
+    s = run["summaries"]
+    key = next(k for k in s["kvcompass"] if float(k) == cd["rate"])
+    assert cd["ours"] == pytest.approx(s["central-directory"][key]["ttft_p99_ms"] / s["kvcompass"][key]["ttft_p99_ms"]), rate
+    md = (tmp_path / "report.md").read_text()
+    assert md.count("\n| p99_ttft_ratio |") == 7 and "Absent:" in md
+    assert (tmp_path / "figure12.png").stat().st_size > 10_000
+
+
+def test_unknown_figures_are_refused_with_the_list(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["reproduce", "--figure", "18", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvcompass reproduce: error: figure '18' is not reproduced") and "12, 14" in err
+    assert main(["reproduce", "--figure", "12", "--jobs", "0", "--out", str(tmp_path)]) == 2
