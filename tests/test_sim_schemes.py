@@ -3,6 +3,7 @@ conserved, and each baseline and ablation behaves as its design says in a constr
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 from kvcompass.discovery.params import EdgeParams
 from kvcompass.discovery.topology import Topology, load_topology, topology_from_dict
+from kvcompass.errors import InvalidArgumentError
 from kvcompass.sim.costs import CostModel
 from kvcompass.sim.engine import SimConfig, Simulator, simulate
 from kvcompass.sim.schemes import SCHEMES, CentralDirectory, ChordDHT, ConsistentHash, Dynamo, Fleet, Scheme, scheme_params
@@ -193,7 +195,7 @@ def test_consistent_hash_places_by_the_reference_key(testbed: Topology, length: 
 
 def test_chord_delay_adds_one_way_per_hop() -> None:
     topo = _uniform(32, 1, rtt=20.0, local=2.0)  # one node per region: every hop is a WAN one-way of 10 ms
-    _, s = _scheme(topo, ChordDHT)
+    _, s = _scheme(topo, lambda fleet: ChordDHT(fleet, virtual_nodes=1))
     assert isinstance(s, ChordDHT)
     by_hops: dict[int, float] = {}
     for key in np.random.default_rng(1).integers(0, 2**63, size=400):
@@ -302,3 +304,19 @@ def test_consistent_hash_keys_a_tenant_with_its_salt(testbed: Topology) -> None:
         level, key = reference_level_key(sim, r.input_tokens(), r.namespace)
         ring: _Ring = ch._rings[level]
         assert out[r.id] == ring.owners[int(np.searchsorted(ring.positions, np.uint64(key), side="left")) % len(ring.owners)]
+
+
+def test_chord_runs_log_n_virtual_nodes_per_worker_and_they_spread_the_keys() -> None:
+    topo = _uniform(4, 8, rtt=100.0, local=2.0)  # 32 workers: ceil(log2 32) = 5 nodes each
+    _, one = _scheme(topo, lambda fleet: ChordDHT(fleet, virtual_nodes=1))
+    _, many = _scheme(topo, ChordDHT)
+    assert isinstance(many, ChordDHT) and many.virtual_nodes == 5
+    keys = [int(k) * 2 for k in np.random.default_rng(5).integers(0, 2**62, size=4000)]
+
+    def peak(s: Any) -> float:
+        owners = Counter(s.lookup("r0", k)[0] for k in keys)
+        return max(owners.values()) / (len(keys) / 32)
+
+    assert peak(many) < peak(one)  # the hottest worker's key share, relative to the mean
+    with pytest.raises(InvalidArgumentError, match="virtual_nodes"):
+        _scheme(topo, lambda fleet: ChordDHT(fleet, virtual_nodes=0))

@@ -55,8 +55,8 @@ AGREE = 1.5
 KNOWN_DIFFERENCES: dict[str, str] = {
     "*": "our Mixed is a synthetic Mixed-like generator (mean prompt about 5,000 tokens), not the paper's ToolBench/LooGLE/APPS traces",
     "central-directory": "our Central Directory sees every cache and queue exactly and instantly (the paper's pays a WAN round trip on stale state): a stronger baseline than the paper's",
-    "chord": "our Chord has one ring point per worker, no virtual nodes",
-    "consistent-hash": "our rings place one point per worker",
+    "chord": "our Chord runs ceil(log2 N) virtual nodes per worker (the Chord paper's rule; the paper does not say how many it ran) and pays O(log N) WAN hops per lookup",
+    "consistent-hash": "our rings place 64 virtual nodes per worker (the paper does not say how many it used)",
     "planetserve": "our PlanetServe has no load threshold on its radix-tree regional reuse",
     "skywalker": "our SkyWalker forwards out of region only when every local replica has a queue",
     "dynamo": "our Dynamo routers refresh their global view from KV events as they arrive",

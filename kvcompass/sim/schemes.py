@@ -41,6 +41,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import hashlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
@@ -387,13 +388,17 @@ class ConsistentHash:
 class ChordDHT:
     """Chord (Stoica et al. 2001) over all workers, one DHT key per chunk-size level (paper 5.1 (2)).
 
-    Models: every worker is a Chord node (id = hash of its name, 64-bit identifier space) with a
-    full finger table; the key of the prompt's longest fitting level (as in
+    Models: every worker runs ``ceil(log2 N)`` virtual Chord nodes (N workers; ids = hashes of
+    its name and the node's number, 64-bit identifier space), as the Chord paper prescribes to
+    balance keys over real nodes ("each real node runs O(log N) virtual nodes", Stoica et al.
+    2001, section 6.1); with one node per worker the hottest worker held several times the mean
+    key share. Every node has a full finger table; the key of the prompt's longest fitting level (as in
     :class:`ConsistentHash`) is looked up recursively from a node in the request's edge region:
     the edge's query reaches that node (one in-region way), each hop forwards to the closest
     preceding finger and pays the one-way WAN between the two nodes' regions, and the key's
-    successor's predecessor answers the edge directly (one way back). The request then goes to
-    the key's successor, the hash-designated holder. ``Choice.delay_ms`` is the whole lookup,
+    successor's predecessor answers the edge directly (one way back); a hop between two virtual
+    nodes of one worker, or of one region, costs the in-region way. The request then goes to
+    the worker running the key's successor, the hash-designated holder. ``Choice.delay_ms`` is the whole lookup,
     O(log N) hops. Simplifies: static membership (no stabilisation, no churn); the lookup
     resolves only the longest level's key, since with hash placement its owner is where that
     prefix lives (the shorter levels' keys would only add parallel lookups); no claims."""
@@ -401,11 +406,15 @@ class ChordDHT:
     name = "chord"
     uses_index = False
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, virtual_nodes: int | None = None) -> None:
         self._fleet = fleet
         self._levels = _levels(fleet)
         t = fleet.topology
-        nodes = sorted((_h64("chord", w.id), w.id, w.region) for w in t.indexed_workers)
+        workers = t.indexed_workers
+        if virtual_nodes is not None and (type(virtual_nodes) is not int or virtual_nodes < 1):
+            raise InvalidArgumentError(f"virtual_nodes must be an int >= 1, got {virtual_nodes!r}")
+        self.virtual_nodes = virtual_nodes or (max(1, math.ceil(math.log2(len(workers)))) if len(workers) > 1 else 1)
+        nodes = sorted((_h64("chord", w.id, v), w.id, w.region) for w in workers for v in range(self.virtual_nodes))
         self._ids = [n for n, _, _ in nodes]
         self._names = [w for _, w, _ in nodes]
         self._regions = [r for _, _, r in nodes]
