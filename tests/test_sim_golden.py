@@ -5,8 +5,9 @@ disaggregation, the ``lanes`` GPU model and LFU must give the same records, floa
 The engine's draws continue numpy's PCG64 stream, so even the runs with random faults match.
 
 Model changes made since, on purpose, re-pin only what they change, from the Rust engine: the
-``chord`` entry since Chord runs ceil(log2 N) virtual nodes per worker (issue 14); every other
-entry is still the Python engine's."""
+``chord`` entry since Chord runs ceil(log2 N) virtual nodes per worker, the
+``central-directory`` entry since its coordinator reads state that crossed the WAN (issue 14);
+every other entry is still the Python engine's."""
 
 from __future__ import annotations
 

@@ -227,6 +227,28 @@ def test_central_directory_finds_the_exact_holder(testbed: Topology) -> None:
     assert b.worker == a.worker and b.claimed == b.reused == 2000 - 2000 % 16
 
 
+def test_central_directory_sees_a_cache_one_wan_way_late(testbed: Topology) -> None:
+    # The holder is in the region farthest from the coordinator; the follow-up comes from the
+    # coordinator's own region. The coordinator learns of the holder's blocks one way (holder
+    # region -> coordinator) after they are stored, and decides one way (request region ->
+    # coordinator) after the follow-up arrives.
+    _, s = _scheme(testbed, CentralDirectory)
+    assert isinstance(s, CentralDirectory)
+    coord = s.coordinator
+    far = max((r for r in testbed.region_names if r != coord), key=lambda r: testbed.rtt_ms(r, coord))
+    first = simulate(testbed, [_request(0, 0.0, far, 21, 16000)], "central-directory").records[0]
+    stored = first.ttft_ms - testbed.rtt_ms(far, far) / 2  # prefill end: the blocks' events leave
+    seen = stored + testbed.rtt_ms(far, coord) / 2 - testbed.rtt_ms(coord, coord) / 2  # arrival time from which the decision sees them
+
+    def follow_up(at: float) -> Any:
+        reqs = [_request(0, 0.0, far, 21, 16000), _request(1, at, coord, 21, 16000)]
+        return simulate(testbed, reqs, "central-directory").records[1]
+
+    late, early = follow_up(seen + 2.0), follow_up(seen - 2.0)
+    assert late.worker == first.worker and late.claimed == late.reused == 16000
+    assert early.claimed == 0 and early.worker_region == coord  # not yet known: recomputed near home
+
+
 def test_skywalker_stays_local_while_local_queues_are_empty(testbed: Topology) -> None:
     # Sparse arrivals: no pending queue ever forms, so every request is served in its region.
     reqs = [_request(i, 500.0 * i, testbed.region_names[i % 3], 100 + i % 4, 800) for i in range(24)]

@@ -54,7 +54,7 @@ AGREE = 1.5
 # disagreement's sentence names (not proven causes: each is an open item of issue 14).
 KNOWN_DIFFERENCES: dict[str, str] = {
     "*": "our Mixed is a synthetic Mixed-like generator (mean prompt about 5,000 tokens), not the paper's ToolBench/LooGLE/APPS traces",
-    "central-directory": "our Central Directory sees every cache and queue exactly and instantly (the paper's pays a WAN round trip on stale state): a stronger baseline than the paper's",
+    "central-directory": "our Central Directory decides on state one WAN way old, plus its own dispatches, and pays no compute for its lookup; the paper does not say how fresh its coordinator's state was",
     "chord": "our Chord runs ceil(log2 N) virtual nodes per worker (the Chord paper's rule; the paper does not say how many it ran) and pays O(log N) WAN hops per lookup",
     "consistent-hash": "our rings place 64 virtual nodes per worker (the paper does not say how many it used)",
     "planetserve": "our PlanetServe has no load threshold on its radix-tree regional reuse",

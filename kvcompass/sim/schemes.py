@@ -478,20 +478,30 @@ class PlanetServe:
 
 
 class CentralDirectory:
-    """One coordinator with exact global KV cache and queue state (paper 5.1 (4)).
+    """One coordinator with global KV cache and queue state (paper 5.1 (4): "a centralized
+    coordinator with global KV cache state" that "pays a WAN round trip to a single coordinator
+    per request").
 
     Models: the coordinator sits in the region with the least total RTT to the edge regions
-    (the best single placement); every lookup pays the RTT between the request's region and the
-    coordinator's (``Choice.delay_ms``, in-region RTT when they coincide). It then scores every
-    worker with KVCompass's joint score on exact knowledge: the worker's cached prefix and tier
-    (:meth:`Fleet.cached`), its exact queued prefill work, its prefill rate and the WAN RTT from
-    the request's region, ``wan + queue + (1 + lambda) * beta * uncached + gamma * dram_hit``
-    with the capacity price ``lambda = min(lambda_max, min queue / tau)`` (default EdgeParams);
-    near-equal scores (within ``tie_ms``) are drawn among. Simplifies: the coordinator's state is
-    exact at the arrival instant (no staleness, no coordinator queueing or capacity limit)."""
+    (the best single placement; :attr:`coordinator`, e.g. Singapore on paper-64x8); every
+    lookup pays the RTT between the request's region and the coordinator's
+    (``Choice.delay_ms``, in-region RTT when they coincide). Its state is what has crossed the
+    WAN to it: every worker's KV events and queue reports reach it one way (worker region to
+    coordinator) after they leave the worker, and it decides when the request reaches it, one
+    way after its arrival; since it routes every request, it adds what it dispatched to a
+    worker after that worker's last report. It scores every worker with KVCompass's joint score
+    on that state: the cached prefix and tier it knows, the queue it estimates (the last report
+    drained since, plus its own later dispatches), the prefill rate and the WAN RTT from the
+    request's region, ``wan + queue + (1 + lambda) * beta * uncached + gamma * dram_hit`` with
+    ``lambda = min(lambda_max, min queue / tau)`` (default EdgeParams); near-equal scores
+    (within ``tie_ms``) are drawn among. Its lookup costs no compute time, as our edges' route
+    calls do not in the simulator. Simplifies: no coordinator queueing or capacity limit; a
+    worker nearer the coordinator than the request is seen as of the arrival (the engine cannot
+    look ahead), a little fresher than it could be."""
 
     name = "central-directory"
     uses_index = False
+    follows_kv_events = True
 
     def __init__(self, fleet: Fleet, params: EdgeParams = EdgeParams()) -> None:
         self._fleet = fleet
@@ -505,7 +515,18 @@ class CentralDirectory:
         f, p = self._fleet, self._p
         return EnginePolicy(
             "central_directory",
-            ([f.worker_index(w.id) for w in self._workers], [w.beta_ms_per_token for w in self._workers], f.region_index(self.coordinator), p.wan_fraction, p.lambda_max, p.tau_ms, p.gamma_ms_per_token, p.tie_ms),
+            (
+                [f.worker_index(w.id) for w in self._workers],
+                [w.beta_ms_per_token for w in self._workers],
+                # Every emulated cache names its blocks with its worker index as seed.
+                [f.worker_index(w.id) for w in f.topology.workers],
+                f.region_index(self.coordinator),
+                p.wan_fraction,
+                p.lambda_max,
+                p.tau_ms,
+                p.gamma_ms_per_token,
+                p.tie_ms,
+            ),
         )
 
 

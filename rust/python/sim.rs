@@ -17,7 +17,7 @@ use super::block_cache::{events_out, PyBlockCache};
 use super::errors::core_err;
 use crate::block_cache::BlockCache;
 use crate::error::CoreError;
-use crate::sim::{Baseline, DynamoState, Choice, Config, Cost, Engine, History, Out, Pcg64, Policy, RequestSpec, Salts, Step, WorkerSetup};
+use crate::sim::{Baseline, CoordinatorState, DynamoState, Choice, Config, Cost, Engine, History, Out, Pcg64, Policy, RequestSpec, Salts, Step, WorkerSetup};
 
 type RngState = (u128, u128, bool, u32);
 
@@ -407,12 +407,18 @@ impl PySimEngine {
         self.inner.set_policy(Policy::Baseline(Baseline::Chord { levels, ids, nodes, regions, fingers, entry })).map_err(core_err)
     }
 
+    /// The Central Directory: its routable workers and their prefill rates, every worker's cache
+    /// name seed, the coordinator's region and the joint score's constants.
     #[allow(clippy::too_many_arguments)]
-    fn set_central_directory(&mut self, workers: Vec<u32>, beta: Vec<f64>, coordinator: u16, wan_fraction: f64, lambda_max: f64, tau_ms: f64, gamma: f64, tie_ms: f64) -> PyResult<()> {
+    fn set_central_directory(&mut self, workers: Vec<u32>, beta: Vec<f64>, seeds: Vec<u64>, coordinator: u16, wan_fraction: f64, lambda_max: f64, tau_ms: f64, gamma: f64, tie_ms: f64) -> PyResult<()> {
         if workers.is_empty() || beta.len() != workers.len() {
             return Err(bad("one prefill rate per worker".into()));
         }
-        self.inner.set_policy(Policy::Baseline(Baseline::CentralDirectory { workers, beta, coordinator, wan_fraction, lambda_max, tau_ms, gamma, tie_ms })).map_err(core_err)
+        if seeds.len() != self.inner.workers() {
+            return Err(bad("one cache name seed per worker".into()));
+        }
+        let c = CoordinatorState::new(workers, beta, seeds, coordinator, wan_fraction, lambda_max, tau_ms, gamma, tie_ms);
+        self.inner.set_policy(Policy::Baseline(Baseline::CentralDirectory(Box::new(c)))).map_err(core_err)
     }
 
     /// Dynamo-style routers: the broadcast period, the indexed workers, every worker's beta and

@@ -5,7 +5,7 @@ use std::cmp::Ordering;
 use std::collections::{BinaryHeap, VecDeque};
 
 use super::rng::Pcg64;
-pub use policy::{Baseline, DynamoState, History, Salts};
+pub use policy::{Baseline, CoordinatorState, DynamoState, History, Salts};
 
 #[path = "policy.rs"]
 mod policy;
@@ -619,7 +619,7 @@ impl Engine {
             Policy::Baseline(Baseline::SkyWalker { pools, region_of, .. }) if !pools_ok(pools) || region_of.len() != n as usize => return Err(CoreError::InvalidArgument("skywalker pools do not match the topology".into())),
             Policy::Baseline(Baseline::ConsistentHash { rings, .. }) if rings.iter().flat_map(|r| &r.1).any(|&w| w >= n) => return Err(CoreError::InvalidArgument("a ring owner is not a worker".into())),
             Policy::Baseline(Baseline::Chord { nodes, regions, .. }) if nodes.iter().any(|&w| w >= n) || regions.iter().any(|&r| r as usize >= self.regions) => return Err(CoreError::InvalidArgument("a chord node is not a worker".into())),
-            Policy::Baseline(Baseline::CentralDirectory { workers, coordinator, .. }) if workers.iter().any(|&w| w >= n) || *coordinator as usize >= self.regions => return Err(CoreError::InvalidArgument("central directory workers do not match the topology".into())),
+            Policy::Baseline(Baseline::CentralDirectory(c)) if c.workers.iter().any(|&w| w >= n) || c.coordinator as usize >= self.regions => return Err(CoreError::InvalidArgument("central directory workers do not match the topology".into())),
             _ => {}
         }
         if self.salts.h64.is_empty() {
@@ -1130,6 +1130,13 @@ impl Engine {
     }
 
     fn publish_queue(&mut self, w: u32) {
+        if matches!(self.policy, Policy::Baseline(Baseline::CentralDirectory(_))) {
+            let (q, now) = (self.queued(&self.workers[w as usize], self.now), self.now);
+            if let Policy::Baseline(Baseline::CentralDirectory(c)) = &mut self.policy {
+                c.on_queue(w, q, now);
+            }
+            return;
+        }
         let x = &self.workers[w as usize];
         if self.cfg.indexed && x.queue_to_edge {
             let q = self.queued(x, self.now);
@@ -1143,6 +1150,10 @@ impl Engine {
     fn publish_events(&mut self, w: u32, events: Vec<Event>) {
         if let Policy::Baseline(Baseline::Dynamo(s)) = &mut self.policy {
             s.on_events(w, &events, self.now);
+            return;
+        }
+        if let Policy::Baseline(Baseline::CentralDirectory(c)) = &mut self.policy {
+            c.on_events(w, &events, self.now);
             return;
         }
         if !events.is_empty() {

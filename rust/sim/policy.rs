@@ -206,6 +206,167 @@ fn unmix64(mut y: u64) -> u64 {
     y.wrapping_sub(GOLD)
 }
 
+/// A router's feed of the workers' KV events (`_KVTracker.apply`): each worker's blocks as its
+/// events say, and the events turned into key operations `(key, medium or 0)`. A block is keyed
+/// by the seed-free chain value its name stands for (worker-independent: equal keys exactly for
+/// equal token prefixes and salt). Dynamo's routers and the Central Directory's coordinator
+/// both read the fleet through one of these.
+#[derive(Clone, Debug)]
+pub struct KvFeed {
+    seeds: Vec<u64>,
+    tracker: Vec<FxHashMap<u64, u8>>,
+}
+
+impl KvFeed {
+    /// `seeds`: every worker's cache name seed.
+    pub fn new(seeds: Vec<u64>) -> Self {
+        let n = seeds.len();
+        KvFeed { seeds, tracker: vec![FxHashMap::default(); n] }
+    }
+
+    fn key(&self, w: usize, name: u64) -> u64 {
+        if self.seeds[w] != 0 {
+            unmix64(name) ^ self.seeds[w]
+        } else {
+            name
+        }
+    }
+
+    /// Worker `w`'s events as key operations; a run whose parent left already is skipped
+    /// (nothing reusable from the root), a removal counts only for the medium it names.
+    pub fn ops(&mut self, w: u32, events: &[crate::block_cache::Event]) -> Vec<(u64, u8)> {
+        use crate::block_cache::Event;
+        let w = w as usize;
+        let mut ops: Vec<(u64, u8)> = Vec::new();
+        for e in events {
+            match e {
+                Event::Stored { medium, hashes, parent, .. } => {
+                    if let Some(p) = parent {
+                        if !self.tracker[w].contains_key(p) {
+                            continue;
+                        }
+                    }
+                    for &h in hashes {
+                        self.tracker[w].insert(h, *medium);
+                        ops.push((self.key(w, h), *medium));
+                    }
+                }
+                Event::Removed { medium, hashes } => {
+                    for &h in hashes {
+                        if self.tracker[w].get(&h) == Some(medium) {
+                            self.tracker[w].remove(&h);
+                            ops.push((self.key(w, h), 0));
+                        }
+                    }
+                }
+            }
+        }
+        ops
+    }
+}
+
+/// `(vram, dram)` leading blocks of `keys` in `view` (VRAM is prefix-closed: the VRAM run first).
+fn tiered_overlap(keys: &[u64], view: &FxHashMap<u64, u8>) -> (usize, usize) {
+    let mut v = 0;
+    let mut k = 0;
+    for key in keys {
+        match view.get(key) {
+            Some(&m) => {
+                if m == crate::block_cache::VRAM && v == k {
+                    v += 1;
+                }
+                k += 1;
+            }
+            None => break,
+        }
+    }
+    (v, k - v)
+}
+
+/// What the Central Directory's coordinator knows (`schemes.CentralDirectory`): every worker's
+/// KV state and queue as its reports reach the coordinator, one WAN way after they leave the
+/// worker, plus every request the coordinator itself dispatched (it routes them all).
+#[derive(Clone, Debug)]
+pub struct CoordinatorState {
+    pub workers: Vec<u32>,
+    beta: Vec<f64>,
+    pub coordinator: u16,
+    wan_fraction: f64,
+    lambda_max: f64,
+    tau_ms: f64,
+    gamma: f64,
+    tie_ms: f64,
+    feed: KvFeed,
+    /// Per worker (all): key operations and queue reports on their way, oldest first.
+    log: Vec<VecDeque<(f64, Vec<(u64, u8)>)>>,
+    reports: Vec<VecDeque<(f64, f64)>>,
+    /// Per worker: the coordinator's view, its latest queue report `(sent at, queued ms)`, and
+    /// what it dispatched there since `(due at the worker, estimated ms)`.
+    view: Vec<FxHashMap<u64, u8>>,
+    report: Vec<(f64, f64)>,
+    sent: Vec<VecDeque<(f64, f64)>>,
+}
+
+impl CoordinatorState {
+    /// `workers`, `beta`: the routable workers and their prefill rates; `seeds`: every worker's
+    /// cache name seed.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(workers: Vec<u32>, beta: Vec<f64>, seeds: Vec<u64>, coordinator: u16, wan_fraction: f64, lambda_max: f64, tau_ms: f64, gamma: f64, tie_ms: f64) -> Self {
+        let n = seeds.len();
+        CoordinatorState {
+            workers,
+            beta,
+            coordinator,
+            wan_fraction,
+            lambda_max,
+            tau_ms,
+            gamma,
+            tie_ms,
+            feed: KvFeed::new(seeds),
+            log: vec![VecDeque::new(); n],
+            reports: vec![VecDeque::new(); n],
+            view: vec![FxHashMap::default(); n],
+            report: vec![(0.0, 0.0); n],
+            sent: vec![VecDeque::new(); n],
+        }
+    }
+
+    /// Worker `w`'s KV events, sent at `now`.
+    pub fn on_events(&mut self, w: u32, events: &[crate::block_cache::Event], now: f64) {
+        let ops = self.feed.ops(w, events);
+        if !ops.is_empty() {
+            self.log[w as usize].push_back((now, ops));
+        }
+    }
+
+    /// Worker `w`'s queue, `queued_ms` at `now`.
+    pub fn on_queue(&mut self, w: u32, queued_ms: f64, now: f64) {
+        self.reports[w as usize].push_back((now, queued_ms));
+    }
+
+    /// Everything worker `w` sent at or before `cutoff` reaches the coordinator's view.
+    fn catch_up(&mut self, w: usize, cutoff: f64) {
+        while self.log[w].front().is_some_and(|e| e.0 <= cutoff) {
+            let (_, ops) = self.log[w].pop_front().expect("checked");
+            apply_ops(&mut self.view[w], &ops, None);
+        }
+        while self.reports[w].front().is_some_and(|e| e.0 <= cutoff) {
+            self.report[w] = self.reports[w].pop_front().expect("checked");
+        }
+        let since = self.report[w].0;
+        while self.sent[w].front().is_some_and(|e| e.0 <= since) {
+            self.sent[w].pop_front();
+        }
+    }
+
+    /// The coordinator's estimate of worker `w`'s queued prefill at `t`: its last report,
+    /// drained since, plus what it dispatched there that the report cannot include.
+    fn queue_at(&self, w: usize, t: f64) -> f64 {
+        let (at, q) = self.report[w];
+        (q - (t - at)).max(0.0) + self.sent[w].iter().map(|e| e.1).sum::<f64>()
+    }
+}
+
 /// What Dynamo-style routers know (`schemes.Dynamo`): each worker's KV state from its events,
 /// exact and as of the last global broadcast (every `period_ms`), a per-region prefix filter,
 /// and queues sampled per broadcast. A block is keyed by the seed-free chain value its name
@@ -216,8 +377,7 @@ pub struct DynamoState {
     /// Indexed workers, topology order.
     workers: Vec<u32>,
     beta: Vec<f64>,
-    seeds: Vec<u64>,
-    tracker: Vec<FxHashMap<u64, u8>>,
+    feed: KvFeed,
     exact: Vec<FxHashMap<u64, u8>>,
     stale: Vec<FxHashMap<u64, u8>>,
     filter: Vec<FxHashMap<u64, u32>>,
@@ -236,8 +396,7 @@ impl DynamoState {
             period_ms,
             workers,
             beta,
-            seeds,
-            tracker: vec![FxHashMap::default(); n],
+            feed: KvFeed::new(seeds),
             exact: vec![FxHashMap::default(); n],
             stale: vec![FxHashMap::default(); n],
             filter: vec![FxHashMap::default(); regions],
@@ -248,42 +407,10 @@ impl DynamoState {
         }
     }
 
-    fn key(&self, w: usize, name: u64) -> u64 {
-        if self.seeds[w] != 0 {
-            unmix64(name) ^ self.seeds[w]
-        } else {
-            name
-        }
-    }
-
-    /// A worker's KV events (`_KVTracker.apply`, then the exact view and the log).
+    /// A worker's KV events (the feed's key operations, then the exact view and the log).
     pub fn on_events(&mut self, w: u32, events: &[crate::block_cache::Event], now: f64) {
-        use crate::block_cache::Event;
+        let ops = self.feed.ops(w, events);
         let w = w as usize;
-        let mut ops: Vec<(u64, u8)> = Vec::new();
-        for e in events {
-            match e {
-                Event::Stored { medium, hashes, parent, .. } => {
-                    if let Some(p) = parent {
-                        if !self.tracker[w].contains_key(p) {
-                            continue; // a run whose parent left already: nothing reusable from the root
-                        }
-                    }
-                    for &h in hashes {
-                        self.tracker[w].insert(h, *medium);
-                        ops.push((self.key(w, h), *medium));
-                    }
-                }
-                Event::Removed { medium, hashes } => {
-                    for &h in hashes {
-                        if self.tracker[w].get(&h) == Some(medium) {
-                            self.tracker[w].remove(&h);
-                            ops.push((self.key(w, h), 0));
-                        }
-                    }
-                }
-            }
-        }
         apply_ops(&mut self.exact[w], &ops, None);
         self.log[w].push_back((now, ops));
     }
@@ -331,7 +458,7 @@ fn apply_ops(view: &mut FxHashMap<u64, u8>, ops: &[(u64, u8)], mut counts: Optio
 pub enum Baseline {
     ConsistentHash { levels: Vec<u64>, rings: Vec<(Vec<u64>, Vec<u32>)> },
     Chord { levels: Vec<u64>, ids: Vec<u64>, nodes: Vec<u32>, regions: Vec<u16>, fingers: Vec<Vec<u32>>, entry: Vec<Option<u32>> },
-    CentralDirectory { workers: Vec<u32>, beta: Vec<f64>, coordinator: u16, wan_fraction: f64, lambda_max: f64, tau_ms: f64, gamma: f64, tie_ms: f64 },
+    CentralDirectory(Box<CoordinatorState>),
     PlanetServe { pools: Vec<Vec<u32>>, trees: Vec<History> },
     SkyWalker { pools: Vec<Vec<u32>>, trees: Vec<History>, remote: Vec<Vec<u16>>, region_of: Vec<u16> },
     Dynamo(Box<DynamoState>),
@@ -513,33 +640,48 @@ impl Engine {
                 let Baseline::Chord { nodes, .. } = &*b else { unreachable!("matched above") };
                 done(nodes[owner], 0, delay)
             }
-            Baseline::CentralDirectory { workers, beta, coordinator, wan_fraction, lambda_max, tau_ms, gamma, tie_ms } => {
-                let delay = self.rtt(r.region, *coordinator);
+            Baseline::CentralDirectory(c) => {
+                // The request reaches the coordinator one way after it arrives; what a worker
+                // sent one way before that has reached the coordinator (clamped to now: the
+                // engine cannot look ahead, so a worker nearer the coordinator than the request
+                // is seen as of now, a little fresher than it could be).
+                let delay = self.rtt(r.region, c.coordinator);
+                let decide = self.now + delay / 2.0;
                 let l = tokens.len() as u64;
-                let mut q = Vec::with_capacity(workers.len());
+                let block = self.block_size as u64;
+                let mut q = Vec::with_capacity(c.workers.len());
                 let mut least = f64::INFINITY;
-                for &w in workers.iter() {
-                    let x = &self.workers[w as usize];
-                    let v = self.queued(x, self.now) + x.dispatched.iter().fold(0.0, |a, (_, v)| a + v);
+                for i in 0..c.workers.len() {
+                    let w = c.workers[i];
+                    let wr = self.workers[w as usize].region;
+                    let cutoff = (decide - self.rtt(wr, c.coordinator) / 2.0).min(self.now);
+                    c.catch_up(w as usize, cutoff);
+                    let v = c.queue_at(w as usize, decide);
                     least = least.min(v);
                     q.push(v);
                 }
-                let lam = lambda_max.min(least / *tau_ms);
-                let mut hits = Vec::with_capacity(workers.len());
-                let mut scores = Vec::with_capacity(workers.len());
+                let lam = c.lambda_max.min(least / c.tau_ms);
+                let mut hits = Vec::with_capacity(c.workers.len());
+                let mut scores = Vec::with_capacity(c.workers.len());
                 let mut best = f64::INFINITY;
-                for (i, &w) in workers.iter().enumerate() {
-                    let x = &self.workers[w as usize];
-                    let (v, d) = lookup_base_tokens(&x.cache, chain);
-                    let s = *wan_fraction * self.rtt(r.region, x.region) + q[i] + (1.0 + lam) * beta[i] * l.saturating_sub(v + d) as f64 + *gamma * d as f64;
+                for (i, &w) in c.workers.iter().enumerate() {
+                    let (vb, db) = tiered_overlap(chain, &c.view[w as usize]);
+                    let v = l.min(vb as u64 * block);
+                    let d = l.min((vb + db) as u64 * block) - v;
+                    let work = c.beta[i] * l.saturating_sub(v + d) as f64 + c.gamma * d as f64;
+                    let s = c.wan_fraction * self.rtt(r.region, self.workers[w as usize].region) + q[i] + work + lam * c.beta[i] * l.saturating_sub(v + d) as f64;
                     best = best.min(s);
-                    hits.push((v, d));
+                    hits.push((v, d, work));
                     scores.push(s);
                 }
-                let cand: Vec<usize> = (0..workers.len()).filter(|&i| scores[i] <= best + *tie_ms).collect();
+                let tie = c.tie_ms;
+                let cand: Vec<usize> = (0..c.workers.len()).filter(|&i| scores[i] <= best + tie).collect();
                 let i = if cand.len() > 1 { cand[self.rng.integers(cand.len() as u64) as usize] } else { cand[0] };
-                let (v, d) = hits[i];
-                done(workers[i], l.min(v + d) as i64, delay)
+                let (v, d, work) = hits[i];
+                let w = c.workers[i];
+                let due = self.now + delay + self.rtt(r.region, self.workers[w as usize].region) / 2.0;
+                c.sent[w as usize].push_back((due, work));
+                done(w, l.min(v + d) as i64, delay)
             }
             Baseline::Dynamo(st) => Ok(self.choose_dynamo(st, r.region, tokens.len() as u64, chain)),
             Baseline::PlanetServe { pools, trees } => {
@@ -604,12 +746,6 @@ impl Engine {
 }
 
 /// `(vram, dram)` hit tokens of `cache` for the seed-free chain `base`.
-fn lookup_base_tokens(cache: &crate::block_cache::BlockCache, base: &[u64]) -> (u64, u64) {
-    let (v, d) = cache.lookup_base(base);
-    let b = cache.block_size() as u64;
-    (v as u64 * b, d as u64 * b)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
