@@ -6,7 +6,8 @@ The engine's draws continue numpy's PCG64 stream, so even the runs with random f
 
 Model changes made since, on purpose, re-pin only what they change, from the Rust engine: the
 ``chord`` entry since Chord runs ceil(log2 N) virtual nodes per worker, the
-``central-directory`` entry since its coordinator reads state that crossed the WAN (issue 14);
+``central-directory`` entries since its coordinator reads state that crossed the WAN, the
+``planetserve`` entries since its balancer applies PlanetServe's load threshold (issue 14);
 every other entry is still the Python engine's."""
 
 from __future__ import annotations

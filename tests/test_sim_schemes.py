@@ -227,6 +227,22 @@ def test_central_directory_finds_the_exact_holder(testbed: Topology) -> None:
     assert b.worker == a.worker and b.claimed == b.reused == 2000 - 2000 % 16
 
 
+def test_planetserve_leaves_a_holder_loaded_past_the_80th_percentile() -> None:
+    # One region of eight workers and a burst of identical long prompts. The holder's load is
+    # above the region's 80th percentile (the 7th of 8 loads, 0 while six are idle), no
+    # shorter prefix has another holder, so the next request goes to the least-loaded worker
+    # and recomputes; from then on both hold the prompt and share the burst. Without the
+    # threshold the holder took all 30.
+    topo = _uniform(1, 8, rtt=10.0, local=1.0)
+    reqs = [_request(i, float(i), "r0", 7, 4000) for i in range(30)]
+    s = simulate(topo, reqs, "planetserve")
+    served = Counter(r.worker for r in s.records)
+    assert len(served) == 2 and sorted(served.values()) == [15, 15]
+    a, b = s.records[0], s.records[1]
+    assert a.worker != b.worker and a.claimed == b.claimed == 0
+    assert all(r.claimed == 4000 for r in s.records[2:])
+
+
 def test_central_directory_sees_a_cache_one_wan_way_late(testbed: Topology) -> None:
     # The holder is in the region farthest from the coordinator; the follow-up comes from the
     # coordinator's own region. The coordinator learns of the holder's blocks one way (holder

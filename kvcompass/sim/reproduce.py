@@ -57,7 +57,7 @@ KNOWN_DIFFERENCES: dict[str, str] = {
     "central-directory": "our Central Directory decides on state one WAN way old, plus its own dispatches, and pays no compute for its lookup; the paper does not say how fresh its coordinator's state was",
     "chord": "our Chord runs ceil(log2 N) virtual nodes per worker (the Chord paper's rule; the paper does not say how many it ran) and pays O(log N) WAN hops per lookup",
     "consistent-hash": "our rings place 64 virtual nodes per worker (the paper does not say how many it used)",
-    "planetserve": "our PlanetServe has no load threshold on its radix-tree regional reuse",
+    "planetserve": "our PlanetServe applies its evaluation code's 80th-percentile load threshold to queued work, not to its moving average of latency, and never leaves its region",
     "skywalker": "our SkyWalker forwards out of region only when every local replica has a queue",
     "dynamo": "our Dynamo routers refresh their global view from KV events as they arrive",
 }

@@ -456,11 +456,16 @@ class PlanetServe:
     """PlanetServe-style routing with a hash radix tree per region (paper 5.1 (3)).
 
     Models: each region's balancer keeps a hash radix tree of the prefixes it routed to each of
-    its workers (routing history, as SGLang's cache-aware router does) and sends a request to
-    the own-region worker holding the longest matched prefix (the least loaded among equal
-    holders), else to the least-loaded own-region worker; the claim is the matched length.
-    Simplifies: the tree learns from routing, not from the workers' evictions (so its claims
-    can be false); the tree is bounded by LRU over prefixes; requests never leave their region."""
+    its workers (routing history) and sends a request to the own-region worker holding the
+    longest matched prefix (the least loaded among equal holders), else to the least-loaded
+    own-region worker; the claim is the matched length. Its load threshold, as PlanetServe's
+    evaluation code applies it (``eval/hrt+lb``): when the holder's load is above the 80th
+    percentile of its region's loads, the request walks up the tree to the first holder of a
+    shorter prefix whose load is below that percentile, else goes to the least-loaded worker.
+    Simplifies: the load is queued plus dispatched prefill (PlanetServe's is a moving average
+    of its workers' latency); the tree learns from routing, not from the workers' evictions (so
+    its claims can be false); the tree is bounded by LRU over prefixes; requests never leave
+    their region."""
 
     name = "planetserve"
     uses_index = False

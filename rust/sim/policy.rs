@@ -140,6 +140,18 @@ impl History {
         (n, best)
     }
 
+    /// The holders of every routed prefix of `hashes` from the root, one entry per block.
+    fn path(&self, hashes: &[u64]) -> Vec<&[u32]> {
+        let mut out = Vec::new();
+        for h in hashes {
+            match self.map.get(h) {
+                Some((s, _)) if !s.is_empty() => out.push(s.as_slice()),
+                _ => break,
+            }
+        }
+        out
+    }
+
     fn insert(&mut self, hashes: &[u64], worker: u32) {
         for &h in hashes {
             self.clock += 1;
@@ -622,6 +634,41 @@ impl Engine {
         Some((self.least_loaded(&cand, Some(origin)), (n * self.block_size) as i64))
     }
 
+    /// PlanetServe's balancer (its `hrt+lb` evaluation code): the least-loaded holder of the
+    /// longest routed prefix, unless its load is above the pool's 80th percentile; then the
+    /// first holder of a shorter prefix (walking up the tree) whose load is below it, else the
+    /// least-loaded worker. Loads are queued plus dispatched prefill (PlanetServe's is a moving
+    /// average of latency); `(worker, claimed tokens)`.
+    fn planetserve_pick(&mut self, tree: &History, chain: &[u64], pool: &[u32], origin: u16) -> (u32, i64) {
+        let path = tree.path(chain);
+        let load = |e: &Engine, w: u32| e.queued(&e.workers[w as usize], e.now) + e.dispatched_from(w, origin);
+        let deepest = path.iter().rposition(|h| h.iter().any(|w| pool.contains(w)));
+        let Some(depth) = deepest else {
+            return (self.least_loaded(pool, Some(origin)), 0);
+        };
+        let holders: Vec<u32> = pool.iter().copied().filter(|w| path[depth].contains(w)).collect();
+        let picked = self.least_loaded(&holders, Some(origin));
+        if pool.len() < 2 {
+            return (picked, ((depth + 1) * self.block_size) as i64);
+        }
+        let mut loads: Vec<f64> = pool.iter().map(|&w| load(self, w)).collect();
+        loads.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+        let n = loads.len();
+        let over = loads[((0.8 * n as f64) as usize).min(n - 1)];
+        if load(self, picked) <= over {
+            return (picked, ((depth + 1) * self.block_size) as i64);
+        }
+        let under = loads[((0.8 * n as f64).ceil() as usize).saturating_sub(1)];
+        for d in (0..depth).rev() {
+            for &w in path[d] {
+                if pool.contains(&w) && load(self, w) < under {
+                    return (w, ((d + 1) * self.block_size) as i64);
+                }
+            }
+        }
+        (self.least_loaded(pool, Some(origin)), 0)
+    }
+
     /// The baseline's choice for request `req`, whose tokens and chain are `tokens`, `chain`.
     pub(super) fn choose_baseline(&mut self, b: &mut Baseline, req: u32, tokens: &[u32], chain: &[u64]) -> Result<Choice> {
         let r = self.reqs[req as usize];
@@ -687,11 +734,7 @@ impl Engine {
             Baseline::PlanetServe { pools, trees } => {
                 let region = r.region as usize;
                 let pool = std::mem::take(&mut pools[region]);
-                let picked = self.prefix_pick(&trees[region], chain, &pool, r.region);
-                let (worker, claimed) = match picked {
-                    Some(p) => p,
-                    None => (self.least_loaded(&pool, Some(r.region)), 0),
-                };
+                let (worker, claimed) = self.planetserve_pick(&trees[region], chain, &pool, r.region);
                 pools[region] = pool;
                 trees[region].insert(chain, worker);
                 done(worker, claimed, 0.0)
