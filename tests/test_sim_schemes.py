@@ -358,3 +358,31 @@ def test_chord_runs_log_n_virtual_nodes_per_worker_and_they_spread_the_keys() ->
     assert peak(many) < peak(one)  # the hottest worker's key share, relative to the mean
     with pytest.raises(InvalidArgumentError, match="virtual_nodes"):
         _scheme(topo, lambda fleet: ChordDHT(fleet, virtual_nodes=0))
+
+
+def test_round_robin_takes_every_worker_in_turn() -> None:
+    topo = _uniform(2, 2, rtt=40.0, local=1.0)
+    reqs = [_request(i, 10.0 * i, "r0", 40 + i, 320) for i in range(9)]
+    s = simulate(topo, reqs, "round-robin")
+    order = [w.id for w in topo.indexed_workers]
+    assert [r.worker for r in s.records] == [order[i % 4] for i in range(9)]
+    assert all(r.claimed == 0 for r in s.records)
+
+
+def test_random_dispatch_splits_poisson_arrivals_into_md1_queues() -> None:
+    # Random forwarding thins a Poisson stream: each of the four workers sees Poisson arrivals
+    # at a quarter of the rate and, with equal prompts, an M/D/1 queue (the paper's figure 9
+    # check); the same prompts at the least-loaded worker queue far less.
+    topo = _uniform(1, 4, rtt=2.0, local=2.0)
+    cost = CostModel()
+    length, rho, n = 320, 0.6, 8_000
+    service = cost.prefill_base_ms + topo.workers[0].beta_ms_per_token * length  # at the topology's beta
+    rng = np.random.default_rng(5)
+    arrivals = np.cumsum(rng.exponential(service / (4 * rho), size=n))
+    reqs = [_request(i, float(t), "r0", 50_000 + i, length) for i, t in enumerate(arrivals)]
+    s = simulate(topo, reqs, "random", seed=1, cost=cost, gpu_sharing="lanes")
+    wq = rho * service / (2 * (1 - rho))
+    assert s.mean_queue_ms == pytest.approx(wq, rel=0.15)
+    assert len({r.worker for r in s.records}) == 4
+    balanced = simulate(topo, reqs, "oracle", seed=1, cost=cost, gpu_sharing="lanes")
+    assert balanced.mean_queue_ms < 0.5 * s.mean_queue_ms

@@ -236,6 +236,30 @@ class Oracle:
         return EnginePolicy("least_loaded", ([[self._fleet.worker_index(w.id) for w in self._fleet.topology.indexed_workers]], False))
 
 
+class RandomDispatch:
+    """A uniform draw among every prefill worker, blind to load, caches and the WAN (the
+    paper's M/G/1 check of figure 9, and the stock prefill-decode stack's dispatch in figure
+    18). Runs in the engine."""
+
+    name = "random"
+    uses_index = False
+    round_robin = False
+
+    def __init__(self, fleet: Fleet) -> None:
+        self._fleet = fleet
+
+    def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
+        return EnginePolicy("oblivious", ([self._fleet.worker_index(w.id) for w in self._fleet.topology.indexed_workers], self.round_robin))
+
+
+class RoundRobin(RandomDispatch):
+    """Every prefill worker in turn, in topology order, blind to load, caches and the WAN
+    (a baseline of the paper's figure 18). Runs in the engine."""
+
+    name = "round-robin"
+    round_robin = True
+
+
 class KVCompassAblation(KVCompassScheme):
     """KVCompass with the :class:`EdgeParams` switches in ``ablation`` flipped (paper 5.4). The
     switches are applied to the whole plane the simulator builds (:func:`scheme_params`), so a
@@ -645,6 +669,8 @@ SCHEMES: dict[str, Callable[[Fleet], Scheme]] = {
     KVCompassScheme.name: KVCompassScheme,
     LocalLeastLoaded.name: LocalLeastLoaded,
     Oracle.name: Oracle,
+    RandomDispatch.name: RandomDispatch,
+    RoundRobin.name: RoundRobin,
     NoLoad.name: NoLoad,
     NoCrossRegion.name: NoCrossRegion,
     TierBlind.name: TierBlind,

@@ -367,6 +367,11 @@ impl PySimEngine {
 
     /// Route arrivals with the least-loaded worker of a pool (one pool, or one per region for
     /// the request's region) instead of the driver's `choose` (`crate::sim::Policy`).
+    /// Random (`round_robin` false) or round-robin dispatch over `pool`.
+    fn set_oblivious(&mut self, pool: Vec<u32>, round_robin: bool) -> PyResult<()> {
+        self.inner.set_policy(Policy::Oblivious { pool, round_robin, next: 0 }).map_err(core_err)
+    }
+
     fn set_least_loaded(&mut self, pools: Vec<Vec<u32>>, per_region: bool) -> PyResult<()> {
         self.inner.set_policy(Policy::LeastLoaded { pools, per_region }).map_err(core_err)
     }

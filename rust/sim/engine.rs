@@ -186,6 +186,9 @@ pub enum Policy {
     /// server and the dispatched work of every origin; `local-least-loaded` with one pool per
     /// region, the request's region's, and that region's own dispatched share).
     LeastLoaded { pools: Vec<Vec<u32>>, per_region: bool },
+    /// Blind to load and caches: a uniform draw from `pool` (the run's generator), or the next
+    /// worker of `pool` in turn (`kvcompass.sim.schemes`: `random`, `round-robin`).
+    Oblivious { pool: Vec<u32>, round_robin: bool, next: usize },
     /// A content-keyed or exact-state baseline ([`Baseline`]).
     Baseline(Baseline),
 }
@@ -640,6 +643,11 @@ impl Engine {
                 return Err(CoreError::InvalidArgument(format!("request {i} (in arrival order) has no worker to go to")));
             }
         }
+        if let Policy::Oblivious { pool, .. } = &policy {
+            if pool.is_empty() || pool.iter().any(|&w| w >= n) {
+                return Err(CoreError::InvalidArgument("an oblivious policy needs a non-empty pool of the topology's workers".into()));
+            }
+        }
         self.policy = policy;
         Ok(())
     }
@@ -659,6 +667,16 @@ impl Engine {
                 let r = self.reqs[*req as usize];
                 let (pool, origin) = if *per_region { (&pools[r.region as usize], Some(r.region)) } else { (&pools[0], None) };
                 Ok(Some(Choice { worker: self.least_loaded(pool, origin), claimed: 0, delay_ms: 0.0 }))
+            }
+            Policy::Oblivious { pool, round_robin, next } => {
+                let i = if *round_robin {
+                    let i = *next;
+                    *next = (i + 1) % pool.len();
+                    i
+                } else {
+                    self.rng.integers(pool.len() as u64) as usize
+                };
+                Ok(Some(Choice { worker: pool[i], claimed: 0, delay_ms: 0.0 }))
             }
             Policy::Baseline(b) => {
                 let (req, tokens, chain) = self.pending.take().expect("an arrival is pending");
