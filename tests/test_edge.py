@@ -25,7 +25,7 @@ from kvcompass.discovery.layout import IndexLayout, TableSpec, WorkerSpec
 from functools import partial
 
 from kvcompass.discovery.params import EdgeParams as _EdgeParams, layout_for
-from kvcompass.errors import TopologyError
+from kvcompass.errors import InvalidArgumentError, TopologyError
 from kvcompass.index import Tier
 
 # These scenarios compute expected scores with the paper's one-way WAN term (table 1);
@@ -442,3 +442,25 @@ def test_route_accepts_lists_and_raw_digests_and_prompts_of_any_length() -> None
     assert d.prompt_tokens == 0 and d.score == 1.0 and d.family is None
     with pytest.raises(ValueError):
         edge.route([-1], NS, 0.0)
+
+
+def test_a_batch_of_live_readings_is_the_same_as_one_at_a_time() -> None:
+    fleet = Fleet({"A": 3, "B": 1})
+    plans = {"A": PLAN_A, "B": [256, 512, 1024]}
+    rtts = {"A": 2.0, "B": 100.0}
+    one, many = fleet.edge("A", plans, rtts), fleet.edge("A", plans, rtts)
+    # A route charges its worker the prefill it sent; the readings then settle that charge.
+    assert one.route(prompt(900), NS, now=0.5).worker == many.route(prompt(900), NS, now=0.5).worker
+    readings = [("a0", 12.5), ("a1", 0.0), ("a2", 300.0)]
+    for w, q in readings:
+        one.set_local_queue(w, q, now=1.0)
+    idx = np.array([many.worker_index(w) for w, _ in readings], dtype=np.int64)
+    many.set_local_queues(idx, np.array([q for _, q in readings]), now=1.0)
+    for w in ("a0", "a1", "a2", "b0"):
+        assert many.queue_estimate(w) == one.queue_estimate(w)
+        assert many.queue_age(w, 2.0) == one.queue_age(w, 2.0)
+    with pytest.raises(InvalidArgumentError, match="b0"):
+        many.set_local_queues(np.array([many.worker_index("b0")], dtype=np.int64), np.array([1.0]), now=2.0)
+    with pytest.raises(ValueError):
+        many.set_local_queues(idx[:1], np.array([-1.0]), now=2.0)
+    assert many.queue_estimate("a0") == 12.5  # a refused batch changes nothing

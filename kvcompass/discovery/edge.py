@@ -788,6 +788,15 @@ class Edge:
             raise InvalidArgumentError(f"worker {worker!r} is in region {self._worker_region[i]!r}, not this edge's {self._region!r}: use on_response/on_broadcast")
         self._queues.set_live(i, tq_ms, now, now - self._settle_lag_s[i])
 
+    def set_local_queues(self, indices: npt.NDArray[np.int64], tq_ms: npt.NDArray[np.float64], now: float) -> None:
+        """Live readings of several own-region workers at once, by :meth:`worker_index` (a poll
+        of the region's busy workers): :meth:`set_local_queue` for each, in one pass."""
+        ii = np.ascontiguousarray(indices, dtype=np.int64)
+        if len(ii) and not bool(self._local[ii].all()):
+            bad = self._ids[int(ii[~self._local[ii]][0])]
+            raise InvalidArgumentError(f"worker {bad!r} is not in this edge's region {self._region!r}: use on_response/on_broadcast")
+        self._queues.set_live_many(ii, np.ascontiguousarray(tq_ms, dtype=np.float64), now, now - self._settle_lag_s_arr[ii])
+
     def on_response(self, worker: str, claimed_tokens: int, reused_tokens: int, queue_vector: Mapping[str, float] | None, now: float) -> None:
         """A response from ``worker``: the edge had claimed ``claimed_tokens`` (the decision's
         ``expected_match``), the worker reports ``reused_tokens``; a remote worker's response

@@ -153,6 +153,12 @@ class QueueEstimates:
         self._store(index, x, now)
         return x
 
+    def set_live_many(self, indices: npt.NDArray[np.int64], tq_ms: npt.NDArray[np.float64], now: float, settled_before: npt.NDArray[np.float64]) -> None:
+        """:meth:`set_live` of ``tq_ms[j]`` for worker ``indices[j]`` for every j at once (the
+        live readings of a region's busy workers, polled together; indices distinct). Same
+        result as the loop, in one Rust pass: a live reading is a fold of weight 1."""
+        self._fold(indices, tq_ms, now, settled_before, None, 1.0)
+
     def fold_many(self, indices: npt.NDArray[np.int64], tq_ms: npt.NDArray[np.float64], now: float, settled_before: npt.NDArray[np.float64]) -> None:
         """:meth:`fold` of ``tq_ms[j]`` into worker ``indices[j]`` for every j at once (a whole
         queue vector: indices distinct; a sample that is not finite and >= 0 is a ValueError
@@ -164,13 +170,13 @@ class QueueEstimates:
         open charges (most vectors find none)."""
         self._fold(indices, tq_ms, now, None, lag_s)
 
-    def _fold(self, indices: npt.NDArray[np.int64], tq_ms: npt.NDArray[np.float64], now: float, before: npt.NDArray[np.float64] | None, lag: npt.NDArray[np.float64] | None) -> None:
+    def _fold(self, indices: npt.NDArray[np.int64], tq_ms: npt.NDArray[np.float64], now: float, before: npt.NDArray[np.float64] | None, lag: npt.NDArray[np.float64] | None, weight: float | None = None) -> None:
         if len(indices) == 0:
             return
         # The EWMA, live totals, ages and idle clocks in one Rust pass (it checks every sample
         # and index first); then the charges the samples include close, which moves only the
         # charges and the live totals (recomputed from the new estimates), so the order is free.
-        _core.fold_queue_samples(self._obs, self._tq, self._pend, self._at, self._idle_since, indices, tq_ms, float(now), self._weight, self._idle_ms)
+        _core.fold_queue_samples(self._obs, self._tq, self._pend, self._at, self._idle_since, indices, tq_ms, float(now), self._weight if weight is None else weight, self._idle_ms)
         if self._order:  # some charge is open
             if before is None:
                 assert lag is not None

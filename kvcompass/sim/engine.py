@@ -115,7 +115,7 @@ from kvcompass.discovery.ops import KeyOpBatch
 from kvcompass.discovery.params import EdgeParams
 from kvcompass.discovery.plane import LocalPlane
 from kvcompass.discovery.topology import Topology, load_topology
-from kvcompass.errors import AgentSequenceError, InvalidArgumentError
+from kvcompass.errors import AgentSequenceError, InvalidArgumentError, KVCompassError
 from kvcompass.index import Namespace, Tier
 from kvcompass.sim.cache import Policy, PrefixCache, salt_seed
 from kvcompass.sim.costs import CostModel
@@ -311,6 +311,12 @@ class Simulator:
         """Migration actions carried out, by kind."""
         self.migration_log: list[MigrationAction] = []
         self._region_workers = {r: [w.id for w in topology.workers_in(r)] for r in regions}
+        # For the tick's live queue poll: each worker's own-region edge (by number, -1: none)
+        # and its index there, so a region's busy workers are read in one call.
+        self._live_edges = list(self.plane.edges.values())
+        number = {e.region: k for k, e in enumerate(self._live_edges)}
+        self._live_edge = np.array([number.get(x.spec.region, -1) for x in self._by_index], dtype=np.int64)
+        self._live_idx = np.array([self._edge_index(number, x) for x in self._by_index], dtype=np.int64)
         reqs = self._requests
         for q in reqs:
             if q.region not in self._region_index:
@@ -374,6 +380,17 @@ class Simulator:
             raise InvalidArgumentError(f"scheme {self._scheme.name!r} has neither choose nor engine_policy")
 
     # ---- the Fleet a scheme reads ----------------------------------------------------------------
+
+    def _edge_index(self, number: dict[str, int], x: _Worker) -> int:
+        """``x``'s index at its own region's edge (-1: no edge, or one that does not route to it,
+        as a decode instance)."""
+        k = number.get(x.spec.region)
+        if k is None:
+            return -1
+        try:
+            return self._live_edges[k].worker_index(x.spec.id)
+        except KVCompassError:
+            return -1
 
     def edge_for(self, region: str) -> Edge:
         try:
@@ -670,8 +687,16 @@ class Simulator:
             self.plane.propagate()
         # Own-region queues are read live (a real edge polls its workers): a running prefill's
         # remainder shrinks between events, so the busy workers are re-read every tick.
-        for w, q in engine.busy_queues():
-            self._queue(w, q)
+        ws, qs = engine.busy_queues()
+        if len(ws):
+            eid = self._live_edge[ws]
+            for k in np.unique(eid).tolist():
+                if k < 0:
+                    raise RuntimeError("the engine polled the queue of a worker whose region has no edge")
+                edge = self._live_edges[k]
+                m = eid == k
+                self._settle(edge)
+                edge.set_local_queues(self._live_idx[ws[m]], qs[m], now / 1e3)
         if self._migrate:
             for edge in self.plane.edges.values():
                 for a in edge.migration_actions(now / 1e3):

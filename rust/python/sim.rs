@@ -595,9 +595,11 @@ impl PySimEngine {
             .map_err(core_err)
     }
 
-    /// `(worker, queued_ms)` of the workers running a prefill whose edge reads their queue.
-    fn busy_queues(&self) -> Vec<(u32, f64)> {
-        self.inner.busy_queues()
+    /// `(workers, queued_ms)` of the workers running a prefill whose edge reads their queue,
+    /// as two arrays (int64, float64) in worker order.
+    fn busy_queues<'py>(&self, py: Python<'py>) -> (Bound<'py, numpy::PyArray1<i64>>, Bound<'py, numpy::PyArray1<f64>>) {
+        let (w, q): (Vec<i64>, Vec<f64>) = self.inner.busy_queues().into_iter().map(|(w, q)| (w as i64, q)).unzip();
+        (w.into_pyarray(py), q.into_pyarray(py))
     }
 
     #[getter]
