@@ -408,6 +408,8 @@ BAD: list[tuple[str, str, Any, dict[str, str], int, str | None, str | None]] = [
     # (name, path, body (bytes: sent raw), headers, status, param, code)
     ("not json", "/v1/completions", b"{nope", {}, 400, None, "invalid_json"),
     ("not an object", "/v1/completions", [1, 2], {}, 400, None, "invalid_type"),
+    ("nested too deeply", "/v1/completions", b"[" * 50_000, {}, 400, None, "invalid_json"),
+    ("not json by its content type", "/v1/completions", b'{"prompt": "hi"}', {"Content-Type": "text/plain"}, 415, None, "unsupported_media_type"),
     ("missing prompt", "/v1/completions", {"model": MODEL}, {}, 400, "prompt", "missing_prompt"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, {}, 400, "prompt", "empty_prompt"),
     ("empty token list", "/v1/completions", {"prompt": []}, {}, 400, "prompt", "empty_prompt"),

@@ -41,8 +41,8 @@ async def emulated(**kw: Any) -> AsyncIterator[EmulatedWorker]:
         await w.stop(drain_timeout_s=5)
 
 
-async def post(s: aiohttp.ClientSession, url: str, body: object, *, raw: bytes | None = None) -> tuple[int, dict[str, str], Any]:
-    kw: dict[str, Any] = {"data": raw} if raw is not None else {"json": body}
+async def post(s: aiohttp.ClientSession, url: str, body: object, *, raw: bytes | None = None, content_type: str = "application/json") -> tuple[int, dict[str, str], Any]:
+    kw: dict[str, Any] = {"data": raw, "headers": {"Content-Type": content_type}} if raw is not None else {"json": body}
     async with s.post(url, **kw) as r:
         text = await r.text()
         ctype = r.headers.get("Content-Type", "")
@@ -186,8 +186,9 @@ def test_sse_stream_format_chat() -> None:
 
 
 BAD: list[tuple[str, object, bytes | None, int, str | None, str | None]] = [
-    ("/v1/completions", None, b"{not json", 400, None, None),
-    ("/v1/completions", [1, 2], None, 400, None, None),
+    ("/v1/completions", None, b"{not json", 400, None, "invalid_json"),
+    ("/v1/completions", None, b"[" * 50_000, 400, None, "invalid_json"),
+    ("/v1/completions", [1, 2], None, 400, None, "invalid_type"),
     ("/v1/completions", {}, None, 400, "prompt", None),
     ("/v1/completions", {"prompt": []}, None, 400, "prompt", None),
     ("/v1/completions", {"prompt": ""}, None, 400, "prompt", None),
@@ -227,12 +228,15 @@ def test_bad_requests_get_openai_errors() -> None:
                 assert isinstance(err["message"], str) and err["message"]
                 assert err["type"] == "invalid_request_error"
                 assert err["param"] == param and err["code"] == code, (body, err)
+            # JSON under another media type is refused, as the door refuses it.
+            st, _, data = await post(s, w.http_url + "/v1/completions", None, raw=b'{"prompt": [1, 2]}', content_type="text/plain")
+            assert st == 415 and data["error"]["code"] == "unsupported_media_type"
             for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
                 async with s.request(method, w.http_url + path) as r:
                     assert r.status == status
                     data = await r.json()
                     assert set(data["error"]) == {"message", "type", "param", "code"}
-            assert w.stats.requests == 0 and w.stats.rejected == len(BAD)
+            assert w.stats.requests == 0 and w.stats.rejected == len(BAD) + 1
             # The worker still serves after all that.
             st, _, _ = await post(s, w.http_url + "/v1/completions", {"prompt": [1, 2, 3]})
             assert st == 200

@@ -88,6 +88,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from kvcompass.agent.events import REPLAY_END_SEQ, Event, encode_batch
 from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.errors import InvalidArgumentError
+from kvcompass.services.openai_body import BodyError, decode_json_object
 from kvcompass.services.tokenizer import Tokenizer, load_tokenizer
 from kvcompass.sim.cache import Policy, PrefixCache
 from kvcompass.sim.costs import CostModel
@@ -723,11 +724,9 @@ class EmulatedWorker:
     async def _parse(self, request: web.Request, chat: bool) -> _Request:
         raw = await request.read()
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise _BadRequest(f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise _BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+            body = decode_json_object(raw, request.headers.get("Content-Type"))
+        except BodyError as e:
+            raise _BadRequest(e.message, status=e.status, code=e.code) from None
         model = body.get("model")
         if model is not None and model != self.config.model:
             raise _BadRequest(f"The model `{model}` does not exist.", "model", status=404, code="model_not_found")

@@ -83,6 +83,7 @@ from kvcompass.agent.agent import TENANT_SALT_PREFIX
 from kvcompass.discovery.edge import Decision, Edge
 from kvcompass.errors import KVCompassError
 from kvcompass.index import Namespace
+from kvcompass.services.openai_body import BodyError, decode_json_object
 
 __all__ = [
     "FRONT_DOOR",
@@ -476,11 +477,9 @@ class FrontDoor:
         except web.HTTPRequestEntityTooLarge:
             raise _Refusal(413, f"request body exceeds {cfg.max_body_bytes} bytes", code="request_too_large") from None
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise _Refusal(400, f"could not parse the JSON body of the request: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise _Refusal(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_type")
+            body = decode_json_object(raw, request.headers.get("Content-Type"))
+        except BodyError as e:
+            raise _Refusal(e.status, e.message, code=e.code) from None
 
         model = body.get("model")
         if model is None:
