@@ -36,7 +36,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from kvcompass._proto.kvcompass.v1 import EdgeStub, IngestAck, KeyOps, MaintenanceStub, QueueVector, RouteRequest, SnapshotRequest
+from kvcompass._proto.kvcompass.v1 import EdgeStub, IngestAck, KeyOps, MaintenanceStub, QueueVector, RouteRequest, SnapshotRequest, SubscribeRequest
 from kvcompass.agent import BlockStored, WorkerAgent, encode_batch
 from kvcompass.discovery.edge import Edge
 from kvcompass.discovery.layout import IndexLayout
@@ -698,3 +698,45 @@ def test_a_slow_sink_stops_the_agent_runner_reading_instead_of_buffering() -> No
             ctx.term()
 
     run(go())
+
+
+def test_the_edge_refuses_messages_past_its_limits_before_reading_them() -> None:
+    # issue 19, finding 2: a 100,000-entry queue vector stalled a door for seconds, 100 MB
+    # routes grew an edge's memory. Each request type now has a limit derived from what it can
+    # legitimately hold (the topology's workers, max_prompt_tokens), checked on the 5-byte
+    # message prefix, before the payload is read or parsed.
+    async def go() -> None:
+        plane = LocalPlane(load_topology("testbed-14x3"), seed=3)
+        edge = plane.edges["us"]
+        svc = EdgeService(edge, clock=lambda: 1.0, max_prompt_tokens=1000)
+        limits = svc.message_limits()
+        assert limits[RouteRequest] == 4 * 1000 + 4096 and limits[QueueVector] < 64 << 10
+        async with EdgeServer(svc) as server:
+            host, port = (await server.start("127.0.0.1", 0)).rsplit(":", 1)
+            ch = Channel(host, int(port))
+            try:
+                stub = EdgeStub(ch)
+                huge = QueueVector(region="eu", queues={f"eu-{i}": 1.0 for i in range(100_000)})
+                with pytest.raises(GRPCError) as ei:
+                    await stub.exchange_queues(huge, timeout=30)
+                assert ei.value.status is Status.RESOURCE_EXHAUSTED and "QueueVector" in (ei.value.message or "")
+                long_prompt = RouteRequest(tokens=np.arange(5000, dtype="<u4").tobytes(), namespace=NS.digest)
+                with pytest.raises(GRPCError) as ei:
+                    await stub.route(long_prompt, timeout=30)
+                assert ei.value.status is Status.RESOURCE_EXHAUSTED
+                # The server goes on serving, and nothing of the refused messages reached the edge.
+                ok = await stub.exchange_queues(QueueVector(region="eu", queues={"eu-0": 5.0}), timeout=5)
+                assert ok.region == "us" and edge.queue_estimate("eu-0") == 5.0
+                r = await stub.route(RouteRequest(tokens=np.arange(100, dtype="<u4").tobytes(), namespace=NS.digest), timeout=5)
+                assert r.worker
+            finally:
+                ch.close()
+            assert sample(server.metrics.registry, "kvcompass_rpc_errors_total", role="edge", status="RESOURCE_EXHAUSTED") == 2
+
+    run(go())
+
+
+def test_the_maintenance_unit_bounds_a_key_ops_batch_by_its_configured_size(world: World) -> None:
+    svc = MaintenanceService(MaintenanceUnit(0, world.layout, 1, capacity=256), MaintenanceConfig(max_batch_ops=1000))
+    limits = svc.message_limits()
+    assert limits[KeyOps] == 9 * 1000 + (64 << 10) and limits[SubscribeRequest] == 64 << 10

@@ -61,6 +61,13 @@ class EdgeService(EdgeBase):
         self._clock = clock
         self._max_tokens = max_prompt_tokens
 
+    def message_limits(self) -> dict[type, int]:
+        """The largest request of each type this service reads: a prompt of ``max_prompt_tokens``
+        (4 bytes a token) plus its namespace; a queue vector or an outcome names at most every
+        worker of the topology (an entry: its id, a double and their framing)."""
+        vector = sum(len(w.encode()) + 24 for w in self.edge.workers) + 4096
+        return {RouteRequest: 4 * self._max_tokens + 4096, QueueVector: vector, OutcomeRequest: vector}
+
     async def route(self, route_request: RouteRequest) -> RouteResponse:
         raw = route_request.tokens
         if len(raw) % 4:
@@ -210,7 +217,7 @@ class EdgeServer:
         ``host:port`` as bound."""
         sock = bind_socket(host, port)
         bound = int(sock.getsockname()[1])
-        server = DrainingServer([self.service, self.health], self.metrics)
+        server = DrainingServer([self.service, self.health], self.metrics, self.service.message_limits())
         try:
             await server.start(sock=sock, ssl=ssl_context)
         except BaseException:

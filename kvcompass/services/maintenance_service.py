@@ -61,7 +61,7 @@ from kvcompass.discovery.layout import IndexLayout
 from kvcompass.discovery.maintenance import ApplyReport, MaintenanceUnit, PatchBatch
 from kvcompass.discovery.ops import KeyOpBatch
 from kvcompass.errors import AgentSequenceError, CapacityError, InvalidArgumentError, KVCompassError, UnknownWorkerError
-from kvcompass.services.codec import StrictProtoCodec
+from kvcompass.services.codec import StrictProtoCodec, install_receive_limit
 from kvcompass.services.metrics import MetricsServer, ServiceMetrics, bind_socket, export_states
 from kvcompass.services.status import grpc_error, status_of
 
@@ -238,9 +238,11 @@ class DrainingServer(Server):
     so every client sees the connection drop and reconnects.
     """
 
-    def __init__(self, handlers: Sequence[Any], metrics: ServiceMetrics | None = None) -> None:
-        # Malformed request bytes are INVALID_ARGUMENT, never UNKNOWN (kvcompass.services.codec).
-        super().__init__(handlers, codec=StrictProtoCodec())
+    def __init__(self, handlers: Sequence[Any], metrics: ServiceMetrics | None = None, limits: Mapping[type, int] | None = None) -> None:
+        # Malformed request bytes are INVALID_ARGUMENT, never UNKNOWN, and a message larger than
+        # its type's limit is RESOURCE_EXHAUSTED before it is read (kvcompass.services.codec).
+        install_receive_limit()
+        super().__init__(handlers, codec=StrictProtoCodec(limits))
         self._protocols: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
         if metrics is not None:
             m = metrics
@@ -266,6 +268,12 @@ class DrainingServer(Server):
 class MaintenanceService(MaintenanceBase):
     """``kvcompass.v1.Maintenance`` over one unit. :meth:`start` runs the flush loop;
     :meth:`stop` drains (health NOT_SERVING, last flush and persist, subscriber streams ended)."""
+
+    def message_limits(self) -> dict[type, int]:
+        """The largest request of each type this service reads: a batch of ``max_batch_ops``
+        key ops (8 bytes a key, 1 a tier) plus its envelope; positions and names are small."""
+        small = 64 << 10
+        return {KeyOps: 9 * self._cfg.max_batch_ops + small, SubscribeRequest: small, SnapshotRequest: small}
 
     def __init__(self, unit: MaintenanceUnit, config: MaintenanceConfig = MaintenanceConfig(), metrics: ServiceMetrics | None = None) -> None:
         self._unit = unit
@@ -611,7 +619,7 @@ class MaintenanceServer:
         and ``/healthz`` there (0: a free port)."""
         sock = bind_socket(host, port)
         bound = int(sock.getsockname()[1])
-        server = DrainingServer([self.service, self.health], self.service.metrics)
+        server = DrainingServer([self.service, self.health], self.service.metrics, self.service.message_limits())
         try:
             await server.start(sock=sock, ssl=ssl_context)
         except BaseException:
