@@ -10,6 +10,7 @@ import numpy.typing as npt
 
 __all__ = [
     "NO_KEY",
+    "MAX_QUEUE_MS",
     "PATCH_VERSION",
     "namespace_digest",
     "prefix_keys",
@@ -44,6 +45,7 @@ __all__ = [
 ]
 
 NO_KEY: int
+MAX_QUEUE_MS: float
 """Marks a prefix length beyond the prompt (keys are 63-bit, so this never collides)."""
 PATCH_VERSION: int
 """The patch wire-format version this build reads and writes."""

@@ -18,8 +18,12 @@ pub struct Estimates<'a> {
 
 /// The first sample that is not finite and >= 0, if any.
 pub fn first_bad_sample(samples: &[f64]) -> Option<usize> {
-    samples.iter().position(|x| !(x.is_finite() && *x >= 0.0))
+    samples.iter().position(|x| !(x.is_finite() && *x >= 0.0 && *x <= MAX_QUEUE_MS))
 }
+
+/// The largest queue estimate (ms) any report may carry: a day. No worker's queue is a day
+/// deep; a larger value is a broken or hostile reporter, not a load to steer around.
+pub const MAX_QUEUE_MS: f64 = 86_400_000.0;
 
 /// Fold `samples[j]` into worker `indices[j]` (distinct indices, in range, samples checked):
 /// the estimate becomes `(1 - w) * old + w * sample` (the sample itself for a worker never
@@ -59,5 +63,6 @@ mod tests {
         assert!(idle[1].is_nan());
         assert_eq!(first_bad_sample(&[1.0, -0.5, f64::NAN]), Some(1));
         assert_eq!(first_bad_sample(&[0.0, 3.0]), None);
+        assert_eq!(first_bad_sample(&[0.0, 1e300]), Some(1));
     }
 }

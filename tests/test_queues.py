@@ -277,7 +277,7 @@ def test_rust_fold_checks_before_it_writes() -> None:
 
     arrays = [np.zeros(3), np.zeros(3), np.zeros(3), np.full(3, -np.inf), np.full(3, np.nan)]
     before = [a.copy() for a in arrays]
-    for idx, smp, what in (([0, 0], [1.0, 2.0], "repeated"), ([3], [1.0], "out of"), ([1], [-1.0], "finite and >= 0"), ([1], [np.nan], "finite"), ([0, 1], [1.0], "indices but")):
+    for idx, smp, what in (([0, 0], [1.0, 2.0], "repeated"), ([3], [1.0], "out of"), ([1], [-1.0], "must be finite and in"), ([1], [np.nan], "finite"), ([1], [1e300], "must be finite and in"), ([0, 1], [1.0], "indices but")):
         with pytest.raises(ValueError, match=what):
             _core.fold_queue_samples(*arrays, np.array(idx, dtype=np.int64), np.array(smp, dtype=np.float64), 1.0, 0.5, 0.0)
         for a, b in zip(arrays, before):

@@ -36,7 +36,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from kvcompass._proto.kvcompass.v1 import EdgeStub, IngestAck, KeyOps, MaintenanceStub, QueueVector, RouteRequest, SnapshotRequest, SubscribeRequest
+from kvcompass._proto.kvcompass.v1 import EdgeStub, IngestAck, KeyOps, MaintenanceStub, OutcomeRequest, QueueVector, RouteRequest, SnapshotRequest, SubscribeRequest
 from kvcompass.agent import BlockStored, WorkerAgent, encode_batch
 from kvcompass.discovery.edge import Edge
 from kvcompass.discovery.layout import IndexLayout
@@ -740,3 +740,52 @@ def test_the_maintenance_unit_bounds_a_key_ops_batch_by_its_configured_size(worl
     svc = MaintenanceService(MaintenanceUnit(0, world.layout, 1, capacity=256), MaintenanceConfig(max_batch_ops=1000))
     limits = svc.message_limits()
     assert limits[KeyOps] == 9 * 1000 + (64 << 10) and limits[SubscribeRequest] == 64 << 10
+
+
+def test_an_outcome_counts_only_for_a_route_the_edge_made_and_only_once() -> None:
+    # issue 19, finding 1: 200 forged ReportOutcome calls (claimed 3,000, reused 0) took a
+    # worker's belief from 0.80 to 4e-20. An outcome now needs the route_id of a RouteResponse
+    # of this edge, counts once, for the worker and claim the edge issued.
+    async def go() -> None:
+        plane = LocalPlane(load_topology("testbed-14x3"), seed=3)
+        edge = plane.edges["us"]
+        svc = EdgeService(edge, clock=lambda: 1.0)
+        async with ChannelFor([svc]) as ch:
+            stub = EdgeStub(ch)
+            before = {w: edge.belief(w) for w in edge.workers}
+            forged = 0
+            for i in range(200):
+                with pytest.raises(GRPCError) as ei:
+                    await stub.report_outcome(OutcomeRequest(worker="us-0", claimed_tokens=3000, reused_tokens=0, route_id=i))
+                forged += ei.value.status is Status.NOT_FOUND
+            assert forged == 200 and {w: edge.belief(w) for w in edge.workers} == before
+            r = await stub.route(RouteRequest(tokens=np.arange(300, dtype="<u4").tobytes(), namespace=NS.digest))
+            assert r.route_id != 0
+            for bad, status in (
+                (OutcomeRequest(worker=next(w for w in edge.workers if w != r.worker), reused_tokens=0, route_id=r.route_id), Status.NOT_FOUND),
+                (OutcomeRequest(worker=r.worker, reused_tokens=301, route_id=r.route_id), Status.INVALID_ARGUMENT),
+                (OutcomeRequest(worker=r.worker, reused_tokens=0, route_id=r.route_id, queue_vector={"eu-0": 1e300}), Status.INVALID_ARGUMENT),
+            ):
+                with pytest.raises(GRPCError) as ei:
+                    await stub.report_outcome(bad)
+                assert ei.value.status is status, ei.value.message
+            ok = await stub.report_outcome(OutcomeRequest(worker=r.worker, claimed_tokens=3000, reused_tokens=0, route_id=r.route_id))
+            assert ok.belief == edge.belief(r.worker)
+            assert edge.stats.responses == 1
+            with pytest.raises(GRPCError) as ei:  # the same route, again
+                await stub.report_outcome(OutcomeRequest(worker=r.worker, reused_tokens=0, route_id=r.route_id))
+            assert ei.value.status is Status.NOT_FOUND and edge.stats.responses == 1
+
+    run(go())
+
+
+def test_queue_reports_past_a_day_are_refused() -> None:
+    plane = LocalPlane(load_topology("testbed-14x3"), seed=3)
+    edge = plane.edges["us"]
+    for bad in (1e300, 86_400_001.0):
+        with pytest.raises(InvalidArgumentError, match="must be finite and in"):
+            edge.on_broadcast("eu", {"eu-0": bad}, 1.0)
+        with pytest.raises(ValueError):
+            edge.set_local_queue("us-0", bad, 1.0)
+    edge.on_broadcast("eu", {"eu-0": 86_400_000.0}, 1.0)
+    assert edge.queue_estimate("eu-0") == 86_400_000.0

@@ -589,7 +589,7 @@ def test_edge_service_routes_learns_and_exchanges_queues(world: World) -> None:
                     await stub.route(bad)
                 assert ei.value.status is Status.INVALID_ARGUMENT
 
-            out = await stub.report_outcome(OutcomeRequest(worker="asia-0", claimed_tokens=3536, reused_tokens=0))
+            out = await stub.report_outcome(OutcomeRequest(worker="asia-0", claimed_tokens=3536, reused_tokens=0, route_id=r.route_id))
             assert out.belief < 1.0 and out.belief == pytest.approx(us.belief("asia-0"))
             with pytest.raises(GRPCError) as ei:
                 await stub.report_outcome(OutcomeRequest(worker="nobody", claimed_tokens=1, reused_tokens=1))

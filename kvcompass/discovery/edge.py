@@ -49,7 +49,7 @@ from kvcompass.discovery.hotness import HotnessTracker
 from kvcompass.discovery.layout import IndexLayout, WorkerSpec
 from kvcompass.discovery.migration import MigrationAction, MigrationPlanner, evaluate_trigger
 from kvcompass.discovery.params import EdgeParams
-from kvcompass.discovery.queues import BroadcastSchedule, QueueEstimates
+from kvcompass.discovery.queues import MAX_QUEUE_MS, BroadcastSchedule, QueueEstimates
 from kvcompass.errors import (
     EpochChangedError,
     InvalidArgumentError,
@@ -844,8 +844,8 @@ class Edge:
         ignored = 0
         for k, (wid, x) in enumerate(vector.items()):
             v = float(x)
-            if not (math.isfinite(v) and v >= 0):
-                raise InvalidArgumentError(f"queue vector of {region!r}: {wid!r} = {x!r} ms must be finite and >= 0")
+            if not (math.isfinite(v) and 0 <= v <= MAX_QUEUE_MS):
+                raise InvalidArgumentError(f"queue vector of {region!r}: {wid!r} = {x!r} ms must be finite and in [0, {MAX_QUEUE_MS:g}]")
             i = index.get(wid)
             if i is None or worker_region[i] != region:
                 ignored += 1

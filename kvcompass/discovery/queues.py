@@ -42,17 +42,22 @@ import numpy.typing as npt
 
 from kvcompass import _core
 
-__all__ = ["BroadcastSchedule", "QueueEstimates"]
+__all__ = ["MAX_QUEUE_MS", "BroadcastSchedule", "QueueEstimates"]
 
 # Slack for "Delta has passed": a driver ticking every Delta accumulates float error
 # (0.1 + 0.2 > 0.3), which must not push a broadcast to the following tick.
 _EPS_S = 1e-9
 
 
+MAX_QUEUE_MS: float = _core.MAX_QUEUE_MS
+"""The largest queue estimate (ms) a report may carry (a day): larger is a broken or hostile
+reporter, refused like a negative or NaN one."""
+
+
 def _check_sample(tq_ms: float) -> float:
     x = float(tq_ms)
-    if not (math.isfinite(x) and x >= 0):
-        raise ValueError(f"queue estimate {tq_ms!r} ms must be finite and >= 0")
+    if not (math.isfinite(x) and 0 <= x <= MAX_QUEUE_MS):
+        raise ValueError(f"queue estimate {tq_ms!r} ms must be finite and in [0, {MAX_QUEUE_MS:g}]")
     return x
 
 

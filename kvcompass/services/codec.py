@@ -216,5 +216,5 @@ def install_receive_limit() -> None:
     import grpclib.server
 
     if _grpclib_recv_message is None:
-        _grpclib_recv_message = grpclib.server.recv_message
-        grpclib.server.recv_message = _capped_recv_message
+        _grpclib_recv_message = getattr(grpclib.server, "recv_message")
+        setattr(grpclib.server, "recv_message", _capped_recv_message)

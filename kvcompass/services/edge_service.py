@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import secrets
 import ssl
 import time
+from collections import OrderedDict
 from typing import Callable, Mapping
 
 import numpy as np
@@ -36,6 +39,7 @@ from kvcompass._proto.kvcompass.v1 import (
     ScoreTerms,
 )
 from kvcompass.discovery.edge import Edge
+from kvcompass.discovery.queues import MAX_QUEUE_MS
 from kvcompass.errors import InvalidArgumentError, KVCompassError
 from kvcompass.services.maintenance_service import DrainingServer
 from kvcompass.services.metrics import MetricsServer, ServiceMetrics, bind_socket
@@ -47,6 +51,9 @@ __all__ = ["Clock", "EdgeServer", "EdgeService", "QueueBroadcaster"]
 Clock = Callable[[], float]
 
 MAX_PROMPT_TOKENS = 1 << 21
+OPEN_ROUTES = 1 << 16
+"""Routes whose outcome an edge still accepts (the oldest is forgotten first): about a minute
+of decisions at 1,000 routes a second."""
 
 
 def _bad(msg: str) -> GRPCError:
@@ -56,10 +63,16 @@ def _bad(msg: str) -> GRPCError:
 class EdgeService(EdgeBase):
     """``kvcompass.v1.Edge`` over one :class:`Edge`."""
 
-    def __init__(self, edge: Edge, *, clock: Clock = time.monotonic, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> None:
+    def __init__(self, edge: Edge, *, clock: Clock = time.monotonic, max_prompt_tokens: int = MAX_PROMPT_TOKENS, open_routes: int = OPEN_ROUTES) -> None:
         self.edge = edge
         self._clock = clock
         self._max_tokens = max_prompt_tokens
+        if open_routes < 1:
+            raise ValueError(f"open_routes must be >= 1, got {open_routes}")
+        # The routes this edge decided whose outcome has not been reported: route id ->
+        # (worker, claimed tokens, prompt tokens), oldest first, at most open_routes of them.
+        self._open: OrderedDict[int, tuple[str, int, int]] = OrderedDict()
+        self._open_max = open_routes
 
     def message_limits(self) -> dict[type, int]:
         """The largest request of each type this service reads: a prompt of ``max_prompt_tokens``
@@ -83,7 +96,12 @@ class EdgeService(EdgeBase):
         except ValueError as e:  # the core's argument checks (e.g. a malformed namespace digest)
             raise _bad(str(e)) from None
         t = d.terms
+        route_id = secrets.randbits(63) + 1
+        self._open[route_id] = (d.worker, d.expected_match, d.prompt_tokens)
+        while len(self._open) > self._open_max:
+            self._open.popitem(last=False)
         return RouteResponse(
+            route_id=route_id,
             worker=d.worker,
             region=d.region,
             claimed_tokens=d.expected_match,
@@ -97,10 +115,27 @@ class EdgeService(EdgeBase):
         )
 
     async def report_outcome(self, outcome_request: OutcomeRequest) -> OutcomeResponse:
+        """The outcome of a route this edge decided: counts once, for the worker and the claim
+        the edge issued (the reporter's own ``claimed_tokens`` is not trusted), so nobody can
+        move a worker's belief with outcomes of routes that never were (issue 19)."""
         r = outcome_request
         try:
-            self.edge.on_response(r.worker, r.claimed_tokens, r.reused_tokens, dict(r.queue_vector) or None, self._clock())
-            return OutcomeResponse(belief=self.edge.belief(r.worker))
+            self.edge.worker_index(r.worker)
+            for w, q in r.queue_vector.items():
+                if not (math.isfinite(q) and 0 <= q <= MAX_QUEUE_MS):
+                    raise InvalidArgumentError(f"queue_vector: {w!r} = {q!r} ms must be finite and in [0, {MAX_QUEUE_MS:g}]")
+        except KVCompassError as e:
+            raise grpc_error(e) from None
+        issued = self._open.get(r.route_id)
+        if issued is None or issued[0] != r.worker:
+            raise GRPCError(Status.NOT_FOUND, f"no open route {r.route_id} to {r.worker!r} from this edge: report the route_id of a RouteResponse, once")
+        worker, claimed, prompt_tokens = issued
+        if r.reused_tokens > prompt_tokens:
+            raise _bad(f"reused_tokens {r.reused_tokens} exceeds the route's prompt of {prompt_tokens} tokens")
+        del self._open[r.route_id]
+        try:
+            self.edge.on_response(worker, claimed, r.reused_tokens, dict(r.queue_vector) or None, self._clock())
+            return OutcomeResponse(belief=self.edge.belief(worker))
         except KVCompassError as e:
             raise grpc_error(e) from None
 

@@ -119,7 +119,7 @@ fn fold_queue_samples(
         ix.push(i as usize);
     }
     if let Some(j) = crate::queues::first_bad_sample(smp) {
-        return Err(PyValueError::new_err(format!("sample {} = {} ms must be finite and >= 0", j, smp[j])));
+        return Err(PyValueError::new_err(format!("sample {} = {} ms must be finite and in [0, {}]", j, smp[j], crate::queues::MAX_QUEUE_MS)));
     }
     let (mut o, mut t, p, mut a, mut s) = (obs.readwrite(), tq.readwrite(), pend.readonly(), at.readwrite(), idle_since.readwrite());
     let bad = |e: numpy::AsSliceError| PyValueError::new_err(format!("estimate arrays must be contiguous: {e}"));
@@ -180,6 +180,7 @@ fn shard_of(key: u64, shards: u32) -> PyResult<u32> {
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NO_KEY", chunk_hash::NO_KEY)?;
+    m.add("MAX_QUEUE_MS", crate::queues::MAX_QUEUE_MS)?;
     m.add("PATCH_VERSION", crate::patch::VERSION)?;
     m.add_function(wrap_pyfunction!(namespace_digest, m)?)?;
     m.add_function(wrap_pyfunction!(prefix_keys, m)?)?;

@@ -57,6 +57,7 @@ class RouteResponse(betterproto.Message):
     candidates: int = betterproto.uint32_field(8)
     prompt_tokens: int = betterproto.uint32_field(9)
     local_match: int = betterproto.uint32_field(10)
+    route_id: int = betterproto.uint64_field(11)
 
 
 @dataclass(eq=False, repr=False)
@@ -67,6 +68,7 @@ class OutcomeRequest(betterproto.Message):
     queue_vector: Dict[str, float] = betterproto.map_field(
         4, betterproto.TYPE_STRING, betterproto.TYPE_DOUBLE
     )
+    route_id: int = betterproto.uint64_field(5)
 
 
 @dataclass(eq=False, repr=False)
