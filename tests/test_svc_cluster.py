@@ -342,6 +342,37 @@ def test_sigterm_drains_a_process(tmp_path: Path) -> None:
             proc.stdout.close()
 
 
+def test_a_killed_process_is_restarted_on_its_ports(cluster: Cluster) -> None:
+    # issue 19, finding 5: a kill -9'd edge left its door failing every request until the end.
+    # The supervisor now starts it again on the same ports, and the state file follows.
+    door = cluster.edge("a")
+    state_file = Path(cluster.state["run_dir"]).parent / "state.json"
+    old = json.loads(state_file.read_text())["pids"]["edge-a"]
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while True:
+        pids = json.loads(state_file.read_text()).get("pids", {})
+        if pids.get("edge-a") not in (None, old):
+            break
+        assert time.monotonic() < deadline, cluster.log.read_text()
+        time.sleep(0.1)
+    state = json.loads(state_file.read_text())
+    assert state["restarts"].get("edge-a") == 1 and state["left_down"] == []
+    assert _alive(state["pids"]["edge-a"])
+    while True:
+        try:
+            if _get(door + "/health")[0] == 200:
+                break
+        except (urllib.error.URLError, ConnectionError):
+            pass  # not listening yet
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    st, headers, _ = _post(door + "/v1/completions", {"model": MODEL, "prompt": _prompt(9, 64), "max_tokens": 2})
+    assert st == 200 and headers["x-kvcompass-worker"]
+    assert b"restarted edge-a" in cluster.log.read_bytes()
+
+
+
 def test_sigterm_stops_the_whole_cluster(cluster: Cluster) -> None:
     pids = list(cluster.state["pids"].values())
     t0 = time.monotonic()
@@ -349,3 +380,4 @@ def test_sigterm_stops_the_whole_cluster(cluster: Cluster) -> None:
     assert cluster.proc.wait(30) == 0, cluster.log.read_text()
     assert time.monotonic() - t0 < 20
     assert not [p for p in pids if _alive(p)]
+

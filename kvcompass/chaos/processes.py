@@ -70,23 +70,6 @@ class _Load:
     errors: dict[str, int] | None = None
 
 
-def _port(endpoint: str) -> str:
-    return endpoint.rstrip("/").rsplit(":", 1)[1]
-
-
-def _fixed_ports(role: str, ready: dict[str, Any]) -> list[str]:
-    """The arguments that restart a process on the ports its predecessor had."""
-    if role == "maintenance":
-        return ["--port", _port(str(ready["grpc"])), "--metrics-port", _port(str(ready["metrics"]))]
-    if role == "edge":
-        return ["--http-port", _port(str(ready["http"])), "--grpc-port", _port(str(ready["grpc"])), "--metrics-port", _port(str(ready["metrics"]))]
-    if role == "agent":
-        return ["--metrics-port", _port(str(ready["metrics"]))]
-    if role == "worker":
-        return ["--port", _port(str(ready["http"])), "--events-port", _port(str(ready["events"])), "--replay-port", _port(str(ready["replay"]))]
-    raise ValueError(f"unknown role {role!r}")
-
-
 def parse_states(text: str) -> dict[tuple[int, int], tuple[int, int, int]]:
     """``(table, shard) -> (epoch, seq, digest48)`` from a ``/metrics`` page."""
     out: dict[tuple[int, int], tuple[int, int, int]] = {}
@@ -220,7 +203,9 @@ class ProcessChaos:
             c.proc.send_signal(signal.SIGKILL)
         await c.proc.wait()
         t_spawn = time.monotonic()
-        new = await self.cluster.spawn(c.name, c.role, [*c.argv, *_fixed_ports(c.role, c.ready)])
+        from kvcompass.services.cluster import fixed_ports
+
+        new = await self.cluster.spawn(c.name, c.role, [*c.base, *fixed_ports(c.role, c.ready)], base=c.base)
         await self.cluster.wait_ready([new], self.cfg.startup_timeout_s)
         t_ready = time.monotonic()
         deadline = t_spawn + self.cfg.settle_timeout_s

@@ -23,9 +23,12 @@ drain their in-flight requests first, maintenance units write their state last).
 in their own sessions, so a terminal's Ctrl-C reaches only this supervisor, and they watch it
 (``KVCOMPASS_PARENT_PID``), so even a SIGKILLed supervisor leaves no orphans.
 
-A child that dies while the cluster runs is reported on stderr and left dead: the edges route
-around a dead worker, which is what a real fleet needs them to do. The exit status is 0 when
-every child still running at shutdown drained and exited 0.
+A child that dies while the cluster runs is started again, like a process manager would: on
+the ports it had (its peers keep their addresses), after a backoff that doubles from 0.25 s up
+to 8 s, and at most 5 times in 60 s; past that budget it is left down and said so. Every
+restart is logged on stderr and counted in the state file (``restarts``, ``left_down``), whose
+``pids`` follow the restarted processes. While a worker is down the edges route around it. The
+exit status is 0 when every child still running at shutdown drained and exited 0.
 """
 
 from __future__ import annotations
@@ -91,6 +94,8 @@ class Child:
     ready: dict[str, Any] = field(default_factory=dict)
     exited: int | None = None
     stopping: bool = False
+    base: list[str] = field(default_factory=list)
+    """The command line before any fixed ports (a restart appends its predecessor's)."""
     _drain: asyncio.Task[None] | None = None
     _logf: IO[bytes] | None = None
 
@@ -100,6 +105,32 @@ class Child:
         except OSError:
             return ""
         return data.decode(errors="replace")
+
+
+def _port(endpoint: str) -> str:
+    return endpoint.rstrip("/").rsplit(":", 1)[1]
+
+
+def fixed_ports(role: str, ready: dict[str, Any]) -> list[str]:
+    """The arguments that restart a process on the ports its predecessor had (its peers keep
+    the addresses they were given)."""
+    if role == "maintenance":
+        return ["--port", _port(str(ready["grpc"])), "--metrics-port", _port(str(ready["metrics"]))]
+    if role == "edge":
+        return ["--http-port", _port(str(ready["http"])), "--grpc-port", _port(str(ready["grpc"])), "--metrics-port", _port(str(ready["metrics"]))]
+    if role == "agent":
+        return ["--metrics-port", _port(str(ready["metrics"]))]
+    if role == "worker":
+        return ["--port", _port(str(ready["http"])), "--events-port", _port(str(ready["events"])), "--replay-port", _port(str(ready["replay"]))]
+    raise ValueError(f"unknown role {role!r}")
+
+
+RESTART_BUDGET = 5
+"""Restarts of one process within :data:`RESTART_WINDOW_S` before the supervisor gives up on
+it (a process that cannot stay up is left down and said so, not restarted in a tight loop)."""
+RESTART_WINDOW_S = 60.0
+RESTART_BACKOFF_S = (0.25, 8.0)
+"""The first restart's delay and the cap; each further restart in the window doubles it."""
 
 
 def pick_workers(topology: Any, per_region: int | None, max_workers: int | None) -> list[Any]:
@@ -141,6 +172,15 @@ class Cluster:
         self.stopping = False
         self.tls_args: list[str] = []
         self.http_ssl: ssl.SSLContext | None = None
+        self.restarts: dict[str, int] = {}
+        """Restarts carried out, by process name."""
+        self.given_up: list[str] = []
+        """Processes left down after their restart budget ran out."""
+        self._restart_times: dict[str, list[float]] = {}
+        self._supervising: set[asyncio.Task[None]] = set()
+        self.state: dict[str, Any] | None = None
+        """What :meth:`start` returned, kept current (pids, restarts) once set."""
+        self.state_file: Path | None = None
 
     def _secrets(self) -> Path:
         d = self.run_dir / "secrets"
@@ -175,8 +215,8 @@ class Cluster:
     def _cmd(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "kvcompass", *args]
 
-    async def spawn(self, name: str, role: str, argv: list[str]) -> Child:
-        c = Child(name, role, argv, self.run_dir / "logs" / f"{name}.log")
+    async def spawn(self, name: str, role: str, argv: list[str], base: list[str] | None = None) -> Child:
+        c = Child(name, role, argv, self.run_dir / "logs" / f"{name}.log", base=list(argv if base is None else base))
         c.log.parent.mkdir(parents=True, exist_ok=True)
         c._logf = open(c.log, "wb")  # noqa: SIM115 - closed in _reap
         c.proc = await asyncio.create_subprocess_exec(
@@ -218,7 +258,58 @@ class Cluster:
         code = await c.proc.wait()
         c.exited = code
         if not c.stopping and not self.stopping:
-            print(f"kvcompass up: {c.name} exited with code {code} (left down; log {c.log})", file=sys.stderr, flush=True)
+            print(f"kvcompass up: {c.name} exited with code {code}; restarting it on the same ports (log {c.log})", file=sys.stderr, flush=True)
+            task = asyncio.get_running_loop().create_task(self._supervise(c))
+            self._supervising.add(task)
+            task.add_done_callback(self._supervising.discard)
+
+    async def _supervise(self, dead: Child) -> None:
+        """Start ``dead`` again, on its ports, with backoff, within its restart budget."""
+        times = self._restart_times.setdefault(dead.name, [])
+        timeout = self.cfg.startup_timeout_s
+        while not self.stopping:
+            now = time.monotonic()
+            times[:] = [t for t in times if now - t < RESTART_WINDOW_S]
+            if len(times) >= RESTART_BUDGET:
+                self.given_up.append(dead.name)
+                print(
+                    f"kvcompass up: {dead.name} needed {RESTART_BUDGET} restarts within {RESTART_WINDOW_S:.0f} s: left down (log {dead.log})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self._write_state()
+                return
+            first, cap = RESTART_BACKOFF_S
+            await asyncio.sleep(min(cap, first * 2 ** len(times)))
+            if self.stopping:
+                return
+            times.append(time.monotonic())
+            new = await self.spawn(dead.name, dead.role, [*dead.base, *fixed_ports(dead.role, dead.ready)], base=dead.base)
+            try:
+                await self.wait_ready([new], timeout)
+            except RuntimeError as e:
+                print(f"kvcompass up: restarting {dead.name} failed: {e}", file=sys.stderr, flush=True)
+                if new.proc is not None and new.proc.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        new.proc.kill()
+                    await new.proc.wait()
+                continue
+            self.restarts[dead.name] = self.restarts.get(dead.name, 0) + 1
+            assert new.proc is not None
+            print(f"kvcompass up: restarted {dead.name} (pid {new.proc.pid}; {len(times)} restart(s) in the last {RESTART_WINDOW_S:.0f} s)", file=sys.stderr, flush=True)
+            self._write_state()
+            return
+
+    def _write_state(self) -> None:
+        """Bring the state (and ``--state-file``) up to date: live pids, restarts, given up."""
+        if self.state is None:
+            return
+        live = {c.name: c.proc.pid for c in self.children if c.proc is not None and c.proc.returncode is None}
+        self.state["pids"] = {**self.state.get("pids", {}), **live}
+        self.state["restarts"] = dict(self.restarts)
+        self.state["left_down"] = list(self.given_up)
+        if self.state_file is not None:
+            _write_json(self.state_file, self.state)
 
     async def start(self) -> dict[str, Any]:
         cfg, topo = self.cfg, self.topology
@@ -319,6 +410,10 @@ class Cluster:
     async def stop(self) -> int:
         """Drain in reverse data-flow order; SIGKILL whatever outlives its grace period."""
         self.stopping = True
+        for task in list(self._supervising):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         code = 0
         for role in ("edge", "agent", "worker", "maintenance"):
             group = [c for c in self.children if c.role == role and c.proc is not None and c.proc.returncode is None]
@@ -416,8 +511,11 @@ async def run_cluster(cfg: ClusterConfig, stop: asyncio.Event | None = None) -> 
                 print(f"kvcompass up: startup failed: {e}", file=sys.stderr)
                 code = 1
             else:
+                state["restarts"], state["left_down"] = {}, []
+                cluster.state = state
                 if cfg.state_file is not None:
-                    _write_json(Path(cfg.state_file), state)
+                    cluster.state_file = Path(cfg.state_file)
+                    _write_json(cluster.state_file, state)
                 print(format_endpoints(state), flush=True)
                 await stop.wait()
         stopped.cancel()
