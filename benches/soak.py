@@ -4,8 +4,9 @@
 
 Starts ``kvcompass up`` on a small two-region topology (3 workers, 2 shards; the tests' tiny
 cluster), sends streaming completions at ``2 x --rate`` requests/s (Poisson) through both edges'
-HTTP doors, and every ``--fault-every`` seconds SIGKILLs one process and restarts it on the same
-ports from its own command line: alternately a maintenance unit (it recovers its shard from its
+HTTP doors, and every ``--fault-every`` seconds SIGKILLs one process, which ``kvcompass up``'s
+supervisor starts again on the same ports (the state file names the new pid): alternately a
+maintenance unit (it recovers its shard from its
 state file under a new epoch; edges resync, agents re-report) and an emulated worker (an engine
 restart: its event seq starts again at 0 and its cache is empty; the doors route around it while
 it is down). Nothing else is dropped (the in-process fault harness is ``kvcompass chaos``).
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -109,32 +111,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def cmdline(pid: int) -> list[str]:
-    return [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
-
-
-def environ(pid: int) -> dict[str, str]:
-    out = {}
-    for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-        if b"=" in kv:
-            k, v = kv.split(b"=", 1)
-            out[k.decode()] = v.decode()
-    return out
-
-
-def port_of(url: str) -> str:
-    return url.rstrip("/").rsplit(":", 1)[1]
-
-
-def with_arg(argv: list[str], flag: str, value: str) -> list[str]:
-    out = list(argv)
-    if flag in out:
-        out[out.index(flag) + 1] = value
-    else:
-        out += [flag, value]
-    return out
-
-
 class Soak:
     def __init__(self, args: argparse.Namespace, run_dir: Path) -> None:
         self.args = args
@@ -168,6 +144,7 @@ class Soak:
             if time.monotonic() > deadline:
                 raise SystemExit("cluster not up in 120 s")
             time.sleep(0.1)
+        self.state_file = state_file
         self.state = json.loads(state_file.read_text())
         self.pids = dict(self.state["pids"])
         for name, pid in self.pids.items():
@@ -184,7 +161,7 @@ class Soak:
             except subprocess.TimeoutExpired:
                 up.kill()
                 up.wait()
-        # Processes this script restarted are not the supervisor's children: stop them here.
+        # The restarted processes are the supervisor's children; stop any it left behind.
         for f in self.faults:
             pid = f.get("new_pid")
             if isinstance(pid, int) and alive(pid):
@@ -200,45 +177,40 @@ class Soak:
     # ---- faults ------------------------------------------------------------------------------------
 
     async def restart(self, name: str) -> dict[str, Any]:
-        """SIGKILL ``name`` and start it again on the same ports from its own command line."""
+        """SIGKILL ``name``; ``kvcompass up`` starts it again on the same ports (its supervisor),
+        and the state file names the new pid. Recovery is timed from the kill."""
         pid = self.pids[name]
-        argv, env = cmdline(pid), environ(pid)
         if name.startswith("maintenance-"):
             shard = int(name.rsplit("-", 1)[1])
             unit = next(u for u in self.state["maintenance"] if int(u["shard"]) == shard)
-            argv = with_arg(argv, "--port", port_of(unit["grpc"]))
-            argv = with_arg(argv, "--metrics-port", port_of(unit["metrics"]))
+            health = unit["metrics"] + "/healthz"
         else:
             wid = name.removeprefix("worker-")
-            agent = cmdline(self.pids[f"agent-{wid}"])
-            argv = with_arg(argv, "--port", port_of(self.state["workers"][wid]["http"]))
-            argv = with_arg(argv, "--events-port", port_of(agent[agent.index("--events") + 1]))
-            argv = with_arg(argv, "--replay-port", port_of(agent[agent.index("--replay") + 1]))
+            health = self.state["workers"][wid]["http"] + "/health"
         t_kill = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         while alive(pid):
             await asyncio.sleep(0.01)
-        # The children stop when their parent changes (KVCOMPASS_PARENT_PID): this script is
-        # the restarted one's parent, so it must name itself.
-        env["KVCOMPASS_PARENT_PID"] = str(os.getpid())
-        log = open(self.run_dir / f"{name}.restart-{len(self.faults)}.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        self.pids[name] = proc.pid
-        self.series[name].append(Series(name, proc.pid))
-        # Recovery: the restarted process healthy, then every edge healthy (views current).
-        if name.startswith("maintenance-"):
-            health = unit["metrics"] + "/healthz"
-        else:
-            health = self.state["workers"][wid]["http"] + "/health"
+        new_pid = None
+        deadline = time.monotonic() + 60
+        while new_pid is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError):
+                got = json.loads(self.state_file.read_text()).get("pids", {}).get(name)
+                if isinstance(got, int) and got != pid:
+                    new_pid = got
+            await asyncio.sleep(0.02)
         recovered = None
-        if await self.wait_healthy([health], timeout=30.0) is not None:
-            recovered = await self.wait_healthy([e["http"] + "/health" for e in self.state["edges"].values()], timeout=30.0)
-        if recovered is not None:
-            recovered = round((time.monotonic() - t_kill) * 1000, 1)
-        if not alive(proc.pid):
-            recovered = None
-        return {"t_s": round(t_kill - self.t0, 2), "process": name, "old_pid": pid, "new_pid": proc.pid, "recover_ms": recovered}
+        if new_pid is not None:
+            self.pids[name] = new_pid
+            self.series[name].append(Series(name, new_pid))
+            # Recovery: the restarted process healthy, then every edge healthy (views current).
+            if await self.wait_healthy([health], timeout=30.0) is not None:
+                recovered = await self.wait_healthy([e["http"] + "/health" for e in self.state["edges"].values()], timeout=30.0)
+            if recovered is not None:
+                recovered = round((time.monotonic() - t_kill) * 1000, 1)
+            if not alive(new_pid):
+                recovered = None
+        return {"t_s": round(t_kill - self.t0, 2), "process": name, "old_pid": pid, "new_pid": new_pid, "recover_ms": recovered}
 
     async def wait_healthy(self, urls: list[str], timeout: float) -> float | None:
         """Poll until every URL answers 200; the seconds it took, or None on timeout."""
@@ -298,7 +270,9 @@ class Soak:
         doors = [e["http"] + "/v1/completions" for e in self.state["edges"].values()]
         prefixes = [[self.rng.randrange(1000, 100_000) for _ in range(1024)] for _ in range(8)]
         tasks: set[asyncio.Task[None]] = set()
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        keys = self.state.get("api_keys") or {}
+        auth = {"Authorization": f"Bearer {next(iter(keys.values()))}"} if keys else None
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30), headers=auth) as http:
             nxt = time.monotonic()
             while nxt < end:
                 nxt += self.rng.expovariate(rate)

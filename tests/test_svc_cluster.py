@@ -86,9 +86,21 @@ def _get(url: str) -> tuple[int, bytes]:
             return int(e.code), e.read()
 
 
+# The cluster's API keys by tenant (set by the fixture from the state file); requests carry the
+# default tenant's unless they name their own Authorization.
+KEYS: dict[str, str] = {}
+
+
+def _auth(tenant: str = "public") -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[tenant]}"}
+
+
 def _post(url: str, body: object, raw: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
     data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})}, method="POST")
+    h = {"Content-Type": "application/json", **(headers or {})}
+    if KEYS and "Authorization" not in h:
+        h.update(_auth())
+    req = urllib.request.Request(url, data=data, headers=h, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=20) as r:
             return int(r.status), {k.lower(): v for k, v in r.headers.items()}, r.read()
@@ -147,7 +159,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     log = d / "up.log"
     with open(log, "wb") as logf:
         proc = subprocess.Popen(
-            _cmd("up", "--topology", str(topo), "--state-file", str(state_file), "--run-dir", str(d / "run"), "--time-scale", "0.02", "--drain-grace", "5"),
+            _cmd("up", "--topology", str(topo), "--state-file", str(state_file), "--run-dir", str(d / "run"), "--time-scale", "0.02", "--drain-grace", "5", "--tenants", "acme"),
             stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
         )
     try:
@@ -156,7 +168,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             assert proc.poll() is None, f"kvcompass up exited with {proc.returncode}:\n{log.read_text()}"
             assert time.monotonic() < deadline, f"cluster not up in 60 s:\n{log.read_text()}"
             time.sleep(0.1)
-        yield Cluster(proc, json.loads(state_file.read_text()), log)
+        state = json.loads(state_file.read_text())
+        KEYS.clear()
+        KEYS.update(state["api_keys"])
+        yield Cluster(proc, state, log)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -177,6 +192,21 @@ def test_up_writes_the_documented_state_file(cluster: Cluster) -> None:
     assert all(m["grpc"].startswith("127.0.0.1:") and m["metrics"].startswith("http://") for m in s["maintenance"])
     assert s["workers"] == {w: {"http": s["workers"][w]["http"], "region": w[0]} for w in ("a-0", "a-1", "b-0")}
     assert all(_alive(pid) for pid in s["pids"].values())
+
+
+def test_completions_need_a_key_and_the_key_decides_the_tenant(cluster: Cluster) -> None:
+    # issue 19 finding 4: naming a tenant by header used to be enough to act as it.
+    assert set(cluster.state["api_keys"]) == {"public", "acme"}
+    url = cluster.edge("a") + "/v1/completions"
+    body = {"model": MODEL, "prompt": _prompt(21, 64), "max_tokens": 2}
+    st, headers, data = _post(url, body, headers={"Authorization": "Bearer wrong"})
+    assert st == 401 and json.loads(data)["error"]["code"] == "invalid_api_key"
+    st, _, data = _post(url, body, headers={"x-kvcompass-namespace": "acme"})  # the public key
+    assert st == 403 and json.loads(data)["error"]["code"] == "tenant_not_allowed"
+    st, _, _ = _post(url, body, headers=_auth("acme"))
+    assert st == 200
+    assert _get(cluster.edge("a") + "/v1/models")[0] == 200  # no key needed
+    assert b"API keys" in cluster.log.read_bytes()  # printed at start, with how to use them
 
 
 def test_bad_requests_get_openai_errors(cluster: Cluster) -> None:
@@ -247,7 +277,7 @@ def _wait_metric(url: str, name: str, value: float, timeout: float = 10.0) -> No
 def test_tenants_share_no_kv_in_the_engine_and_are_indexed_in_their_own_namespace(cluster: Cluster) -> None:
     tokens = _prompt(11, 4096)
     body = {"model": MODEL, "prompt": tokens, "max_tokens": 2}
-    acme = {"x-kvcompass-namespace": "acme"}
+    acme = {"x-kvcompass-namespace": "acme", **_auth("acme")}
 
     def cached(data: bytes) -> int:
         return int(json.loads(data)["usage"]["prompt_tokens_details"]["cached_tokens"])
@@ -269,7 +299,7 @@ def test_tenants_share_no_kv_in_the_engine_and_are_indexed_in_their_own_namespac
 
 def test_streaming_proxy_passes_tokens_through(cluster: Cluster) -> None:
     body = {"model": MODEL, "prompt": _prompt(3, 600), "max_tokens": 7, "stream": True}
-    req = urllib.request.Request(cluster.edge("a") + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(cluster.edge("a") + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **_auth()}, method="POST")
     events: list[bytes] = []
     with urllib.request.urlopen(req, timeout=20) as r:
         assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")

@@ -630,3 +630,60 @@ def test_without_handoff_a_door_forwards_to_the_remote_worker_itself() -> None:
             assert metric(await t.metrics(), "kvcompass_door_peer_failures_total") == 0
 
     run(go())
+
+
+def test_api_keys_bind_tenants_and_rate_to_credentials() -> None:
+    # issue 19 finding 4 / issue 16: naming a tenant takes a credential. The key decides the
+    # tenant, the header selects only among the key's tenants; checks run size, key, body.
+    from kvcompass.services.api_keys import ApiKey, KeyStore
+
+    plane = make_plane()
+    fleet = Fleet()
+    keys = KeyStore.of({
+        "k-acme": ApiKey("acme", ("acme", "acme-eu")),
+        "k-public": ApiKey("public", ("public",), rate_per_s=0.5, burst=2),
+        "k-peer": ApiKey("peer", ("*",)),
+        "k-small": ApiKey("small", ("public",), models=("other-model",)),
+    })
+    config = DoorConfig(models=(MODEL,), api_keys=keys, max_body_bytes=64 * 1024)
+
+    async def go() -> None:
+        async with rig(plane, fleet, config=config) as t:
+            body = {"prompt": prompt_ids(2, 64).tolist(), "max_tokens": 2}
+            # No key, a wrong key, a wrong scheme: 401 in OpenAI's shape, before the body is read.
+            for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic k-acme"}):
+                async with t.client.post("/v1/completions", data=b"{broken", headers={"Content-Type": "application/json", **headers}) as r:
+                    got = await r.json()
+                    assert r.status == 401 and got["error"]["code"] == "invalid_api_key", got
+                    assert r.headers["WWW-Authenticate"].startswith("Bearer")
+            # The key's first tenant by default; the header selects among its own tenants.
+            status, _, got = await complete(t.client, body, Authorization="Bearer k-acme")
+            assert status == 200 and fleet.calls[-1][2]["x-kvcompass-namespace"] == "acme"
+            assert fleet.calls[-1][1]["cache_salt"] == "kvcompass:acme"
+            assert "authorization" not in {h.lower() for h in fleet.calls[-1][2]}  # the door's credential stays at the door
+            status, _, got = await complete(t.client, body, Authorization="Bearer k-acme", **{"x-kvcompass-namespace": "acme-eu"})
+            assert status == 200 and fleet.calls[-1][2]["x-kvcompass-namespace"] == "acme-eu"
+            for tenant in ("public", "globex"):
+                status, _, got = await complete(t.client, body, Authorization="Bearer k-acme", **{"x-kvcompass-namespace": tenant})
+                assert status == 403 and (got["error"]["code"], got["error"]["param"]) == ("tenant_not_allowed", "x-kvcompass-namespace")
+            status, _, got = await complete(t.client, body, Authorization="Bearer k-peer", **{"x-kvcompass-namespace": "globex"})
+            assert status == 200 and fleet.calls[-1][2]["x-kvcompass-namespace"] == "globex"
+            status, _, got = await complete(t.client, body, Authorization="Bearer k-small")
+            assert status == 403 and got["error"]["code"] == "model_not_allowed"
+            # The rate: a burst of 2, then 429 with Retry-After.
+            codes = []
+            for _ in range(3):
+                async with t.client.post("/v1/completions", json=body, headers={"Authorization": "Bearer k-public"}) as r:
+                    codes.append(r.status)
+                    if r.status == 429:
+                        assert (await r.json())["error"]["code"] == "rate_limit_exceeded" and int(r.headers["Retry-After"]) >= 1
+            assert codes == [200, 200, 429]
+            # What needs no key.
+            async with t.client.get("/v1/models") as r:
+                assert r.status == 200
+            m = await t.metrics()
+            assert metric(m, "kvcompass_door_tenant_requests_total", tenant="acme") == 1
+            assert metric(m, "kvcompass_door_auth_refusals_total", reason="key") == 3
+            assert metric(m, "kvcompass_door_auth_refusals_total", reason="rate") == 1
+
+    run(go())

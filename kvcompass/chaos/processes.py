@@ -150,7 +150,8 @@ class ProcessChaos:
         docs = [self.rng.integers(0, 30_000, size=int(self.rng.integers(300, 3000))).tolist() for _ in range(64)]
         timeout = aiohttp.ClientTimeout(total=10)
         inflight: set[asyncio.Task[None]] = set()
-        async with aiohttp.ClientSession(timeout=timeout) as http:
+        auth = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else None
+        async with aiohttp.ClientSession(timeout=timeout, headers=auth) as http:
 
             async def one(prompt: list[int], origin: str) -> None:
                 body = {"model": "llama-3.1-8b", "prompt": prompt, "max_tokens": 2, "stream": False}
@@ -243,6 +244,7 @@ class ProcessChaos:
 
     async def run(self) -> dict[str, Any]:
         from kvcompass.services.cluster import Cluster, ClusterConfig
+        from kvcompass.services.loadgen import default_api_key
 
         cfg = self.cfg
         t0 = time.monotonic()
@@ -255,7 +257,8 @@ class ProcessChaos:
         client: asyncio.Task[None] | None = None
         converged = True
         try:
-            await self.cluster.start()
+            state = await self.cluster.start()
+            self._api_key = default_api_key(state)
             self.progress(f"chaos: cluster up in {time.monotonic() - t0:.1f} s ({len(self.cluster.children)} processes)")
             client = asyncio.get_running_loop().create_task(self._client(stop, paused))
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:

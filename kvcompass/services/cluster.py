@@ -80,6 +80,10 @@ class ClusterConfig:
     """One random credential per worker (agents may write only their own worker's fields)."""
     tls: bool = False
     """Mutual TLS on every hop, with a CA made for this run."""
+    open: bool = False
+    """Doors without API keys (any client acts as any tenant); else a key per tenant."""
+    tenants: tuple[str, ...] = ()
+    """Tenants beyond the default one to make API keys for."""
 
 
 @dataclass(eq=False)
@@ -198,6 +202,23 @@ class Cluster:
             _write_secret(files[wid], tok + "\n")
         _write_secret(d / "tokens.json", json.dumps(tokens, indent=2) + "\n")
         return files
+
+    def make_api_keys(self) -> tuple[dict[str, str], Path, Path]:
+        """A key per tenant (the default one first) and the doors' peer key (any tenant, for
+        hand-offs): the doors' hashed keys file, the peer key's file, and tenant -> key for
+        the state file (clients read theirs there)."""
+        from kvcompass.services.api_keys import ANY_TENANT, new_key, write_keys_file
+        from kvcompass.services.http_door import DoorConfig
+
+        d = self._secrets()
+        tenants = list(dict.fromkeys((DoorConfig().default_tenant, *self.cfg.tenants)))
+        keys = {t: new_key() for t in tenants}
+        peer = new_key()
+        path = d / "api-keys.json"
+        write_keys_file(path, [*((t, k, [t]) for t, k in keys.items()), ("doors (hand-offs)", peer, [ANY_TENANT])])
+        peer_file = d / "peer.key"
+        _write_secret(peer_file, peer + "\n")
+        return keys, path, peer_file
 
     def make_tls(self) -> None:
         from kvcompass.services.tls import ThrowawayCA, TLSConfig
@@ -319,6 +340,12 @@ class Cluster:
         auth = ["--tokens-file", str(self.run_dir / "secrets" / "tokens.json")] if cfg.auth else []
         if cfg.tls:
             self.make_tls()
+        api_keys: dict[str, str] = {}
+        if cfg.open:
+            door_auth = ["--open"]
+        else:
+            api_keys, keys_file, peer_file = self.make_api_keys()
+            door_auth = ["--api-keys-file", str(keys_file), "--peer-key-file", str(peer_file)]
         units = [
             await self.spawn(f"maintenance-{s}", "maintenance", self._cmd(
                 "maintenance", "--shard", str(s), "--shards", str(shards), "--topology", cfg.topology, "--host", cfg.host,
@@ -356,7 +383,7 @@ class Cluster:
             await self.spawn(f"edge-{r}", "edge", self._cmd(
                 "edge", "--region", r, "--topology", cfg.topology, "--routing", cfg.routing, "--host", cfg.host, "--maintenance", maint,
                 "--workers-file", str(workers_file), "--wan-delay", repr(wan), "--peers-file", str(peers_file), "--door-peers-file", str(door_peers_file),
-                "--drain-grace", repr(cfg.drain_grace_s), "--seed", str(i), *([] if cfg.handoff else ["--no-handoff"]), *self._mtls(),
+                "--drain-grace", repr(cfg.drain_grace_s), "--seed", str(i), *([] if cfg.handoff else ["--no-handoff"]), *door_auth, *self._mtls(),
             ))
             for i, r in enumerate(self.plan.edge_regions)
         ]
@@ -375,6 +402,8 @@ class Cluster:
             "topology": topo.name,
             "run_dir": str(self.run_dir),
             "auth": cfg.auth,
+            # Beside the documented keys too: each tenant's API key for the doors ({} with --open).
+            "api_keys": api_keys,
             "tls": {"ca": self.tls_args[5], "cert": self.tls_args[1], "key": self.tls_args[3]} if self.tls_args else None,
             "pids": {c.name: c.proc.pid for c in self.children if c.proc is not None},
             "supervisor_pid": os.getpid(),
@@ -477,6 +506,11 @@ def format_endpoints(state: dict[str, Any]) -> str:
         out.append(f"  maintenance shard {m['shard']}  grpc {m['grpc']}  metrics {m['metrics']}/metrics")
     for w, d in state["workers"].items():
         out.append(f"  worker {w:<10} {d['region']:<8} http {d['http']}")
+    if state.get("api_keys"):
+        keys = ", ".join(f"{t}={k}" for t, k in state["api_keys"].items())
+        out.append(f"  API keys (send Authorization: Bearer KEY; the tenant comes from the key): {keys}")
+    else:
+        out.append("  doors are open (--open): no API keys, any client may act as any tenant")
     out.append(f"  logs and state in {state['run_dir']}; Ctrl-C stops everything")
     return "\n".join(out)
 
@@ -530,6 +564,16 @@ async def run_cluster(cfg: ClusterConfig, stop: asyncio.Event | None = None) -> 
     return code or rc
 
 
+def _tenants(text: str) -> tuple[str, ...]:
+    from kvcompass.services.http_door import valid_tenant
+
+    out = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [t for t in out if not valid_tenant(t)]
+    if bad:
+        raise UsageError(f"--tenants: {bad[0]!r} is not a valid tenant name")
+    return out
+
+
 def up_main(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.time_scale) and args.time_scale >= 0):
         raise UsageError(f"--time-scale must be a finite number >= 0, got {args.time_scale}")
@@ -540,6 +584,7 @@ def up_main(args: argparse.Namespace) -> int:
     cfg = ClusterConfig(
         topology=args.topology, routing=args.routing, time_scale=args.time_scale, wan_delay=not args.no_wan_delay, handoff=not args.no_handoff,
         workers_per_region=args.workers_per_region, max_workers=args.max_workers, state_file=args.state_file, run_dir=args.run_dir,
-        startup_timeout_s=args.startup_timeout, drain_grace_s=args.drain_grace, auth=not args.no_auth, tls=args.tls,
+        startup_timeout_s=args.startup_timeout, drain_grace_s=args.drain_grace, auth=not args.no_auth, tls=args.tls, open=args.open,
+        tenants=_tenants(args.tenants),
     )
     return asyncio.run(run_cluster(cfg))

@@ -32,6 +32,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from kvcompass.errors import KVCompassError
+
 __all__ = ["PARENT_ENV", "add_commands", "announce", "parse_hostports", "run_command"]
 
 PARENT_ENV = "KVCOMPASS_PARENT_PID"
@@ -88,6 +90,12 @@ def add_commands(sub: Any) -> None:
                    help="read own-region workers' queues (GET /kvcompass/load) every S seconds; 0: only from responses (default 0.1, Delta)")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--view-budget", type=int, default=None, metavar="BYTES", help="report views at or over this size (metric kvcompass_over_budget{scope=\"view\"}); maintenance units enforce budgets")
+    auth = e.add_mutually_exclusive_group(required=True)
+    auth.add_argument("--api-keys-file", default=None, metavar="JSON",
+                      help="the door's API keys (hashed; kvcompass.services.api_keys): completions need Authorization: Bearer KEY, "
+                      "the tenant comes from the key; reloaded on SIGHUP")
+    auth.add_argument("--open", action="store_true", help="serve completions without keys, any client acting as any tenant it names (local experiments only)")
+    e.add_argument("--peer-key-file", default=None, metavar="PATH", help="the key this door presents to other regions' doors on hand-offs (an any-tenant key of theirs)")
     _tls_args(e, also="the HTTP door and the clients to maintenance units, peer edges and https:// workers")
 
     a = sub.add_parser("agent", help="run a worker agent: engine KV events (ZMQ) -> key ops -> maintenance units")
@@ -138,6 +146,8 @@ def add_commands(sub: Any) -> None:
     u.add_argument("--drain-grace", type=float, default=15.0, metavar="S")
     u.add_argument("--no-auth", action="store_true", help="no per-worker credentials (any agent may claim any worker)")
     u.add_argument("--tls", action="store_true", help="mutual TLS on every hop with a CA made for this run (in RUN_DIR/secrets/pki)")
+    u.add_argument("--open", action="store_true", help="doors without API keys: any client acts as any tenant it names (local experiments only)")
+    u.add_argument("--tenants", default="", metavar="T1,T2,...", help="tenants besides the default one to make API keys for (all keys go to the state file's api_keys)")
 
     g = sub.add_parser("loadgen", help="replay a trace through the edges' HTTP doors and record each request")
     src = g.add_mutually_exclusive_group(required=True)
@@ -154,6 +164,8 @@ def add_commands(sub: Any) -> None:
     g.add_argument("--max-tokens", type=int, default=None, metavar="N", help="cap each request's output length")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--model", default="llama-3.1-8b")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="the doors' API key (default: $KVCOMPASS_API_KEY, else the default tenant's key in --state-file)")
     g.add_argument("--no-progress", action="store_true")
     _tls_args(g, client_only=True)
 
@@ -222,8 +234,6 @@ def run_command(args: argparse.Namespace) -> int | None:
     cmd = getattr(args, "command", None)
     if cmd not in _COMMANDS:
         return None
-    from kvcompass.errors import KVCompassError
-
     try:
         if cmd == "up":
             from kvcompass.services.cluster import up_main
@@ -399,6 +409,50 @@ def _worker_urls(args: argparse.Namespace) -> dict[str, str]:
     return urls
 
 
+def _door_keys(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """The door's key store (None with --open) and its peer key."""
+    from kvcompass.services.api_keys import KeyStore
+
+    keys = None
+    if args.api_keys_file is not None:
+        try:
+            keys = KeyStore.load(args.api_keys_file)
+        except KVCompassError as e:
+            raise UsageError(str(e)) from None
+        if not len(keys):
+            raise UsageError(f"--api-keys-file {args.api_keys_file}: no key in it, so no request could be served")
+    peer_key = None
+    if args.peer_key_file is not None:
+        try:
+            peer_key = Path(args.peer_key_file).read_text().strip()
+        except OSError as e:
+            raise UsageError(f"--peer-key-file: {e}") from None
+        if not peer_key:
+            raise UsageError(f"--peer-key-file {args.peer_key_file} is empty")
+    return keys, peer_key
+
+
+def _reload_on_sighup(keys: Any) -> None:
+    """Re-read the keys file on SIGHUP (connections stay up; a malformed file is logged and the
+    keys in force stay)."""
+
+    def reload() -> None:
+        try:
+            n = keys.reload()
+        except KVCompassError as e:
+            print(f"kvcompass edge: SIGHUP: keeping the keys in force: {e}", file=sys.stderr, flush=True)
+        else:
+            print(f"kvcompass edge: SIGHUP: {n} API keys in force", file=sys.stderr, flush=True)
+
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
+
+
+def _forget_sighup() -> None:
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+
+
 def _door_peers(text: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in (t.strip() for t in text.split(",") if t.strip()):
@@ -459,6 +513,7 @@ async def _edge(args: argparse.Namespace) -> int:
 
     if args.view_budget is not None and args.view_budget < 1:
         raise UsageError(f"--view-budget must be >= 1, got {args.view_budget}")
+    keys, peer_key = _door_keys(args)
     tls = _tls(args)
     grpc_server_ssl, grpc_client_ssl = tls.server_or_none("grpc"), tls.client_or_none("grpc")
     http_server_ssl, http_client_ssl = tls.server_or_none("http"), tls.client_or_none("http")
@@ -472,7 +527,7 @@ async def _edge(args: argparse.Namespace) -> int:
         grpc = await server.start(args.host, args.grpc_port, metrics_port=args.metrics_port, ssl_context=grpc_server_ssl)
         stack.push_async_callback(server.close)
         door = await serve_door(
-            edge, urls, topo.tokenizer or None, host=args.host, port=args.http_port, config=DoorConfig(drain_grace_s=args.drain_grace),
+            edge, urls, topo.tokenizer or None, host=args.host, port=args.http_port, config=DoorConfig(drain_grace_s=args.drain_grace, api_keys=keys, peer_key=peer_key),
             regions=regions, wan_one_way_ms=one_way if scale > 0 else None, ssl_context=http_server_ssl, upstream_ssl=http_client_ssl,
             peers=door_peers,
         )
@@ -482,6 +537,11 @@ async def _edge(args: argparse.Namespace) -> int:
         if args.queue_poll > 0 and local:
             poller = asyncio.get_running_loop().create_task(_poll_queues(edge, local, args.queue_poll, http_client_ssl))
             stack.push_async_callback(_cancel, poller)
+        if keys is not None:
+            _reload_on_sighup(keys)
+            stack.callback(_forget_sighup)
+        else:
+            print("kvcompass edge: --open: the door serves completions without API keys, and any client may act as any tenant", file=sys.stderr, flush=True)
         announce("edge", region=args.region, http=door.url, grpc=grpc, metrics=server.metrics_url)
         if args.door_peers_file is not None and not door_peers:
             waiter = asyncio.get_running_loop().create_task(_wait_door_peers(args.door_peers_file, door, stop))

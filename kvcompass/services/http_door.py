@@ -83,6 +83,7 @@ from kvcompass.agent.agent import TENANT_SALT_PREFIX
 from kvcompass.discovery.edge import Decision, Edge
 from kvcompass.errors import KVCompassError
 from kvcompass.index import Namespace
+from kvcompass.services.api_keys import ApiKey, KeyStore
 from kvcompass.services.openai_body import BodyError, decode_json_object
 
 __all__ = [
@@ -106,6 +107,11 @@ _TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}")
 _REGION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _NAMESPACE_CACHE = 4096
 _U32_MAX = 0xFFFFFFFF
+
+def valid_tenant(name: str) -> bool:
+    """Whether ``name`` may name a tenant (the ``x-kvcompass-namespace`` header's syntax)."""
+    return _TENANT_RE.fullmatch(name) is not None
+
 
 ErrorType = Literal["invalid_request_error", "server_error"]
 FailureReason = Literal["connect", "timeout", "status_5xx", "disconnect", "midstream"]
@@ -149,6 +155,14 @@ class DoorConfig:
     expose_worker: bool = True
     """Tell the client which worker served (``x-kvcompass-worker``), for load generators and
     debugging; turn off where worker identity is sensitive."""
+    api_keys: KeyStore | None = None
+    """The keys completions need (``Authorization: Bearer``; see
+    :mod:`kvcompass.services.api_keys`): the tenant comes from the key, and the
+    ``x-kvcompass-namespace`` header only selects among the key's tenants. None: open, any
+    client acts as any tenant it names (local experiments only)."""
+    peer_key: str | None = None
+    """The key this door presents to other regions' doors when it hands a request over (an
+    any-tenant key of their keys files)."""
 
     def __post_init__(self) -> None:
         if not self.models or any(not isinstance(m, str) or not m for m in self.models):
@@ -170,13 +184,14 @@ class DoorConfig:
 class _Refusal(Exception):
     """A request the door answers with an OpenAI-shaped error instead of a worker's response."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, kind: ErrorType | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, kind: ErrorType | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.kind: ErrorType = kind or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}
 
 
 def _error_body(status: int, message: str, param: str | None = None, code: str | None = None, kind: ErrorType | None = None) -> dict[str, Any]:
@@ -189,7 +204,9 @@ def _error_response(status: int, message: str, param: str | None = None, code: s
 
 
 def _refusal_response(r: _Refusal) -> web.Response:
-    return _error_response(r.status, r.message, r.param, r.code, r.kind)
+    resp = _error_response(r.status, r.message, r.param, r.code, r.kind)
+    resp.headers.update(r.headers)
+    return resp
 
 
 # -- metrics -----------------------------------------------------------------------------------------
@@ -235,6 +252,8 @@ class _Metrics:
         self.dead = Gauge(p + "worker_dead", "1 while the worker is excluded after a failure", ["worker"], registry=registry)
         self.healthy = Gauge(p + "edge_healthy", "1 while every view of the edge is current", registry=registry)
         self.inflight = Gauge(p + "inflight_requests", "Completion requests in progress", registry=registry)
+        self.tenant_requests = Counter(p + "tenant_requests", "Completion requests admitted, by tenant (the API key's)", ["tenant"], registry=registry)
+        self.auth_refusals = Counter(p + "auth_refusals", "Completion requests refused before their body was read, by reason", ["reason"], registry=registry)
 
 
 # -- the door ----------------------------------------------------------------------------------------
@@ -472,6 +491,7 @@ class FrontDoor:
         cfg = self.config
         if request.content_length is not None and request.content_length > cfg.max_body_bytes:
             raise _Refusal(413, f"request body exceeds {cfg.max_body_bytes} bytes", code="request_too_large")
+        key = self._authenticate(request)
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -503,9 +523,21 @@ class FrontDoor:
                 raise _Refusal(400, "stream_options.include_usage must be a boolean", "stream_options.include_usage", "invalid_type")
             client_usage = iu
         _check_numbers(body)
-        tenant = request.headers.get(NAMESPACE_HEADER, cfg.default_tenant)
-        if not _TENANT_RE.fullmatch(tenant):
+        named = request.headers.get(NAMESPACE_HEADER)
+        if named is not None and not _TENANT_RE.fullmatch(named):
             raise _Refusal(400, f"header {NAMESPACE_HEADER} must match {_TENANT_RE.pattern}", NAMESPACE_HEADER, "invalid_namespace")
+        if key is None:
+            tenant = named if named is not None else cfg.default_tenant
+        else:
+            granted = key.tenant_for(named, cfg.default_tenant)
+            if granted is None:
+                self.metrics.auth_refusals.labels("tenant").inc()
+                raise _Refusal(403, f"this API key may not act as tenant {named!r} (its tenants: {', '.join(key.tenants)})", NAMESPACE_HEADER, "tenant_not_allowed")
+            if not key.allows_model(model):
+                self.metrics.auth_refusals.labels("model").inc()
+                raise _Refusal(403, f"this API key may not use the model {model!r}", "model", "model_not_allowed")
+            tenant = granted
+        self.metrics.tenant_requests.labels(tenant).inc()
 
         if chat:
             tokens = await self._chat_tokens(body)
@@ -534,6 +566,8 @@ class FrontDoor:
             raw = json.dumps({**body, **extra}).encode()
         headers = {"Content-Type": "application/json", "Accept-Encoding": "identity", NAMESPACE_HEADER: tenant}
         for h in cfg.forward_headers:
+            if key is not None and h == "authorization":
+                continue  # the client's key is the door's credential, not the engine's
             v = request.headers.get(h)
             if v is not None:
                 headers[h] = v
@@ -541,6 +575,22 @@ class FrontDoor:
         if handoff is not None and self._region_of.get(handoff) != self.edge.region:
             raise _Refusal(400, f"header {HANDOFF_HEADER} must name a worker of this edge's region {self.edge.region!r}, got {handoff!r}", HANDOFF_HEADER, "invalid_handoff")
         return _Prepared(request.path, raw, tokens, self._namespace(model, tenant), stream, client_usage, headers, handoff)
+
+    def _authenticate(self, request: web.Request) -> ApiKey | None:
+        """The request's key (None: the door is open), checked before its body is read, so an
+        unauthenticated caller learns nothing about parsing (401, or 429 past the key's rate)."""
+        store = self.config.api_keys
+        if store is None:
+            return None
+        key = store.authenticate(request.headers.get("Authorization"))
+        if key is None:
+            self.metrics.auth_refusals.labels("key").inc()
+            raise _Refusal(401, "missing or incorrect API key: send Authorization: Bearer <your key>", code="invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="kvcompass"'})
+        wait = store.admit(key, time.monotonic())
+        if wait > 0:
+            self.metrics.auth_refusals.labels("rate").inc()
+            raise _Refusal(429, f"rate limit of this API key ({key.rate_per_s:g} requests/s) reached; retry after {wait:.2f} s", code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})
+        return key
 
     async def _prompt_tokens(self, body: dict[str, Any]) -> npt.NDArray[np.uint32]:
         if "prompt" not in body or body["prompt"] is None:
@@ -749,6 +799,8 @@ class FrontDoor:
         if peer is not None:
             url = peer + prep.path
             headers = {**headers, HANDOFF_HEADER: choice.worker, REGION_HEADER: self.edge.region}
+            if self.config.peer_key is not None:
+                headers["Authorization"] = f"Bearer {self.config.peer_key}"
         else:
             url = self.urls[choice.worker] + prep.path
         delay = self._one_way_s(choice.region)

@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import ssl
 import sys
 import time
@@ -161,6 +162,7 @@ async def replay(
     label: str = "",
     timeout_s: float = 600.0,
     ssl_context: ssl.SSLContext | None = None,
+    api_key: str | None = None,
 ) -> list[dict[str, Any]]:
     """Send every request at its arrival time to ``edges[region]`` (or the only edge) and return
     the records in request order. ``ssl_context`` verifies ``https://`` edges (None: the
@@ -186,7 +188,8 @@ async def replay(
             sys.stderr.write("\n")
         sys.stderr.flush()
 
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s), headers=auth) as http:
 
         async def fire(p: LoadPlan) -> dict[str, Any]:
             nonlocal done, errors
@@ -255,6 +258,12 @@ def write_records(path: str | Path, records: Sequence[Mapping[str, Any]]) -> Non
             f.write(json.dumps(r) + "\n")
 
 
+def default_api_key(state: Mapping[str, Any]) -> str | None:
+    """The default tenant's key from ``kvcompass up``'s state (None: the doors are open)."""
+    keys = state.get("api_keys") or {}
+    return next(iter(keys.values()), None) if isinstance(keys, dict) else None
+
+
 def loadgen_main(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.rate) and args.rate > 0):
         raise UsageError(f"--rate must be > 0 req/s, got {args.rate}")
@@ -263,10 +272,13 @@ def loadgen_main(args: argparse.Namespace) -> int:
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     worker_regions: dict[str, str] = {}
+    api_key = args.api_key or os.environ.get("KVCOMPASS_API_KEY") or None
     if args.state_file is not None:
         state = json.loads(Path(args.state_file).read_text())
         edges = {str(r): str(e["http"]) for r, e in state["edges"].items()}
         worker_regions = {str(w): str(d["region"]) for w, d in state.get("workers", {}).items()}
+        if api_key is None:
+            api_key = default_api_key(state)
     else:
         edges = {"default": str(args.edge)}
     topology = None
@@ -283,7 +295,7 @@ def loadgen_main(args: argparse.Namespace) -> int:
     from kvcompass.services.tls import TLSConfig
 
     tls = TLSConfig(getattr(args, "tls_cert", None), getattr(args, "tls_key", None), getattr(args, "tls_ca", None))
-    records = asyncio.run(replay(plans, edges, worker_regions=worker_regions, progress=not args.no_progress, ssl_context=tls.client_or_none("http")))
+    records = asyncio.run(replay(plans, edges, worker_regions=worker_regions, progress=not args.no_progress, ssl_context=tls.client_or_none("http"), api_key=api_key))
     if args.out is not None:
         write_records(args.out, records)
     print(json.dumps(summarize(records)))

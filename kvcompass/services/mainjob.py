@@ -69,7 +69,7 @@ async def _wait_state(path: Path, proc: asyncio.subprocess.Process, timeout: flo
 
 
 async def _run_mode(args: argparse.Namespace, mode: str, plans: Sequence[Any], out: Path) -> list[dict[str, Any]]:
-    from kvcompass.services.loadgen import replay
+    from kvcompass.services.loadgen import default_api_key, replay
 
     state_path = out / f"state-{mode}.json"
     with contextlib.suppress(FileNotFoundError):
@@ -88,7 +88,7 @@ async def _run_mode(args: argparse.Namespace, mode: str, plans: Sequence[Any], o
         print(f"[{mode}] cluster of {len(state['workers'])} workers up in {time.perf_counter() - t0:.1f} s; replaying {len(plans)} requests", file=sys.stderr, flush=True)
         edges = {str(r): str(e["http"]) for r, e in state["edges"].items()}
         regions = {str(w): str(d["region"]) for w, d in state["workers"].items()}
-        records = await replay(plans, edges, worker_regions=regions, progress=not args.no_progress, label=f"[{mode}] ")
+        records = await replay(plans, edges, worker_regions=regions, progress=not args.no_progress, label=f"[{mode}] ", api_key=default_api_key(state))
     finally:
         if proc.returncode is None:
             proc.send_signal(signal.SIGTERM)
