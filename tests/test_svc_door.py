@@ -687,3 +687,27 @@ def test_api_keys_bind_tenants_and_rate_to_credentials() -> None:
             assert metric(m, "kvcompass_door_auth_refusals_total", reason="rate") == 1
 
     run(go())
+
+
+def test_health_names_stale_shards_and_turns_not_ready_past_the_grace() -> None:
+    # issue 19 finding 6: with a maintenance unit dead for 67 s every door still said ok.
+    plane = make_plane()
+    stale: dict[int, float] = {}
+
+    async def go() -> None:
+        async with rig(plane, Fleet(), config=DoorConfig(stale_grace_s=10.0)) as t:
+            t.door.door.stale_shards = lambda: stale
+            async with t.client.get("/health") as r:
+                assert r.status == 200 and (await r.json())["stale_shards"] == {}
+            stale[1] = 3.0  # a unit restarting: within the grace, listed but ready
+            async with t.client.get("/health") as r:
+                body = await r.json()
+                assert r.status == 200 and body["status"] == "ok" and body["stale_shards"] == {"1": 3.0}
+            stale[1] = 67.0
+            async with t.client.get("/health") as r:
+                body = await r.json()
+                assert r.status == 503 and body["status"] == "stale" and body["stale_shards"] == {"1": 67.0}
+            status, _, _ = await complete(t.client, {"prompt": "still routing"})
+            assert status == 200  # the door routes on what it has
+
+    run(go())

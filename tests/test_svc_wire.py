@@ -608,3 +608,22 @@ def test_edge_service_routes_learns_and_exchanges_queues(world: World) -> None:
             await bc.close()
 
     run(go())
+
+
+def test_the_syncer_reports_a_shard_whose_subscription_is_down(world: World) -> None:
+    # issue 19 finding 6: the door's /health reads these (tests/test_svc_door.py).
+    async def go() -> None:
+        units = world.units()
+        services = [MaintenanceService(u, FAST) for u in units]
+        edge = world.edge("us")
+        async with in_memory(services) as chans:
+            sync = EdgeSync(edge, chans)
+            assert set(sync.stale_shards()) == set(chans)  # nothing subscribed yet
+            async with sync:
+                await sync.wait_ready(5)
+                assert sync.stale_shards() == {}
+                await services[0].stop()  # its subscribers' streams end
+                await sync.wait_for(lambda: 0 in sync.stale_shards(), 5)
+                assert sync.stale_shards()[0] >= 0.0
+
+    run(go())

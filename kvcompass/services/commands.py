@@ -531,6 +531,7 @@ async def _edge(args: argparse.Namespace) -> int:
             regions=regions, wan_one_way_ms=one_way if scale > 0 else None, ssl_context=http_server_ssl, upstream_ssl=http_client_ssl,
             peers=door_peers,
         )
+        door.door.stale_shards = sync.stale_shards
         # Registered last, so it runs first: the door drains while the index is still current.
         stack.push_async_callback(door.stop)
         local = {w: u for w, u in urls.items() if regions.get(w) == args.region}

@@ -87,6 +87,8 @@ class EdgeSync:
         # What the fault harness compares with the writers' tables (computed only when scraped).
         export_states(self.metrics.registry, "edge", lambda: [(t, s, v.epoch, v.seq, v.digest()) for t in self._tables for s in sorted(self._channels) if (v := edge.view(t, s)).initialised])
         self._live = {s: False for s in self._channels}
+        # Since when (monotonic s) each shard's subscription has not been current; None: it is.
+        self._down_since: dict[int, float | None] = {s: time.monotonic() for s in self._channels}
         self._streak = {s: 0 for s in self._channels}  # resubscriptions since the shard was last current
         self._tasks: list[asyncio.Task[None]] = []
         self._changed = asyncio.Event()
@@ -102,6 +104,19 @@ class EdgeSync:
     def ready(self) -> bool:
         """Every view bootstrapped and current as far as its writer has said, every stream live."""
         return all(self._live.values()) and self.edge.healthy
+
+    def _set_live(self, shard: int, live: bool) -> None:
+        self._live[shard] = live
+        if live:
+            self._down_since[shard] = None
+        elif self._down_since[shard] is None:
+            self._down_since[shard] = time.monotonic()
+
+    def stale_shards(self) -> dict[int, float]:
+        """Shard -> seconds its subscription has not been current (a view of a shard whose unit
+        is unreachable may be behind without the edge knowing it); current shards are absent."""
+        now = time.monotonic()
+        return {s: now - since for s, since in sorted(self._down_since.items()) if since is not None}
 
     def _update(self) -> None:
         r = self.ready
@@ -143,7 +158,7 @@ class EdgeSync:
             ch.close()
         self._owned.clear()
         for s in self._live:
-            self._live[s] = False
+            self._set_live(s, False)
         self._update()
 
     async def __aenter__(self) -> EdgeSync:
@@ -172,7 +187,7 @@ class EdgeSync:
                 failures += 1
                 self.reconnects += 1
                 self.metrics.reconnects.inc()
-            self._live[shard] = False
+            self._set_live(shard, False)
             self._update()
             # A repair that does not take (the same refusal again and again) backs off like a
             # transport failure instead of spinning.
@@ -227,11 +242,11 @@ class EdgeSync:
         for pos in ev.heartbeat:
             if edge.note_writer_position(pos.table, pos.shard, pos.epoch, pos.seq) is not None:
                 m.gaps.inc()
-            self._live[shard] = True
+            self._set_live(shard, True)
         if ev.heartbeat:
             self._update_memory()
         if broken or any(a.shard == shard for a in edge.pending_resyncs()):
-            self._live[shard] = False
+            self._set_live(shard, False)
             self._update()
             raise _Resubscribe()
         if self._live[shard]:

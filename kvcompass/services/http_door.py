@@ -155,6 +155,9 @@ class DoorConfig:
     expose_worker: bool = True
     """Tell the client which worker served (``x-kvcompass-worker``), for load generators and
     debugging; turn off where worker identity is sensitive."""
+    stale_grace_s: float = 10.0
+    """How long a shard's subscription may be down (a unit restarting, a repair) before
+    ``/health`` says not ready (``stale``)."""
     api_keys: KeyStore | None = None
     """The keys completions need (``Authorization: Bearer``; see
     :mod:`kvcompass.services.api_keys`): the tenant comes from the key, and the
@@ -172,7 +175,7 @@ class DoorConfig:
         for name in ("max_prompt_tokens", "max_body_bytes", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("dead_cooldown_s", "connect_timeout_s", "head_timeout_s", "read_timeout_s", "drain_grace_s"):
+        for name in ("dead_cooldown_s", "connect_timeout_s", "head_timeout_s", "read_timeout_s", "drain_grace_s", "stale_grace_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {v}")
@@ -341,6 +344,9 @@ class FrontDoor:
         self._created = int(time.time())
         self._session: aiohttp.ClientSession | None = None
         self.draining = False
+        self.stale_shards: Callable[[], Mapping[int, float]] | None = None
+        """Shard -> seconds its subscription has not been current (the edge's syncer sets it;
+        :meth:`health` reports them and turns not-ready past ``stale_grace_s``)."""
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -437,18 +443,25 @@ class FrontDoor:
         return web.json_response({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
+        """Readiness with the reason when not ready: draining, a view behind its writer, or a
+        shard whose subscription has been down past ``stale_grace_s`` (its views may be behind
+        without the edge knowing; the door still routes on what it has)."""
         e = self.edge
+        stale = {str(k): round(v, 1) for k, v in (self.stale_shards() if self.stale_shards is not None else {}).items()}
         body: dict[str, Any] = {
             "status": "ok",
             "region": e.region,
             "behind": len(e.behind),
             "uninitialised": len(e.uninitialised),
+            "stale_shards": stale,
             "dead_workers": sorted(self.dead_workers()),
         }
         if self.draining:
             body["status"] = "draining"
         elif not e.healthy:
             body["status"] = "behind"
+        elif any(v > self.config.stale_grace_s for v in stale.values()):
+            body["status"] = "stale"
         return web.json_response(body, status=200 if body["status"] == "ok" else 503)
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
