@@ -491,3 +491,40 @@ def test_a_quiet_runner_sends_heartbeats_and_a_stale_unit_gets_a_full_report() -
         assert {int(k) for k in u.held("us-0")} == {k for k in agent.held() if k % plane.layout.shards == u.shard}
     with pytest.raises(InvalidArgumentError):
         AgentRunner(agent, sink, "tcp://127.0.0.1:1", heartbeat_s=0)
+
+
+def test_an_engine_that_goes_away_loses_its_claims_at_once() -> None:
+    # issue 19 finding 7: a worker restarted with an empty cache kept its claims until its next
+    # event. The runner watches the publisher's connection: when it drops, every claim goes.
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        engine = FakeEngine(ctx)
+        sink = Collect()
+        runner = AgentRunner(new_agent(), sink, engine.events, engine.replay, ctx=ctx)
+        await runner.start()
+        try:
+            await engine.subscribed()
+            await engine.publish(0, prompt(1))
+            await wait_until(lambda: runner.agent.last_seq == 0 and net(sink.batches) != {})
+            assert runner.stats.engine_gone == 0
+            await engine.close()  # the engine process ends: its sockets close
+            await wait_until(lambda: runner.stats.engine_gone == 1, timeout=2.0)
+            await wait_until(lambda: net(sink.batches) == {}, timeout=2.0)
+            gone = [b for b in sink.batches if b.incarnation == INC + 1]
+            assert {b.shard for b in gone if b.reset} == set(range(SHARDS)) and all(len(b.keys) == 0 for b in gone)
+            assert runner.agent.held() == {} and runner.agent.incarnation == INC + 1
+        finally:
+            await runner.stop()
+            ctx.term()
+
+    run(main())
+
+
+def test_on_engine_gone_withdraws_everything_under_a_new_incarnation() -> None:
+    agent = new_agent()
+    out = agent.on_message([b"", (0).to_bytes(8, "big"), _payload_of_single_prompt(prompt(2))])
+    assert agent.held()
+    batches = agent.on_engine_gone()
+    assert agent.held() == {} and agent.incarnation == INC + 1
+    assert [(b.shard, b.reset, len(b.keys), b.seq) for b in batches] == [(s, True, 0, 1) for s in range(SHARDS)]
+    assert net([*out.batches, *batches]) == {}

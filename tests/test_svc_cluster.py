@@ -372,6 +372,23 @@ def test_sigterm_drains_a_process(tmp_path: Path) -> None:
             proc.stdout.close()
 
 
+def test_a_killed_worker_loses_its_claims_before_it_is_back(cluster: Cluster) -> None:
+    # issue 19 finding 7: a worker restarted with an empty cache kept its claims for seconds.
+    # Its agent sees the engine's publisher disconnect and withdraws every claim at once.
+    tokens = _prompt(31, 2048)
+    st, headers, _ = _post(cluster.edge("b") + "/v1/completions", {"model": MODEL, "prompt": tokens, "max_tokens": 2})
+    assert st == 200 and headers["x-kvcompass-worker"] == "b-0"
+    grpc = cluster.state["edges"]["a"]["grpc"]
+    _wait_route(grpc, tokens, "b-0", claim=2048 - 16)
+    state_file = Path(cluster.state["run_dir"]).parent / "state.json"
+    pid = json.loads(state_file.read_text())["pids"]["worker-b-0"]
+    os.kill(pid, signal.SIGKILL)
+    # Past the speculative claim our own Route calls left (2 s), the index alone speaks.
+    time.sleep(2.5)
+    d = _route(grpc, tokens)
+    assert not (d.worker == "b-0" and d.claimed_tokens > 0), (d.worker, d.claimed_tokens)
+
+
 def test_a_killed_process_is_restarted_on_its_ports(cluster: Cluster) -> None:
     # issue 19, finding 5: a kill -9'd edge left its door failing every request until the end.
     # The supervisor now starts it again on the same ports, and the state file follows.

@@ -402,6 +402,17 @@ class WorkerAgent:
             raise InvalidArgumentError(f"shard must be None or an int in 0..{self.shards - 1}, got {shard!r}")
         return self._flush()
 
+    def on_engine_gone(self) -> tuple[KeyOpBatch, ...]:
+        """The engine's event stream went away (its process ended, or the connection to it):
+        nothing it held can be vouched for any more, so every claim is withdrawn now (a new
+        incarnation whose ``reset`` batches hold nothing) rather than when a restarted
+        engine's first event arrives, which may be much later, or never for an idle one
+        (issue 19: a worker restarted empty kept its claims for seconds). An engine that comes
+        back with its cache intact after a network cut is re-learned from its events, so its
+        older blocks go unclaimed until stored again: under-claiming is the safe side."""
+        self._new_incarnation()
+        return self._flush()
+
     def heartbeat(self) -> tuple[KeyOpBatch, ...]:
         """An empty batch for every shard at its next seq, for an agent with nothing to send.
 

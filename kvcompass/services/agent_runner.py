@@ -46,6 +46,7 @@ from typing import TypeVar
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvcompass.agent import AgentOutput, ReplayRequest, WorkerAgent, boot_incarnation
 from kvcompass.discovery.ops import KeyOpBatch
@@ -99,6 +100,7 @@ class RunnerStats:
     sent_ops: int = 0
     rejections: int = 0  # AgentSequenceError from the sink, answered with on_rejected
     heartbeats: int = 0  # rounds of empty batches sent after heartbeat_s of silence
+    engine_gone: int = 0  # disconnections from the engine's publisher, each withdrawing every claim
 
 
 class AgentRunner:
@@ -147,6 +149,7 @@ class AgentRunner:
         self.heartbeat_s = None if heartbeat_s is None else float(heartbeat_s)
         self._last_sent = 0.0
         self._hb: asyncio.Task[None] | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -159,14 +162,19 @@ class AgentRunner:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        # Told when the publisher's connection drops (the engine died or restarts): see _watch_engine.
+        self._monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sub.connect(self.events)
         self._sub = sub
 
     def _close(self) -> None:
-        for s in (self._sub, self._dealer):
+        if self._sub is not None and self._monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disable_monitor()
+        for s in (self._monitor, self._sub, self._dealer):
             if s is not None:
                 s.close(linger=0)
-        self._sub = self._dealer = None
+        self._sub = self._dealer = self._monitor = None
         if self._own_ctx and self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -214,9 +222,44 @@ class AgentRunner:
 
     # ---- the loop ---------------------------------------------------------------------------
 
+    async def _watch_engine(self) -> None:
+        """Withdraw every claim the moment the engine's publisher disconnects: an engine that
+        went away took its KV cache with it, and waiting for its next event would leave the
+        index claiming blocks nobody holds (WorkerAgent.on_engine_gone)."""
+        mon = self._monitor
+        assert mon is not None
+        while True:
+            frames = await mon.recv_multipart()
+            try:
+                event = parse_monitor_message(frames)["event"]
+            except (ValueError, KeyError, IndexError):
+                continue
+            if event != zmq.EVENT_DISCONNECTED:
+                continue
+            async with self._lock:
+                self.stats.engine_gone += 1
+                _log.warning("worker %s: the engine's event stream disconnected: withdrawing its claims", self.agent.worker_id)
+                await self._send(self.agent.on_engine_gone())
+
     async def _loop(self) -> None:
         assert self._sub is not None
         sub = self._sub
+        loop = asyncio.get_running_loop()
+        tasks = {loop.create_task(self._read(sub))}
+        if self._monitor is not None:
+            tasks.add(loop.create_task(self._watch_engine()))
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                t.result()  # either ends only by an error: raise it
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+
+    async def _read(self, sub: zmq.asyncio.Socket) -> None:
         while True:
             frames = await sub.recv_multipart()
             self.stats.messages += 1
