@@ -711,3 +711,41 @@ def test_health_names_stale_shards_and_turns_not_ready_past_the_grace() -> None:
             assert status == 200  # the door routes on what it has
 
     run(go())
+
+
+def test_a_short_body_gets_408_and_one_client_cannot_hold_every_slot() -> None:
+    # issue 19 finding 3: a body shorter than its Content-Length held the connection forever;
+    # hundreds of one client's streams starved the others.
+    plane = make_plane()
+    fleet = Fleet()
+    config = DoorConfig(body_timeout_s=0.5, max_inflight_per_client=2)
+
+    async def go() -> None:
+        async with rig(plane, fleet, config=config) as t:
+            host, port = t.door.url.removeprefix("http://").rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
+                await writer.drain()
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+                assert head.startswith(b"HTTP/1.1 408"), head
+            finally:
+                writer.close()
+            # Two streams held open by the worker; a third from the same client is refused,
+            # and the first two finish once the worker goes on.
+            fleet.gate = asyncio.Event()
+            body = {"prompt": prompt_ids(4, 64).tolist(), "max_tokens": 4, "stream": True}
+            held = [await t.client.post("/v1/completions", json=body) for _ in range(2)]
+            try:
+                assert all(r.status == 200 for r in held)
+                status, headers, got = await complete(t.client, body)
+                assert status == 429 and got["error"]["code"] == "too_many_concurrent_requests" and headers["Retry-After"] == "1"
+            finally:
+                fleet.gate.set()
+                for r in held:
+                    await r.read()
+                    r.release()
+            status, _, _ = await complete(t.client, {**body, "stream": False})
+            assert status == 200  # the slots came back
+
+    run(go())

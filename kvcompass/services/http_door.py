@@ -61,6 +61,7 @@ the upstream connection pool.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 import os
@@ -155,6 +156,12 @@ class DoorConfig:
     expose_worker: bool = True
     """Tell the client which worker served (``x-kvcompass-worker``), for load generators and
     debugging; turn off where worker identity is sensitive."""
+    body_timeout_s: float = 30.0
+    """To read a request's body once its head arrived: a client that announces more than it
+    sends (a short body, a slow drip) gets a 408 instead of holding a connection forever."""
+    max_inflight_per_client: int = 256
+    """Completion requests one client (its API key, or its address on an open door) may have in
+    progress; past it, 429. Keeps one client's hundreds of slow streams from starving others."""
     stale_grace_s: float = 10.0
     """How long a shard's subscription may be down (a unit restarting, a repair) before
     ``/health`` says not ready (``stale``)."""
@@ -172,10 +179,10 @@ class DoorConfig:
             raise ValueError(f"models must be non-empty names, got {self.models!r}")
         if not _TENANT_RE.fullmatch(self.default_tenant):
             raise ValueError(f"default_tenant {self.default_tenant!r} is not a valid tenant name")
-        for name in ("max_prompt_tokens", "max_body_bytes", "max_attempts"):
+        for name in ("max_prompt_tokens", "max_body_bytes", "max_attempts", "max_inflight_per_client"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("dead_cooldown_s", "connect_timeout_s", "head_timeout_s", "read_timeout_s", "drain_grace_s", "stale_grace_s"):
+        for name in ("dead_cooldown_s", "connect_timeout_s", "head_timeout_s", "read_timeout_s", "drain_grace_s", "stale_grace_s", "body_timeout_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {v}")
@@ -348,6 +355,7 @@ class FrontDoor:
         """Shard -> seconds its subscription has not been current (the edge's syncer sets it;
         :meth:`health` reports them and turns not-ready past ``stale_grace_s``)."""
         self._inflight = 0
+        self._per_client: dict[str, int] = {}
         self._idle = asyncio.Event()
         self._idle.set()
         self._route_exclude = _accepts_exclude(edge)
@@ -482,9 +490,33 @@ class FrontDoor:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)
 
+    def _client_of(self, request: web.Request) -> str:
+        """Who a request counts against for the per-client cap: its API key's hash, else its
+        peer address."""
+        auth = request.headers.get("Authorization")
+        if self.config.api_keys is not None and auth:
+            return "key:" + hashlib.sha256(auth.encode()).hexdigest()[:16]
+        return "addr:" + (request.remote or "?")
+
     async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         if self.draining:
             raise _Refusal(503, "this edge is shutting down; retry on another", code="draining")
+        client = self._client_of(request)
+        n = self._per_client.get(client, 0)
+        if n >= self.config.max_inflight_per_client:
+            self.metrics.auth_refusals.labels("concurrency").inc()
+            raise _Refusal(429, f"this client already has {n} requests in progress (the limit); retry when one ends", code="too_many_concurrent_requests", headers={"Retry-After": "1"})
+        self._per_client[client] = n + 1
+        try:
+            return await self._serve_counted(request, chat=chat)
+        finally:
+            left = self._per_client[client] - 1
+            if left:
+                self._per_client[client] = left
+            else:
+                del self._per_client[client]
+
+    async def _serve_counted(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         self._inflight += 1
         self._idle.clear()
         self.metrics.inflight.inc()
@@ -506,9 +538,11 @@ class FrontDoor:
             raise _Refusal(413, f"request body exceeds {cfg.max_body_bytes} bytes", code="request_too_large")
         key = self._authenticate(request)
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), cfg.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
             raise _Refusal(413, f"request body exceeds {cfg.max_body_bytes} bytes", code="request_too_large") from None
+        except TimeoutError:
+            raise _Refusal(408, f"the request body did not arrive within {cfg.body_timeout_s:g} s", code="request_timeout", headers={"Connection": "close"}) from None
         try:
             body = decode_json_object(raw, request.headers.get("Content-Type"))
         except BodyError as e:
