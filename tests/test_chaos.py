@@ -149,3 +149,5 @@ def test_processes_smoke() -> None:
     assert out["failed_requests"] == 0, out["request_errors"]
     assert out["requests"] > 0
     assert all(r["converge_ms_from_ready"] is not None for r in out["restarts"])
+    # Served, but not by their own region's door: counted apart from the others (issue 19).
+    assert 0 <= out["served_by_another_region"] <= out["door_failovers"]

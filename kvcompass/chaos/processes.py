@@ -67,6 +67,8 @@ class _Load:
     requests: int = 0
     failed: int = 0
     failovers: int = 0
+    served_elsewhere: int = 0
+    """Requests served only by another region's door, their own being down or draining."""
     errors: dict[str, int] | None = None
 
 
@@ -162,6 +164,8 @@ class ProcessChaos:
                         async with http.post(doors[r] + "/v1/completions", json=body) as resp:
                             await resp.read()
                             if resp.status == 200:
+                                if i:
+                                    self.load.served_elsewhere += 1  # its own region's door was down
                                 return
                             why = f"http {resp.status}"
                             if resp.status == 503 and i + 1 < len(order):
@@ -307,6 +311,7 @@ class ProcessChaos:
             "max_converge_ms_from_restart": max(x for x in from_restart if x is not None) if converged and from_restart else None,
             "restarts": self.restarts,
             "door_failovers": self.load.failovers,
+            "served_by_another_region": self.load.served_elsewhere,
             "request_errors": self.load.errors,
             "topology": cfg.topology,
             "workers": cfg.max_workers,
