@@ -86,6 +86,13 @@ class BlockStored:
     ``parent_block_hash`` is the block before the first one (None at the start of a prompt).
     ``extra_keys[i]``, when not None, says block i's KV depends on more than its tokens
     (multimodal inputs, LoRA, cache salt). Field order is vLLM's.
+
+    SGLang (0.5.18 on) sends a request's ``cache_salt`` in a metadata map instead
+    (``BlockStoredWithMetadata``: the positional fields up to ``medium``, then the map; in map
+    form a ``metadata`` key): it is read into ``cache_salt``, and for a prompt's first blocks
+    (no parent) also into ``extra_keys[0]`` as ``(salt,)``, the shape vLLM gives it, so the
+    agent keys the chain in the tenant's namespace exactly as for vLLM (a continuation event
+    inherits its chain's namespace through its parent).
     """
 
     block_hashes: tuple[BlockHash, ...]
@@ -99,6 +106,7 @@ class BlockStored:
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +170,8 @@ _REMOVED_FIELDS: tuple[str, ...] = ("block_hashes", "medium", "group_idx")
 _REMOVED_ALWAYS_WRITTEN = 2
 _REMOVED_NEEDED = 1
 _TAGS = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+# SGLang's BlockStoredWithMetadata puts its metadata map at this array index (the tag is 0).
+_SGLANG_METADATA_AT = 7
 
 
 # ---- decoding ---------------------------------------------------------------------------------
@@ -262,7 +272,13 @@ def _event(obj: object, where: str, seq: int | None, index: int) -> Event:
         layout = _layout(tag, where, seq, index)
         if len(obj) - 1 < layout[1]:
             raise InvalidEventError(f"{where} ({tag}): needs at least {layout[1]} fields after the tag, got {len(obj) - 1}", seq=seq, index=index)
-        fields = dict(zip(layout[0], obj[1:]))  # extra trailing fields (newer engines) are ignored
+        if tag == "BlockStored" and len(obj) > _SGLANG_METADATA_AT and isinstance(obj[_SGLANG_METADATA_AT], dict):
+            # SGLang's BlockStoredWithMetadata: its own fields end at medium, then the map sits
+            # where vLLM's lora_name (a string or nil, never a map) would be.
+            fields = dict(zip(layout[0][: _SGLANG_METADATA_AT - 1], obj[1:_SGLANG_METADATA_AT]))
+            fields["metadata"] = obj[_SGLANG_METADATA_AT]
+        else:
+            fields = dict(zip(layout[0], obj[1:]))  # extra trailing fields (newer engines) are ignored
     elif isinstance(obj, dict):
         tag_v = obj.get("type")
         if not isinstance(tag_v, str):
@@ -272,7 +288,7 @@ def _event(obj: object, where: str, seq: int | None, index: int) -> Event:
         for name in layout[0][: layout[1]]:
             if name not in obj:
                 raise InvalidEventError(f"{where} ({tag}): missing field {name!r}", seq=seq, index=index)
-        fields = {k: obj[k] for k in layout[0] if k in obj}
+        fields = {k: obj[k] for k in (*layout[0], "metadata", "cache_salt") if k in obj}
     else:
         raise InvalidEventError(f"{where}: an event is an array or a map, got {_kind(obj)}", seq=seq, index=index)
     w = f"{where} ({tag})"
@@ -312,6 +328,7 @@ def _stored(f: Mapping[str, object], w: str) -> BlockStored:
         raise _FieldError(
             f"{w}.token_ids has {len(tokens)} tokens; {len(hashes)} blocks of {block_size} need {block_size * len(hashes)}"
         )
+    salt = _salt_of(f, w)
     extra = f.get("extra_keys")
     extra_t: tuple[object, ...] | None = None
     if extra is not None:
@@ -323,6 +340,9 @@ def _stored(f: Mapping[str, object], w: str) -> BlockStored:
             if e is not None and not isinstance(e, list):
                 raise _FieldError(f"{w}.extra_keys[{i}] must be an array or nil, got {_kind(e)}")
         extra_t = tuple(_freeze(e) for e in extra)
+    if salt is not None and parent is None and hashes and (extra_t is None or extra_t[0] is None):
+        # A prompt's first blocks: the salt goes where vLLM puts it (see BlockStored).
+        extra_t = ((salt,), *((None,) * (len(hashes) - 1) if extra_t is None else extra_t[1:]))
     return BlockStored(
         block_hashes=hashes,
         parent_block_hash=parent,
@@ -335,7 +355,23 @@ def _stored(f: Mapping[str, object], w: str) -> BlockStored:
         group_idx=_opt_int(f.get("group_idx"), f"{w}.group_idx", nonneg=True),
         kv_cache_spec_kind=_opt_str(f.get("kv_cache_spec_kind"), f"{w}.kv_cache_spec_kind"),
         kv_cache_spec_sliding_window=_opt_int(f.get("kv_cache_spec_sliding_window"), f"{w}.kv_cache_spec_sliding_window", nonneg=True),
+        cache_salt=salt,
     )
+
+
+def _salt_of(f: Mapping[str, object], w: str) -> str | None:
+    """SGLang's cache salt: ``metadata.cache_salt`` (unknown metadata keys are ignored, as
+    SGLang's own decoders do), or a top-level ``cache_salt`` in map form."""
+    salt: object = f.get("cache_salt")
+    meta = f.get("metadata")
+    if meta is not None:
+        if not isinstance(meta, dict):
+            raise _FieldError(f"{w}.metadata must be a map or nil, got {_kind(meta)}")
+        if salt is None:
+            salt = meta.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise _FieldError(f"{w}.cache_salt must be a non-empty string or nil, got {_show(salt)}")
+    return salt
 
 
 def _removed(f: Mapping[str, object], w: str) -> BlockRemoved:
