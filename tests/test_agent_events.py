@@ -302,6 +302,10 @@ BAD_PAYLOADS: list[tuple[str, bytes, str]] = [
     ("events map", pack([0.0, {}]), "events must be an array, got dict"),
     ("dp negative", pack([0.0, [], -1]), "data_parallel_rank must be a non-negative int"),
     ("dp string", pack([0.0, [], "0"]), "data_parallel_rank"),
+]
+
+# Events that cannot be understood: skipped, the rest of their payload decoded (issue 16).
+BAD_EVENTS: list[tuple[str, bytes, str]] = [
     ("event scalar", pack([0.0, [5]]), "events[0]: an event is an array or a map, got int"),
     ("event empty", pack([0.0, [[]]]), "an empty array"),
     ("tag int", pack([0.0, [[1, [1]]]]), "starts with its tag string, got int"),
@@ -349,6 +353,18 @@ def test_malformed_payload_is_refused_precisely(payload: bytes, needle: str) -> 
         ev.decode_payload(payload)
 
 
+@pytest.mark.parametrize(("payload", "needle"), [(p, n) for _, p, n in BAD_EVENTS], ids=[c for c, _, _ in BAD_EVENTS])
+def test_an_event_that_cannot_be_understood_is_skipped_precisely(payload: bytes, needle: str) -> None:
+    b = ev.decode_message(pub(payload, seq=9))
+    (skipped,) = b.skipped
+    assert needle in skipped.reason and skipped.reason.startswith("seq 9: ")
+    # Whatever else the payload holds is decoded (stored_with puts a good event first).
+    raw = msgpack.unpackb(payload)
+    events = raw["events"] if isinstance(raw, dict) else raw[1]
+    assert len(b.events) == len(events) - 1
+    assert ev.decode_payload(payload).skipped[0].index == skipped.index
+
+
 def test_content_hash_repeats_are_not_malformed() -> None:
     # SGLang hashes a page's tokens alone: two identical consecutive pages share a hash, so a
     # hash may repeat within an event and a page's parent may carry its own hash.
@@ -361,10 +377,9 @@ def test_content_hash_repeats_are_not_malformed() -> None:
     assert b.events == (BlockRemoved((7, 7, 2**64 - 1, 2**64 - 1)),)
 
 
-def test_event_errors_carry_the_event_index() -> None:
-    with pytest.raises(InvalidEventError) as ei:
-        ev.decode_message(pub(stored_with(block_size=0), seq=3))
-    assert ei.value.index == 1
+def test_skipped_events_carry_their_index() -> None:
+    b = ev.decode_message(pub(stored_with(block_size=0), seq=3))
+    assert [sk.index for sk in b.skipped] == [1] and b.events == (AllBlocksCleared(),)
 
 
 BAD_FRAMES: list[tuple[str, Any, str]] = [

@@ -13,6 +13,7 @@ agent's digest).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import struct
@@ -43,6 +44,7 @@ from kvcompass._proto.kvcompass.v1 import (
     SubscribeEvent,
     SubscribeRequest,
 )
+import kvcompass.agent.events as ev
 from kvcompass.agent import BlockStored, WorkerAgent, encode_batch
 from kvcompass.discovery.edge import Edge
 from kvcompass.discovery.layout import IndexLayout, TableSpec, WorkerSpec
@@ -359,19 +361,41 @@ def fed_agent() -> WorkerAgent:
     return agent
 
 
+def refused_whole(payload: bytes) -> bool:
+    """A payload that is not a batch this agent can take at all (refused, replayed); the rest
+    are batches with events that cannot be understood (skipped, the others applied)."""
+    try:
+        fed_agent().on_message([b"kv", seq_frame(1), payload])
+    except errors_mod.InvalidEventError:
+        return True
+    return False
+
+
 @pytest.mark.parametrize("item", items("events"))
 def test_event_item(item: dict[str, Any]) -> None:
     agent = fed_agent()
     digest, malformed = agent.digest(), agent.stats.malformed
-    with pytest.raises(errors_mod.InvalidEventError) as ei:
-        agent.on_message([b"kv", seq_frame(1), data(item)])
-    assert type(ei.value) is errors_mod.InvalidEventError and ei.value.message
-    assert agent.digest() == digest
-    assert agent.stats.malformed == malformed + 1
-    # The same payload as a replay reply is refused the same way.
-    with pytest.raises(errors_mod.InvalidEventError):
-        agent.on_replay([seq_frame(1), data(item)])
-    assert agent.digest() == digest
+    payload = data(item)
+    if refused_whole(payload):
+        with pytest.raises(errors_mod.InvalidEventError) as ei:
+            agent.on_message([b"kv", seq_frame(1), payload])
+        assert type(ei.value) is errors_mod.InvalidEventError and ei.value.message
+        assert agent.digest() == digest
+        assert agent.stats.malformed == malformed + 1
+        # The same payload as a replay reply is refused the same way.
+        with pytest.raises(errors_mod.InvalidEventError):
+            agent.on_replay([seq_frame(1), payload])
+        assert agent.digest() == digest
+        return
+    # Events that cannot be understood are skipped and counted; nothing of them reaches the
+    # agent: it ends exactly as an agent given only the message's good events.
+    decoded = ev.decode_message([b"kv", seq_frame(1), payload])
+    assert decoded.skipped
+    agent.on_message([b"kv", seq_frame(1), payload])
+    assert agent.stats.events_skipped == len(decoded.skipped) and agent.stats.malformed == malformed
+    reference = fed_agent()
+    reference.on_batch(dataclasses.replace(decoded, skipped=()))
+    assert agent.digest() == reference.digest()
 
 
 def test_event_items_through_zmq_leave_the_unit_unchanged(plan: LevelPlan) -> None:
@@ -392,7 +416,9 @@ def test_event_items_through_zmq_leave_the_unit_unchanged(plan: LevelPlan) -> No
             if b.shard == unit.shard:
                 unit.apply(b, "us-0")
 
-    bad = [data(it) for it in ITEMS if it["entry"] == "events"]
+    # The payloads refused whole (skipped events are test_event_item's): none reaches the unit.
+    bad = [data(it) for it in ITEMS if it["entry"] == "events" and refused_whole(data(it))]
+    assert bad
 
     async def go() -> None:
         ctx = zmq.asyncio.Context()

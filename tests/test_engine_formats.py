@@ -105,15 +105,13 @@ def test_a_continuation_inherits_its_chains_namespace_and_a_foreign_salt_is_not_
     assert held_after(frames(0, msgspec.msgpack.encode(sg["batch"](ts=1.0, events=[foreign])))) == {}
 
 
-def test_malformed_sglang_metadata_is_refused() -> None:
+def test_malformed_sglang_metadata_skips_its_event() -> None:
     import msgpack
 
-    from kvcompass.errors import InvalidEventError
-
-    for meta in ([1], {"cache_salt": 5}, {"cache_salt": ""}):
-        payload = msgpack.packb([1.0, [["BlockStored", [1], None, list(range(BS)), BS, None, None, meta]]])
-        with pytest.raises(InvalidEventError):
-            decode_message(frames(0, payload))
+    for meta in ({"cache_salt": 5}, {"cache_salt": ""}):
+        payload = msgpack.packb([1.0, [["BlockStored", [1], None, list(range(BS)), BS, None, None, meta], ["AllBlocksCleared"]]])
+        b = decode_message(frames(0, payload))
+        assert [sk.index for sk in b.skipped] == [0] and "cache_salt" in b.skipped[0].reason and len(b.events) == 1
     # Unknown metadata keys are ignored, as SGLang's own decoders do.
     payload = msgpack.packb([1.0, [["BlockStored", [1], None, list(range(BS)), BS, None, None, {"cache_salt": "x", "future": 1}]]])
     assert decode_message(frames(0, payload)).events[0].cache_salt == "x"  # type: ignore[union-attr]

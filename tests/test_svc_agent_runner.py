@@ -528,3 +528,28 @@ def test_on_engine_gone_withdraws_everything_under_a_new_incarnation() -> None:
     assert agent.held() == {} and agent.incarnation == INC + 1
     assert [(b.shard, b.reset, len(b.keys), b.seq) for b in batches] == [(s, True, 0, 1) for s in range(SHARDS)]
     assert net([*out.batches, *batches]) == {}
+
+
+def test_the_runner_logs_and_counts_a_skipped_event_and_sends_the_rest(caplog: pytest.LogCaptureFixture) -> None:
+    import msgpack
+
+    async def main() -> None:
+        async with fake_engine() as engine:
+            sink = Collect()
+            runner = AgentRunner(new_agent(), sink, engine.events, engine.replay)
+            await runner.start()
+            try:
+                await engine.subscribed()
+                p = prompt(3)
+                good = ["BlockStored", [501, 502, 503, 504], None, p, 16, None, "GPU"]
+                await engine.publish(0, p, payload=msgpack.packb([1.0, [["BlockStored", [1]], good]]))
+                await wait_until(lambda: runner.stats.events_skipped == 1 and net(sink.batches) != {})
+            finally:
+                await runner.stop()
+        reference = new_agent()
+        reference.on_message(encode_batch([BlockStored((501, 502, 503, 504), None, tuple(p), 16, None, "GPU")], 0))
+        assert net(sink.batches) == {k: int(t) for k, t in reference.held().items()}
+        assert runner.stats.malformed == 0 and engine.requests == []  # nothing to replay
+        assert any("skipped event 0 of seq 0" in r.getMessage() for r in caplog.records)
+
+    run(main())

@@ -138,6 +138,7 @@ from kvcompass.agent.events import (
     BlockRemoved,
     BlockStored,
     EngineBatch,
+    SkippedEvent,
     decode_message,
     decode_replay,
     encode_replay_request,
@@ -233,6 +234,7 @@ class AgentStats:
     blocks_removed: int = 0  # (block, medium) removals applied
     clears: int = 0  # AllBlocksCleared applied
     malformed: int = 0  # InvalidEventError raised
+    events_skipped: int = 0  # events of applied messages that could not be understood (skipped, the rest applied)
     duplicates: int = 0  # re-delivered messages ignored
     gaps: int = 0  # gaps opened
     replay_requests: int = 0
@@ -321,6 +323,8 @@ class WorkerAgent:
         self._seen_order: deque[int] = deque()
         self._buffer: dict[int, EngineBatch] = {}
         self._replay_from: int | None = None
+        # Skipped events not yet taken by the driver (for its log): (seq, event), the latest 256.
+        self._skips: deque[tuple[int, SkippedEvent]] = deque(maxlen=256)
 
     # ---- driver entry points ------------------------------------------------------------------
 
@@ -562,7 +566,17 @@ class WorkerAgent:
         self._buffer.clear()
         self._replay_from = None
 
+    def take_skipped(self) -> list[tuple[int, SkippedEvent]]:
+        """The events skipped since the last call, as ``(seq, event)`` (the latest 256), for
+        the driver to log; counted in ``stats.events_skipped``."""
+        out = list(self._skips)
+        self._skips.clear()
+        return out
+
     def _apply(self, b: EngineBatch) -> None:
+        if b.skipped:
+            self._stats.events_skipped += len(b.skipped)
+            self._skips.extend((b.seq, sk) for sk in b.skipped)
         events, i = b.events, 0
         while i < len(events):
             e = events[i]

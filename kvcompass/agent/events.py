@@ -57,6 +57,7 @@ __all__ = [
     "Event",
     "EventBatch",
     "REPLAY_END_SEQ",
+    "SkippedEvent",
     "decode_message",
     "decode_payload",
     "decode_replay",
@@ -127,12 +128,22 @@ Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
 @dataclass(frozen=True, slots=True)
+class SkippedEvent:
+    """An event of a payload that could not be understood: its index in the payload's event
+    list and why (the rest of the payload is decoded; see :func:`decode_message`)."""
+
+    index: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class EventBatch:
     """One decoded payload (a ``KVEventBatch``)."""
 
     ts: float
     events: tuple[Event, ...]
     dp_rank: int | None = None
+    skipped: tuple[SkippedEvent, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +157,8 @@ class EngineBatch:
     dp_rank: int | None = None
     topic: bytes = b""
     digest: bytes = b""
+    skipped: tuple[SkippedEvent, ...] = ()
+    """Events of the payload that could not be understood (skipped; the others apply)."""
 
 
 # Field layouts (after the tag), in vLLM's order. In map form msgspec always writes the first
@@ -187,7 +200,7 @@ def decode_message(frames: Sequence[bytes | bytearray | memoryview]) -> EngineBa
     if seq < 0:
         raise InvalidEventError(f"frame 1 (seq) is {seq}: a published message has a non-negative seq", seq=seq)
     batch = _decode_payload(payload, f"seq {seq}: ", seq)
-    return EngineBatch(seq, batch.ts, batch.events, batch.dp_rank, topic, _digest(payload))
+    return EngineBatch(seq, batch.ts, batch.events, batch.dp_rank, topic, _digest(payload), batch.skipped)
 
 
 def decode_replay(frames: Sequence[bytes | bytearray | memoryview]) -> EngineBatch | None:
@@ -202,7 +215,7 @@ def decode_replay(frames: Sequence[bytes | bytearray | memoryview]) -> EngineBat
     if seq < 0:
         raise InvalidEventError(f"replay frame 0 (seq) is {seq}: only -1 (end of replay) may be negative", seq=seq)
     batch = _decode_payload(payload, f"replayed seq {seq}: ", seq)
-    return EngineBatch(seq, batch.ts, batch.events, batch.dp_rank, b"", _digest(payload))
+    return EngineBatch(seq, batch.ts, batch.events, batch.dp_rank, b"", _digest(payload), batch.skipped)
 
 
 def decode_payload(payload: bytes | bytearray | memoryview) -> EventBatch:
@@ -260,7 +273,17 @@ def _batch(obj: object, where: str, seq: int | None) -> EventBatch:
         raise InvalidEventError(f"{where}batch events must be an array, got {_kind(events)}", seq=seq)
     if dp is not None and (type(dp) is not int or dp < 0):
         raise InvalidEventError(f"{where}batch data_parallel_rank must be a non-negative int or nil, got {_kind(dp)}", seq=seq)
-    return EventBatch(float(ts), tuple(_event(e, f"{where}events[{i}]", seq, i) for i, e in enumerate(events)), dp)
+    # Event by event: one event that cannot be understood (a newer engine's form, a bad field)
+    # must not cost the others of its scheduler step. It is skipped and reported; a payload that
+    # is not a batch at all stays a refusal (the agent then asks for a replay).
+    decoded: list[Event] = []
+    skipped: list[SkippedEvent] = []
+    for i, e in enumerate(events):
+        try:
+            decoded.append(_event(e, f"{where}events[{i}]", seq, i))
+        except InvalidEventError as err:
+            skipped.append(SkippedEvent(i, err.message))
+    return EventBatch(float(ts), tuple(decoded), dp, tuple(skipped))
 
 
 def _event(obj: object, where: str, seq: int | None, index: int) -> Event:

@@ -101,6 +101,7 @@ class RunnerStats:
     rejections: int = 0  # AgentSequenceError from the sink, answered with on_rejected
     heartbeats: int = 0  # rounds of empty batches sent after heartbeat_s of silence
     engine_gone: int = 0  # disconnections from the engine's publisher, each withdrawing every claim
+    events_skipped: int = 0  # events the agent could not understand (each logged; the rest of its message applied)
 
 
 class AgentRunner:
@@ -274,7 +275,13 @@ class AgentRunner:
                     continue
                 await self._handle(out)
 
+    def _log_skipped(self) -> None:
+        for seq, sk in self.agent.take_skipped():
+            self.stats.events_skipped += 1
+            _log.warning("worker %s: skipped event %d of seq %d (the rest of the message applied): %s", self.agent.worker_id, sk.index, seq, sk.reason)
+
     async def _handle(self, out: AgentOutput) -> None:
+        self._log_skipped()
         await self._send(out.batches)
         replay = out.replay
         while replay is not None:
@@ -310,6 +317,7 @@ class AgentRunner:
                 self.stats.malformed += 1
                 _log.warning("worker %s: skipping a malformed replayed message: %s", self.agent.worker_id, e)
                 continue
+            self._log_skipped()
             await self._send(out.batches)
             if out.replay is not None:
                 return out.replay
