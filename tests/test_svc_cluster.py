@@ -372,6 +372,29 @@ def test_sigterm_drains_a_process(tmp_path: Path) -> None:
             proc.stdout.close()
 
 
+def test_each_edge_serves_a_dashboard_on_its_metrics_listener(cluster: Cluster) -> None:
+    # issue 17: a live view for operators, never on the public door.
+    tokens = _prompt(41, 512)
+    st, headers, _ = _post(cluster.edge("a") + "/v1/completions", {"model": MODEL, "prompt": tokens, "max_tokens": 2})
+    assert st == 200
+    e = cluster.state["edges"]["a"]
+    assert e["dashboard"] == e["metrics"] + "/dashboard"
+    st, page = _get(e["dashboard"])
+    assert st == 200 and b"heatmap" in page and b"dashboard/data" in page
+    st, raw = _get(e["dashboard"] + "/data")
+    assert st == 200
+    d = json.loads(raw)
+    assert d["region"] == "a"
+    assert sorted(w["id"] for w in d["workers"]) == sorted(cluster.state["workers"])
+    assert all(w["region"] == cluster.state["workers"][w["id"]]["region"] and w["queue_ms"] >= 0 for w in d["workers"])
+    route = d["routes"][0]  # newest first
+    assert route["worker"] == headers["x-kvcompass-worker"] and route["prompt_tokens"] == len(tokens) and route["tenant"] == "public"
+    assert set(route["terms"]) == {"wan", "queue", "prefill", "reload", "lam", "belief"}
+    assert {"local_hit_rate", "xregion_hit_rate", "false_claim_rate", "routes"} <= set(d["rates"])
+    assert d["views"] and all({"table", "shard", "epoch", "seq", "entries", "behind"} <= set(v) for v in d["views"])
+    assert _get(cluster.edge("a") + "/dashboard")[0] == 404  # the public door does not serve it
+
+
 def test_a_killed_worker_loses_its_claims_before_it_is_back(cluster: Cluster) -> None:
     # issue 19 finding 7: a worker restarted with an empty cache kept its claims for seconds.
     # Its agent sees the engine's publisher disconnect and withdraws every claim at once.

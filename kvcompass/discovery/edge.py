@@ -404,6 +404,10 @@ class Edge:
         """The lengths this edge actually queries per region (after the cross-region switch)."""
         return dict(self._plan)
 
+    def worker_region(self, worker: str) -> str:
+        """The region of ``worker`` (as the layout and topology place it)."""
+        return self._worker_region[self.worker_index(worker)]
+
     def worker_index(self, worker: str) -> int:
         try:
             return self._index[worker]

@@ -392,7 +392,7 @@ class Cluster:
         _write_json(door_peers_file, {str(e.ready["region"]): str(e.ready["http"]) for e in edges})
         await self.wait_healthy(units, workers, agents, edges, timeout)
         return {
-            "edges": {str(e.ready["region"]): {"http": e.ready["http"], "grpc": e.ready["grpc"], "metrics": e.ready["metrics"]} for e in edges},
+            "edges": {str(e.ready["region"]): {"http": e.ready["http"], "grpc": e.ready["grpc"], "metrics": e.ready["metrics"], "dashboard": e.ready.get("dashboard")} for e in edges},
             "maintenance": [{"shard": u.ready["shard"], "grpc": u.ready["grpc"], "metrics": u.ready["metrics"]} for u in sorted(units, key=lambda u: int(u.ready["shard"]))],
             "workers": {str(w.ready["worker"]): {"http": w.ready["http"], "region": w.ready["region"]} for w in workers},
             # Beyond the documented three keys: for operators and tests.
@@ -501,7 +501,7 @@ def _write_json(path: Path, obj: object) -> None:
 def format_endpoints(state: dict[str, Any]) -> str:
     out = [f"KVCompass cluster up: topology {state['topology']}, routing {state['routing']}, time scale {state['time_scale']}"]
     for r, e in state["edges"].items():
-        out.append(f"  edge {r:<8} http {e['http']}  grpc {e['grpc']}  metrics {e['metrics']}/metrics")
+        out.append(f"  edge {r:<8} http {e['http']}  grpc {e['grpc']}  metrics {e['metrics']}/metrics  dashboard {e.get('dashboard')}")
     for m in state["maintenance"]:
         out.append(f"  maintenance shard {m['shard']}  grpc {m['grpc']}  metrics {m['metrics']}/metrics")
     for w, d in state["workers"].items():

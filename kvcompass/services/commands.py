@@ -519,7 +519,11 @@ async def _edge(args: argparse.Namespace) -> int:
     http_server_ssl, http_client_ssl = tls.server_or_none("http"), tls.client_or_none("http")
     stop = asyncio.Event()
     sync = EdgeSync(edge, units, name=f"edge-{args.region}", ssl_context=grpc_client_ssl, view_budget_bytes=args.view_budget)
-    server = EdgeServer(EdgeService(edge), health=sync.health, metrics=sync.metrics, ready=lambda: sync.ready)
+    from kvcompass.services.dashboard import Dashboard
+
+    dashboard = Dashboard(edge)
+    dashboard.stale_shards = sync.stale_shards
+    server = EdgeServer(EdgeService(edge), health=sync.health, metrics=sync.metrics, ready=lambda: sync.ready, routes=dashboard.routes())
     broadcaster: QueueBroadcaster | None = None
     async with _stop_on_signals(stop), contextlib.AsyncExitStack() as stack:
         await sync.start()
@@ -532,6 +536,7 @@ async def _edge(args: argparse.Namespace) -> int:
             peers=door_peers,
         )
         door.door.stale_shards = sync.stale_shards
+        dashboard.door = door.door
         # Registered last, so it runs first: the door drains while the index is still current.
         stack.push_async_callback(door.stop)
         local = {w: u for w, u in urls.items() if regions.get(w) == args.region}
@@ -543,7 +548,7 @@ async def _edge(args: argparse.Namespace) -> int:
             stack.callback(_forget_sighup)
         else:
             print("kvcompass edge: --open: the door serves completions without API keys, and any client may act as any tenant", file=sys.stderr, flush=True)
-        announce("edge", region=args.region, http=door.url, grpc=grpc, metrics=server.metrics_url)
+        announce("edge", region=args.region, http=door.url, grpc=grpc, metrics=server.metrics_url, dashboard=f"{server.metrics_url}/dashboard" if server.metrics_url else None)
         if args.door_peers_file is not None and not door_peers:
             waiter = asyncio.get_running_loop().create_task(_wait_door_peers(args.door_peers_file, door, stop))
             stack.push_async_callback(_cancel, waiter)

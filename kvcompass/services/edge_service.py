@@ -19,7 +19,7 @@ import secrets
 import ssl
 import time
 from collections import OrderedDict
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 from grpclib.client import Channel
@@ -42,7 +42,7 @@ from kvcompass.discovery.edge import Edge
 from kvcompass.discovery.queues import MAX_QUEUE_MS
 from kvcompass.errors import InvalidArgumentError, KVCompassError
 from kvcompass.services.maintenance_service import DrainingServer
-from kvcompass.services.metrics import MetricsServer, ServiceMetrics, bind_socket
+from kvcompass.services.metrics import MetricsServer, Route, ServiceMetrics, bind_socket
 from kvcompass.services.status import grpc_error
 from kvcompass.services.tls import grpc_channel
 
@@ -233,8 +233,11 @@ class EdgeServer:
     endpoint. ``health`` is the readiness check (EdgeSync's), reported for the Edge service and
     overall; ``ready`` backs ``/healthz``."""
 
-    def __init__(self, service: EdgeService, *, health: CheckBase | None = None, metrics: ServiceMetrics | None = None, ready: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self, service: EdgeService, *, health: CheckBase | None = None, metrics: ServiceMetrics | None = None, ready: Callable[[], bool] | None = None, routes: Sequence[Route] = ()
+    ) -> None:
         self.service = service
+        self._routes = list(routes)
         self.status: CheckBase = health if health is not None else ServiceStatus()
         if health is None:
             assert isinstance(self.status, ServiceStatus)
@@ -262,7 +265,7 @@ class EdgeServer:
         hp = f"[{host}]" if ":" in host else host
         self.grpc = f"{hp}:{bound}"
         if metrics_port is not None:
-            self._metrics_server = MetricsServer(self.metrics.registry, self._ready)
+            self._metrics_server = MetricsServer(self.metrics.registry, self._ready, self._routes)
             self.metrics_url = f"http://{hp}:{await self._metrics_server.start(host, metrics_port)}"
         return self.grpc
 

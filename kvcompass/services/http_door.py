@@ -69,7 +69,7 @@ import re
 import socket
 import ssl
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -275,6 +275,8 @@ class _Choice:
     region: str | None
     claimed: int
     decision: Decision | None
+    record: dict[str, Any] | None = None
+    """This route's row in :attr:`FrontDoor.recent_routes` (its reuse filled in on response)."""
 
 
 @dataclass(slots=True)
@@ -355,6 +357,8 @@ class FrontDoor:
         """Shard -> seconds its subscription has not been current (the edge's syncer sets it;
         :meth:`health` reports them and turns not-ready past ``stale_grace_s``)."""
         self._inflight = 0
+        self.recent_routes: deque[dict[str, Any]] = deque(maxlen=200)
+        """The latest routing decisions, for the dashboard (kvcompass.services.dashboard)."""
         self._per_client: dict[str, int] = {}
         self._idle = asyncio.Event()
         self._idle.set()
@@ -723,7 +727,22 @@ class FrontDoor:
         self.metrics.route_seconds.observe(time.perf_counter() - t0)
         self.regions.setdefault(d.worker, d.region)
         if d.worker not in excluded:
-            return _Choice(d.worker, d.region, d.expected_match, d)
+            t = d.terms
+            # For the operators' dashboard: a bounded ring, one small dict a route.
+            record: dict[str, Any] = {
+                "t": time.time(),
+                "tenant": prep.headers.get(NAMESPACE_HEADER, self.config.default_tenant),
+                "prompt_tokens": d.prompt_tokens,
+                "worker": d.worker,
+                "region": d.region,
+                "claimed": d.expected_match,
+                "tier": int(d.tier),
+                "candidates": d.candidates,
+                "terms": {"wan": t.wan, "queue": t.queue, "prefill": t.prefill, "reload": t.reload, "lam": t.lam, "belief": t.belief},
+                "reused": None,
+            }
+            self.recent_routes.append(record)
+            return _Choice(d.worker, d.region, d.expected_match, d, record)
         return self._fallback(excluded)
 
     def _fallback(self, excluded: frozenset[str]) -> _Choice | None:
@@ -1009,6 +1028,8 @@ class FrontDoor:
             claimed, reused = 0, 0  # claimed=0 moves no belief: "unknown" is not "reused nothing"
         else:
             claimed, reused = choice.claimed, fb.reused
+            if choice.record is not None:
+                choice.record["reused"] = reused
             if claimed > 0:
                 m.claimed.inc(claimed)
                 (m.hits if reused >= claimed else m.false_hits).inc()

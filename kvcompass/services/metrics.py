@@ -9,6 +9,7 @@ clashes). Other services add their own collectors to ``metrics.registry`` and re
 from __future__ import annotations
 
 import socket
+from collections.abc import Awaitable, Sequence
 from typing import Callable
 
 from aiohttp import web
@@ -77,7 +78,11 @@ class ServiceMetrics:
         return generate_latest(self.registry)
 
 
-def metrics_app(registry: CollectorRegistry, ready: Callable[[], bool]) -> web.Application:
+Route = tuple[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]
+"""An extra ``GET`` route of the metrics listener: ``(path, handler)``."""
+
+
+def metrics_app(registry: CollectorRegistry, ready: Callable[[], bool], routes: Sequence[Route] = ()) -> web.Application:
     """``GET /metrics`` (Prometheus text) and ``GET /healthz`` (200 while ``ready()``, else 503,
     so load balancers and ``kvcompass up`` can poll it without speaking gRPC)."""
 
@@ -91,6 +96,8 @@ def metrics_app(registry: CollectorRegistry, ready: Callable[[], bool]) -> web.A
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
+    for path, handler in routes:
+        app.router.add_get(path, handler)
     return app
 
 
@@ -112,8 +119,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 class MetricsServer:
     """The metrics endpoint as a start/close pair (for ``AsyncExitStack`` lifecycles)."""
 
-    def __init__(self, registry: CollectorRegistry, ready: Callable[[], bool]) -> None:
-        self._app = metrics_app(registry, ready)
+    def __init__(self, registry: CollectorRegistry, ready: Callable[[], bool], routes: Sequence[Route] = ()) -> None:
+        self._app = metrics_app(registry, ready, routes)
         self._runner: web.AppRunner | None = None
         self.port = 0
 

@@ -1,0 +1,88 @@
+"""The operators' live view of one edge: ``GET /dashboard`` (a page shipped in the package: no
+CDN, no build step) fed by ``GET /dashboard/data`` (JSON), both on the edge's *metrics*
+listener, never on the public door: the page shows tenants' routing details, which are as
+sensitive as ``cached_tokens``.
+
+What it costs the routing path: the door appends one small dict per route to a bounded ring
+(:attr:`FrontDoor.recent_routes`, 200 entries); everything else is read when the page asks,
+once a second while it is open.
+
+What the data holds: ``workers`` (one entry per worker of the topology: region, queue estimate,
+cache belief, whether the door holds it dead), ``routes`` (the latest decisions, newest first:
+tenant, prompt length, claimed length and tier, worker and region, the score terms, and what
+the worker then reused), ``rates`` (local and cross-region reuse and false claims over those
+routes), ``views`` (per table and shard: epoch, seq, entries, behind) and ``stale_shards``.
+Not shown yet: TTFT percentiles (the door does not time first tokens), hot prefix families and
+migrations in flight.
+"""
+
+from __future__ import annotations
+
+import time
+from importlib import resources
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from kvcompass.discovery.edge import Edge
+    from kvcompass.services.http_door import FrontDoor
+
+__all__ = ["Dashboard"]
+
+_ROUTES_SHOWN = 50
+
+
+class Dashboard:
+    """One edge's dashboard. ``door`` and ``stale_shards`` are attached once they exist (the
+    edge process starts its door after its gRPC server)."""
+
+    def __init__(self, edge: Edge) -> None:
+        self.edge = edge
+        self.door: FrontDoor | None = None
+        self.stale_shards: Callable[[], Mapping[int, float]] | None = None
+        self._page = resources.files("kvcompass").joinpath("data/dashboard.html").read_bytes()
+
+    def routes(self) -> list[tuple[str, Callable[[web.Request], Any]]]:
+        """``(path, handler)`` pairs for the metrics listener."""
+        return [("/dashboard", self.page), ("/dashboard/data", self.data_handler)]
+
+    async def page(self, _: web.Request) -> web.Response:
+        return web.Response(body=self._page, content_type="text/html", charset="utf-8", headers={"Cache-Control": "no-store"})
+
+    async def data_handler(self, _: web.Request) -> web.Response:
+        return web.json_response(self.data(), headers={"Cache-Control": "no-store"})
+
+    def data(self) -> dict[str, Any]:
+        e, door = self.edge, self.door
+        dead = door.dead_workers() if door is not None else set()
+        workers = []
+        for w in e.workers:
+            region = e.worker_region(w)
+            workers.append({"id": w, "region": region, "local": region == e.region, "queue_ms": e.queue_estimate(w), "belief": e.belief(w), "dead": w in dead})
+        routes = list(door.recent_routes)[-_ROUTES_SHOWN:][::-1] if door is not None else []
+        views = []
+        behind = set(e.behind)
+        for t in e.layout.tables:
+            for s in range(e.layout.shards):
+                v = e.view(t.table_id, s)
+                views.append({"table": t.table_id, "shard": s, "epoch": v.epoch, "seq": v.seq, "entries": v.count_entries() if v.initialised else 0, "behind": (t.table_id, s) in behind})
+        stale = {str(k): round(v, 1) for k, v in (self.stale_shards() if self.stale_shards is not None else {}).items()}
+        return {"region": e.region, "time": time.time(), "workers": workers, "routes": routes, "rates": _rates(routes, e.region), "views": views, "stale_shards": stale}
+
+
+def _rates(routes: list[dict[str, Any]], own: str) -> dict[str, float | int]:
+    """Reuse over the routes shown whose worker reported it: tokens reused locally and across
+    regions per prompt token, and the share of claims the worker did not honour in full."""
+    done = [r for r in routes if r.get("reused") is not None]
+    prompt = sum(int(r["prompt_tokens"]) for r in done)
+    local = sum(int(r["reused"]) for r in done if r["region"] == own)
+    cross = sum(int(r["reused"]) for r in done if r["region"] != own)
+    claims = [r for r in done if int(r["claimed"]) > 0]
+    false = sum(1 for r in claims if int(r["reused"]) < int(r["claimed"]))
+    return {
+        "routes": len(done),
+        "local_hit_rate": local / prompt if prompt else 0.0,
+        "xregion_hit_rate": cross / prompt if prompt else 0.0,
+        "false_claim_rate": false / len(claims) if claims else 0.0,
+    }
