@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -393,6 +395,36 @@ def test_each_edge_serves_a_dashboard_on_its_metrics_listener(cluster: Cluster) 
     assert {"local_hit_rate", "xregion_hit_rate", "false_claim_rate", "routes"} <= set(d["rates"])
     assert d["views"] and all({"table", "shard", "epoch", "seq", "entries", "behind"} <= set(v) for v in d["views"])
     assert _get(cluster.edge("a") + "/dashboard")[0] == 404  # the public door does not serve it
+
+
+def test_the_dashboard_renders_in_headless_chromium(cluster: Cluster, tmp_path: Path) -> None:
+    """Debian's chromium, headless, against the live cluster: the page runs its script with no
+    console error, draws one heatmap cell per worker and lists routes; a screenshot is kept
+    (in CI, .ci/run installs chromium; elsewhere the test is skipped without it)."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must have chromium (.ci/run installs it)")
+        pytest.skip("no chromium on this machine")
+    for i in range(3):
+        assert _post(cluster.edge("a") + "/v1/completions", {"model": MODEL, "prompt": _prompt(50 + i, 256), "max_tokens": 2})[0] == 200
+    url = cluster.state["edges"]["a"]["dashboard"]
+    flags = [browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0", "--virtual-time-budget=4000", "--window-size=1280,900"]
+    shot = tmp_path / "dashboard.png"
+    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120, check=False)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    console = [line for line in dom.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert not console, console
+    # Rendered elements only (the script's own source holds the same tags as templates).
+    cells = re.findall(r'<rect class="cell" data-worker="([^"$]+)"', dom.stdout)
+    assert sorted(cells) == sorted(cluster.state["workers"]), dom.stdout[-3000:]
+    assert dom.stdout.count('<tr class="route"><td class="l">') >= 3
+    status = re.search(r'id="status">([^<]*)<', dom.stdout)
+    assert status is not None and status.group(1).startswith(f"{len(cluster.state['workers'])} workers"), status
+    subprocess.run([*flags, f"--screenshot={shot}", url], capture_output=True, timeout=120, check=True)
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("KVCOMPASS_SCREENSHOT_DIR"):  # keep it as an artifact
+        shutil.copy(shot, Path(os.environ["KVCOMPASS_SCREENSHOT_DIR"]) / "dashboard.png")
 
 
 def test_a_killed_worker_loses_its_claims_before_it_is_back(cluster: Cluster) -> None:
