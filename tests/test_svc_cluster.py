@@ -29,6 +29,7 @@ from grpclib.client import Channel
 from kvcompass._proto.kvcompass.v1 import EdgeStub, RouteRequest
 from kvcompass.index import Namespace
 
+ROOT = Path(__file__).resolve().parents[1]
 MODEL = "llama-3.1-8b"
 NS = Namespace(MODEL, "public")
 
@@ -425,6 +426,31 @@ def test_the_dashboard_renders_in_headless_chromium(cluster: Cluster, tmp_path: 
     assert shot.stat().st_size > 10_000
     if os.environ.get("KVCOMPASS_SCREENSHOT_DIR"):  # keep it as an artifact
         shutil.copy(shot, Path(os.environ["KVCOMPASS_SCREENSHOT_DIR"]) / "dashboard.png")
+
+
+def test_every_metric_the_grafana_dashboard_queries_is_exported(cluster: Cluster) -> None:
+    # issue 17: the shipped Grafana dashboard over a live cluster's Prometheus endpoints, which
+    # kvcompass up lists in file_sd form for deploy/prometheus/prometheus.yml.
+    assert _post(cluster.edge("a") + "/v1/completions", {"model": MODEL, "prompt": _prompt(61, 128), "max_tokens": 2})[0] == 200
+    targets = json.loads((Path(cluster.state["run_dir"]) / "prometheus-targets.json").read_text())
+    roles = {t["labels"]["role"] for t in targets}
+    assert roles == {"door", "edge", "maintenance", "agent", "worker"}
+    assert sum(t["labels"]["role"] == "agent" for t in targets) == len(cluster.state["workers"])
+    exported: set[str] = set()
+    for t in targets:
+        (hp,) = t["targets"]
+        st, body = _get(f"http://{hp}/metrics")
+        assert st == 200, hp
+        for line in body.decode().splitlines():
+            if line.startswith("# TYPE "):  # declared, samples or not (a labelled counter may have none yet)
+                _, _, name, kind = line.split(" ", 3)
+                exported |= {"counter": {name.removesuffix("_total") + "_total"}, "histogram": {name + "_bucket", name + "_sum", name + "_count"}}.get(kind, {name})
+            elif line and not line.startswith("#"):
+                exported.add(line.split("{", 1)[0].split(" ", 1)[0])
+    dash = json.loads((ROOT / "deploy" / "grafana" / "kvcompass.json").read_text())
+    queried = {m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"kvcompass_[a-z_]+", t["expr"])}
+    assert len(queried) >= 15
+    assert sorted(queried - exported) == []
 
 
 def test_a_killed_worker_loses_its_claims_before_it_is_back(cluster: Cluster) -> None:

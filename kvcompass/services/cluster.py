@@ -391,6 +391,7 @@ class Cluster:
         _write_json(peers_file, {str(e.ready["region"]): str(e.ready["grpc"]) for e in edges})
         _write_json(door_peers_file, {str(e.ready["region"]): str(e.ready["http"]) for e in edges})
         await self.wait_healthy(units, workers, agents, edges, timeout)
+        _write_json(self.run_dir / "prometheus-targets.json", _scrape_targets(units, workers, agents, edges))
         return {
             "edges": {str(e.ready["region"]): {"http": e.ready["http"], "grpc": e.ready["grpc"], "metrics": e.ready["metrics"], "dashboard": e.ready.get("dashboard")} for e in edges},
             "maintenance": [{"shard": u.ready["shard"], "grpc": u.ready["grpc"], "metrics": u.ready["metrics"]} for u in sorted(units, key=lambda u: int(u.ready["shard"]))],
@@ -474,6 +475,27 @@ class Cluster:
             if c._logf is not None:
                 c._logf.close()
         return code
+
+
+def _scrape_targets(units: list[Child], workers: list[Child], agents: list[Child], edges: list[Child]) -> list[dict[str, Any]]:
+    """Every process's Prometheus endpoint (``/metrics``) in Prometheus' file_sd format
+    (``deploy/prometheus/prometheus.yml`` reads it): the edges' doors and their gRPC side's
+    listener, the units, the agents and the workers."""
+
+    def hostport(url: str) -> str:
+        return url.split("://", 1)[-1].rstrip("/")
+
+    out: list[dict[str, Any]] = []
+    for e in edges:
+        out.append({"targets": [hostport(str(e.ready["http"]))], "labels": {"role": "door", "region": str(e.ready["region"])}})
+        out.append({"targets": [hostport(str(e.ready["metrics"]))], "labels": {"role": "edge", "region": str(e.ready["region"])}})
+    for u in units:
+        out.append({"targets": [hostport(str(u.ready["metrics"]))], "labels": {"role": "maintenance", "shard": str(u.ready["shard"])}})
+    for a in agents:
+        out.append({"targets": [hostport(str(a.ready["metrics"]))], "labels": {"role": "agent", "worker": str(a.ready["worker"])}})
+    for w in workers:
+        out.append({"targets": [hostport(str(w.ready["http"]))], "labels": {"role": "worker", "worker": str(w.ready["worker"])}})
+    return out
 
 
 def _gauge(text: str, name: str) -> float:

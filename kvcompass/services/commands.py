@@ -655,6 +655,8 @@ async def _agent(args: argparse.Namespace) -> int:
         ("kvcompass_agent_malformed_messages", lambda: runner.stats.malformed),
         ("kvcompass_agent_replays", lambda: runner.stats.replays),
         ("kvcompass_agent_replay_failures", lambda: runner.stats.replay_failures),
+        ("kvcompass_agent_skipped_events", lambda: runner.stats.events_skipped),
+        ("kvcompass_agent_engine_disconnects", lambda: runner.stats.engine_gone),
     ):
         Gauge(name, name.removeprefix("kvcompass_agent_").replace("_", " "), ["worker"], registry=reg).labels(args.worker).set_function(fn)
     metrics = MetricsServer(reg, lambda: runner.running)
