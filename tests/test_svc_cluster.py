@@ -509,3 +509,36 @@ def test_sigterm_stops_the_whole_cluster(cluster: Cluster) -> None:
     assert time.monotonic() - t0 < 20
     assert not [p for p in pids if _alive(p)]
 
+
+
+def test_cluster_demo_hold_keeps_the_cluster_up_and_prints_its_dashboards(tmp_path: Path) -> None:
+    topo = tmp_path / "tiny.toml"
+    topo.write_text(TOPOLOGY)
+    proc = subprocess.Popen(
+        _cmd("cluster-demo", "--topology", str(topo), "--trace", str(ROOT / "tests" / "data" / "conversation_excerpt.jsonl"), "--requests", "20",
+             "--modes", "kvcompass", "--time-scale", "0.02", "--no-progress", "--hold", "--out", str(tmp_path / "out")),
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        urls: list[str] = []
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:
+            if "/dashboard" in line:
+                urls.append(line.split(": ", 1)[1].strip())
+            if "Authorization" in line:
+                break
+            assert time.monotonic() < deadline
+        assert len(urls) == 2
+        for u in urls:
+            st, raw = _get(u + "/data")
+            assert st == 200 and json.loads(raw)["workers"]
+        proc.send_signal(signal.SIGINT)
+        rest = proc.stdout.read()
+        assert proc.wait(60) == 0 and "cluster_demo.png" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()

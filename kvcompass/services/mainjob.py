@@ -52,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="cluster-demo-out", metavar="DIR", help="records, summary.json and cluster_demo.png go here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--hold", action="store_true", help="keep the last mode's cluster up after its replay, print its dashboards, and stop on Ctrl-C")
 
 
 async def _wait_state(path: Path, proc: asyncio.subprocess.Process, timeout: float) -> dict[str, Any]:
@@ -89,6 +90,8 @@ async def _run_mode(args: argparse.Namespace, mode: str, plans: Sequence[Any], o
         edges = {str(r): str(e["http"]) for r, e in state["edges"].items()}
         regions = {str(w): str(d["region"]) for w, d in state["workers"].items()}
         records = await replay(plans, edges, worker_regions=regions, progress=not args.no_progress, label=f"[{mode}] ", api_key=default_api_key(state))
+        if getattr(args, "hold", False) and mode == args.modes.split(",")[-1].strip():
+            await _hold(state, mode)
     finally:
         if proc.returncode is None:
             proc.send_signal(signal.SIGTERM)
@@ -99,6 +102,25 @@ async def _run_mode(args: argparse.Namespace, mode: str, plans: Sequence[Any], o
             rc = await proc.wait()
     print(f"[{mode}] cluster stopped (exit {rc}); {time.perf_counter() - t0:.1f} s in all", file=sys.stderr, flush=True)
     return records
+
+
+async def _hold(state: Mapping[str, Any], mode: str) -> None:
+    """Keep the cluster up for a look at its dashboards until SIGINT/SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"[{mode}] holding the cluster (Ctrl-C stops it); dashboards:", flush=True)
+    for r, e in state["edges"].items():
+        print(f"  {r}: {e.get('dashboard')}", flush=True)
+    keys = state.get("api_keys") or {}
+    if keys:
+        print(f"  doors need Authorization: Bearer {next(iter(keys.values()))} (state file: api_keys)", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
 
 
 def _modelled(s: Mapping[str, Any], scale: float) -> dict[str, Any]:
