@@ -464,3 +464,22 @@ def test_a_batch_of_live_readings_is_the_same_as_one_at_a_time() -> None:
     with pytest.raises(ValueError):
         many.set_local_queues(idx[:1], np.array([-1.0]), now=2.0)
     assert many.queue_estimate("a0") == 12.5  # a refused batch changes nothing
+
+
+def test_a_lookup_decides_as_a_route_would_and_changes_nothing() -> None:
+    # issue 16: a gateway that only asks who holds a prompt used to register a 2 s claim, so
+    # its next question saw a hit nobody held.
+    fleet = Fleet({"A": 2})
+    edge = fleet.edge("A", {"A": PLAN_A}, {"A": 2.0}, EdgeParams(tie_ms=0.0, speculative_ttl_s=2.0, dispatch_charge_ttl_s=2.0))
+    p = prompt(710, 3000)
+    queues = [edge.queue_estimate(w) for w in edge.workers]
+    for t in (0.0, 0.5):
+        d = edge.lookup(p, NS, t)
+        assert d.expected_match == 0 and d.prompt_tokens == 3000
+    assert edge.speculative_entries == 0 and edge.stats.routes == 0
+    assert [edge.queue_estimate(w) for w in edge.workers] == queues  # no dispatch charge
+    d0 = edge.route(p, NS, 1.0)
+    assert edge.speculative_entries == 4 and edge.queue_estimate(d0.worker) > 0
+    other = next(w for w in edge.workers if w != d0.worker)
+    seen = edge.lookup(p, NS, 1.5, exclude=[other])  # a lookup sees what routes did
+    assert (seen.worker, seen.expected_match) == (d0.worker, 2048) and edge.stats.routes == 1

@@ -779,6 +779,25 @@ def test_an_outcome_counts_only_for_a_route_the_edge_made_and_only_once() -> Non
     run(go())
 
 
+def test_a_lookup_only_route_registers_nothing_and_has_no_outcome() -> None:
+    async def go() -> None:
+        plane = LocalPlane(load_topology("testbed-14x3"), seed=3)
+        edge = plane.edges["us"]
+        svc = EdgeService(edge, clock=lambda: 1.0)
+        async with ChannelFor([svc]) as ch:
+            stub = EdgeStub(ch)
+            req = RouteRequest(tokens=np.arange(2000, dtype="<u4").tobytes(), namespace=NS.digest, lookup_only=True)
+            for _ in range(3):
+                r = await stub.route(req)
+                assert r.route_id == 0 and r.claimed_tokens == 0  # asking twice shows no phantom claim
+            assert edge.speculative_entries == 0 and edge.stats.routes == 0
+            with pytest.raises(GRPCError) as ei:
+                await stub.report_outcome(OutcomeRequest(worker=r.worker, reused_tokens=0, route_id=0))
+            assert ei.value.status is Status.NOT_FOUND
+
+    run(go())
+
+
 def test_queue_reports_past_a_day_are_refused() -> None:
     plane = LocalPlane(load_topology("testbed-14x3"), seed=3)
     edge = plane.edges["us"]

@@ -600,8 +600,26 @@ class Edge:
         """Pick the worker for one prompt (see the module docs); registers the speculative entry
         and counts hotness as side effects. ``exclude`` names workers that may not win (a
         front door retrying after a worker failed); InvalidArgumentError if nobody is left."""
-        p = self._params
         toks, ns, tq, lam, belief, res = self._score(tokens, namespace, now)
+        w, n_cand = self._choose(res, exclude)
+        self._n.routes += 1
+        self._n.ties += n_cand > 1
+        return self._commit(res, w, n_cand, toks, ns, tq, lam, belief, now, track=True)
+
+    def lookup(self, tokens: npt.NDArray[np.uint32] | Sequence[int], namespace: Namespace | bytes, now: float, exclude: Collection[str] = ()) -> Decision:
+        """What :meth:`route` would decide now, with none of its side effects: no dispatch
+        charge, no speculative entry, no hotness count. For a gateway that only asks who holds
+        a prompt: a query that registered a speculative claim made the next query see a hit
+        nobody holds (issue 16). Ties are still drawn, so a lookup may name another of equally
+        good workers than the route that follows it."""
+        toks, ns, tq, lam, belief, res = self._score(tokens, namespace, now)
+        w, n_cand = self._choose(res, exclude)
+        return self._commit(res, w, n_cand, toks, ns, tq, lam, belief, now, track=False, effects=False)
+
+    def _choose(self, res: _core.RouteResult, exclude: Collection[str]) -> tuple[int, int]:
+        """The winner among the near-best (within ``tie_ms``), drawn uniformly, and how many
+        there were."""
+        p = self._params
         if self._all_eligible and not exclude:
             scores, best = res.scores, res.score
         else:
@@ -615,9 +633,7 @@ class Edge:
         n_cand = len(cand)
         # random() in [0, 1): a uniform index, at a third of integers()' call cost.
         w = int(cand[int(self._rng.random() * n_cand)]) if n_cand > 1 else int(cand[0])
-        self._n.routes += 1
-        self._n.ties += n_cand > 1
-        return self._commit(res, w, n_cand, toks, ns, tq, lam, belief, now, track=True)
+        return w, n_cand
 
     def handoff(
         self, tokens: npt.NDArray[np.uint32] | Sequence[int], namespace: Namespace | bytes, worker: str, now: float, exclude: Collection[str] = ()
@@ -667,9 +683,10 @@ class Edge:
         now: float,
         *,
         track: bool,
+        effects: bool = True,
     ) -> Decision:
         """The side effects of sending ``toks`` to worker ``w`` (charge, speculative entries,
-        hotness when ``track``) and the :class:`Decision` that says so."""
+        hotness when ``track``; none without ``effects``) and the :class:`Decision` that says so."""
         p = self._params
         matches = res.matches
         ml: list[int] = matches.tolist()
@@ -682,11 +699,11 @@ class Edge:
         prefill = (1.0 + lam) * self._beta_l[w] * remaining if remaining > 0 else 0.0
         reload = self._gamma * b * m if tier == Tier.DRAM else 0.0
         terms = ScoreTerms(wan=self._wan_l[w], queue=float(tq[w]), prefill=prefill, reload=reload, lam=lam, belief=b)
-        if p.load_aware and p.dispatch_charge_ttl_s > 0:
+        if effects and p.load_aware and p.dispatch_charge_ttl_s > 0:
             self._queues.charge(w, (self._beta_l[w] * remaining if remaining > 0 else 0.0) + reload, now)
         local_match = max([ml[i] for i in self._local_idx], default=0)
 
-        spec_lengths = _fitting(self._plan_lists[self._region_l[w]], L) if p.speculative_ttl_s > 0 else []
+        spec_lengths = _fitting(self._plan_lists[self._region_l[w]], L) if effects and p.speculative_ttl_s > 0 else []
         if spec_lengths and m >= spec_lengths[-1] and tier == Tier.VRAM:
             spec_lengths = []  # already claimed in full (by the index or a live entry): nothing to add
         track = track and p.migration and L >= self._family_length

@@ -90,16 +90,21 @@ class EdgeService(EdgeBase):
             raise _bad(f"prompt of {n} tokens: must be 1..{self._max_tokens}")
         tokens = np.frombuffer(raw, dtype="<u4").astype(np.uint32, copy=False)
         try:
-            d = self.edge.route(tokens, route_request.namespace, self._clock())
+            if route_request.lookup_only:
+                d = self.edge.lookup(tokens, route_request.namespace, self._clock())
+            else:
+                d = self.edge.route(tokens, route_request.namespace, self._clock())
         except KVCompassError as e:
             raise grpc_error(e) from None
         except ValueError as e:  # the core's argument checks (e.g. a malformed namespace digest)
             raise _bad(str(e)) from None
         t = d.terms
-        route_id = secrets.randbits(63) + 1
-        self._open[route_id] = (d.worker, d.expected_match, d.prompt_tokens)
-        while len(self._open) > self._open_max:
-            self._open.popitem(last=False)
+        route_id = 0  # a lookup sends nothing anywhere: it has no outcome to report
+        if not route_request.lookup_only:
+            route_id = secrets.randbits(63) + 1
+            self._open[route_id] = (d.worker, d.expected_match, d.prompt_tokens)
+            while len(self._open) > self._open_max:
+                self._open.popitem(last=False)
         return RouteResponse(
             route_id=route_id,
             worker=d.worker,

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 class RouteRequest(betterproto.Message):
     tokens: bytes = betterproto.bytes_field(1)
     namespace: bytes = betterproto.bytes_field(2)
+    lookup_only: bool = betterproto.bool_field(3)
 
 
 @dataclass(eq=False, repr=False)
