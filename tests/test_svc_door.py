@@ -749,3 +749,31 @@ def test_a_short_body_gets_408_and_one_client_cannot_hold_every_slot() -> None:
             assert status == 200  # the slots came back
 
     run(go())
+
+
+def test_other_doors_hand_offs_are_not_capped_per_client() -> None:
+    from kvcompass.services.api_keys import ApiKey, KeyStore
+
+    plane = make_plane()
+    fleet = Fleet()
+    keys = KeyStore.of({"k-user": ApiKey("user", ("public",)), "k-peer": ApiKey("peer", ("*",))})
+    config = DoorConfig(api_keys=keys, max_inflight_per_client=1)
+
+    async def go() -> None:
+        async with rig(plane, fleet, config=config) as t:
+            fleet.gate = asyncio.Event()
+            body = {"prompt": prompt_ids(5, 64).tolist(), "max_tokens": 4, "stream": True}
+            held = [await t.client.post("/v1/completions", json=body, headers={"Authorization": "Bearer k-peer"}) for _ in range(3)]
+            try:
+                assert [r.status for r in held] == [200, 200, 200]
+                user = await t.client.post("/v1/completions", json=body, headers={"Authorization": "Bearer k-user"})
+                assert user.status == 200
+                status, _, _ = await complete(t.client, body, Authorization="Bearer k-user")
+                assert status == 429  # the user's own cap of 1
+            finally:
+                fleet.gate.set()
+                for r in [*held, user]:
+                    await r.read()
+                    r.release()
+
+    run(go())

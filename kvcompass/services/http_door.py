@@ -84,7 +84,7 @@ from kvcompass.agent.agent import TENANT_SALT_PREFIX
 from kvcompass.discovery.edge import Decision, Edge
 from kvcompass.errors import KVCompassError
 from kvcompass.index import Namespace
-from kvcompass.services.api_keys import ApiKey, KeyStore
+from kvcompass.services.api_keys import ANY_TENANT, ApiKey, KeyStore
 from kvcompass.services.openai_body import BodyError, decode_json_object
 
 __all__ = [
@@ -494,11 +494,16 @@ class FrontDoor:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)
 
-    def _client_of(self, request: web.Request) -> str:
+    def _client_of(self, request: web.Request) -> str | None:
         """Who a request counts against for the per-client cap: its API key's hash, else its
-        peer address."""
+        peer address; None for another region's door handing a request over (its any-tenant
+        peer key): hand-offs from a whole region must not queue behind one client's cap."""
         auth = request.headers.get("Authorization")
-        if self.config.api_keys is not None and auth:
+        store = self.config.api_keys
+        if store is not None and auth:
+            key = store.authenticate(auth)
+            if key is not None and ANY_TENANT in key.tenants:
+                return None
             return "key:" + hashlib.sha256(auth.encode()).hexdigest()[:16]
         return "addr:" + (request.remote or "?")
 
@@ -506,6 +511,8 @@ class FrontDoor:
         if self.draining:
             raise _Refusal(503, "this edge is shutting down; retry on another", code="draining")
         client = self._client_of(request)
+        if client is None:
+            return await self._serve_counted(request, chat=chat)
         n = self._per_client.get(client, 0)
         if n >= self.config.max_inflight_per_client:
             self.metrics.auth_refusals.labels("concurrency").inc()
