@@ -325,7 +325,8 @@ class Cluster:
         """Bring the state (and ``--state-file``) up to date: live pids, restarts, given up."""
         if self.state is None:
             return
-        live = {c.name: c.proc.pid for c in self.children if c.proc is not None and c.proc.returncode is None}
+        # Only processes that are up: a restart still starting keeps its predecessor's entry.
+        live = {c.name: c.proc.pid for c in self.children if c.proc is not None and c.proc.returncode is None and c.ready}
         self.state["pids"] = {**self.state.get("pids", {}), **live}
         self.state["restarts"] = dict(self.restarts)
         self.state["left_down"] = list(self.given_up)
@@ -461,7 +462,9 @@ class Cluster:
                         c.proc.kill()
                     rc = await c.proc.wait()
                     print(f"kvcompass up: {c.name} did not stop within its grace period: killed", file=sys.stderr)
-                if rc != 0:
+                if rc != 0 and not (not c.ready and rc == -signal.SIGTERM):
+                    # (A restart still starting when the cluster stops dies of the SIGTERM
+                    # before it can drain: that is the stop, not a failure.)
                     print(f"kvcompass up: {c.name} exited with code {rc}; its log ({c.log}) ends:\n{c.tail()}", file=sys.stderr)
                     code = 1
         for c in self.children:
