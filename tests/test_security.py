@@ -798,6 +798,40 @@ def test_a_lookup_only_route_registers_nothing_and_has_no_outcome() -> None:
     run(go())
 
 
+def test_only_the_deployments_edges_may_exchange_queues() -> None:
+    # issue 19 finding 1: ExchangeQueues from anyone moved an edge's queue estimates.
+    async def go() -> None:
+        plane = LocalPlane(load_topology("testbed-14x3"), seed=3)
+        edge, peer = plane.edges["us"], plane.edges["eu"]
+        svc = EdgeService(edge, clock=lambda: 1.0, peer_token="s3cret")
+        async with EdgeServer(svc) as server:
+            target = await server.start("127.0.0.1", 0)
+            host, port = target.rsplit(":", 1)
+            ch = Channel(host, int(port))
+            try:
+                stub = EdgeStub(ch)
+                vec = QueueVector(region="eu", queues={"eu-0": 777.0})
+                for md in (None, {"x-kvcompass-edge-token": "guess"}):
+                    with pytest.raises(GRPCError) as ei:
+                        await stub.exchange_queues(vec, metadata=md)
+                    assert ei.value.status is Status.UNAUTHENTICATED
+                assert edge.queue_estimate("eu-0") == 0.0  # nothing of them reached the edge
+                ok = await stub.exchange_queues(vec, metadata={"x-kvcompass-edge-token": "s3cret"})
+                assert ok.region == "us" and edge.queue_estimate("eu-0") == 777.0
+            finally:
+                ch.close()
+            # The periodic broadcast carries the token.
+            peer.set_local_queue("eu-1", 5.0, 0.0)
+            bc = QueueBroadcaster(peer, {"us": target}, clock=lambda: 10.0, token="s3cret")
+            try:
+                assert await bc.tick() == 1 and bc.failed == 0
+            finally:
+                await bc.close()
+            assert edge.queue_estimate("eu-1") == 5.0
+
+    run(go())
+
+
 def test_queue_reports_past_a_day_are_refused() -> None:
     plane = LocalPlane(load_topology("testbed-14x3"), seed=3)
     edge = plane.edges["us"]

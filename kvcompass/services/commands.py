@@ -523,7 +523,9 @@ async def _edge(args: argparse.Namespace) -> int:
 
     dashboard = Dashboard(edge)
     dashboard.stale_shards = sync.stale_shards
-    server = EdgeServer(EdgeService(edge), health=sync.health, metrics=sync.metrics, ready=lambda: sync.ready, routes=dashboard.routes())
+    # The doors' peer key is the deployment's shared edge secret: hand-offs between doors and
+    # the queue exchange between edges both need it.
+    server = EdgeServer(EdgeService(edge, peer_token=peer_key), health=sync.health, metrics=sync.metrics, ready=lambda: sync.ready, routes=dashboard.routes())
     broadcaster: QueueBroadcaster | None = None
     async with _stop_on_signals(stop), contextlib.AsyncExitStack() as stack:
         await sync.start()
@@ -553,9 +555,9 @@ async def _edge(args: argparse.Namespace) -> int:
             waiter = asyncio.get_running_loop().create_task(_wait_door_peers(args.door_peers_file, door, stop))
             stack.push_async_callback(_cancel, waiter)
         if peers:
-            broadcaster = QueueBroadcaster(edge, {r: a for r, a in peers.items() if r != args.region}, ssl_context=grpc_client_ssl)
+            broadcaster = QueueBroadcaster(edge, {r: a for r, a in peers.items() if r != args.region}, ssl_context=grpc_client_ssl, token=peer_key)
         elif args.peers_file is not None:
-            broadcaster = await _wait_peers(args.peers_file, edge, args.region, stop, grpc_client_ssl)
+            broadcaster = await _wait_peers(args.peers_file, edge, args.region, stop, grpc_client_ssl, peer_key)
         if broadcaster is not None:
             await broadcaster.start()
             stack.push_async_callback(broadcaster.close)
@@ -604,7 +606,7 @@ async def _poll_queues(edge: Any, urls: Mapping[str, str], period_s: float, ssl_
             await asyncio.sleep(period_s)
 
 
-async def _wait_peers(path: str, edge: Any, region: str, stop: asyncio.Event, ssl_context: Any = None) -> Any:
+async def _wait_peers(path: str, edge: Any, region: str, stop: asyncio.Event, ssl_context: Any = None, token: str | None = None) -> Any:
     """The broadcaster to the peers the file names, once ``kvcompass up`` has written it (the
     edges start together, so none knows the others' ports at first); None if stopped first."""
     from kvcompass.services.edge_service import QueueBroadcaster
@@ -614,7 +616,7 @@ async def _wait_peers(path: str, edge: Any, region: str, stop: asyncio.Event, ss
         if p.is_file():
             obj = json.loads(p.read_text())
             if isinstance(obj, dict):
-                return QueueBroadcaster(edge, {str(r): str(a) for r, a in obj.items() if r != region and r in set(edge.plan)}, ssl_context=ssl_context)
+                return QueueBroadcaster(edge, {str(r): str(a) for r, a in obj.items() if r != region and r in set(edge.plan)}, ssl_context=ssl_context, token=token)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.2)
     return None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import math
 import secrets
 import ssl
@@ -23,10 +24,11 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 from grpclib.client import Channel
-from grpclib.const import Status
+from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.health.check import CheckBase, ServiceStatus
 from grpclib.health.service import Health
+from grpclib.server import Stream
 
 from kvcompass._proto.kvcompass.v1 import (
     EdgeBase,
@@ -51,6 +53,9 @@ __all__ = ["Clock", "EdgeServer", "EdgeService", "QueueBroadcaster"]
 Clock = Callable[[], float]
 
 MAX_PROMPT_TOKENS = 1 << 21
+EXCHANGE_PATH = "/kvcompass.v1.Edge/ExchangeQueues"
+PEER_TOKEN_HEADER = "x-kvcompass-edge-token"
+"""The metadata carrying the deployment's shared edge secret (the doors' peer key)."""
 OPEN_ROUTES = 1 << 16
 """Routes whose outcome an edge still accepts (the oldest is forgotten first): about a minute
 of decisions at 1,000 routes a second."""
@@ -63,8 +68,13 @@ def _bad(msg: str) -> GRPCError:
 class EdgeService(EdgeBase):
     """``kvcompass.v1.Edge`` over one :class:`Edge`."""
 
-    def __init__(self, edge: Edge, *, clock: Clock = time.monotonic, max_prompt_tokens: int = MAX_PROMPT_TOKENS, open_routes: int = OPEN_ROUTES) -> None:
+    def __init__(
+        self, edge: Edge, *, clock: Clock = time.monotonic, max_prompt_tokens: int = MAX_PROMPT_TOKENS, open_routes: int = OPEN_ROUTES, peer_token: str | None = None
+    ) -> None:
         self.edge = edge
+        if peer_token is not None and not peer_token:
+            raise ValueError("peer_token must be a non-empty string or None")
+        self._peer_token = peer_token
         self._clock = clock
         self._max_tokens = max_prompt_tokens
         if open_routes < 1:
@@ -73,6 +83,22 @@ class EdgeService(EdgeBase):
         # (worker, claimed tokens, prompt tokens), oldest first, at most open_routes of them.
         self._open: OrderedDict[int, tuple[str, int, int]] = OrderedDict()
         self._open_max = open_routes
+
+    def __mapping__(self) -> dict[str, Handler]:
+        # ExchangeQueues needs the raw stream: only the deployment's edges (holding its peer
+        # token) may move this edge's queue estimates.
+        m: dict[str, Handler] = dict(super().__mapping__())
+        m[EXCHANGE_PATH] = Handler(self._rpc_exchange, Cardinality.UNARY_UNARY, QueueVector, QueueVector)
+        return m
+
+    async def _rpc_exchange(self, stream: Stream[QueueVector, QueueVector]) -> None:
+        if self._peer_token is not None:
+            got = stream.metadata.get(PEER_TOKEN_HEADER) if stream.metadata is not None else None
+            if not isinstance(got, str) or not hmac.compare_digest(got.encode(), self._peer_token.encode()):
+                raise GRPCError(Status.UNAUTHENTICATED, f"ExchangeQueues is for this deployment's edges: bad or missing {PEER_TOKEN_HEADER}")
+        request = await stream.recv_message()
+        assert request is not None
+        await stream.send_message(await self.exchange_queues(request))
 
     def message_limits(self) -> dict[type, int]:
         """The largest request of each type this service reads: a prompt of ``max_prompt_tokens``
@@ -171,12 +197,14 @@ class QueueBroadcaster:
         clock: Clock = time.monotonic,
         tick_s: float = 0.01,
         timeout_s: float = 1.0,
+        token: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.edge = edge
         self._clock = clock
         self._tick = tick_s
         self._timeout = timeout_s
+        self._metadata = {PEER_TOKEN_HEADER: token} if token else None
         self._owned: list[Channel] = []
         self._stubs: dict[str, EdgeStub] = {}
         for region, target in peers.items():
@@ -197,7 +225,7 @@ class QueueBroadcaster:
         if not due:
             return 0
         answers = await asyncio.gather(
-            *(self._stubs[b.target_region].exchange_queues(QueueVector(region=b.source_region, queues=b.vector), timeout=self._timeout) for b in due),
+            *(self._stubs[b.target_region].exchange_queues(QueueVector(region=b.source_region, queues=b.vector), timeout=self._timeout, metadata=self._metadata) for b in due),
             return_exceptions=True,
         )
         ok = 0
