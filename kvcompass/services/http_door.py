@@ -61,7 +61,6 @@ the upstream connection pool.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import math
 import os
@@ -113,6 +112,9 @@ def valid_tenant(name: str) -> bool:
     """Whether ``name`` may name a tenant (the ``x-kvcompass-namespace`` header's syntax)."""
     return _TENANT_RE.fullmatch(name) is not None
 
+
+_KEY_SLOT: web.RequestKey[ApiKey | None] = web.RequestKey("kvcompass_api_key")
+"""Where a request keeps the grants of its API key once looked up (aiohttp request storage)."""
 
 ErrorType = Literal["invalid_request_error", "server_error"]
 FailureReason = Literal["connect", "timeout", "status_5xx", "disconnect", "midstream"]
@@ -498,13 +500,12 @@ class FrontDoor:
         """Who a request counts against for the per-client cap: its API key's hash, else its
         peer address; None for another region's door handing a request over (its any-tenant
         peer key): hand-offs from a whole region must not queue behind one client's cap."""
-        auth = request.headers.get("Authorization")
         store = self.config.api_keys
-        if store is not None and auth:
-            key = store.authenticate(auth)
-            if key is not None and ANY_TENANT in key.tenants:
-                return None
-            return "key:" + hashlib.sha256(auth.encode()).hexdigest()[:16]
+        if store is not None:
+            # Looked up once a request: _authenticate takes it from here.
+            key = request[_KEY_SLOT] = store.authenticate(request.headers.get("Authorization"))
+            if key is not None:
+                return None if ANY_TENANT in key.tenants else "key:" + key.name
         return "addr:" + (request.remote or "?")
 
     async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
@@ -640,7 +641,7 @@ class FrontDoor:
         store = self.config.api_keys
         if store is None:
             return None
-        key = store.authenticate(request.headers.get("Authorization"))
+        key = request[_KEY_SLOT] if _KEY_SLOT in request else store.authenticate(request.headers.get("Authorization"))
         if key is None:
             self.metrics.auth_refusals.labels("key").inc()
             raise _Refusal(401, "missing or incorrect API key: send Authorization: Bearer <your key>", code="invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="kvcompass"'})
