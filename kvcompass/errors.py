@@ -32,6 +32,7 @@ __all__ = [
     "AgentSequenceError",
     "WrongShardError",
     "StaleIncarnationError",
+    "UsageError",
 ]
 
 
@@ -134,6 +135,12 @@ class KeyNotFoundError(KVCompassError, KeyError):
 
 class InvalidArgumentError(KVCompassError, ValueError):
     """An argument outside its documented range."""
+
+
+class UsageError(InvalidArgumentError):
+    """A bad command-line argument or option file: ``kvcompass`` prints it as one line on
+    stderr and exits 2. Raised by the services' and tools' option checks as well as the CLI's,
+    so it lives here, below every layer that raises it."""
 
 
 class TopologyError(KVCompassError, ValueError):

@@ -67,14 +67,14 @@ def test_topology_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
 def test_bad_topology_is_one_line_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     p = tmp_path / "bad.toml"
     p.write_text('[rtt_ms]\na = { a = 1.0 }\n[regions]\na = {}\n[[workers]]\nid = "w1"\nregion = "mars"\n')
-    assert main(["plan", "--topology", str(p)]) == 1
+    assert main(["plan", "--topology", str(p)]) == 2
     out = capsys.readouterr()
     assert out.out == ""
     assert out.err == f"kvcompass plan: error: {p}: worker 'w1': region 'mars' is not defined\n"
 
 
 def test_unknown_topology_name(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--topology", "mars-1x1", "--json"]) == 1
+    assert main(["plan", "--topology", "mars-1x1", "--json"]) == 2
     out = capsys.readouterr()
     assert out.out == "" and out.err.count("\n") == 1 and "testbed-14x3" in out.err
 
@@ -83,7 +83,7 @@ def test_exit_status_and_no_traceback_from_the_process(tmp_path: Path) -> None:
     p = tmp_path / "broken.toml"
     p.write_text("block_size = [\n")
     r = subprocess.run([sys.executable, "-m", "kvcompass", "plan", "--topology", str(p)], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
-    assert r.returncode == 1
+    assert r.returncode == 2
     assert r.stdout == "" and "Traceback" not in r.stderr
     assert r.stderr.startswith("kvcompass plan: error: ") and "invalid TOML" in r.stderr and r.stderr.count("\n") == 1
 

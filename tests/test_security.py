@@ -1,4 +1,4 @@
-"""Security of the services (DESIGN section 7): TLS, optionally mutual, on every gRPC hop and on
+"""Security of the services (docs/design.md section 7): TLS, optionally mutual, on every gRPC hop and on
 the HTTP door; per-worker credentials; tenant isolation by namespace; resource limits.
 
 Certificates come from a CA made at test time (:class:`kvcompass.services.tls.ThrowawayCA`:

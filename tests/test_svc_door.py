@@ -613,7 +613,7 @@ def test_a_peer_door_hands_off_a_request_to_a_less_loaded_worker_of_its_region()
 
 def test_without_handoff_a_door_forwards_to_the_remote_worker_itself() -> None:
     from kvcompass.discovery.params import EdgeParams
-    from kvcompass.services.commands import build_edge
+    from kvcompass.discovery.plane import build_edge
 
     assert build_edge(load_topology("testbed-14x3"), "us", handoff=False).params.handoff is False
     plane = LocalPlane(load_topology("testbed-14x3"), seed=3, params=EdgeParams(handoff=False))

@@ -18,7 +18,8 @@ import zmq.asyncio
 
 from kvcompass.agent import BlockStored, decode_message, decode_payload
 from kvcompass.discovery.layout import WorkerSpec
-from kvcompass.services.emulated_worker import CACHED_HEADER, QUEUE_HEADER, WORKER_HEADER, EmulatedWorker, WorkerConfig, serve_worker
+from kvcompass.services.emulated_worker import EmulatedWorker, WorkerConfig, serve_worker
+from kvcompass.services.wire import CACHED_HEADER, QUEUE_MS_HEADER as QUEUE_HEADER, WORKER_HEADER
 from kvcompass.sim.costs import CostModel
 
 T = TypeVar("T")

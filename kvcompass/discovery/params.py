@@ -1,7 +1,7 @@
 """The edge's tunables and ablation switches, each with its source.
 
 Defaults follow the paper's configuration (section 5.1: Delta = 100 ms, w = 0.5, lambda_max = 8,
-H = 3, T_h = 1 s) and DESIGN.md section 6 (gamma). Where the paper gives no value (tau, the
+H = 3, T_h = 1 s) and docs/design.md section 6 (gamma). Where the paper gives no value (tau, the
 belief weight, the tie band, the speculative TTL, the idle rule's numbers, the migration
 cooldown) the default is ours and the comment says why.
 """
@@ -23,7 +23,7 @@ class EdgeParams:
 
     # -- score ---------------------------------------------------------------------------------
     gamma_ms_per_token: float = 0.005
-    """DRAM reload cost: 128 KiB of KV per token over PCIe 4.0 at ~25 GB/s (DESIGN.md section 6)."""
+    """DRAM reload cost: 128 KiB of KV per token over PCIe 4.0 at ~25 GB/s (docs/design.md section 6)."""
     wan_fraction: float = 1.0
     """WAN term = ``wan_fraction * RTT(o, r)``. Default 1.0, the full round trip: a request served
     in another region pays the way out and its first token's way back, so a remote holder is

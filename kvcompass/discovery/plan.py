@@ -7,7 +7,7 @@ per-worker prefill rates, so the whole structure can be computed offline").
 
 Toward a remote region r an edge in region o queries ``n1 = RTT(o, r) / beta_r`` tokens first:
 forwarding to r adds a round trip, and a match of n tokens saves about ``beta_r * n`` ms, so n1
-is the shortest match for which crossing pays off (paper section 3.2; DESIGN.md section 3.5).
+is the shortest match for which crossing pays off (paper section 3.2; docs/design.md section 3.5).
 Then equal steps of n1/2 (n1, 1.5 n1, 2 n1, ...), because a match falls to the nearest indexed
 length below it and equal steps keep that under-credit bounded by n1/2 at every length, and six
 levels capture about three quarters of the exact-match upper bound (paper section 3.2, figure 5).

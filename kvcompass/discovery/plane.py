@@ -16,9 +16,11 @@ from kvcompass.discovery.maintenance import ApplyReport, MaintenanceUnit, PatchB
 from kvcompass.discovery.ops import KeyOpBatch
 from kvcompass.discovery.params import EdgeParams, layout_for
 from kvcompass.discovery.plan import LevelPlan
+from kvcompass.discovery.layout import IndexLayout
 from kvcompass.discovery.topology import Topology
+from kvcompass.errors import InvalidArgumentError
 
-__all__ = ["LocalPlane", "PropagationReport"]
+__all__ = ["LocalPlane", "PropagationReport", "build_edge", "wire_edge"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +33,31 @@ class PropagationReport:
     patch_bytes: int
 
 
+def wire_edge(plan: LevelPlan, layout: IndexLayout, region: str, params: EdgeParams, *, seed: int = 0) -> Edge:
+    """The :class:`Edge` of ``region``: every indexed worker, and the plan's prefix lengths and
+    RTTs toward its own region and every region that has a table. The one way an edge is wired,
+    for a local plane and for ``kvcompass edge`` alike."""
+    if region not in plan.edge_regions:
+        raise InvalidArgumentError(f"region {region!r} has no edge: the topology's edge regions are {', '.join(plan.edge_regions)}")
+    by_id = {w.id: w for w in plan.topology.workers}
+    workers = [by_id[w] for w in layout.workers]
+    targets = list(dict.fromkeys([region, *(t.region for t in layout.tables)]))
+    return Edge(region, layout, workers, {r: plan.lengths(region, r) for r in targets}, {r: plan.rtt_ms(region, r) for r in targets}, params, seed=seed)
+
+
+def build_edge(topology: Topology, region: str, routing: str = "kvcompass", seed: int = 0, handoff: bool = True) -> Edge:
+    """The edge of ``region`` for a process of its own (``kvcompass edge``), wired as
+    :class:`LocalPlane` wires its edges. ``routing="local"`` is region-local cache-aware routing:
+    no lookups toward other regions, own-region winners only. ``handoff`` False: requests routed
+    to another region go straight to the worker, never through that region's door
+    (``EdgeParams.handoff``)."""
+    if routing not in ("kvcompass", "local"):
+        raise InvalidArgumentError(f"routing must be kvcompass or local, got {routing!r}")
+    params = EdgeParams(cross_region=routing == "kvcompass", handoff=handoff)
+    plan = LevelPlan(topology)
+    return wire_edge(plan, layout_for(plan.layout(), params), region, params, seed=seed)
+
+
 class LocalPlane:
     """Maintenance units for every shard plus an edge per edge region, bootstrapped from the
     units' snapshots and kept current by :meth:`propagate`."""
@@ -40,21 +67,7 @@ class LocalPlane:
         self.plan = LevelPlan(topology)
         self.layout = layout_for(self.plan.layout(), params)
         self.units = [MaintenanceUnit(s, self.layout, epoch, capacity=capacity) for s in range(self.layout.shards)]
-        by_id = {w.id: w for w in topology.workers}
-        workers = [by_id[w] for w in self.layout.workers]
-        regions = list(dict.fromkeys(t.region for t in self.layout.tables))
-        self.edges: dict[str, Edge] = {}
-        for i, region in enumerate(self.plan.edge_regions):
-            targets = list(dict.fromkeys([region, *regions]))
-            self.edges[region] = Edge(
-                region,
-                self.layout,
-                workers,
-                {r: self.plan.lengths(region, r) for r in targets},
-                {r: self.plan.rtt_ms(region, r) for r in targets},
-                params,
-                seed=seed + i,
-            )
+        self.edges = {region: wire_edge(self.plan, self.layout, region, params, seed=seed + i) for i, region in enumerate(self.plan.edge_regions)}
         for edge in self.edges.values():
             for unit in self.units:
                 for t in self.layout.tables:

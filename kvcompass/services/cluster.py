@@ -1,7 +1,7 @@
 """``kvcompass up``: a whole multi-region cluster on loopback, every component its own process.
 
 Start order follows the data flow, each phase started in parallel and awaited on the children's
-ready lines (:func:`kvcompass.services.commands.announce`), so every port is chosen by the
+ready lines (:func:`kvcompass.services.lifecycle.announce`), so every port is chosen by the
 process that binds it and no two processes can race for one:
 
 1. one maintenance unit per shard;
@@ -33,11 +33,9 @@ exit status is 0 when every child still running at shutdown drained and exited 0
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
-import math
 import os
 import secrets
 import signal
@@ -52,7 +50,8 @@ from typing import IO, Any
 
 import aiohttp
 
-from kvcompass.services.commands import UsageError, env_for_child
+from kvcompass.errors import UsageError
+from kvcompass.services.lifecycle import env_for_child, on_signals
 
 __all__ = ["Child", "ClusterConfig", "pick_workers", "run_cluster", "up_main"]
 
@@ -543,12 +542,12 @@ def format_endpoints(state: dict[str, Any]) -> str:
 async def run_cluster(cfg: ClusterConfig, stop: asyncio.Event | None = None) -> int:
     """Start the cluster, run until SIGINT/SIGTERM (or ``stop``), then stop it."""
     stop = stop if stop is not None else asyncio.Event()
+    with on_signals(stop.set):
+        return await _run_cluster(cfg, stop)
+
+
+async def _run_cluster(cfg: ClusterConfig, stop: asyncio.Event) -> int:
     loop = asyncio.get_running_loop()
-    installed: list[signal.Signals] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, stop.set)
-            installed.append(sig)
     own_dir = cfg.run_dir is None
     run_dir = Path(tempfile.mkdtemp(prefix="kvcompass-up-")) if cfg.run_dir is None else Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -580,36 +579,8 @@ async def run_cluster(cfg: ClusterConfig, stop: asyncio.Event | None = None) -> 
         stopped.cancel()
     finally:
         rc = await cluster.stop()
-        for sig in installed:
-            loop.remove_signal_handler(sig)
         if own_dir and code == 0 and rc == 0:
             import shutil
 
             shutil.rmtree(run_dir, ignore_errors=True)
     return code or rc
-
-
-def _tenants(text: str) -> tuple[str, ...]:
-    from kvcompass.services.http_door import valid_tenant
-
-    out = tuple(t.strip() for t in text.split(",") if t.strip())
-    bad = [t for t in out if not valid_tenant(t)]
-    if bad:
-        raise UsageError(f"--tenants: {bad[0]!r} is not a valid tenant name")
-    return out
-
-
-def up_main(args: argparse.Namespace) -> int:
-    if not (math.isfinite(args.time_scale) and args.time_scale >= 0):
-        raise UsageError(f"--time-scale must be a finite number >= 0, got {args.time_scale}")
-    for name in ("workers_per_region", "max_workers"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    cfg = ClusterConfig(
-        topology=args.topology, routing=args.routing, time_scale=args.time_scale, wan_delay=not args.no_wan_delay, handoff=not args.no_handoff,
-        workers_per_region=args.workers_per_region, max_workers=args.max_workers, state_file=args.state_file, run_dir=args.run_dir,
-        startup_timeout_s=args.startup_timeout, drain_grace_s=args.drain_grace, auth=not args.no_auth, tls=args.tls, open=args.open,
-        tenants=_tenants(args.tenants),
-    )
-    return asyncio.run(run_cluster(cfg))

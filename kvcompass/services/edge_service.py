@@ -43,10 +43,10 @@ from kvcompass._proto.kvcompass.v1 import (
 from kvcompass.discovery.edge import Edge
 from kvcompass.discovery.queues import MAX_QUEUE_MS
 from kvcompass.errors import InvalidArgumentError, KVCompassError
-from kvcompass.services.maintenance_service import DrainingServer
-from kvcompass.services.metrics import MetricsServer, Route, ServiceMetrics, bind_socket
+from kvcompass.services.lifecycle import DrainingServer, OwnedChannels, hostport
+from kvcompass.services.metrics import MetricsServer, Route, ServiceMetrics
 from kvcompass.services.status import grpc_error
-from kvcompass.services.tls import grpc_channel
+from kvcompass.services.wire import PEER_TOKEN_HEADER
 
 __all__ = ["Clock", "EdgeServer", "EdgeService", "QueueBroadcaster"]
 
@@ -54,7 +54,6 @@ Clock = Callable[[], float]
 
 MAX_PROMPT_TOKENS = 1 << 21
 EXCHANGE_PATH = "/kvcompass.v1.Edge/ExchangeQueues"
-PEER_TOKEN_HEADER = "x-kvcompass-edge-token"
 """The metadata carrying the deployment's shared edge secret (the doors' peer key)."""
 OPEN_ROUTES = 1 << 16
 """Routes whose outcome an edge still accepts (the oldest is forgotten first): about a minute
@@ -205,15 +204,8 @@ class QueueBroadcaster:
         self._tick = tick_s
         self._timeout = timeout_s
         self._metadata = {PEER_TOKEN_HEADER: token} if token else None
-        self._owned: list[Channel] = []
-        self._stubs: dict[str, EdgeStub] = {}
-        for region, target in peers.items():
-            if isinstance(target, str):
-                ch = grpc_channel(target, ssl_context)
-                self._owned.append(ch)
-            else:
-                ch = target
-            self._stubs[region] = EdgeStub(ch)
+        self._channels = OwnedChannels(ssl_context)
+        self._stubs = {region: EdgeStub(self._channels.get(target)) for region, target in peers.items()}
         self._task: asyncio.Task[None] | None = None
         self.sent = 0
         self.failed = 0
@@ -256,9 +248,7 @@ class QueueBroadcaster:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for ch in self._owned:
-            ch.close()
-        self._owned.clear()
+        self._channels.close()
 
 
 class EdgeServer:
@@ -286,20 +276,12 @@ class EdgeServer:
     async def start(self, host: str = "127.0.0.1", port: int = 0, *, metrics_port: int | None = None, ssl_context: ssl.SSLContext | None = None) -> str:
         """Listen on ``host:port`` (0: a free port; over TLS with ``ssl_context``); returns
         ``host:port`` as bound."""
-        sock = bind_socket(host, port)
-        bound = int(sock.getsockname()[1])
-        server = DrainingServer([self.service, self.health], self.metrics, self.service.message_limits())
-        try:
-            await server.start(sock=sock, ssl=ssl_context)
-        except BaseException:
-            sock.close()
-            raise
-        self._server = server
-        hp = f"[{host}]" if ":" in host else host
-        self.grpc = f"{hp}:{bound}"
+        self._server, self.grpc = await DrainingServer.listen(
+            [self.service, self.health], host, port, metrics=self.metrics, limits=self.service.message_limits(), ssl_context=ssl_context
+        )
         if metrics_port is not None:
             self._metrics_server = MetricsServer(self.metrics.registry, self._ready, self._routes)
-            self.metrics_url = f"http://{hp}:{await self._metrics_server.start(host, metrics_port)}"
+            self.metrics_url = f"http://{hostport(host, await self._metrics_server.start(host, metrics_port))}"
         return self.grpc
 
     async def close(self) -> None:
@@ -307,9 +289,7 @@ class EdgeServer:
             self.status.set(False)
         if self._server is not None:
             server, self._server = self._server, None
-            server.close()
-            server.close_connections()
-            await server.wait_closed()
+            await server.shut()
         if self._metrics_server is not None:
             m, self._metrics_server = self._metrics_server, None
             await m.close()

@@ -34,7 +34,7 @@ from kvcompass.discovery.edge import Edge
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.services.maintenance_service import SUBSCRIBE_PATH
 from kvcompass.services.metrics import ServiceMetrics, export_states
-from kvcompass.services.tls import grpc_channel
+from kvcompass.services.lifecycle import OwnedChannels
 
 __all__ = ["EdgeSync"]
 
@@ -74,15 +74,8 @@ class EdgeSync:
         self._view_budget = view_budget_bytes
         if view_budget_bytes is not None:
             self.metrics.memory_budget.labels(self.metrics.role, "view").set(view_budget_bytes)
-        self._owned: list[Channel] = []
-        self._channels: dict[int, Channel] = {}
-        for shard, target in units.items():
-            if isinstance(target, str):
-                ch = grpc_channel(target, ssl_context)
-                self._owned.append(ch)
-            else:
-                ch = target
-            self._channels[shard] = ch
+        self._owned = OwnedChannels(ssl_context)
+        self._channels: dict[int, Channel] = {shard: self._owned.get(target) for shard, target in units.items()}
         self._tables = _table_ids(edge)
         # What the fault harness compares with the writers' tables (computed only when scraped).
         export_states(self.metrics.registry, "edge", lambda: [(t, s, v.epoch, v.seq, v.digest()) for t in self._tables for s in sorted(self._channels) if (v := edge.view(t, s)).initialised])
@@ -154,9 +147,7 @@ class EdgeSync:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        for ch in self._owned:
-            ch.close()
-        self._owned.clear()
+        self._owned.close()
         for s in self._live:
             self._set_live(s, False)
         self._update()

@@ -92,15 +92,14 @@ from kvcompass.services.openai_body import BodyError, decode_json_object
 from kvcompass.services.tokenizer import Tokenizer, load_tokenizer
 from kvcompass.sim.cache import Policy, PrefixCache
 from kvcompass.sim.costs import CostModel
+from kvcompass.services.lifecycle import on_signals
+from kvcompass.services.wire import CACHED_HEADER, LOAD_PATH, QUEUE_MS_HEADER, WORKER_HEADER
 
 __all__ = [
     "DEFAULT_DRAM_TOKENS",
     "DEFAULT_MODEL",
     "DEFAULT_VRAM_TOKENS",
     "EmulatedWorker",
-    "QUEUE_HEADER",
-    "CACHED_HEADER",
-    "WORKER_HEADER",
     "WorkerConfig",
     "WorkerStats",
     "serve_worker",
@@ -112,9 +111,6 @@ DEFAULT_MODEL = "llama-3.1-8b"
 # VRAM and 128 GiB of host DRAM at 128 KiB/token.
 DEFAULT_VRAM_TOKENS = 98304
 DEFAULT_DRAM_TOKENS = 1048576
-QUEUE_HEADER = "x-kvcompass-queue-ms"
-CACHED_HEADER = "x-kvcompass-cached-tokens"
-WORKER_HEADER = "x-kvcompass-worker"
 _END_SEQ = REPLAY_END_SEQ.to_bytes(8, "big", signed=True)
 _MAX_BODY = 64 * 1024 * 1024  # a 128k-token prompt as a JSON list of u32 is ~1.5 MB; room to spare
 _U32_MAX = 0xFFFFFFFF
@@ -330,7 +326,7 @@ class EmulatedWorker:
             app.router.add_get("/v1/models", self._models)
             app.router.add_get("/health", self._health)
             app.router.add_get("/metrics", self._metrics_handler)
-            app.router.add_get("/kvcompass/load", self._load)
+            app.router.add_get(LOAD_PATH, self._load)
             self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
             await self._runner.setup()
             sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -646,7 +642,7 @@ class EmulatedWorker:
             self.stats.cached_tokens += cached
             self._metrics.on_prefill(len(req.tokens), v, d)
             headers = {
-                QUEUE_HEADER: f"{self.queue_ms():.3f}",
+                QUEUE_MS_HEADER: f"{self.queue_ms():.3f}",
                 CACHED_HEADER: str(cached),
                 WORKER_HEADER: self.config.worker_id,
                 "x-request-id": req.request_id,
@@ -671,7 +667,7 @@ class EmulatedWorker:
             async for _, text in gen:
                 texts.append(text)
         text = "".join(texts)
-        headers[QUEUE_HEADER] = f"{self.queue_ms():.3f}"
+        headers[QUEUE_MS_HEADER] = f"{self.queue_ms():.3f}"
         created = int(time.time())
         choice: dict[str, Any]
         if req.chat:
@@ -893,19 +889,11 @@ async def serve_worker(
     once everything is bound (the CLI prints the endpoints from it)."""
     worker = EmulatedWorker(config)
     stop = stop if stop is not None else asyncio.Event()
-    loop = asyncio.get_running_loop()
-    installed: list[signal.Signals] = []
     await worker.start(host, port, events=events, replay=replay, ssl_context=ssl_context)
     try:
-        if handle_signals:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                with contextlib.suppress(NotImplementedError, RuntimeError):
-                    loop.add_signal_handler(sig, stop.set)
-                    installed.append(sig)
-        if ready is not None:
-            ready(worker)
-        await stop.wait()
+        with on_signals(stop.set, () if not handle_signals else (signal.SIGTERM, signal.SIGINT)):
+            if ready is not None:
+                ready(worker)
+            await stop.wait()
     finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
         await worker.stop()

@@ -13,7 +13,7 @@ sans-I/O; this module owns the sockets, the clock and the retries.
 2. Tokenize with the injected tokenizer (the same ids the workers key their caches by). Token-id
    prompts are used as they are and forwarded as they are.
 3. Route: ``Edge.route(tokens, Namespace(model, tenant), now)``; the tenant comes from
-   ``x-kvcompass-namespace`` (sharing is scoped by the namespace digest, DESIGN section 7). A
+   ``x-kvcompass-namespace`` (sharing is scoped by the namespace digest, docs/design.md section 7). A
    request of any tenant but the default is forwarded with ``cache_salt`` =
    ``TENANT_SALT_PREFIX + tenant`` (vLLM's per-request salt), so the engine keeps that tenant's
    KV apart too and its agent keys it in the tenant's namespace; a client's own ``cache_salt``
@@ -35,11 +35,8 @@ byte was relayed marks the worker dead for ``dead_cooldown_s`` and the request i
 without it (at most ``max_attempts`` workers per request). Once bytes went to the client a
 failure cannot be retried: the stream ends with an SSE error event instead.
 
-:meth:`Edge.route` has no way to exclude workers today, and :class:`Decision` carries only a
-*count* of near-best candidates, so when the edge picks an excluded worker the door falls back
-to the best non-excluded worker by its own rule (own region first, then the lowest queue
-estimate). If ``Edge.route`` grows an ``exclude`` keyword the door uses it instead and the
-fallback is never taken.
+:meth:`Edge.route` is told which workers are excluded (dead, or already tried for this
+request), so its joint score picks the best of the rest; with none left the request fails.
 
 **Hand-off** (:meth:`Edge.handoff`). With ``peers`` (region -> that region's door URL) a request
 routed to a worker of a peer region goes to the peer door with ``x-kvcompass-handoff: WORKER``
@@ -79,12 +76,12 @@ import numpy.typing as npt
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvcompass.agent.agent import TENANT_SALT_PREFIX
 from kvcompass.discovery.edge import Decision, Edge
-from kvcompass.errors import KVCompassError
+from kvcompass.errors import InvalidArgumentError, KVCompassError
 from kvcompass.index import Namespace
 from kvcompass.services.api_keys import ANY_TENANT, ApiKey, KeyStore
 from kvcompass.services.openai_body import BodyError, decode_json_object
+from kvcompass.services.wire import HANDOFF_HEADER, NAMESPACE_HEADER, QUEUE_MS_HEADER, QUEUE_VECTOR_HEADER, REGION_HEADER, TENANT_SALT_PREFIX, WORKER_HEADER
 
 __all__ = [
     "FRONT_DOOR",
@@ -96,12 +93,6 @@ __all__ = [
     "serve_door",
 ]
 
-QUEUE_MS_HEADER = "x-kvcompass-queue-ms"
-QUEUE_VECTOR_HEADER = "x-kvcompass-queue-vector"
-REGION_HEADER = "x-kvcompass-region"
-NAMESPACE_HEADER = "x-kvcompass-namespace"
-WORKER_HEADER = "x-kvcompass-worker"
-HANDOFF_HEADER = "x-kvcompass-handoff"
 
 _TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}")
 _REGION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -247,7 +238,6 @@ class _Metrics:
             registry=registry,
         )
         self.routes = Counter(p + "routes", "Requests routed, by the chosen worker's region", ["worker_region"], registry=registry)
-        self.fallbacks = Counter(p + "route_fallbacks", "Routes where the edge chose an excluded worker and the door picked another", registry=registry)
         self.peer_failures = Counter(p + "peer_failures", "Hand-offs a peer door failed to answer (the worker was then tried directly when its URL is known)", registry=registry)
         self.peer_doors = Gauge(p + "peer_doors", "Other regions' doors this door hands requests to", registry=registry)
         self.handoffs = Counter(p + "handoffs", "Requests another region's door handed to this one, by outcome (kept: the worker it named)", ["outcome"], registry=registry)
@@ -364,7 +354,6 @@ class FrontDoor:
         self._per_client: dict[str, int] = {}
         self._idle = asyncio.Event()
         self._idle.set()
-        self._route_exclude = _accepts_exclude(edge)
         self._upstream_ssl = upstream_ssl
         self._region_of = {w: t.region for t in edge.layout.tables for w in t.workers}
         self._known = known
@@ -725,55 +714,31 @@ class FrontDoor:
     def _route(self, prep: _Prepared, excluded: frozenset[str]) -> _Choice | None:
         e = self.edge
         t0 = time.perf_counter()
-        if self._route_exclude and excluded:
+        if excluded:
             try:
-                d = _route_excluding(e, prep.tokens, prep.namespace, self._clock(), excluded)
-            except KVCompassError:
+                d = e.route(prep.tokens, prep.namespace, self._clock(), exclude=excluded)
+            except InvalidArgumentError:  # every worker it may route to is excluded
                 return None
         else:
             d = e.route(prep.tokens, prep.namespace, self._clock())
         self.metrics.route_seconds.observe(time.perf_counter() - t0)
         self.regions.setdefault(d.worker, d.region)
-        if d.worker not in excluded:
-            t = d.terms
-            # For the operators' dashboard: a bounded ring, one small dict a route.
-            record: dict[str, Any] = {
-                "t": time.time(),
-                "tenant": prep.headers.get(NAMESPACE_HEADER, self.config.default_tenant),
-                "prompt_tokens": d.prompt_tokens,
-                "worker": d.worker,
-                "region": d.region,
-                "claimed": d.expected_match,
-                "tier": int(d.tier),
-                "candidates": d.candidates,
-                "terms": {"wan": t.wan, "queue": t.queue, "prefill": t.prefill, "reload": t.reload, "lam": t.lam, "belief": t.belief},
-                "reused": None,
-            }
-            self.recent_routes.append(record)
-            return _Choice(d.worker, d.region, d.expected_match, d, record)
-        return self._fallback(excluded)
-
-    def _fallback(self, excluded: frozenset[str]) -> _Choice | None:
-        """The edge chose an excluded worker and cannot be told to skip it: pick the servable
-        worker it would most plausibly pick next without a prefix claim (own region first, then
-        the lowest queue estimate). The claim is unknown, so it is reported as 0."""
-        e = self.edge
-        own = e.region
-        cross = e.params.cross_region
-        best: tuple[bool, float, str] | None = None
-        for w in e.workers:
-            if w in excluded:
-                continue
-            r = self.regions.get(w)
-            if not cross and r != own:
-                continue
-            key = (r != own, e.queue_estimate(w), w)
-            if best is None or key < best:
-                best = key
-        if best is None:
-            return None
-        self.metrics.fallbacks.inc()
-        return _Choice(best[2], self.regions.get(best[2]), 0, None)
+        t = d.terms
+        # For the operators' dashboard: a bounded ring, one small dict a route.
+        record: dict[str, Any] = {
+            "t": time.time(),
+            "tenant": prep.headers.get(NAMESPACE_HEADER, self.config.default_tenant),
+            "prompt_tokens": d.prompt_tokens,
+            "worker": d.worker,
+            "region": d.region,
+            "claimed": d.expected_match,
+            "tier": int(d.tier),
+            "candidates": d.candidates,
+            "terms": {"wan": t.wan, "queue": t.queue, "prefill": t.prefill, "reload": t.reload, "lam": t.lam, "belief": t.belief},
+            "reused": None,
+        }
+        self.recent_routes.append(record)
+        return _Choice(d.worker, d.region, d.expected_match, d, record)
 
     def _excluded(self, tried: set[str], *, skip_dead: bool, local_only: bool = False) -> frozenset[str]:
         out = set(tried) | self._unreachable
@@ -1062,20 +1027,6 @@ FRONT_DOOR: web.AppKey[FrontDoor] = web.AppKey("kvcompass_front_door", FrontDoor
 
 
 # -- helpers -------------------------------------------------------------------------------------------
-
-
-def _accepts_exclude(edge: Edge) -> bool:
-    import inspect
-
-    try:
-        return "exclude" in inspect.signature(edge.route).parameters
-    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
-        return False
-
-
-def _route_excluding(edge: Edge, tokens: npt.NDArray[np.uint32], ns: Namespace, now: float, excluded: frozenset[str]) -> Decision:
-    route: Callable[..., Decision] = getattr(edge, "route")
-    return route(tokens, ns, now, exclude=excluded)
 
 
 def _as_u32(ids: Any) -> npt.NDArray[np.uint32]:

@@ -12,7 +12,7 @@ itself:
   already in flight before the reset are ignored: they were sent from the old sequence.
 * **Transport failures.** The stream is re-opened with exponential backoff and the shard is
   re-reported in full (``on_rejected(shard)``'s reset batches replace everything queued), as
-  DESIGN.md section 7 asks of a reconnecting agent: the unit may have restarted from a state
+  docs/design.md section 7 asks of a reconnecting agent: the unit may have restarted from a state
   saved before batches it had already acknowledged, and only a reset makes it exact again. A
   caller whose ``on_rejected`` returns nothing gets the unacknowledged batches re-sent in order
   (the unit drops re-deliveries as duplicates).
@@ -37,8 +37,8 @@ from grpclib.exceptions import GRPCError, StreamTerminatedError
 
 from kvcompass._proto.kvcompass.v1 import IngestAck, KeyOps
 from kvcompass.discovery.ops import KeyOpBatch
-from kvcompass.services.maintenance_service import INGEST_PATH, TOKEN_HEADER, WORKER_HEADER
-from kvcompass.services.tls import grpc_channel
+from kvcompass.services.wire import INGEST_PATH, TOKEN_HEADER, WORKER_HEADER
+from kvcompass.services.lifecycle import OwnedChannels
 
 __all__ = ["IngestClient", "IngestRejected", "SendReport", "encode_key_ops"]
 
@@ -223,15 +223,8 @@ class IngestClient:
         md = {WORKER_HEADER: worker}
         if token is not None:
             md[TOKEN_HEADER] = token
-        self._owned: list[Channel] = []
-        self._units: dict[int, _UnitStream] = {}
-        for shard, target in units.items():
-            if isinstance(target, str):
-                ch = grpc_channel(target, ssl_context)
-                self._owned.append(ch)
-            else:
-                ch = target
-            self._units[shard] = _UnitStream(shard, ch, md)
+        self._owned = OwnedChannels(ssl_context)
+        self._units = {shard: _UnitStream(shard, self._owned.get(target), md) for shard, target in units.items()}
         self.reconnects = 0
 
     async def send(self, batches: Sequence[KeyOpBatch]) -> SendReport:
@@ -283,7 +276,7 @@ class IngestClient:
                         reconnects += 1
                         self.reconnects += 1
                         await asyncio.sleep(min(self._backoff[1], self._backoff[0] * 2 ** (failures - 1)))
-                        # A reconnect re-reports the shard in full (DESIGN.md section 7): the unit
+                        # A reconnect re-reports the shard in full (docs/design.md section 7): the unit
                         # may have restarted from a state saved before what was in flight, or
                         # before batches it had acknowledged, and only a reset makes it exact.
                         fresh = list(self._on_rejected(u.shard))
@@ -334,9 +327,7 @@ class IngestClient:
         for u in self._units.values():
             async with u.lock:
                 await u.drop()
-        for ch in self._owned:
-            ch.close()
-        self._owned.clear()
+        self._owned.close()
 
     async def __aenter__(self) -> IngestClient:
         return self

@@ -17,11 +17,9 @@ request's own region (local) or not (cross-region).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
-import os
 import ssl
 import sys
 import time
@@ -33,7 +31,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from kvcompass.services.commands import UsageError
+from kvcompass.errors import UsageError
+from kvcompass.services.wire import WORKER_HEADER
 
 __all__ = ["LoadPlan", "load_requests", "loadgen_main", "replay", "summarize"]
 
@@ -102,7 +101,7 @@ async def _one(http: aiohttp.ClientSession, url: str, p: LoadPlan, worker_region
     try:
         async with http.post(url, data=p.body, headers={"Content-Type": "application/json"}) as resp:
             rec["status"] = resp.status
-            w = resp.headers.get("x-kvcompass-worker")
+            w = resp.headers.get(WORKER_HEADER)
             rec["worker"] = w
             rec["worker_region"] = worker_regions.get(w) if w else None
             if resp.status != 200:
@@ -262,41 +261,3 @@ def default_api_key(state: Mapping[str, Any]) -> str | None:
     """The default tenant's key from ``kvcompass up``'s state (None: the doors are open)."""
     keys = state.get("api_keys") or {}
     return next(iter(keys.values()), None) if isinstance(keys, dict) else None
-
-
-def loadgen_main(args: argparse.Namespace) -> int:
-    if not (math.isfinite(args.rate) and args.rate > 0):
-        raise UsageError(f"--rate must be > 0 req/s, got {args.rate}")
-    for name in ("max_requests", "max_tokens", "block_size"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    worker_regions: dict[str, str] = {}
-    api_key = args.api_key or os.environ.get("KVCOMPASS_API_KEY") or None
-    if args.state_file is not None:
-        state = json.loads(Path(args.state_file).read_text())
-        edges = {str(r): str(e["http"]) for r, e in state["edges"].items()}
-        worker_regions = {str(w): str(d["region"]) for w, d in state.get("workers", {}).items()}
-        if api_key is None:
-            api_key = default_api_key(state)
-    else:
-        edges = {"default": str(args.edge)}
-    topology = None
-    if args.topology is not None:
-        from kvcompass.discovery.topology import load_topology
-
-        topology = load_topology(args.topology)
-        if args.edge is not None:
-            worker_regions = {w.id: w.region for w in topology.workers}
-    plans = load_requests(
-        args.trace, list(edges), rate=args.rate, block_size=args.block_size, max_requests=args.max_requests,
-        topology=topology, seed=args.seed, max_tokens=args.max_tokens, model=args.model, arrivals=args.arrivals,
-    )
-    from kvcompass.services.tls import TLSConfig
-
-    tls = TLSConfig(getattr(args, "tls_cert", None), getattr(args, "tls_key", None), getattr(args, "tls_ca", None))
-    records = asyncio.run(replay(plans, edges, worker_regions=worker_regions, progress=not args.no_progress, ssl_context=tls.client_or_none("http"), api_key=api_key))
-    if args.out is not None:
-        write_records(args.out, records)
-    print(json.dumps(summarize(records)))
-    return 0

@@ -26,24 +26,20 @@ import asyncio
 import contextlib
 import hmac
 import os
-import signal
 import ssl
 import struct
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Callable, Mapping, TypeVar
 
 import numpy as np
 from grpclib.const import Cardinality, Handler, Status
-from grpclib.events import SendTrailingMetadata, listen
 from grpclib.exceptions import GRPCError
 from grpclib.health.check import ServiceStatus
 from grpclib.health.service import Health
-from grpclib.protocol import H2Protocol
-from grpclib.server import Server, Stream
+from grpclib.server import Stream
 
 from kvcompass._core import decode_batch_header
 from kvcompass._proto.kvcompass.v1 import (
@@ -61,26 +57,21 @@ from kvcompass.discovery.layout import IndexLayout
 from kvcompass.discovery.maintenance import ApplyReport, MaintenanceUnit, PatchBatch
 from kvcompass.discovery.ops import KeyOpBatch
 from kvcompass.errors import AgentSequenceError, CapacityError, InvalidArgumentError, KVCompassError, UnknownWorkerError
-from kvcompass.services.codec import StrictProtoCodec, install_receive_limit
-from kvcompass.services.metrics import MetricsServer, ServiceMetrics, bind_socket, export_states
+from kvcompass.services.lifecycle import DrainingServer, hostport, on_signals
+from kvcompass.services.metrics import MetricsServer, ServiceMetrics, export_states
 from kvcompass.services.status import grpc_error, status_of
+from kvcompass.services.wire import INGEST_PATH, TOKEN_HEADER, WORKER_HEADER
 
 __all__ = [
     "MaintenanceConfig",
     "MaintenanceServer",
     "MaintenanceService",
-    "WORKER_HEADER",
-    "TOKEN_HEADER",
-    "DrainingServer",
     "default_epoch",
     "load_unit",
     "serve_maintenance",
     "write_atomic",
 ]
 
-WORKER_HEADER = "x-kvcompass-worker"
-TOKEN_HEADER = "x-kvcompass-token"
-INGEST_PATH = "/kvcompass.v1.Maintenance/Ingest"
 SUBSCRIBE_PATH = "/kvcompass.v1.Maintenance/Subscribe"
 
 _T = TypeVar("_T")
@@ -227,42 +218,6 @@ def decode_key_ops(msg: KeyOps, max_ops: int) -> KeyOpBatch:
     keys = np.frombuffer(msg.keys, dtype="<u8").astype(np.uint64, copy=False)
     tiers = np.frombuffer(msg.tiers, dtype=np.uint8)
     return KeyOpBatch(msg.worker, msg.incarnation, msg.shard, msg.seq, keys, tiers, msg.reset)
-
-
-class DrainingServer(Server):
-    """A grpclib Server that can also close its accepted connections.
-
-    ``Server.close`` stops listening and cancels handlers but leaves established HTTP/2
-    connections open, and they keep accepting new streams; a client would then never notice
-    the drain (nor reach a successor on the same port). :meth:`close_connections` closes them,
-    so every client sees the connection drop and reconnects.
-    """
-
-    def __init__(self, handlers: Sequence[Any], metrics: ServiceMetrics | None = None, limits: Mapping[type, int] | None = None) -> None:
-        # Malformed request bytes are INVALID_ARGUMENT, never UNKNOWN, and a message larger than
-        # its type's limit is RESOURCE_EXHAUSTED before it is read (kvcompass.services.codec).
-        install_receive_limit()
-        super().__init__(handlers, codec=StrictProtoCodec(limits))
-        self._protocols: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
-        if metrics is not None:
-            m = metrics
-
-            async def count(ev: SendTrailingMetadata) -> None:
-                if ev.status is not Status.OK:
-                    m.rpc_error(ev.status.name)
-
-            listen(self, SendTrailingMetadata, count)
-
-    def _protocol_factory(self) -> H2Protocol:
-        proto = super()._protocol_factory()
-        self._protocols.add(proto)
-        return proto
-
-    def close_connections(self) -> None:
-        for proto in list(self._protocols):
-            processor = getattr(proto, "processor", None)  # absent until the connection is made
-            if processor is not None:
-                processor.close("server shut down")
 
 
 class MaintenanceService(MaintenanceBase):
@@ -617,14 +572,9 @@ class MaintenanceServer:
         """Listen on ``host:port`` (0: a free port; over TLS with ``ssl_context``, see
         :mod:`kvcompass.services.tls`) and, unless ``metrics_port`` is None, serve ``/metrics``
         and ``/healthz`` there (0: a free port)."""
-        sock = bind_socket(host, port)
-        bound = int(sock.getsockname()[1])
-        server = DrainingServer([self.service, self.health], self.service.metrics, self.service.message_limits())
-        try:
-            await server.start(sock=sock, ssl=ssl_context)
-        except BaseException:
-            sock.close()
-            raise
+        server, bound = await DrainingServer.listen(
+            [self.service, self.health], host, port, metrics=self.service.metrics, limits=self.service.message_limits(), ssl_context=ssl_context
+        )
         self._server = server
         await self.service.start()
         murl = None
@@ -632,8 +582,8 @@ class MaintenanceServer:
             svc = self.service
             self._metrics = MetricsServer(svc.metrics.registry, lambda: svc.health.__status__() is True)
             mport = await self._metrics.start(host, metrics_port)
-            murl = f"http://{_hostport(host, mport)}"
-        self.endpoints = MaintenanceEndpoints(self.service.unit.shard, _hostport(host, bound), murl)
+            murl = f"http://{hostport(host, mport)}"
+        self.endpoints = MaintenanceEndpoints(self.service.unit.shard, bound, murl)
         return self.endpoints
 
     async def close(self) -> None:
@@ -647,9 +597,7 @@ class MaintenanceServer:
         finally:
             if self._server is not None:
                 server, self._server = self._server, None
-                server.close()
-                server.close_connections()
-                await server.wait_closed()
+                await server.shut()
             try:
                 await self.service.finish_drain()
             finally:
@@ -662,10 +610,6 @@ class MaintenanceServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-def _hostport(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def serve_maintenance(
@@ -691,20 +635,9 @@ async def serve_maintenance(
     unit = load_unit(layout, shard, state_path=config.state_path, epoch=epoch, capacity=capacity, max_keys=max_keys)
     service = MaintenanceService(unit, config)
     stop_ev = stop if stop is not None else asyncio.Event()
-    loop = asyncio.get_running_loop()
-    installed: list[signal.Signals] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop_ev.set)
-            installed.append(sig)
-        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals
-            pass
-    try:
+    with on_signals(stop_ev.set):
         async with MaintenanceServer(service) as server:
             ends = await server.start(host, port, metrics_port=metrics_port, ssl_context=ssl_context)
             if on_ready is not None:
                 on_ready(ends)
             await stop_ev.wait()
-    finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)

@@ -37,6 +37,7 @@ from kvcompass.errors import (
     TopologyError,
     UninitialisedViewError,
     UnknownWorkerError,
+    UsageError,
     WrongShardError,
     WrongTableError,
 )
@@ -67,6 +68,7 @@ STATUS_OF: Final[Mapping[type[KVCompassError], Status]] = MappingProxyType(
         AgentSequenceError: Status.ABORTED,
         WrongShardError: Status.INVALID_ARGUMENT,
         StaleIncarnationError: Status.FAILED_PRECONDITION,
+        UsageError: Status.INVALID_ARGUMENT,
     }
 )
 

@@ -1,7 +1,7 @@
 """The simulated worker's time costs: prefill, DRAM reload and continuous-batching decode, for
 Llama-3.1-8B in BF16, with every constant cited.
 
-Sources (all under ``../shared/``): the KVCompass paper (``paper/``), DESIGN.md section 6, and
+Sources (all under ``../shared/``): the KVCompass paper (``paper/``), docs/design.md section 6, and
 the third-party measurements in ``data/calibration/`` (its README says where each comes from):
 the Vidur per-operator profile of Llama-3-8B on A100 (``vidur_llama3_8b_a100_mlp_profile.csv``)
 and the published vLLM CI figures (``llama31_8b_published_points.csv``).
@@ -55,7 +55,7 @@ __all__ = [
 
 KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
 """Llama-3.1-8B BF16: K and V x 32 layers x 8 KV heads x 128 dims x 2 bytes = 128 KiB
-(DESIGN.md section 6; calibration README, "First-principles checks")."""
+(docs/design.md section 6; calibration README, "First-principles checks")."""
 
 PAPER_PREFILL_MS_PER_TOKEN = 0.085
 """Prefill beta of the paper's RTX 5090 testbed (paper section 5.2: "the calibrated RTX 5090
@@ -72,10 +72,10 @@ first-principles range 0.025-0.035 ms/token (16 GFLOP/token at 50-70 % of dense 
 BF16 prefill measurement of Llama-3.1-8B on H100 is in the calibration data."""
 
 PCIE4_BYTES_PER_S = 25e9
-"""Host-to-device copy over PCIe 4.0 x16, ~25 GB/s achieved (DESIGN.md section 6)."""
+"""Host-to-device copy over PCIe 4.0 x16, ~25 GB/s achieved (docs/design.md section 6)."""
 
 RELOAD_MS_PER_TOKEN = 0.005
-"""DRAM reload gamma: 128 KiB/token over ~25 GB/s = 0.0052 ms, rounded as DESIGN.md section 6
+"""DRAM reload gamma: 128 KiB/token over ~25 GB/s = 0.0052 ms, rounded as docs/design.md section 6
 gives it (~0.005) and as the edge's score charges it (EdgeParams.gamma_ms_per_token), so the
 simulated cost and the router's estimate agree. Hosts with PCIe 5.0 (H100/H200 SXM) would halve it."""
 

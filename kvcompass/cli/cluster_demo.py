@@ -33,14 +33,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcompass.services.commands import UsageError, env_for_child
+from kvcompass.errors import UsageError
+from kvcompass.services.lifecycle import env_for_child, on_signals
 
-__all__ = ["add_arguments", "format_table", "mainjob_main", "run_mainjob", "write_figure"]
+__all__ = ["add_parsers", "format_table", "run_cluster_demo", "write_figure"]
 
 MODES = {"kvcompass": "KVCompass", "local": "Region-local"}
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_parsers(sub: Any) -> None:
+    """``kvcompass cluster-demo``."""
+    p = sub.add_parser("cluster-demo", help="the main job: kvcompass up + a Mooncake conversation replay, KVCompass vs region-local routing")
+    p.set_defaults(func=cluster_demo_main)
     p.add_argument("--topology", default="testbed-14x3", metavar="NAME_OR_PATH")
     p.add_argument("--trace", default="conversation", metavar="PATH_OR_NAME", help="default: the Mooncake conversation trace")
     p.add_argument("--requests", type=int, default=600, metavar="N", help="replay the first N requests of the trace (default 600)")
@@ -107,20 +111,14 @@ async def _run_mode(args: argparse.Namespace, mode: str, plans: Sequence[Any], o
 async def _hold(state: Mapping[str, Any], mode: str) -> None:
     """Keep the cluster up for a look at its dashboards until SIGINT/SIGTERM."""
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     print(f"[{mode}] holding the cluster (Ctrl-C stops it); dashboards:", flush=True)
     for r, e in state["edges"].items():
         print(f"  {r}: {e.get('dashboard')}", flush=True)
     keys = state.get("api_keys") or {}
     if keys:
         print(f"  doors need Authorization: Bearer {next(iter(keys.values()))} (state file: api_keys)", flush=True)
-    try:
+    with on_signals(stop.set):
         await stop.wait()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
 
 
 def _modelled(s: Mapping[str, Any], scale: float) -> dict[str, Any]:
@@ -189,7 +187,7 @@ def write_figure(path: Path, summaries: Mapping[str, Mapping[str, Any]], records
     plt.close(fig)
 
 
-async def run_mainjob(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+async def run_cluster_demo(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     from kvcompass.discovery.plan import LevelPlan
     from kvcompass.discovery.topology import load_topology
     from kvcompass.services.loadgen import load_requests, summarize, write_records
@@ -222,9 +220,9 @@ async def run_mainjob(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return summaries
 
 
-def mainjob_main(args: argparse.Namespace) -> int:
+def cluster_demo_main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    summaries = asyncio.run(run_mainjob(args))
+    summaries = asyncio.run(run_cluster_demo(args))
     print(
         f"\nMooncake conversation trace, first {args.requests} requests at {args.rate:g} modelled req/s on {args.topology} "
         f"(time scale {args.time_scale:g}: latencies in modelled ms = wall ms / {args.time_scale:g}; outputs capped at {args.max_tokens} tokens)"

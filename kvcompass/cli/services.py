@@ -1,23 +1,7 @@
-"""The long-running processes of a deployment as ``kvcompass`` subcommands, and their lifecycle.
-
-``kvcompass maintenance | edge | agent | worker`` each run one process of the discovery plane;
-``kvcompass up`` (:mod:`kvcompass.services.cluster`) starts a whole loopback cluster of them,
-``kvcompass loadgen`` (:mod:`kvcompass.services.loadgen`) replays a trace through its edges and
-``kvcompass cluster-demo`` (:mod:`kvcompass.services.mainjob`) does both, once per routing mode.
-
-Every process shares one lifecycle, so a supervisor can treat them alike:
-
-* **Ports.** Any port may be 0 (the default): the process binds a free one and says which in
-  its *ready line*, one JSON object on stdout, ``{"ready": ROLE, ...endpoints}``, printed once
-  everything listens. Nothing else goes to stdout, so a parent reads one line per child and
-  never races another process for a port it picked in advance.
-* **Stopping.** SIGTERM or SIGINT drains (health NOT_SERVING / 503, no new work, in-flight
-  work finished, state written) and exits 0. With ``KVCOMPASS_PARENT_PID`` in the environment
-  the process also drains when that parent is gone, so a supervisor killed with SIGKILL
-  leaves no orphans behind.
-* **Health and metrics.** Each serves Prometheus ``/metrics`` and a health endpoint
-  (``/healthz``, or the HTTP server's own ``/health`` for the door and the worker).
-"""
+"""``kvcompass maintenance | edge | agent | worker``: each runs one process of the discovery
+plane, with the lifecycle every KVCompass process shares (:mod:`kvcompass.services.lifecycle`:
+ports chosen at bind time and told in a ready line, drain on SIGTERM/SIGINT or when the
+supervising parent dies, Prometheus ``/metrics`` and a health endpoint)."""
 
 from __future__ import annotations
 
@@ -32,29 +16,24 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from kvcompass.errors import KVCompassError
+from kvcompass.errors import KVCompassError, UsageError
+from kvcompass.services.lifecycle import announce, stop_on_signals
+from kvcompass.services.wire import LOAD_PATH
 
-__all__ = ["PARENT_ENV", "add_commands", "announce", "parse_hostports", "run_command"]
+__all__ = ["TOPOLOGY_HELP", "add_parsers", "parse_hostports", "tls_args"]
 
-PARENT_ENV = "KVCOMPASS_PARENT_PID"
-_COMMANDS = ("maintenance", "edge", "agent", "worker", "up", "loadgen", "cluster-demo", "chaos")
-_TOPOLOGY_HELP = "a built-in topology (testbed-14x3, ...) or a TOML file"
-
-
-class UsageError(Exception):
-    """A bad argument: one line on stderr, exit 2."""
+TOPOLOGY_HELP = "a built-in topology (testbed-14x3, ...) or a TOML file"
 
 
 # -- argument parsing ------------------------------------------------------------------------------
 
 
-def add_commands(sub: Any) -> None:
-    """Add the service subcommands to ``kvcompass``'s subparsers (``sub`` is what
-    ``ArgumentParser.add_subparsers`` returned)."""
+def add_parsers(sub: Any) -> None:
+    """``kvcompass maintenance | edge | agent | worker`` on ``kvcompass``'s subparsers."""
     m = sub.add_parser("maintenance", help="run the maintenance unit (single writer) of one shard as a gRPC service")
     m.add_argument("--shard", type=int, required=True)
     m.add_argument("--shards", type=int, default=None, help="shard count; must match the topology's (default: the topology's)")
-    m.add_argument("--topology", required=True, metavar="NAME_OR_PATH", help=_TOPOLOGY_HELP)
+    m.add_argument("--topology", required=True, metavar="NAME_OR_PATH", help=TOPOLOGY_HELP)
     _listen_args(m, port="--port", port_help="gRPC port (0: a free port)")
     m.add_argument("--state-file", default=None, metavar="PATH", help="persist the shard here and recover it on restart")
     m.add_argument("--tokens-file", default=None, metavar="JSON",
@@ -64,11 +43,11 @@ def add_commands(sub: Any) -> None:
                    help="refuse (RESOURCE_EXHAUSTED) batches adding keys while the shard's tables hold this many bytes or more")
     m.add_argument("--view-budget", type=int, default=None, metavar="BYTES",
                    help="likewise per table, for the bytes each edge replica of it holds")
-    _tls_args(m)
+    tls_args(m)
 
     e = sub.add_parser("edge", help="run an edge: index replica, gRPC Route API and the OpenAI-compatible HTTP door")
     e.add_argument("--region", required=True)
-    e.add_argument("--topology", required=True, metavar="NAME_OR_PATH", help=_TOPOLOGY_HELP)
+    e.add_argument("--topology", required=True, metavar="NAME_OR_PATH", help=TOPOLOGY_HELP)
     e.add_argument("--routing", choices=("kvcompass", "local"), default="kvcompass", help="kvcompass: joint score over every region; local: region-local cache-aware routing")
     e.add_argument("--host", default="127.0.0.1")
     e.add_argument("--http-port", type=int, default=0)
@@ -96,13 +75,13 @@ def add_commands(sub: Any) -> None:
                       "the tenant comes from the key; reloaded on SIGHUP")
     auth.add_argument("--open", action="store_true", help="serve completions without keys, any client acting as any tenant it names (local experiments only)")
     e.add_argument("--peer-key-file", default=None, metavar="PATH", help="the key this door presents to other regions' doors on hand-offs (an any-tenant key of theirs)")
-    _tls_args(e, also="the HTTP door and the clients to maintenance units, peer edges and https:// workers")
+    tls_args(e, also="the HTTP door and the clients to maintenance units, peer edges and https:// workers")
 
     a = sub.add_parser("agent", help="run a worker agent: engine KV events (ZMQ) -> key ops -> maintenance units")
     a.add_argument("--worker", required=True)
     a.add_argument("--events", required=True, metavar="tcp://HOST:PORT", help="the engine's KV-event PUB endpoint")
     a.add_argument("--replay", default=None, metavar="tcp://HOST:PORT", help="the engine's replay ROUTER endpoint")
-    a.add_argument("--topology", required=True, metavar="NAME_OR_PATH", help=_TOPOLOGY_HELP)
+    a.add_argument("--topology", required=True, metavar="NAME_OR_PATH", help=TOPOLOGY_HELP)
     a.add_argument("--maintenance", required=True, metavar="HOST:PORT,...")
     a.add_argument("--model", default="llama-3.1-8b", help="the namespace's model (the door's default model)")
     a.add_argument("--tenant", default="public", help="the namespace's tenant (the door's default tenant)")
@@ -118,67 +97,34 @@ def add_commands(sub: Any) -> None:
     tok = a.add_mutually_exclusive_group()
     tok.add_argument("--token", default=None, help="this worker's credential (visible in ps: prefer --token-file)")
     tok.add_argument("--token-file", default=None, metavar="PATH", help="a file holding this worker's credential")
-    _tls_args(a, client_only=True)
+    tls_args(a, client_only=True)
 
     w = sub.add_parser("worker", help="run an emulated vLLM worker (OpenAI API, prefix cache, KV events on ZMQ)")
     w.add_argument("--emulate", action="store_true", help="required: the only worker kvcompass runs itself is the emulated one")
     w.add_argument("--worker", required=True)
-    w.add_argument("--topology", required=True, metavar="NAME_OR_PATH", help=_TOPOLOGY_HELP)
+    w.add_argument("--topology", required=True, metavar="NAME_OR_PATH", help=TOPOLOGY_HELP)
     w.add_argument("--host", default="127.0.0.1")
     w.add_argument("--port", type=int, default=0)
     w.add_argument("--events-port", type=int, default=0)
     w.add_argument("--replay-port", type=int, default=0)
     w.add_argument("--time-scale", type=float, default=1.0, metavar="S", help="wall seconds per modelled second (0: no sleeping)")
     w.add_argument("--policy", choices=("lru", "lfu"), default="lru")
-    _tls_args(w, also="its OpenAI HTTP API (the ZMQ event endpoints stay plain, as vLLM's)")
-
-    u = sub.add_parser("up", help="start a whole cluster on loopback as separate processes; Ctrl-C stops it")
-    u.add_argument("--topology", default="testbed-14x3", metavar="NAME_OR_PATH", help=_TOPOLOGY_HELP + " (default testbed-14x3)")
-    u.add_argument("--state-file", default=None, metavar="PATH", help="write the endpoints here as JSON once every process is healthy")
-    u.add_argument("--routing", choices=("kvcompass", "local"), default="kvcompass")
-    u.add_argument("--time-scale", type=float, default=1.0, metavar="S", help="scales the workers' modelled time and the WAN delays alike")
-    u.add_argument("--no-wan-delay", action="store_true", help="do not emulate WAN delays between regions")
-    u.add_argument("--no-handoff", action="store_true", help="edges forward cross-region requests straight to the worker (no hand-off by the destination region's door)")
-    u.add_argument("--workers-per-region", type=int, default=None, metavar="K", help="start at most K workers of each region")
-    u.add_argument("--max-workers", type=int, default=None, metavar="N", help="start at most N workers (spread over regions)")
-    u.add_argument("--run-dir", default=None, metavar="DIR", help="logs, state and peer files (default: a temporary directory)")
-    u.add_argument("--startup-timeout", type=float, default=120.0, metavar="S")
-    u.add_argument("--drain-grace", type=float, default=15.0, metavar="S")
-    u.add_argument("--no-auth", action="store_true", help="no per-worker credentials (any agent may claim any worker)")
-    u.add_argument("--tls", action="store_true", help="mutual TLS on every hop with a CA made for this run (in RUN_DIR/secrets/pki)")
-    u.add_argument("--open", action="store_true", help="doors without API keys: any client acts as any tenant it names (local experiments only)")
-    u.add_argument("--tenants", default="", metavar="T1,T2,...", help="tenants besides the default one to make API keys for (all keys go to the state file's api_keys)")
-
-    g = sub.add_parser("loadgen", help="replay a trace through the edges' HTTP doors and record each request")
-    src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--edge", default=None, metavar="URL", help="one edge door: every request goes there")
-    src.add_argument("--state-file", default=None, metavar="PATH", help="kvcompass up's state file: each request goes to its region's edge")
-    g.add_argument("--trace", required=True, metavar="PATH_OR_NAME", help="a Mooncake-schema JSONL file or a shared trace name (conversation, synthetic)")
-    g.add_argument("--rate", type=float, required=True, metavar="R", help="offered load, req/s of wall time (the trace is rescaled to it)")
-    g.add_argument("--max-requests", type=int, default=None, metavar="N")
-    g.add_argument("--arrivals", choices=("rescale", "poisson"), default="rescale",
-                   help="rescale: the trace's own arrival pattern at --rate; poisson: Poisson arrivals at --rate")
-    g.add_argument("--out", default=None, metavar="records.jsonl")
-    g.add_argument("--block-size", type=int, default=512, metavar="TOKENS", help="tokens per trace hash id (default 512, Mooncake's)")
-    g.add_argument("--topology", default=None, metavar="NAME_OR_PATH", help="weights regions by prefill capacity (default: equal weights)")
-    g.add_argument("--max-tokens", type=int, default=None, metavar="N", help="cap each request's output length")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--model", default="llama-3.1-8b")
-    g.add_argument("--api-key", default=None, metavar="KEY",
-                   help="the doors' API key (default: $KVCOMPASS_API_KEY, else the default tenant's key in --state-file)")
-    g.add_argument("--no-progress", action="store_true")
-    _tls_args(g, client_only=True)
-
-    from kvcompass.services.mainjob import add_arguments
-
-    add_arguments(sub.add_parser("cluster-demo", help="the main job: kvcompass up + a Mooncake conversation replay, KVCompass vs region-local routing"))
-
-    from kvcompass.chaos.command import add_arguments as chaos_arguments
-
-    chaos_arguments(sub.add_parser("chaos", help="the fault harness: seeded faults and restarts, then check that every view converged (in-process, or --processes)"))
+    tls_args(w, also="its OpenAI HTTP API (the ZMQ event endpoints stay plain, as vLLM's)")
+    m.set_defaults(func=_run(_maintenance))
+    e.set_defaults(func=_run(_edge))
+    a.set_defaults(func=_run(_agent))
+    w.set_defaults(func=_run(_worker))
 
 
-def _tls_args(p: argparse.ArgumentParser, *, client_only: bool = False, also: str = "") -> None:
+def _run(main: Callable[[argparse.Namespace], Any]) -> Callable[[argparse.Namespace], int]:
+    """One service's asyncio entry point as a command handler."""
+
+    def run(args: argparse.Namespace) -> int:
+        return int(asyncio.run(main(args)))
+
+    return run
+
+def tls_args(p: argparse.ArgumentParser, *, client_only: bool = False, also: str = "") -> None:
     """The TLS flags (:class:`kvcompass.services.tls.TLSConfig`); PEM files."""
     t = p.add_argument_group("TLS", f"TLS on every connection this process makes or serves{' (' + also + ')' if also else ''}")
     who = "presented to servers that require client certificates" if client_only else "this process's certificate (served, and presented as a client)"
@@ -229,77 +175,7 @@ def _listen_args(p: argparse.ArgumentParser, *, port: str, port_help: str) -> No
     p.add_argument("--metrics-port", type=int, default=0, help="/metrics and /healthz (0: a free port)")
 
 
-def run_command(args: argparse.Namespace) -> int | None:
-    """Run ``args.command`` if it is one of this module's; None otherwise."""
-    cmd = getattr(args, "command", None)
-    if cmd not in _COMMANDS:
-        return None
-    try:
-        if cmd == "up":
-            from kvcompass.services.cluster import up_main
-
-            return up_main(args)
-        if cmd == "loadgen":
-            from kvcompass.services.loadgen import loadgen_main
-
-            return loadgen_main(args)
-        if cmd == "chaos":
-            from kvcompass.chaos.command import chaos_main
-
-            return chaos_main(args)
-        if cmd == "cluster-demo":
-            from kvcompass.services.mainjob import mainjob_main
-
-            return mainjob_main(args)
-        main: Callable[[argparse.Namespace], Any] = {"maintenance": _maintenance, "edge": _edge, "agent": _agent, "worker": _worker}[cmd]
-        return int(asyncio.run(main(args)))
-    except (UsageError, KVCompassError, OSError, ValueError) as e:
-        print(f"kvcompass {cmd}: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # a second Ctrl-C during the drain
-        return 130
-
-
-# -- shared lifecycle --------------------------------------------------------------------------------
-
-
-def announce(role: str, **endpoints: Any) -> None:
-    """The ready line (see the module docstring): the one thing a process writes to stdout."""
-    sys.stdout.write(json.dumps({"ready": role, "pid": os.getpid(), **endpoints}) + "\n")
-    sys.stdout.flush()
-
-
-@contextlib.asynccontextmanager
-async def _stop_on_signals(stop: asyncio.Event) -> Any:
-    """Set ``stop`` on SIGTERM/SIGINT, or when the supervising parent (``KVCOMPASS_PARENT_PID``)
-    is gone: a reparented child would otherwise outlive a ``kvcompass up`` killed with SIGKILL."""
-    loop = asyncio.get_running_loop()
-    installed: list[signal.Signals] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, stop.set)
-            installed.append(sig)
-    watch: asyncio.Task[None] | None = None
-    parent = os.environ.get(PARENT_ENV)
-    if parent and parent.isdigit():
-        watch = loop.create_task(_watch_parent(int(parent), stop))
-    try:
-        yield
-    finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
-        if watch is not None:
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
-
-
-async def _watch_parent(pid: int, stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        if os.getppid() != pid:
-            stop.set()
-            return
-        await asyncio.sleep(0.5)
+# -- shared option parsing ------------------------------------------------------------------------
 
 
 def parse_hostports(text: str, what: str = "--maintenance") -> list[str]:
@@ -362,7 +238,7 @@ async def _maintenance(args: argparse.Namespace) -> int:
         announce("maintenance", shard=ends.shard, grpc=ends.grpc, metrics=ends.metrics, tls=ssl_context is not None, auth=tokens is not None)
 
     stop = asyncio.Event()
-    async with _stop_on_signals(stop):
+    async with stop_on_signals(stop):
         await serve_maintenance(
             layout, args.shard, host=args.host, port=args.port, metrics_port=args.metrics_port,
             config=config, on_ready=ready, stop=stop, ssl_context=ssl_context, max_keys=args.max_keys,
@@ -371,27 +247,6 @@ async def _maintenance(args: argparse.Namespace) -> int:
 
 
 # -- kvcompass edge ---------------------------------------------------------------------------------------
-
-
-def build_edge(topology: Any, region: str, routing: str = "kvcompass", seed: int = 0, handoff: bool = True) -> Any:
-    """The :class:`~kvcompass.discovery.edge.Edge` of ``region``, wired as
-    :class:`~kvcompass.discovery.plane.LocalPlane` wires its edges. ``routing="local"`` is
-    region-local cache-aware routing: no lookups toward other regions, own-region winners only.
-    ``handoff`` False: requests routed to another region go straight to the worker, never
-    through that region's door (``EdgeParams.handoff``)."""
-    from kvcompass.discovery.edge import Edge
-    from kvcompass.discovery.params import EdgeParams, layout_for
-    from kvcompass.discovery.plan import LevelPlan
-
-    params = EdgeParams(cross_region=routing == "kvcompass", handoff=handoff)
-    plan = LevelPlan(topology)
-    if region not in plan.edge_regions:
-        raise UsageError(f"--region {region!r}: the topology's edge regions are {', '.join(plan.edge_regions)}")
-    layout = layout_for(plan.layout(), params)
-    by_id = {w.id: w for w in topology.workers}
-    workers = [by_id[w] for w in layout.workers]
-    targets = list(dict.fromkeys([region, *(t.region for t in layout.tables)]))
-    return Edge(region, layout, workers, {r: plan.lengths(region, r) for r in targets}, {r: plan.rtt_ms(region, r) for r in targets}, params, seed=seed)
 
 
 def _worker_urls(args: argparse.Namespace) -> dict[str, str]:
@@ -488,6 +343,7 @@ def _peers(text: str) -> dict[str, str]:
 
 
 async def _edge(args: argparse.Namespace) -> int:
+    from kvcompass.discovery.plane import build_edge
     from kvcompass.services.edge_service import EdgeServer, EdgeService, QueueBroadcaster
     from kvcompass.services.edge_sync import EdgeSync
     from kvcompass.services.http_door import DoorConfig, serve_door
@@ -527,7 +383,7 @@ async def _edge(args: argparse.Namespace) -> int:
     # the queue exchange between edges both need it.
     server = EdgeServer(EdgeService(edge, peer_token=peer_key), health=sync.health, metrics=sync.metrics, ready=lambda: sync.ready, routes=dashboard.routes())
     broadcaster: QueueBroadcaster | None = None
-    async with _stop_on_signals(stop), contextlib.AsyncExitStack() as stack:
+    async with stop_on_signals(stop), contextlib.AsyncExitStack() as stack:
         await sync.start()
         stack.push_async_callback(sync.close)
         grpc = await server.start(args.host, args.grpc_port, metrics_port=args.metrics_port, ssl_context=grpc_server_ssl)
@@ -589,7 +445,7 @@ async def _poll_queues(edge: Any, urls: Mapping[str, str], period_s: float, ssl_
 
         async def one(w: str, url: str) -> None:
             try:
-                async with http.get(url.rstrip("/") + "/kvcompass/load") as r:
+                async with http.get(url.rstrip("/") + LOAD_PATH) as r:
                     if r.status == 404:
                         left.pop(w, None)
                         return
@@ -664,7 +520,7 @@ async def _agent(args: argparse.Namespace) -> int:
     metrics = MetricsServer(reg, lambda: runner.running)
     stop = asyncio.Event()
     code = 0
-    async with _stop_on_signals(stop):
+    async with stop_on_signals(stop):
         await runner.start()
         try:
             port = await metrics.start(args.host, args.metrics_port)
@@ -711,7 +567,7 @@ async def _worker(args: argparse.Namespace) -> int:
         announce("worker", worker=args.worker, region=spec.region, http=w.http_url, events=w.events_endpoint, replay=w.replay_endpoint)
 
     stop = asyncio.Event()
-    async with _stop_on_signals(stop):
+    async with stop_on_signals(stop):
         await serve_worker(
             cfg, args.host, args.port,
             events=f"tcp://{zhost}:{args.events_port}" if args.events_port else None,
@@ -719,13 +575,3 @@ async def _worker(args: argparse.Namespace) -> int:
             ready=ready, stop=stop, handle_signals=False, ssl_context=ssl_context,
         )
     return 0
-
-
-def env_for_child(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of a supervised child: this process as its parent to watch."""
-    env = dict(os.environ)
-    env[PARENT_ENV] = str(os.getpid())
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    if extra:
-        env.update(extra)
-    return env

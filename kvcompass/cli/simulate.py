@@ -1,90 +1,26 @@
-"""The ``kvcompass`` command."""
+"""``kvcompass simulate`` and ``kvcompass reproduce``: what KVCompass would gain on a fleet, and the paper's figures beside ours."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-import textwrap
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-from kvcompass.discovery.plan import LevelPlan
 from kvcompass.discovery.topology import Topology, builtin_topologies, load_topology
-from kvcompass.errors import InvalidArgumentError, KVCompassError
+from kvcompass.errors import InvalidArgumentError, UsageError
 
 if TYPE_CHECKING:
     from kvcompass.sim.capacity import Capacity
     from kvcompass.sim.metrics import Summary
     from kvcompass.sim.workload import Request
 
-__all__ = ["DEFAULT_MIXED_REQUESTS", "format_plan", "main"]
+__all__ = ["DEFAULT_MIXED_REQUESTS", "add_parsers"]
 
 # Requests ``--trace mixed`` generates when ``--max-requests`` is not given.
 DEFAULT_MIXED_REQUESTS = 1000
-
-
-def _lengths(xs: Sequence[int]) -> str:
-    return " ".join(str(x) for x in xs) if xs else "(none: no match is worth crossing)"
-
-
-def format_plan(plan: LevelPlan) -> str:
-    """The plan as an operator reads it: per edge region, the RTT, n1 and lengths toward each
-    region; then what each region's workers register at, and the table groups."""
-    t = plan.topology
-    lay = plan.layout()
-    out: list[str] = []
-    out.append(f"Topology {t.name}: {len(t.workers)} workers ({len(lay.workers)} indexed) in {len(t.regions)} regions")
-    if t.description:
-        out.extend(textwrap.wrap(t.description, width=100, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False))
-    out.append(f"RTT matrix: {t.rtt.source}")
-    out.append(
-        f"KV block {t.block_size} tokens, {t.levels} levels, own-region minimum {t.own_region_min} doubling, "
-        f"max prefix {t.max_prefix}; {t.value_bits}-bit values (<= {t.value_bits // 2} workers per table), "
-        f"{t.shards} shards, {t.fp_bits}-bit fingerprints"
-    )
-    names = {r.name: (r.name if r.aws_region == r.name else f"{r.name} ({r.aws_region})") for r in t.regions}
-    width = max(len(n) for n in names.values())
-    for o in plan.edge_regions:
-        edges = t.region(o).edges
-        out.append("")
-        out.append(f"Edge region {names[o]}, {edges} edge{'s' if edges != 1 else ''}: prefix lengths queried (tokens)")
-        out.append(f"  {'target':<{width}}  {'RTT ms':>7}  {'beta ms/tok':>11}  {'n1':>7}  lengths")
-        for r in plan.target_regions:
-            own = r == o
-            n1 = "own" if own else f"{plan.n1(o, r):.0f}"
-            out.append(f"  {names[r]:<{width}}  {plan.rtt_ms(o, r):>7.1f}  {plan.beta(r):>11.4g}  {n1:>7}  {_lengths(plan.lengths(o, r))}")
-    out.append("")
-    out.append("Registration: lengths each region's workers register a cached prefix at (union over all edges)")
-    for r in plan.target_regions:
-        reg = plan.registration(r)
-        out.append(f"  {names[r]:<{width}}  {len(reg):>3}  {_lengths(reg)}")
-    out.append("")
-    out.append(f"Tables: {len(lay.tables)}, each split into {lay.shards} shards")
-    for s in lay.tables:
-        out.append(f"  table {s.table_id:>3}  {names[s.region]:<{width}}  {len(s.workers):>3} workers  {' '.join(s.workers)}")
-    skipped = [w.id for w in t.workers if w.role == "decode"]
-    if skipped:
-        out.append(f"  not indexed (decode workers, paper appendix C): {' '.join(skipped)}")
-    return "\n".join(out) + "\n"
-
-
-def _plan(args: argparse.Namespace) -> int:
-    try:
-        plan = LevelPlan(load_topology(args.topology, rtt_path=args.rtt_matrix))
-    except KVCompassError as e:
-        print(f"kvcompass plan: error: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        sys.stdout.write(json.dumps(plan.to_json(), indent=2) + "\n")
-    else:
-        sys.stdout.write(format_plan(plan))
-    return 0
-
-
-class _UsageError(Exception):
-    """A bad ``simulate`` argument: one line on stderr, exit 2."""
 
 
 def _parse_rates(text: str) -> list[str]:
@@ -93,11 +29,11 @@ def _parse_rates(text: str) -> list[str]:
         try:
             v = float(r)
         except ValueError:
-            raise _UsageError(f"--rates: {r!r} is not a number (give req/s, comma-separated)") from None
+            raise UsageError(f"--rates: {r!r} is not a number (give req/s, comma-separated)") from None
         if not (v > 0 and v != float("inf")):
-            raise _UsageError(f"--rates: {r!r} must be > 0 req/s")
+            raise UsageError(f"--rates: {r!r} must be > 0 req/s")
     if len({float(r) for r in rates}) != len(rates):
-        raise _UsageError(f"--rates: {text!r} repeats a rate")
+        raise UsageError(f"--rates: {text!r} repeats a rate")
     return rates
 
 
@@ -107,12 +43,12 @@ def _parse_loads(text: str) -> list[float]:
         try:
             v = float(part.strip())
         except ValueError:
-            raise _UsageError(f"--load: {part.strip()!r} is not a number (give fractions of the no-reuse capacity, e.g. 0.5,0.9,1.1)") from None
+            raise UsageError(f"--load: {part.strip()!r} is not a number (give fractions of the no-reuse capacity, e.g. 0.5,0.9,1.1)") from None
         if not (v > 0 and v != float("inf")):
-            raise _UsageError(f"--load: {part.strip()!r} must be > 0")
+            raise UsageError(f"--load: {part.strip()!r} must be > 0")
         loads.append(v)
     if len(set(loads)) != len(loads):
-        raise _UsageError(f"--load: {text!r} repeats a load")
+        raise UsageError(f"--load: {text!r} repeats a load")
     return loads
 
 
@@ -124,27 +60,27 @@ def _parse_region_weights(text: str, topology: Topology) -> list[float]:
         region, sep, value = part.strip().partition("=")
         region = region.strip()
         if not sep or not region:
-            raise _UsageError(f"--region-weights: {part.strip()!r} is not REGION=WEIGHT")
+            raise UsageError(f"--region-weights: {part.strip()!r} is not REGION=WEIGHT")
         if region not in names:
-            raise _UsageError(f"--region-weights: unknown region {region!r} (regions of {topology.name}: {', '.join(names)})")
+            raise UsageError(f"--region-weights: unknown region {region!r} (regions of {topology.name}: {', '.join(names)})")
         if region in got:
-            raise _UsageError(f"--region-weights: region {region!r} given twice")
+            raise UsageError(f"--region-weights: region {region!r} given twice")
         try:
             w = float(value)
         except ValueError:
-            raise _UsageError(f"--region-weights: weight {value.strip()!r} of {region!r} is not a number") from None
+            raise UsageError(f"--region-weights: weight {value.strip()!r} of {region!r} is not a number") from None
         if not (w >= 0 and w != float("inf")):
-            raise _UsageError(f"--region-weights: weight of {region!r} must be finite and >= 0, got {value.strip()}")
+            raise UsageError(f"--region-weights: weight of {region!r} must be finite and >= 0, got {value.strip()}")
         got[region] = w
     if not sum(got.values()) > 0:
-        raise _UsageError("--region-weights: at least one region needs a weight > 0")
+        raise UsageError("--region-weights: at least one region needs a weight > 0")
     return [got.get(r, 0.0) for r in names]
 
 
 def _trace_rate(requests: Sequence[Request]) -> str:
     """A trace's own offered load as the results' rate key: (N - 1) requests over the span."""
     if len(requests) < 2 or not requests[-1].arrival_ms > requests[0].arrival_ms:
-        raise _UsageError("--arrivals trace: the replayed requests span no time, so they have no rate of their own (replay more requests, or give --rates)")
+        raise UsageError("--arrivals trace: the replayed requests span no time, so they have no rate of their own (replay more requests, or give --rates)")
     return f"{(len(requests) - 1) * 1e3 / (requests[-1].arrival_ms - requests[0].arrival_ms):.6g}"
 
 
@@ -156,9 +92,9 @@ def _parse_schemes(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",")]
     for n in names:
         if n not in SCHEMES:
-            raise _UsageError(f"--schemes: unknown scheme {n!r} (known: {', '.join(SCHEMES)}, or all)")
+            raise UsageError(f"--schemes: unknown scheme {n!r} (known: {', '.join(SCHEMES)}, or all)")
     if len(set(names)) != len(names):
-        raise _UsageError(f"--schemes: {text!r} repeats a scheme")
+        raise UsageError(f"--schemes: {text!r} repeats a scheme")
     return names
 
 
@@ -218,47 +154,45 @@ def _false_hits(args: argparse.Namespace, topology: Topology, results: dict[str,
 
 def _simulate(args: argparse.Namespace) -> int:
     from kvcompass.sim.cells import run_cells
-    from kvcompass.sim.capacity import Capacity
-    from kvcompass.sim.metrics import Summary
-    from kvcompass.sim.workload import MOONCAKE_BLOCK_SIZE, RateMode, Request, load_trace, resolve_trace, synthetic_mixed
+    from kvcompass.sim.workload import MOONCAKE_BLOCK_SIZE, RateMode, load_trace, resolve_trace, synthetic_mixed
 
     loads: list[float] | None = None
     if args.rates is not None and args.load is not None:
-        raise _UsageError("give --rates (req/s) or --load (fractions of the capacity), not both")
+        raise UsageError("give --rates (req/s) or --load (fractions of the capacity), not both")
     if args.arrivals == "trace":
         if args.rates is not None or args.load is not None:
-            raise _UsageError(f"--arrivals trace replays the trace's own timestamps: leave out {'--rates' if args.rates is not None else '--load'}")
+            raise UsageError(f"--arrivals trace replays the trace's own timestamps: leave out {'--rates' if args.rates is not None else '--load'}")
         rates: list[str] = []
     elif args.load is not None:
         loads = _parse_loads(args.load)
         rates = []
     elif args.rates is None:
-        raise _UsageError("--rates or --load is required (or --arrivals trace, to replay a trace's own timestamps)")
+        raise UsageError("--rates or --load is required (or --arrivals trace, to replay a trace's own timestamps)")
     else:
         rates = _parse_rates(args.rates)
     schemes = _parse_schemes(args.schemes)
     for name in ("max_requests", "block_size", "tenants"):
         v = getattr(args, name)
         if v is not None and v < 1:
-            raise _UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     if args.seed < 0:
-        raise _UsageError(f"--seed must be >= 0, got {args.seed}")
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
     for name in ("wan_jitter", "patch_loss"):
         v = getattr(args, name)
         if not 0 <= v <= 100 or (name == "patch_loss" and v == 100):
-            raise _UsageError(f"--{name.replace('_', '-')} must be a percentage in [0, 100{')' if name == 'patch_loss' else ']'}, got {v}")
+            raise UsageError(f"--{name.replace('_', '-')} must be a percentage in [0, 100{')' if name == 'patch_loss' else ']'}, got {v}")
     if not args.patch_delay_ms >= 0:
-        raise _UsageError(f"--patch-delay-ms must be >= 0, got {args.patch_delay_ms}")
+        raise UsageError(f"--patch-delay-ms must be >= 0, got {args.patch_delay_ms}")
     if args.jobs < 1:
-        raise _UsageError(f"--jobs must be >= 1, got {args.jobs}")
+        raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
     if args.max_batched_tokens < 1:
-        raise _UsageError(f"--max-batched-tokens must be >= 1, got {args.max_batched_tokens}")
+        raise UsageError(f"--max-batched-tokens must be >= 1, got {args.max_batched_tokens}")
     faults = {"wan_jitter": args.wan_jitter / 100, "patch_loss": args.patch_loss / 100, "patch_delay_ms": args.patch_delay_ms}
     topology = load_topology(args.topology, rtt_path=args.rtt_matrix)
     trace_path = None if args.trace == "mixed" else resolve_trace(args.trace)
     arrivals: RateMode = args.arrivals or ("poisson" if trace_path is None else "rescale")
     if trace_path is None and arrivals != "poisson":
-        raise _UsageError(f"--arrivals {arrivals}: the mixed workload has no timestamps of its own; its arrivals are Poisson at each rate")
+        raise UsageError(f"--arrivals {arrivals}: the mixed workload has no timestamps of its own; its arrivals are Poisson at each rate")
     weights = None if args.region_weights is None else _parse_region_weights(args.region_weights, topology)
 
     def workload(rate: float | None) -> list[Request]:
@@ -297,7 +231,7 @@ def _simulate(args: argparse.Namespace) -> int:
             capacity = no_reuse_capacity(topology, workload(1.0), gpu_sharing=args.gpu_sharing, max_batched_tokens=args.max_batched_tokens)
             rates = rates_for_loads(capacity, loads)
         except InvalidArgumentError as e:
-            raise _UsageError(f"--load: {e}") from None
+            raise UsageError(f"--load: {e}") from None
         print(
             f"no-reuse capacity of {topology.name} for this workload: {capacity.req_per_s:.1f} req/s ({args.gpu_sharing} sharing, bound by "
             f"{capacity.bound}; mean prompt {capacity.mean_input_tokens:.0f} tokens, output {capacity.mean_output_tokens:.0f}); "
@@ -385,55 +319,23 @@ def _write_run(out: Path, args: argparse.Namespace, topology: Topology, extra: d
     return path
 
 
-def _simulate_main(args: argparse.Namespace) -> int:
-    try:
-        return _simulate(args)
-    except (_UsageError, KVCompassError, OSError) as e:
-        msg = " ".join(str(e).split())
-        print(f"kvcompass simulate: error: {msg}", file=sys.stderr)
-        return 2
-
-
 def _reproduce_main(args: argparse.Namespace) -> int:
     from kvcompass.sim.reproduce import reproduce
 
-    try:
-        if args.jobs < 1:
-            raise _UsageError(f"--jobs must be >= 1, got {args.jobs}")
-        if args.requests is not None and args.requests < 100:
-            raise _UsageError(f"--requests must be >= 100, got {args.requests}")
-        if args.seed < 0:
-            raise _UsageError(f"--seed must be >= 0, got {args.seed}")
-        rows = reproduce(args.figure, args.out, quick=args.quick, jobs=args.jobs, seed=args.seed, requests=args.requests)
-    except (_UsageError, KVCompassError, OSError) as e:
-        print(f"kvcompass reproduce: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+    if args.jobs < 1:
+        raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.requests is not None and args.requests < 100:
+        raise UsageError(f"--requests must be >= 100, got {args.requests}")
+    if args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    rows = reproduce(args.figure, args.out, quick=args.quick, jobs=args.jobs, seed=args.seed, requests=args.requests)
     agree = sum(1 for r in rows if r.note.startswith("agrees"))
     print(f"figure {args.figure}: {len(rows)} rows, {agree} agree within 1.5x; wrote {args.out}/report.md, report.json, run.json, figure{args.figure}.png")
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvcompass", description="KVCompass: a KV-cache discovery plane for Internet-scale LLM serving")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="build views from patches across three regions and route prompts (the built-in default)")
-    demo.add_argument("--prompts", type=int, default=24, help="prompts to cache and route (default 24)")
-    demo.add_argument("--prompt-tokens", type=int, default=4096, help="tokens per prompt (default 4096)")
-    demo.add_argument("--seed", type=int, default=7)
-    plan = sub.add_parser("plan", help="print a topology's level plan, registration lengths and tables")
-    plan.add_argument(
-        "--topology",
-        required=True,
-        metavar="NAME_OR_PATH",
-        help=f"a built-in topology ({', '.join(builtin_topologies())}) or a TOML file",
-    )
-    plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    plan.add_argument(
-        "--rtt-matrix",
-        metavar="CSV",
-        default=None,
-        help="RTT matrix to use when the topology has none of its own (default: ../shared/data, else the bundled excerpt)",
-    )
+def add_parsers(sub: Any) -> None:
+    """``kvcompass simulate`` and ``kvcompass reproduce``."""
     rep = sub.add_parser(
         "reproduce",
         help="run one of the paper's figures' grids and write the paper's numbers beside ours (report.md, report.json, the figure)",
@@ -446,6 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rep.add_argument("--requests", type=int, default=None, metavar="N", help="requests a run (default 12000 with --quick, else 100000)")
     rep.add_argument("--seed", type=int, default=1)
     rep.add_argument("--out", required=True, metavar="DIR", help="where report.md, report.json, run.json and the figure go")
+    rep.set_defaults(func=_reproduce_main)
     sim = sub.add_parser("simulate", help="replay a workload through the simulator under each scheme and rate; last stdout line is one JSON object")
     sim.add_argument("--topology", required=True, metavar="NAME_OR_PATH", help=f"a built-in topology ({', '.join(builtin_topologies())}) or a TOML file")
     sim.add_argument(
@@ -525,28 +428,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also rerun kvcompass at the first rate with WAN jitter 25/50/100 %%, patch loss 10/20/30 %% and delay 100/300 ms (paper table 4)",
     )
     sim.add_argument("--false-hits", action="store_true", help="also report structural false-hit rates at 95 %% load (fp 0/8/16) beside each run's end-to-end rate (paper table 5)")
-    from kvcompass.services.commands import add_commands, run_command
-
-    add_commands(sub)
-    args = parser.parse_args(argv)
-    r = run_command(args)
-    if r is not None:
-        return r
-    if args.command == "demo":
-        from kvcompass.demo import DemoConfig, run_demo
-
-        if args.prompts < 1 or args.prompt_tokens < 3072:
-            parser.error("--prompts must be >= 1 and --prompt-tokens >= 3072 (the longest shared preamble)")
-        run_demo(DemoConfig(prompts=args.prompts, prompt_tokens=args.prompt_tokens, seed=args.seed))
-        return 0
-    if args.command == "plan":
-        return _plan(args)
-    if args.command == "simulate":
-        return _simulate_main(args)
-    if args.command == "reproduce":
-        return _reproduce_main(args)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sim.set_defaults(func=_simulate)

@@ -1,16 +1,21 @@
-"""``kvcompass chaos``: the argument parser and entry point (registered by
-:func:`kvcompass.services.commands.add_commands`)."""
+"""``kvcompass chaos``: the fault harness, in-process (:mod:`kvcompass.chaos.harness`) or against a
+real local cluster (:mod:`kvcompass.chaos.processes`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import Any
 
-__all__ = ["add_arguments", "chaos_main"]
+from kvcompass.errors import UsageError
+
+__all__ = ["add_parsers"]
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("chaos", help="the fault harness: seeded faults and restarts, then check that every view converged (in-process, or --processes)")
+    p.set_defaults(func=chaos_main)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ops", type=int, default=None, metavar="N", help="key ops of workload (default 10000 in-process, 2000 with --processes)")
     p.add_argument("--processes", action="store_true", help="against a real local cluster (kill -9 and restart its processes) instead of in-process")
@@ -24,8 +29,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def chaos_main(args: argparse.Namespace) -> int:
-    from kvcompass.services.commands import UsageError
-
     if args.ops is not None and args.ops < 1:
         raise UsageError(f"--ops must be >= 1, got {args.ops}")
     if args.episodes < 1 or args.rounds < 1 or args.max_workers < 1 or not args.rate > 0:

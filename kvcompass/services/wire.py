@@ -1,0 +1,51 @@
+"""Names both ends of a KVCompass connection must agree on: metadata and HTTP headers, paths,
+and the tenant salt. Each side imports them from here, so a rename cannot leave one side
+speaking an old name."""
+
+from __future__ import annotations
+
+from kvcompass.agent.agent import TENANT_SALT_PREFIX
+
+__all__ = [
+    "CACHED_HEADER",
+    "HANDOFF_HEADER",
+    "INGEST_PATH",
+    "LOAD_PATH",
+    "NAMESPACE_HEADER",
+    "PEER_TOKEN_HEADER",
+    "QUEUE_MS_HEADER",
+    "QUEUE_VECTOR_HEADER",
+    "REGION_HEADER",
+    "TENANT_SALT_PREFIX",
+    "TOKEN_HEADER",
+    "WORKER_HEADER",
+]
+
+# gRPC metadata
+WORKER_HEADER = "x-kvcompass-worker"
+"""The worker an agent's ingest stream speaks for (and, on HTTP, the worker that served a
+response)."""
+TOKEN_HEADER = "x-kvcompass-token"
+"""The worker's ingest token, checked by the maintenance unit when it has a token map."""
+PEER_TOKEN_HEADER = "x-kvcompass-edge-token"
+"""The deployment's shared edge secret: edges' queue exchange and doors' hand-offs."""
+INGEST_PATH = "/kvcompass.v1.Maintenance/Ingest"
+"""The ingest RPC, served by a hand-written handler (acks per batch, in order)."""
+
+# HTTP, worker -> door
+QUEUE_MS_HEADER = "x-kvcompass-queue-ms"
+"""The worker's queue (ms of work ahead) when the response started."""
+CACHED_HEADER = "x-kvcompass-cached-tokens"
+"""Prompt tokens the worker reused from its cache."""
+QUEUE_VECTOR_HEADER = "x-kvcompass-queue-vector"
+"""A region's per-worker queue vector piggybacked on a response from a remote door."""
+LOAD_PATH = "/kvcompass/load"
+"""A worker's live queue reading, polled by its own region's edge."""
+
+# HTTP, door -> door
+REGION_HEADER = "x-kvcompass-region"
+"""The region whose door first routed a request (a hand-off's origin)."""
+NAMESPACE_HEADER = "x-kvcompass-namespace"
+"""The tenant namespace a handed-off request belongs to."""
+HANDOFF_HEADER = "x-kvcompass-handoff"
+"""Marks a request one door forwards to another region's door for re-placement."""
