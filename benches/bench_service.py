@@ -227,13 +227,14 @@ def child_door(spec: dict[str, Any]) -> None:
     workers = {w: spec["worker_url"] for w in edge.workers}
 
     async def main() -> None:
+        from kvcompass.services.lifecycle import on_signals
+
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
-        door = await serve_door(edge, workers, None)
-        _ready({"url": door.url})
-        await stop.wait()
-        await door.stop(grace_s=1.0)
+        with on_signals(stop.set, (signal.SIGTERM,)):
+            door = await serve_door(edge, workers, None)
+            _ready({"url": door.url})
+            await stop.wait()
+            await door.stop(grace_s=1.0)
 
     _run(main(), spec.get("profile"))
 
@@ -484,13 +485,11 @@ async def bench_patch(unit: Child, topo: Any, plan: Any, layout: Any, args: argp
 
 async def _unit_digest(addr: str, table: int) -> bytes:
     """The writer's view digest of (table, SHARD), from a Snapshot it serves."""
-    from grpclib.client import Channel
-
     from kvcompass import _core
     from kvcompass._proto.kvcompass.v1 import MaintenanceStub, SnapshotRequest
+    from kvcompass.services.tls import grpc_channel
 
-    host, _, port = addr.rpartition(":")
-    ch = Channel(host.strip("[]"), int(port))
+    ch = grpc_channel(addr)
     try:
         resp = await MaintenanceStub(ch).snapshot(SnapshotRequest(shard=SHARD, tables=[table]), timeout=30)
     finally:

@@ -213,6 +213,27 @@ def test_completions_need_a_key_and_the_key_decides_the_tenant(cluster: Cluster)
     assert b"API keys" in cluster.log.read_bytes()  # printed at start, with how to use them
 
 
+def test_sighup_reloads_the_doors_keys_file(cluster: Cluster) -> None:
+    # A key added to the keys file works once the door got SIGHUP, and not before.
+    from kvcompass.services.api_keys import hash_key, new_key
+
+    path = Path(cluster.state["run_dir"]) / "secrets" / "api-keys.json"
+    doc = json.loads(path.read_text())
+    key = new_key()
+    doc["keys"].append({"name": "added", "sha256": hash_key(key), "tenants": ["public"]})
+    path.write_text(json.dumps(doc))
+    url = cluster.edge("a") + "/v1/completions"
+    body = {"model": MODEL, "prompt": _prompt(23, 64), "max_tokens": 2}
+    auth = {"Authorization": f"Bearer {key}"}
+    assert _post(url, body, headers=auth)[0] == 401
+    os.kill(cluster.state["pids"]["edge-a"], signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while (st := _post(url, body, headers=auth)[0]) == 401 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert st == 200
+    assert _post(url, body, headers=_auth())[0] == 200  # the keys in force before stay
+
+
 def test_bad_requests_get_openai_errors(cluster: Cluster) -> None:
     url = cluster.edge("a") + "/v1/completions"
     for body, raw, status, param in [

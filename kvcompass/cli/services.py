@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcompass.errors import KVCompassError, UsageError
-from kvcompass.services.lifecycle import announce, stop_on_signals
+from kvcompass.services.lifecycle import announce, on_signals, stop_on_signals
 from kvcompass.services.wire import LOAD_PATH
 
 __all__ = ["TOPOLOGY_HELP", "add_parsers", "parse_hostports", "tls_args"]
@@ -287,8 +287,8 @@ def _door_keys(args: argparse.Namespace) -> tuple[Any, str | None]:
     return keys, peer_key
 
 
-def _reload_on_sighup(keys: Any) -> None:
-    """Re-read the keys file on SIGHUP (connections stay up; a malformed file is logged and the
+def _reload_keys(keys: Any) -> Callable[[], None]:
+    """Re-read the keys file (on SIGHUP: connections stay up; a malformed file is logged and the
     keys in force stay)."""
 
     def reload() -> None:
@@ -299,13 +299,7 @@ def _reload_on_sighup(keys: Any) -> None:
         else:
             print(f"kvcompass edge: SIGHUP: {n} API keys in force", file=sys.stderr, flush=True)
 
-    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
-
-
-def _forget_sighup() -> None:
-    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-        asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+    return reload
 
 
 def _door_peers(text: str) -> dict[str, str]:
@@ -402,8 +396,7 @@ async def _edge(args: argparse.Namespace) -> int:
             poller = asyncio.get_running_loop().create_task(_poll_queues(edge, local, args.queue_poll, http_client_ssl))
             stack.push_async_callback(_cancel, poller)
         if keys is not None:
-            _reload_on_sighup(keys)
-            stack.callback(_forget_sighup)
+            stack.enter_context(on_signals(_reload_keys(keys), (signal.SIGHUP,)))
         else:
             print("kvcompass edge: --open: the door serves completions without API keys, and any client may act as any tenant", file=sys.stderr, flush=True)
         announce("edge", region=args.region, http=door.url, grpc=grpc, metrics=server.metrics_url, dashboard=f"{server.metrics_url}/dashboard" if server.metrics_url else None)

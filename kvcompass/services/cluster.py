@@ -53,7 +53,7 @@ import aiohttp
 from kvcompass.errors import UsageError
 from kvcompass.services.lifecycle import env_for_child, on_signals
 
-__all__ = ["Child", "ClusterConfig", "pick_workers", "run_cluster", "up_main"]
+__all__ = ["Child", "ClusterConfig", "pick_workers", "run_cluster"]
 
 _LOG_TAIL = 2000
 

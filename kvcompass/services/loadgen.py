@@ -34,7 +34,7 @@ import numpy as np
 from kvcompass.errors import UsageError
 from kvcompass.services.wire import WORKER_HEADER
 
-__all__ = ["LoadPlan", "load_requests", "loadgen_main", "replay", "summarize"]
+__all__ = ["LoadPlan", "load_requests", "replay", "summarize"]
 
 
 @dataclass(frozen=True, slots=True)
