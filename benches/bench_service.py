@@ -206,7 +206,7 @@ def child_door(spec: dict[str, Any]) -> None:
     from kvcompass.agent import BlockStored, WorkerAgent, encode_batch
     from kvcompass.discovery.plane import LocalPlane
     from kvcompass.discovery.topology import load_topology
-    from kvcompass.index import Namespace
+    from kvcompass.index_types import Namespace
     from kvcompass.services.http_door import serve_door
 
     pin(spec.get("cpu"))
@@ -311,7 +311,7 @@ def shard_keys(rng: np.random.Generator, n: int, shards: int, shard: int) -> np.
 
 def ingest_workload(rng: np.random.Generator, worker: str, fill: int, steady_ops: int, lo: int, hi: int, shards: int) -> tuple[list[Any], list[Any]]:
     """(fill batches, steady batches) of one agent; see the module doc for the mix."""
-    from kvcompass.discovery.ops import KeyOpBatch
+    from kvcompass.discovery.key_ops import KeyOpBatch
 
     pool = shard_keys(rng, fill, shards, SHARD)
     tiers = rng.integers(1, 3, size=fill, dtype=np.uint8)
@@ -400,7 +400,7 @@ async def bench_ingest(unit: Child, layout: Any, args: argparse.Namespace, rng: 
 def patch_samples(rng: np.random.Generator, plan: Any, layout: Any, n: int, prompts: int) -> tuple[Any, list[Any]]:
     """A fresh agent and its shard-0 key-op batches, one per engine event batch."""
     from kvcompass.agent import BlockStored, WorkerAgent, encode_batch
-    from kvcompass.index import Namespace
+    from kvcompass.index_types import Namespace
 
     agent = WorkerAgent(PATCH_WORKER, Namespace(MODEL, TENANT), plan.registration("us"), layout.shards, block_size=BLOCK)
     out = []

@@ -2,7 +2,7 @@
 
 The hot paths (prefix hashing, the keyless Ludo index, sequence-checked patches and the
 lookup-and-score loop) live in the Rust extension ``kvcompass._core``; this package re-exports
-them with a few typed helpers in :mod:`kvcompass.index`.
+them with a few typed helpers in :mod:`kvcompass.index_types`.
 
 The main objects of each layer are importable from here too: :class:`Edge` (an edge's index
 replica and router), :class:`MaintenanceUnit` (a shard's single writer), :class:`LocalPlane`
@@ -31,7 +31,7 @@ from kvcompass._core import (
     prefix_keys_batch,
     shard_of,
 )
-from kvcompass.index import Namespace, Tier, pack_tiers, tier_of, unpack_tiers
+from kvcompass.index_types import Namespace, Tier, pack_tiers, tier_of, unpack_tiers
 
 if TYPE_CHECKING:
     from kvcompass.agent.agent import WorkerAgent

@@ -22,7 +22,7 @@ import numpy.typing as npt
 from kvcompass.agent import BlockStored, WorkerAgent, encode_batch
 from kvcompass.discovery.plane import LocalPlane
 from kvcompass.discovery.topology import load_topology
-from kvcompass.index import Namespace, Tier
+from kvcompass.index_types import Namespace, Tier
 
 __all__ = ["DemoConfig", "TOPOLOGY", "run_demo"]
 

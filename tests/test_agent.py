@@ -38,7 +38,7 @@ from kvcompass.agent import (
 )
 from kvcompass.discovery.layout import IndexLayout, TableSpec
 from kvcompass.discovery.maintenance import MaintenanceUnit
-from kvcompass.discovery.ops import KeyOpBatch
+from kvcompass.discovery.key_ops import KeyOpBatch
 from kvcompass.errors import AgentSequenceError, InvalidArgumentError, InvalidEventError, StaleIncarnationError
 
 NS = kc.Namespace("llama-3.1-8b", "public")

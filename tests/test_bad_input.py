@@ -49,7 +49,7 @@ from kvcompass.agent import BlockStored, WorkerAgent, encode_batch
 from kvcompass.discovery.edge import Edge
 from kvcompass.discovery.layout import IndexLayout, TableSpec, WorkerSpec
 from kvcompass.discovery.maintenance import MaintenanceUnit
-from kvcompass.discovery.ops import KeyOpBatch
+from kvcompass.discovery.key_ops import KeyOpBatch
 from kvcompass.discovery.plane import LocalPlane
 from kvcompass.discovery.plan import LevelPlan
 from kvcompass.discovery.topology import load_topology

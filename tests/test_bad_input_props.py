@@ -23,7 +23,7 @@ import kvcompass as kc
 from kvcompass._proto.kvcompass.v1 import KeyOps, OutcomeRequest, QueueVector, RouteRequest, SnapshotRequest, SubscribeRequest
 from kvcompass.agent import BlockStored, WorkerAgent, encode_batch
 from kvcompass.discovery.maintenance import MaintenanceUnit
-from kvcompass.discovery.ops import KeyOpBatch
+from kvcompass.discovery.key_ops import KeyOpBatch
 from kvcompass.discovery.plan import LevelPlan
 from kvcompass.discovery.plane import LocalPlane
 from kvcompass.discovery.topology import load_topology

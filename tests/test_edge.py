@@ -26,7 +26,7 @@ from functools import partial
 
 from kvcompass.discovery.params import EdgeParams as _EdgeParams, layout_for
 from kvcompass.errors import InvalidArgumentError, TopologyError
-from kvcompass.index import Tier
+from kvcompass.index_types import Tier
 
 # These scenarios compute expected scores with the paper's one-way WAN term (table 1);
 # tests/test_plane.py covers the default full-RTT term end to end.

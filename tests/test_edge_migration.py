@@ -19,7 +19,7 @@ from kvcompass.discovery.migration import MigrationTrigger, evaluate_trigger
 from functools import partial
 
 from kvcompass.discovery.params import EdgeParams as _EdgeParams
-from kvcompass.index import Tier
+from kvcompass.index_types import Tier
 
 # These scenarios compute expected scores with the paper's one-way WAN term (table 1);
 # tests/test_plane.py covers the default full-RTT term end to end.

@@ -197,7 +197,7 @@ def test_routing_reads_views_replaced_by_bootstrap() -> None:
 
 def test_resync_actions_are_what_the_maintenance_unit_resumes_from() -> None:
     from kvcompass.discovery.maintenance import MaintenanceUnit
-    from kvcompass.discovery.ops import KeyOpBatch
+    from kvcompass.discovery.key_ops import KeyOpBatch
 
     layout = IndexLayout((TableSpec(0, "A", ("a0", "a1")), TableSpec(1, "B", ("b0",))), shards=1, fp_bits=8)
     unit = MaintenanceUnit(0, layout, epoch=1)

@@ -1,4 +1,4 @@
-"""The pure-Python helpers in kvcompass.index and the package's public surface."""
+"""The pure-Python helpers in kvcompass.index_types and the package's public surface."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import kvcompass as kc
 from kvcompass import _core
-from kvcompass.index import Namespace, Tier, as_tokens, pack_tiers, tier_of, unpack_tiers
+from kvcompass.index_types import Namespace, Tier, as_tokens, pack_tiers, tier_of, unpack_tiers
 
 
 def test_public_surface_reexports_the_core() -> None:

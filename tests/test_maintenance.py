@@ -15,7 +15,7 @@ import kvcompass as kc
 from kvcompass import errors as E
 from kvcompass.discovery.layout import IndexLayout, TableSpec
 from kvcompass.discovery.maintenance import MaintenanceUnit, PatchBatch
-from kvcompass.discovery.ops import KeyOpBatch
+from kvcompass.discovery.key_ops import KeyOpBatch
 
 SHARDS = 3
 SHARD = 2

@@ -10,7 +10,7 @@ import pytest
 from kvcompass.agent import BlockRemoved, BlockStored, WorkerAgent, encode_batch
 from kvcompass.discovery.plane import LocalPlane
 from kvcompass.discovery.topology import load_topology
-from kvcompass.index import Namespace, Tier
+from kvcompass.index_types import Namespace, Tier
 
 NS = Namespace("llama-3.1-8b", "e2e")
 BLOCK = 16

@@ -41,12 +41,12 @@ from kvcompass.agent import BlockStored, WorkerAgent, encode_batch
 from kvcompass.discovery.edge import Edge
 from kvcompass.discovery.layout import IndexLayout
 from kvcompass.discovery.maintenance import MaintenanceUnit
-from kvcompass.discovery.ops import KeyOpBatch
+from kvcompass.discovery.key_ops import KeyOpBatch
 from kvcompass.discovery.plan import LevelPlan
 from kvcompass.discovery.plane import LocalPlane
 from kvcompass.discovery.topology import Topology, load_topology
 from kvcompass.errors import InvalidArgumentError
-from kvcompass.index import Namespace
+from kvcompass.index_types import Namespace
 from kvcompass.services.agent_runner import AgentRunner
 from kvcompass.services.edge_service import EdgeServer, EdgeService, QueueBroadcaster
 from kvcompass.services.edge_sync import EdgeSync
@@ -62,7 +62,7 @@ from kvcompass.services.maintenance_service import (
     load_unit,
 )
 from kvcompass.services.tls import CertFiles, ThrowawayCA, TLSConfig
-from kvcompass.sim.cache import PrefixCache
+from kvcompass.engine.cache import PrefixCache
 
 MODEL = "llama-3.1-8b"
 NS = Namespace(MODEL, "tenant-a")

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 import kvcompass as kc
 from kvcompass.sim.workload import _mix64
 from kvcompass.agent import AllBlocksCleared, BlockRemoved, BlockStored, Event, WorkerAgent, encode_batch
-from kvcompass.index import Tier
-from kvcompass.sim.cache import CachedBlock, PrefixCache
+from kvcompass.index_types import Tier
+from kvcompass.engine.cache import CachedBlock, PrefixCache
 
 NS = kc.Namespace("llama-3.1-8b", "public")
 

@@ -11,9 +11,9 @@ import pytest
 from kvcompass.discovery.topology import Topology, load_topology, topology_from_dict
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.sim.capacity import no_reuse_capacity, rates_for_loads
-from kvcompass.sim.costs import CostModel
+from kvcompass.engine.costs import CostModel
 from kvcompass.sim.engine import simulate
-from kvcompass.sim.metrics import Summary
+from kvcompass.sim.summary import Summary
 from kvcompass.sim.workload import ChainBlocks, Request
 
 

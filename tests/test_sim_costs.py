@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvcompass.discovery.params import EdgeParams
-from kvcompass.sim import costs
-from kvcompass.sim.costs import CostModel, LinearFit, fit_line, fit_vidur_profile, kv_capacity_tokens, load_vidur_profile, preset
+from kvcompass.engine import costs
+from kvcompass.engine.costs import CostModel, LinearFit, fit_line, fit_vidur_profile, kv_capacity_tokens, load_vidur_profile, preset
 
 
 def test_constants_follow_their_sources() -> None:

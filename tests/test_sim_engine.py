@@ -12,9 +12,9 @@ import pytest
 
 from kvcompass.discovery.topology import Topology, load_topology, topology_from_dict
 from kvcompass.errors import InvalidArgumentError
-from kvcompass.sim.costs import CostModel
+from kvcompass.engine.costs import CostModel
 from kvcompass.sim.engine import simulate
-from kvcompass.sim.metrics import Summary, busy_matrix
+from kvcompass.sim.summary import Summary, busy_matrix
 from kvcompass.sim.schemes import SCHEMES
 from kvcompass.sim.workload import ChainBlocks, MixedConfig, Request, synthetic_mixed
 
@@ -145,7 +145,7 @@ def test_refusals(testbed: Topology) -> None:
 
 
 def test_summary_hit_rates_are_token_weighted_and_the_peak_is_per_worker_compute() -> None:
-    from kvcompass.sim.metrics import RequestRecord, summarize
+    from kvcompass.sim.summary import RequestRecord, summarize
 
     def rec(i: int, region: str, worker_region: str, tokens: int, vram: int) -> RequestRecord:
         return RequestRecord(i, region, f"{worker_region}-0", worker_region, float(i), 10.0, 20.0, 0.0, tokens, 1, vram, 0, 0)
@@ -436,7 +436,7 @@ def test_record_table_is_a_sequence_of_records_that_pickles(testbed: Topology, m
     intact through pickling (``--jobs`` ships summaries between processes)."""
     import pickle
 
-    from kvcompass.sim.metrics import RecordTable
+    from kvcompass.sim.summary import RecordTable
 
     s = simulate(testbed, mixed[:60], "kvcompass", seed=2)
     t = s.records

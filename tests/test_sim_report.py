@@ -10,7 +10,7 @@ import pytest
 
 from kvcompass.discovery.topology import Topology, load_topology
 from kvcompass.sim.engine import simulate
-from kvcompass.sim.metrics import Summary
+from kvcompass.sim.summary import Summary
 from kvcompass.sim.report import ABLATION_FIGURE, FIGURES, records_to_frame, summaries_to_frame, summary_row, write_figures, write_tables
 from kvcompass.sim.workload import synthetic_mixed
 

@@ -12,7 +12,7 @@ import pytest
 from kvcompass.discovery.params import EdgeParams
 from kvcompass.discovery.topology import Topology, load_topology, topology_from_dict
 from kvcompass.errors import InvalidArgumentError
-from kvcompass.sim.costs import CostModel
+from kvcompass.engine.costs import CostModel
 from kvcompass.sim.engine import SimConfig, Simulator, simulate
 from kvcompass.sim.schemes import SCHEMES, CentralDirectory, ChordDHT, ConsistentHash, Dynamo, Fleet, Scheme, scheme_params
 from kvcompass.sim.workload import ChainBlocks, MixedConfig, Request, synthetic_mixed

@@ -17,15 +17,16 @@ import pytest
 pytest.importorskip("mypy")
 
 ROOT = Path(__file__).resolve().parents[1]
-STRICT_FILES = ["kvcompass/index.py", "kvcompass/errors.py", "kvcompass/__init__.py", "kvcompass/discovery/maintenance.py", "kvcompass/discovery/topology.py", "kvcompass/discovery/plan.py", "kvcompass/cli", "kvcompass/demo.py"]
-STRICT_FILES += [f"kvcompass/discovery/{m}.py" for m in ("edge", "belief", "queues", "hotness", "migration", "params", "plane", "layout", "ops")]
+STRICT_FILES = ["kvcompass/index_types.py", "kvcompass/errors.py", "kvcompass/__init__.py", "kvcompass/discovery/maintenance.py", "kvcompass/discovery/topology.py", "kvcompass/discovery/plan.py", "kvcompass/cli", "kvcompass/demo.py"]
+STRICT_FILES += [f"kvcompass/discovery/{m}.py" for m in ("edge", "belief", "queues", "hotness", "migration", "params", "plane", "layout", "key_ops")]
 STRICT_FILES += [f"kvcompass/agent/{m}.py" for m in ("__init__", "events", "agent")]
-STRICT_FILES += [f"kvcompass/sim/{m}.py" for m in ("__init__", "cache", "costs")]
+STRICT_FILES += [f"kvcompass/sim/{m}.py" for m in ("__init__",)]
+STRICT_FILES += [f"kvcompass/engine/{m}.py" for m in ("__init__", "cache", "costs")]
 STRICT_FILES += ["kvcompass/sim/workload.py"]
-STRICT_FILES += [f"kvcompass/sim/{m}.py" for m in ("engine", "schemes", "metrics")]
+STRICT_FILES += [f"kvcompass/sim/{m}.py" for m in ("engine", "schemes", "summary")]
 STRICT_FILES += ["kvcompass/sim/report.py", "kvcompass/sim/sensitivity.py"]
 STRICT_FILES += [f"kvcompass/services/{m}.py" for m in ("__init__", "status", "metrics", "codec", "maintenance_service", "ingest_client", "edge_sync", "edge_service")]
-STRICT_FILES += [f"kvcompass/services/{m}.py" for m in ("tokenizer", "emulated_worker", "agent_runner", "http_door", "lifecycle", "wire", "cluster", "loadgen")]
+STRICT_FILES += [f"kvcompass/services/{m}.py" for m in ("tokenizer", "emulated_worker", "agent_runner", "http_door", "lifecycle", "wire", "cluster", "loadgen", "openai_api")]
 STRICT_FILES += ["kvcompass/_proto/regen.py"]
 STRICT_FILES += [f"kvcompass/chaos/{m}.py" for m in ("__init__", "harness", "processes")]
 

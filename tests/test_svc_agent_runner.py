@@ -17,11 +17,11 @@ import zmq
 import zmq.asyncio
 
 from kvcompass.agent import BlockStored, WorkerAgent, encode_batch
-from kvcompass.discovery.ops import KeyOpBatch
+from kvcompass.discovery.key_ops import KeyOpBatch
 from kvcompass.discovery.topology import load_topology
 from kvcompass.discovery.plan import LevelPlan
 from kvcompass.errors import AgentSequenceError, InvalidArgumentError, StaleIncarnationError, UnknownWorkerError
-from kvcompass.index import Namespace
+from kvcompass.index_types import Namespace
 from kvcompass.services.agent_runner import AgentRunner, agent_for_worker
 from kvcompass.services.emulated_worker import EmulatedWorker, WorkerConfig
 
@@ -445,10 +445,10 @@ def test_a_quiet_runner_sends_heartbeats_and_a_stale_unit_gets_a_full_report() -
     from kvcompass.discovery.plane import LocalPlane
     from kvcompass.discovery.topology import load_topology
     from kvcompass.errors import AgentSequenceError
-    from kvcompass.index import Namespace
+    from kvcompass.index_types import Namespace
     from kvcompass.services.agent_runner import AgentRunner
     from kvcompass.agent import WorkerAgent, encode_batch
-    from kvcompass.sim.cache import PrefixCache
+    from kvcompass.engine.cache import PrefixCache
 
     plane = LocalPlane(load_topology("testbed-14x3"))
     agent = WorkerAgent("us-0", Namespace("m"), plane.plan.registration("us"), plane.layout.shards, block_size=16)

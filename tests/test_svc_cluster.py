@@ -27,7 +27,7 @@ import pytest
 from grpclib.client import Channel
 
 from kvcompass._proto.kvcompass.v1 import EdgeStub, RouteRequest
-from kvcompass.index import Namespace
+from kvcompass.index_types import Namespace
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "llama-3.1-8b"

@@ -25,9 +25,9 @@ from _support import frame
 from kvcompass.agent import WorkerAgent, encode_batch
 from kvcompass.discovery.plane import LocalPlane
 from kvcompass.discovery.topology import load_topology
-from kvcompass.index import Namespace
+from kvcompass.index_types import Namespace
 from kvcompass.services.http_door import DoorConfig, DoorServer, serve_door
-from kvcompass.sim.cache import PrefixCache
+from kvcompass.engine.cache import PrefixCache
 
 MODEL = "llama-3.1-8b"
 NS = Namespace(MODEL, "public")  # the door's default namespace for MODEL

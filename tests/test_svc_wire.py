@@ -43,10 +43,10 @@ from kvcompass.agent import BlockStored, WorkerAgent, encode_batch
 from kvcompass.discovery.edge import Edge
 from kvcompass.discovery.layout import IndexLayout
 from kvcompass.discovery.maintenance import MaintenanceUnit
-from kvcompass.discovery.ops import KeyOpBatch
+from kvcompass.discovery.key_ops import KeyOpBatch
 from kvcompass.discovery.plan import LevelPlan
 from kvcompass.discovery.topology import Topology, load_topology
-from kvcompass.index import Namespace, Tier
+from kvcompass.index_types import Namespace, Tier
 from kvcompass.services.edge_service import EdgeServer, EdgeService, QueueBroadcaster
 from kvcompass.services.edge_sync import EdgeSync
 from kvcompass.services.ingest_client import IngestClient, IngestRejected

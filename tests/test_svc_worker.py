@@ -20,7 +20,7 @@ from kvcompass.agent import BlockStored, decode_message, decode_payload
 from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.services.emulated_worker import EmulatedWorker, WorkerConfig, serve_worker
 from kvcompass.services.wire import CACHED_HEADER, QUEUE_MS_HEADER as QUEUE_HEADER, WORKER_HEADER
-from kvcompass.sim.costs import CostModel
+from kvcompass.engine.costs import CostModel
 
 T = TypeVar("T")
 END = (-1).to_bytes(8, "big", signed=True)
@@ -190,15 +190,15 @@ BAD: list[tuple[str, object, bytes | None, int, str | None, str | None]] = [
     ("/v1/completions", None, b"{not json", 400, None, "invalid_json"),
     ("/v1/completions", None, b"[" * 50_000, 400, None, "invalid_json"),
     ("/v1/completions", [1, 2], None, 400, None, "invalid_type"),
-    ("/v1/completions", {}, None, 400, "prompt", None),
-    ("/v1/completions", {"prompt": []}, None, 400, "prompt", None),
-    ("/v1/completions", {"prompt": ""}, None, 400, "prompt", None),
-    ("/v1/completions", {"prompt": [1, -1]}, None, 400, "prompt", None),
-    ("/v1/completions", {"prompt": [1, 2**32]}, None, 400, "prompt", None),
-    ("/v1/completions", {"prompt": [1.5]}, None, 400, "prompt", None),
-    ("/v1/completions", {"prompt": [True]}, None, 400, "prompt", None),
-    ("/v1/completions", {"prompt": [[1, 2], [3]]}, None, 400, "prompt", None),
-    ("/v1/completions", {"prompt": {"a": 1}}, None, 400, "prompt", None),
+    ("/v1/completions", {}, None, 400, "prompt", "missing_prompt"),
+    ("/v1/completions", {"prompt": []}, None, 400, "prompt", "empty_prompt"),
+    ("/v1/completions", {"prompt": ""}, None, 400, "prompt", "empty_prompt"),
+    ("/v1/completions", {"prompt": [1, -1]}, None, 400, "prompt", "invalid_token_id"),
+    ("/v1/completions", {"prompt": [1, 2**32]}, None, 400, "prompt", "invalid_token_id"),
+    ("/v1/completions", {"prompt": [1.5]}, None, 400, "prompt", "invalid_token_id"),
+    ("/v1/completions", {"prompt": [True]}, None, 400, "prompt", "invalid_token_id"),
+    ("/v1/completions", {"prompt": [[1, 2], [3]]}, None, 400, "prompt", "unsupported"),
+    ("/v1/completions", {"prompt": {"a": 1}}, None, 400, "prompt", "invalid_type"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, None, 400, "max_tokens", None),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, None, 400, "max_tokens", None),
     ("/v1/completions", {"prompt": "hi", "n": 2}, None, 400, "n", None),
@@ -210,9 +210,9 @@ BAD: list[tuple[str, object, bytes | None, int, str | None, str | None]] = [
     ("/v1/completions", {"prompt": "hi", "cache_salt": 7}, None, 400, "cache_salt", None),
     ("/v1/completions", {"prompt": list(range(4000)), "max_tokens": 200}, None, 400, "prompt", "context_length_exceeded"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, None, 404, "model", "model_not_found"),
-    ("/v1/chat/completions", {}, None, 400, "messages", None),
-    ("/v1/chat/completions", {"messages": "hello"}, None, 400, "messages", None),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None, 400, "messages", None),
+    ("/v1/chat/completions", {}, None, 400, "messages", "missing_messages"),
+    ("/v1/chat/completions", {"messages": "hello"}, None, 400, "messages", "invalid_type"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None, 400, "messages", "invalid_messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -2}, None, 400, "max_completion_tokens", None),
 ]
 

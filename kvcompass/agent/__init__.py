@@ -3,7 +3,7 @@
 :mod:`kvcompass.agent.events` decodes (and encodes) the engines' ZMQ/msgpack wire format;
 :mod:`kvcompass.agent.agent` holds :class:`WorkerAgent`, the sans-I/O state machine that keys
 prefixes from token ids, tracks tiers and engine incarnations, and emits
-:class:`~kvcompass.discovery.ops.KeyOpBatch` batches. Drivers start each agent process at
+:class:`~kvcompass.discovery.key_ops.KeyOpBatch` batches. Drivers start each agent process at
 ``incarnation=boot_incarnation(time.time_ns())`` (see :func:`boot_incarnation`) and answer a
 unit's :class:`~kvcompass.errors.AgentSequenceError` with :meth:`WorkerAgent.on_rejected`.
 """

@@ -143,9 +143,9 @@ from kvcompass.agent.events import (
     decode_replay,
     encode_replay_request,
 )
-from kvcompass.discovery.ops import KeyOpBatch
+from kvcompass.discovery.key_ops import KeyOpBatch
 from kvcompass.errors import InvalidArgumentError, InvalidEventError
-from kvcompass.index import Namespace, Tier
+from kvcompass.index_types import Namespace, Tier
 
 __all__ = ["TENANT_SALT_PREFIX", "AgentOutput", "AgentStats", "ReplayRequest", "WorkerAgent", "boot_incarnation", "medium_tier"]
 

@@ -4,7 +4,7 @@ on both of its streams and crashes of every kind of component.
 What runs: one :class:`~kvcompass.discovery.maintenance.MaintenanceUnit` per shard and one
 :class:`~kvcompass.discovery.edge.Edge` per edge region (built as
 :class:`~kvcompass.discovery.plane.LocalPlane` builds them), and per worker a
-:class:`~kvcompass.sim.cache.PrefixCache` (the engine: it publishes vLLM KV-event frames into a
+:class:`~kvcompass.engine.cache.PrefixCache` (the engine: it publishes vLLM KV-event frames into a
 replay ring) and a :class:`~kvcompass.agent.WorkerAgent`. A seeded request stream is routed by
 the edges and admitted by the chosen worker's cache, so every key op is a real one.
 
@@ -88,12 +88,12 @@ from kvcompass.agent import WorkerAgent, encode_batch, encode_replay, encode_rep
 from kvcompass.agent.events import Event
 from kvcompass.discovery.edge import Edge, ResyncAction
 from kvcompass.discovery.maintenance import MaintenanceUnit
-from kvcompass.discovery.ops import KeyOpBatch
+from kvcompass.discovery.key_ops import KeyOpBatch
 from kvcompass.discovery.plane import LocalPlane
 from kvcompass.discovery.topology import Topology, load_topology
 from kvcompass.errors import AgentSequenceError, InvalidArgumentError, KVCompassError, StaleIncarnationError
-from kvcompass.index import Namespace
-from kvcompass.sim.cache import PrefixCache
+from kvcompass.index_types import Namespace
+from kvcompass.engine.cache import PrefixCache
 
 __all__ = ["ChaosConfig", "ChaosHarness", "ChaosResult", "PartitionRecord", "run_chaos"]
 

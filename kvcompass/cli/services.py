@@ -477,8 +477,8 @@ async def _wait_peers(path: str, edge: Any, region: str, stop: asyncio.Event, ss
 async def _agent(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry, Counter, Gauge
 
-    from kvcompass.discovery.ops import KeyOpBatch
-    from kvcompass.index import Namespace
+    from kvcompass.discovery.key_ops import KeyOpBatch
+    from kvcompass.index_types import Namespace
     from kvcompass.services.agent_runner import AgentRunner, agent_for_worker
     from kvcompass.services.ingest_client import IngestClient
     from kvcompass.services.metrics import MetricsServer

@@ -14,7 +14,7 @@ from kvcompass.errors import InvalidArgumentError, UsageError
 
 if TYPE_CHECKING:
     from kvcompass.sim.capacity import Capacity
-    from kvcompass.sim.metrics import Summary
+    from kvcompass.sim.summary import Summary
     from kvcompass.sim.workload import Request
 
 __all__ = ["DEFAULT_MIXED_REQUESTS", "add_parsers"]

@@ -61,7 +61,7 @@ from kvcompass.errors import (
     UnknownWorkerError,
     WrongTableError,
 )
-from kvcompass.index import Namespace, Tier, as_tokens
+from kvcompass.index_types import Namespace, Tier, as_tokens
 
 __all__ = [
     "Decision",

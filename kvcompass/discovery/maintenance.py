@@ -1,6 +1,6 @@
 """The maintenance unit of one shard: the single writer of every (table, shard) Ludo table.
 
-Agents send :class:`~kvcompass.discovery.ops.KeyOpBatch` es; the unit authenticates and
+Agents send :class:`~kvcompass.discovery.key_ops.KeyOpBatch` es; the unit authenticates and
 validates each whole batch, applies it, and :meth:`MaintenanceUnit.flush` closes the resulting
 edits into one sequenced patch batch per table. Views (edges) apply those in order; one that
 fell behind asks :meth:`MaintenanceUnit.resume` and gets the batches it misses from a bounded
@@ -44,7 +44,7 @@ import numpy.typing as npt
 
 from kvcompass._core import LudoTable
 from kvcompass.discovery.layout import IndexLayout
-from kvcompass.discovery.ops import KeyOpBatch
+from kvcompass.discovery.key_ops import KeyOpBatch
 from kvcompass.errors import (
     AgentSequenceError,
     CapacityError,

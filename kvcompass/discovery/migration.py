@@ -30,7 +30,7 @@ from typing import Literal, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvcompass.index import Tier
+from kvcompass.index_types import Tier
 
 __all__ = ["MigrationAction", "MigrationPlanner", "MigrationTrigger", "evaluate_trigger"]
 

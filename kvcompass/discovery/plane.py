@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from kvcompass.discovery.edge import Edge, PatchOutcome
 from kvcompass.discovery.maintenance import ApplyReport, MaintenanceUnit, PatchBatch
-from kvcompass.discovery.ops import KeyOpBatch
+from kvcompass.discovery.key_ops import KeyOpBatch
 from kvcompass.discovery.params import EdgeParams, layout_for
 from kvcompass.discovery.plan import LevelPlan
 from kvcompass.discovery.layout import IndexLayout

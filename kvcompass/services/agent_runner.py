@@ -49,11 +49,11 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvcompass.agent import AgentOutput, ReplayRequest, WorkerAgent, boot_incarnation
-from kvcompass.discovery.ops import KeyOpBatch
+from kvcompass.discovery.key_ops import KeyOpBatch
 from kvcompass.discovery.plan import LevelPlan
 from kvcompass.discovery.topology import Topology
 from kvcompass.errors import AgentSequenceError, InvalidArgumentError, InvalidEventError, StaleIncarnationError, UnknownWorkerError
-from kvcompass.index import Namespace
+from kvcompass.index_types import Namespace
 
 __all__ = ["AgentRunner", "RunnerStats", "Sink", "agent_for_worker"]
 

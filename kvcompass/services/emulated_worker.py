@@ -7,8 +7,8 @@ cached_tokens``) and the KV events, published on ZMQ exactly as vLLM publishes t
 replay socket. So ``kvcompass agent`` and the edge cannot tell it from a vLLM instance started
 with ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", ...}'`` and
 ``--enable-prompt-tokens-details``. What is modelled: the prefix cache (the simulator's
-:class:`~kvcompass.sim.cache.PrefixCache`, block-granular, VRAM and DRAM, LRU or LFU) and time
-(the simulator's :class:`~kvcompass.sim.costs.CostModel`), so the emulated fleet behaves as the
+:class:`~kvcompass.engine.cache.PrefixCache`, block-granular, VRAM and DRAM, LRU or LFU) and time
+(the simulator's :class:`~kvcompass.engine.costs.CostModel`), so the emulated fleet behaves as the
 simulated one does and the two can be compared.
 
 **A request's life** (the simulator's worker model, on the wall clock):
@@ -73,7 +73,7 @@ import ssl
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from hashlib import blake2b
 from typing import Any
@@ -88,10 +88,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from kvcompass.agent.events import REPLAY_END_SEQ, Event, encode_batch
 from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.errors import InvalidArgumentError
-from kvcompass.services.openai_body import BodyError, decode_json_object
+from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, OpenAIError, chat_tokens, decode_json_object, error_middleware, prompt_tokens
 from kvcompass.services.tokenizer import Tokenizer, load_tokenizer
-from kvcompass.sim.cache import Policy, PrefixCache
-from kvcompass.sim.costs import CostModel
+from kvcompass.engine.cache import Policy, PrefixCache
+from kvcompass.engine.costs import CostModel
 from kvcompass.services.lifecycle import on_signals
 from kvcompass.services.wire import CACHED_HEADER, LOAD_PATH, QUEUE_MS_HEADER, WORKER_HEADER
 
@@ -113,7 +113,6 @@ DEFAULT_VRAM_TOKENS = 98304
 DEFAULT_DRAM_TOKENS = 1048576
 _END_SEQ = REPLAY_END_SEQ.to_bytes(8, "big", signed=True)
 _MAX_BODY = 64 * 1024 * 1024  # a 128k-token prompt as a JSON list of u32 is ~1.5 MB; room to spare
-_U32_MAX = 0xFFFFFFFF
 # Common words; the ones the tokenizer encodes as one token are the fake output vocabulary.
 _WORDS = (
     " the", " of", " and", " to", " a", " in", " is", " that", " for", " it", " as", " with", " on", " be", " by", " this",
@@ -148,6 +147,8 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     tokenizer_path: str | None = None
     """An HF ``tokenizer.json``; None: the built-in default."""
+    inline_tokenize_chars: int = INLINE_TOKENIZE_CHARS
+    """Texts longer than this are tokenized off the event loop (as the door does)."""
     gpu_sharing: str = "chunked"
     """``"chunked"``: prefill and decode share the GPU in vLLM's steps (a prompt runs in chunks of
     up to ``max_batched_tokens`` minus the running sequences, each chunk beside one decode step,
@@ -215,14 +216,6 @@ class WorkerStats:
     engine_restarts: int = 0
 
 
-class _BadRequest(Exception):
-    """A request the API refuses: becomes OpenAI's error body."""
-
-    def __init__(self, message: str, param: str | None = None, *, status: int = 400, type_: str = "invalid_request_error", code: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.param, self.status, self.type, self.code = message, param, status, type_, code
-
-
 @dataclass(slots=True)
 class _Job:
     tokens: npt.NDArray[np.uint32]
@@ -240,10 +233,6 @@ class _Request:
     include_usage: bool
     request_id: str
     cache_salt: str | None = None
-
-
-def _error_body(message: str, type_: str, param: str | None, code: str | None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def _json(obj: object, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
@@ -320,7 +309,7 @@ class EmulatedWorker:
             self._router.setsockopt(zmq.SNDHWM, self.config.replay_buffer + 16)  # a whole ring fits in one reply
             self._router.setsockopt(zmq.LINGER, 0)
             self.replay_endpoint = _bind(self._router, replay, host)
-            app = web.Application(client_max_size=_MAX_BODY, middlewares=[self._middleware])
+            app = web.Application(client_max_size=_MAX_BODY, middlewares=[error_middleware(_MAX_BODY, self._observe)])
             app.router.add_post("/v1/completions", self._completions)
             app.router.add_post("/v1/chat/completions", self._chat)
             app.router.add_get("/v1/models", self._models)
@@ -591,21 +580,11 @@ class EmulatedWorker:
 
     # ---- HTTP -------------------------------------------------------------------------------
 
-    @web.middleware
-    async def _middleware(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        """OpenAI's error body for every error, including aiohttp's own (404, 405, 413)."""
-        try:
-            return await handler(request)
-        except _BadRequest as e:
+    def _observe(self, request: web.Request, resp: web.StreamResponse, err: OpenAIError | None) -> None:
+        """Refusals counted (the OpenAI error middleware's hook)."""
+        if err is not None:
             self.stats.rejected += 1
-            self._metrics.reject(e.status)
-            return _json(_error_body(e.message, e.type, e.param, e.code), e.status)
-        except web.HTTPException as e:
-            if e.status < 400:
-                raise
-            typ = "invalid_request_error" if e.status < 500 else "server_error"
-            msg = e.reason if e.status != 413 else f"request body too large (at most {_MAX_BODY} bytes)"
-            return _json(_error_body(f"{msg}: {request.method} {request.path}", typ, None, None), e.status)
+            self._metrics.reject(err.status)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=503 if self._draining else 200)
@@ -630,7 +609,7 @@ class EmulatedWorker:
 
     async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         if self._draining:
-            raise _BadRequest("the worker is shutting down; retry on another worker", status=503, type_="service_unavailable_error", code="draining")
+            raise OpenAIError(503, "the worker is shutting down; retry on another worker", None, "draining", "service_unavailable_error")
         self._inflight += 1
         self._idle.clear()
         try:
@@ -719,36 +698,33 @@ class EmulatedWorker:
 
     async def _parse(self, request: web.Request, chat: bool) -> _Request:
         raw = await request.read()
-        try:
-            body = decode_json_object(raw, request.headers.get("Content-Type"))
-        except BodyError as e:
-            raise _BadRequest(e.message, status=e.status, code=e.code) from None
+        body = decode_json_object(raw, request.headers.get("Content-Type"))
         model = body.get("model")
         if model is not None and model != self.config.model:
-            raise _BadRequest(f"The model `{model}` does not exist.", "model", status=404, code="model_not_found")
+            raise OpenAIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
         for name in ("n", "best_of"):
             n = body.get(name)
             if n is not None and (type(n) is not int or n != 1):
-                raise _BadRequest(f"{name} must be 1: the emulated worker returns one choice, got {n!r}", name)
+                raise OpenAIError(400, f"{name} must be 1: the emulated worker returns one choice, got {n!r}", name)
         if body.get("echo"):
-            raise _BadRequest("echo is not supported by the emulated worker", "echo")
+            raise OpenAIError(400, "echo is not supported by the emulated worker", "echo")
         if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-            raise _BadRequest("logprobs are not supported by the emulated worker", "logprobs")
+            raise OpenAIError(400, "logprobs are not supported by the emulated worker", "logprobs")
         stream = body.get("stream", False)
         if stream is None:
             stream = False
         if not isinstance(stream, bool):
-            raise _BadRequest(f"stream must be a boolean, got {type(stream).__name__}", "stream")
+            raise OpenAIError(400, f"stream must be a boolean, got {type(stream).__name__}", "stream")
         opts = body.get("stream_options")
         include_usage = False
         if opts is not None:
             if not stream:
-                raise _BadRequest("stream_options is only allowed when stream is true", "stream_options")
+                raise OpenAIError(400, "stream_options is only allowed when stream is true", "stream_options")
             if not isinstance(opts, dict):
-                raise _BadRequest("stream_options must be an object", "stream_options")
+                raise OpenAIError(400, "stream_options must be an object", "stream_options")
             inc = opts.get("include_usage", False)
             if not isinstance(inc, bool):
-                raise _BadRequest("stream_options.include_usage must be a boolean", "stream_options.include_usage")
+                raise OpenAIError(400, "stream_options.include_usage must be a boolean", "stream_options.include_usage")
             include_usage = inc
         max_param = "max_tokens"
         max_tokens = body.get("max_tokens")
@@ -757,66 +733,23 @@ class EmulatedWorker:
         if max_tokens is None:
             max_tokens = self.config.default_max_tokens
         if type(max_tokens) is not int or max_tokens < 0:
-            raise _BadRequest(f"{max_param} must be an integer >= 0, got {max_tokens!r}", max_param)
+            raise OpenAIError(400, f"{max_param} must be an integer >= 0, got {max_tokens!r}", max_param)
+        inline = self.config.inline_tokenize_chars
         if chat:
             param = "messages"
-            if "messages" not in body:
-                raise _BadRequest("messages is required", param)
-            tokens = await self._tokenize(lambda: self.tokenizer.apply_chat_template(body["messages"]), param, _size(body["messages"]))
+            tokens = await chat_tokens(body, self.tokenizer.apply_chat_template, inline)
         else:
             param = "prompt"
-            if "prompt" not in body:
-                raise _BadRequest("prompt is required", param)
-            tokens = await self._prompt(body["prompt"])
-        if not len(tokens):
-            raise _BadRequest(f"the {param} is empty: at least one token is needed", param)
+            tokens = await prompt_tokens(body, self.tokenizer.encode, inline)
         limit = self.config.max_model_len
         if len(tokens) + max_tokens > limit:
-            raise _BadRequest(
-                f"This model's maximum context length is {limit} tokens. However, you requested {len(tokens) + max_tokens} tokens "
-                f"({len(tokens)} in the {param}, {max_tokens} in the completion). Please reduce the length of the {param} or completion.",
-                param,
-                code="context_length_exceeded",
-            )
+            raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. However, you requested {len(tokens) + max_tokens} tokens "
+                f"({len(tokens)} in the {param}, {max_tokens} in the completion). Please reduce the length of the {param} or completion.", param, "context_length_exceeded")
         salt = body.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
-            raise _BadRequest("cache_salt must be a non-empty string", "cache_salt")
+            raise OpenAIError(400, "cache_salt must be a non-empty string", "cache_salt")
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         return _Request(chat, tokens, max_tokens, stream, include_usage, rid, salt)
-
-    async def _prompt(self, prompt: object) -> npt.NDArray[np.uint32]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            text = prompt
-            return await self._tokenize(lambda: self.tokenizer.encode(text), "prompt", len(text))
-        if isinstance(prompt, list):
-            if not prompt:
-                raise _BadRequest("the prompt is empty: at least one token is needed", "prompt")
-            for i, t in enumerate(prompt):
-                if type(t) is not int or not 0 <= t <= _U32_MAX:
-                    what = "a list of prompts" if isinstance(t, (str, list)) else repr(t)
-                    raise _BadRequest(
-                        f"prompt must be a string or a list of token ids in 0..2**32-1; prompt[{i}] is {what} (one prompt per request)", "prompt"
-                    )
-            return np.asarray(prompt, dtype=np.uint32)
-        raise _BadRequest(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
-
-    async def _tokenize(self, fn: Callable[[], npt.NDArray[np.uint32]], param: str, size: int) -> npt.NDArray[np.uint32]:
-        try:
-            if size > 65536:  # long texts off the event loop (the HF tokenizer releases the GIL)
-                return await asyncio.to_thread(fn)
-            return fn()
-        except InvalidArgumentError as e:
-            raise _BadRequest(str(e), param) from None
-
-
-def _size(messages: object) -> int:
-    """A cheap upper bound of a chat's text length (decides whether to tokenize off-loop)."""
-    if isinstance(messages, list):
-        return sum(len(str(m)) for m in messages)
-    return 0
-
 
 def _bind(sock: zmq.asyncio.Socket, endpoint: str | None, host: str) -> str:
     if endpoint is None:

@@ -66,7 +66,7 @@ import socket
 import ssl
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -78,9 +78,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from kvcompass.discovery.edge import Decision, Edge
 from kvcompass.errors import InvalidArgumentError, KVCompassError
-from kvcompass.index import Namespace
+from kvcompass.index_types import Namespace
 from kvcompass.services.api_keys import ANY_TENANT, ApiKey, KeyStore
-from kvcompass.services.openai_body import BodyError, decode_json_object
+from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, OpenAIError, chat_tokens, decode_json_object, error_body, error_middleware, prompt_tokens
 from kvcompass.services.wire import HANDOFF_HEADER, NAMESPACE_HEADER, QUEUE_MS_HEADER, QUEUE_VECTOR_HEADER, REGION_HEADER, TENANT_SALT_PREFIX, WORKER_HEADER
 
 __all__ = [
@@ -88,7 +88,7 @@ __all__ = [
     "DoorConfig",
     "DoorServer",
     "FrontDoor",
-    "Tokenizer",
+    "TokenizerLike",
     "make_app",
     "serve_door",
 ]
@@ -97,7 +97,6 @@ __all__ = [
 _TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}")
 _REGION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _NAMESPACE_CACHE = 4096
-_U32_MAX = 0xFFFFFFFF
 
 def valid_tenant(name: str) -> bool:
     """Whether ``name`` may name a tenant (the ``x-kvcompass-namespace`` header's syntax)."""
@@ -107,11 +106,10 @@ def valid_tenant(name: str) -> bool:
 _KEY_SLOT: web.RequestKey[ApiKey | None] = web.RequestKey("kvcompass_api_key")
 """Where a request keeps the grants of its API key once looked up (aiohttp request storage)."""
 
-ErrorType = Literal["invalid_request_error", "server_error"]
 FailureReason = Literal["connect", "timeout", "status_5xx", "disconnect", "midstream"]
 
 
-class Tokenizer(Protocol):
+class TokenizerLike(Protocol):
     """What the door needs of a tokenizer (:class:`kvcompass.services.tokenizer.Tokenizer` is one).
 
     Errors raised for bad input (``ValueError``, :class:`~kvcompass.errors.KVCompassError`) become
@@ -140,7 +138,7 @@ class DoorConfig:
     read_timeout_s: float = 600.0
     """Between two reads of the worker's body (a stalled stream)."""
     drain_grace_s: float = 30.0
-    inline_tokenize_chars: int = 32768
+    inline_tokenize_chars: int = INLINE_TOKENIZE_CHARS
     """Texts up to this many characters are tokenized on the event loop (tens of microseconds);
     longer ones in a thread, so one huge prompt does not stall every other request."""
     max_upstream_connections: int = 0
@@ -182,34 +180,6 @@ class DoorConfig:
 
 
 # -- errors ------------------------------------------------------------------------------------------
-
-
-class _Refusal(Exception):
-    """A request the door answers with an OpenAI-shaped error instead of a worker's response."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, kind: ErrorType | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.kind: ErrorType = kind or ("invalid_request_error" if status < 500 else "server_error")
-        self.headers = headers or {}
-
-
-def _error_body(status: int, message: str, param: str | None = None, code: str | None = None, kind: ErrorType | None = None) -> dict[str, Any]:
-    t = kind or ("invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": t, "param": param, "code": code}}
-
-
-def _error_response(status: int, message: str, param: str | None = None, code: str | None = None, kind: ErrorType | None = None) -> web.Response:
-    return web.json_response(_error_body(status, message, param, code, kind), status=status)
-
-
-def _refusal_response(r: _Refusal) -> web.Response:
-    resp = _error_response(r.status, r.message, r.param, r.code, r.kind)
-    resp.headers.update(r.headers)
-    return resp
 
 
 # -- metrics -----------------------------------------------------------------------------------------
@@ -303,7 +273,6 @@ class _WorkerFailed(Exception):
         self.detail = detail
 
 
-_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class FrontDoor:
@@ -313,7 +282,7 @@ class FrontDoor:
         self,
         edge: Edge,
         workers: Mapping[str, str],
-        tokenizer: Tokenizer,
+        tokenizer: TokenizerLike,
         config: DoorConfig,
         *,
         regions: Mapping[str, str] | None = None,
@@ -422,24 +391,10 @@ class FrontDoor:
 
     # -- middleware and small endpoints ----------------------------------------------------------
 
-    @web.middleware
-    async def _errors(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
-        """Every error the door or aiohttp raises leaves as OpenAI's error shape, and every
-        request is counted by its final status."""
-        endpoint = _ENDPOINTS.get(request.path, "other")
-        try:
-            resp = await handler(request)
-        except _Refusal as r:
-            resp = _refusal_response(r)
-        except web.HTTPException as e:
-            if e.status < 400:
-                raise
-            code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
-            resp = _error_response(e.status, e.reason if e.status != 413 else f"request body exceeds {self.config.max_body_bytes} bytes", None, code)
-            if "Allow" in e.headers:
-                resp.headers["Allow"] = e.headers["Allow"]
-        self.metrics.requests.labels(endpoint, str(resp.status)).inc()
-        return resp
+    def _observe(self, request: web.Request, resp: web.StreamResponse, err: OpenAIError | None) -> None:
+        """Every request counted by its endpoint and final status (the OpenAI error middleware's
+        hook)."""
+        self.metrics.requests.labels(_ENDPOINTS.get(request.path, "other"), str(resp.status)).inc()
 
     async def models(self, request: web.Request) -> web.Response:
         data = [{"id": m, "object": "model", "created": self._created, "owned_by": "kvcompass"} for m in self.config.models]
@@ -499,14 +454,14 @@ class FrontDoor:
 
     async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         if self.draining:
-            raise _Refusal(503, "this edge is shutting down; retry on another", code="draining")
+            raise OpenAIError(503, "this edge is shutting down; retry on another", code="draining")
         client = self._client_of(request)
         if client is None:
             return await self._serve_counted(request, chat=chat)
         n = self._per_client.get(client, 0)
         if n >= self.config.max_inflight_per_client:
             self.metrics.auth_refusals.labels("concurrency").inc()
-            raise _Refusal(429, f"this client already has {n} requests in progress (the limit); retry when one ends", code="too_many_concurrent_requests", headers={"Retry-After": "1"})
+            raise OpenAIError(429, f"this client already has {n} requests in progress (the limit); retry when one ends", code="too_many_concurrent_requests", headers={"Retry-After": "1"})
         self._per_client[client] = n + 1
         try:
             return await self._serve_counted(request, chat=chat)
@@ -536,70 +491,65 @@ class FrontDoor:
     async def _prepare(self, request: web.Request, *, chat: bool) -> _Prepared:
         cfg = self.config
         if request.content_length is not None and request.content_length > cfg.max_body_bytes:
-            raise _Refusal(413, f"request body exceeds {cfg.max_body_bytes} bytes", code="request_too_large")
+            raise OpenAIError(413, f"request body exceeds {cfg.max_body_bytes} bytes", code="request_too_large")
         key = self._authenticate(request)
         try:
             raw = await asyncio.wait_for(request.read(), cfg.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
-            raise _Refusal(413, f"request body exceeds {cfg.max_body_bytes} bytes", code="request_too_large") from None
+            raise OpenAIError(413, f"request body exceeds {cfg.max_body_bytes} bytes", code="request_too_large") from None
         except TimeoutError:
-            raise _Refusal(408, f"the request body did not arrive within {cfg.body_timeout_s:g} s", code="request_timeout", headers={"Connection": "close"}) from None
-        try:
-            body = decode_json_object(raw, request.headers.get("Content-Type"))
-        except BodyError as e:
-            raise _Refusal(e.status, e.message, code=e.code) from None
+            raise OpenAIError(408, f"the request body did not arrive within {cfg.body_timeout_s:g} s", code="request_timeout", headers={"Connection": "close"}) from None
+        body = decode_json_object(raw, request.headers.get("Content-Type"))
 
         model = body.get("model")
         if model is None:
             model = cfg.models[0]
         elif not isinstance(model, str):
-            raise _Refusal(400, "model must be a string", "model", "invalid_type")
+            raise OpenAIError(400, "model must be a string", "model", "invalid_type")
         elif model not in self._models:
-            raise _Refusal(404, f"the model {model!r} does not exist; this edge serves {list(cfg.models)}", "model", "model_not_found")
+            raise OpenAIError(404, f"the model {model!r} does not exist; this edge serves {list(cfg.models)}", "model", "model_not_found")
         stream = body.get("stream", False)
         if stream is None:
             stream = False
         if not isinstance(stream, bool):
-            raise _Refusal(400, "stream must be a boolean", "stream", "invalid_type")
+            raise OpenAIError(400, "stream must be a boolean", "stream", "invalid_type")
         opts = body.get("stream_options")
         client_usage = False
         if opts is not None:
             if not isinstance(opts, dict):
-                raise _Refusal(400, "stream_options must be an object", "stream_options", "invalid_type")
+                raise OpenAIError(400, "stream_options must be an object", "stream_options", "invalid_type")
             iu = opts.get("include_usage", False)
             if not isinstance(iu, bool):
-                raise _Refusal(400, "stream_options.include_usage must be a boolean", "stream_options.include_usage", "invalid_type")
+                raise OpenAIError(400, "stream_options.include_usage must be a boolean", "stream_options.include_usage", "invalid_type")
             client_usage = iu
         _check_numbers(body)
         named = request.headers.get(NAMESPACE_HEADER)
         if named is not None and not _TENANT_RE.fullmatch(named):
-            raise _Refusal(400, f"header {NAMESPACE_HEADER} must match {_TENANT_RE.pattern}", NAMESPACE_HEADER, "invalid_namespace")
+            raise OpenAIError(400, f"header {NAMESPACE_HEADER} must match {_TENANT_RE.pattern}", NAMESPACE_HEADER, "invalid_namespace")
         if key is None:
             tenant = named if named is not None else cfg.default_tenant
         else:
             granted = key.tenant_for(named, cfg.default_tenant)
             if granted is None:
                 self.metrics.auth_refusals.labels("tenant").inc()
-                raise _Refusal(403, f"this API key may not act as tenant {named!r} (its tenants: {', '.join(key.tenants)})", NAMESPACE_HEADER, "tenant_not_allowed")
+                raise OpenAIError(403, f"this API key may not act as tenant {named!r} (its tenants: {', '.join(key.tenants)})", NAMESPACE_HEADER, "tenant_not_allowed")
             if not key.allows_model(model):
                 self.metrics.auth_refusals.labels("model").inc()
-                raise _Refusal(403, f"this API key may not use the model {model!r}", "model", "model_not_allowed")
+                raise OpenAIError(403, f"this API key may not use the model {model!r}", "model", "model_not_allowed")
             tenant = granted
         self.metrics.tenant_requests.labels(tenant).inc()
 
         if chat:
-            tokens = await self._chat_tokens(body)
+            tokens = await chat_tokens(body, self.tokenizer.apply_chat_template, cfg.inline_tokenize_chars)
             param = "messages"
         else:
-            tokens = await self._prompt_tokens(body)
+            tokens = await prompt_tokens(body, self.tokenizer.encode, cfg.inline_tokenize_chars)
             param = "prompt"
-        if len(tokens) == 0:
-            raise _Refusal(400, f"{param} is empty after tokenization", param, "empty_prompt")
         if len(tokens) > cfg.max_prompt_tokens:
-            raise _Refusal(400, f"the prompt has {len(tokens)} tokens; this edge accepts at most {cfg.max_prompt_tokens}", param, "context_length_exceeded")
+            raise OpenAIError(400, f"the prompt has {len(tokens)} tokens; this edge accepts at most {cfg.max_prompt_tokens}", param, "context_length_exceeded")
 
         if "cache_salt" in body:
-            raise _Refusal(
+            raise OpenAIError(
                 400, f"cache_salt is set by the edge from the tenant in {NAMESPACE_HEADER}; send that header instead", "cache_salt", "cache_salt_not_allowed"
             )
         extra: dict[str, Any] = {}
@@ -621,7 +571,7 @@ class FrontDoor:
                 headers[h] = v
         handoff = request.headers.get(HANDOFF_HEADER)
         if handoff is not None and self._region_of.get(handoff) != self.edge.region:
-            raise _Refusal(400, f"header {HANDOFF_HEADER} must name a worker of this edge's region {self.edge.region!r}, got {handoff!r}", HANDOFF_HEADER, "invalid_handoff")
+            raise OpenAIError(400, f"header {HANDOFF_HEADER} must name a worker of this edge's region {self.edge.region!r}, got {handoff!r}", HANDOFF_HEADER, "invalid_handoff")
         return _Prepared(request.path, raw, tokens, self._namespace(model, tenant), stream, client_usage, headers, handoff)
 
     def _authenticate(self, request: web.Request) -> ApiKey | None:
@@ -633,68 +583,12 @@ class FrontDoor:
         key = request[_KEY_SLOT] if _KEY_SLOT in request else store.authenticate(request.headers.get("Authorization"))
         if key is None:
             self.metrics.auth_refusals.labels("key").inc()
-            raise _Refusal(401, "missing or incorrect API key: send Authorization: Bearer <your key>", code="invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="kvcompass"'})
+            raise OpenAIError(401, "missing or incorrect API key: send Authorization: Bearer <your key>", code="invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="kvcompass"'})
         wait = store.admit(key, time.monotonic())
         if wait > 0:
             self.metrics.auth_refusals.labels("rate").inc()
-            raise _Refusal(429, f"rate limit of this API key ({key.rate_per_s:g} requests/s) reached; retry after {wait:.2f} s", code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})
+            raise OpenAIError(429, f"rate limit of this API key ({key.rate_per_s:g} requests/s) reached; retry after {wait:.2f} s", code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})
         return key
-
-    async def _prompt_tokens(self, body: dict[str, Any]) -> npt.NDArray[np.uint32]:
-        if "prompt" not in body or body["prompt"] is None:
-            raise _Refusal(400, "prompt is required", "prompt", "missing_prompt")
-        p = body["prompt"]
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]  # a batch of one is that prompt
-        if isinstance(p, str):
-            if not p:
-                raise _Refusal(400, "prompt must not be empty", "prompt", "empty_prompt")
-            return await self._encode(p)
-        if isinstance(p, list):
-            if not p:
-                raise _Refusal(400, "prompt must not be empty", "prompt", "empty_prompt")
-            if isinstance(p[0], (str, list)):
-                raise _Refusal(400, "batched prompts (several prompts in one request) are not supported; send one request per prompt", "prompt", "unsupported")
-            return _token_ids(p)
-        raise _Refusal(400, f"prompt must be a string or a list of token ids, got {type(p).__name__}", "prompt", "invalid_type")
-
-    async def _chat_tokens(self, body: dict[str, Any]) -> npt.NDArray[np.uint32]:
-        if "messages" not in body or body["messages"] is None:
-            raise _Refusal(400, "messages is required", "messages", "missing_messages")
-        msgs = body["messages"]
-        if not isinstance(msgs, list):
-            raise _Refusal(400, f"messages must be a list, got {type(msgs).__name__}", "messages", "invalid_type")
-        if not msgs:
-            raise _Refusal(400, "messages must not be empty", "messages", "empty_prompt")
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict):
-                raise _Refusal(400, f"messages[{i}] must be an object", f"messages[{i}]", "invalid_type")
-            if not isinstance(m.get("role"), str):
-                raise _Refusal(400, f"messages[{i}].role must be a string", f"messages[{i}].role", "invalid_type")
-            c = m.get("content")
-            if c is not None and not isinstance(c, (str, list)):
-                raise _Refusal(400, f"messages[{i}].content must be a string, a list of parts or null", f"messages[{i}].content", "invalid_type")
-        size = sum(len(m["content"]) for m in msgs if isinstance(m.get("content"), str))
-        tk = self.tokenizer
-        try:
-            if size > self.config.inline_tokenize_chars:
-                ids = await asyncio.to_thread(tk.apply_chat_template, msgs)
-            else:
-                ids = tk.apply_chat_template(msgs)
-        except (KVCompassError, ValueError, TypeError, KeyError) as e:
-            raise _Refusal(400, f"could not apply the chat template: {e}", "messages", "invalid_messages") from None
-        return _as_u32(ids)
-
-    async def _encode(self, text: str) -> npt.NDArray[np.uint32]:
-        tk = self.tokenizer
-        try:
-            if len(text) > self.config.inline_tokenize_chars:
-                ids = await asyncio.to_thread(tk.encode, text)
-            else:
-                ids = tk.encode(text)
-        except (KVCompassError, ValueError, TypeError) as e:
-            raise _Refusal(400, f"could not tokenize the prompt: {e}", "prompt", "invalid_prompt") from None
-        return _as_u32(ids)
 
     def _namespace(self, model: str, tenant: str) -> Namespace:
         key = (model, tenant)
@@ -787,8 +681,8 @@ class FrontDoor:
                 self.mark_dead(choice.worker, f.reason)
                 last = f
         if last is None:
-            raise _Refusal(503, "no worker is available to serve this request", code="no_worker")
-        raise _Refusal(502, f"{len(tried)} worker(s) failed; last: {last.detail}", code="upstream_error")
+            raise OpenAIError(503, "no worker is available to serve this request", code="no_worker")
+        raise OpenAIError(502, f"{len(tried)} worker(s) failed; last: {last.detail}", code="upstream_error")
 
     # -- forwarding ------------------------------------------------------------------------------
 
@@ -833,7 +727,7 @@ class FrontDoor:
     async def _forward_via(self, request: web.Request, prep: _Prepared, choice: _Choice, peer: str | None) -> web.StreamResponse:
         session = self._session
         if session is None:
-            raise _Refusal(503, "the door is not running", code="draining")
+            raise OpenAIError(503, "the door is not running", code="draining")
         headers = prep.headers
         if peer is not None:
             url = peer + prep.path
@@ -909,7 +803,7 @@ class FrontDoor:
                             await resp.write(out)
             except (aiohttp.ClientError, TimeoutError) as e:
                 self.mark_dead(choice.worker, "midstream")
-                err = _error_body(502, f"worker {choice.worker} failed mid-stream: {e!r}", code="upstream_error")
+                err = error_body(502, f"worker {choice.worker} failed mid-stream: {e!r}", code="upstream_error")
                 await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
                 await resp.write_eof()
                 return resp
@@ -1029,40 +923,20 @@ FRONT_DOOR: web.AppKey[FrontDoor] = web.AppKey("kvcompass_front_door", FrontDoor
 # -- helpers -------------------------------------------------------------------------------------------
 
 
-def _as_u32(ids: Any) -> npt.NDArray[np.uint32]:
-    arr = np.asarray(ids)
-    if arr.dtype != np.uint32:
-        arr = arr.astype(np.uint32)
-    return np.ascontiguousarray(arr.reshape(-1))
-
-
-def _token_ids(p: list[Any]) -> npt.NDArray[np.uint32]:
-    # type() rather than isinstance: JSON true/false are bools, which are ints to isinstance.
-    if set(map(type, p)) != {int}:
-        raise _Refusal(400, "prompt token ids must be integers in 0..2**32-1", "prompt", "invalid_token_id")
-    try:
-        arr = np.array(p, dtype=np.int64)
-    except OverflowError:
-        raise _Refusal(400, "prompt token ids must be integers in 0..2**32-1", "prompt", "invalid_token_id") from None
-    if int(arr.min()) < 0 or int(arr.max()) > _U32_MAX:
-        raise _Refusal(400, "prompt token ids must be integers in 0..2**32-1", "prompt", "invalid_token_id")
-    return arr.astype(np.uint32)
-
-
 def _check_numbers(body: Mapping[str, Any]) -> None:
     """The sampling fields whose wrong type would only fail at the worker: refuse them here, so
     the client gets the error without a WAN round trip."""
     for name in ("max_tokens", "max_completion_tokens"):
         v = body.get(name)
         if v is not None and (type(v) is not int or v < 0):
-            raise _Refusal(400, f"{name} must be a non-negative integer", name, "invalid_type")
+            raise OpenAIError(400, f"{name} must be a non-negative integer", name, "invalid_type")
     n = body.get("n")
     if n is not None and (type(n) is not int or n < 1):
-        raise _Refusal(400, "n must be a positive integer", "n", "invalid_type")
+        raise OpenAIError(400, "n must be a positive integer", "n", "invalid_type")
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
         v = body.get(name)
         if v is not None and (type(v) not in (int, float) or not math.isfinite(v)):
-            raise _Refusal(400, f"{name} must be a number", name, "invalid_type")
+            raise OpenAIError(400, f"{name} must be a number", name, "invalid_type")
 
 
 def _cached_tokens(usage: Mapping[str, Any]) -> int | None:
@@ -1116,7 +990,7 @@ def _sse_data(event: bytes) -> bytes | None:
 # -- entry points ----------------------------------------------------------------------------------------
 
 
-def _resolve_tokenizer(tokenizer: Tokenizer | str | os.PathLike[str] | None) -> Tokenizer:
+def _resolve_tokenizer(tokenizer: TokenizerLike | str | os.PathLike[str] | None) -> TokenizerLike:
     if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
         # Imported here so a door given a tokenizer object never pays for HF tokenizers.
         from kvcompass.services.tokenizer import load_tokenizer
@@ -1128,7 +1002,7 @@ def _resolve_tokenizer(tokenizer: Tokenizer | str | os.PathLike[str] | None) -> 
 def make_app(
     edge: Edge,
     workers: Mapping[str, str],
-    tokenizer: Tokenizer | str | os.PathLike[str] | None,
+    tokenizer: TokenizerLike | str | os.PathLike[str] | None,
     *,
     config: DoorConfig = DoorConfig(),
     regions: Mapping[str, str] | None = None,
@@ -1155,7 +1029,7 @@ def make_app(
         edge, workers, _resolve_tokenizer(tokenizer), config, regions=regions, wan_one_way_ms=wan_one_way_ms, clock=clock, registry=registry,
         upstream_ssl=upstream_ssl, peers=peers,
     )
-    app = web.Application(middlewares=[door._errors], client_max_size=config.max_body_bytes)
+    app = web.Application(middlewares=[error_middleware(config.max_body_bytes, door._observe)], client_max_size=config.max_body_bytes)
     app[FRONT_DOOR] = door
     app.cleanup_ctx.append(door._session_ctx)
     app.router.add_post("/v1/completions", door.completions)
@@ -1213,7 +1087,7 @@ class DoorServer:
 async def serve_door(
     edge: Edge,
     workers: Mapping[str, str],
-    tokenizer: Tokenizer | str | os.PathLike[str] | None,
+    tokenizer: TokenizerLike | str | os.PathLike[str] | None,
     *,
     host: str = "127.0.0.1",
     port: int = 0,

@@ -36,7 +36,7 @@ from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
 from kvcompass._proto.kvcompass.v1 import IngestAck, KeyOps
-from kvcompass.discovery.ops import KeyOpBatch
+from kvcompass.discovery.key_ops import KeyOpBatch
 from kvcompass.services.wire import INGEST_PATH, TOKEN_HEADER, WORKER_HEADER
 from kvcompass.services.lifecycle import OwnedChannels
 

@@ -55,7 +55,7 @@ from kvcompass._proto.kvcompass.v1 import (
 )
 from kvcompass.discovery.layout import IndexLayout
 from kvcompass.discovery.maintenance import ApplyReport, MaintenanceUnit, PatchBatch
-from kvcompass.discovery.ops import KeyOpBatch
+from kvcompass.discovery.key_ops import KeyOpBatch
 from kvcompass.errors import AgentSequenceError, CapacityError, InvalidArgumentError, KVCompassError, UnknownWorkerError
 from kvcompass.services.lifecycle import DrainingServer, hostport, on_signals
 from kvcompass.services.metrics import MetricsServer, ServiceMetrics, export_states

@@ -1,4 +1,4 @@
-"""The simulator (docs/design.md section 4, ``sim``): transport-free, deterministic models driven by a
-virtual clock. Among them :mod:`kvcompass.sim.cache`, a worker's two-tier block prefix cache that
-publishes the KV events a real engine would, and :mod:`kvcompass.sim.costs`, the calibrated
-prefill / reload / decode cost model."""
+"""The simulator (docs/design.md section 4, ``sim``): transport-free, deterministic runs of a whole
+fleet on a virtual clock, its engine in Rust (``rust/sim``), KVCompass's decisions made by the
+services' own objects. The worker model it shares with the running system (the emulated cache
+and the cost model) is :mod:`kvcompass.engine`."""

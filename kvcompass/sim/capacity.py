@@ -32,7 +32,7 @@ import numpy as np
 from kvcompass import _core
 from kvcompass.discovery.topology import Topology
 from kvcompass.errors import InvalidArgumentError
-from kvcompass.sim.costs import CostModel
+from kvcompass.engine.costs import CostModel
 from kvcompass.sim.workload import Request
 
 __all__ = ["Capacity", "no_reuse_capacity", "rates_for_loads"]

@@ -24,7 +24,7 @@ from typing import Any
 
 from kvcompass.discovery.topology import Topology
 from kvcompass.sim.engine import simulate
-from kvcompass.sim.metrics import Summary
+from kvcompass.sim.summary import Summary
 from kvcompass.sim.workload import Request
 
 __all__ = ["Cell", "run_cells"]

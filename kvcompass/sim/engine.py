@@ -3,7 +3,7 @@ driven by a virtual clock, with modelled workers and WAN.
 
 Everything the services run is the real thing here: a :class:`~kvcompass.discovery.plane.LocalPlane`
 (every maintenance unit and every edge), one :class:`~kvcompass.agent.WorkerAgent` per worker
-fed the vLLM wire frames its :class:`~kvcompass.sim.cache.PrefixCache` publishes, and the edges'
+fed the vLLM wire frames its :class:`~kvcompass.engine.cache.PrefixCache` publishes, and the edges'
 routes, beliefs and queue estimates. Only the workers' time and the network are modelled.
 
 **Clock.** A heap of ``(time_ms, seq, action)``; ``seq`` orders equal times by scheduling
@@ -111,15 +111,15 @@ from kvcompass.discovery.edge import Edge
 from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.discovery.maintenance import PatchBatch
 from kvcompass.discovery.migration import MigrationAction
-from kvcompass.discovery.ops import KeyOpBatch
+from kvcompass.discovery.key_ops import KeyOpBatch
 from kvcompass.discovery.params import EdgeParams
 from kvcompass.discovery.plane import LocalPlane
 from kvcompass.discovery.topology import Topology, load_topology
 from kvcompass.errors import AgentSequenceError, InvalidArgumentError, KVCompassError
-from kvcompass.index import Namespace, Tier
-from kvcompass.sim.cache import Policy, PrefixCache, salt_seed
-from kvcompass.sim.costs import CostModel
-from kvcompass.sim.metrics import RecordTable, Summary, summarize
+from kvcompass.index_types import Namespace, Tier
+from kvcompass.engine.cache import Policy, PrefixCache, salt_seed
+from kvcompass.engine.costs import CostModel
+from kvcompass.sim.summary import RecordTable, Summary, summarize
 from kvcompass.sim.schemes import Choice, Fleet, Scheme, make_scheme, salt_key, scheme_params
 from kvcompass.sim.workload import ChainBlocks, Request
 

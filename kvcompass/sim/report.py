@@ -30,7 +30,7 @@ import polars as pl
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from kvcompass.sim.metrics import Summary
+from kvcompass.sim.summary import Summary
 
 __all__ = ["ABLATION_FIGURE", "FIGURES", "Results", "records_to_frame", "summaries_to_frame", "summary_row", "write_figures", "write_tables"]
 

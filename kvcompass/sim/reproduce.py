@@ -37,7 +37,7 @@ import numpy as np
 from kvcompass.discovery.topology import Topology, load_topology
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.sim.capacity import Capacity, no_reuse_capacity, rates_for_loads
-from kvcompass.sim.metrics import Summary
+from kvcompass.sim.summary import Summary
 from kvcompass.sim.workload import Request, synthetic_mixed
 
 __all__ = ["FIGURES", "REFERENCE_RATE", "Figure", "Row", "paper_rows", "reproduce"]

@@ -55,7 +55,7 @@ from kvcompass.discovery.params import EdgeParams
 from kvcompass.discovery.plan import own_region_levels
 from kvcompass.discovery.topology import Topology
 from kvcompass.errors import InvalidArgumentError
-from kvcompass.index import Namespace
+from kvcompass.index_types import Namespace
 from kvcompass.sim.workload import Request
 
 __all__ = [

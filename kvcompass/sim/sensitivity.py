@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvcompass import _core
-from kvcompass.sim.metrics import Summary
+from kvcompass.sim.summary import Summary
 
 __all__ = ["DEFAULT_SWEEPS", "SensitivityRow", "StructuralRate", "structural_false_hit_rate", "sweep"]
 

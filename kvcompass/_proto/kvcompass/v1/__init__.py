@@ -90,7 +90,7 @@ class QueueVector(betterproto.Message):
 @dataclass(eq=False, repr=False)
 class KeyOps(betterproto.Message):
     """
-    One agent batch: one worker's tier changes for keys of one shard (kvcompass.discovery.ops).
+    One agent batch: one worker's tier changes for keys of one shard (kvcompass.discovery.key_ops).
     """
 
     worker: str = betterproto.string_field(1)

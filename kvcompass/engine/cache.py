@@ -105,7 +105,7 @@ import numpy.typing as npt
 
 from kvcompass._core import BlockCache
 from kvcompass.agent.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
-from kvcompass.index import Tier, as_tokens
+from kvcompass.index_types import Tier, as_tokens
 
 __all__ = ["CacheStats", "CachedBlock", "Policy", "PrefixCache", "GPU_MEDIUM", "CPU_MEDIUM", "salt_seed"]
 

@@ -195,7 +195,7 @@ class CostModel:
 
 def kv_capacity_tokens(capacity_bytes: int, block_size: int, kv_bytes_per_token: int = KV_BYTES_PER_TOKEN) -> int:
     """Tokens of KV a memory of ``capacity_bytes`` holds, rounded down to whole blocks (what
-    :class:`~kvcompass.sim.cache.PrefixCache` takes). Paper section 5.3 gives each worker 32 GB
+    :class:`~kvcompass.engine.cache.PrefixCache` takes). Paper section 5.3 gives each worker 32 GB
     of VRAM and 128 GB of DRAM for KV."""
     if block_size < 1 or kv_bytes_per_token < 1:
         raise ValueError("block_size and kv_bytes_per_token must be >= 1")

@@ -1,0 +1,206 @@
+"""The OpenAI HTTP surface both the door and the emulated worker serve, written once: the error
+class and its body, the middleware that gives every error (aiohttp's own 404, 405 and 413
+included) that body, the request body's decoding, and a prompt's or chat's tokens.
+
+Why a module of its own: the two surfaces had each grown their own reading, error class, error
+body and middleware, and their rules had drifted (a body one refused the other served; one
+tokenized long texts off the event loop past a configurable size, the other past a hard-coded
+one; deeply nested JSON raised ``RecursionError`` into a plain-text 500). What differs between
+them is what each serves (the worker refuses sampling options it does not emulate; the door
+checks keys and tenants), not how a request is read or refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+from aiohttp import web
+
+from kvcompass.errors import KVCompassError
+
+__all__ = [
+    "INLINE_TOKENIZE_CHARS",
+    "ErrorType",
+    "OpenAIError",
+    "chat_tokens",
+    "decode_json_object",
+    "error_body",
+    "error_middleware",
+    "error_response",
+    "prompt_tokens",
+    "token_ids",
+]
+
+ErrorType = Literal["invalid_request_error", "server_error", "service_unavailable_error"]
+
+INLINE_TOKENIZE_CHARS = 32768
+"""Texts longer than this (characters) are tokenized in a thread, off the event loop (the
+tokenizers release the GIL), so one long prompt does not stall every other request."""
+
+_U32_MAX = 0xFFFFFFFF
+
+Tokenize = Callable[[], Any]
+Observe = Callable[[web.Request, web.StreamResponse, "OpenAIError | None"], None]
+
+
+class OpenAIError(Exception):
+    """A request answered with OpenAI's error body instead of a completion: ``status``, a
+    ``message`` for people, the ``param`` at fault and a ``code`` for programs (None where
+    OpenAI has none), ``kind`` (OpenAI's ``type``; by default from the status) and extra
+    response ``headers`` (e.g. ``Retry-After``)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, kind: ErrorType | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind: ErrorType = kind or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None, kind: ErrorType | None = None) -> dict[str, Any]:
+    """``{"error": {"message", "type", "param", "code"}}``, OpenAI's shape."""
+    t = kind or ("invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": t, "param": param, "code": code}}
+
+
+def error_response(e: OpenAIError) -> web.Response:
+    resp = web.json_response(error_body(e.status, e.message, e.param, e.code, e.kind), status=e.status)
+    resp.headers.update(e.headers)
+    return resp
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def error_middleware(max_body_bytes: int, observe: Observe | None = None) -> Any:
+    """An aiohttp middleware: an :class:`OpenAIError` a handler raises, and aiohttp's own HTTP
+    errors, leave as OpenAI's error body. ``observe(request, response, error)`` sees every
+    response (``error`` is the refusal, None otherwise), for counting."""
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        err: OpenAIError | None = None
+        try:
+            resp = await handler(request)
+        except OpenAIError as e:
+            err = e
+            resp = error_response(e)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            msg = f"request body exceeds {max_body_bytes} bytes" if e.status == 413 else f"{e.reason}: {request.method} {request.path}"
+            resp = error_response(OpenAIError(e.status, msg, None, _HTTP_CODES.get(e.status)))
+            if "Allow" in e.headers:
+                resp.headers["Allow"] = e.headers["Allow"]
+        if observe is not None:
+            observe(request, resp, err)
+        return resp
+
+    return errors
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def decode_json_object(raw: bytes, content_type: str | None) -> dict[str, Any]:
+    """``raw`` as a JSON object. ``content_type`` is the request's Content-Type header as sent
+    (None when absent: a bare client that sends none is still served); any other media type
+    than JSON is a 415, malformed or too deeply nested JSON a 400 (``invalid_json``), a JSON
+    value that is not an object a 400 (``invalid_type``)."""
+    if content_type is not None and content_type.strip() and not _is_json(content_type):
+        raise OpenAIError(415, f"the request body must be JSON (Content-Type: application/json), got Content-Type {content_type.strip()!r}", None, "unsupported_media_type")
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise OpenAIError(400, "could not parse the JSON body of the request: it is nested too deeply", None, "invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise OpenAIError(400, f"could not parse the JSON body of the request: {e}", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(400, f"the request body must be a JSON object, got {type(body).__name__}", None, "invalid_type")
+    return body
+
+
+def token_ids(p: list[Any]) -> npt.NDArray[np.uint32]:
+    """A prompt given as token ids: every one an integer in 0..2**32-1 (JSON true and false are
+    not: ``type`` rather than ``isinstance``, since bools are ints to it)."""
+    if set(map(type, p)) != {int}:
+        raise OpenAIError(400, "prompt token ids must be integers in 0..2**32-1 (one prompt per request)", "prompt", "invalid_token_id")
+    try:
+        arr = np.array(p, dtype=np.int64)
+    except OverflowError:
+        raise OpenAIError(400, "prompt token ids must be integers in 0..2**32-1", "prompt", "invalid_token_id") from None
+    if int(arr.min()) < 0 or int(arr.max()) > _U32_MAX:
+        raise OpenAIError(400, "prompt token ids must be integers in 0..2**32-1", "prompt", "invalid_token_id")
+    return arr.astype(np.uint32)
+
+
+def _as_u32(ids: Any) -> npt.NDArray[np.uint32]:
+    arr = np.asarray(ids)
+    if arr.dtype != np.uint32:
+        arr = arr.astype(np.uint32)
+    return np.ascontiguousarray(arr.reshape(-1))
+
+
+async def _run(fn: Tokenize, size: int, inline_chars: int, param: str, what: str, code: str) -> npt.NDArray[np.uint32]:
+    try:
+        ids = await asyncio.to_thread(fn) if size > inline_chars else fn()
+    except (KVCompassError, ValueError, TypeError, KeyError) as e:
+        raise OpenAIError(400, f"could not {what}: {e}", param, code) from None
+    out = _as_u32(ids)
+    if not len(out):
+        raise OpenAIError(400, f"the {param} is empty: at least one token is needed", param, "empty_prompt")
+    return out
+
+
+async def prompt_tokens(body: dict[str, Any], encode: Callable[[str], Any], inline_chars: int = INLINE_TOKENIZE_CHARS) -> npt.NDArray[np.uint32]:
+    """The tokens of a completions request's ``prompt``: a string (``encode``d), a list of token
+    ids, or a batch of one of those. Several prompts in one request are refused (one request
+    per prompt, so each is routed on its own)."""
+    if "prompt" not in body or body["prompt"] is None:
+        raise OpenAIError(400, "prompt is required", "prompt", "missing_prompt")
+    p = body["prompt"]
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one is that prompt
+    if isinstance(p, str):
+        if not p:
+            raise OpenAIError(400, "prompt must not be empty", "prompt", "empty_prompt")
+        text = p
+        return await _run(lambda: encode(text), len(text), inline_chars, "prompt", "tokenize the prompt", "invalid_prompt")
+    if isinstance(p, list):
+        if not p:
+            raise OpenAIError(400, "prompt must not be empty", "prompt", "empty_prompt")
+        if isinstance(p[0], (str, list)):
+            raise OpenAIError(400, "batched prompts (several prompts in one request) are not supported; send one request per prompt", "prompt", "unsupported")
+        return token_ids(p)
+    raise OpenAIError(400, f"prompt must be a string or a list of token ids, got {type(p).__name__}", "prompt", "invalid_type")
+
+
+async def chat_tokens(body: dict[str, Any], apply_chat_template: Callable[[list[dict[str, Any]]], Any], inline_chars: int = INLINE_TOKENIZE_CHARS) -> npt.NDArray[np.uint32]:
+    """The tokens of a chat request's ``messages`` under the model's chat template; each
+    message an object with a string ``role`` and a string, list-of-parts or null ``content``."""
+    if "messages" not in body or body["messages"] is None:
+        raise OpenAIError(400, "messages is required", "messages", "missing_messages")
+    msgs = body["messages"]
+    if not isinstance(msgs, list):
+        raise OpenAIError(400, f"messages must be a list, got {type(msgs).__name__}", "messages", "invalid_type")
+    if not msgs:
+        raise OpenAIError(400, "messages must not be empty", "messages", "empty_prompt")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise OpenAIError(400, f"messages[{i}] must be an object", f"messages[{i}]", "invalid_type")
+        if not isinstance(m.get("role"), str):
+            raise OpenAIError(400, f"messages[{i}].role must be a string", f"messages[{i}].role", "invalid_type")
+        c = m.get("content")
+        if c is not None and not isinstance(c, (str, list)):
+            raise OpenAIError(400, f"messages[{i}].content must be a string, a list of parts or null", f"messages[{i}].content", "invalid_type")
+    size = sum(len(m["content"]) for m in msgs if isinstance(m.get("content"), str))
+    return await _run(lambda: apply_chat_template(msgs), size, inline_chars, "messages", "apply the chat template", "invalid_messages")

@@ -1,0 +1,128 @@
+"""One OpenAI surface: the door and the emulated worker read requests with the same code
+(``kvcompass.services.openai_api``), so a body one refuses the other refuses with the same
+status, param and code, and both answer in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+
+from kvcompass.discovery.plane import LocalPlane
+from kvcompass.discovery.topology import load_topology
+from kvcompass.services.emulated_worker import EmulatedWorker, WorkerConfig
+from kvcompass.services.http_door import serve_door
+from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, OpenAIError, chat_tokens, prompt_tokens, token_ids
+from kvcompass.services.tokenizer import load_tokenizer
+
+# Bodies both surfaces refuse before any worker is chosen (the door) or any token prefilled (the
+# worker). Raw bytes where the body is not a JSON object.
+CASES: list[tuple[str, Any, bytes | None]] = [
+    ("/v1/completions", None, b"{not json"),
+    ("/v1/completions", None, b"[" * 50_000),
+    ("/v1/completions", [1, 2], None),
+    ("/v1/completions", {}, None),
+    ("/v1/completions", {"prompt": None}, None),
+    ("/v1/completions", {"prompt": []}, None),
+    ("/v1/completions", {"prompt": ""}, None),
+    ("/v1/completions", {"prompt": [1, -1]}, None),
+    ("/v1/completions", {"prompt": [1, 2**32]}, None),
+    ("/v1/completions", {"prompt": [1, 2**70]}, None),
+    ("/v1/completions", {"prompt": [1.5]}, None),
+    ("/v1/completions", {"prompt": [True]}, None),
+    ("/v1/completions", {"prompt": [[1, 2], [3]]}, None),
+    ("/v1/completions", {"prompt": ["a", "b"]}, None),
+    ("/v1/completions", {"prompt": {"a": 1}}, None),
+    ("/v1/chat/completions", {}, None),
+    ("/v1/chat/completions", {"messages": "hello"}, None),
+    ("/v1/chat/completions", {"messages": []}, None),
+    ("/v1/chat/completions", {"messages": ["hi"]}, None),
+    ("/v1/chat/completions", {"messages": [{"content": "x"}]}, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, None),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None),
+]
+
+
+async def _answer(s: aiohttp.ClientSession, url: str, body: Any, raw: bytes | None) -> tuple[int, Any, Any, str]:
+    kw: dict[str, Any] = {"data": raw, "headers": {"Content-Type": "application/json"}} if raw is not None else {"json": body}
+    async with s.post(url, **kw) as r:
+        data = await r.json()
+    assert set(data) == {"error"} and set(data["error"]) == {"message", "type", "param", "code"}, data
+    assert data["error"]["message"]
+    return r.status, data["error"]["param"], data["error"]["code"], data["error"]["type"]
+
+
+def test_the_door_and_the_worker_refuse_the_same_bodies_alike() -> None:
+    async def main() -> None:
+        topo = load_topology("testbed-14x3")
+        plane = LocalPlane(topo)
+        edge = plane.edges[topo.regions[0].name]
+        worker = EmulatedWorker(WorkerConfig(time_scale=0.0, vram_tokens=1024, dram_tokens=1024, max_model_len=4096))
+        await worker.start()
+        try:
+            door = await serve_door(edge, {w: worker.http_url for w in edge.workers}, load_tokenizer(None))
+            try:
+                async with aiohttp.ClientSession() as s:
+                    for path, body, raw in CASES:
+                        at_door = await _answer(s, door.url + path, body, raw)
+                        at_worker = await _answer(s, worker.http_url + path, body, raw)
+                        assert at_door == at_worker, (path, body, raw and raw[:20], at_door, at_worker)
+                        assert at_door[0] == 400 and at_door[2] is not None, (path, body, at_door)
+            finally:
+                await door.stop(grace_s=1.0)
+        finally:
+            await worker.stop(drain_timeout_s=5)
+        assert worker.stats.requests == 0  # nothing reached a prefill
+
+    asyncio.run(main())
+
+
+def test_long_texts_are_tokenized_off_the_event_loop() -> None:
+    # Past the threshold the tokenizer runs in another thread, below it on the loop's own.
+    import threading
+
+    seen: list[str] = []
+
+    def encode(text: str) -> list[int]:
+        seen.append(threading.current_thread().name)
+        return [1] * len(text)
+
+    def template(msgs: list[dict[str, Any]]) -> list[int]:
+        seen.append(threading.current_thread().name)
+        return [2]
+
+    async def main() -> None:
+        main_thread = threading.current_thread().name
+        short = await prompt_tokens({"prompt": "ab"}, encode, 10)
+        long = await prompt_tokens({"prompt": "a" * 11}, encode, 10)
+        chat = await chat_tokens({"messages": [{"role": "user", "content": "x" * 11}]}, template, 10)
+        assert short.dtype == np.uint32 and len(short) == 2 and len(long) == 11 and list(chat) == [2]
+        assert seen[0] == main_thread and seen[1] != main_thread and seen[2] != main_thread
+
+    asyncio.run(main())
+    assert INLINE_TOKENIZE_CHARS == WorkerConfig().inline_tokenize_chars
+
+
+def test_token_ids_and_tokenizer_errors() -> None:
+    assert token_ids([0, 2**32 - 1]).tolist() == [0, 2**32 - 1]
+    for bad in ([-1], [2**32], [2**64], [1.0], [None], [False]):
+        with pytest.raises(OpenAIError) as e:
+            token_ids(bad)
+        assert (e.value.status, e.value.param, e.value.code) == (400, "prompt", "invalid_token_id")
+
+    def broken(text: str) -> list[int]:
+        raise ValueError("no such byte")
+
+    with pytest.raises(OpenAIError) as e:
+        asyncio.run(prompt_tokens({"prompt": "x"}, broken))
+    assert (e.value.status, e.value.code) == (400, "invalid_prompt") and "no such byte" in e.value.message
+
+    def nothing(text: str) -> list[int]:
+        return []
+
+    with pytest.raises(OpenAIError) as e:
+        asyncio.run(prompt_tokens({"prompt": "x"}, nothing))
+    assert e.value.code == "empty_prompt"
