@@ -13,7 +13,6 @@ from typing import Any
 
 from kvcompass.cli.services import tls_args
 from kvcompass.errors import UsageError
-from kvcompass.services.loadgen import default_api_key, load_requests, replay, summarize, write_records
 
 __all__ = ["add_parsers"]
 
@@ -43,6 +42,8 @@ def add_parsers(sub: Any) -> None:
 
 
 def loadgen_main(args: argparse.Namespace) -> int:
+    from kvcompass.services.loadgen import default_api_key, load_requests, replay, summarize, write_records
+
     if not (math.isfinite(args.rate) and args.rate > 0):
         raise UsageError(f"--rate must be > 0 req/s, got {args.rate}")
     for name in ("max_requests", "max_tokens", "block_size"):

@@ -10,7 +10,6 @@ from typing import Any
 
 from kvcompass.cli.services import TOPOLOGY_HELP
 from kvcompass.errors import UsageError
-from kvcompass.services.cluster import ClusterConfig, run_cluster
 
 __all__ = ["add_parsers"]
 
@@ -47,6 +46,8 @@ def _tenants(text: str) -> tuple[str, ...]:
 
 
 def up_main(args: argparse.Namespace) -> int:
+    from kvcompass.services.cluster import ClusterConfig, run_cluster
+
     if not (math.isfinite(args.time_scale) and args.time_scale >= 0):
         raise UsageError(f"--time-scale must be a finite number >= 0, got {args.time_scale}")
     for name in ("workers_per_region", "max_workers"):

@@ -43,7 +43,8 @@ from kvcompass._proto.kvcompass.v1 import (
 from kvcompass.discovery.edge import Edge
 from kvcompass.discovery.queues import MAX_QUEUE_MS
 from kvcompass.errors import InvalidArgumentError, KVCompassError
-from kvcompass.services.lifecycle import DrainingServer, OwnedChannels, hostport
+from kvcompass.services.grpc_lifecycle import DrainingServer, OwnedChannels
+from kvcompass.services.lifecycle import hostport
 from kvcompass.services.metrics import MetricsServer, Route, ServiceMetrics
 from kvcompass.services.status import grpc_error
 from kvcompass.services.wire import PEER_TOKEN_HEADER

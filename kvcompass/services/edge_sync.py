@@ -34,7 +34,7 @@ from kvcompass.discovery.edge import Edge
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.services.maintenance_service import SUBSCRIBE_PATH
 from kvcompass.services.metrics import ServiceMetrics, export_states
-from kvcompass.services.lifecycle import OwnedChannels
+from kvcompass.services.grpc_lifecycle import OwnedChannels
 
 __all__ = ["EdgeSync"]
 

@@ -38,7 +38,7 @@ from grpclib.exceptions import GRPCError, StreamTerminatedError
 from kvcompass._proto.kvcompass.v1 import IngestAck, KeyOps
 from kvcompass.discovery.key_ops import KeyOpBatch
 from kvcompass.services.wire import INGEST_PATH, TOKEN_HEADER, WORKER_HEADER
-from kvcompass.services.lifecycle import OwnedChannels
+from kvcompass.services.grpc_lifecycle import OwnedChannels
 
 __all__ = ["IngestClient", "IngestRejected", "SendReport", "encode_key_ops"]
 

@@ -11,10 +11,10 @@ shares one lifecycle, so a supervisor can treat them alike:
   drains and exits 0. With ``KVCOMPASS_PARENT_PID`` in its environment (:func:`env_for_child`) a
   child also stops when that parent is gone, so a supervisor killed with SIGKILL leaves no
   orphans behind.
-* **gRPC servers** drain the same way (:class:`DrainingServer`): stop listening, then close the
-  accepted connections so clients notice and reconnect (to a successor on the same port).
-* **Outbound channels** a service opens from addresses are its own to close; channels handed to
-  it are the caller's (:class:`OwnedChannels`).
+* **gRPC servers and channels** drain and close the same way everywhere
+  (:mod:`kvcompass.services.grpc_lifecycle`).
+
+This module imports nothing heavy, so a command that only needs its process plumbing starts fast.
 """
 
 from __future__ import annotations
@@ -24,26 +24,12 @@ import contextlib
 import json
 import os
 import signal
-import ssl
 import sys
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, AsyncIterator
 
-from grpclib.client import Channel
-from grpclib.const import Status
-from grpclib.events import SendTrailingMetadata, listen
-from grpclib.protocol import H2Protocol
-from grpclib.server import Server
-
-from kvcompass.services.codec import StrictProtoCodec, install_receive_limit
-from kvcompass.services.metrics import ServiceMetrics, bind_socket
-from kvcompass.services.tls import grpc_channel
-
 __all__ = [
     "PARENT_ENV",
-    "DrainingServer",
-    "OwnedChannels",
     "announce",
     "env_for_child",
     "hostport",
@@ -121,83 +107,3 @@ async def _watch_parent(pid: int, stop: asyncio.Event) -> None:
             stop.set()
             return
         await asyncio.sleep(0.5)
-
-
-class DrainingServer(Server):
-    """A grpclib Server that can also close its accepted connections.
-
-    ``Server.close`` stops listening and cancels handlers but leaves established HTTP/2
-    connections open, and they keep accepting new streams; a client would then never notice
-    the drain (nor reach a successor on the same port). :meth:`shut` closes them too, so every
-    client sees the connection drop and reconnects. Malformed request bytes are
-    INVALID_ARGUMENT, never UNKNOWN, and a message larger than its type's limit is
-    RESOURCE_EXHAUSTED before it is read (:mod:`kvcompass.services.codec`).
-    """
-
-    def __init__(self, handlers: Sequence[Any], metrics: ServiceMetrics | None = None, limits: Mapping[type, int] | None = None) -> None:
-        install_receive_limit()
-        super().__init__(handlers, codec=StrictProtoCodec(limits))
-        self._protocols: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
-        if metrics is not None:
-            m = metrics
-
-            async def count(ev: SendTrailingMetadata) -> None:
-                if ev.status is not Status.OK:
-                    m.rpc_error(ev.status.name)
-
-            listen(self, SendTrailingMetadata, count)
-
-    @classmethod
-    async def listen(
-        cls, handlers: Sequence[Any], host: str, port: int, *, metrics: ServiceMetrics | None = None, limits: Mapping[type, int] | None = None, ssl_context: ssl.SSLContext | None = None
-    ) -> tuple[DrainingServer, str]:
-        """A server for ``handlers`` listening on ``host:port`` (0: a free port; over TLS with
-        ``ssl_context``), and the ``host:port`` it bound."""
-        sock = bind_socket(host, port)
-        bound = int(sock.getsockname()[1])
-        server = cls(handlers, metrics, limits)
-        try:
-            await server.start(sock=sock, ssl=ssl_context)
-        except BaseException:
-            sock.close()
-            raise
-        return server, hostport(host, bound)
-
-    def _protocol_factory(self) -> H2Protocol:
-        proto = super()._protocol_factory()
-        self._protocols.add(proto)
-        return proto
-
-    def close_connections(self) -> None:
-        for proto in list(self._protocols):
-            processor = getattr(proto, "processor", None)  # absent until the connection is made
-            if processor is not None:
-                processor.close("server shut down")
-
-    async def shut(self) -> None:
-        """Stop listening, close every accepted connection, and wait until all are gone."""
-        self.close()
-        self.close_connections()
-        await self.wait_closed()
-
-
-class OwnedChannels:
-    """gRPC channels by key: a ``host:port`` target is opened here (over TLS with
-    ``ssl_context``) and closed by :meth:`close`; a :class:`Channel` given instead (tests, an
-    in-process server) is the caller's and left open."""
-
-    def __init__(self, ssl_context: ssl.SSLContext | None = None) -> None:
-        self._ssl = ssl_context
-        self._owned: list[Channel] = []
-
-    def get(self, target: str | Channel) -> Channel:
-        if not isinstance(target, str):
-            return target
-        ch = grpc_channel(target, self._ssl)
-        self._owned.append(ch)
-        return ch
-
-    def close(self) -> None:
-        for ch in self._owned:
-            ch.close()
-        self._owned.clear()

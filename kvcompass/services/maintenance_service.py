@@ -57,7 +57,8 @@ from kvcompass.discovery.layout import IndexLayout
 from kvcompass.discovery.maintenance import ApplyReport, MaintenanceUnit, PatchBatch
 from kvcompass.discovery.key_ops import KeyOpBatch
 from kvcompass.errors import AgentSequenceError, CapacityError, InvalidArgumentError, KVCompassError, UnknownWorkerError
-from kvcompass.services.lifecycle import DrainingServer, hostport, on_signals
+from kvcompass.services.grpc_lifecycle import DrainingServer
+from kvcompass.services.lifecycle import hostport, on_signals
 from kvcompass.services.metrics import MetricsServer, ServiceMetrics, export_states
 from kvcompass.services.status import grpc_error, status_of
 from kvcompass.services.wire import INGEST_PATH, TOKEN_HEADER, WORKER_HEADER
