@@ -28,7 +28,7 @@ import contextlib
 import ssl
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Mapping, NoReturn, Sequence
+from typing import AsyncIterator, Callable, Mapping, NoReturn, Sequence
 
 from grpclib.client import Channel
 from grpclib.client import Stream as ClientStream
@@ -140,19 +140,13 @@ class _UnitStream:
                 pass
         raise _Lost(str(e)) from e
 
-    async def recv(self) -> IngestAck:
-        """The next ack; raises _Lost on a broken stream and GRPCError for a final status."""
-        st = self._stream
-        assert st is not None
+    @contextlib.asynccontextmanager
+    async def _losses(self) -> AsyncIterator[None]:
+        """A broken stream (reset, connection gone, timed out, or a transient status) becomes
+        _Lost, which the client answers by reconnecting and resending; a final status stays a
+        GRPCError."""
         try:
-            ack = await st.recv_message()
-            if ack is None:
-                # The unit ended the stream: its trailers say why.
-                with contextlib.suppress(StreamTerminatedError):
-                    await st.end()
-                await st.recv_trailing_metadata()
-                raise _Lost("stream ended by the unit")
-            return ack
+            yield
         except GRPCError as e:
             if e.status in _TRANSIENT:
                 raise _Lost(str(e)) from e
@@ -162,19 +156,25 @@ class _UnitStream:
         except (ConnectionError, OSError, asyncio.TimeoutError) as e:
             raise _Lost(str(e)) from e
 
+    async def recv(self) -> IngestAck:
+        """The next ack; raises _Lost on a broken stream and GRPCError for a final status."""
+        st = self._stream
+        assert st is not None
+        async with self._losses():
+            ack = await st.recv_message()
+            if ack is None:
+                # The unit ended the stream: its trailers say why.
+                with contextlib.suppress(StreamTerminatedError):
+                    await st.end()
+                await st.recv_trailing_metadata()
+                raise _Lost("stream ended by the unit")
+        return ack
+
     async def send(self, msg: KeyOps) -> None:
         st = self._stream
         assert st is not None
-        try:
+        async with self._losses():
             await st.send_message(msg)
-        except GRPCError as e:
-            if e.status in _TRANSIENT:
-                raise _Lost(str(e)) from e
-            raise
-        except StreamTerminatedError as e:
-            await self._terminated(e)
-        except (ConnectionError, OSError) as e:
-            raise _Lost(str(e)) from e
 
 
 async def _close_quietly(stack: contextlib.AsyncExitStack) -> None:
