@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import final
 
 import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "apply_view_batches",
     "NO_KEY",
     "MAX_QUEUE_MS",
     "PATCH_VERSION",
@@ -19,7 +20,6 @@ __all__ = [
     "block_chain_hashes",
     "expand_block_tokens",
     "chain_block_ids",
-    "fold_queue_samples",
     "first_bad_token",
     "pack_tokens",
     "BlockCache",
@@ -35,6 +35,7 @@ __all__ = [
     "LudoView",
     "ApplyResult",
     "decode_batch_header",
+    "QueueEstimates",
     "Router",
     "RouteResult",
     "bench_lookup_ns",
@@ -70,21 +71,6 @@ def expand_block_tokens(ids: npt.NDArray[np.uint64], input_length: int, block_si
 
 def chain_block_ids(chains: npt.NDArray[np.uint64], counts: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     """Block ids ``mix64(chain + j * golden) & (2**63 - 1)`` for ``j = 1..count`` of every run."""
-
-def fold_queue_samples(
-    obs: npt.NDArray[np.float64],
-    tq: npt.NDArray[np.float64],
-    pend: npt.NDArray[np.float64],
-    at: npt.NDArray[np.float64],
-    idle_since: npt.NDArray[np.float64],
-    indices: npt.NDArray[np.int64],
-    samples: npt.NDArray[np.float64],
-    now: float,
-    weight: float,
-    idle_ms: float,
-) -> None:
-    """``QueueEstimates.fold_many``'s arithmetic in place (indices distinct and in range, samples
-    finite and >= 0: ``ValueError`` otherwise, before anything changes)."""
 
 def first_bad_token(tokens: list[int] | tuple[int, ...]) -> int:
     """Index of the first item that is not an exact int in 0..2**32-1 (bools are not), or -1."""
@@ -248,6 +234,10 @@ class SimEngine:
     def cache_memory_bytes(self) -> int: ...
     def cache_tables(self) -> list[tuple[int, int, int, int, int]]: ...
 
+def apply_view_batches(views: dict[tuple[int, int], LudoView], batches: list[bytes]) -> tuple[int, int]:
+    """Apply ``batches`` in order to the views they name until one does not apply (left
+    unapplied with every later one); (applied, snapshots among them)."""
+
 def decode_batch_header(batch: bytes) -> dict[str, int]:
     """Header of an encoded batch (table, shard, epoch, seq, n_ops); raises MalformedPatchError."""
 
@@ -405,6 +395,34 @@ class RouteResult:
     def tiers(self) -> npt.NDArray[np.uint8]: ...
     @property
     def scores(self) -> npt.NDArray[np.float64]: ...
+
+@final
+class QueueEstimates:
+    """Per-worker queue estimates (ms), ages, idle clocks and open dispatch charges
+    (``kvcompass.discovery.queues`` documents the rules)."""
+
+    def __new__(cls, n_workers: int, weight: float, idle_threshold_ms: float, charge_ttl_s: float = 2.0) -> QueueEstimates: ...
+    @property
+    def values(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def version(self) -> int: ...
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int, /) -> float: ...
+    def observed(self, index: int) -> float: ...
+    def pending(self, index: int) -> float: ...
+    def known(self, index: int) -> bool: ...
+    def age(self, index: int, now: float) -> float: ...
+    def charge(self, index: int, work_ms: float, now: float) -> None: ...
+    def expire(self, now: float) -> None: ...
+    def set_live(self, index: int, tq_ms: float, now: float, settled_before: float | None = None) -> None: ...
+    def fold(self, index: int, tq_ms: float, now: float, settled_before: float | None = None) -> float: ...
+    def set_live_many(self, indices: npt.NDArray[np.int64], tq_ms: npt.NDArray[np.float64], now: float, settled_before: npt.NDArray[np.float64]) -> None: ...
+    def fold_many(self, indices: npt.NDArray[np.int64], tq_ms: npt.NDArray[np.float64], now: float, settled_before: npt.NDArray[np.float64]) -> None: ...
+    def fold_lagged(self, indices: npt.NDArray[np.int64], tq_ms: npt.NDArray[np.float64], now: float, lag_s: npt.NDArray[np.float64]) -> None: ...
+    def idle_for(self, index: int, now: float) -> float: ...
+    def persistently_idle(self, index: int, now: float, window_s: float) -> bool: ...
+    def idle_among(self, indices: npt.NDArray[np.int64], now: float, window_s: float) -> list[int]: ...
+    def vector(self, indices: Sequence[int], ids: Sequence[str]) -> dict[str, float]: ...
 
 @final
 class Router:

@@ -7,6 +7,8 @@
 //! so at simulated scale it folds thousands a second; as a dozen numpy calls on arrays of a few
 //! workers each, that was a fifth of a KVCompass run.
 
+use std::collections::VecDeque;
+
 /// The arrays of one edge's estimates, all indexed by worker.
 pub struct Estimates<'a> {
     pub obs: &'a mut [f64],
@@ -47,6 +49,171 @@ pub fn fold(e: &mut Estimates<'_>, indices: &[usize], samples: &[f64], now: f64,
     }
 }
 
+/// Every estimate an edge keeps, with its open dispatch charges: the whole of
+/// `kvcompass.discovery.queues.QueueEstimates` (whose module docs give the rules), so a route,
+/// a live reading or a folded vector is one call with no Python in between. Times are seconds,
+/// queues milliseconds.
+pub struct QueueState {
+    pub tq: Vec<f64>,
+    pub obs: Vec<f64>,
+    pub pend: Vec<f64>,
+    pub at: Vec<f64>,
+    pub idle_since: Vec<f64>,
+    charges: Vec<VecDeque<(f64, f64)>>,
+    /// Every open charge's (time, worker) in issue order, to run the TTL out across workers.
+    order: VecDeque<(f64, usize)>,
+    pub ttl: f64,
+    pub weight: f64,
+    pub idle_ms: f64,
+    /// Bumped on every change, so readers can cache what they derive from the estimates.
+    pub version: u64,
+}
+
+/// A queue report the estimates refuse.
+#[derive(Debug, Clone, PartialEq)]
+pub enum QueueError {
+    /// A sample (or charge) not finite and in [0, MAX_QUEUE_MS]: its position and value.
+    Sample(usize, f64),
+    /// A worker index out of range, or repeated within one vector.
+    Index(i64),
+}
+
+impl QueueState {
+    pub fn new(n: usize, weight: f64, idle_ms: f64, ttl: f64) -> Self {
+        QueueState {
+            tq: vec![0.0; n],
+            obs: vec![0.0; n],
+            pend: vec![0.0; n],
+            at: vec![f64::NEG_INFINITY; n],
+            idle_since: vec![f64::NAN; n],
+            charges: (0..n).map(|_| VecDeque::new()).collect(),
+            order: VecDeque::new(),
+            ttl,
+            weight,
+            idle_ms,
+            version: 0,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.tq.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tq.is_empty()
+    }
+
+    pub fn has_open_charges(&self) -> bool {
+        !self.order.is_empty()
+    }
+
+    fn index(&self, i: i64) -> Result<usize, QueueError> {
+        if i < 0 || i as usize >= self.tq.len() {
+            return Err(QueueError::Index(i));
+        }
+        Ok(i as usize)
+    }
+
+    /// The distinct, in-range indices of a vector, and its samples checked, before anything
+    /// changes (a bad vector changes nothing).
+    pub fn check(&self, indices: &[i64], samples: &[f64]) -> Result<Vec<usize>, QueueError> {
+        let mut seen = vec![false; self.tq.len()];
+        let mut ix = Vec::with_capacity(indices.len());
+        for &i in indices {
+            let u = self.index(i)?;
+            if std::mem::replace(&mut seen[u], true) {
+                return Err(QueueError::Index(i));
+            }
+            ix.push(u);
+        }
+        if let Some(j) = first_bad_sample(samples) {
+            return Err(QueueError::Sample(j, samples[j]));
+        }
+        Ok(ix)
+    }
+
+    /// This edge just sent `work_ms` of prefill to worker `i` at `now`.
+    pub fn charge(&mut self, i: i64, work_ms: f64, now: f64) -> Result<(), QueueError> {
+        let u = self.index(i)?;
+        if first_bad_sample(&[work_ms]).is_some() {
+            return Err(QueueError::Sample(0, work_ms));
+        }
+        self.expire(now);
+        if work_ms > 0.0 {
+            self.charges[u].push_back((now, work_ms));
+            self.order.push_back((now, u));
+            self.pend[u] += work_ms;
+            self.tq[u] += work_ms;
+            self.version += 1;
+        }
+        Ok(())
+    }
+
+    /// Close every charge older than the TTL.
+    pub fn expire(&mut self, now: f64) {
+        let before = now - self.ttl;
+        while let Some(&(t, u)) = self.order.front() {
+            if t > before {
+                break;
+            }
+            self.order.pop_front();
+            self.settle(u, before);
+        }
+    }
+
+    /// Close worker `u`'s charges made at or before `before`.
+    fn settle(&mut self, u: usize, before: f64) {
+        let q = &mut self.charges[u];
+        match q.front() {
+            Some(&(t, _)) if t <= before => {}
+            _ => return,
+        }
+        while let Some(&(t, x)) = q.front() {
+            if t > before {
+                break;
+            }
+            q.pop_front();
+            self.pend[u] -= x;
+        }
+        if q.is_empty() {
+            self.pend[u] = 0.0; // no float residue once nothing is open
+        }
+        self.tq[u] = self.obs[u] + self.pend[u];
+        self.version += 1;
+    }
+
+    /// Fold `samples[j]` into worker `ix[j]` (checked by [`Self::check`]) with `weight`; the
+    /// charges each sample must include (made at or before `before[j]`, or at or before
+    /// `now - lag[j]`) close, at most the TTL back.
+    pub fn fold_checked(&mut self, ix: &[usize], samples: &[f64], now: f64, weight: f64, before: Before<'_>) {
+        let mut est = Estimates { obs: &mut self.obs, tq: &mut self.tq, pend: &self.pend, at: &mut self.at, idle_since: &mut self.idle_since };
+        fold(&mut est, ix, samples, now, weight, self.idle_ms);
+        if !self.order.is_empty() {
+            let floor = now - self.ttl;
+            for (j, &u) in ix.iter().enumerate() {
+                if !self.charges[u].is_empty() {
+                    let b = match before {
+                        Before::At(b) => b[j],
+                        Before::Lag(l) => now - l[j],
+                        Before::Now => now,
+                    };
+                    self.settle(u, b.max(floor));
+                }
+            }
+        }
+        self.version += ix.len() as u64;
+    }
+}
+
+/// Which charges a sample includes: those made at or before a time per sample, `now` minus a
+/// lag per sample, or `now` (all of them).
+#[derive(Clone, Copy)]
+pub enum Before<'a> {
+    At(&'a [f64]),
+    Lag(&'a [f64]),
+    Now,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -64,5 +231,23 @@ mod tests {
         assert_eq!(first_bad_sample(&[1.0, -0.5, f64::NAN]), Some(1));
         assert_eq!(first_bad_sample(&[0.0, 3.0]), None);
         assert_eq!(first_bad_sample(&[0.0, 1e300]), Some(1));
+    }
+
+    #[test]
+    fn charges_close_by_sample_or_ttl() {
+        let mut q = QueueState::new(2, 0.5, 1.0, 2.0);
+        q.charge(0, 30.0, 1.0).unwrap();
+        q.charge(0, 10.0, 1.5).unwrap();
+        assert_eq!((q.tq[0], q.pend[0]), (40.0, 40.0));
+        // A live reading that includes the first charge only.
+        let ix = q.check(&[0], &[5.0]).unwrap();
+        q.fold_checked(&ix, &[5.0], 1.6, 1.0, Before::At(&[1.2]));
+        assert_eq!((q.obs[0], q.pend[0], q.tq[0]), (5.0, 10.0, 15.0));
+        q.expire(3.6); // the second one runs out at 1.5 + 2
+        assert_eq!((q.pend[0], q.tq[0]), (0.0, 5.0));
+        assert!(!q.has_open_charges());
+        assert_eq!(q.charge(5, 1.0, 0.0), Err(QueueError::Index(5)));
+        assert_eq!(q.charge(0, -1.0, 0.0), Err(QueueError::Sample(0, -1.0)));
+        assert_eq!(q.check(&[1, 1], &[0.0, 0.0]), Err(QueueError::Index(1)));
     }
 }

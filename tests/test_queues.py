@@ -270,20 +270,74 @@ def test_handoff_moves_a_forwarded_request_off_a_worker_that_filled_up_meanwhile
     assert blind.handoff(p, ns, "a0", 0.0).worker == "a0"
 
 
-def test_rust_fold_checks_before_it_writes() -> None:
-    """The in-place fold behind ``fold_many`` refuses repeated or out-of-range indices and bad
-    samples with nothing written."""
-    from kvcompass import _core
-
-    arrays = [np.zeros(3), np.zeros(3), np.zeros(3), np.full(3, -np.inf), np.full(3, np.nan)]
-    before = [a.copy() for a in arrays]
-    for idx, smp, what in (([0, 0], [1.0, 2.0], "repeated"), ([3], [1.0], "out of"), ([1], [-1.0], "must be finite and in"), ([1], [np.nan], "finite"), ([1], [1e300], "must be finite and in"), ([0, 1], [1.0], "indices but")):
+def test_a_bad_vector_changes_nothing() -> None:
+    """A vector with a repeated or out-of-range index, a bad sample, or mismatched lengths is
+    refused whole, before anything changes."""
+    q = QueueEstimates(3, 0.5, 0.0)
+    q.set_live(1, 7.0, 0.5)
+    q.charge(1, 3.0, 0.6)
+    state = (q.values.tolist(), [q.observed(i) for i in range(3)], [q.pending(i) for i in range(3)], [q.known(i) for i in range(3)], q.version)
+    for idx, smp, what in (([0, 0], [1.0, 2.0], "repeated"), ([3], [1.0], "out of range"), ([-1], [1.0], "out of range"), ([1], [-1.0], "must be finite and in"), ([1], [np.nan], "finite"), ([1], [1e300], "must be finite and in"), ([0, 1], [1.0], "differ in length")):
         with pytest.raises(ValueError, match=what):
-            _core.fold_queue_samples(*arrays, np.array(idx, dtype=np.int64), np.array(smp, dtype=np.float64), 1.0, 0.5, 0.0)
-        for a, b in zip(arrays, before):
-            assert np.array_equal(a, b, equal_nan=True)
-    _core.fold_queue_samples(*arrays, np.array([2], dtype=np.int64), np.array([4.0]), 1.0, 0.5, 0.0)
-    assert arrays[0][2] == 4.0 and arrays[1][2] == 4.0 and arrays[3][2] == 1.0 and np.isnan(arrays[4][2])
+            q.fold_many(np.array(idx, dtype=np.int64), np.array(smp, dtype=np.float64), 1.0, np.zeros(len(idx)))
+        assert (q.values.tolist(), [q.observed(i) for i in range(3)], [q.pending(i) for i in range(3)], [q.known(i) for i in range(3)], q.version) == state
+    with pytest.raises(IndexError):
+        q.set_live(3, 1.0, 1.0)
+    with pytest.raises(IndexError):
+        q.charge(-1, 1.0, 1.0)
+    q.fold_many(np.array([2], dtype=np.int64), np.array([4.0]), 1.0, np.array([1.0]))
+    assert q[2] == 4.0 and q.known(2) and q.age(2, 1.5) == 0.5
+
+
+def test_estimates_follow_the_reference_rules_step_by_step() -> None:
+    """Seeded random operations against a plain-Python model of the module notes' rules (the
+    class this replaced): every estimate, charge, age and idle clock agrees after every step."""
+    import random
+
+    from _queues_reference import ReferenceEstimates
+
+    rng = random.Random(7)
+    for trial in range(20):
+        n = rng.randint(1, 6)
+        w, idle, ttl = rng.choice([0.5, 0.25, 1.0]), rng.choice([0.0, 1.0]), rng.choice([0.0, 0.5, 2.0])
+        ours, ref = QueueEstimates(n, w, idle, ttl), ReferenceEstimates(n, w, idle, ttl)
+        now = 0.0
+        for step in range(300):
+            now += rng.choice([0.0, 0.01, 0.1, 0.7])
+            op = rng.randrange(7)
+            i = rng.randrange(n)
+            x = rng.choice([0.0, 0.5, 3.0, 250.0, rng.uniform(0, 1000)])
+            before = now - rng.choice([0.0, 0.05, 0.3, 3.0])
+            if op == 0:
+                ours.charge(i, x, now), ref.charge(i, x, now)
+            elif op == 1:
+                ours.expire(now), ref.expire(now)
+            elif op == 2:
+                b = rng.choice([None, before])
+                ours.set_live(i, x, now, b), ref.set_live(i, x, now, b)
+            elif op == 3:
+                b = rng.choice([None, before])
+                assert ours.fold(i, x, now, b) == ref.fold(i, x, now, b)
+            else:
+                k = rng.randint(0, n)
+                idx = np.array(rng.sample(range(n), k), dtype=np.int64)
+                smp = np.array([rng.uniform(0, 500) for _ in range(k)])
+                bb = np.array([now - rng.choice([0.0, 0.2, 1.0]) for _ in range(k)])
+                if op == 4:
+                    ours.fold_many(idx, smp, now, bb), ref.fold_many(idx, smp, now, bb)
+                elif op == 5:
+                    ours.set_live_many(idx, smp, now, bb), ref.set_live_many(idx, smp, now, bb)
+                else:
+                    ours.fold_lagged(idx, smp, now, now - bb), ref.fold_lagged(idx, smp, now, now - bb)
+            where = (trial, step, op)
+            assert ours.values.tolist() == pytest.approx(ref.values.tolist(), rel=1e-12, abs=1e-9), where
+            for j in range(n):
+                assert ours.observed(j) == ref.observed(j), where
+                assert ours.pending(j) == pytest.approx(ref.pending(j), rel=1e-12, abs=1e-9), where
+                assert (ours.known(j), ours.age(j, now + 1)) == (ref.known(j), ref.age(j, now + 1)), where
+                assert ours.idle_for(j, now + 1) == ref.idle_for(j, now + 1), where
+            win = rng.choice([0.0, 0.5, 2.0])
+            assert ours.idle_among(np.arange(n, dtype=np.int64), now, win) == ref.idle_among(np.arange(n, dtype=np.int64), now, win)
 
 
 def test_edge_repeated_vectors_fold_as_the_first_did() -> None:

@@ -640,11 +640,13 @@ class WorkerAgent:
 
     def _stored(self, e: BlockStored) -> None:
         extra = e.extra_keys
+        t = e.token_ids
         self._forest.stored(
             e.group_idx or 0,
             _medium_name(e.medium),
             e.block_size,
-            _core.pack_tokens(e.token_ids),  # little-endian u32, as struct.pack("<nI") would
+            # little-endian u32, as struct.pack("<nI") would
+            t.astype("<u4", copy=False).tobytes() if isinstance(t, np.ndarray) else _core.pack_tokens(t),
             e.lora_id is not None or e.lora_name is not None,
             e.parent_block_hash,
             e.block_hashes,

@@ -41,12 +41,16 @@ import hashlib
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import TYPE_CHECKING, Literal, Union
 
 import msgpack  # type: ignore[import-untyped]  # ships no type information
 
 from kvcompass import _core
 from kvcompass.errors import InvalidEventError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 __all__ = [
     "AllBlocksCleared",
@@ -94,11 +98,14 @@ class BlockStored:
     (no parent) also into ``extra_keys[0]`` as ``(salt,)``, the shape vLLM gives it, so the
     agent keys the chain in the tenant's namespace exactly as for vLLM (a continuation event
     inherits its chain's namespace through its parent).
+
+    ``token_ids`` is a tuple as decoded from an engine, or a uint32 array where the emulated
+    engine hands its own tokens to an agent in the same process (the simulator).
     """
 
     block_hashes: tuple[BlockHash, ...]
     parent_block_hash: BlockHash | None
-    token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...] | npt.NDArray[np.uint32]
     block_size: int
     lora_id: int | None = None
     medium: str | None = None

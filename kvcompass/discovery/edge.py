@@ -495,6 +495,19 @@ class Edge:
             return base.outcome("malformed", error=str(e))
         return self._applied(key, r)
 
+    def apply_patches_in_order(self, batches: list[bytes]) -> int:
+        """Apply the longest prefix of ``batches`` that applies cleanly, as :meth:`apply_patch`
+        would one by one, in one Rust call; returns its length. The first batch that does not
+        apply, and every one after it, is left for :meth:`apply_patch` (which reports and
+        repairs). A view already behind its writer takes nothing here (its bookkeeping is
+        :meth:`apply_patch`'s)."""
+        if self._behind or not batches:
+            return 0
+        done, snaps = _core.apply_view_batches(self._views, batches)
+        self._n.batches_applied += done
+        self._n.snapshots_applied += snaps
+        return done
+
     def note_writer_position(self, table: int, shard: int, epoch: int, seq: int) -> ResyncAction | None:
         """The writer of (table, shard) says it has emitted up to (epoch, seq) (a heartbeat on
         the patch stream). A lost *last* batch is otherwise invisible until the next one

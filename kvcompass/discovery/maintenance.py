@@ -220,6 +220,10 @@ class MaintenanceUnit:
         self._logs = [_Log() for _ in self._tables]
         self._outbox: list[PatchBatch] = []
         self._rebuilds_seen = [t.rebuilds for t in self._tables]
+        # Tables that may have edits since the last flush (every one at first): a flush closes
+        # only these, so a unit with nothing new costs a flush nothing (the simulator flushes
+        # every unit every few virtual milliseconds).
+        self._dirty: set[int] = {t.table_id for t in self._layout.tables}
         self._n = _Counters()
 
     # ---- properties --------------------------------------------------------------------------
@@ -242,8 +246,11 @@ class MaintenanceUnit:
         return t.epoch, t.seq
 
     def table(self, table_id: int) -> LudoTable:
-        """The writer table itself (read-only use: diagnostics and tests)."""
-        return self._table(table_id)
+        """The writer table itself (read-only use: diagnostics and tests; a write through it is
+        still closed into a batch by the next flush)."""
+        t = self._table(table_id)
+        self._dirty.add(table_id)
+        return t
 
     def held(self, worker: str) -> npt.NDArray[np.uint64]:
         """Sorted keys of this shard that ``worker`` holds (any tier); UnknownWorkerError if none."""
@@ -334,6 +341,7 @@ class MaintenanceUnit:
         table = self._tables[ref.table_id]
         self._check_capacity(table, ref.field, keys, tiers)
         fields = np.full(len(keys), ref.field, dtype=np.uint32)
+        self._dirty.add(ref.table_id)
         table.apply_field_ops(keys, fields, tiers)
 
         self._agents[worker] = (batch.incarnation, batch.seq)
@@ -410,8 +418,11 @@ class MaintenanceUnit:
     def flush(self) -> list[PatchBatch]:
         """Close every table's pending edits into its next batch; returns the batches to send,
         in order (including any that :meth:`resume` or :meth:`snapshot` closed since)."""
-        for t in self._layout.tables:
-            self._close(t.table_id)
+        if self._dirty:
+            dirty, self._dirty = self._dirty, set()
+            for t in self._layout.tables:
+                if t.table_id in dirty:
+                    self._close(t.table_id)
         out, self._outbox = self._outbox, []
         return out
 

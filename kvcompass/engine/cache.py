@@ -304,11 +304,14 @@ class PrefixCache:
             self._salt_ids[s] = (len(self._salts), salt_seed(s))
             self._salts.append(s)
 
-    def events_from_core(self, raw: list[tuple[Any, ...]]) -> list[Event]:
-        """The core's raw events (``BlockCache.place_*``) as :mod:`kvcompass.agent.events` objects."""
-        return self._events(raw)
+    def events_from_core(self, raw: list[tuple[Any, ...]], *, token_arrays: bool = False) -> list[Event]:
+        """The core's raw events (``BlockCache.place_*``) as :mod:`kvcompass.agent.events` objects.
+        With ``token_arrays`` a stored event's ``token_ids`` stay the core's uint32 array (the
+        simulator hands them straight to an agent: a tuple of thousands of Python ints a prompt,
+        packed back into bytes by the agent, was a twentieth of a KVCompass run)."""
+        return self._events(raw, token_arrays)
 
-    def _events(self, raw: list[tuple[Any, ...]]) -> list[Event]:
+    def _events(self, raw: list[tuple[Any, ...]], token_arrays: bool = False) -> list[Event]:
         out: list[Event] = []
         for e in raw:
             if e[0]:
@@ -316,7 +319,8 @@ class PrefixCache:
                 ids = tuple(hashes.tolist())
                 # vLLM puts a request's cache salt in the extra keys of its prompt's first block.
                 extra = ((self._salts[salt],),) + (None,) * (len(ids) - 1) if salt else None
-                out.append(BlockStored(block_hashes=ids, parent_block_hash=parent, token_ids=tuple(tokens.tolist()), extra_keys=extra, block_size=self.block_size, medium=_MEDIUM[medium]))
+                toks = tokens if token_arrays else tuple(tokens.tolist())
+                out.append(BlockStored(block_hashes=ids, parent_block_hash=parent, token_ids=toks, extra_keys=extra, block_size=self.block_size, medium=_MEDIUM[medium]))
             else:
                 out.append(BlockRemoved(tuple(e[2].tolist()), _MEDIUM[e[1]]))
         return out

@@ -621,7 +621,7 @@ class Simulator:
 
     def _events(self, worker: int, raw: list[tuple[Any, ...]]) -> None:
         w = self._by_index[worker]
-        self._publish_events(w, w.cache.events_from_core(raw))
+        self._publish_events(w, w.cache.events_from_core(raw, token_arrays=True))
 
     def _respond(self, worker: int, edge_region: int, claimed: int, reused: int, t: float, vector: npt.NDArray[np.float64] | None) -> None:
         """The first chunk back at the edge: reuse report and, from another region, a queue vector."""
@@ -742,7 +742,7 @@ class Simulator:
             raise ValueError(f"copy_in tier must be Tier.VRAM or Tier.DRAM, got {tier!r}")
         sid, seed = (self._salt_id[salt], self._salt_seed[salt]) if salt is not None else (0, 0)
         raw = self._eng().copy_in(w.index, tokens, int(tier), sid, seed)
-        self._publish_events(w, w.cache.events_from_core(raw))
+        self._publish_events(w, w.cache.events_from_core(raw, token_arrays=True))
 
 
 def simulate(

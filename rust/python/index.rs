@@ -351,10 +351,41 @@ fn decode_batch_header<'py>(py: Python<'py>, batch: &[u8]) -> PyResult<Bound<'py
     Ok(d)
 }
 
+/// Apply `batches` in order to the views they name (`views`: (table, shard) -> LudoView), as
+/// `LudoView.apply_batch` each, until one does not apply (a malformed header, a view this dict
+/// lacks, or any refusal), which is left unapplied with every later one; returns how many
+/// applied and how many of those were snapshots. The caller handles the rest one by one (an
+/// edge delivering a round of patches: most rounds apply whole, in one call).
+#[pyfunction]
+fn apply_view_batches(py: Python<'_>, views: &Bound<'_, PyDict>, batches: Vec<Vec<u8>>) -> PyResult<(usize, usize)> {
+    let mut targets: Vec<Arc<RwLock<LudoView>>> = Vec::with_capacity(batches.len());
+    for b in &batches {
+        let Ok(h) = crate::patch::decode_header(b) else { break };
+        let Some(v) = views.get_item((h.table, h.shard))? else { break };
+        let Ok(v) = v.cast::<PyLudoView>() else { break };
+        targets.push(v.borrow().inner.clone());
+    }
+    Ok(py.detach(move || {
+        let (mut applied, mut snapshots) = (0, 0);
+        for (b, v) in batches.iter().zip(&targets) {
+            let Ok(mut g) = v.write() else { break };
+            match g.apply_batch(b) {
+                Ok(a) => {
+                    applied += 1;
+                    snapshots += usize::from(a.snapshot);
+                }
+                Err(_) => break,
+            }
+        }
+        (applied, snapshots)
+    }))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyLudoTable>()?;
     m.add_class::<PyLudoView>()?;
     m.add_class::<PyApplyResult>()?;
     m.add_function(wrap_pyfunction!(decode_batch_header, m)?)?;
+    m.add_function(wrap_pyfunction!(apply_view_batches, m)?)?;
     Ok(())
 }
