@@ -10,6 +10,7 @@ import numpy.typing as npt
 
 __all__ = [
     "apply_view_batches",
+    "coalesce_key_ops",
     "NO_KEY",
     "MAX_QUEUE_MS",
     "PATCH_VERSION",
@@ -237,6 +238,13 @@ class SimEngine:
 def apply_view_batches(views: dict[tuple[int, int], LudoView], batches: list[bytes]) -> tuple[int, int]:
     """Apply ``batches`` in order to the views they name until one does not apply (left
     unapplied with every later one); (applied, snapshots among them)."""
+
+def coalesce_key_ops(
+    keys: npt.NDArray[np.uint64], tiers: npt.NDArray[np.uint8], shard: int, shards: int, owned: npt.NDArray[np.uint64]
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint8], int, int, int]:
+    """An agent batch's ops checked and coalesced for one unit: ``(keys, tiers, cleared, bad,
+    at)``; ``bad`` 0 for a batch to apply, else 1 (``keys[at]`` not 63-bit), 2 (another shard's)
+    or 3 (``tiers[at]`` above 2), with nothing coalesced."""
 
 def decode_batch_header(batch: bytes) -> dict[str, int]:
     """Header of an encoded batch (table, shard, epoch, seq, n_ops); raises MalformedPatchError."""

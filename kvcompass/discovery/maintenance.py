@@ -38,10 +38,12 @@ import struct
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import numpy as np
 import numpy.typing as npt
 
+from kvcompass import _core
 from kvcompass._core import LudoTable
 from kvcompass.discovery.layout import IndexLayout
 from kvcompass.discovery.key_ops import KeyOpBatch
@@ -61,6 +63,7 @@ __all__ = ["ApplyReport", "MaintenanceStats", "MaintenanceUnit", "PatchBatch"]
 
 KEY_LIMIT = 1 << 63
 MAX_TIER = 2
+_NO_KEYS = np.zeros(0, np.uint64)
 DEFAULT_CAPACITY = 1024
 DEFAULT_MAX_CAPACITY = 1 << 32  # the core's own default
 DEFAULT_LOG_BYTES = 16 << 20
@@ -320,7 +323,17 @@ class MaintenanceUnit:
         ref = self._layout.field_of(worker)
         if batch.shard != self._shard:
             raise WrongShardError(f"batch for shard {batch.shard} sent to the unit of shard {self._shard}", shard=self._shard, got_shard=batch.shard, key=None)
-        self._check_keys(batch.keys, batch.tiers)
+        keys, tiers = batch.keys, batch.tiers
+        owned = self._held(ref.table_id, ref.field) if batch.reset else _NO_KEYS
+        if batch.reset:
+            # A reset is the batch plus "drop everything else I held": one coalesced write, so
+            # a key re-reported at its current tier emits nothing.
+            keys = np.concatenate([owned, keys])
+            tiers = np.concatenate([np.zeros(len(owned), np.uint8), tiers])
+        # Every op checked, then one op per key (the last wins), removals first: one Rust call.
+        keys, tiers, cleared, bad, at = _core.coalesce_key_ops(np.ascontiguousarray(keys), np.ascontiguousarray(tiers), self._shard, self._layout.shards, owned)
+        if bad:
+            self._refuse_op(bad, int(batch.keys[at - len(owned)] if bad != 3 else batch.tiers[at - len(owned)]))
         duplicate = self._check_sequence(batch)
         n_ops = len(batch.keys)
         if duplicate:
@@ -329,15 +342,6 @@ class MaintenanceUnit:
             self._n.duplicates += 1
             return ApplyReport(worker, ref.table_id, batch.incarnation, batch.seq, n_ops, 0, 0, True, batch.reset)
 
-        keys, tiers = batch.keys, batch.tiers
-        owned = self._held(ref.table_id, ref.field) if batch.reset else np.zeros(0, np.uint64)
-        if batch.reset:
-            # A reset is the batch plus "drop everything else I held": one coalesced write, so
-            # a key re-reported at its current tier emits nothing.
-            keys = np.concatenate([owned, keys])
-            tiers = np.concatenate([np.zeros(len(owned), np.uint8), tiers])
-        keys, tiers = _coalesce(keys, tiers)
-        cleared = int(np.count_nonzero(np.isin(keys, owned, assume_unique=True) & (tiers == 0)))
         table = self._tables[ref.table_id]
         self._check_capacity(table, ref.field, keys, tiers)
         fields = np.full(len(keys), ref.field, dtype=np.uint32)
@@ -351,24 +355,15 @@ class MaintenanceUnit:
         self._n.resets += int(batch.reset)
         return ApplyReport(worker, ref.table_id, batch.incarnation, batch.seq, n_ops, len(keys), cleared, False, batch.reset)
 
-    def _check_keys(self, keys: npt.NDArray[np.uint64], tiers: npt.NDArray[np.uint8]) -> None:
-        if len(keys) == 0:
-            return
-        big = keys >= np.uint64(KEY_LIMIT)
-        if big.any():
-            k = int(keys[np.argmax(big)])
-            raise InvalidKeyError(f"key {k:#x} is not a 63-bit key", key=k)
-        owner = keys % np.uint64(self._layout.shards)
-        foreign = owner != np.uint64(self._shard)
-        if foreign.any():
-            i = int(np.argmax(foreign))
-            raise WrongShardError(
-                f"key {int(keys[i]):#x} belongs to shard {int(owner[i])}, not {self._shard}", shard=self._shard, got_shard=int(owner[i]), key=int(keys[i])
-            )
-        bad = tiers > np.uint8(MAX_TIER)
-        if bad.any():
-            t = int(tiers[np.argmax(bad)])
-            raise InvalidTierError(f"tier {t} is not 0 (absent), 1 (VRAM) or 2 (DRAM)", tier=t)
+    def _refuse_op(self, bad: int, value: int) -> NoReturn:
+        """The precise error for the first op :func:`_core.coalesce_key_ops` found bad (its
+        key, or its tier for a bad tier)."""
+        if bad == 1:
+            raise InvalidKeyError(f"key {value:#x} is not a 63-bit key", key=value)
+        if bad == 2:
+            owner = value % self._layout.shards
+            raise WrongShardError(f"key {value:#x} belongs to shard {owner}, not {self._shard}", shard=self._shard, got_shard=owner, key=value)
+        raise InvalidTierError(f"tier {value} is not 0 (absent), 1 (VRAM) or 2 (DRAM)", tier=value)
 
     def _check_sequence(self, batch: KeyOpBatch) -> bool:
         """True for a duplicate; raises unless the batch is the next one (see the module doc)."""
@@ -403,7 +398,7 @@ class MaintenanceUnit:
             new = (cur & keep) | (t << (2 * fld))
             removes += cur != 0 and new == 0
             inserts += cur == 0 and new != 0
-        # _coalesce orders removals first, so the table peaks after them.
+        # Coalescing orders removals first, so the table peaks after them.
         needed = len(table) - removes + inserts
         if needed > self._max_capacity:
             raise CapacityError(f"batch would grow table {table.table} to {needed} keys, beyond {self._max_capacity}", needed=needed, max=self._max_capacity)
@@ -524,15 +519,6 @@ class MaintenanceUnit:
         unit._tables = [unit._new_table(spec.table_id, new_epoch, tables[spec.table_id]) for spec in layout.tables]
         unit._init_runtime()
         return unit
-
-
-def _coalesce(keys: npt.NDArray[np.uint64], tiers: npt.NDArray[np.uint8]) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint8]]:
-    """One op per key, the last one sent winning; removals first (so the table peaks lower),
-    then the rest, each in key order."""
-    uniq, first = np.unique(keys[::-1], return_index=True)
-    last = np.ascontiguousarray(tiers[::-1][first])
-    order = np.argsort(last != 0, kind="stable")
-    return np.ascontiguousarray(uniq[order]), np.ascontiguousarray(last[order])
 
 
 def _decode_state(data: bytes, layout: IndexLayout) -> tuple[int, int, list[tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]]]:

@@ -10,6 +10,7 @@ mod bench;
 mod block_cache;
 mod errors;
 mod index;
+mod queues;
 mod router;
 mod sim;
 
@@ -80,54 +81,6 @@ fn chain_block_ids<'py>(py: Python<'py>, chains: &Bound<'py, PyAny>, counts: &Bo
     Ok(crate::token_ids::chain_block_ids(&chains, &counts).into_pyarray(py))
 }
 
-/// `QueueEstimates.fold_many`'s arithmetic, in place on the estimate arrays (float64, one entry
-/// per worker); `indices` (int64) distinct and in range, `samples` (float64) checked by the
-/// caller, which settles the workers' open charges first.
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-fn fold_queue_samples(
-    obs: &Bound<'_, PyArray1<f64>>,
-    tq: &Bound<'_, PyArray1<f64>>,
-    pend: &Bound<'_, PyArray1<f64>>,
-    at: &Bound<'_, PyArray1<f64>>,
-    idle_since: &Bound<'_, PyArray1<f64>>,
-    indices: &Bound<'_, PyArray1<i64>>,
-    samples: &Bound<'_, PyArray1<f64>>,
-    now: f64,
-    weight: f64,
-    idle_ms: f64,
-) -> PyResult<()> {
-    use numpy::PyUntypedArrayMethods;
-    use pyo3::exceptions::PyValueError;
-    let n = obs.len();
-    if [tq.len(), pend.len(), at.len(), idle_since.len()].iter().any(|&l| l != n) {
-        return Err(PyValueError::new_err("estimate arrays differ in length"));
-    }
-    let idx = indices.readonly();
-    let idx = idx.as_slice().map_err(|e| PyValueError::new_err(format!("indices: {e}")))?;
-    let smp = samples.readonly();
-    let smp = smp.as_slice().map_err(|e| PyValueError::new_err(format!("samples: {e}")))?;
-    if idx.len() != smp.len() {
-        return Err(PyValueError::new_err(format!("{} indices but {} samples", idx.len(), smp.len())));
-    }
-    let mut seen = vec![false; n];
-    let mut ix = Vec::with_capacity(idx.len());
-    for &i in idx {
-        if i < 0 || i as usize >= n || std::mem::replace(&mut seen[i as usize], true) {
-            return Err(PyValueError::new_err(format!("index {i}: out of 0..{n} or repeated")));
-        }
-        ix.push(i as usize);
-    }
-    if let Some(j) = crate::queues::first_bad_sample(smp) {
-        return Err(PyValueError::new_err(format!("sample {} = {} ms must be finite and in [0, {}]", j, smp[j], crate::queues::MAX_QUEUE_MS)));
-    }
-    let (mut o, mut t, p, mut a, mut s) = (obs.readwrite(), tq.readwrite(), pend.readonly(), at.readwrite(), idle_since.readwrite());
-    let bad = |e: numpy::AsSliceError| PyValueError::new_err(format!("estimate arrays must be contiguous: {e}"));
-    let mut est = crate::queues::Estimates { obs: o.as_slice_mut().map_err(bad)?, tq: t.as_slice_mut().map_err(bad)?, pend: p.as_slice().map_err(bad)?, at: a.as_slice_mut().map_err(bad)?, idle_since: s.as_slice_mut().map_err(bad)? };
-    crate::queues::fold(&mut est, &ix, smp, now, weight, idle_ms);
-    Ok(())
-}
-
 /// The index of the first item of `tokens` (a list or tuple) that is not an exact int in
 /// 0..2**32-1 (a bool is not), or -1: the check every decoded KV event's token ids get, in one
 /// pass instead of a type census, a min and a max.
@@ -177,6 +130,39 @@ fn shard_of(key: u64, shards: u32) -> PyResult<u32> {
     Ok(chunk_hash::shard_of(key, shards))
 }
 
+/// An agent batch's ops checked and coalesced for one unit (``rust/key_ops.rs``): returns
+/// ``(keys, tiers, cleared, bad, at)``, ``bad`` 0 for a batch to apply (1: ``keys[at]`` is not
+/// 63-bit, 2: it belongs to another shard, 3: ``tiers[at]`` is above 2: nothing coalesced).
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+fn coalesce_key_ops<'py>(
+    py: Python<'py>,
+    keys: numpy::PyReadonlyArray1<'py, u64>,
+    tiers: numpy::PyReadonlyArray1<'py, u8>,
+    shard: u64,
+    shards: u64,
+    owned: numpy::PyReadonlyArray1<'py, u64>,
+) -> PyResult<(Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<u8>>, usize, u8, usize)> {
+    use crate::key_ops::{coalesce, first_bad, BadOp};
+    let (k, t, o) = (keys.as_slice()?, tiers.as_slice()?, owned.as_slice()?);
+    if k.len() != t.len() {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!("{} keys but {} tiers", k.len(), t.len())));
+    }
+    if shards == 0 {
+        return Err(pyo3::exceptions::PyValueError::new_err("shards must be >= 1"));
+    }
+    let empty = |py| (Vec::<u64>::new().into_pyarray(py), Vec::<u8>::new().into_pyarray(py));
+    match first_bad(k, t, shard, shards) {
+        Some(BadOp::Key(i)) => Ok((empty(py).0, empty(py).1, 0, 1, i)),
+        Some(BadOp::Shard(i)) => Ok((empty(py).0, empty(py).1, 0, 2, i)),
+        Some(BadOp::Tier(i)) => Ok((empty(py).0, empty(py).1, 0, 3, i)),
+        None => {
+            let (ck, ct, cleared) = coalesce(k, t, o);
+            Ok((ck.into_pyarray(py), ct.into_pyarray(py), cleared, 0, 0))
+        }
+    }
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NO_KEY", chunk_hash::NO_KEY)?;
@@ -189,14 +175,15 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(block_chain_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(expand_block_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(chain_block_ids, m)?)?;
-    m.add_function(wrap_pyfunction!(fold_queue_samples, m)?)?;
     m.add_function(wrap_pyfunction!(first_bad_token, m)?)?;
     m.add_function(wrap_pyfunction!(pack_tokens, m)?)?;
+    m.add_function(wrap_pyfunction!(coalesce_key_ops, m)?)?;
     index::register(m)?;
     block_cache::register(m)?;
     sim::register(m)?;
     agent::register(m)?;
     router::register(m)?;
+    queues::register(m)?;
     bench::register(m)?;
     Ok(())
 }
