@@ -406,9 +406,12 @@ class Simulator:
 
         Broadcasts are not engine events: most arrive at an edge nobody reads before the next
         one (8 edges x 7 regions every 100 ms), so each is filed under the sequence key its
-        delivery event would have had and applied when something next touches that edge. Every
-        access to an edge goes through here first (:meth:`edge_for`, responses, queue readings,
-        the tick), so the edge is in exactly the state the event-per-broadcast clock gave it."""
+        delivery event would have had and applied when something next reads or folds a remote
+        worker's estimate at that edge (:meth:`edge_for`, which routes; a response, which folds
+        its vector). A broadcast touches only remote workers' estimates, and the accesses that
+        skip this (live readings, piggybacked and broadcast vectors sent, migrations, patches)
+        only own-region workers or views, so the edge is in exactly the state the
+        event-per-broadcast clock gave it wherever a decision reads it."""
         box = self._inbox.get(edge.region)
         if not box:
             return
@@ -633,8 +636,7 @@ class Simulator:
         if region != er:
             if vector is None:
                 src = self.plane.edges[region]
-                self._settle(src)
-                vec = src.piggyback_vector(er, self._eng().now / 1e3)
+                vec = src.piggyback_vector(er, self._eng().now / 1e3)  # own-region estimates only
             else:
                 vec = dict(zip(self._region_workers[region], vector.tolist()))
         self._eng().at(t, partial(self._on_response, edge, w.spec.id, claimed, reused, vec, t / 1e3))
@@ -646,8 +648,7 @@ class Simulator:
     def _queue(self, worker: int, queued_ms: float) -> None:
         w = self._by_index[worker]
         edge = self.plane.edges[w.spec.region]
-        self._settle(edge)
-        edge.set_local_queue(w.spec.id, queued_ms, self._eng().now / 1e3)
+        edge.set_local_queue(w.spec.id, queued_ms, self._eng().now / 1e3)  # own region: no broadcast touches it
 
     def _ingest(self, w: _Worker, batches: Sequence[KeyOpBatch]) -> None:
         assert w.agent is not None
@@ -677,7 +678,9 @@ class Simulator:
         engine = self._eng()
         now = engine.now
         cfg = self.config
-        self._settle_all()
+        # No broadcast is delivered here: nothing the tick does reads a remote worker's estimate
+        # (patches touch views; live readings, broadcasts and migrations only the own region's
+        # workers, which broadcasts never touch), so they wait for the next access that does.
         if cfg.patch_loss or cfg.patch_delay_ms:
             batches = self.plane.flush()
             if batches or self.plane.unsettled:
@@ -690,13 +693,15 @@ class Simulator:
         ws, qs = engine.busy_queues()
         if len(ws):
             eid = self._live_edge[ws]
-            for k in np.unique(eid).tolist():
-                if k < 0:
-                    raise RuntimeError("the engine polled the queue of a worker whose region has no edge")
-                edge = self._live_edges[k]
-                m = eid == k
-                self._settle(edge)
-                edge.set_local_queues(self._live_idx[ws[m]], qs[m], now / 1e3)
+            if int(eid.min()) < 0:
+                raise RuntimeError("the engine polled the queue of a worker whose region has no edge")
+            first = int(eid[0])
+            if bool((eid == first).all()):  # one region busy (most ticks): no grouping
+                self._live_edges[first].set_local_queues(self._live_idx[ws], qs, now / 1e3)
+            else:
+                for k in np.unique(eid).tolist():
+                    m = eid == k
+                    self._live_edges[k].set_local_queues(self._live_idx[ws[m]], qs[m], now / 1e3)
         if self._migrate:
             for edge in self.plane.edges.values():
                 for a in edge.migration_actions(now / 1e3):
@@ -712,8 +717,7 @@ class Simulator:
             engine.at(now + cfg.patch_interval_ms, self._tick)
 
     def _deliver(self, batches: list[PatchBatch], lose: Callable[[str, PatchBatch], bool] | None) -> None:
-        self._settle_all()
-        self.plane.deliver(batches, lose, repair=False)
+        self.plane.deliver(batches, lose, repair=False)  # views only: no broadcast needs delivering first
 
     def _lose(self, region: str, batch: PatchBatch) -> bool:
         return bool(self._eng().fault_random() < self.config.patch_loss)
