@@ -302,6 +302,7 @@ class Edge:
         self._n1 = rtt / self._beta
         self._local = np.array([w.region == region for w in workers], dtype=np.bool_)
         self._local_idx = [int(i) for i in np.flatnonzero(self._local)]
+        self._local_ids = [self._ids[i] for i in self._local_idx]
         self._local_idx_arr = np.array(self._local_idx, dtype=np.int64)
         # Python copies for per-winner reads (numpy scalar indexing is slow on the hot path).
         self._beta_l: list[float] = self._beta.tolist()
@@ -896,7 +897,7 @@ class Edge:
 
     def local_vector(self) -> dict[str, float]:
         """This region's per-worker queue vector (ms), as piggybacked and broadcast."""
-        return self._queues.vector(self._local_idx, [self._ids[i] for i in self._local_idx])
+        return self._queues.vector(self._local_idx, self._local_ids)
 
     def note_piggyback_sent(self, target_region: str, now: float) -> None:
         """A response carrying :meth:`local_vector` left toward ``target_region`` at ``now``:
