@@ -126,3 +126,29 @@ def test_token_ids_and_tokenizer_errors() -> None:
     with pytest.raises(OpenAIError) as e:
         asyncio.run(prompt_tokens({"prompt": "x"}, nothing))
     assert e.value.code == "empty_prompt"
+
+
+def test_n_and_sampling_fields_pass_through_the_door() -> None:
+    # n > 1 reaches the worker (which decodes n sequences after one prefill) and comes back as
+    # n choices; the door refuses only what is malformed (n not a positive integer).
+    async def main() -> None:
+        topo = load_topology("testbed-14x3")
+        edge = LocalPlane(topo).edges[topo.regions[0].name]
+        worker = EmulatedWorker(WorkerConfig(time_scale=0.0, vram_tokens=1024, dram_tokens=1024, max_model_len=4096))
+        await worker.start()
+        try:
+            door = await serve_door(edge, {w: worker.http_url for w in edge.workers}, load_tokenizer(None))
+            try:
+                async with aiohttp.ClientSession() as s:
+                    body = {"prompt": list(range(64)), "max_tokens": 2, "n": 3, "seed": 7, "temperature": 0.5}
+                    async with s.post(door.url + "/v1/completions", json=body) as r:
+                        assert r.status == 200
+                        data = await r.json()
+                    assert [c["index"] for c in data["choices"]] == [0, 1, 2] and data["usage"]["completion_tokens"] == 6
+                    assert await _answer(s, door.url + "/v1/completions", {**body, "n": 0}, None) == (400, "n", "invalid_type", "invalid_request_error")
+            finally:
+                await door.stop(grace_s=1.0)
+        finally:
+            await worker.stop(drain_timeout_s=5)
+
+    asyncio.run(main())

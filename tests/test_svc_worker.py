@@ -168,6 +168,37 @@ def test_sse_stream_format_completions() -> None:
     run(main())
 
 
+def test_n_choices_decode_side_by_side_after_one_prefill() -> None:
+    # n > 1 as vLLM serves it: one prefill, n sequences in the decode batch, one choice each
+    # (indexed 0..n-1), usage counting every sequence's tokens; streamed chunks name their choice.
+    async def main() -> None:
+        async with emulated() as w, aiohttp.ClientSession() as s:
+            url = w.http_url + "/v1/completions"
+            prompt = list(range(40))
+            st, _, whole = await post(s, url, {"prompt": prompt, "max_tokens": 3, "n": 3})
+            assert st == 200 and [c["index"] for c in whole["choices"]] == [0, 1, 2]
+            texts = [c["text"] for c in whole["choices"]]
+            assert len(set(texts)) == 3 and all(c["finish_reason"] == "length" for c in whole["choices"])
+            assert whole["usage"]["completion_tokens"] == 9 and whole["usage"]["total_tokens"] == 49
+            assert w.stats.generated_tokens == 9 and w.stats.prompt_tokens == 40  # one prefill
+            async with s.post(url, json={"prompt": prompt, "max_tokens": 3, "n": 3, "stream": True, "stream_options": {"include_usage": True}}) as r:
+                events = sse_events(await r.text())
+            assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 9
+            by: dict[int, list[dict[str, Any]]] = {}
+            for e in events[:-2]:
+                (ch,) = e["choices"]
+                by.setdefault(ch["index"], []).append(ch)
+            assert sorted(by) == [0, 1, 2]
+            for i, chs in by.items():
+                assert "".join(c["text"] for c in chs) == texts[i]  # the same sequences
+                assert [c["finish_reason"] for c in chs] == [None, None, "length"]
+            chat = w.http_url + "/v1/chat/completions"
+            st, _, c = await post(s, chat, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2})
+            assert st == 200 and [x["index"] for x in c["choices"]] == [0, 1] and c["usage"]["completion_tokens"] == 4
+
+    run(main())
+
+
 def test_sse_stream_format_chat() -> None:
     async def main() -> None:
         async with emulated() as w, aiohttp.ClientSession() as s:
@@ -201,7 +232,10 @@ BAD: list[tuple[str, object, bytes | None, int, str | None, str | None]] = [
     ("/v1/completions", {"prompt": {"a": 1}}, None, 400, "prompt", "invalid_type"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, None, 400, "max_tokens", None),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, None, 400, "max_tokens", None),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, None, 400, "n", None),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, None, 400, "n", None),
+    ("/v1/completions", {"prompt": "hi", "n": "2"}, None, 400, "n", None),
+    ("/v1/completions", {"prompt": "hi", "n": 65}, None, 400, "n", None),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3}, None, 400, "best_of", None),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, None, 400, "stream", None),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, None, 400, "stream_options", None),
     ("/v1/completions", {"prompt": "hi", "logprobs": 2}, None, 400, "logprobs", None),

@@ -233,6 +233,12 @@ class _Request:
     include_usage: bool
     request_id: str
     cache_salt: str | None = None
+    n: int = 1
+    """Choices to return: sequences decoded side by side in the batch after one prefill."""
+
+
+MAX_N = 64
+"""The most choices one request may ask for (each is a sequence in the decode batch)."""
 
 
 def _json(obj: object, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
@@ -554,11 +560,12 @@ class EmulatedWorker:
 
     # ---- decoding ---------------------------------------------------------------------------
 
-    async def _decode(self, tokens: npt.NDArray[np.uint32], count: int) -> AsyncGenerator[tuple[int, str], None]:
-        """The fake output tokens, the first at once (it comes out of the prefill), each further
-        one after a decode step of the current batch."""
+    async def _decode(self, tokens: npt.NDArray[np.uint32], count: int, choice: int = 0) -> AsyncGenerator[tuple[int, str], None]:
+        """The fake output tokens of one sequence (``choice`` of a request's ``n``: each starts
+        elsewhere in the word list, as sampled sequences differ), the first at once (it comes
+        out of the prefill), each further one after a decode step of the current batch."""
         scale, cost, words = self.config.time_scale, self.config.cost, self._words
-        start = int.from_bytes(blake2b(tokens.tobytes(), digest_size=8).digest(), "little") % len(words)
+        start = (int.from_bytes(blake2b(tokens.tobytes(), digest_size=8).digest(), "little") + 7919 * choice) % len(words)
         n = len(tokens)
         self._decoding += 1
         self._context += n
@@ -628,8 +635,8 @@ class EmulatedWorker:
             }
             usage = {
                 "prompt_tokens": len(req.tokens),
-                "total_tokens": len(req.tokens) + req.max_tokens,
-                "completion_tokens": req.max_tokens,
+                "total_tokens": len(req.tokens) + req.n * req.max_tokens,
+                "completion_tokens": req.n * req.max_tokens,
                 "prompt_tokens_details": {"cached_tokens": cached},
             }
             if req.stream:
@@ -641,20 +648,23 @@ class EmulatedWorker:
                 self._idle.set()
 
     async def _whole(self, req: _Request, headers: dict[str, str], usage: dict[str, Any]) -> web.Response:
-        texts: list[str] = []
-        async with contextlib.aclosing(self._decode(req.tokens, req.max_tokens)) as gen:
-            async for _, text in gen:
-                texts.append(text)
-        text = "".join(texts)
+        async def one(i: int) -> str:
+            texts: list[str] = []
+            async with contextlib.aclosing(self._decode(req.tokens, req.max_tokens, i)) as gen:
+                async for _, text in gen:
+                    texts.append(text)
+            return "".join(texts)
+
+        outs = await asyncio.gather(*(one(i) for i in range(req.n)))
         headers[QUEUE_MS_HEADER] = f"{self.queue_ms():.3f}"
         created = int(time.time())
-        choice: dict[str, Any]
+        choices: list[dict[str, Any]]
         if req.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": "length", "stop_reason": None}
-            body = {"id": f"chatcmpl-{req.request_id}", "object": "chat.completion", "created": created, "model": self.config.model, "choices": [choice], "usage": usage}
+            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": "length", "stop_reason": None} for i, t in enumerate(outs)]
+            body = {"id": f"chatcmpl-{req.request_id}", "object": "chat.completion", "created": created, "model": self.config.model, "choices": choices, "usage": usage}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None}
-            body = {"id": f"cmpl-{req.request_id}", "object": "text_completion", "created": created, "model": self.config.model, "choices": [choice], "usage": usage}
+            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": "length", "stop_reason": None} for i, t in enumerate(outs)]
+            body = {"id": f"cmpl-{req.request_id}", "object": "text_completion", "created": created, "model": self.config.model, "choices": choices, "usage": usage}
         return _json(body, headers=headers)
 
     async def _stream(self, request: web.Request, req: _Request, headers: dict[str, str], usage: dict[str, Any]) -> web.StreamResponse:
@@ -670,28 +680,48 @@ class EmulatedWorker:
         async def send(choices: list[dict[str, Any]], **more: Any) -> None:
             await resp.write(b"data: " + json.dumps({**base, "choices": choices, **more}, separators=(",", ":")).encode() + b"\n\n")
 
+        # The n sequences decode side by side; their tokens go out as they come, each chunk
+        # naming its choice, and a sequence's last chunk carries its finish reason.
+        out: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
+
+        async def one(i: int) -> None:
+            async with contextlib.aclosing(self._decode(req.tokens, req.max_tokens, i)) as gen:
+                async for _, text in gen:
+                    await out.put((i, text))
+            await out.put((i, None))
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(req.n)]
+        made = [0] * req.n
         try:
             if req.chat:
-                await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra)
-            async with contextlib.aclosing(self._decode(req.tokens, req.max_tokens)) as gen:
-                j = 0
-                async for _, text in gen:
-                    j += 1
-                    last = j == req.max_tokens and not req.chat
+                for i in range(req.n):
+                    await send([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra)
+            left = req.n
+            while left:
+                i, text = await out.get()
+                if text is None:
+                    left -= 1
                     if req.chat:
-                        await send([{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}], **extra)
-                    else:
-                        await send([{"index": 0, "text": text, "logprobs": None, "finish_reason": "length" if last else None, "stop_reason": None}], **extra)
-            if req.chat:
-                await send([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length", "stop_reason": None}], **extra)
-            elif req.max_tokens == 0:
-                await send([{"index": 0, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None}], **extra)
+                        await send([{"index": i, "delta": {}, "logprobs": None, "finish_reason": "length", "stop_reason": None}], **extra)
+                    elif req.max_tokens == 0:
+                        await send([{"index": i, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None}], **extra)
+                    continue
+                made[i] += 1
+                if req.chat:
+                    await send([{"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": None}], **extra)
+                else:
+                    last = made[i] == req.max_tokens
+                    await send([{"index": i, "text": text, "logprobs": None, "finish_reason": "length" if last else None, "stop_reason": None}], **extra)
             if req.include_usage:
                 await send([], usage=usage)
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionResetError:
-            pass  # the client went away; its decode stopped with the generator
+            pass  # the client went away; its sequences stop with their tasks
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         return resp
 
     # ---- request parsing ----------------------------------------------------------------------
@@ -702,10 +732,14 @@ class EmulatedWorker:
         model = body.get("model")
         if model is not None and model != self.config.model:
             raise OpenAIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
-        for name in ("n", "best_of"):
-            n = body.get(name)
-            if n is not None and (type(n) is not int or n != 1):
-                raise OpenAIError(400, f"{name} must be 1: the emulated worker returns one choice, got {n!r}", name)
+        n = body.get("n")
+        if n is None:
+            n = 1
+        if type(n) is not int or not 1 <= n <= MAX_N:
+            raise OpenAIError(400, f"n must be an integer in 1..{MAX_N}, got {n!r}", "n")
+        best_of = body.get("best_of")
+        if best_of is not None and best_of != n:
+            raise OpenAIError(400, f"best_of is not supported by the emulated worker beyond best_of = n (got {best_of!r}, n = {n})", "best_of")
         if body.get("echo"):
             raise OpenAIError(400, "echo is not supported by the emulated worker", "echo")
         if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
@@ -749,7 +783,7 @@ class EmulatedWorker:
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise OpenAIError(400, "cache_salt must be a non-empty string", "cache_salt")
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        return _Request(chat, tokens, max_tokens, stream, include_usage, rid, salt)
+        return _Request(chat, tokens, max_tokens, stream, include_usage, rid, salt, n)
 
 def _bind(sock: zmq.asyncio.Socket, endpoint: str | None, host: str) -> str:
     if endpoint is None:
