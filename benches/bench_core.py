@@ -34,7 +34,6 @@ import gc
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +42,8 @@ from typing import Any
 import numpy as np
 
 from kvcompass import _core
+
+from _provenance import git_info
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -79,18 +80,6 @@ def rnd(x: float, nd: int = 3) -> float:
 
 # ---------------------------------------------------------------------------------------------
 # context
-
-
-def git_info() -> tuple[str | None, bool | None]:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        if head.returncode != 0:
-            return None, None
-        st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        dirty = bool(st.stdout.strip()) if st.returncode == 0 else None
-        return head.stdout.strip() or None, dirty
-    except (OSError, subprocess.SubprocessError):
-        return None, None
 
 
 def cpu_model() -> str | None:

@@ -82,6 +82,8 @@ from typing import Any
 
 import numpy as np
 
+from _provenance import git_info
+
 REPO = Path(__file__).resolve().parent.parent
 
 TARGETS: dict[str, dict[str, float]] = {
@@ -118,18 +120,6 @@ def rnd(x: float, nd: int = 3) -> float:
 
 # ---------------------------------------------------------------------------------------------
 # context
-
-
-def git_info() -> tuple[str | None, bool | None]:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        if head.returncode != 0:
-            return None, None
-        st = subprocess.run(["git", "--no-optional-locks", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        dirty = bool(st.stdout.strip()) if st.returncode == 0 else None
-        return head.stdout.strip() or None, dirty
-    except (OSError, subprocess.SubprocessError):
-        return None, None
 
 
 def cpu_model() -> str | None:

@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import datetime as dt
 import json
-import subprocess
 import sys
 import time
 import tracemalloc
@@ -29,20 +28,14 @@ from kvcompass.sim.engine import SimConfig, Simulator
 from kvcompass.sim.schemes import SCHEMES
 from kvcompass.sim.workload import synthetic_mixed
 
+from _provenance import git_info
+
 TARGET = 50_000.0
 TARGET_KVCOMPASS = 10_000.0
 
 
 def _target(scheme: str) -> float:
     return TARGET_KVCOMPASS if scheme.startswith("kvcompass") else TARGET
-
-
-def _commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def _scaled_caches(topo: Topology, f: float) -> Topology:
@@ -140,7 +133,8 @@ def main() -> int:
         "heap_growth_kb_per_request": round(growth_kb, 3),
         "cache_scale": args.cache_scale,
         "mode": "quick" if args.quick else "full",
-        "git_commit": _commit(),
+        "git_commit": git_info()[0],
+        "git_dirty": git_info()[1],
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
     print(json.dumps(out))

@@ -24,8 +24,9 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
+
+from _provenance import git_info
 
 GOAL_S = 1.0
 TOPOLOGY = "testbed-14x3"
@@ -50,14 +51,6 @@ def _start(args: list[str]) -> tuple[subprocess.Popen[bytes], dict[str, Any], fl
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.kill()
     proc.wait()
-
-
-def _commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, timeout=10, cwd=Path(__file__).parent)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def main() -> int:
@@ -104,7 +97,8 @@ def main() -> int:
         "goal_s": GOAL_S,
         "meets": all(max(v) <= GOAL_S for v in times.values()),
         "topology": TOPOLOGY,
-        "git_commit": _commit(),
+        "git_commit": git_info()[0],
+        "git_dirty": git_info()[1],
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
     print(json.dumps(out))
