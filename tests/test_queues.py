@@ -356,3 +356,27 @@ def test_edge_repeated_vectors_fold_as_the_first_did() -> None:
         with pytest.raises((InvalidArgumentError, ValueError)):
             fast.on_broadcast("B", bad, 9.0)
         assert fast.queue_estimate("b0") == before and fast.queue_age("b0", 9.0) == 6.0
+
+
+def test_vectors_as_arrays_fold_as_dicts_do() -> None:
+    """``on_broadcast_values`` (ids and an array, the simulator's form) leaves an edge exactly as
+    ``on_broadcast`` of the same dict does: estimates, ages, ignored ids, refusals, own region."""
+    arrays, dicts = make_edge(), make_edge()
+    ids = ("b0", "zz", "b1")
+    for k, vals in enumerate(([80.0, 3.0, 10.0], [40.0, 1.0, 30.0], [5.0, 0.0, 7.0])):
+        v = np.array(vals)
+        arrays.on_broadcast_values("B", ids, v, float(k))
+        dicts.on_broadcast("B", dict(zip(ids, vals)), float(k))
+        for w in ("b0", "b1"):
+            assert arrays.queue_estimate(w) == dicts.queue_estimate(w) and arrays.queue_age(w, 9.0) == dicts.queue_age(w, 9.0)
+    assert arrays.stats.queue_samples_ignored == dicts.stats.queue_samples_ignored == 3
+    before = arrays.queue_estimate("b0")
+    with pytest.raises(InvalidArgumentError):
+        arrays.on_broadcast_values("B", ids, np.array([1.0, 1.0, -5.0]), 4.0)
+    assert arrays.queue_estimate("b0") == before  # refused whole
+    arrays.on_broadcast_values("A", ("a0",), np.array([999.0]), 5.0)  # our own region: ignored
+    assert arrays.queue_estimate("a0") == dicts.queue_estimate("a0")
+    a = make_edge()
+    a.set_local_queue("a0", 20.0, 0.0)
+    assert a.local_ids == ("a0", "a1") and a.local_values().tolist() == [20.0, 0.0]
+    assert a.broadcast_targets_due(0.0) == ["B", "C"] and a.broadcast_targets_due(0.05) == []

@@ -302,7 +302,7 @@ class Edge:
         self._n1 = rtt / self._beta
         self._local = np.array([w.region == region for w in workers], dtype=np.bool_)
         self._local_idx = [int(i) for i in np.flatnonzero(self._local)]
-        self._local_ids = [self._ids[i] for i in self._local_idx]
+        self._local_ids = tuple(self._ids[i] for i in self._local_idx)
         self._local_idx_arr = np.array(self._local_idx, dtype=np.int64)
         # Python copies for per-winner reads (numpy scalar indexing is slow on the hot path).
         self._beta_l: list[float] = self._beta.tolist()
@@ -853,6 +853,24 @@ class Edge:
             return
         self._fold_vector(region, vector, now)
 
+    def on_broadcast_values(self, region: str, ids: tuple[str, ...], values: npt.NDArray[np.float64], now: float) -> None:
+        """:meth:`on_broadcast` of the vector ``dict(zip(ids, values))``, given as the sending
+        edge's :attr:`local_ids` and :meth:`local_values` (a driver in one process, the
+        simulator, passes arrays instead of building a dict per broadcast)."""
+        if region == self._region:
+            return
+        known = self._vector_ids.get(region)
+        if known is not None and (known[0] is ids or known[0] == ids):
+            ii, ignored, pos, lag = known[1], known[2], known[3], known[4]
+            try:
+                self._queues.fold_lagged(ii, values if pos is None else np.ascontiguousarray(values[pos]), now, lag)
+            except ValueError:
+                pass  # a sample not finite and >= 0: the full check names it
+            else:
+                self._n.queue_samples_ignored += ignored
+                return
+        self._fold_vector(region, dict(zip(ids, values.tolist())), now)
+
     def _fold_vector(self, region: str, vector: Mapping[str, float], now: float) -> None:
         # A region sends the same worker ids in the same order every time: once a vector's ids
         # have been resolved, the next one with those ids is checked and folded as arrays.
@@ -895,6 +913,15 @@ class Edge:
         if idx:
             self._queues.fold_many(ii, np.fromiter(vals, dtype=np.float64, count=len(vals)), now, now - self._settle_lag_s_arr[ii])
 
+    @property
+    def local_ids(self) -> tuple[str, ...]:
+        """This region's workers in the order of :meth:`local_values` (one tuple object)."""
+        return self._local_ids
+
+    def local_values(self) -> npt.NDArray[np.float64]:
+        """This region's per-worker queue estimates (ms) in :attr:`local_ids` order."""
+        return self._queues.values[self._local_idx_arr]
+
     def local_vector(self) -> dict[str, float]:
         """This region's per-worker queue vector (ms), as piggybacked and broadcast."""
         return self._queues.vector(self._local_idx, self._local_ids)
@@ -912,14 +939,31 @@ class Edge:
         self.note_piggyback_sent(target_region, now)
         return self.local_vector()
 
+    @property
+    def next_broadcast_s(self) -> float:
+        """The earliest time (s) a broadcast can be due (a driver polling every few
+        milliseconds skips :meth:`broadcast_due` until then)."""
+        return self._broadcast.next_due
+
+    @property
+    def migrations_pending(self) -> bool:
+        """Whether :meth:`migration_actions` has anything to resolve."""
+        return self._params.migration and bool(self._planner.pending)
+
     def broadcast_due(self, now: float) -> list[QueueBroadcast]:
         """Broadcasts to send now: every other region, every Delta, unless it just got a piggyback."""
-        targets = self._broadcast.due(now)
+        targets = self.broadcast_targets_due(now)
         if not targets:
             return []
         vec = self.local_vector()
-        self._n.broadcasts_sent += len(targets)
         return [QueueBroadcast(self._region, r, dict(vec)) for r in targets]
+
+    def broadcast_targets_due(self, now: float) -> list[str]:
+        """The regions :meth:`broadcast_due` would send to now (the schedule advances as it
+        does); the vector to send is :meth:`local_values` in :attr:`local_ids` order."""
+        targets = self._broadcast.due(now)
+        self._n.broadcasts_sent += len(targets)
+        return targets
 
     # -- hotness and migration ------------------------------------------------------------------------
 

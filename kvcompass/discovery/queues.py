@@ -83,6 +83,11 @@ class BroadcastSchedule:
     def targets(self) -> tuple[str, ...]:
         return tuple(self._next)
 
+    @property
+    def next_due(self) -> float:
+        """The earliest time (s) a target can be due; before it :meth:`due` returns nothing."""
+        return self._soonest
+
     def note_piggyback(self, region: str, now: float) -> None:
         """A response carrying this region's vector was sent toward ``region`` at ``now``."""
         if region not in self._piggy:

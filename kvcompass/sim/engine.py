@@ -369,7 +369,7 @@ class Simulator:
         )
         self._run_rng = _RunRng(self._engine)
         self._engine_holds_caches = True
-        self._inbox: dict[str, list[tuple[float, int, int, str, dict[str, float]]]] = {r: [] for r in self.plane.edges}
+        self._inbox: dict[str, list[tuple[float, int, int, str, tuple[str, ...], npt.NDArray[np.float64]]]] = {r: [] for r in self.plane.edges}
         native = getattr(self._scheme, "engine_policy", None)
         if native is not None:
             # Content-keyed baselines key a salted prompt with its salt as schemes._h64 does.
@@ -417,8 +417,8 @@ class Simulator:
             return
         cur = self._eng().current() if bound is None else bound
         while box and box[0][:3] < cur:
-            t, _, _, source, vector = heapq.heappop(box)
-            edge.on_broadcast(source, vector, t / 1e3)
+            t, _, _, source, ids, vals = heapq.heappop(box)
+            edge.on_broadcast_values(source, ids, vals, t / 1e3)
 
     def _settle_all(self, bound: tuple[float, int, int] | None = None) -> None:
         for edge in self.plane.edges.values():
@@ -702,17 +702,25 @@ class Simulator:
                 for k in np.unique(eid).tolist():
                     m = eid == k
                     self._live_edges[k].set_local_queues(self._live_idx[ws[m]], qs[m], now / 1e3)
+        t_s = now / 1e3
         if self._migrate:
             for edge in self.plane.edges.values():
-                for a in edge.migration_actions(now / 1e3):
-                    self._start_migration(a)
+                if edge.migrations_pending:
+                    for a in edge.migration_actions(t_s):
+                        self._start_migration(a)
         ri = self._region_index
         for edge in self.plane.edges.values():
-            for b in edge.broadcast_due(now / 1e3):
-                if b.target_region in self._inbox:
-                    t = now + engine.way(ri[b.source_region], ri[b.target_region])
-                    seq, sub = engine.reserve_key()
-                    heapq.heappush(self._inbox[b.target_region], (t, seq, sub, b.source_region, b.vector))
+            if t_s + 1e-9 < edge.next_broadcast_s:  # the schedule's own float slack
+                continue
+            targets = edge.broadcast_targets_due(t_s)
+            if targets:
+                src = edge.region
+                ids, vals = edge.local_ids, edge.local_values()
+                for r in targets:
+                    if r in self._inbox:
+                        t = now + engine.way(ri[src], ri[r])
+                        seq, sub = engine.reserve_key()
+                        heapq.heappush(self._inbox[r], (t, seq, sub, src, ids, vals))
         if engine.completed < len(self._requests):
             engine.at(now + cfg.patch_interval_ms, self._tick)
 
