@@ -37,8 +37,10 @@ bench-quick: build ## benches/bench_core.py --quick (<= 60 s, 10^6 entries); pri
 	$(PY) benches/bench_core.py --quick
 
 .PHONY: bench
-bench: build ## full benchmark (10^7 entries) and the criterion benches
+bench: build ## full benchmark (10^7 entries), the pytest-benchmark suite of the bindings, and the criterion benches
+	$(VENV)/bin/maturin develop --release -q --extras test,bench
 	$(PY) benches/bench_core.py
+	$(PY) -m pytest benches/test_bench_core.py --benchmark-only -p no:cacheprovider
 	cargo bench
 
 .PHONY: fuzz

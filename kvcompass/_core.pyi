@@ -22,6 +22,7 @@ __all__ = [
     "expand_block_tokens",
     "chain_block_ids",
     "first_bad_token",
+    "token_array",
     "pack_tokens",
     "BlockCache",
     "SimEngine",
@@ -72,6 +73,9 @@ def expand_block_tokens(ids: npt.NDArray[np.uint64], input_length: int, block_si
 
 def chain_block_ids(chains: npt.NDArray[np.uint64], counts: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     """Block ids ``mix64(chain + j * golden) & (2**63 - 1)`` for ``j = 1..count`` of every run."""
+
+def token_array(tokens: list[int] | tuple[int, ...]) -> tuple[npt.NDArray[np.uint32], int]:
+    """``(uint32 array, -1)``, or ``(empty, i)`` for the first item not an exact int in 0..2**32-1."""
 
 def first_bad_token(tokens: list[int] | tuple[int, ...]) -> int:
     """Index of the first item that is not an exact int in 0..2**32-1 (bools are not), or -1."""

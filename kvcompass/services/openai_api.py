@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 from aiohttp import web
 
+from kvcompass import _core
 from kvcompass.errors import KVCompassError
 
 __all__ = [
@@ -42,7 +43,6 @@ INLINE_TOKENIZE_CHARS = 32768
 """Texts longer than this (characters) are tokenized in a thread, off the event loop (the
 tokenizers release the GIL), so one long prompt does not stall every other request."""
 
-_U32_MAX = 0xFFFFFFFF
 
 Tokenize = Callable[[], Any]
 Observe = Callable[[web.Request, web.StreamResponse, "OpenAIError | None"], None]
@@ -131,16 +131,11 @@ def decode_json_object(raw: bytes, content_type: str | None) -> dict[str, Any]:
 
 def token_ids(p: list[Any]) -> npt.NDArray[np.uint32]:
     """A prompt given as token ids: every one an integer in 0..2**32-1 (JSON true and false are
-    not: ``type`` rather than ``isinstance``, since bools are ints to it)."""
-    if set(map(type, p)) != {int}:
-        raise OpenAIError(400, "prompt token ids must be integers in 0..2**32-1 (one prompt per request)", "prompt", "invalid_token_id")
-    try:
-        arr = np.array(p, dtype=np.int64)
-    except OverflowError:
-        raise OpenAIError(400, "prompt token ids must be integers in 0..2**32-1", "prompt", "invalid_token_id") from None
-    if int(arr.min()) < 0 or int(arr.max()) > _U32_MAX:
-        raise OpenAIError(400, "prompt token ids must be integers in 0..2**32-1", "prompt", "invalid_token_id")
-    return arr.astype(np.uint32)
+    not), checked and converted in one Rust pass."""
+    arr, bad = _core.token_array(p)
+    if bad >= 0:
+        raise OpenAIError(400, f"prompt token ids must be integers in 0..2**32-1 (one prompt per request); prompt[{bad}] is {p[bad]!r}", "prompt", "invalid_token_id")
+    return arr
 
 
 def _as_u32(ids: Any) -> npt.NDArray[np.uint32]:

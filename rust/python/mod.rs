@@ -97,6 +97,36 @@ fn first_bad_token(tokens: &Bound<'_, PyAny>) -> PyResult<i64> {
     Err(pyo3::exceptions::PyTypeError::new_err("tokens: expected a list or tuple of ints"))
 }
 
+/// Token ids given as a list or tuple as a uint32 array, checked in the same pass: `(array,
+/// -1)`, or `(empty array, i)` for the first item that is not an exact int in 0..2**32-1 (a bool
+/// is not). A door reading a JSON prompt of token ids pays this once, not a type census, an
+/// int64 copy, a min, a max and a cast.
+#[pyfunction]
+fn token_array<'py>(py: Python<'py>, tokens: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyArray1<u32>>, i64)> {
+    use pyo3::types::{PyInt, PyList, PyTuple};
+    fn fill<'a>(items: impl ExactSizeIterator<Item = Bound<'a, PyAny>>) -> Result<Vec<u32>, i64> {
+        let mut out = Vec::with_capacity(items.len());
+        for (i, t) in items.enumerate() {
+            match (t.is_exact_instance_of::<PyInt>(), t.extract::<u32>()) {
+                (true, Ok(v)) => out.push(v),
+                _ => return Err(i as i64),
+            }
+        }
+        Ok(out)
+    }
+    let got = if let Ok(l) = tokens.cast::<PyList>() {
+        fill(l.iter())
+    } else if let Ok(t) = tokens.cast::<PyTuple>() {
+        fill(t.iter())
+    } else {
+        return Err(pyo3::exceptions::PyTypeError::new_err("tokens: expected a list or tuple of ints"));
+    };
+    Ok(match got {
+        Ok(v) => (v.into_pyarray(py), -1),
+        Err(i) => (Vec::<u32>::new().into_pyarray(py), i),
+    })
+}
+
 /// Token ids (a list or tuple of ints in 0..2**32-1) as little-endian u32 bytes, the form the
 /// agent keys by.
 #[pyfunction]
@@ -177,6 +207,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(chain_block_ids, m)?)?;
     m.add_function(wrap_pyfunction!(first_bad_token, m)?)?;
     m.add_function(wrap_pyfunction!(pack_tokens, m)?)?;
+    m.add_function(wrap_pyfunction!(token_array, m)?)?;
     m.add_function(wrap_pyfunction!(coalesce_key_ops, m)?)?;
     index::register(m)?;
     block_cache::register(m)?;
