@@ -417,6 +417,17 @@ def test_each_edge_serves_a_dashboard_on_its_metrics_listener(cluster: Cluster) 
     assert set(route["terms"]) == {"wan", "queue", "prefill", "reload", "lam", "belief"}
     assert {"local_hit_rate", "xregion_hit_rate", "false_claim_rate", "routes"} <= set(d["rates"])
     assert d["views"] and all({"table", "shard", "epoch", "seq", "entries", "behind"} <= set(v) for v in d["views"])
+    # Time to first token and to the last byte, as the door measured them, per route and as
+    # percentiles over the ring; a stream's first event comes before its end.
+    assert 0 < route["ttft_ms"] <= route["e2e_ms"]
+    st, _, _ = _post(cluster.edge("a") + "/v1/completions", {"model": MODEL, "prompt": _prompt(42, 256), "max_tokens": 4, "stream": True})
+    assert st == 200
+    d = json.loads(_get(e["dashboard"] + "/data")[1])
+    streamed = d["routes"][0]
+    assert 0 < streamed["ttft_ms"] <= streamed["e2e_ms"]
+    lat = d["latency"]
+    assert lat["requests"] >= 2 and 0 < lat["ttft_p50_ms"] <= lat["ttft_p99_ms"] and lat["e2e_p99_ms"] >= lat["ttft_p99_ms"]
+    assert b"kvcompass_door_ttft_seconds_count" in _get(cluster.edge("a") + "/metrics")[1]  # the door's own registry
     assert _get(cluster.edge("a") + "/dashboard")[0] == 404  # the public door does not serve it
 
 
@@ -442,6 +453,8 @@ def test_the_dashboard_renders_in_headless_chromium(cluster: Cluster, tmp_path: 
     cells = re.findall(r'<rect class="cell" data-worker="([^"$]+)"', dom.stdout)
     assert sorted(cells) == sorted(cluster.state["workers"]), dom.stdout[-3000:]
     assert dom.stdout.count('<tr class="route"><td class="l">') >= 3
+    ttft = re.search(r'id="ttft">([^<]*)<', dom.stdout)
+    assert ttft is not None and re.fullmatch(r"[\d.]+ ms / [\d.]+ ms", ttft.group(1)), ttft
     status = re.search(r'id="status">([^<]*)<', dom.stdout)
     assert status is not None and status.group(1).startswith(f"{len(cluster.state['workers'])} workers"), status
     subprocess.run([*flags, f"--screenshot={shot}", url], capture_output=True, timeout=120, check=True)

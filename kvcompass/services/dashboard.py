@@ -11,8 +11,9 @@ What the data holds: ``workers`` (one entry per worker of the topology: region, 
 cache belief, whether the door holds it dead), ``routes`` (the latest decisions, newest first:
 tenant, prompt length, claimed length and tier, worker and region, the score terms, and what
 the worker then reused), ``rates`` (local and cross-region reuse and false claims over those
-routes), ``views`` (per table and shard: epoch, seq, entries, behind) and ``stale_shards``.
-Not shown yet: TTFT percentiles (the door does not time first tokens), hot prefix families and
+routes), ``latency`` (time to first token and to the last byte, P50 and P99, over the latest
+routes, as the door measures them from receiving a request), ``views`` (per table and shard:
+epoch, seq, entries, behind) and ``stale_shards``. Not shown yet: hot prefix families and
 migrations in flight.
 """
 
@@ -68,7 +69,32 @@ class Dashboard:
                 v = e.view(t.table_id, s)
                 views.append({"table": t.table_id, "shard": s, "epoch": v.epoch, "seq": v.seq, "entries": v.count_entries() if v.initialised else 0, "behind": (t.table_id, s) in behind})
         stale = {str(k): round(v, 1) for k, v in (self.stale_shards() if self.stale_shards is not None else {}).items()}
-        return {"region": e.region, "time": time.time(), "workers": workers, "routes": routes, "rates": _rates(routes, e.region), "views": views, "stale_shards": stale}
+        recent = list(door.recent_routes) if door is not None else []
+        return {
+            "region": e.region,
+            "time": time.time(),
+            "workers": workers,
+            "routes": routes,
+            "rates": _rates(routes, e.region),
+            "latency": _latency(recent),
+            "views": views,
+            "stale_shards": stale,
+        }
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _latency(routes: list[dict[str, Any]]) -> dict[str, float | int | None]:
+    """TTFT and end-to-end P50/P99 (ms, nearest rank) over every route in the door's ring that
+    got that far."""
+    ttft = [float(r["ttft_ms"]) for r in routes if r.get("ttft_ms") is not None]
+    e2e = [float(r["e2e_ms"]) for r in routes if r.get("e2e_ms") is not None]
+    return {"requests": len(ttft), "ttft_p50_ms": _pct(ttft, 0.5), "ttft_p99_ms": _pct(ttft, 0.99), "e2e_p50_ms": _pct(e2e, 0.5), "e2e_p99_ms": _pct(e2e, 0.99)}
 
 
 def _rates(routes: list[dict[str, Any]], own: str) -> dict[str, float | int]:

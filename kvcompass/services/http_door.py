@@ -207,6 +207,13 @@ class _Metrics:
             buckets=(5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2),
             registry=registry,
         )
+        self.ttft_seconds = Histogram(
+            p + "ttft_seconds",
+            "Time to first token as the client sees it from the door: to the first streamed event, or to the whole response when not streaming",
+            ["stream"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=registry,
+        )
         self.routes = Counter(p + "routes", "Requests routed, by the chosen worker's region", ["worker_region"], registry=registry)
         self.peer_failures = Counter(p + "peer_failures", "Hand-offs a peer door failed to answer (the worker was then tried directly when its URL is known)", registry=registry)
         self.peer_doors = Gauge(p + "peer_doors", "Other regions' doors this door hands requests to", registry=registry)
@@ -255,6 +262,9 @@ class _Prepared:
     headers: dict[str, str]
     handoff: str | None = None
     """The worker another region's door sent this request to (``x-kvcompass-handoff``)."""
+    t0: float = 0.0
+    """When the door started serving it (``time.perf_counter``): time to first token and to
+    the last byte are measured from here, so they include the door's own time."""
 
 
 @dataclass(slots=True)
@@ -480,6 +490,7 @@ class FrontDoor:
         endpoint = "chat.completions" if chat else "completions"
         try:
             prep = await self._prepare(request, chat=chat)
+            prep.t0 = t0
             return await self._proxy(request, prep)
         finally:
             self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - t0)
@@ -630,6 +641,8 @@ class FrontDoor:
             "candidates": d.candidates,
             "terms": {"wan": t.wan, "queue": t.queue, "prefill": t.prefill, "reload": t.reload, "lam": t.lam, "belief": t.belief},
             "reused": None,
+            "ttft_ms": None,
+            "e2e_ms": None,
         }
         self.recent_routes.append(record)
         return _Choice(d.worker, d.region, d.expected_match, d, record)
@@ -774,6 +787,7 @@ class FrontDoor:
         if 200 <= up.status < 300:
             fb.reused = self._usage_reused(data)
             self._learn(choice, fb)
+            self._timed(choice, prep, first=True, last=True)
         headers = self._reply_headers(request, choice)
         headers["Content-Type"] = ctype or "application/json"
         return web.Response(body=data, status=up.status, headers=headers)
@@ -789,6 +803,7 @@ class FrontDoor:
         await resp.prepare(request)
         # From here on bytes reached the client: no retry, whatever happens.
         buf = b""
+        first = True
         try:
             try:
                 async for data in up.content.iter_any():
@@ -801,6 +816,9 @@ class FrontDoor:
                         out = self._stream_event(event, prep, fb)
                         if out:
                             await resp.write(out)
+                            if first:
+                                first = False
+                                self._timed(choice, prep, first=True)
             except (aiohttp.ClientError, TimeoutError) as e:
                 self.mark_dead(choice.worker, "midstream")
                 err = error_body(502, f"worker {choice.worker} failed mid-stream: {e!r}", code="upstream_error")
@@ -813,9 +831,22 @@ class FrontDoor:
                     await resp.write(out)
             self._learn(choice, fb)
             await resp.write_eof()
+            self._timed(choice, prep, last=True)
         except ConnectionResetError:
             pass  # the client went away; the upstream response is closed by the caller
         return resp
+
+    def _timed(self, choice: _Choice, prep: _Prepared, *, first: bool = False, last: bool = False) -> None:
+        """Time to first token (histogram, and the route's dashboard row) and to the last byte
+        (the row), from when the door started serving the request."""
+        ms = (time.perf_counter() - prep.t0) * 1e3
+        if first:
+            self.metrics.ttft_seconds.labels("true" if prep.stream else "false").observe(ms / 1e3)
+        if choice.record is not None:
+            if first:
+                choice.record["ttft_ms"] = round(ms, 3)
+            if last:
+                choice.record["e2e_ms"] = round(ms, 3)
 
     def _stream_event(self, event: bytes, prep: _Prepared, fb: _Feedback) -> bytes | None:
         """One SSE event as the client should see it (None: drop it). Only events that carry a
