@@ -26,7 +26,7 @@ STRICT_FILES += ["kvcompass/sim/workload.py"]
 STRICT_FILES += [f"kvcompass/sim/{m}.py" for m in ("engine", "schemes", "summary")]
 STRICT_FILES += ["kvcompass/sim/report.py", "kvcompass/sim/sensitivity.py"]
 STRICT_FILES += [f"kvcompass/services/{m}.py" for m in ("__init__", "status", "metrics", "codec", "maintenance_service", "ingest_client", "edge_sync", "edge_service")]
-STRICT_FILES += [f"kvcompass/services/{m}.py" for m in ("tokenizer", "emulated_worker", "agent_runner", "http_door", "lifecycle", "grpc_lifecycle", "wire", "cluster", "loadgen", "openai_api")]
+STRICT_FILES += [f"kvcompass/services/{m}.py" for m in ("tokenizer", "emulated_worker", "agent_runner", "http_door", "lifecycle", "grpc_lifecycle", "wire", "cluster", "loadgen", "openai_api", "conn_guard")]
 STRICT_FILES += ["kvcompass/_proto/regen.py"]
 STRICT_FILES += [f"kvcompass/chaos/{m}.py" for m in ("__init__", "harness", "processes")]
 

@@ -751,6 +751,57 @@ def test_a_short_body_gets_408_and_one_client_cannot_hold_every_slot() -> None:
     run(go())
 
 
+def test_slowloris_connections_are_closed_and_capped_per_address() -> None:
+    # issue 19 finding 3: 200 connections trickling their first request's headers were all kept
+    # open. Now a first head must arrive within header_timeout_s, and one address holds at most
+    # max_connections_per_address connections; a normal client is served throughout, and a
+    # long request on a connection is not cut by the head deadline.
+    plane = make_plane()
+    fleet = Fleet()
+    config = DoorConfig(header_timeout_s=0.6, max_connections_per_address=20)
+
+    async def go() -> None:
+        async with rig(plane, fleet, config=config) as t:
+            host, port = t.door.url.removeprefix("http://").rsplit(":", 1)
+            guard = t.door.door.conn_guard
+            slow = []
+            for _ in range(18):
+                r, w = await asyncio.open_connection(host, int(port))
+                w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # a head never finished
+                await w.drain()
+                slow.append((r, w))
+            # Over the cap: refused at once with a 503, before the application sees it.
+            extra = [await asyncio.open_connection(host, int(port)) for _ in range(4)]
+            refused = 0
+            for r, w in extra:
+                got = await asyncio.wait_for(r.read(), 5)
+                refused += got.startswith(b"HTTP/1.1 503")
+                w.close()
+            assert refused >= 2 and guard.refused >= 2
+            # The slow ones are closed at their deadline (EOF), while a normal request works.
+            status, _, _ = await complete(t.client, {"prompt": prompt_ids(6, 64).tolist(), "max_tokens": 2})
+            assert status == 200
+            for r, w in slow:
+                assert await asyncio.wait_for(r.read(), 5) == b""
+                w.close()
+            assert guard.timed_out >= 18
+            # A request that takes longer than the head deadline is not cut by it.
+            fleet.gate = asyncio.Event()
+            body = {"prompt": prompt_ids(7, 64).tolist(), "max_tokens": 4, "stream": True}
+            held = await t.client.post("/v1/completions", json=body)
+            await asyncio.sleep(1.0)
+            fleet.gate.set()
+            assert held.status == 200 and b"[DONE]" in await held.read()
+            held.release()
+            async with t.client.get("/metrics") as m:
+                text = await m.text()
+            assert "kvcompass_door_header_timeouts" in text and "kvcompass_door_refused_connections" in text
+            await asyncio.sleep(0.1)
+            assert sum(guard.open.values()) <= 2  # counters return as connections close
+
+    run(go())
+
+
 def test_other_doors_hand_offs_are_not_capped_per_client() -> None:
     from kvcompass.services.api_keys import ApiKey, KeyStore
 

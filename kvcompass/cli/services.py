@@ -65,6 +65,8 @@ def add_parsers(sub: Any) -> None:
     e.add_argument("--door-peers-file", default=None, metavar="JSON", help="like --door-peers, read from a JSON object once the file appears")
     e.add_argument("--no-handoff", action="store_true", help="forward requests routed to another region straight to the worker, not through that region's door")
     e.add_argument("--drain-grace", type=float, default=30.0, metavar="S", help="seconds in-flight requests may take to finish on SIGTERM")
+    e.add_argument("--header-timeout", type=float, default=10.0, metavar="S", help="close a new connection whose first request head has not arrived after S seconds (slowloris)")
+    e.add_argument("--max-connections-per-address", type=int, default=1024, metavar="N", help="open connections one client address may hold; past it, 503 and closed")
     e.add_argument("--queue-poll", type=float, default=0.1, metavar="S",
                    help="read own-region workers' queues (GET /kvcompass/load) every S seconds; 0: only from responses (default 0.1, Delta)")
     e.add_argument("--seed", type=int, default=0)
@@ -383,7 +385,9 @@ async def _edge(args: argparse.Namespace) -> int:
         grpc = await server.start(args.host, args.grpc_port, metrics_port=args.metrics_port, ssl_context=grpc_server_ssl)
         stack.push_async_callback(server.close)
         door = await serve_door(
-            edge, urls, topo.tokenizer or None, host=args.host, port=args.http_port, config=DoorConfig(drain_grace_s=args.drain_grace, api_keys=keys, peer_key=peer_key),
+            edge, urls, topo.tokenizer or None, host=args.host, port=args.http_port, config=DoorConfig(
+                drain_grace_s=args.drain_grace, api_keys=keys, peer_key=peer_key, header_timeout_s=args.header_timeout, max_connections_per_address=args.max_connections_per_address
+            ),
             regions=regions, wan_one_way_ms=one_way if scale > 0 else None, ssl_context=http_server_ssl, upstream_ssl=http_client_ssl,
             peers=door_peers,
         )

@@ -66,7 +66,7 @@ import socket
 import ssl
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -80,6 +80,7 @@ from kvcompass.discovery.edge import Decision, Edge
 from kvcompass.errors import InvalidArgumentError, KVCompassError
 from kvcompass.index_types import Namespace
 from kvcompass.services.api_keys import ANY_TENANT, ApiKey, KeyStore
+from kvcompass.services.conn_guard import ConnGuard, GuardedSite
 from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, OpenAIError, chat_tokens, decode_json_object, error_body, error_middleware, prompt_tokens
 from kvcompass.services.wire import HANDOFF_HEADER, NAMESPACE_HEADER, QUEUE_MS_HEADER, QUEUE_VECTOR_HEADER, REGION_HEADER, TENANT_SALT_PREFIX, WORKER_HEADER
 
@@ -153,6 +154,12 @@ class DoorConfig:
     max_inflight_per_client: int = 256
     """Completion requests one client (its API key, or its address on an open door) may have in
     progress; past it, 429. Keeps one client's hundreds of slow streams from starving others."""
+    header_timeout_s: float = 10.0
+    """How long a new connection may take to send its first request head before it is closed
+    (a slowloris client trickling headers; :mod:`kvcompass.services.conn_guard`)."""
+    max_connections_per_address: int = 1024
+    """Open connections one client address may hold; past it, 503 and closed before the
+    application sees them."""
     stale_grace_s: float = 10.0
     """How long a shard's subscription may be down (a unit restarting, a repair) before
     ``/health`` says not ready (``stale``)."""
@@ -170,13 +177,15 @@ class DoorConfig:
             raise ValueError(f"models must be non-empty names, got {self.models!r}")
         if not _TENANT_RE.fullmatch(self.default_tenant):
             raise ValueError(f"default_tenant {self.default_tenant!r} is not a valid tenant name")
-        for name in ("max_prompt_tokens", "max_body_bytes", "max_attempts", "max_inflight_per_client"):
+        for name in ("max_prompt_tokens", "max_body_bytes", "max_attempts", "max_inflight_per_client", "max_connections_per_address"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("dead_cooldown_s", "connect_timeout_s", "head_timeout_s", "read_timeout_s", "drain_grace_s", "stale_grace_s", "body_timeout_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {v}")
+        if not (math.isfinite(self.header_timeout_s) and self.header_timeout_s > 0):
+            raise ValueError(f"header_timeout_s must be finite and > 0, got {self.header_timeout_s}")
 
 
 # -- errors ------------------------------------------------------------------------------------------
@@ -215,6 +224,8 @@ class _Metrics:
             registry=registry,
         )
         self.routes = Counter(p + "routes", "Requests routed, by the chosen worker's region", ["worker_region"], registry=registry)
+        self.refused_connections = Gauge(p + "refused_connections", "Connections refused because their client address held max_connections_per_address (since start)", registry=registry)
+        self.header_timeouts = Gauge(p + "header_timeouts", "Connections closed because their first request head did not arrive within header_timeout_s (since start)", registry=registry)
         self.peer_failures = Counter(p + "peer_failures", "Hand-offs a peer door failed to answer (the worker was then tried directly when its URL is known)", registry=registry)
         self.peer_doors = Gauge(p + "peer_doors", "Other regions' doors this door hands requests to", registry=registry)
         self.handoffs = Counter(p + "handoffs", "Requests another region's door handed to this one, by outcome (kept: the worker it named)", ["outcome"], registry=registry)
@@ -329,6 +340,10 @@ class FrontDoor:
         :meth:`health` reports them and turns not-ready past ``stale_grace_s``)."""
         self._inflight = 0
         self.recent_routes: deque[dict[str, Any]] = deque(maxlen=200)
+        self.conn_guard = ConnGuard(config.max_connections_per_address, config.header_timeout_s)
+        g = self.conn_guard
+        self.metrics.refused_connections.set_function(lambda: g.refused)
+        self.metrics.header_timeouts.set_function(lambda: g.timed_out)
         """The latest routing decisions, for the dashboard (kvcompass.services.dashboard)."""
         self._per_client: dict[str, int] = {}
         self._idle = asyncio.Event()
@@ -1060,7 +1075,14 @@ def make_app(
         edge, workers, _resolve_tokenizer(tokenizer), config, regions=regions, wan_one_way_ms=wan_one_way_ms, clock=clock, registry=registry,
         upstream_ssl=upstream_ssl, peers=peers,
     )
-    app = web.Application(middlewares=[error_middleware(config.max_body_bytes, door._observe)], client_max_size=config.max_body_bytes)
+    guard = door.conn_guard
+
+    @web.middleware
+    async def first_head(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        guard.mark(request)  # this connection's first head arrived: its deadline is off
+        return await handler(request)
+
+    app = web.Application(middlewares=[first_head, error_middleware(config.max_body_bytes, door._observe)], client_max_size=config.max_body_bytes)
     app[FRONT_DOOR] = door
     app.cleanup_ctx.append(door._session_ctx)
     app.router.add_post("/v1/completions", door.completions)
@@ -1153,7 +1175,7 @@ async def serve_door(
     runner = web.AppRunner(app, shutdown_timeout=1.0, access_log=None)
     await runner.setup()
     try:
-        await web.SockSite(runner, sock, ssl_context=ssl_context).start()
+        await GuardedSite(runner, sock, app[FRONT_DOOR].conn_guard, ssl_context=ssl_context).start()
     except BaseException:
         await runner.cleanup()
         sock.close()
