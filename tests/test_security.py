@@ -779,6 +779,31 @@ def test_an_outcome_counts_only_for_a_route_the_edge_made_and_only_once() -> Non
     run(go())
 
 
+def test_with_keys_an_outcome_counts_only_from_the_key_that_routed() -> None:
+    # With the doors' keys on the gRPC API, one tenant's client cannot report (and so move the
+    # belief with) the outcome of another's route, even knowing its route_id.
+    from kvcompass.services.api_keys import ApiKey, KeyStore
+
+    async def go() -> None:
+        plane = LocalPlane(load_topology("testbed-14x3"), seed=3)
+        edge = plane.edges["us"]
+        keys = KeyStore.of({"k-a": ApiKey("a", (NS.tenant,)), "k-b": ApiKey("b", (NS.tenant,))})
+        svc = EdgeService(edge, clock=lambda: 1.0, keys=keys, models=(NS.model,))
+        async with ChannelFor([svc]) as ch:
+            stub = EdgeStub(ch)
+            r = await stub.route(RouteRequest(tokens=np.arange(300, dtype="<u4").tobytes(), namespace=NS.digest), metadata={"authorization": "Bearer k-a"})
+            with pytest.raises(GRPCError) as ei:
+                await stub.report_outcome(OutcomeRequest(worker=r.worker, reused_tokens=0, route_id=r.route_id), metadata={"authorization": "Bearer k-b"})
+            assert ei.value.status is Status.NOT_FOUND and edge.stats.responses == 0
+            with pytest.raises(GRPCError) as ei:
+                await stub.report_outcome(OutcomeRequest(worker=r.worker, reused_tokens=0, route_id=r.route_id))
+            assert ei.value.status is Status.UNAUTHENTICATED
+            await stub.report_outcome(OutcomeRequest(worker=r.worker, reused_tokens=0, route_id=r.route_id), metadata={"authorization": "Bearer k-a"})
+            assert edge.stats.responses == 1
+
+    run(go())
+
+
 def test_a_lookup_only_route_registers_nothing_and_has_no_outcome() -> None:
     async def go() -> None:
         plane = LocalPlane(load_topology("testbed-14x3"), seed=3)

@@ -116,14 +116,16 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [int(x) for x in np.random.default_rng(seed).integers(1000, 100_000, size=n)]
 
 
-def _route(grpc: str, tokens: list[int], ns: Namespace = NS) -> Any:
+def _route(grpc: str, tokens: list[int], ns: Namespace = NS, key: str | None = "") -> Any:
+    """A lookup over gRPC with the tenant's key (``key=None``: no key at all)."""
     host, _, port = grpc.rpartition(":")
+    md = None if key is None else {"authorization": f"Bearer {key or KEYS[ns.tenant]}"}
 
     async def go() -> Any:
         ch = Channel(host, int(port))
         try:
             # Only asking: a lookup registers no speculative claim, so polling sees the index alone.
-            return await EdgeStub(ch).route(RouteRequest(tokens=np.asarray(tokens, dtype="<u4").tobytes(), namespace=ns.digest, lookup_only=True), timeout=5)
+            return await EdgeStub(ch).route(RouteRequest(tokens=np.asarray(tokens, dtype="<u4").tobytes(), namespace=ns.digest, lookup_only=True), timeout=5, metadata=md)
         finally:
             ch.close()
 
@@ -320,6 +322,23 @@ def test_tenants_share_no_kv_in_the_engine_and_are_indexed_in_their_own_namespac
     assert d.claimed_tokens >= 4096 - 16
     st, _, data = _post(cluster.edge("b") + "/v1/completions", {**body, "cache_salt": "acme"})
     assert st == 400 and json.loads(data)["error"]["code"] == "cache_salt_not_allowed"
+
+
+def test_the_grpc_route_api_takes_the_doors_keys_and_their_tenants(cluster: Cluster) -> None:
+    # issue 19: the edge's gRPC Route was open, so anyone could ask about any tenant's namespace
+    # (the cache side channel the door's keys close on HTTP). Now it takes the same keys.
+    from grpclib.const import Status
+    from grpclib.exceptions import GRPCError
+
+    grpc = cluster.state["edges"]["a"]["grpc"]
+    tokens = _prompt(71, 128)
+    assert _route(grpc, tokens).worker  # the public key, in the public namespace
+    acme = Namespace(MODEL, "acme")
+    assert _route(grpc, tokens, acme).worker  # acme's key, in acme's namespace
+    for ns, key, status in ((NS, None, Status.UNAUTHENTICATED), (NS, "wrong", Status.UNAUTHENTICATED), (acme, KEYS["public"], Status.PERMISSION_DENIED), (Namespace("other-model", "public"), KEYS["public"], Status.PERMISSION_DENIED)):
+        with pytest.raises(GRPCError) as e:
+            _route(grpc, tokens, ns, key)
+        assert e.value.status is status, (ns, key, e.value)
 
 
 def test_streaming_proxy_passes_tokens_through(cluster: Cluster) -> None:

@@ -377,7 +377,12 @@ async def _edge(args: argparse.Namespace) -> int:
     dashboard.stale_shards = sync.stale_shards
     # The doors' peer key is the deployment's shared edge secret: hand-offs between doors and
     # the queue exchange between edges both need it.
-    server = EdgeServer(EdgeService(edge, peer_token=peer_key), health=sync.health, metrics=sync.metrics, ready=lambda: sync.ready, routes=dashboard.routes())
+    # The gRPC Route API takes the doors' keys too: a key routes only in its own tenants'
+    # namespaces, so a caller cannot probe another tenant's cache through gRPC either.
+    server = EdgeServer(
+        EdgeService(edge, peer_token=peer_key, keys=keys, models=DoorConfig().models),
+        health=sync.health, metrics=sync.metrics, ready=lambda: sync.ready, routes=dashboard.routes(),
+    )
     broadcaster: QueueBroadcaster | None = None
     async with stop_on_signals(stop), contextlib.AsyncExitStack() as stack:
         await sync.start()

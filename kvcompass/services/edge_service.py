@@ -42,7 +42,9 @@ from kvcompass._proto.kvcompass.v1 import (
 )
 from kvcompass.discovery.edge import Edge
 from kvcompass.discovery.queues import MAX_QUEUE_MS
+from kvcompass._core import namespace_digest
 from kvcompass.errors import InvalidArgumentError, KVCompassError
+from kvcompass.services.api_keys import ANY_TENANT, ApiKey, KeyStore
 from kvcompass.services.grpc_lifecycle import DrainingServer, OwnedChannels
 from kvcompass.services.lifecycle import hostport
 from kvcompass.services.metrics import MetricsServer, Route, ServiceMetrics
@@ -55,6 +57,8 @@ Clock = Callable[[], float]
 
 MAX_PROMPT_TOKENS = 1 << 21
 EXCHANGE_PATH = "/kvcompass.v1.Edge/ExchangeQueues"
+ROUTE_PATH = "/kvcompass.v1.Edge/Route"
+OUTCOME_PATH = "/kvcompass.v1.Edge/ReportOutcome"
 """The metadata carrying the deployment's shared edge secret (the doors' peer key)."""
 OPEN_ROUTES = 1 << 16
 """Routes whose outcome an edge still accepts (the oldest is forgotten first): about a minute
@@ -69,9 +73,23 @@ class EdgeService(EdgeBase):
     """``kvcompass.v1.Edge`` over one :class:`Edge`."""
 
     def __init__(
-        self, edge: Edge, *, clock: Clock = time.monotonic, max_prompt_tokens: int = MAX_PROMPT_TOKENS, open_routes: int = OPEN_ROUTES, peer_token: str | None = None
+        self,
+        edge: Edge,
+        *,
+        clock: Clock = time.monotonic,
+        max_prompt_tokens: int = MAX_PROMPT_TOKENS,
+        open_routes: int = OPEN_ROUTES,
+        peer_token: str | None = None,
+        keys: KeyStore | None = None,
+        models: Sequence[str] = ("llama-3.1-8b",),
     ) -> None:
         self.edge = edge
+        # Route and ReportOutcome take the doors' API keys (``authorization: Bearer KEY``
+        # metadata): a key may route only in the namespaces of its own tenants (and models),
+        # as at the door, and report outcomes only of its own routes. None: open.
+        self._keys = keys
+        self._models = tuple(models)
+        self._namespaces: dict[str, frozenset[bytes] | None] = {}
         if peer_token is not None and not peer_token:
             raise ValueError("peer_token must be a non-empty string or None")
         self._peer_token = peer_token
@@ -81,7 +99,7 @@ class EdgeService(EdgeBase):
             raise ValueError(f"open_routes must be >= 1, got {open_routes}")
         # The routes this edge decided whose outcome has not been reported: route id ->
         # (worker, claimed tokens, prompt tokens), oldest first, at most open_routes of them.
-        self._open: OrderedDict[int, tuple[str, int, int]] = OrderedDict()
+        self._open: OrderedDict[int, tuple[str, int, int, str | None]] = OrderedDict()
         self._open_max = open_routes
 
     def __mapping__(self) -> dict[str, Handler]:
@@ -89,7 +107,48 @@ class EdgeService(EdgeBase):
         # token) may move this edge's queue estimates.
         m: dict[str, Handler] = dict(super().__mapping__())
         m[EXCHANGE_PATH] = Handler(self._rpc_exchange, Cardinality.UNARY_UNARY, QueueVector, QueueVector)
+        m[ROUTE_PATH] = Handler(self._rpc_route, Cardinality.UNARY_UNARY, RouteRequest, RouteResponse)
+        m[OUTCOME_PATH] = Handler(self._rpc_outcome, Cardinality.UNARY_UNARY, OutcomeRequest, OutcomeResponse)
         return m
+
+    def _caller(self, stream: Stream[object, object]) -> ApiKey | None:
+        """The caller's key (None when the service is open); UNAUTHENTICATED without a valid one,
+        RESOURCE_EXHAUSTED past its rate."""
+        if self._keys is None:
+            return None
+        got = stream.metadata.get("authorization") if stream.metadata is not None else None
+        key = self._keys.authenticate(got if isinstance(got, str) else None)
+        if key is None:
+            raise GRPCError(Status.UNAUTHENTICATED, "missing or incorrect API key: send authorization: Bearer <your key> metadata")
+        if self._keys.admit(key, time.monotonic()) > 0:
+            raise GRPCError(Status.RESOURCE_EXHAUSTED, f"rate limit of this API key ({key.rate_per_s:g} requests/s) reached")
+        return key
+
+    def _allowed(self, key: ApiKey, namespace: bytes) -> bool:
+        """Whether ``key`` may act in ``namespace`` (a digest of one of its models and tenants;
+        any for an any-tenant key)."""
+        if key.name not in self._namespaces:
+            if ANY_TENANT in key.tenants:
+                self._namespaces[key.name] = None
+            else:
+                models = key.models if key.models is not None else self._models
+                self._namespaces[key.name] = frozenset(namespace_digest(m, t) for m in models for t in key.tenants)
+        allowed = self._namespaces[key.name]
+        return allowed is None or namespace in allowed
+
+    async def _rpc_route(self, stream: Stream[RouteRequest, RouteResponse]) -> None:
+        key = self._caller(stream)  # type: ignore[arg-type]
+        request = await stream.recv_message()
+        assert request is not None
+        if key is not None and not self._allowed(key, bytes(request.namespace)):
+            raise GRPCError(Status.PERMISSION_DENIED, "this API key may not route in that namespace (not one of its tenants' and models')")
+        await stream.send_message(await self._route(request, None if key is None else key.name))
+
+    async def _rpc_outcome(self, stream: Stream[OutcomeRequest, OutcomeResponse]) -> None:
+        key = self._caller(stream)  # type: ignore[arg-type]
+        request = await stream.recv_message()
+        assert request is not None
+        await stream.send_message(await self._outcome(request, None if key is None else key.name))
 
     async def _rpc_exchange(self, stream: Stream[QueueVector, QueueVector]) -> None:
         if self._peer_token is not None:
@@ -108,6 +167,11 @@ class EdgeService(EdgeBase):
         return {RouteRequest: 4 * self._max_tokens + 4096, QueueVector: vector, OutcomeRequest: vector}
 
     async def route(self, route_request: RouteRequest) -> RouteResponse:
+        """A route for an in-process caller (no key): the gRPC path checks the caller's key
+        first (:meth:`_rpc_route`)."""
+        return await self._route(route_request, None)
+
+    async def _route(self, route_request: RouteRequest, caller: str | None) -> RouteResponse:
         raw = route_request.tokens
         if len(raw) % 4:
             raise _bad(f"tokens: {len(raw)} bytes is not a whole number of little-endian u32")
@@ -128,7 +192,7 @@ class EdgeService(EdgeBase):
         route_id = 0  # a lookup sends nothing anywhere: it has no outcome to report
         if not route_request.lookup_only:
             route_id = secrets.randbits(63) + 1
-            self._open[route_id] = (d.worker, d.expected_match, d.prompt_tokens)
+            self._open[route_id] = (d.worker, d.expected_match, d.prompt_tokens, caller)
             while len(self._open) > self._open_max:
                 self._open.popitem(last=False)
         return RouteResponse(
@@ -148,7 +212,11 @@ class EdgeService(EdgeBase):
     async def report_outcome(self, outcome_request: OutcomeRequest) -> OutcomeResponse:
         """The outcome of a route this edge decided: counts once, for the worker and the claim
         the edge issued (the reporter's own ``claimed_tokens`` is not trusted), so nobody can
-        move a worker's belief with outcomes of routes that never were (issue 19)."""
+        move a worker's belief with outcomes of routes that never were (issue 19); over gRPC,
+        only the key that asked for the route may report it."""
+        return await self._outcome(outcome_request, None)
+
+    async def _outcome(self, outcome_request: OutcomeRequest, caller: str | None) -> OutcomeResponse:
         r = outcome_request
         try:
             self.edge.worker_index(r.worker)
@@ -158,9 +226,9 @@ class EdgeService(EdgeBase):
         except KVCompassError as e:
             raise grpc_error(e) from None
         issued = self._open.get(r.route_id)
-        if issued is None or issued[0] != r.worker:
+        if issued is None or issued[0] != r.worker or (caller is not None and issued[3] != caller):
             raise GRPCError(Status.NOT_FOUND, f"no open route {r.route_id} to {r.worker!r} from this edge: report the route_id of a RouteResponse, once")
-        worker, claimed, prompt_tokens = issued
+        worker, claimed, prompt_tokens, _ = issued
         if r.reused_tokens > prompt_tokens:
             raise _bad(f"reused_tokens {r.reused_tokens} exceeds the route's prompt of {prompt_tokens} tokens")
         del self._open[r.route_id]
