@@ -5,6 +5,8 @@ status, param and code, and both answer in OpenAI's error shape."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -17,6 +19,24 @@ from kvcompass.services.emulated_worker import EmulatedWorker, WorkerConfig
 from kvcompass.services.http_door import serve_door
 from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, OpenAIError, chat_tokens, prompt_tokens, token_ids
 from kvcompass.services.tokenizer import load_tokenizer
+
+
+@contextlib.asynccontextmanager
+async def door_and_worker() -> AsyncIterator[tuple[str, EmulatedWorker]]:
+    """An emulated worker and an open door in front of it (every worker of the edge's plan
+    mapped to it); yields the door's URL and the worker."""
+    topo = load_topology("testbed-14x3")
+    edge = LocalPlane(topo).edges[topo.regions[0].name]
+    worker = EmulatedWorker(WorkerConfig(time_scale=0.0, vram_tokens=1024, dram_tokens=1024, max_model_len=4096))
+    await worker.start()
+    try:
+        door = await serve_door(edge, {w: worker.http_url for w in edge.workers}, load_tokenizer(None))
+        try:
+            yield door.url, worker
+        finally:
+            await door.stop(grace_s=1.0)
+    finally:
+        await worker.stop(drain_timeout_s=5)
 
 # Bodies both surfaces refuse before any worker is chosen (the door) or any token prefilled (the
 # worker). Raw bytes where the body is not a JSON object.
@@ -57,24 +77,12 @@ async def _answer(s: aiohttp.ClientSession, url: str, body: Any, raw: bytes | No
 
 def test_the_door_and_the_worker_refuse_the_same_bodies_alike() -> None:
     async def main() -> None:
-        topo = load_topology("testbed-14x3")
-        plane = LocalPlane(topo)
-        edge = plane.edges[topo.regions[0].name]
-        worker = EmulatedWorker(WorkerConfig(time_scale=0.0, vram_tokens=1024, dram_tokens=1024, max_model_len=4096))
-        await worker.start()
-        try:
-            door = await serve_door(edge, {w: worker.http_url for w in edge.workers}, load_tokenizer(None))
-            try:
-                async with aiohttp.ClientSession() as s:
-                    for path, body, raw in CASES:
-                        at_door = await _answer(s, door.url + path, body, raw)
-                        at_worker = await _answer(s, worker.http_url + path, body, raw)
-                        assert at_door == at_worker, (path, body, raw and raw[:20], at_door, at_worker)
-                        assert at_door[0] == 400 and at_door[2] is not None, (path, body, at_door)
-            finally:
-                await door.stop(grace_s=1.0)
-        finally:
-            await worker.stop(drain_timeout_s=5)
+        async with door_and_worker() as (door_url, worker), aiohttp.ClientSession() as s:
+            for path, body, raw in CASES:
+                at_door = await _answer(s, door_url + path, body, raw)
+                at_worker = await _answer(s, worker.http_url + path, body, raw)
+                assert at_door == at_worker, (path, body, raw and raw[:20], at_door, at_worker)
+                assert at_door[0] == 400 and at_door[2] is not None, (path, body, at_door)
         assert worker.stats.requests == 0  # nothing reached a prefill
 
     asyncio.run(main())
@@ -132,23 +140,12 @@ def test_n_and_sampling_fields_pass_through_the_door() -> None:
     # n > 1 reaches the worker (which decodes n sequences after one prefill) and comes back as
     # n choices; the door refuses only what is malformed (n not a positive integer).
     async def main() -> None:
-        topo = load_topology("testbed-14x3")
-        edge = LocalPlane(topo).edges[topo.regions[0].name]
-        worker = EmulatedWorker(WorkerConfig(time_scale=0.0, vram_tokens=1024, dram_tokens=1024, max_model_len=4096))
-        await worker.start()
-        try:
-            door = await serve_door(edge, {w: worker.http_url for w in edge.workers}, load_tokenizer(None))
-            try:
-                async with aiohttp.ClientSession() as s:
-                    body = {"prompt": list(range(64)), "max_tokens": 2, "n": 3, "seed": 7, "temperature": 0.5}
-                    async with s.post(door.url + "/v1/completions", json=body) as r:
-                        assert r.status == 200
-                        data = await r.json()
-                    assert [c["index"] for c in data["choices"]] == [0, 1, 2] and data["usage"]["completion_tokens"] == 6
-                    assert await _answer(s, door.url + "/v1/completions", {**body, "n": 0}, None) == (400, "n", "invalid_type", "invalid_request_error")
-            finally:
-                await door.stop(grace_s=1.0)
-        finally:
-            await worker.stop(drain_timeout_s=5)
+        async with door_and_worker() as (door_url, _), aiohttp.ClientSession() as s:
+            body = {"prompt": list(range(64)), "max_tokens": 2, "n": 3, "seed": 7, "temperature": 0.5}
+            async with s.post(door_url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                data = await r.json()
+            assert [c["index"] for c in data["choices"]] == [0, 1, 2] and data["usage"]["completion_tokens"] == 6
+            assert await _answer(s, door_url + "/v1/completions", {**body, "n": 0}, None) == (400, "n", "invalid_type", "invalid_request_error")
 
     asyncio.run(main())
