@@ -804,6 +804,31 @@ def test_with_keys_an_outcome_counts_only_from_the_key_that_routed() -> None:
     run(go())
 
 
+def test_grpc_route_follows_a_reloaded_keys_file(tmp_path: Path) -> None:
+    # A key's grants change with its keys file (SIGHUP reloads it): the gRPC Route sees the
+    # new tenants at once, not the ones it checked first.
+    from kvcompass.services.api_keys import KeyStore, write_keys_file
+
+    async def go() -> None:
+        plane = LocalPlane(load_topology("testbed-14x3"), seed=3)
+        path = tmp_path / "keys.json"
+        write_keys_file(path, [("k", "kvc-secret", [NS.tenant])])
+        keys = KeyStore.load(path)
+        svc = EdgeService(plane.edges["us"], clock=lambda: 1.0, keys=keys, models=(NS.model,))
+        md = {"authorization": "Bearer kvc-secret"}
+        req = RouteRequest(tokens=np.arange(300, dtype="<u4").tobytes(), namespace=NS.digest, lookup_only=True)
+        async with ChannelFor([svc]) as ch:
+            stub = EdgeStub(ch)
+            assert (await stub.route(req, metadata=md)).worker
+            write_keys_file(path, [("k", "kvc-secret", ["someone-else"])])
+            keys.reload()
+            with pytest.raises(GRPCError) as ei:
+                await stub.route(req, metadata=md)
+            assert ei.value.status is Status.PERMISSION_DENIED
+
+    run(go())
+
+
 def test_a_lookup_only_route_registers_nothing_and_has_no_outcome() -> None:
     async def go() -> None:
         plane = LocalPlane(load_topology("testbed-14x3"), seed=3)

@@ -89,7 +89,8 @@ class EdgeService(EdgeBase):
         # as at the door, and report outcomes only of its own routes. None: open.
         self._keys = keys
         self._models = tuple(models)
-        self._namespaces: dict[str, frozenset[bytes] | None] = {}
+        # Per key (its grants, so a reloaded keys file that changes them is seen at once).
+        self._namespaces: dict[ApiKey, frozenset[bytes] | None] = {}
         if peer_token is not None and not peer_token:
             raise ValueError("peer_token must be a non-empty string or None")
         self._peer_token = peer_token
@@ -127,13 +128,13 @@ class EdgeService(EdgeBase):
     def _allowed(self, key: ApiKey, namespace: bytes) -> bool:
         """Whether ``key`` may act in ``namespace`` (a digest of one of its models and tenants;
         any for an any-tenant key)."""
-        if key.name not in self._namespaces:
+        if key not in self._namespaces:
             if ANY_TENANT in key.tenants:
-                self._namespaces[key.name] = None
+                self._namespaces[key] = None
             else:
                 models = key.models if key.models is not None else self._models
-                self._namespaces[key.name] = frozenset(namespace_digest(m, t) for m in models for t in key.tenants)
-        allowed = self._namespaces[key.name]
+                self._namespaces[key] = frozenset(namespace_digest(m, t) for m in models for t in key.tenants)
+        allowed = self._namespaces[key]
         return allowed is None or namespace in allowed
 
     async def _rpc_route(self, stream: Stream[RouteRequest, RouteResponse]) -> None:
