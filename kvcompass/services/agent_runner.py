@@ -267,13 +267,19 @@ class AgentRunner:
             # The agent numbers batches as it makes them, so making and sending them is one
             # critical section (resend_full_report takes the same lock).
             async with self._lock:
-                try:
-                    out = self.agent.on_message(frames)
-                except InvalidEventError as e:
-                    self.stats.malformed += 1
-                    _log.warning("worker %s: skipping a malformed KV-event message: %s", self.agent.worker_id, e)
-                    continue
-                await self._handle(out)
+                out = self._decoded(lambda: self.agent.on_message(frames), "KV-event message")
+                if out is not None:
+                    await self._handle(out)
+
+    def _decoded(self, decode: Callable[[], AgentOutput], what: str) -> AgentOutput | None:
+        """``decode()``, or None for a message the agent cannot read (counted and logged; the
+        stream goes on: a whole message that is not msgpack is the engine's to resend)."""
+        try:
+            return decode()
+        except InvalidEventError as e:
+            self.stats.malformed += 1
+            _log.warning("worker %s: skipping a malformed %s: %s", self.agent.worker_id, what, e)
+            return None
 
     def _log_skipped(self) -> None:
         for seq, sk in self.agent.take_skipped():
@@ -311,11 +317,8 @@ class AgentRunner:
             if reply is None:
                 _log.warning("worker %s: ignoring a replay reply of %d frames", self.agent.worker_id, len(frames))
                 continue
-            try:
-                out = self.agent.on_replay(reply)
-            except InvalidEventError as e:
-                self.stats.malformed += 1
-                _log.warning("worker %s: skipping a malformed replayed message: %s", self.agent.worker_id, e)
+            out = self._decoded(lambda: self.agent.on_replay(reply), "replayed message")
+            if out is None:
                 continue
             self._log_skipped()
             await self._send(out.batches)
