@@ -203,3 +203,20 @@ N1 = np.array([20.0, 20.0, 1000.0, 1200.0])
 def test_evaluate_trigger(matches: list[int], scores: list[float], tq: list[float], winner: int, want: MigrationTrigger | None) -> None:
     m, s, q = arrays(matches, scores, tq)
     assert evaluate_trigger(LOCAL, m, s, q, N1, winner) == want
+
+
+def test_hot_families_lists_what_is_hot_now_for_the_dashboard() -> None:
+    # The operators' view of hotness: the families hot at a time, most recently missed first,
+    # gone once their misses leave the window; the dashboard shows them.
+    from kvcompass.services.dashboard import Dashboard
+
+    fleet = remote_scenario()
+    edge = fleet.edge(queues={"a0": 0.0, "a1": 500.0})
+    assert edge.hot_families(1.0) == []
+    for i, now in enumerate([1.0, 1.3, 1.6]):
+        edge.route(sibling(i), NS, now)
+    assert edge.hot_families(1.6) == [(FAMILY, 3, 1.6)]
+    d = Dashboard(edge, clock=lambda: 1.7).data()
+    assert d["hot"] == [{"family": f"{FAMILY:016x}", "misses": 3, "age_s": 0.1}]
+    assert edge.hot_families(2.45) == []  # the first miss left the 1 s window
+    assert Dashboard(edge, clock=lambda: 5.0).data()["hot"] == []

@@ -970,6 +970,11 @@ class Edge:
     def is_hot(self, family: int, now: float) -> bool:
         return self._hotness.is_hot(family, now)
 
+    def hot_families(self, now: float) -> list[tuple[int, int, float]]:
+        """The prefix families hot at ``now`` (H local misses within T_h): ``(family key,
+        misses, last miss time)``, most recent first."""
+        return self._hotness.hot(now)
+
     def persistently_idle(self, worker: str, now: float) -> bool:
         """Whether ``worker``'s estimate has been at zero for ``idle_window_s``."""
         return self._queues.persistently_idle(self.worker_index(worker), now, self._params.idle_window_s)

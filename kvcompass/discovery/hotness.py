@@ -66,6 +66,18 @@ class HotnessTracker:
     def is_hot(self, family: int, now: float) -> bool:
         return self.misses(family, now) >= self._h
 
+    def hot(self, now: float) -> list[tuple[int, int, float]]:
+        """Every family hot at ``now``: ``(family, misses in the window, time of the last
+        miss)``, the most recently missed first (an operator's view; a scan of the families
+        missed within the window)."""
+        out = []
+        for f, q in self._misses.items():
+            self._prune(q, now)
+            if len(q) >= self._h:
+                out.append((f, len(q), q[-1]))
+        out.sort(key=lambda x: (-x[2], x[0]))
+        return out
+
     def sweep(self, now: float) -> None:
         """Drop every family with no miss inside the window."""
         self._since_sweep = 0

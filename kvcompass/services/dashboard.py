@@ -13,8 +13,9 @@ tenant, prompt length, claimed length and tier, worker and region, the score ter
 the worker then reused), ``rates`` (local and cross-region reuse and false claims over those
 routes), ``latency`` (time to first token and to the last byte, P50 and P99, over the latest
 routes, as the door measures them from receiving a request), ``views`` (per table and shard:
-epoch, seq, entries, behind) and ``stale_shards``. Not shown yet: hot prefix families and
-migrations in flight.
+epoch, seq, entries, behind), ``stale_shards`` and ``hot`` (the prefix families hot at this
+edge: key, local misses within the window, seconds since the last). Not shown: migrations (the
+services compute migration actions but do not carry them out; the simulator does).
 """
 
 from __future__ import annotations
@@ -32,14 +33,17 @@ if TYPE_CHECKING:
 __all__ = ["Dashboard"]
 
 _ROUTES_SHOWN = 50
+_HOT_SHOWN = 20
 
 
 class Dashboard:
     """One edge's dashboard. ``door`` and ``stale_shards`` are attached once they exist (the
     edge process starts its door after its gRPC server)."""
 
-    def __init__(self, edge: Edge) -> None:
+    def __init__(self, edge: Edge, clock: Callable[[], float] = time.monotonic) -> None:
         self.edge = edge
+        self.clock = clock
+        """The edge's clock (the door's: monotonic seconds), for hotness windows."""
         self.door: FrontDoor | None = None
         self.stale_shards: Callable[[], Mapping[int, float]] | None = None
         self._page = resources.files("kvcompass").joinpath("data/dashboard.html").read_bytes()
@@ -70,6 +74,7 @@ class Dashboard:
                 views.append({"table": t.table_id, "shard": s, "epoch": v.epoch, "seq": v.seq, "entries": v.count_entries() if v.initialised else 0, "behind": (t.table_id, s) in behind})
         stale = {str(k): round(v, 1) for k, v in (self.stale_shards() if self.stale_shards is not None else {}).items()}
         recent = list(door.recent_routes) if door is not None else []
+        now = self.clock()
         return {
             "region": e.region,
             "time": time.time(),
@@ -77,6 +82,7 @@ class Dashboard:
             "routes": routes,
             "rates": _rates(routes, e.region),
             "latency": _latency(recent),
+            "hot": [{"family": f"{f:016x}", "misses": n, "age_s": round(max(0.0, now - last), 3)} for f, n, last in e.hot_families(now)[:_HOT_SHOWN]],
             "views": views,
             "stale_shards": stale,
         }
