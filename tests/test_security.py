@@ -742,16 +742,21 @@ def test_the_maintenance_unit_bounds_a_key_ops_batch_by_its_configured_size(worl
     assert limits[KeyOps] == 9 * 1000 + (64 << 10) and limits[SubscribeRequest] == 64 << 10
 
 
+@contextlib.asynccontextmanager
+async def edge_stub(**kw: Any) -> AsyncIterator[tuple[Any, EdgeStub]]:
+    """The us edge of testbed-14x3 behind an in-process EdgeService (``kw``: its options) and a
+    stub to call it."""
+    edge = LocalPlane(load_topology("testbed-14x3"), seed=3).edges["us"]
+    async with ChannelFor([EdgeService(edge, clock=lambda: 1.0, **kw)]) as ch:
+        yield edge, EdgeStub(ch)
+
+
 def test_an_outcome_counts_only_for_a_route_the_edge_made_and_only_once() -> None:
     # issue 19, finding 1: 200 forged ReportOutcome calls (claimed 3,000, reused 0) took a
     # worker's belief from 0.80 to 4e-20. An outcome now needs the route_id of a RouteResponse
     # of this edge, counts once, for the worker and claim the edge issued.
     async def go() -> None:
-        plane = LocalPlane(load_topology("testbed-14x3"), seed=3)
-        edge = plane.edges["us"]
-        svc = EdgeService(edge, clock=lambda: 1.0)
-        async with ChannelFor([svc]) as ch:
-            stub = EdgeStub(ch)
+        async with edge_stub() as (edge, stub):
             before = {w: edge.belief(w) for w in edge.workers}
             forged = 0
             for i in range(200):
@@ -785,12 +790,8 @@ def test_with_keys_an_outcome_counts_only_from_the_key_that_routed() -> None:
     from kvcompass.services.api_keys import ApiKey, KeyStore
 
     async def go() -> None:
-        plane = LocalPlane(load_topology("testbed-14x3"), seed=3)
-        edge = plane.edges["us"]
         keys = KeyStore.of({"k-a": ApiKey("a", (NS.tenant,)), "k-b": ApiKey("b", (NS.tenant,))})
-        svc = EdgeService(edge, clock=lambda: 1.0, keys=keys, models=(NS.model,))
-        async with ChannelFor([svc]) as ch:
-            stub = EdgeStub(ch)
+        async with edge_stub(keys=keys, models=(NS.model,)) as (edge, stub):
             r = await stub.route(RouteRequest(tokens=np.arange(300, dtype="<u4").tobytes(), namespace=NS.digest), metadata={"authorization": "Bearer k-a"})
             with pytest.raises(GRPCError) as ei:
                 await stub.report_outcome(OutcomeRequest(worker=r.worker, reused_tokens=0, route_id=r.route_id), metadata={"authorization": "Bearer k-b"})
@@ -831,11 +832,7 @@ def test_grpc_route_follows_a_reloaded_keys_file(tmp_path: Path) -> None:
 
 def test_a_lookup_only_route_registers_nothing_and_has_no_outcome() -> None:
     async def go() -> None:
-        plane = LocalPlane(load_topology("testbed-14x3"), seed=3)
-        edge = plane.edges["us"]
-        svc = EdgeService(edge, clock=lambda: 1.0)
-        async with ChannelFor([svc]) as ch:
-            stub = EdgeStub(ch)
+        async with edge_stub() as (edge, stub):
             req = RouteRequest(tokens=np.arange(2000, dtype="<u4").tobytes(), namespace=NS.digest, lookup_only=True)
             for _ in range(3):
                 r = await stub.route(req)

@@ -68,6 +68,15 @@ def _cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvcompass", *args]
 
 
+def _reap(proc: subprocess.Popen[Any]) -> None:
+    """Kill a test's child process if it is still running, and close its stdout."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -409,11 +418,7 @@ def test_sigterm_drains_a_process(tmp_path: Path) -> None:
         assert proc.wait(10) == 0
         assert (tmp_path / "s1.state").is_file()  # the drain wrote the shard's state
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        _reap(proc)
 
 
 def test_each_edge_serves_a_dashboard_on_its_metrics_listener(cluster: Cluster) -> None:
@@ -598,8 +603,4 @@ def test_cluster_demo_hold_keeps_the_cluster_up_and_prints_its_dashboards(tmp_pa
         rest = proc.stdout.read()
         assert proc.wait(60) == 0 and "cluster_demo.png" in rest
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        _reap(proc)
