@@ -17,6 +17,8 @@ use std::collections::BinaryHeap;
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
+use crate::block_table::BlockTable;
+
 use crate::chunk_hash::block_chain;
 use crate::error::{CoreError, Result};
 use crate::token_ids::mix64;
@@ -31,11 +33,14 @@ pub const VRAM: u8 = 1;
 pub const DRAM: u8 = 2;
 const MOVING: u8 = 0;
 const COMPACT_SLACK: usize = 64;
+/// How many blocks ahead a chain walk prefetches its table slots: enough misses in flight to
+/// cover memory latency, few enough that the lines are still there when the walk arrives.
+const AHEAD: usize = 8;
 
 /// 56 bytes: a fleet-sized simulation holds ten million of these (128 workers' full caches),
 /// so the parent is a value and a flag rather than an `Option`, and the tokens, which only the
 /// stored events need, live in a side table that caches nobody reads events of leave empty.
-#[derive(Clone, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 struct Node {
     parent: u64,
     last: f64,
@@ -137,7 +142,7 @@ pub struct BlockCache {
     cap: [usize; 3],
     used: [usize; 3],
     lfu: bool,
-    nodes: HashMap<u64, Node>,
+    nodes: BlockTable<Node>,
     heaps: [BinaryHeap<Reverse<Entry>>; 3],
     stamp: u64,
     born: u64,
@@ -145,7 +150,7 @@ pub struct BlockCache {
     keep_tokens: bool,
     /// Live entries of each heap at its last compaction.
     heap_floor: [usize; 3],
-    /// Blocks removed since the tables were last rebuilt.
+    /// Blocks removed since the token map was last rebuilt.
     removed: usize,
     /// Each block's tokens, when the cache keeps them (for the stored events).
     toks: HashMap<u64, Box<[u32]>>,
@@ -201,7 +206,7 @@ impl BlockCache {
             cap: [0, vram_blocks, dram_blocks],
             used: [0; 3],
             lfu,
-            nodes: HashMap::default(),
+            nodes: BlockTable::new(),
             heaps: [BinaryHeap::new(), BinaryHeap::new(), BinaryHeap::new()],
             stamp: 0,
             born: 0,
@@ -257,7 +262,7 @@ impl BlockCache {
     /// Bytes this cache holds on the heap (tables at their capacity, block tokens, victim heaps):
     /// what a Python heap profiler cannot see. The chain memo is shared (see [`memo_bytes`]).
     pub fn memory_bytes(&self) -> usize {
-        let nodes = self.nodes.capacity() * (std::mem::size_of::<(u64, Node)>() + 1) + self.toks.capacity() * (std::mem::size_of::<(u64, Box<[u32]>)>() + 1) + self.toks.len() * self.block_size * 4;
+        let nodes = self.nodes.capacity() * BlockTable::<Node>::SLOT_BYTES + self.toks.capacity() * (std::mem::size_of::<(u64, Box<[u32]>)>() + 1) + self.toks.len() * self.block_size * 4;
         let heaps: usize = self.heaps.iter().map(|h| h.capacity() * std::mem::size_of::<Entry>()).sum();
         std::mem::size_of::<Self>() + nodes + heaps
     }
@@ -267,7 +272,7 @@ impl BlockCache {
         let mut v: Vec<(u64, BlockInfo)> = self
             .nodes
             .iter()
-            .map(|(&h, x)| (x.born, BlockInfo { hash: h, parent: x.parent(), position: x.position, tier: x.tier, uses: x.uses as u64, last: x.last }))
+            .map(|(h, x)| (x.born, BlockInfo { hash: h, parent: x.parent(), position: x.position, tier: x.tier, uses: x.uses as u64, last: x.last }))
             .collect();
         v.sort_unstable_by_key(|e| e.0);
         v.into_iter().map(|e| e.1).collect()
@@ -382,7 +387,10 @@ impl BlockCache {
         let touched_after = self.stamp;
         // One use of the chain, parent first; touched blocks carry stamps no heap entry has, so
         // they are no victims below; the chain's last block is re-entered at the end.
-        for h in &ids[..kept] {
+        for (i, h) in ids[..kept].iter().enumerate() {
+            if let Some(a) = ids[..kept].get(i + AHEAD) {
+                self.nodes.prefetch(*a);
+            }
             self.stamp += 1;
             let x = self.nodes.get_mut(h).expect("cached prefix");
             x.uses += 1;
@@ -434,7 +442,10 @@ impl BlockCache {
         let mut parent: Option<u64> = None;
         let mut chain_dram: Vec<u64> = Vec::new();
         let mut k = 0usize;
-        for &h in chain {
+        for (i, &h) in chain.iter().enumerate() {
+            if let Some(a) = chain.get(i + AHEAD) {
+                self.nodes.prefetch(*a);
+            }
             match self.nodes.get(&h) {
                 None => break,
                 Some(x) => {
@@ -575,6 +586,9 @@ impl BlockCache {
     fn store_run(&mut self, ids: &[u64], lo: usize, hi: usize, tokens: &[u32], now: f64, salt: u32) {
         let mut prev = if lo > 0 { Some(ids[lo - 1]) } else { None };
         for (i, &h) in ids.iter().enumerate().take(hi).skip(lo) {
+            if let Some(a) = ids[..hi].get(i + AHEAD) {
+                self.nodes.prefetch(*a);
+            }
             self.store(h, prev, tokens, i, VRAM, now, salt);
             prev = Some(h);
         }
@@ -584,14 +598,12 @@ impl BlockCache {
     fn remove(&mut self, h: u64, ch: &mut Changes) {
         let x = self.nodes.remove(&h).expect("victim");
         self.removed += 1;
-        if self.removed > self.nodes.capacity() / 4 {
-            // A full cache evicts as much as it stores; every removal can leave a tombstone,
-            // and when tombstones use up the table's slack hashbrown doubles it (the items do
-            // not fit in half the capacity), so a full 82k-block cache ended in a table sized
-            // for 229k. Rebuilding the table afresh before that happens keeps it sized for what
-            // it holds (O(n) per n/4 removals).
-            // (`shrink_to` would keep a table of the same size class, tombstones and all.)
-            self.nodes = std::mem::take(&mut self.nodes).into_iter().collect();
+        if self.keep_tokens && self.removed > self.toks.capacity() / 4 {
+            // A full cache evicts as much as it stores; every removal can leave a tombstone in
+            // the token map, and when tombstones use up its slack hashbrown doubles it, so a
+            // full 82k-block cache ended in a map sized for 229k. Rebuilding it afresh before
+            // that keeps it sized for what it holds (O(n) per n/4 removals). The block table
+            // needs none of this: it shifts entries back on removal and keeps no tombstones.
             self.toks = std::mem::take(&mut self.toks).into_iter().collect();
             self.removed = 0;
         }
@@ -651,6 +663,11 @@ impl BlockCache {
     fn pop(&mut self, tier: u8, pinned: Pin<'_>, held: &mut Vec<u64>) -> Result<u64> {
         let t = tier as usize;
         while let Some(Reverse(e)) = self.heaps[t].pop() {
+            // The next candidate's slot, while this one is checked (a victim's parent is
+            // usually the next, and already at hand; an unrelated leaf is a miss).
+            if let Some(Reverse(n)) = self.heaps[t].peek() {
+                self.nodes.prefetch(n.h);
+            }
             if !self.live(tier, &e) {
                 continue;
             }
