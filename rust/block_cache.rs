@@ -524,8 +524,13 @@ impl BlockCache {
             if let Some(p) = parent {
                 let px = self.nodes.get_mut(&p).expect("parent of a cached block");
                 px.nv -= 1;
+                // The parent is often the next victim, and then its parent the next miss.
+                let pp = px.has_parent.then_some(px.parent);
                 if px.nv == 0 && px.tier == VRAM {
                     self.push(VRAM, p);
+                }
+                if let Some(pp) = pp {
+                    self.nodes.prefetch(pp);
                 }
             }
             if nc == 0 {
