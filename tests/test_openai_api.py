@@ -18,7 +18,7 @@ from kvcompass.discovery.topology import load_topology
 from kvcompass.services.emulated_worker import EmulatedWorker, WorkerConfig
 from kvcompass.services.http_door import serve_door
 from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, OpenAIError, chat_tokens, prompt_tokens, token_ids
-from kvcompass.services.tokenizer import load_tokenizer
+from kvcompass.engine.tokenizer import load_tokenizer
 
 
 @contextlib.asynccontextmanager

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvcompass.errors import InvalidArgumentError
-from kvcompass.services.tokenizer import (
+from kvcompass.engine.tokenizer import (
     DEFAULT_TOKENIZER_PATH,
     DEFAULT_VOCAB_SIZE,
     IM_END,

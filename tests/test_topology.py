@@ -621,7 +621,7 @@ def test_a_topology_may_name_its_tokenizer_relative_to_its_file(tmp_path: Path) 
     (tmp_path / "t.toml").write_text('tokenizer = "tok.json"\n' + body)
     t = load_topology(str(tmp_path / "t.toml"))
     assert t.tokenizer == str((tmp_path / "tok.json").resolve())
-    from kvcompass.services.tokenizer import load_tokenizer
+    from kvcompass.engine.tokenizer import load_tokenizer
 
     assert load_tokenizer(t.tokenizer).encode("hello world").tolist() == load_tokenizer(None).encode("hello world").tolist()
     (tmp_path / "u.toml").write_text('tokenizer = "missing.json"\n' + body)

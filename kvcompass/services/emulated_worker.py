@@ -15,7 +15,7 @@ simulated one does and the two can be compared.
 
 1. Parse and validate; a bad request gets a 4xx with OpenAI's error body
    ``{"error": {"message", "type", "param", "code"}}``. Text prompts and chat messages are
-   tokenized with the deployment's tokenizer (:mod:`kvcompass.services.tokenizer`); a prompt
+   tokenized with the deployment's tokenizer (:mod:`kvcompass.engine.tokenizer`); a prompt
    of token ids is taken as it is (any u32, as trace replays send).
 2. Enqueue on the FIFO prefill server. At prefill start ``(vram, dram) = cache.lookup(prompt)``
    and the prefill takes ``cost.prefill_ms(uncached) + cost.reload_ms(dram)`` modelled ms,
@@ -89,7 +89,7 @@ from kvcompass.agent.events import REPLAY_END_SEQ, Event, encode_batch
 from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, OpenAIError, chat_tokens, decode_json_object, error_middleware, prompt_tokens
-from kvcompass.services.tokenizer import Tokenizer, load_tokenizer
+from kvcompass.engine.tokenizer import Tokenizer, load_tokenizer
 from kvcompass.engine.cache import Policy, PrefixCache
 from kvcompass.engine.costs import CostModel
 from kvcompass.services.lifecycle import on_signals

@@ -111,7 +111,7 @@ FailureReason = Literal["connect", "timeout", "status_5xx", "disconnect", "midst
 
 
 class TokenizerLike(Protocol):
-    """What the door needs of a tokenizer (:class:`kvcompass.services.tokenizer.Tokenizer` is one).
+    """What the door needs of a tokenizer (:class:`kvcompass.engine.tokenizer.Tokenizer` is one).
 
     Errors raised for bad input (``ValueError``, :class:`~kvcompass.errors.KVCompassError`) become
     400s; anything else is a bug and a 500.
@@ -1039,7 +1039,7 @@ def _sse_data(event: bytes) -> bytes | None:
 def _resolve_tokenizer(tokenizer: TokenizerLike | str | os.PathLike[str] | None) -> TokenizerLike:
     if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
         # Imported here so a door given a tokenizer object never pays for HF tokenizers.
-        from kvcompass.services.tokenizer import load_tokenizer
+        from kvcompass.engine.tokenizer import load_tokenizer
 
         return load_tokenizer(tokenizer)
     return tokenizer
@@ -1062,7 +1062,7 @@ def make_app(
 
     ``workers``: worker id -> base URL (``http://host:port``; the door appends the request's
     path). Edge workers missing from it are never forwarded to. ``tokenizer``: an object, or a
-    ``tokenizer.json`` path / None for :func:`kvcompass.services.tokenizer.load_tokenizer`.
+    ``tokenizer.json`` path / None for :func:`kvcompass.engine.tokenizer.load_tokenizer`.
     ``regions``: worker id -> region, used when the door must pick a worker itself (otherwise
     learned from the edge's decisions). ``wan_one_way_ms(edge_region, worker_region)``: the
     one-way delay to emulate, applied before forwarding and before relaying the response.

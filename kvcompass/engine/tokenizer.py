@@ -278,7 +278,7 @@ def train_default(
     vocab_size: int = DEFAULT_VOCAB_SIZE,
 ) -> Tokenizer:
     """Train the default byte-level BPE and write it to ``path`` (how the shipped
-    ``kvcompass/data/tokenizer.json`` was made: ``python -m kvcompass.services.tokenizer``).
+    ``kvcompass/data/tokenizer.json`` was made: ``python -m kvcompass.engine.tokenizer``).
 
     ``files``: the corpus besides :data:`BUNDLED_TEXT` (default :func:`default_corpus`).
     Training is deterministic: the same corpus gives the same file."""
@@ -304,7 +304,7 @@ def train_default(
     return _load(out)
 
 
-if __name__ == "__main__":  # python -m kvcompass.services.tokenizer [PATH]
+if __name__ == "__main__":  # python -m kvcompass.engine.tokenizer [PATH]
     import sys
 
     tok = train_default(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_TOKENIZER_PATH)
