@@ -122,3 +122,17 @@ def test_training_is_deterministic(tmp_path: Path) -> None:
     assert a.apply_chat_template([{"role": "user", "content": "hi"}])[0] == 1
     with pytest.raises(InvalidArgumentError, match="vocab_size"):
         train_default(tmp_path / "c.json", files=files, vocab_size=10)
+
+
+def test_encode_chats_batches_exactly_what_the_template_gives(tok: Tokenizer) -> None:
+    chats = [
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo"}, {"role": "assistant", "content": "hi!"}],
+        [{"role": "user", "content": ""}, {"role": "assistant", "content": None}, {"role": "user", "content": "def f(): pass"}],
+    ]
+    for chat, (ids, ends) in zip(chats, tok.encode_chats(chats)):
+        assert np.array_equal(ids, tok.apply_chat_template(chat, add_generation_prompt=False))
+        # each message ends where the template of the messages so far ends
+        for k in range(len(chat)):
+            assert ends[k] == tok.apply_chat_template(chat[: k + 1], add_generation_prompt=False).size
+        prompt = tok.apply_chat_template(chat)
+        assert np.array_equal(prompt[: ids.size], ids) and prompt[ids.size :].tolist() == tok.generation_prompt()

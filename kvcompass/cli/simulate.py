@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import sys
 import time
@@ -21,6 +22,8 @@ __all__ = ["DEFAULT_MIXED_REQUESTS", "add_parsers"]
 
 # Requests ``--trace mixed`` generates when ``--max-requests`` is not given.
 DEFAULT_MIXED_REQUESTS = 1000
+GENERATED_WORKLOADS = ("mixed", "sharegpt")
+"""``--trace`` names of workloads built here rather than read from a trace file."""
 
 
 def _parse_rates(text: str) -> list[str]:
@@ -189,13 +192,34 @@ def _simulate(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-batched-tokens must be >= 1, got {args.max_batched_tokens}")
     faults = {"wan_jitter": args.wan_jitter / 100, "patch_loss": args.patch_loss / 100, "patch_delay_ms": args.patch_delay_ms}
     topology = load_topology(args.topology, rtt_path=args.rtt_matrix)
-    trace_path = None if args.trace == "mixed" else resolve_trace(args.trace)
-    arrivals: RateMode = args.arrivals or ("poisson" if trace_path is None else "rescale")
-    if trace_path is None and arrivals != "poisson":
-        raise UsageError(f"--arrivals {arrivals}: the mixed workload has no timestamps of its own; its arrivals are Poisson at each rate")
+    generated = args.trace in GENERATED_WORKLOADS
+    trace_path = None if generated else resolve_trace(args.trace)
+    arrivals: RateMode = args.arrivals or ("poisson" if generated else "rescale")
+    if generated and arrivals != "poisson":
+        raise UsageError(f"--arrivals {arrivals}: the {args.trace} workload has no timestamps of its own; its arrivals are Poisson at each rate")
+    if args.trace == "sharegpt" and args.tenants != 1:
+        raise UsageError("--tenants: the sharegpt workload is one namespace (its conversations share only what their text shares)")
+    if args.think_s is not None and not (math.isfinite(args.think_s) and args.think_s >= 0):
+        raise UsageError(f"--think-s must be >= 0 seconds, got {args.think_s}")
+    if args.trace != "sharegpt" and (args.think_s is not None or args.split is not None):
+        raise UsageError(f"--{'think-s' if args.think_s is not None else 'split'} applies to --trace sharegpt only")
     weights = None if args.region_weights is None else _parse_region_weights(args.region_weights, topology)
 
     def workload(rate: float | None) -> list[Request]:
+        if args.trace == "sharegpt":
+            from kvcompass.sim.sharegpt import DEFAULT_THINK_S, sharegpt_chat
+
+            assert rate is not None
+            return sharegpt_chat(
+                args.max_requests or DEFAULT_MIXED_REQUESTS,
+                regions=topology,
+                weights=weights,
+                seed=args.seed,
+                rate=rate,
+                think_s=DEFAULT_THINK_S if args.think_s is None else args.think_s,
+                block_size=args.block_size or topology.block_size,
+                split=args.split or "evaluation",
+            )
         if trace_path is None:
             assert rate is not None
             n = args.max_requests or DEFAULT_MIXED_REQUESTS
@@ -355,8 +379,22 @@ def add_parsers(sub: Any) -> None:
         "--trace",
         required=True,
         metavar="PATH_OR_NAME",
-        help="a Mooncake-schema JSONL file, a shared trace name (conversation, synthetic), or mixed: the synthetic "
-        f"Mixed workload ({DEFAULT_MIXED_REQUESTS} requests unless --max-requests)",
+        help="a Mooncake-schema JSONL file, a shared trace name (conversation, synthetic), mixed: the synthetic "
+        "Mixed workload, or sharegpt: multi-turn chat from ShareGPT (needs kvcompass[traces]); "
+        f"the last two give {DEFAULT_MIXED_REQUESTS} requests unless --max-requests",
+    )
+    sim.add_argument(
+        "--think-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="sharegpt: mean think time between a conversation's turns, seconds (default 30; exponential, open loop)",
+    )
+    sim.add_argument(
+        "--split",
+        choices=("evaluation", "validation"),
+        default=None,
+        help="sharegpt: the conversations to use (default evaluation; validation is the first 5,000 records, kept for checking design changes)",
     )
     sim.add_argument(
         "--block-size",

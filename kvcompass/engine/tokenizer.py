@@ -158,33 +158,66 @@ class Tokenizer:
         assistant message that only calls tools has). Other keys (``name``, ``tool_calls``) are
         ignored. InvalidArgumentError names the first offending message and field.
         """
+        ids, _ = self.encode_chat(messages)
+        if not add_generation_prompt:
+            return ids
+        return np.concatenate([ids, np.asarray(self.generation_prompt(), dtype=np.uint32)])
+
+    def generation_prompt(self) -> list[int]:
+        """The ids a prompt ends with to ask for the assistant's turn: the head of an assistant
+        message, so a conversation's prompt at turn k is an exact prefix of its ids at k+1."""
+        start, _ = self._chat_ids()
+        return [start, *self._ids("assistant"), *self._newline]
+
+    def encode_chat(self, messages: object) -> tuple[npt.NDArray[np.uint32], list[int]]:
+        """The ids of ``messages`` (as :meth:`apply_chat_template` without the generation
+        prompt) and where each message's ids end."""
+        return self.encode_chats([messages])[0]
+
+    def encode_chats(self, chats: Sequence[object]) -> list[tuple[npt.NDArray[np.uint32], list[int]]]:
+        """:meth:`encode_chat` of many conversations, their contents encoded as one batch (the
+        HF tokenizer spreads a batch over the cores; the simulator's chat workload encodes
+        thousands of conversations)."""
+        start, end = self._chat_ids()
+        parsed: list[list[tuple[str, str]]] = []
+        for messages in chats:
+            if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+                raise InvalidArgumentError(f"messages must be a list of chat messages, got {type(messages).__name__}")
+            if not messages:
+                raise InvalidArgumentError("messages must not be empty")
+            one: list[tuple[str, str]] = []
+            total = 0
+            for i, m in enumerate(messages):
+                role, content = _message(i, m)
+                total += len(content)
+                if total > MAX_TEXT_CHARS:
+                    raise InvalidArgumentError(f"messages hold more than {MAX_TEXT_CHARS} characters")
+                one.append((role, content))
+            parsed.append(one)
+        texts = [c for one in parsed for _, c in one if c]
+        encoded = iter(self._hf.encode_batch(texts, add_special_tokens=False) if texts else [])
+        heads = {role: [start, *self._ids(role), *self._newline] for role in {r for one in parsed for r, _ in one}}
+        trailer = [end, *self._newline]
+        result: list[tuple[npt.NDArray[np.uint32], list[int]]] = []
+        for one in parsed:
+            out: list[int] = []
+            ends: list[int] = []
+            for role, content in one:
+                out += heads[role]
+                if content:
+                    out += next(encoded).ids
+                out += trailer
+                ends.append(len(out))
+            result.append((np.asarray(out, dtype=np.uint32), ends))
+        return result
+
+    def _chat_ids(self) -> tuple[int, int]:
         if self._im_start is None or self._im_end is None:
             raise InvalidArgumentError(
                 f"tokenizer {self.path} has no {IM_START}/{IM_END} special tokens, so it cannot apply the ChatML chat template; "
                 "send a completion prompt instead"
             )
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-            raise InvalidArgumentError(f"messages must be a list of chat messages, got {type(messages).__name__}")
-        if not messages:
-            raise InvalidArgumentError("messages must not be empty")
-        out: list[int] = []
-        total = 0
-        for i, m in enumerate(messages):
-            role, content = _message(i, m)
-            total += len(content)
-            if total > MAX_TEXT_CHARS:
-                raise InvalidArgumentError(f"messages hold more than {MAX_TEXT_CHARS} characters")
-            out.append(self._im_start)
-            out += self._ids(role)
-            out += self._newline
-            out += self._ids(content)
-            out.append(self._im_end)
-            out += self._newline
-        if add_generation_prompt:
-            out.append(self._im_start)
-            out += self._ids("assistant")
-            out += self._newline
-        return np.asarray(out, dtype=np.uint32)
+        return self._im_start, self._im_end
 
     def _ids(self, text: str) -> list[int]:
         if not text:

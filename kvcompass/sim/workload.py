@@ -98,7 +98,9 @@ __all__ = [
     "find_trace",
     "load_mooncake",
     "load_trace",
+    "draw_regions",
     "region_weights",
+    "regions_and_cdf",
     "resolve_trace",
     "reuse_stats",
     "synthetic_mixed",
@@ -335,7 +337,9 @@ def region_weights(topology: Topology) -> tuple[tuple[str, ...], tuple[float, ..
     return names, tuple(cap[r] for r in names)
 
 
-def _regions_and_cdf(regions: Sequence[str] | Topology, weights: Sequence[float] | None) -> tuple[tuple[str, ...], F64Array]:
+def regions_and_cdf(regions: Sequence[str] | Topology, weights: Sequence[float] | None) -> tuple[tuple[str, ...], F64Array]:
+    """Region names and the cumulative weights to draw sessions' regions with (:func:`draw_regions`):
+    ``weights`` or, for a topology, its prefill capacity per region; equal for plain names."""
     if isinstance(regions, Topology):
         names, capacity = region_weights(regions)
         w_in: Sequence[float] = capacity if weights is None else weights
@@ -358,7 +362,8 @@ def _regions_and_cdf(regions: Sequence[str] | Topology, weights: Sequence[float]
     return names, cdf
 
 
-def _draw(cdf: F64Array, u: F64Array) -> I64Array:
+def draw_regions(cdf: F64Array, u: F64Array) -> I64Array:
+    """Region indices for uniform draws ``u`` under ``cdf``."""
     # side="right": a uniform equal to a boundary goes to the next region, so a zero-weight
     # region (an empty interval) is never drawn.
     return np.minimum(np.searchsorted(cdf, u, side="right"), cdf.size - 1).astype(np.int64)
@@ -602,14 +607,14 @@ def load_trace(
     if max_requests is not None:
         max_requests = _check_int("max_requests", max_requests, 1)
     rate_v = _check_rate(mode, rate)
-    names, cdf = _regions_and_cdf(regions, weights)
+    names, cdf = regions_and_cdf(regions, weights)
     rows = _read_trace(Path(path), block_size, max_requests)
 
     n = len(rows.timestamps)
     roots = np.asarray(rows.roots, dtype=np.int64)
     region_of = np.empty((tenants, n), dtype=np.int64)
     for k in range(tenants):
-        region_of[k] = _draw(cdf, np.random.default_rng([seed, 1, k]).random(n))[roots]
+        region_of[k] = draw_regions(cdf, np.random.default_rng([seed, 1, k]).random(n))[roots]
     if ties not in (None, "spread", "keep"):
         raise InvalidArgumentError(f"ties must be 'spread' or 'keep', got {ties!r}")
     stamps = np.asarray(rows.timestamps, dtype=np.float64)
@@ -852,7 +857,7 @@ def synthetic_mixed(
     block_size = _check_int("block_size", block_size, 1)
     rate_v = _check_rate("poisson", rate)
     cfg = config if config is not None else MixedConfig()
-    names, region_cdf = _regions_and_cdf(regions, weights)
+    names, region_cdf = regions_and_cdf(regions, weights)
 
     rng = np.random.default_rng([seed, 3])
     sys_len = np.random.default_rng([seed, 4]).integers(cfg.system_prompt[0], cfg.system_prompt[1] + 1, size=tenants).tolist()
@@ -870,7 +875,7 @@ def synthetic_mixed(
     session_gap_ms = 1000.0 * float(np.dot(kind_p / kind_p.sum(), per_session)) / rate_v
 
     def pick(tag: int, tenant: int) -> tuple[int, int]:
-        item = int(_draw(cdfs[tag], rng.random(1))[0])
+        item = int(draw_regions(cdfs[tag], rng.random(1))[0])
         length = pools[tag][item]
         return (_seg_id(tag, item, length, tenant) if private_pools else _seg_id(tag, item, length)), length
 
@@ -879,10 +884,10 @@ def synthetic_mixed(
     session = 0
     while len(drafts) < n:
         t += float(rng.exponential(session_gap_ms))
-        kind = int(_draw(kind_cdf, rng.random(1))[0])
+        kind = int(draw_regions(kind_cdf, rng.random(1))[0])
         # One uniform whatever the tenant count, so K tenants see the same sessions as one.
         tenant = min(int(rng.random() * tenants), tenants - 1)
-        region = int(_draw(region_cdf, rng.random(1))[0])
+        region = int(draw_regions(region_cdf, rng.random(1))[0])
         base = _Prompt(block_size)
         if kind == 0:
             seg, ln = pick(_SEG_TOOLSET, tenant)
