@@ -48,3 +48,31 @@ def test_negative_counts_are_refused() -> None:
     with pytest.raises(ValueError):
         b.observe(0, 1, -1)
     assert b[0] == 1.0
+
+
+def test_relax_moves_beliefs_back_with_the_half_life() -> None:
+    b = CacheBelief(3, weight=1.0, initial=0.9)
+    b.observe(0, 10, 0)  # 0
+    b.observe(1, 10, 10)  # 1.0, above the initial value
+    b.relax(100.0, half_life_s=10.0)  # the first call only starts the clock
+    assert b.values.tolist() == [0.0, 1.0, 0.9]
+    b.relax(100.5, half_life_s=10.0)  # under a step: nothing yet
+    assert b.values.tolist() == [0.0, 1.0, 0.9]
+    b.relax(110.0, half_life_s=10.0)
+    assert b.values.tolist() == pytest.approx([0.45, 0.95, 0.9])
+    # steps compose: two of 5 s equal one of 10 s
+    c = CacheBelief(1, weight=1.0, initial=1.0)
+    c.observe(0, 10, 0)
+    c.relax(0.0, 10.0)
+    c.relax(5.0, 10.0)
+    c.relax(10.0, 10.0)
+    assert c[0] == pytest.approx(0.5)
+    # much later everything is back at the initial value, exactly
+    b.relax(10_000.0, half_life_s=10.0)
+    assert b.values.tolist() == [0.9, 0.9, 0.9]
+    # a half-life of 0 disables recovery
+    d = CacheBelief(1, weight=1.0)
+    d.observe(0, 10, 0)
+    d.relax(0.0, 0.0)
+    d.relax(1e6, 0.0)
+    assert d[0] == 0.0

@@ -192,7 +192,7 @@ def test_capacity_price_rises_with_load_and_shifts_toward_holders() -> None:
 
 def test_belief_falls_after_false_claims_and_recovers() -> None:
     fleet = Fleet({"A": 2})
-    params = EdgeParams(tie_ms=0.0, speculative_ttl_s=0.0)
+    params = EdgeParams(tie_ms=0.0, speculative_ttl_s=0.0, belief_half_life_s=0.0)  # the EWMA alone
     edge = fleet.edge("A", {"A": PLAN_A}, {"A": 2.0}, params)
     p = prompt(500)
     fleet.hold("a0", p, [256, 512, 1024])
@@ -220,6 +220,39 @@ def test_belief_falls_after_false_claims_and_recovers() -> None:
     edge.on_response("a0", claimed_tokens=1024, reused_tokens=1024, queue_vector=None, now=5.0)
     assert edge.belief("a0") == pytest.approx(0.6096)
     assert route(6.0).worker == "a0"
+
+
+def test_a_discounted_worker_is_trusted_again_after_its_half_life() -> None:
+    """A worker driven to belief ~0 (here by false claims) wins no route on its claims, so no
+    response could restore it: the belief drifts back toward the initial value with the
+    half-life, and the holder wins again (issue 19)."""
+    fleet = Fleet({"A": 2})
+    edge = fleet.edge("A", {"A": PLAN_A}, {"A": 2.0}, EdgeParams(tie_ms=0.0, speculative_ttl_s=0.0, belief_half_life_s=30.0))
+    p = prompt(500)
+    fleet.hold("a0", p, [256, 512, 1024])
+    edge.set_local_queue("a0", 60.0, 0.0)
+    edge.set_local_queue("a1", 0.0, 0.0)
+    assert edge.route(p, NS, 0.0).worker == "a0"
+    for _ in range(200):
+        edge.on_response("a0", claimed_tokens=1024, reused_tokens=0, queue_vector=None, now=0.5)
+    assert edge.belief("a0") < 1e-15
+    assert edge.route(p, NS, 0.9).worker == "a1"
+    # Steps of less than a second change nothing; one half-life takes the gap to 1 in half.
+    assert edge.belief("a0") < 1e-15
+    edge.route(p, NS, 30.0)
+    assert edge.belief("a0") == pytest.approx(0.5, abs=0.01)
+    assert edge.route(p, NS, 60.0).worker == "a0"  # 0.75 * 102.4 ms saved covers the 60 ms queue
+    # A worker that keeps over-claiming is pushed down again by its next responses.
+    for _ in range(5):
+        edge.on_response("a0", claimed_tokens=1024, reused_tokens=0, queue_vector=None, now=60.5)
+    assert edge.route(p, NS, 60.9).worker == "a1"
+    # Without recovery (the paper's belief) it stays at 0.
+    flat = fleet.edge("A", {"A": PLAN_A}, {"A": 2.0}, EdgeParams(tie_ms=0.0, speculative_ttl_s=0.0, belief_half_life_s=0.0))
+    flat.route(p, NS, 0.0)
+    for _ in range(200):
+        flat.on_response("a0", claimed_tokens=1024, reused_tokens=0, queue_vector=None, now=0.5)
+    flat.route(p, NS, 600.0)
+    assert flat.belief("a0") < 1e-15
     # No belief ablation: claims taken at face value throughout.
     flat = fleet.edge("A", {"A": PLAN_A}, {"A": 2.0}, EdgeParams(tie_ms=0.0, belief=False, speculative_ttl_s=0.0))
     flat.set_local_queue("a0", 60.0, 0.0)

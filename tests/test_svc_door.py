@@ -796,6 +796,33 @@ def test_slowloris_connections_are_closed_and_capped_per_address() -> None:
             async with t.client.get("/metrics") as m:
                 text = await m.text()
             assert "kvcompass_door_header_timeouts" in text and "kvcompass_door_refused_connections" in text
+            # A kept-alive connection: a whole request is served, then the connection may idle
+            # past the deadline (no bytes: the keep-alive timeout's business), but a second head
+            # trickled from its first byte on is cut at the deadline.
+            before = guard.timed_out
+            r, w = await asyncio.open_connection(host, int(port))
+            w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            await w.drain()
+            head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 200")
+            length = int(next(x for x in head.split(b"\r\n") if x.lower().startswith(b"content-length:")).split(b":")[1])
+            await asyncio.wait_for(r.readexactly(length), 5)
+            await asyncio.sleep(0.9)  # idle longer than the deadline: still open
+            w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            await w.drain()
+            head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 200")
+            await asyncio.wait_for(r.readexactly(length), 5)
+            t0 = time.monotonic()
+            w.write(b"GET /health HTTP/1.1\r\n")  # the third head, never finished
+            await w.drain()
+            for _ in range(3):
+                await asyncio.sleep(0.2)
+                if not w.is_closing():
+                    w.write(b"X-Drip: 1\r\n")
+            assert await asyncio.wait_for(r.read(), 5) == b""
+            assert time.monotonic() - t0 < 3.0 and guard.timed_out == before + 1
+            w.close()
             await asyncio.sleep(0.1)
             assert sum(guard.open.values()) <= 2  # counters return as connections close
 

@@ -22,7 +22,7 @@ __all__ = ["CacheBelief"]
 class CacheBelief:
     """One belief in [0, 1] per worker index, updated by :meth:`observe`."""
 
-    __slots__ = ("_b", "_weight", "_initial", "_samples")
+    __slots__ = ("_b", "_weight", "_initial", "_samples", "_t", "_away")
 
     def __init__(self, n_workers: int, weight: float, initial: float = 1.0) -> None:
         if not 0 < weight <= 1:
@@ -33,6 +33,8 @@ class CacheBelief:
         self._weight = float(weight)
         self._initial = float(initial)
         self._samples = np.zeros(n_workers, dtype=np.int64)
+        self._t: float | None = None  # when relax last ran
+        self._away = False  # whether any belief may differ from the initial value
 
     @property
     def values(self) -> npt.NDArray[np.float64]:
@@ -61,7 +63,34 @@ class CacheBelief:
         # Rounding must never push a belief outside [0, 1]: the route loop refuses it.
         self._b[index] = min(1.0, max(0.0, b))
         self._samples[index] += 1
+        self._away = self._away or self._b[index] != self._initial
         return float(self._b[index])
+
+    def relax(self, now: float, half_life_s: float, step_s: float = 1.0) -> None:
+        """Move every belief toward the initial value: ``b = initial + (b - initial) *
+        2 ** (-elapsed / half_life_s)``, applied in steps of at least ``step_s`` seconds of
+        ``now`` (the exponent uses the exact elapsed time, so steps compose to the continuous
+        decay; a step only delays when it shows). ``half_life_s == 0``: no recovery."""
+        if half_life_s <= 0:
+            return
+        if self._t is None:
+            self._t = now
+            return
+        dt = now - self._t
+        if dt < step_s:
+            return
+        self._t = now
+        if not self._away:
+            return
+        f = 2.0 ** (-dt / half_life_s)
+        b = self._b
+        np.subtract(b, self._initial, out=b)
+        np.multiply(b, f, out=b)
+        np.add(b, self._initial, out=b)
+        np.clip(b, 0.0, 1.0, out=b)
+        self._away = bool(np.any(np.abs(b - self._initial) > 1e-12))
+        if not self._away:
+            b.fill(self._initial)
 
     def reset(self, index: int) -> None:
         """Forget a worker's history (e.g. it restarted with an empty cache and re-registered)."""

@@ -606,7 +606,11 @@ class Edge:
         self._queues.expire(now)
         tq = self._queues.values if p.load_aware else self._zeros
         lam = self.capacity_price()
-        belief = self._belief.values if p.belief else self._ones
+        if p.belief:
+            self._belief.relax(now, p.belief_half_life_s)
+            belief = self._belief.values
+        else:
+            belief = self._ones
         res = self._router.route(toks, ns, self._region_idx, self._beta, self._wan, tq, belief, gamma=self._gamma, lam=lam, closure=p.closure)
         return toks, ns, tq, lam, belief, res
 

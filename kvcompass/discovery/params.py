@@ -59,6 +59,13 @@ class EdgeParams:
     three false claims in a row take a belief from 1 to 0.51, three true ones back to 0.75."""
     belief_initial: float = 1.0
     """Belief in a worker nothing is known about: trust the index until responses say otherwise."""
+    belief_half_life_s: float = 60.0
+    """Beliefs drift back to ``belief_initial`` with this half-life (beyond the paper; see
+    :mod:`kvcompass.discovery.belief`): the causes of false claims (a restart, a lagging agent,
+    forged outcomes) pass within seconds to minutes, and a worker at belief 0 would otherwise
+    never be routed a claim that could restore it. A minute keeps a persistently over-claiming
+    worker discounted (each of its responses pushes it down again) while a recovered one is
+    trusted again within a few minutes. 0: no recovery (the paper's belief)."""
 
     # -- speculative entries -----------------------------------------------------------------------
     speculative_ttl_s: float = 2.0
@@ -113,6 +120,7 @@ class EdgeParams:
             "idle_threshold_ms": self.idle_threshold_ms,
             "idle_window_s": self.idle_window_s,
             "migration_cooldown_s": self.migration_cooldown_s,
+            "belief_half_life_s": self.belief_half_life_s,
         }
         for name, x in nonneg.items():
             if not (math.isfinite(x) and x >= 0):

@@ -1,5 +1,5 @@
 """Connection limits for an HTTP listener that faces clients: a cap on open connections per
-client address, and a deadline for a new connection's first request head.
+client address, and a deadline for every request head.
 
 Why: aiohttp bounds a request's size and, with the door's ``body_timeout_s``, how long its body
 may take, but it keeps a connection that trickles its first request's headers (slowloris) open
@@ -10,9 +10,12 @@ How: :class:`ConnGuard` wraps the listener's protocol factory (:class:`GuardedSi
 ``SockSite`` that installs it). A connection from an address already at its cap is answered
 ``503`` and closed before the application sees it. Every other one gets a timer; the first
 request that reaches the application (``mark(request)``, called from the door's middleware)
-stops it, and a connection whose first head has not arrived when it fires is closed. Later
-requests on a kept-alive connection are bounded by aiohttp's keep-alive timeout and the door's
-body timeout, not by this deadline.
+stops it, and a connection whose first head has not arrived when it fires is closed. On a
+kept-alive connection the deadline starts again with the first byte that arrives after a
+request's handler finished (``done(request)``, from the same middleware): the next head must
+be whole within ``header_timeout_s`` of its first byte. An idle kept-alive connection (no
+bytes) is left to aiohttp's keep-alive timeout, so a client's connection pool is not cut
+while it waits; a client trickling its second head is, as its first would have been.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ _REFUSED = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection
 
 class ConnGuard:
     """The limits and their counters (``refused``: connections over an address's cap;
-    ``timed_out``: connections closed before their first request head)."""
+    ``timed_out``: connections closed before a request head was whole)."""
 
     def __init__(self, max_per_address: int, header_timeout_s: float) -> None:
         if max_per_address < 1:
@@ -45,6 +48,7 @@ class ConnGuard:
         self.refused = 0
         self.timed_out = 0
         self._waiting: weakref.WeakKeyDictionary[Any, asyncio.TimerHandle] = weakref.WeakKeyDictionary()
+        self._conns: weakref.WeakKeyDictionary[Any, _Guarded] = weakref.WeakKeyDictionary()
 
     def factory(self, inner: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         return lambda: _Guarded(self, inner)
@@ -56,6 +60,14 @@ class ConnGuard:
             handle = self._waiting.pop(transport, None)
             if handle is not None:
                 handle.cancel()
+
+    def done(self, request: web.Request) -> None:
+        """This connection's request was handled: the next bytes on it start the next head's
+        deadline."""
+        transport = request.transport
+        conn = self._conns.get(transport) if transport is not None else None
+        if conn is not None:
+            conn.between = True
 
     def _arm(self, transport: asyncio.BaseTransport) -> None:
         loop = asyncio.get_running_loop()
@@ -84,6 +96,8 @@ class _Guarded(asyncio.Protocol):
         self._inner: asyncio.Protocol | None = None
         self._addr: str | None = None
         self._transport: asyncio.BaseTransport | None = None
+        self.between = False
+        """A request was handled and the next has not sent a byte yet."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         g = self._guard
@@ -99,6 +113,7 @@ class _Guarded(asyncio.Protocol):
         self._addr, self._transport = addr, transport
         self._inner = self._make()
         self._inner.connection_made(transport)
+        g._conns[transport] = self
         g._arm(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -113,6 +128,9 @@ class _Guarded(asyncio.Protocol):
             self._inner.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.between and self._transport is not None:
+            self.between = False
+            self._guard._arm(self._transport)  # the next head's first bytes: its deadline starts
         if self._inner is not None:
             self._inner.data_received(data)
 

@@ -155,8 +155,9 @@ class DoorConfig:
     """Completion requests one client (its API key, or its address on an open door) may have in
     progress; past it, 429. Keeps one client's hundreds of slow streams from starving others."""
     header_timeout_s: float = 10.0
-    """How long a new connection may take to send its first request head before it is closed
-    (a slowloris client trickling headers; :mod:`kvcompass.services.conn_guard`)."""
+    """How long a new connection may take to send its first request head, and a kept-alive one
+    a later head from its first byte, before it is closed (a slowloris client trickling
+    headers; :mod:`kvcompass.services.conn_guard`)."""
     max_connections_per_address: int = 1024
     """Open connections one client address may hold; past it, 503 and closed before the
     application sees them."""
@@ -225,7 +226,7 @@ class _Metrics:
         )
         self.routes = Counter(p + "routes", "Requests routed, by the chosen worker's region", ["worker_region"], registry=registry)
         self.refused_connections = Gauge(p + "refused_connections", "Connections refused because their client address held max_connections_per_address (since start)", registry=registry)
-        self.header_timeouts = Gauge(p + "header_timeouts", "Connections closed because their first request head did not arrive within header_timeout_s (since start)", registry=registry)
+        self.header_timeouts = Gauge(p + "header_timeouts", "Connections closed because a request head was not whole within header_timeout_s of the connection or of its first byte (since start)", registry=registry)
         self.peer_failures = Counter(p + "peer_failures", "Hand-offs a peer door failed to answer (the worker was then tried directly when its URL is known)", registry=registry)
         self.peer_doors = Gauge(p + "peer_doors", "Other regions' doors this door hands requests to", registry=registry)
         self.handoffs = Counter(p + "handoffs", "Requests another region's door handed to this one, by outcome (kept: the worker it named)", ["outcome"], registry=registry)
@@ -1078,11 +1079,14 @@ def make_app(
     guard = door.conn_guard
 
     @web.middleware
-    async def first_head(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        guard.mark(request)  # this connection's first head arrived: its deadline is off
-        return await handler(request)
+    async def head_deadline(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        guard.mark(request)  # this head arrived whole: its deadline is off
+        try:
+            return await handler(request)
+        finally:
+            guard.done(request)  # the next head's deadline starts with its first byte
 
-    app = web.Application(middlewares=[first_head, error_middleware(config.max_body_bytes, door._observe)], client_max_size=config.max_body_bytes)
+    app = web.Application(middlewares=[head_deadline, error_middleware(config.max_body_bytes, door._observe)], client_max_size=config.max_body_bytes)
     app[FRONT_DOOR] = door
     app.cleanup_ctx.append(door._session_ctx)
     app.router.add_post("/v1/completions", door.completions)
