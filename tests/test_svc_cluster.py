@@ -366,6 +366,30 @@ def test_streaming_proxy_passes_tokens_through(cluster: Cluster) -> None:
     assert all(c.get("usage") is None for c in chunks)  # the usage chunk the door asked for is not the client's
 
 
+def test_the_openai_sdk_against_a_door(cluster: Cluster) -> None:
+    """The official ``openai`` client, as users call it (issue 16's bar): models, a list of
+    token prompts with n=2, a list of text prompts, a streamed batch with usage, streamed chat,
+    and OpenAI's error shape as the SDK's exception."""
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.edge("a") + "/v1", api_key=KEYS["public"], max_retries=0, timeout=30)
+    assert MODEL in [m.id for m in client.models.list().data]
+    r = client.completions.create(model=MODEL, prompt=[_prompt(31, 200), _prompt(32, 120)], n=2, max_tokens=3)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3] and all(c.text for c in r.choices)
+    assert r.usage is not None and r.usage.prompt_tokens == 320 and r.usage.completion_tokens == 12
+    r = client.completions.create(model=MODEL, prompt=["hello there", "general kenobi", "you are a bold one"], max_tokens=2)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    chunks = list(client.completions.create(model=MODEL, prompt=[_prompt(33, 64), _prompt(34, 64)], max_tokens=3, stream=True, stream_options={"include_usage": True}))
+    assert sorted({c.index for ch in chunks for c in ch.choices}) == [0, 1]
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == 128 and len({ch.id for ch in chunks}) == 1
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi there"}], max_tokens=4, stream=True)
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=["fine", ""], max_tokens=1)
+    assert e.value.body is not None and e.value.body["param"] == "prompt[1]"  # type: ignore[index]
+
+
 def test_loadgen_replays_a_trace_through_the_edges(cluster: Cluster, tmp_path: Path) -> None:
     out = tmp_path / "records.jsonl"
     trace = Path(__file__).parent / "data" / "conversation_excerpt.jsonl"

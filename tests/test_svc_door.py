@@ -116,14 +116,16 @@ class Fleet:
         cached = self.cached.get(wid, 0)
         if cached is not None:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        n = body.get("n") or 1
         if not body.get("stream"):
-            out = {"id": "cmpl-1", "object": "text_completion", "model": body.get("model"), "choices": [{"index": 0, "text": "hi", "finish_reason": "stop"}], "usage": usage}
+            choices = [{"index": j, "text": "hi", "finish_reason": "stop"} for j in range(n)]
+            out = {"id": f"cmpl-{wid}", "object": "text_completion", "model": body.get("model"), "choices": choices, "usage": usage}
             return web.json_response(out, headers=headers)
         resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream"})
         await resp.prepare(request)
         include = bool((body.get("stream_options") or {}).get("include_usage"))
         for i in range(self.chunks):
-            chunk: dict[str, Any] = {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]}
+            chunk: dict[str, Any] = {"id": f"cmpl-{wid}", "object": "text_completion", "choices": [{"index": j, "text": f"t{i}", "finish_reason": None} for j in range(n)]}
             if include:
                 chunk["usage"] = None
             await resp.write(sse(chunk))
@@ -134,7 +136,7 @@ class Fleet:
                 request.transport.close()  # a FIN mid-body (an RST could discard the event in flight)
                 return resp
         if include:
-            await resp.write(sse({"id": "cmpl-1", "object": "text_completion", "choices": [], "usage": usage}))
+            await resp.write(sse({"id": f"cmpl-{wid}", "object": "text_completion", "choices": [], "usage": usage}))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -414,7 +416,8 @@ BAD: list[tuple[str, str, Any, dict[str, str], int, str | None, str | None]] = [
     ("empty prompt", "/v1/completions", {"prompt": ""}, {}, 400, "prompt", "empty_prompt"),
     ("empty token list", "/v1/completions", {"prompt": []}, {}, 400, "prompt", "empty_prompt"),
     ("prompt of a wrong type", "/v1/completions", {"prompt": 5}, {}, 400, "prompt", "invalid_type"),
-    ("batched prompts", "/v1/completions", {"prompt": ["a", "b"]}, {}, 400, "prompt", "unsupported"),
+    ("a batch with a prompt that is neither text nor tokens", "/v1/completions", {"prompt": ["a", 5]}, {}, 400, "prompt[1]", "invalid_type"),
+    ("a batch with an empty prompt", "/v1/completions", {"prompt": ["a", ""]}, {}, 400, "prompt[1]", "empty_prompt"),
     ("negative token", "/v1/completions", {"prompt": [1, -1]}, {}, 400, "prompt", "invalid_token_id"),
     ("token past u32", "/v1/completions", {"prompt": [1, 2**32]}, {}, 400, "prompt", "invalid_token_id"),
     ("huge token", "/v1/completions", {"prompt": [1, 2**70]}, {}, 400, "prompt", "invalid_token_id"),
@@ -853,5 +856,68 @@ def test_other_doors_hand_offs_are_not_capped_per_client() -> None:
                 for r in [*held, user]:
                     await r.read()
                     r.release()
+
+    run(go())
+
+
+def test_a_list_of_prompts_is_routed_prompt_by_prompt_and_merged_as_openai_numbers_it() -> None:
+    """Issue 16: /v1/completions with several prompts (token lists or strings) returns one
+    choice per prompt and sample, prompt i's sample j at index i * n + j, each prompt routed
+    on its own prefix, usage summed (cached tokens too); streamed, the events interleave under
+    one id with one usage chunk (when asked) and one [DONE]; a prompt that fails is reported."""
+    plane = make_plane()
+    a, b = prompt_ids(21, 1024), prompt_ids(22, 1024)
+    cache_prefix(plane, "us-3", a)
+    cache_prefix(plane, "us-6", b)
+    fleet = Fleet(cached={"us-3": 1024, "us-6": 1008})
+
+    async def go() -> None:
+        async with rig(plane, fleet) as t:
+            status, headers, body = await complete(t.client, {"model": MODEL, "prompt": [a.tolist(), b.tolist()], "n": 2, "max_tokens": 4})
+            assert status == 200, body
+            sent = {wid: c["prompt"] for wid, c, _ in fleet.calls}
+            assert sent == {"us-3": a.tolist(), "us-6": b.tolist()}  # each prompt to its own holder, alone
+            assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+            assert body["usage"] == {"prompt_tokens": 2048, "completion_tokens": 8, "total_tokens": 2056, "prompt_tokens_details": {"cached_tokens": 2032}}
+            assert headers["x-kvcompass-worker"] == "us-3,us-6"
+            # Text prompts too.
+            fleet.calls.clear()
+            status, _, body = await complete(t.client, {"prompt": ["first prompt", "second prompt", "third"]})
+            assert status == 200 and len(body["choices"]) == 3 and len(fleet.calls) == 3
+            assert sorted(c["prompt"] for _, c, _ in fleet.calls) == ["first prompt", "second prompt", "third"]
+            # Streamed, with usage asked for: interleaved events, indices shifted, one id, one usage, one [DONE].
+            for include in (True, False):
+                body_s = {"prompt": [a.tolist(), b.tolist()], "n": 2, "stream": True, **({"stream_options": {"include_usage": True}} if include else {})}
+                async with t.client.post("/v1/completions", json=body_s) as r:
+                    assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+                    events = sse_events(await r.read())
+                assert events[-1] == b"data: [DONE]" and events.count(b"data: [DONE]") == 1
+                chunks = [json.loads(e[6:]) for e in events[:-1]]
+                assert len({c["id"] for c in chunks}) == 1
+                with_choices = [c for c in chunks if c["choices"]]
+                assert sorted({ch["index"] for c in with_choices for ch in c["choices"]}) == [0, 1, 2, 3]
+                assert len(with_choices) == 2 * fleet.chunks and all("usage" not in c for c in with_choices)
+                usage = [c for c in chunks if not c["choices"]]
+                if include:
+                    assert len(usage) == 1 and usage[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 2032
+                    assert usage[0]["usage"]["prompt_tokens"] == 2048
+                else:
+                    assert usage == []
+            # A prompt whose worker refuses it: the whole request gets that answer...
+            fleet.status["us-6"] = 400
+            status, _, body = await complete(t.client, {"prompt": [a.tolist(), b.tolist()]})
+            assert status == 400 and body["error"]["message"] == "boom"
+            # ...streamed, the other prompt's events and an error event for it.
+            async with t.client.post("/v1/completions", json={"prompt": [a.tolist(), b.tolist()], "stream": True}) as r:
+                assert r.status == 200
+                events = sse_events(await r.read())
+            errors = [json.loads(e[6:]) for e in events if b'"error"' in e]
+            assert len(errors) == 1 and errors[0]["error"]["message"].startswith("prompt[1]: boom")
+            assert events[-1] == b"data: [DONE]"
+            assert any(b'"t0"' in e for e in events)
+            # Too many prompts: 400 before anything is sent.
+            fleet.calls.clear()
+            status, _, body = await complete(t.client, {"prompt": ["x"] * 300})
+            assert status == 400 and body["error"]["code"] == "too_many_prompts" and fleet.calls == []
 
     run(go())

@@ -244,6 +244,8 @@ BAD: list[tuple[str, object, bytes | None, int, str | None, str | None]] = [
     ("/v1/completions", {"prompt": "hi", "cache_salt": 7}, None, 400, "cache_salt", None),
     ("/v1/completions", {"prompt": list(range(4000)), "max_tokens": 200}, None, 400, "prompt", "context_length_exceeded"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, None, 404, "model", "model_not_found"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, None, 400, "tools", "unsupported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, None, 400, "tool_choice", "unsupported"),
     ("/v1/chat/completions", {}, None, 400, "messages", "missing_messages"),
     ("/v1/chat/completions", {"messages": "hello"}, None, 400, "messages", "invalid_type"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None, 400, "messages", "invalid_messages"),

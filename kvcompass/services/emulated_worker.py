@@ -742,6 +742,13 @@ class EmulatedWorker:
             raise OpenAIError(400, f"best_of is not supported by the emulated worker beyond best_of = n (got {best_of!r}, n = {n})", "best_of")
         if body.get("echo"):
             raise OpenAIError(400, "echo is not supported by the emulated worker", "echo")
+        # Tools: a real engine parses calls out of its generations; this one generates no text
+        # that could be a call, so it refuses rather than answer as if there were no tools.
+        if body.get("tools"):
+            raise OpenAIError(400, "tools are not supported by the emulated worker (it cannot generate tool calls); send the request to a real engine", "tools", "unsupported")
+        tool_choice = body.get("tool_choice")
+        if tool_choice not in (None, "none", "auto"):
+            raise OpenAIError(400, f"tool_choice {tool_choice!r} needs tools, which the emulated worker does not support", "tool_choice", "unsupported")
         if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
             raise OpenAIError(400, "logprobs are not supported by the emulated worker", "logprobs")
         stream = body.get("stream", False)

@@ -58,6 +58,7 @@ the upstream connection pool.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import os
@@ -66,7 +67,7 @@ import socket
 import ssl
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -81,7 +82,17 @@ from kvcompass.errors import InvalidArgumentError, KVCompassError
 from kvcompass.index_types import Namespace
 from kvcompass.services.api_keys import ANY_TENANT, ApiKey, KeyStore
 from kvcompass.services.conn_guard import ConnGuard, GuardedSite
-from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, OpenAIError, chat_tokens, decode_json_object, error_body, error_middleware, prompt_tokens
+from kvcompass.services.openai_api import (
+    INLINE_TOKENIZE_CHARS,
+    OpenAIError,
+    chat_tokens,
+    decode_json_object,
+    error_body,
+    error_middleware,
+    one_prompt_tokens,
+    prompt_batch,
+    prompt_tokens,
+)
 from kvcompass.services.wire import HANDOFF_HEADER, NAMESPACE_HEADER, QUEUE_MS_HEADER, QUEUE_VECTOR_HEADER, REGION_HEADER, TENANT_SALT_PREFIX, WORKER_HEADER
 
 __all__ = [
@@ -130,6 +141,8 @@ class DoorConfig:
     default_tenant: str = "public"
     max_prompt_tokens: int = 131072
     max_body_bytes: int = 16 * 1024 * 1024
+    max_batch_prompts: int = 256
+    """Prompts one ``/v1/completions`` request may list (each is routed on its own)."""
     max_attempts: int = 3
     """Workers tried per request (the first choice included)."""
     dead_cooldown_s: float = 10.0
@@ -277,6 +290,13 @@ class _Prepared:
     t0: float = 0.0
     """When the door started serving it (``time.perf_counter``): time to first token and to
     the last byte are measured from here, so they include the door's own time."""
+    batch_index: int | None = None
+    """For one prompt of a batched request: the index its first choice takes in the merged
+    response (prompt position times ``n``, as OpenAI numbers them); None for a plain request."""
+    client_usage_asked: bool = False
+    """For a batch's prompt: whether the client asked for the (merged) usage chunk."""
+    sink: _BatchStream | None = None
+    """For a batch's streamed prompt: where its events go instead of a response of its own."""
 
 
 @dataclass(slots=True)
@@ -505,9 +525,12 @@ class FrontDoor:
         t0 = time.perf_counter()
         endpoint = "chat.completions" if chat else "completions"
         try:
-            prep = await self._prepare(request, chat=chat)
-            prep.t0 = t0
-            return await self._proxy(request, prep)
+            preps = await self._prepare(request, chat=chat)
+            for prep in preps:
+                prep.t0 = t0
+            if len(preps) == 1 and preps[0].batch_index is None:
+                return await self._proxy(request, preps[0])
+            return await self._proxy_batch(request, preps)
         finally:
             self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - t0)
             self.metrics.inflight.dec()
@@ -515,7 +538,9 @@ class FrontDoor:
             if self._inflight == 0:
                 self._idle.set()
 
-    async def _prepare(self, request: web.Request, *, chat: bool) -> _Prepared:
+    async def _prepare(self, request: web.Request, *, chat: bool) -> list[_Prepared]:
+        """The request validated and ready to route: one :class:`_Prepared`, or one per prompt
+        of a batched completions request (each routed and forwarded on its own)."""
         cfg = self.config
         if request.content_length is not None and request.content_length > cfg.max_body_bytes:
             raise OpenAIError(413, f"request body exceeds {cfg.max_body_bytes} bytes", code="request_too_large")
@@ -566,29 +591,39 @@ class FrontDoor:
             tenant = granted
         self.metrics.tenant_requests.labels(tenant).inc()
 
+        batch = None if chat else prompt_batch(body, cfg.max_batch_prompts)
+        token_lists: list[npt.NDArray[np.uint32]] = []
         if chat:
-            tokens = await chat_tokens(body, self.tokenizer.apply_chat_template, cfg.inline_tokenize_chars)
-            param = "messages"
+            token_lists.append(await chat_tokens(body, self.tokenizer.apply_chat_template, cfg.inline_tokenize_chars))
+        elif batch is None:
+            token_lists.append(await prompt_tokens(body, self.tokenizer.encode, cfg.inline_tokenize_chars))
         else:
-            tokens = await prompt_tokens(body, self.tokenizer.encode, cfg.inline_tokenize_chars)
-            param = "prompt"
-        if len(tokens) > cfg.max_prompt_tokens:
-            raise OpenAIError(400, f"the prompt has {len(tokens)} tokens; this edge accepts at most {cfg.max_prompt_tokens}", param, "context_length_exceeded")
+            for i, p in enumerate(batch):
+                token_lists.append(await one_prompt_tokens(p, self.tokenizer.encode, cfg.inline_tokenize_chars, f"prompt[{i}]"))
+        for i, tokens in enumerate(token_lists):
+            if len(tokens) > cfg.max_prompt_tokens:
+                param = "messages" if chat else ("prompt" if batch is None else f"prompt[{i}]")
+                raise OpenAIError(400, f"the prompt has {len(tokens)} tokens; this edge accepts at most {cfg.max_prompt_tokens}", param, "context_length_exceeded")
 
         if "cache_salt" in body:
             raise OpenAIError(
                 400, f"cache_salt is set by the edge from the tenant in {NAMESPACE_HEADER}; send that header instead", "cache_salt", "cache_salt_not_allowed"
             )
         extra: dict[str, Any] = {}
-        if stream and not client_usage:
-            # The usage chunk is where a stream reports cached_tokens; ask for it, strip it later.
+        if stream and (not client_usage or batch is not None):
+            # The usage chunk is where a stream reports cached_tokens; ask for it, strip it later
+            # (a batch's streams always report it: the door sums them into one).
             extra["stream_options"] = {**(opts or {}), "include_usage": True}
         if tenant != cfg.default_tenant:
             # The engine keeps tenants' KV apart by salt (no cross-tenant reuse, no timing side
             # channel); the worker's agent keys salted chains in the tenant's namespace.
             extra["cache_salt"] = TENANT_SALT_PREFIX + tenant
-        if extra:
-            raw = json.dumps({**body, **extra}).encode()
+        if batch is not None:
+            raws = [json.dumps({**body, **extra, "prompt": p}).encode() for p in batch]
+        elif extra:
+            raws = [json.dumps({**body, **extra}).encode()]
+        else:
+            raws = [raw]
         headers = {"Content-Type": "application/json", "Accept-Encoding": "identity", NAMESPACE_HEADER: tenant}
         for h in cfg.forward_headers:
             if key is not None and h == "authorization":
@@ -599,7 +634,16 @@ class FrontDoor:
         handoff = request.headers.get(HANDOFF_HEADER)
         if handoff is not None and self._region_of.get(handoff) != self.edge.region:
             raise OpenAIError(400, f"header {HANDOFF_HEADER} must name a worker of this edge's region {self.edge.region!r}, got {handoff!r}", HANDOFF_HEADER, "invalid_handoff")
-        return _Prepared(request.path, raw, tokens, self._namespace(model, tenant), stream, client_usage, headers, handoff)
+        ns = self._namespace(model, tenant)
+        if batch is None:
+            return [_Prepared(request.path, raws[0], token_lists[0], ns, stream, client_usage, headers, handoff)]
+        if handoff is not None:
+            raise OpenAIError(400, f"a batched request cannot carry {HANDOFF_HEADER} (the door splits batches before any hand-off)", HANDOFF_HEADER, "invalid_handoff")
+        n = body.get("n") or 1
+        return [
+            _Prepared(request.path, r, t, ns, stream, True, headers, None, batch_index=i * n, client_usage_asked=client_usage)
+            for i, (r, t) in enumerate(zip(raws, token_lists))
+        ]
 
     def _authenticate(self, request: web.Request) -> ApiKey | None:
         """The request's key (None: the door is open), checked before its body is read, so an
@@ -815,8 +859,17 @@ class FrontDoor:
             await asyncio.sleep(delay)
         headers = self._reply_headers(request, choice)
         headers.update({"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        resp = web.StreamResponse(status=200, headers=headers)
-        await resp.prepare(request)
+        sink = prep.sink
+        if sink is None:
+            resp = web.StreamResponse(status=200, headers=headers)
+            await resp.prepare(request)
+            write: Callable[[bytes], Awaitable[None]] = resp.write
+            end: Callable[[], Awaitable[None]] = resp.write_eof
+        else:
+            resp = await sink.prepare(headers)
+            offset = prep.batch_index or 0
+            write = functools.partial(sink.write, offset)
+            end = sink.finish
         # From here on bytes reached the client: no retry, whatever happens.
         buf = b""
         first = True
@@ -831,26 +884,89 @@ class FrontDoor:
                         event, buf = buf[:cut], buf[cut:]
                         out = self._stream_event(event, prep, fb)
                         if out:
-                            await resp.write(out)
+                            await write(out)
                             if first:
                                 first = False
                                 self._timed(choice, prep, first=True)
             except (aiohttp.ClientError, TimeoutError) as e:
                 self.mark_dead(choice.worker, "midstream")
                 err = error_body(502, f"worker {choice.worker} failed mid-stream: {e!r}", code="upstream_error")
-                await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
-                await resp.write_eof()
+                await write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                await end()
                 return resp
             if buf.strip():
                 out = self._stream_event(buf, prep, fb)
                 if out:
-                    await resp.write(out)
+                    await write(out)
             self._learn(choice, fb)
-            await resp.write_eof()
+            await end()
             self._timed(choice, prep, last=True)
         except ConnectionResetError:
             pass  # the client went away; the upstream response is closed by the caller
         return resp
+
+    async def _proxy_batch(self, request: web.Request, preps: Sequence[_Prepared]) -> web.StreamResponse:
+        """A batched completions request: every prompt routed and forwarded on its own, side by
+        side, and their answers merged into one response as OpenAI numbers them (prompt i's
+        choice j is choice ``i * n + j``; usage summed, cached tokens included). Streams are
+        interleaved event by event; a prompt that fails after others started streaming ends as
+        an error event in the stream, one that fails before any did fails the request."""
+        if preps[0].stream:
+            sink = _BatchStream(request, len(preps), preps[0].client_usage_asked)
+            for prep in preps:
+                prep.sink = sink
+            got = await asyncio.gather(*(self._proxy(request, prep) for prep in preps), return_exceptions=True)
+            failed = [(i, g) for i, g in enumerate(got) if isinstance(g, BaseException) or not isinstance(g, web.StreamResponse) or not g.prepared]
+            if sink.resp is None:
+                for _, g in failed:
+                    if isinstance(g, BaseException):
+                        raise g
+                    return g
+                raise OpenAIError(502, "no prompt of the batch was answered", code="upstream_error")
+            for i, g in failed:
+                if isinstance(g, OpenAIError):
+                    err = error_body(g.status, f"prompt[{i}]: {g.message}", g.param, g.code)
+                elif isinstance(g, web.Response) and isinstance(g.body, bytes):
+                    err = _error_of(g.status, g.body, i)
+                else:
+                    err = error_body(502, f"prompt[{i}]: {g!r}", code="upstream_error")
+                await sink.write(preps[i].batch_index or 0, b"data: " + json.dumps(err).encode() + b"\n\n")
+                await sink.finish()
+            return sink.resp
+        got = await asyncio.gather(*(self._proxy(request, prep) for prep in preps), return_exceptions=True)
+        bodies: list[dict[str, Any]] = []
+        first: web.Response | None = None
+        for g in got:
+            if isinstance(g, BaseException):
+                raise g
+            if not isinstance(g, web.Response) or not isinstance(g.body, bytes):
+                raise OpenAIError(502, "a prompt of the batch got no complete answer", code="upstream_error")
+            if not 200 <= g.status < 300:
+                return g  # the first prompt that failed, as its worker answered
+            try:
+                obj = json.loads(g.body)
+            except ValueError:
+                raise OpenAIError(502, "a worker answered a prompt of the batch with a body that is not JSON", code="upstream_error") from None
+            if not isinstance(obj, dict):
+                raise OpenAIError(502, "a worker answered a prompt of the batch with a body that is not a JSON object", code="upstream_error")
+            bodies.append(obj)
+            first = first or g
+        assert first is not None
+        merged = dict(bodies[0])
+        choices: list[Any] = []
+        for prep, obj in zip(preps, bodies):
+            for c in obj.get("choices") or []:
+                if isinstance(c, dict) and isinstance(c.get("index"), int):
+                    c = {**c, "index": c["index"] + (prep.batch_index or 0)}
+                choices.append(c)
+        merged["choices"] = sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)
+        usage = _sum_usage([obj.get("usage") for obj in bodies])
+        if usage is not None:
+            merged["usage"] = usage
+        headers = {k: v for k, v in first.headers.items() if k.lower() != "content-length"}
+        if self.config.expose_worker:
+            headers[WORKER_HEADER] = ",".join(g.headers.get(WORKER_HEADER, "") for g in got if isinstance(g, web.Response))
+        return web.Response(body=json.dumps(merged).encode(), status=200, headers=headers)
 
     def _timed(self, choice: _Choice, prep: _Prepared, *, first: bool = False, last: bool = False) -> None:
         """Time to first token (histogram, and the route's dashboard row) and to the last byte
@@ -953,6 +1069,111 @@ class FrontDoor:
         except KVCompassError:
             m.bad_feedback.labels("queue_vector").inc()
             e.on_response(w, claimed, reused, None, self._clock())
+
+
+class _BatchStream:
+    """One client stream fed by the streams of a batch's prompts (see
+    :meth:`FrontDoor._proxy_batch`): each event's choice indices shifted by its prompt's offset
+    and its id made the first one's, usage-only chunks summed into one sent at the end when
+    the client asked for it, one ``[DONE]``."""
+
+    def __init__(self, request: web.Request, parts: int, client_usage: bool) -> None:
+        self._request = request
+        self._left = parts
+        self._client_usage = client_usage
+        self._usage: list[Any] = []
+        self._head: dict[str, Any] | None = None
+        self._lock = asyncio.Lock()
+        self.resp: web.StreamResponse | None = None
+
+    async def prepare(self, headers: Mapping[str, str]) -> web.StreamResponse:
+        async with self._lock:
+            if self.resp is None:
+                resp = web.StreamResponse(status=200, headers={k: v for k, v in headers.items() if k != WORKER_HEADER})
+                await resp.prepare(self._request)
+                self.resp = resp
+            return self.resp
+
+    async def write(self, offset: int, event: bytes) -> None:
+        out = self._rewrite(offset, event)
+        if out is None:
+            return
+        async with self._lock:
+            if self.resp is None:
+                raise RuntimeError("a batch stream written before it was prepared")
+            await self.resp.write(out)
+
+    def _rewrite(self, offset: int, event: bytes) -> bytes | None:
+        payload = _sse_data(event)
+        if payload is None:
+            return event
+        if payload.strip() == b"[DONE]":
+            return None  # one at the end
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            return event
+        if not isinstance(obj, dict) or "error" in obj:
+            return event
+        if self._head is None:
+            self._head = {k: obj[k] for k in ("id", "object", "created", "model") if k in obj}
+        else:
+            for k in ("id", "created"):
+                if k in self._head:
+                    obj[k] = self._head[k]
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            for c in choices:
+                if isinstance(c, dict) and isinstance(c.get("index"), int):
+                    c["index"] += offset
+        if "usage" in obj:
+            usage = obj.pop("usage")
+            if isinstance(usage, dict) and not choices:
+                self._usage.append(usage)
+                return None  # a prompt's usage chunk: summed into the last one
+        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+    async def finish(self) -> None:
+        """One prompt's stream ended; after the last, the summed usage (if asked) and ``[DONE]``."""
+        self._left -= 1
+        if self._left > 0:
+            return
+        async with self._lock:
+            if self.resp is None:
+                return
+            usage = _sum_usage(self._usage)
+            if self._client_usage and usage is not None:
+                chunk = {**(self._head or {}), "choices": [], "usage": usage}
+                await self.resp.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+            await self.resp.write(b"data: [DONE]\n\n")
+            await self.resp.write_eof()
+
+
+def _sum_usage(usages: Sequence[Any]) -> dict[str, Any] | None:
+    """The usage of a batch: each count summed over its prompts, cached tokens included."""
+    found = [u for u in usages if isinstance(u, dict)]
+    if not found:
+        return None
+    out: dict[str, Any] = {}
+    for name in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        vals = [u.get(name) for u in found]
+        if all(type(v) is int for v in vals):
+            out[name] = sum(vals)
+    cached = [_cached_tokens(u) for u in found]
+    if all(c is not None for c in cached):
+        out["prompt_tokens_details"] = {"cached_tokens": sum(c for c in cached if c is not None)}
+    return out
+
+
+def _error_of(status: int, body: bytes, index: int) -> dict[str, Any]:
+    """A worker's error answer to one prompt of a batch, as an error event of the stream."""
+    try:
+        obj = json.loads(body)
+        err = obj.get("error") if isinstance(obj, dict) else None
+        message = err.get("message") if isinstance(err, dict) else None
+    except ValueError:
+        message = None
+    return error_body(status, f"prompt[{index}]: {message or body[:200].decode(errors='replace')}", code="upstream_error")
 
 
 _ENDPOINTS = {

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal
 
 import numpy as np
@@ -33,6 +33,8 @@ __all__ = [
     "error_body",
     "error_middleware",
     "error_response",
+    "one_prompt_tokens",
+    "prompt_batch",
     "prompt_tokens",
     "token_ids",
 ]
@@ -129,12 +131,12 @@ def decode_json_object(raw: bytes, content_type: str | None) -> dict[str, Any]:
     return body
 
 
-def token_ids(p: list[Any]) -> npt.NDArray[np.uint32]:
+def token_ids(p: list[Any], param: str = "prompt") -> npt.NDArray[np.uint32]:
     """A prompt given as token ids: every one an integer in 0..2**32-1 (JSON true and false are
     not), checked and converted in one Rust pass."""
     arr, bad = _core.token_array(p)
     if bad >= 0:
-        raise OpenAIError(400, f"prompt token ids must be integers in 0..2**32-1 (one prompt per request); prompt[{bad}] is {p[bad]!r}", "prompt", "invalid_token_id")
+        raise OpenAIError(400, f"{param} token ids must be integers in 0..2**32-1; {param}[{bad}] is {p[bad]!r}", param, "invalid_token_id")
     return arr
 
 
@@ -156,27 +158,49 @@ async def _run(fn: Tokenize, size: int, inline_chars: int, param: str, what: str
     return out
 
 
+def prompt_batch(body: Mapping[str, Any], limit: int) -> list[Any] | None:
+    """The prompts of a batched completions request (``prompt`` a list of two or more strings or
+    token-id lists), None for a request with one prompt. More than ``limit`` is a 400."""
+    p = body.get("prompt")
+    if not (isinstance(p, list) and len(p) > 1 and isinstance(p[0], (str, list))):
+        return None
+    if len(p) > limit:
+        raise OpenAIError(400, f"prompt holds {len(p)} prompts; at most {limit} are accepted in one request", "prompt", "too_many_prompts")
+    return p
+
+
 async def prompt_tokens(body: dict[str, Any], encode: Callable[[str], Any], inline_chars: int = INLINE_TOKENIZE_CHARS) -> npt.NDArray[np.uint32]:
     """The tokens of a completions request's ``prompt``: a string (``encode``d), a list of token
-    ids, or a batch of one of those. Several prompts in one request are refused (one request
-    per prompt, so each is routed on its own)."""
+    ids, or a batch of one of those. Several prompts are refused here: a caller that serves
+    batches splits them first (:func:`prompt_batch`, :func:`one_prompt_tokens`)."""
     if "prompt" not in body or body["prompt"] is None:
         raise OpenAIError(400, "prompt is required", "prompt", "missing_prompt")
     p = body["prompt"]
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # a batch of one is that prompt
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        # Each prompt's own error first, as a caller that serves batches reports it.
+        for i, one in enumerate(p):
+            await one_prompt_tokens(one, encode, inline_chars, f"prompt[{i}]")
+        raise OpenAIError(400, "batched prompts (several prompts in one request) are not supported here; send one request per prompt", "prompt", "unsupported")
+    return await one_prompt_tokens(p, encode, inline_chars)
+
+
+async def one_prompt_tokens(p: Any, encode: Callable[[str], Any], inline_chars: int = INLINE_TOKENIZE_CHARS, param: str = "prompt") -> npt.NDArray[np.uint32]:
+    """The tokens of one prompt: a string (``encode``d) or a list of token ids. ``param`` names
+    it in errors (``prompt[3]`` for a batch's fourth)."""
     if isinstance(p, str):
         if not p:
-            raise OpenAIError(400, "prompt must not be empty", "prompt", "empty_prompt")
+            raise OpenAIError(400, f"{param} must not be empty", param, "empty_prompt")
         text = p
-        return await _run(lambda: encode(text), len(text), inline_chars, "prompt", "tokenize the prompt", "invalid_prompt")
+        return await _run(lambda: encode(text), len(text), inline_chars, param, "tokenize the prompt", "invalid_prompt")
     if isinstance(p, list):
         if not p:
-            raise OpenAIError(400, "prompt must not be empty", "prompt", "empty_prompt")
+            raise OpenAIError(400, f"{param} must not be empty", param, "empty_prompt")
         if isinstance(p[0], (str, list)):
-            raise OpenAIError(400, "batched prompts (several prompts in one request) are not supported; send one request per prompt", "prompt", "unsupported")
-        return token_ids(p)
-    raise OpenAIError(400, f"prompt must be a string or a list of token ids, got {type(p).__name__}", "prompt", "invalid_type")
+            raise OpenAIError(400, f"{param} must be a string or a list of token ids, not a list of prompts", param, "invalid_type")
+        return token_ids(p, param)
+    raise OpenAIError(400, f"{param} must be a string or a list of token ids, got {type(p).__name__}", param, "invalid_type")
 
 
 async def chat_tokens(body: dict[str, Any], apply_chat_template: Callable[[list[dict[str, Any]]], Any], inline_chars: int = INLINE_TOKENIZE_CHARS) -> npt.NDArray[np.uint32]:
