@@ -8,7 +8,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 from kvcompass.discovery.topology import Topology, builtin_topologies, load_topology
 from kvcompass.errors import InvalidArgumentError, UsageError
@@ -125,6 +125,7 @@ def _sensitivity(args: argparse.Namespace, topology: Topology, requests: list[Re
             patch_delay_ms=knob.get("patch_delay_ms", 0.0),
             gpu_sharing=args.gpu_sharing,
             max_batched_tokens=args.max_batched_tokens,
+            policy=_eviction(args),
         )
         print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         return s
@@ -153,6 +154,14 @@ def _false_hits(args: argparse.Namespace, topology: Topology, results: dict[str,
     for s, by_rate in e2e.items():
         print(f"  end-to-end, {s}: " + ", ".join(f"{rate} req/s {100 * v:.4f} %" for rate, v in by_rate.items()))
     return {"structural": {f: r.rate for f, r in structural.items()}, "end_to_end": e2e}
+
+
+def _eviction(args: argparse.Namespace) -> Literal["lru", "lfu"]:
+    """The workers' eviction: as given, else the paper's per workload (LFU for Mixed, LRU for
+    the chat traces; section 5.1)."""
+    if args.eviction is not None:
+        return "lfu" if args.eviction == "lfu" else "lru"
+    return "lfu" if args.trace == "mixed" else "lru"
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -190,6 +199,10 @@ def _simulate(args: argparse.Namespace) -> int:
         raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
     if args.max_batched_tokens < 1:
         raise UsageError(f"--max-batched-tokens must be >= 1, got {args.max_batched_tokens}")
+    if args.closed_loop < 0:
+        raise UsageError(f"--closed-loop must be >= 1 outstanding requests (or 0, open loop), got {args.closed_loop}")
+    if args.closed_loop and (args.sensitivity or args.false_hits):
+        raise UsageError("--sensitivity and --false-hits run open loop; leave out --closed-loop")
     faults = {"wan_jitter": args.wan_jitter / 100, "patch_loss": args.patch_loss / 100, "patch_delay_ms": args.patch_delay_ms}
     topology = load_topology(args.topology, rtt_path=args.rtt_matrix)
     generated = args.trace in GENERATED_WORKLOADS
@@ -265,7 +278,8 @@ def _simulate(args: argparse.Namespace) -> int:
         )
 
     workloads = {rate: own if own is not None else workload(float(rate)) for rate in rates}
-    options = {"seed": args.seed, **faults, "gpu_sharing": args.gpu_sharing, "max_batched_tokens": args.max_batched_tokens}
+    eviction = _eviction(args)
+    options = {"seed": args.seed, **faults, "gpu_sharing": args.gpu_sharing, "max_batched_tokens": args.max_batched_tokens, "policy": eviction, "closed_loop": args.closed_loop}
     cells = [(rate, scheme) for rate in rates for scheme in schemes]
 
     def started(k: int, total: int, scheme: str, rate: str, n: int) -> None:
@@ -304,7 +318,9 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"wrote {len(paths)} files to {out}: {' '.join(p.name for p in paths)}")
     from kvcompass.sim.report import summary_row
 
-    doc: dict[str, object] = {"results": {s: {r: summary_row(results[s][r]) for r in rates} for s in schemes}}
+    doc: dict[str, object] = {"results": {s: {r: summary_row(results[s][r]) for r in rates} for s in schemes}, "eviction": eviction}
+    if args.closed_loop:
+        doc["closed_loop"] = args.closed_loop
     doc.update(_load_doc(capacity, loads, rates))
     doc.update(extra)
     sys.stdout.write(json.dumps(doc) + "\n")
@@ -382,6 +398,20 @@ def add_parsers(sub: Any) -> None:
         help="a Mooncake-schema JSONL file, a shared trace name (conversation, synthetic), mixed: the synthetic "
         "Mixed workload, or sharegpt: multi-turn chat from ShareGPT (needs kvcompass[traces]); "
         f"the last two give {DEFAULT_MIXED_REQUESTS} requests unless --max-requests",
+    )
+    sim.add_argument(
+        "--eviction",
+        choices=("lru", "lfu"),
+        default=None,
+        help="the workers' cache eviction (default: lfu for mixed, lru otherwise, the paper's choice per workload)",
+    )
+    sim.add_argument(
+        "--closed-loop",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N requests outstanding at any time, each completion issuing the next (the paper's closed-loop throughput, its "
+        "ablation figure); the rate then only spaces the first N and shapes the workload. Default 0: open loop",
     )
     sim.add_argument(
         "--think-s",

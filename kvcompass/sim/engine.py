@@ -169,6 +169,12 @@ class SimConfig:
     """Tokens one step may carry (vLLM's ``max_num_batched_tokens``): 2048 is vLLM's default for
     its OpenAI server on GPUs under 70 GiB and on A100 (``EngineArgs.get_batch_defaults``), the
     paper's RTX 5090 testbed and the A100 decode calibration."""
+    closed_loop: int = 0
+    """0: open loop, every request arrives at its own time (the offered rate). N > 0: closed
+    loop, N requests outstanding; the first N arrive at their own times and each completion
+    issues the next request in order when its client has the last token (no think time), so
+    the throughput is what the fleet sustains under the scheme (the paper's ablation figure
+    measures it so). Latencies then describe N requests in flight, not an offered rate."""
 
     def __post_init__(self) -> None:
         if not self.event_delay_ms >= 0:
@@ -186,6 +192,8 @@ class SimConfig:
             raise InvalidArgumentError(f"gpu_sharing must be one of {', '.join(GPU_SHARING)}, got {self.gpu_sharing!r}")
         if type(self.max_batched_tokens) is not int or self.max_batched_tokens < 1:
             raise InvalidArgumentError(f"max_batched_tokens must be an int >= 1, got {self.max_batched_tokens!r}")
+        if type(self.closed_loop) is not int or self.closed_loop < 0:
+            raise InvalidArgumentError(f"closed_loop must be an int >= 0 (0: open loop), got {self.closed_loop!r}")
 
 
 class _Worker:
@@ -367,6 +375,8 @@ class Simulator:
             _pcg_state(faults),
             max(1, len(reqs) // 100),
         )
+        if config.closed_loop:
+            self._engine.set_closed_loop(config.closed_loop)
         self._run_rng = _RunRng(self._engine)
         self._engine_holds_caches = True
         self._inbox: dict[str, list[tuple[float, int, int, str, tuple[str, ...], npt.NDArray[np.float64]]]] = {r: [] for r in self.plane.edges}
@@ -582,7 +592,7 @@ class Simulator:
             "region": region,
             "worker": (w + nr).astype(np.int32),
             "worker_region": wregion[w],
-            "arrival_ms": np.array([r.arrival_ms for r in reqs], dtype=np.float64),
+            "arrival_ms": self._eng().issued(),  # a closed loop's requests arrive when issued
             "ttft_ms": ttft,
             "e2e_ms": e2e,
             "queue_ms": queue,
@@ -775,6 +785,7 @@ def simulate(
     patch_delay_ms: float = 0.0,
     gpu_sharing: GpuSharing = "chunked",
     max_batched_tokens: int = 2048,
+    closed_loop: int = 0,
     progress: Callable[[int, int], None] | None = None,
 ) -> Summary:
     """Run ``requests`` through ``topology`` (a built-in name, a TOML path, or a Topology) with
@@ -795,5 +806,6 @@ def simulate(
         patch_delay_ms=patch_delay_ms,
         gpu_sharing=gpu_sharing,
         max_batched_tokens=max_batched_tokens,
+        closed_loop=closed_loop,
     )
     return Simulator(topo, requests, scheme, config).run(progress)

@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 
-use numpy::{IntoPyArray, PyArray2, PyArrayMethods};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
@@ -476,6 +476,18 @@ impl PySimEngine {
     /// Schedule every arrival (before anything the driver schedules after this call).
     fn start(&mut self) {
         self.inner.start();
+    }
+
+    /// Run closed loop (before `start`): `outstanding` requests in flight; each completion
+    /// issues the next request when its client has the last token.
+    fn set_closed_loop(&mut self, outstanding: usize) -> PyResult<()> {
+        self.inner.set_closed_loop(outstanding).map_err(core_err)
+    }
+
+    /// When each request reached its edge (ms; its arrival time, or in a closed loop when it
+    /// was issued); empty before `start`.
+    fn issued<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f64>> {
+        self.inner.issued().to_vec().into_pyarray(py)
     }
 
     /// Moving the KV of `tokens` between workers (ms), by the run's cost model and link.

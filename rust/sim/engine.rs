@@ -458,6 +458,14 @@ pub struct Engine {
     pub handoffs: u64,
     pub events_processed: u64,
     started: bool,
+    /// Closed loop: at most this many requests outstanding (0: open loop, every request at
+    /// its own arrival time).
+    closed: usize,
+    /// Closed loop: the next request to issue when one completes.
+    next_issue: usize,
+    /// When each request reached its edge: its arrival time, or in a closed loop the time its
+    /// client saw the previous request's last token.
+    issued: Vec<f64>,
 }
 
 impl Engine {
@@ -610,7 +618,30 @@ impl Engine {
             handoffs: 0,
             events_processed: 0,
             started: false,
+            closed: 0,
+            next_issue: 0,
+            issued: Vec::new(),
         })
+    }
+
+    /// Run closed loop (before [`Self::start`]): `outstanding` requests in flight at any time;
+    /// the first `outstanding` arrive at their own times, and each completion issues the next
+    /// request in order at its edge when the client has the last token (no think time), so
+    /// throughput is what the fleet sustains under the scheme, not the offered rate.
+    pub fn set_closed_loop(&mut self, outstanding: usize) -> Result<()> {
+        if self.started {
+            return Err(CoreError::InvalidArgument("set_closed_loop must come before start".into()));
+        }
+        if outstanding == 0 {
+            return Err(CoreError::InvalidArgument("a closed loop needs at least one outstanding request".into()));
+        }
+        self.closed = outstanding;
+        Ok(())
+    }
+
+    /// When each request reached its edge (see [`Self::set_closed_loop`]).
+    pub fn issued(&self) -> &[f64] {
+        &self.issued
     }
 
     /// Route arrivals with `policy` (before [`Self::start`]).
@@ -780,10 +811,13 @@ impl Engine {
             return;
         }
         self.started = true;
-        for i in 0..self.reqs.len() {
+        self.issued = self.reqs.iter().map(|r| r.arrival_ms).collect();
+        let n = if self.closed > 0 { self.closed.min(self.reqs.len()) } else { self.reqs.len() };
+        for i in 0..n {
             let t = self.reqs[i].arrival_ms;
             self.push(t, Ev::Arrive(i as u32));
         }
+        self.next_issue = n;
     }
 
     /// The engine's own events up to the next thing the driver must do; `None` at the end.
@@ -1000,7 +1034,7 @@ impl Engine {
         let forward = self.way(r.edge_region, wr);
         let back = self.way(wr, r.edge_region);
         let job = self.jobs.len() as u32;
-        let mut j = Job::fresh(req, tokens, chain, c.worker, (r.edge_region, r.region), r.salt, (r.input_length, r.output_length), r.arrival_ms);
+        let mut j = Job::fresh(req, tokens, chain, c.worker, (r.edge_region, r.region), r.salt, (r.input_length, r.output_length), self.issued[req as usize]);
         j.claimed = c.claimed;
         j.one_way_ms = back;
         self.jobs.push(j);
@@ -1572,12 +1606,8 @@ impl Engine {
         r.order.push(j.req);
         r.worker[i] = j.worker;
         r.ttft_ms[i] = j.ttft_ms;
-        r.e2e_ms[i] =
-            now + (if j.back_ms >= 0.0 {
-                j.back_ms
-            } else {
-                j.one_way_ms
-            }) - j.arrival_ms;
+        let at_client = now + (if j.back_ms >= 0.0 { j.back_ms } else { j.one_way_ms });
+        r.e2e_ms[i] = at_client - j.arrival_ms;
         r.queue_ms[i] = j.start_ms - j.at_worker_ms;
         r.vram_hit[i] = j.vram_hit;
         r.dram_hit[i] = j.dram_hit;
@@ -1585,6 +1615,12 @@ impl Engine {
         j.tokens = Vec::new(); // a finished request keeps no tokens
         j.chain = Vec::new();
         self.done += 1;
+        if self.closed > 0 && self.next_issue < self.reqs.len() {
+            let next = self.next_issue;
+            self.next_issue += 1;
+            self.issued[next] = at_client;
+            self.push(at_client, Ev::Arrive(next as u32));
+        }
         let total = self.reqs.len() as u64;
         if self.done % self.progress_every == 0 || self.done == total {
             self.out.push(Out::Progress { done: self.done });
