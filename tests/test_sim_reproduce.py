@@ -21,7 +21,10 @@ def test_every_transcribed_row_names_a_known_scheme_rate_and_source() -> None:
         for r in rows:
             assert r["paper"] > 0 and r["where"].startswith("section ")
             assert r["scheme"] in spec.schemes or r["scheme"] in ("all-baselines", "hash-placement")
-            assert r["paper_rate"] in spec.paper_rates and r["paper_rate"] in spec.quick_rates
+            if spec.closed_loop_per_worker:
+                assert r["paper_rate"] == 0  # a closed loop has no rate
+            else:
+                assert r["paper_rate"] in spec.paper_rates and r["paper_rate"] in spec.quick_rates
     assert set(BASELINES) <= set(FIGURES["12"].schemes)
 
 
@@ -56,3 +59,22 @@ def test_unknown_figures_are_refused_with_the_list(tmp_path: Path, capsys: pytes
     err = capsys.readouterr().err
     assert err.startswith("kvcompass reproduce: error: figure '18' is not reproduced") and "12, 14" in err
     assert main(["reproduce", "--figure", "12", "--jobs", "0", "--out", str(tmp_path)]) == 2
+
+
+def test_figure_15_runs_the_ablations_closed_loop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["reproduce", "--figure", "15", "--quick", "--requests", "400", "--jobs", "2", "--out", str(tmp_path)]) == 0
+    assert "figure 15: 4 rows" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "report.json").read_text())
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["closed_loop"] == 32 * 14 and run["topology"] == "testbed-14x3"
+    s = run["summaries"]
+    (key,) = s["kvcompass"]
+    full = s["kvcompass"][key]["throughput_tok_s"]
+    assert {r["scheme"] for r in rows} == {"kvcompass-no-load", "kvcompass-no-xregion", "kvcompass-tier-blind", "kvcompass-no-migration"}
+    for r in rows:
+        assert r["metric"] == "ablation_throughput" and set(r) == KEYS
+        assert r["ours"] == pytest.approx(s[r["scheme"]][key]["throughput_tok_s"] / full)
+        assert r["note"].startswith(("agrees", "disagrees"))
+    md = (tmp_path / "report.md").read_text()
+    assert "Closed loop: 32 requests outstanding per worker" in md
+    assert (tmp_path / "figure15.png").stat().st_size > 10_000

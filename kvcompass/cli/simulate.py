@@ -382,7 +382,7 @@ def add_parsers(sub: Any) -> None:
         description="Reproducible here: figures 12 and 14 (Mixed). Absent so far: figures 11, 13, 15-18, tables 4-5, "
         "the WildChat/LMSYS columns (no chat traces offline) and a Ray fan-out.",
     )
-    rep.add_argument("--figure", required=True, metavar="N", help="the paper's figure: 12 or 14")
+    rep.add_argument("--figure", required=True, metavar="N", help="the paper's figure: 12, 14 or 15")
     rep.add_argument("--quick", action="store_true", help="fewer rates and requests (fits in 10 minutes on 2 cores)")
     rep.add_argument("--jobs", type=int, default=1, metavar="N", help="run up to N simulations side by side in worker processes (default 1)")
     rep.add_argument("--requests", type=int, default=None, metavar="N", help="requests a run (default 12000 with --quick, else 100000)")
