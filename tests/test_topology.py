@@ -628,3 +628,17 @@ def test_a_topology_may_name_its_tokenizer_relative_to_its_file(tmp_path: Path) 
     with pytest.raises(TopologyError, match="tokenizer: no file"):
         load_topology(str(tmp_path / "u.toml"))
     assert load_topology("testbed-14x3").tokenizer == ""
+
+
+def test_the_north_american_testbed_is_the_papers_appendix_b() -> None:
+    """Figure 17's testbed: 2 Pennsylvania, 4 Ohio, 1 New York, 4 Calgary, mapped to the nearest
+    AWS regions of the bundled matrix, with one-way latencies in the ranges its description
+    states (the three eastern regions close together, Calgary far)."""
+    t = load_topology("testbed-na-11x4", rtt_path=BUNDLED_RTT)
+    assert [(r, len(t.workers_in(r))) for r in t.region_names] == [("pennsylvania", 2), ("ohio", 4), ("new-york", 1), ("calgary", 4)]
+    east = ("pennsylvania", "ohio", "new-york")
+    one_way = [t.rtt_ms(a, b) / 2 for a in east for b in east if a < b]
+    assert min(one_way) == pytest.approx(7.9, abs=0.05) and max(one_way) == pytest.approx(13.7, abs=0.05)
+    to_calgary = [t.rtt_ms(a, "calgary") / 2 for a in east]
+    assert min(to_calgary) == pytest.approx(20.6, abs=0.05) and max(to_calgary) == pytest.approx(25.8, abs=0.05)
+    assert all(w.beta_ms_per_token == 0.085 for w in t.workers)
