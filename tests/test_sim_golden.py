@@ -8,7 +8,8 @@ Model changes made since, on purpose, re-pin only what they change, from the Rus
 ``chord`` entry since Chord runs ceil(log2 N) virtual nodes per worker, the
 ``central-directory`` entries since its coordinator reads state that crossed the WAN, the
 ``planetserve`` entries since its balancer applies PlanetServe's load threshold (issue 14);
-``random`` and ``round-robin``, schemes added after the move, are pinned from the Rust engine;
+``random``, ``round-robin`` and ``sglang-cache-aware``, schemes added after the move, are pinned
+from the Rust engine;
 every other entry is still the Python engine's."""
 
 from __future__ import annotations

@@ -386,3 +386,25 @@ def test_random_dispatch_splits_poisson_arrivals_into_md1_queues() -> None:
     assert len({r.worker for r in s.records}) == 4
     balanced = simulate(topo, reqs, "oracle", seed=1, cost=cost, gpu_sharing="lanes")
     assert balanced.mean_queue_ms < 0.5 * s.mean_queue_ms
+
+
+def test_sglang_cache_aware_follows_its_tree_until_the_load_is_imbalanced(testbed: Topology) -> None:
+    """SGLang's cache-aware router: a repeated prompt goes where the router sent it before
+    (its tree matches more than half); a new prompt goes to the smallest tree; once the loads
+    differ by more than 32 requests, the least-loaded worker wins whatever the trees say."""
+    # Spaced out: no queues, so the tree decides.
+    spaced = [_request(i, 2000.0 * i, "us", 9 if i % 2 == 0 else 10 + i, 2000) for i in range(12)]
+    s = simulate(testbed, spaced, "sglang-cache-aware", seed=1)
+    by_id = {r.id: r for r in s.records}
+    repeats = [by_id[i] for i in range(0, 12, 2)]
+    assert len({r.worker for r in repeats}) == 1 and all(r.claimed >= 1024 for r in repeats[1:])
+    assert repeats[0].claimed == 0
+    assert all(r.reused >= r.claimed for r in repeats[1:])  # the worker does hold it
+    fresh = [by_id[i] for i in range(1, 12, 2)]
+    assert len({r.worker for r in fresh} | {repeats[0].worker}) == 1 + len(fresh)  # each to an empty tree
+    # A burst of one long prompt: the holder's queue grows past 32 and the rest spread.
+    burst = [_request(i, 0.01 * i, "us", 3, 6000, output=2) for i in range(120)]
+    b = simulate(testbed, burst, "sglang-cache-aware", seed=1)
+    counts = Counter(r.worker for r in b.records)
+    top = counts.most_common(1)[0][1]
+    assert 33 <= top < 120 and len(counts) > 1

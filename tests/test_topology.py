@@ -150,7 +150,11 @@ def test_load_topology_unknown_name_lists_builtins() -> None:
 
 def test_bundled_excerpt_is_square_and_symmetric() -> None:
     m = RttMatrix.from_csv(BUNDLED_RTT)
-    assert len(m.labels) == 16
+    assert len(m.labels) == 18
+    # It exists so every built-in topology loads without ../shared/data: it covers them all.
+    for name in builtin_topologies():
+        t = load_topology(name, rtt_path=BUNDLED_RTT)
+        assert {r.aws_region for r in t.regions if r.aws_region} <= set(m.labels), name
     for a in m.labels:
         for b in m.labels:
             assert m.rtt_ms(a, b) == m.rtt_ms(b, a)

@@ -479,6 +479,9 @@ class Simulator:
     def waiting(self, worker: str) -> int:
         return int(self._eng().waiting(self._index[worker]))
 
+    def pending(self, worker: str) -> int:
+        return int(self._eng().pending(self._index[worker]))
+
     def worker_index(self, worker: str) -> int:
         try:
             return self._index[worker]

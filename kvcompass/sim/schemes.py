@@ -41,14 +41,16 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import hashlib
+import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from kvcompass import _core
 from kvcompass.discovery.edge import Edge
 from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.discovery.params import EdgeParams
@@ -136,6 +138,11 @@ class Fleet(Protocol):
 
     def waiting(self, worker: str) -> int:
         """How many requests wait at the worker for prefill (the running one excluded)."""
+        ...
+
+    def pending(self, worker: str) -> int:
+        """How many requests routed to the worker have not finished their prefill (on their way,
+        waiting or prefilling): a router's count of its own outstanding requests."""
         ...
 
     def worker_index(self, worker: str) -> int:
@@ -258,6 +265,101 @@ class RoundRobin(RandomDispatch):
 
     name = "round-robin"
     round_robin = True
+
+
+class SGLangCacheAware:
+    """SGLang's router with its ``cache_aware`` policy (the baseline of the paper's figure 18),
+    as its source documents it: one router over every prefill worker that keeps an approximate
+    radix tree per worker of the prompts it sent there, and
+
+    * when the load is imbalanced, both ``max - min > balance_abs_threshold`` (32) and
+      ``max > balance_rel_threshold * min`` (1.0001), the least-loaded worker;
+    * else the worker whose tree matches the longest prefix of the prompt when that match
+      exceeds ``cache_threshold`` (0.5) of the prompt, else the worker with the smallest tree
+      (the most free cache, as the router reckons it);
+    * the prompt is then inserted into the chosen worker's tree; every ``eviction_interval_s``
+      (60 s) each tree is cut back to ``max_tree_size`` by dropping least recently used leaves.
+
+    Simplifications, stated: the trees hold the prompts' KV blocks (chained hashes of
+    ``block_size`` tokens, so a match is whole blocks) where SGLang's hold characters or
+    tokens, so ``max_tree_size`` (2**24 characters in SGLang) is taken as 2**24 / 4 tokens; the
+    load is the requests routed to a worker until their prefill ends (:meth:`Fleet.pending`;
+    SGLang counts them until they complete, which under prefill-decode disaggregation, the
+    paper's figure 18, is the prefill); the router decides at the request's edge with no lookup
+    delay, as random and round-robin dispatch do here."""
+
+    name = "sglang-cache-aware"
+    uses_index = False
+    cache_threshold = 0.5
+    balance_abs_threshold = 32
+    balance_rel_threshold = 1.0001
+    eviction_interval_s = 60.0
+    max_tree_tokens = 2**24 // 4
+
+    def __init__(self, fleet: Fleet) -> None:
+        self._fleet = fleet
+        t = fleet.topology
+        self._workers = [w.id for w in t.indexed_workers]
+        self._block = t.block_size
+        self._max_blocks = max(1, self.max_tree_tokens // self._block)
+        # Per worker: block -> last use; dicts keep insertion order, so the first key is the
+        # least recently used (a prompt's blocks are touched child first, so parents stay newer
+        # than their children and eviction takes leaves).
+        self._trees: list[dict[int, float]] = [{} for _ in self._workers]
+        self._next_eviction_ms = self.eviction_interval_s * 1e3
+
+    def _load(self, w: str, now_ms: float) -> int:
+        return self._fleet.pending(w)
+
+    def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
+        f = self._fleet
+        if now_ms >= self._next_eviction_ms:
+            self._evict()
+            self._next_eviction_ms = (now_ms // (self.eviction_interval_s * 1e3) + 1) * self.eviction_interval_s * 1e3
+        salt = f.salt(request)
+        chain = _core.block_chain_hashes(tokens, self._block, 0 if salt is None else salt_key(salt)).tolist()
+        loads = [self._load(w, now_ms) for w in self._workers]
+        hi, lo = max(loads), min(loads)
+        matched = 0
+        if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
+            i = loads.index(lo)
+        else:
+            best_i, best = 0, -1
+            for k, tree in enumerate(self._trees):
+                m = _prefix_in(tree, chain)
+                if m > best:
+                    best_i, best = k, m
+            if chain and best * self._block > self.cache_threshold * len(tokens):
+                i, matched = best_i, best * self._block
+            else:
+                sizes = [len(t) for t in self._trees]
+                i = sizes.index(min(sizes))
+        tree = self._trees[i]
+        for h in reversed(chain):  # children first: parents end up the more recently used
+            tree.pop(h, None)
+            tree[h] = now_ms
+        return Choice(self._workers[i], matched)
+
+    def _evict(self) -> None:
+        for tree in self._trees:
+            extra = len(tree) - self._max_blocks
+            if extra > 0:
+                for h in list(itertools.islice(tree, extra)):
+                    del tree[h]
+
+
+def _prefix_in(tree: Mapping[int, float], chain: Sequence[int]) -> int:
+    """How many leading blocks of ``chain`` ``tree`` holds: a binary search, since the tree
+    holds a block's parents whenever it holds the block (it takes whole prompts and evicts
+    leaves first)."""
+    lo, hi = 0, len(chain)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if chain[mid] in tree:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 class KVCompassAblation(KVCompassScheme):
@@ -671,6 +773,7 @@ SCHEMES: dict[str, Callable[[Fleet], Scheme]] = {
     Oracle.name: Oracle,
     RandomDispatch.name: RandomDispatch,
     RoundRobin.name: RoundRobin,
+    SGLangCacheAware.name: SGLangCacheAware,
     NoLoad.name: NoLoad,
     NoCrossRegion.name: NoCrossRegion,
     TierBlind.name: TierBlind,

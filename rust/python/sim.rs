@@ -532,6 +532,10 @@ impl PySimEngine {
         self.inner.waiting(worker).map_err(core_err)
     }
 
+    fn pending(&self, worker: u32) -> PyResult<u32> {
+        self.inner.pending(worker).map_err(core_err)
+    }
+
     fn cached(
         &self,
         py: Python<'_>,

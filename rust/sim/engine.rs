@@ -387,6 +387,9 @@ struct Worker {
     waiting: VecDeque<u32>,
     waiting_ms: f64,
     dispatched: Vec<(u16, f64)>,
+    /// Requests routed here whose prefill has not ended (on the way, waiting or prefilling):
+    /// what a router that counts its own outstanding requests sees.
+    pending: u32,
     current: Option<u32>,
     busy_until: f64,
     busy: Vec<(f64, f64)>,
@@ -560,6 +563,7 @@ impl Engine {
                 waiting: VecDeque::new(),
                 waiting_ms: 0.0,
                 dispatched: Vec::new(),
+                pending: 0,
                 current: None,
                 busy_until: 0.0,
                 busy: Vec::new(),
@@ -939,6 +943,12 @@ impl Engine {
         Ok(self.worker(w)?.waiting.len())
     }
 
+    /// Requests routed to the worker whose prefill has not ended (on their way, waiting or
+    /// prefilling).
+    pub fn pending(&self, w: u32) -> Result<u32> {
+        Ok(self.worker(w)?.pending)
+    }
+
     /// `(vram, dram)` hit tokens of the worker's cache for `tokens`.
     pub fn cached(&self, w: u32, tokens: &[u32], salt_seed: u64) -> Result<(u64, u64)> {
         let x = self.worker(w)?;
@@ -1041,6 +1051,7 @@ impl Engine {
         let est = self.estimate_now(c.worker, job)?;
         self.jobs[job as usize].dispatched_ms = est;
         add_dispatched(&mut self.workers[c.worker as usize], r.region, est);
+        self.workers[c.worker as usize].pending += 1;
         let t = self.now + c.delay_ms + forward;
         self.push(t, Ev::Land(job));
         Ok(())
@@ -1077,6 +1088,8 @@ impl Engine {
         let est = self.estimate_now(c.worker, job)?;
         self.jobs[job as usize].dispatched_ms = est;
         add_dispatched(&mut self.workers[c.worker as usize], origin, est);
+        self.workers[w as usize].pending = self.workers[w as usize].pending.saturating_sub(1);
+        self.workers[c.worker as usize].pending += 1;
         self.jobs[job as usize].worker = c.worker;
         self.handoffs += 1;
         let t = self.now + self.way(region, region);
@@ -1307,6 +1320,7 @@ impl Engine {
             self.publish_events(w, ev);
             return Ok(true);
         }
+        x.pending = x.pending.saturating_sub(1); // a routed request's prefill ended
         let ev = x.cache.place_vram_len(&j.tokens, j.input_length as usize, &chain, now, j.salt, true, x.publish)?;
         self.publish_events(w, ev);
         let j = &mut self.jobs[job as usize];
