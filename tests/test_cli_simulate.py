@@ -235,6 +235,31 @@ def test_jobs_run_side_by_side_with_the_same_results(tmp_path: Path, capsys: pyt
     assert "--jobs must be >= 1" in capsys.readouterr().err
 
 
+def test_ray_runs_the_grid_as_tasks_with_the_serial_results(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--ray local`` starts Ray on this machine and runs every (scheme, rate) cell as a Ray
+    task: the JSON line is the serial run's (issue 14: sweeps fan out on Ray, not on a
+    scheduler of our own); Ray absent, or Ray with --jobs, is a clear error."""
+    pytest.importorskip("ray")
+    argv = ["simulate", "--topology", "testbed-14x3", "--trace", "mixed", "--max-requests", "60", "--rates", "6,12", "--schemes", "kvcompass,oracle", "--seed", "4"]
+    assert main(argv) == 0
+    serial = capsys.readouterr()
+    assert main([*argv, "--ray", "local"]) == 0
+    on_ray = capsys.readouterr()
+    assert serial.out.rstrip("\n").split("\n")[-1] == on_ray.out.rstrip("\n").split("\n")[-1]
+    assert "[4/4]" in on_ray.err and "4 runs on Ray (local)" in on_ray.err
+    assert main([*argv, "--ray", "local", "--jobs", "2"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_ray_absent_is_said_plainly(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    argv = ["simulate", "--topology", "testbed-14x3", "--trace", "mixed", "--max-requests", "20", "--rates", "6", "--schemes", "oracle", "--ray", "local"]
+    assert main(argv) == 2
+    assert "pip install 'kvcompass[ray]'" in capsys.readouterr().err
+
+
 def test_run_cells_checks_its_arguments() -> None:
     from kvcompass.discovery.topology import load_topology
     from kvcompass.sim.cells import run_cells

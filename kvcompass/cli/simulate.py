@@ -197,6 +197,8 @@ def _simulate(args: argparse.Namespace) -> int:
         raise UsageError(f"--patch-delay-ms must be >= 0, got {args.patch_delay_ms}")
     if args.jobs < 1:
         raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.ray is not None and args.jobs != 1:
+        raise UsageError("give --jobs (processes here) or --ray (a Ray cluster), not both")
     if args.max_batched_tokens < 1:
         raise UsageError(f"--max-batched-tokens must be >= 1, got {args.max_batched_tokens}")
     if args.closed_loop < 0:
@@ -291,17 +293,20 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"\r[{k}/{total}] {scheme} at {rate} req/s: [{bar:<20}] {done}/{n} requests ...", end="", file=sys.stderr, flush=True)
 
     def finished(k: int, total: int, scheme: str, rate: str, n: int, wall: float) -> None:
-        if args.jobs == 1:
+        if args.jobs == 1 and args.ray is None:
             print(f" done in {wall:.1f} s", file=sys.stderr, flush=True)
         else:
             print(f"[{k}/{total}] {scheme} at {rate} req/s: {n} requests done in {wall:.1f} s", file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
     tty = sys.stderr.isatty()
+    serial = args.jobs == 1 and args.ray is None
     results: dict[str, dict[str, Summary]] = run_cells(
-        topology, workloads, cells, options, jobs=args.jobs, on_start=started if args.jobs == 1 else None, on_done=finished, on_progress=running if tty and args.jobs == 1 else None
+        topology, workloads, cells, options, jobs=args.jobs, on_start=started if serial else None, on_done=finished, on_progress=running if tty and serial else None, ray=args.ray
     )
-    if args.jobs > 1:
+    if args.ray is not None:
+        print(f"{len(cells)} runs on Ray ({args.ray}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    elif args.jobs > 1:
         print(f"{len(cells)} runs on {min(args.jobs, len(cells))} processes in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     extra: dict[str, object] = {}
     if args.sensitivity:
@@ -368,10 +373,18 @@ def _reproduce_main(args: argparse.Namespace) -> int:
         raise UsageError(f"--requests must be >= 100, got {args.requests}")
     if args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
-    rows = reproduce(args.figure, args.out, quick=args.quick, jobs=args.jobs, seed=args.seed, requests=args.requests)
+    if args.ray is not None and args.jobs != 1:
+        raise UsageError("give --jobs (processes here) or --ray (a Ray cluster), not both")
+    rows = reproduce(args.figure, args.out, quick=args.quick, jobs=args.jobs, seed=args.seed, requests=args.requests, ray=args.ray)
     agree = sum(1 for r in rows if r.note.startswith("agrees"))
     print(f"figure {args.figure}: {len(rows)} rows, {agree} agree within 1.5x; wrote {args.out}/report.md, report.json, run.json, figure{args.figure}.png")
     return 0
+
+
+_RAY_HELP = (
+    "run the (scheme, rate) simulations as Ray tasks: local starts Ray on this machine, an address joins a cluster whose "
+    "nodes have kvcompass installed (optional extra kvcompass[ray]); same results as a serial run"
+)
 
 
 def add_parsers(sub: Any) -> None:
@@ -379,12 +392,13 @@ def add_parsers(sub: Any) -> None:
     rep = sub.add_parser(
         "reproduce",
         help="run one of the paper's figures' grids and write the paper's numbers beside ours (report.md, report.json, the figure)",
-        description="Reproducible here: figures 12 and 14 (Mixed). Absent so far: figures 11, 13, 15-18, tables 4-5, "
-        "the WildChat/LMSYS columns (no chat traces offline) and a Ray fan-out.",
+        description="Reproducible here: figures 12 and 14 (Mixed) and 15 (the ablations, closed loop). Absent so far: figures 11, 13, "
+        "16-18, tables 4-5 and the WildChat/LMSYS columns.",
     )
     rep.add_argument("--figure", required=True, metavar="N", help="the paper's figure: 12, 14 or 15")
     rep.add_argument("--quick", action="store_true", help="fewer rates and requests (fits in 10 minutes on 2 cores)")
     rep.add_argument("--jobs", type=int, default=1, metavar="N", help="run up to N simulations side by side in worker processes (default 1)")
+    rep.add_argument("--ray", default=None, metavar="ADDRESS|local", help=_RAY_HELP)
     rep.add_argument("--requests", type=int, default=None, metavar="N", help="requests a run (default 12000 with --quick, else 100000)")
     rep.add_argument("--seed", type=int, default=1)
     rep.add_argument("--out", required=True, metavar="DIR", help="where report.md, report.json, run.json and the figure go")
@@ -456,6 +470,7 @@ def add_parsers(sub: Any) -> None:
         help="run up to N (scheme, rate) simulations side by side in worker processes (default 1; same results, "
         "in the same order; each process holds its own copy of the workload and of one run's caches)",
     )
+    sim.add_argument("--ray", default=None, metavar="ADDRESS|local", help=_RAY_HELP)
     sim.add_argument(
         "--region-weights",
         default=None,

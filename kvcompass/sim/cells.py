@@ -11,6 +11,12 @@ come back in the order the cells were listed whatever order they finish in.
 Workers are started with the ``spawn`` method (a forked child of a process that has started
 polars' or BLAS's threads can deadlock); each receives the topology and the workloads once,
 at start, and then only (rate, scheme) pairs.
+
+A grid that outgrows one machine runs on Ray (``ray="local"`` or a cluster's address; the
+optional extra ``kvcompass[ray]``): each cell is one Ray task running the same
+:func:`~kvcompass.sim.engine.simulate` call, the topology and each rate's workload put into
+Ray's object store once, so the results are those of a serial run. Every node of a cluster
+needs this package installed (a Ray runtime environment can ship it).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from typing import Any
 
 from kvcompass.discovery.topology import Topology
+from kvcompass.errors import InvalidArgumentError
 from kvcompass.sim.engine import simulate
 from kvcompass.sim.summary import Summary
 from kvcompass.sim.workload import Request
@@ -62,12 +69,15 @@ def run_cells(
     on_start: OnStart | None = None,
     on_done: OnDone | None = None,
     on_progress: OnProgress | None = None,
+    ray: str | None = None,
 ) -> dict[str, dict[str, Summary]]:
     """Run every cell (``simulate(topology, workloads[rate], scheme, **options)``) on up to
     ``jobs`` processes (1: here, in order); returns ``{scheme: {rate: Summary}}`` in the order of
     ``cells``. ``on_start``/``on_done`` report progress (with ``jobs > 1`` a cell is reported
     when it finishes, in the order cells finish), ``on_progress`` how far the running cell has
-    got (serial runs only)."""
+    got (serial runs only). ``ray``: run the cells as Ray tasks instead (``"local"`` starts a
+    Ray instance on this machine for the call; an address joins that cluster); ``jobs`` is then
+    unused."""
     if type(jobs) is not int or jobs < 1:
         raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
     for rate, _ in cells:
@@ -75,7 +85,9 @@ def run_cells(
             raise KeyError(f"no workload for rate {rate!r}")
     total = len(cells)
     done: dict[Cell, Summary] = {}
-    if jobs == 1 or total <= 1:
+    if ray is not None:
+        _run_on_ray(ray, topology, workloads, cells, options, done, on_done)
+    elif jobs == 1 or total <= 1:
         _init(topology, workloads, options)
         try:
             for k, (rate, scheme) in enumerate(cells, 1):
@@ -109,3 +121,53 @@ def run_cells(
     for rate, scheme in cells:
         results.setdefault(scheme, {})[rate] = done[(rate, scheme)]
     return results
+
+
+def _cell(topology: Topology, requests: list[Request], options: Mapping[str, Any], scheme: str) -> tuple[Summary, float]:
+    t0 = time.perf_counter()
+    s = simulate(topology, requests, scheme, **options)
+    return s, time.perf_counter() - t0
+
+
+def _run_on_ray(
+    address: str,
+    topology: Topology,
+    workloads: Mapping[str, Sequence[Request]],
+    cells: Sequence[Cell],
+    options: Mapping[str, Any],
+    done: dict[Cell, Summary],
+    on_done: OnDone | None,
+) -> None:
+    try:
+        import ray
+    except ImportError:
+        raise InvalidArgumentError("running on Ray needs Ray, which is not installed: pip install 'kvcompass[ray]'") from None
+    started = False
+    if not ray.is_initialized():
+        # A local instance is this call's own and goes when it ends; a cluster is joined.
+        kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+        ray.init(address=None if address == "local" else address, **kw)
+        started = True
+    try:
+        cell = ray.remote(_cell)
+        topo_ref = ray.put(topology)
+        refs = {rate: ray.put(list(workloads[rate])) for rate in {r for r, _ in cells}}
+        opts = dict(options)
+        pending = {cell.remote(topo_ref, refs[rate], opts, scheme): (rate, scheme) for rate, scheme in cells}
+        k, total = 0, len(cells)
+        try:
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=1)
+                for ref in ready:
+                    rate, scheme = pending.pop(ref)
+                    done[(rate, scheme)], wall = ray.get(ref)  # a run's error is raised here
+                    k += 1
+                    if on_done is not None:
+                        on_done(k, total, scheme, rate, len(workloads[rate]), wall)
+        except BaseException:
+            for ref in pending:
+                ray.cancel(ref)
+            raise
+    finally:
+        if started:
+            ray.shutdown()

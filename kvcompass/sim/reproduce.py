@@ -17,8 +17,8 @@ What is reproduced: figures 12 and 14 on the Mixed workload (the synthetic Mixed
 generator, 50 tenants with private pools, LFU eviction as the paper uses for Mixed), and figure
 15, the ablations' closed-loop throughput on the testbed topology. The paper's WildChat and
 LMSYS columns are not in the figures (their nearest stand-in here, ShareGPT chat, is
-``kvcompass simulate --trace sharegpt``), and figures and tables 11, 13, 16-18, 4 and 5 and a
-Ray fan-out are absent: the command refuses them with a message saying so.
+``kvcompass simulate --trace sharegpt``), and figures and tables 11, 13, 16-18, 4 and 5 are
+absent: the command refuses them with a message saying so. ``--ray`` runs a grid on Ray.
 """
 
 from __future__ import annotations
@@ -235,6 +235,7 @@ def reproduce(
     seed: int = 1,
     requests: int | None = None,
     log: Callable[[str], None] | None = None,
+    ray: str | None = None,
 ) -> list[Row]:
     """Run ``figure``'s grid, write ``out/report.json``, ``out/report.md``, ``out/run.json``
     and ``out/figure{N}.png``; returns the rows."""
@@ -263,7 +264,7 @@ def reproduce(
         say(f"[{k}/{total}] {scheme} at {rate} req/s: {count} requests in {wall:.1f} s")
 
     closed = fig.closed_loop_per_worker * len(topology.indexed_workers)
-    results = run_cells(topology, workloads, cells, {"seed": seed, "policy": fig.eviction, "closed_loop": closed}, jobs=jobs, on_done=done)
+    results = run_cells(topology, workloads, cells, {"seed": seed, "policy": fig.eviction, "closed_loop": closed}, jobs=jobs, on_done=done, ray=ray)
     wall = time.perf_counter() - t0
     rows: list[Row] = []
     for p in paper_rows(figure):
