@@ -921,3 +921,50 @@ def test_a_list_of_prompts_is_routed_prompt_by_prompt_and_merged_as_openai_numbe
             assert status == 400 and body["error"]["code"] == "too_many_prompts" and fleet.calls == []
 
     run(go())
+
+
+def test_the_door_carries_out_its_edges_migrations() -> None:
+    """Issue 17 (and the paper's section 3.4 in the services): a prefix family that keeps
+    missing its busy local holder turns hot, the edge names an idle target, and the door
+    places the replica there by sending the prefix as a one-token completion (marked
+    x-kvcompass-migration, in the family's tenant); the row and the metric say so."""
+    plane = make_plane()
+    ids = prompt_ids(31, 2048)
+    cache_prefix(plane, "us-0", ids)
+    fleet = Fleet(cached={"us-0": 2048}, queue_ms={"us-0": 5000.0})
+    config = DoorConfig(migration_poll_s=0.05)
+
+    async def go() -> None:
+        async with rig(plane, fleet, config=config) as t:
+            door = t.door.door
+            edge = door.edge
+            now = time.monotonic()
+            for w in edge.workers:
+                if edge.worker_region(w) == "us":
+                    edge.set_local_queue(w, 0.0, now - 2.0)  # every worker idle for two seconds
+            status, headers, _ = await complete(t.client, {"prompt": ids.tolist(), "max_tokens": 2})
+            assert status == 200 and headers["x-kvcompass-worker"] == "us-0"  # its queue report comes back: 5 s
+            for i in range(4):  # the holder is busy: its family misses it, again and again
+                status, headers, _ = await complete(t.client, {"prompt": ids.tolist()[:1900] + [7 + i] * 148, "max_tokens": 2})
+                assert status == 200 and headers["x-kvcompass-worker"] != "us-0"
+            for _ in range(100):
+                if door.recent_migrations:
+                    break
+                await asyncio.sleep(0.05)
+            assert door.recent_migrations, "no migration was carried out"
+            row = door.recent_migrations[-1]
+            assert row["kind"] == "copy" and row["done_as"] == "recompute" and row["outcome"] == "ok"
+            assert row["source"] != row["target"]  # a local holder (the index's or a speculative one)
+            calls = [(wid, body, h) for wid, body, h in fleet.calls if h.get("x-kvcompass-migration")]
+            assert len(calls) == 1
+            wid, body, h = calls[0]
+            assert wid == row["target"] != "us-0" and body["max_tokens"] == 1 and h["x-kvcompass-migration"] == "copy"
+            assert body["prompt"] == ids.tolist()[: row["tokens"]] and h["x-kvcompass-namespace"] == "public"
+            assert metric(await t.metrics(), "kvcompass_door_migrations_total", kind="copy", outcome="ok") == 1
+            from kvcompass.services.dashboard import Dashboard
+
+            dash = Dashboard(edge)
+            dash.door = door
+            assert dash.data()["migrations"] == [row]  # the operators' page lists it
+
+    run(go())

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["Dashboard"]
 
 _ROUTES_SHOWN = 50
+_MIGRATIONS_SHOWN = 10
 _HOT_SHOWN = 20
 
 
@@ -83,6 +84,7 @@ class Dashboard:
             "rates": _rates(routes, e.region),
             "latency": _latency(recent),
             "hot": [{"family": f"{f:016x}", "misses": n, "age_s": round(max(0.0, now - last), 3)} for f, n, last in e.hot_families(now)[:_HOT_SHOWN]],
+            "migrations": list(door.recent_migrations)[-_MIGRATIONS_SHOWN:][::-1] if door is not None else [],
             "views": views,
             "stale_shards": stale,
         }

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import json
 import math
 import os
@@ -78,6 +79,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvcompass.discovery.edge import Decision, Edge
+from kvcompass.discovery.migration import MigrationAction
 from kvcompass.errors import InvalidArgumentError, KVCompassError
 from kvcompass.index_types import Namespace
 from kvcompass.services.api_keys import ANY_TENANT, ApiKey, KeyStore
@@ -93,7 +95,16 @@ from kvcompass.services.openai_api import (
     prompt_batch,
     prompt_tokens,
 )
-from kvcompass.services.wire import HANDOFF_HEADER, NAMESPACE_HEADER, QUEUE_MS_HEADER, QUEUE_VECTOR_HEADER, REGION_HEADER, TENANT_SALT_PREFIX, WORKER_HEADER
+from kvcompass.services.wire import (
+    HANDOFF_HEADER,
+    MIGRATION_HEADER,
+    NAMESPACE_HEADER,
+    QUEUE_MS_HEADER,
+    QUEUE_VECTOR_HEADER,
+    REGION_HEADER,
+    TENANT_SALT_PREFIX,
+    WORKER_HEADER,
+)
 
 __all__ = [
     "FRONT_DOOR",
@@ -109,6 +120,7 @@ __all__ = [
 _TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}")
 _REGION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _NAMESPACE_CACHE = 4096
+_log = logging.getLogger("kvcompass.door")
 
 def valid_tenant(name: str) -> bool:
     """Whether ``name`` may name a tenant (the ``x-kvcompass-namespace`` header's syntax)."""
@@ -185,16 +197,21 @@ class DoorConfig:
     peer_key: str | None = None
     """The key this door presents to other regions' doors when it hands a request over (an
     any-tenant key of their keys files)."""
+    migration_poll_s: float = 0.1
+    """How often the door asks its edge for migration actions and carries them out (0: never;
+    :meth:`FrontDoor.migrate`). The edge's hotness window is a second, so a tenth of it."""
+    max_migrations_inflight: int = 4
+    """Replica prefills the door has outstanding at once (more wait their turn)."""
 
     def __post_init__(self) -> None:
         if not self.models or any(not isinstance(m, str) or not m for m in self.models):
             raise ValueError(f"models must be non-empty names, got {self.models!r}")
         if not _TENANT_RE.fullmatch(self.default_tenant):
             raise ValueError(f"default_tenant {self.default_tenant!r} is not a valid tenant name")
-        for name in ("max_prompt_tokens", "max_body_bytes", "max_attempts", "max_inflight_per_client", "max_connections_per_address"):
+        for name in ("max_prompt_tokens", "max_body_bytes", "max_attempts", "max_inflight_per_client", "max_connections_per_address", "max_migrations_inflight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("dead_cooldown_s", "connect_timeout_s", "head_timeout_s", "read_timeout_s", "drain_grace_s", "stale_grace_s", "body_timeout_s"):
+        for name in ("dead_cooldown_s", "connect_timeout_s", "head_timeout_s", "read_timeout_s", "drain_grace_s", "stale_grace_s", "body_timeout_s", "migration_poll_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {v}")
@@ -242,6 +259,12 @@ class _Metrics:
         self.header_timeouts = Gauge(p + "header_timeouts", "Connections closed because a request head was not whole within header_timeout_s of the connection or of its first byte (since start)", registry=registry)
         self.peer_failures = Counter(p + "peer_failures", "Hand-offs a peer door failed to answer (the worker was then tried directly when its URL is known)", registry=registry)
         self.peer_doors = Gauge(p + "peer_doors", "Other regions' doors this door hands requests to", registry=registry)
+        self.migrations = Counter(
+            p + "migrations",
+            "Replicas of hot prefix families the door placed on idle workers for its edge, by the kind the edge asked for and outcome",
+            ["kind", "outcome"],
+            registry=registry,
+        )
         self.handoffs = Counter(p + "handoffs", "Requests another region's door handed to this one, by outcome (kept: the worker it named)", ["outcome"], registry=registry)
         self.hits = Counter(p + "hits", "Responses where the index claimed a prefix and the worker reused all of it", registry=registry)
         self.false_hits = Counter(p + "false_hits", "Responses where the index claimed a prefix (claimed > 0) and the worker reused less", registry=registry)
@@ -361,6 +384,10 @@ class FrontDoor:
         :meth:`health` reports them and turns not-ready past ``stale_grace_s``)."""
         self._inflight = 0
         self.recent_routes: deque[dict[str, Any]] = deque(maxlen=200)
+        self.recent_migrations: deque[dict[str, Any]] = deque(maxlen=50)
+        """The last migrations carried out (the dashboard's table)."""
+        self._names: dict[bytes, tuple[str, str]] = {}  # namespace digest -> (model, tenant)
+        self._migrating: set[asyncio.Task[None]] = set()
         self.conn_guard = ConnGuard(config.max_connections_per_address, config.header_timeout_s)
         g = self.conn_guard
         self.metrics.refused_connections.set_function(lambda: g.refused)
@@ -404,11 +431,83 @@ class FrontDoor:
         # total=None: a stream may legitimately run for minutes; the head and read limits bound stalls.
         timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s, sock_read=self.config.read_timeout_s)
         self._session = aiohttp.ClientSession(connector=conn, timeout=timeout, auto_decompress=False)
+        poller = asyncio.create_task(self._migration_loop()) if self.config.migration_poll_s > 0 else None
         try:
             yield
         finally:
+            for t in [*([poller] if poller is not None else []), *self._migrating]:
+                t.cancel()
+            await asyncio.gather(*([poller] if poller is not None else []), *self._migrating, return_exceptions=True)
             await self._session.close()
             self._session = None
+
+    # -- migration ---------------------------------------------------------------------------------
+
+    async def _migration_loop(self) -> None:
+        slots = asyncio.Semaphore(self.config.max_migrations_inflight)
+        while True:
+            await asyncio.sleep(self.config.migration_poll_s)
+            if self.draining:
+                continue
+            try:
+                actions = self.edge.migration_actions(self._clock())
+            except KVCompassError as e:
+                _log.warning("migration actions failed: %s", e)
+                continue
+            for a in actions:
+                task = asyncio.create_task(self._migrate_in_turn(slots, a))
+                self._migrating.add(task)
+                task.add_done_callback(self._migrating.discard)
+
+    async def _migrate_in_turn(self, slots: asyncio.Semaphore, action: MigrationAction) -> None:
+        async with slots:
+            await self.migrate(action)
+
+    async def migrate(self, action: MigrationAction) -> dict[str, Any]:
+        """Carry out one of the edge's migration actions (paper section 3.4): place a replica of
+        the hot family's prefix on the idle target worker by sending it the prefix as a prompt
+        with ``max_tokens`` 1, so the worker prefills it, caches it and publishes the KV events
+        that index it, as any request would. An OpenAI endpoint offers no way to move KV
+        between engines, so a ``copy`` is carried out as a recompute too (the row says both),
+        and the replica lands in the tier the engine puts a fresh prefill in (VRAM), not the
+        DRAM the edge names. Returns the dashboard row."""
+        row: dict[str, Any] = {
+            "at": time.time(),
+            "family": f"{action.family:016x}",
+            "kind": action.kind,
+            "done_as": "recompute",
+            "source": action.source,
+            "target": action.target,
+            "tokens": int(action.length),
+        }
+        outcome = "ok"
+        t0 = time.perf_counter()
+        named = self._names.get(action.namespace)
+        url = self.urls.get(action.target)
+        session = self._session
+        if named is None or url is None or session is None:
+            outcome = "skipped"
+            row["error"] = "no longer known here" if named is None else ("not reachable from this door" if url is None else "the door is stopping")
+        else:
+            model, tenant = named
+            body: dict[str, Any] = {"model": model, "prompt": action.tokens[: action.length].tolist(), "max_tokens": 1, "stream": False}
+            if tenant != self.config.default_tenant:
+                body["cache_salt"] = TENANT_SALT_PREFIX + tenant
+            headers = {"Content-Type": "application/json", NAMESPACE_HEADER: tenant, MIGRATION_HEADER: action.kind}
+            try:
+                async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
+                    await r.read()
+                    if r.status != 200:
+                        outcome = "failed"
+                        row["error"] = f"http {r.status}"
+            except (aiohttp.ClientError, TimeoutError) as e:
+                outcome = "failed"
+                row["error"] = type(e).__name__
+        row["outcome"] = outcome
+        row["ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+        self.metrics.migrations.labels(action.kind, outcome).inc()
+        self.recent_migrations.append(row)
+        return row
 
     @property
     def inflight(self) -> int:
@@ -667,6 +766,9 @@ class FrontDoor:
         if ns is None:
             ns = Namespace(model, tenant)
             self._namespaces[key] = ns
+            self._names[ns.digest] = key
+            if len(self._names) > _NAMESPACE_CACHE:
+                self._names.pop(next(iter(self._names)))
             # Tenants come from a header: bound the cache so a client cannot grow it forever.
             if len(self._namespaces) > _NAMESPACE_CACHE:
                 self._namespaces.popitem(last=False)

@@ -11,6 +11,7 @@ __all__ = [
     "HANDOFF_HEADER",
     "INGEST_PATH",
     "LOAD_PATH",
+    "MIGRATION_HEADER",
     "NAMESPACE_HEADER",
     "PEER_TOKEN_HEADER",
     "QUEUE_MS_HEADER",
@@ -49,3 +50,7 @@ NAMESPACE_HEADER = "x-kvcompass-namespace"
 """The tenant namespace a handed-off request belongs to."""
 HANDOFF_HEADER = "x-kvcompass-handoff"
 """Marks a request one door forwards to another region's door for re-placement."""
+
+MIGRATION_HEADER = "x-kvcompass-migration"
+"""On a request a door sends to a worker to place a replica of a hot prefix there (the edge's
+migration action): ``copy`` or ``recompute``, the kind the edge asked for; not a client's."""
