@@ -489,6 +489,41 @@ async def _unit_digest(addr: str, table: int) -> bytes:
     return v.digest()
 
 
+JSON = {"Content-Type": "application/json"}
+
+
+async def post_once(s: Any, url: str, body: bytes) -> float:
+    """One POST of ``body`` on session ``s``; its latency in ms (an error unless 200)."""
+    t = time.perf_counter()
+    async with s.post(url, data=body, headers=JSON) as r:
+        data = await r.read()
+        if r.status != 200:
+            raise RuntimeError(f"{url} answered {r.status}: {data[:200]!r}")
+    return (time.perf_counter() - t) * 1e3
+
+
+async def closed_loop(s: Any, url: str, bodies: list[bytes], concurrency: int, seconds: float) -> tuple[int, float]:
+    """Closed loop: ``concurrency`` lanes posting ``bodies`` in turn, back to back, for
+    ``seconds``; (requests completed, wall seconds)."""
+    stop_at = time.perf_counter() + seconds
+    count = 0
+
+    async def lane(j: int) -> None:
+        nonlocal count
+        k = j
+        while time.perf_counter() < stop_at:
+            async with s.post(url, data=bodies[k % len(bodies)], headers=JSON) as r:
+                await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"{url} answered {r.status} under load")
+            count += 1
+            k += 1
+
+    t = time.perf_counter()
+    await asyncio.gather(*(lane(j) for j in range(concurrency)))
+    return count, time.perf_counter() - t
+
+
 async def _canned_worker(replies: dict[bytes, tuple[bytes, dict[str, str]]]) -> tuple[Any, str]:
     """An aiohttp app answering each known body with the emulated worker's recorded reply
     (body and x-kvcompass headers): an upstream that costs next to nothing, so the door is the
@@ -521,32 +556,10 @@ async def bench_door(door_cpu: int | None, args: argparse.Namespace, prompts: li
     async with aiohttp.ClientSession(connector=conn) as s:
 
         async def once(url: str, body: bytes) -> float:
-            t = time.perf_counter()
-            async with s.post(url, data=body, headers=hdr) as r:
-                data = await r.read()
-                if r.status != 200:
-                    raise RuntimeError(f"{url} answered {r.status}: {data[:200]!r}")
-            return (time.perf_counter() - t) * 1e3
+            return await post_once(s, url, body)
 
         async def load(url: str, seconds: float) -> tuple[int, float]:
-            """Closed loop: door_concurrency lanes posting back to back for ``seconds``."""
-            stop_at = time.perf_counter() + seconds
-            count = 0
-
-            async def lane(j: int) -> None:
-                nonlocal count
-                k = j
-                while time.perf_counter() < stop_at:
-                    async with s.post(url, data=bodies[k % len(bodies)], headers=hdr) as r:
-                        await r.read()
-                        if r.status != 200:
-                            raise RuntimeError(f"{url} answered {r.status} under load")
-                    count += 1
-                    k += 1
-
-            t = time.perf_counter()
-            await asyncio.gather(*(lane(j) for j in range(args.door_concurrency)))
-            return count, time.perf_counter() - t
+            return await closed_loop(s, url, bodies, args.door_concurrency, seconds)
 
         async def door_load(door: Child, url: str, seconds: float) -> tuple[int, float, float | None]:
             await load(url, 0.5)  # open the connections, warm up

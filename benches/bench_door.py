@@ -1,0 +1,262 @@
+#!/usr/bin/env python3
+"""The door against sglang-router, side by side: CPU per proxied request, requests per second
+and the latency each adds, in front of the same instant backend (issue 15).
+
+    python benches/bench_door.py --quick      # about a minute once the peer is installed
+    python benches/bench_door.py              # longer phases
+    python benches/bench_door.py --no-peer    # ours only
+
+Progress goes to stderr; the last line of stdout is one JSON object: ``ours_cpu_ms_per_req``,
+``peer_cpu_ms_per_req``, ``cpu_ratio`` (ours / peer), ``ours_req_per_s``, ``peer_req_per_s``,
+``ours_added_p50_ms``/``p99`` and ``peer_added_p50_ms``/``p99``, ``tokenize_ms_per_prompt`` (what
+the built-in tokenizer costs per prompt, measured in the driver: our door pays it, the peer's
+character tree does not), the targets and whether each is met. When the peer cannot be installed or started the line says why (``peer_error``) and
+the peer's figures and the ratio are absent, never guessed.
+
+Set-up, the same for both routers:
+
+* **Backend.** This process serves ``--ports`` loopback ports (14: the testbed's workers) with
+  an instant OpenAI completion (a fixed body) and 404 on the model-info paths, which keeps
+  sglang-router from trying to fetch a tokenizer from a model hub (../shared/PEERS.md).
+* **Ours.** ``serve_door`` over the testbed's ``us`` edge in a child process (bench_service's
+  door child: a ``LocalPlane`` edge whose index holds the prompts for ``us-3``; the built-in
+  tokenizer). It does what a door does: tokenizes the text, routes it (hash, lookup, score),
+  forwards it and learns from the reply.
+* **Peer.** sglang-router (``--policy cache_aware``) in its own virtual environment
+  (``benches/.peers/sglang-router``, created with pip on first use; ``--peer-python`` names
+  another interpreter that has it), with the same ports as workers.
+* **Load.** Text prompts (sglang-router refuses token-id prompts), the same bodies for both.
+  Added latency: ``--pairs`` sequential requests at one connection, alternately to the backend
+  directly and through the router; the percentile through it minus the same percentile direct.
+  Throughput: ``--concurrency`` connections in a closed loop for ``--seconds``; CPU per request
+  is the router process's user + system CPU time over the window (``/proc``, all its threads)
+  divided by the requests it served, so it holds whatever else the host runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as _dt
+import json
+import logging
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from _provenance import git_info
+from bench_service import DOOR_HOLDER, DOOR_REGION, MODEL, TOPOLOGY, Child, closed_loop, cpu_model, log, pct, post_once, proc_cpu_s, rnd
+
+REPO = Path(__file__).resolve().parent.parent
+PEER_VENV = REPO / "benches" / ".peers" / "sglang-router"
+TARGETS = {"cpu_ratio": {"max": 1.5}, "ours_added_p99_ms": {"max": 1.0}}
+_WORDS = ("the request reaches the nearest edge which looks up every table of the index and forwards it to the worker "
+          "holding the longest prefix unless its queue is longer than the prefill it saves").split()
+
+
+def _prompts(n: int, words: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    shared = " ".join(_WORDS)  # a shared opening, as a system prompt would be
+    return [shared + " " + " ".join(rng.choice(_WORDS, size=words).tolist()) + f" [{i}]" for i in range(n)]
+
+
+async def _backend(ports: int) -> tuple[Any, list[str]]:
+    from aiohttp import web
+
+    reply = json.dumps(
+        {
+            "id": "cmpl-bench",
+            "object": "text_completion",
+            "created": 0,
+            "model": MODEL,
+            "choices": [{"index": 0, "text": " ok", "finish_reason": "length", "logprobs": None}],
+            "usage": {"prompt_tokens": 64, "completion_tokens": 1, "total_tokens": 65, "prompt_tokens_details": {"cached_tokens": 0}},
+        }
+    ).encode()
+
+    async def completion(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=reply, content_type="application/json")
+
+    async def ok(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completion)
+    app.router.add_post("/generate", completion)
+    app.router.add_get("/health", ok)
+    app.router.add_get("/health_generate", ok)
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    urls = []
+    for _ in range(ports):
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")  # type: ignore[union-attr]
+    return runner, urls
+
+
+def _peer_python(args: argparse.Namespace) -> str:
+    """An interpreter with sglang-router: --peer-python, or the bench's own venv (made on first
+    use; a RuntimeError saying why when pip cannot install it)."""
+    if args.peer_python:
+        return str(args.peer_python)
+    py = PEER_VENV / "bin" / "python"
+    probe = [str(py), "-c", "import sglang_router"]
+    if py.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return str(py)
+    log(f"installing sglang-router into {PEER_VENV} (first use)")
+    subprocess.run([sys.executable, "-m", "venv", str(PEER_VENV)], check=True, capture_output=True)
+    r = subprocess.run([str(py), "-m", "pip", "install", "-q", "sglang-router"], capture_output=True, text=True, timeout=900)
+    if r.returncode != 0 or subprocess.run(probe, capture_output=True).returncode != 0:
+        raise RuntimeError(f"pip could not install sglang-router: {(r.stderr or r.stdout).strip()[-300:]}")
+    return str(py)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start_peer(python: str, urls: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    cmd = [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", "cache_aware", "--log-level", "warn"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    body = json.dumps({"model": MODEL, "prompt": "warm up", "max_tokens": 1}).encode()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode(errors="replace")[-400:] if proc.stderr else ""
+            raise RuntimeError(f"sglang-router exited with {proc.returncode}: {err}")
+        with contextlib.suppress(OSError):
+            req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}, method="POST")
+            with urllib.request.urlopen(req, timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        time.sleep(0.25)
+    proc.kill()
+    raise RuntimeError("sglang-router did not answer within 60 s")
+
+
+async def _measure(s: Any, name: str, router_url: str, direct_url: str, pid: int, bodies: list[bytes], args: argparse.Namespace, res: dict[str, Any]) -> None:
+    through_u, direct_u = router_url + "/v1/completions", direct_url + "/v1/completions"
+    d_lat, p_lat = [], []
+    for i in range(args.warmup + args.pairs):
+        body = bodies[i % len(bodies)]
+        first, second = (through_u, direct_u) if i % 2 else (direct_u, through_u)
+        a = await post_once(s, first, body)
+        b = await post_once(s, second, body)
+        through, direct = (a, b) if i % 2 else (b, a)
+        if i >= args.warmup:
+            p_lat.append(through)
+            d_lat.append(direct)
+    res[f"{name}_added_p50_ms"] = rnd(pct(p_lat, 50) - pct(d_lat, 50))
+    res[f"{name}_added_p99_ms"] = rnd(pct(p_lat, 99) - pct(d_lat, 99))
+    await closed_loop(s, through_u, bodies, args.concurrency, 0.5)  # open the connections
+    c0 = proc_cpu_s(pid)
+    n, dt = await closed_loop(s, through_u, bodies, args.concurrency, args.seconds)
+    c1 = proc_cpu_s(pid)
+    res[f"{name}_req_per_s"] = rnd(n / dt, 1)
+    res[f"{name}_requests"] = n
+    if c0 is not None and c1 is not None and n:
+        res[f"{name}_cpu_ms_per_req"] = rnd((c1 - c0) * 1e3 / n, 4)
+        res[f"{name}_cpu_util"] = rnd((c1 - c0) / dt)
+    log(f"{name}: added {res[f'{name}_added_p50_ms']}/{res[f'{name}_added_p99_ms']} ms (P50/P99 at one connection); "
+        f"{n / dt:,.0f} req/s at {args.concurrency} connections, {res.get(f'{name}_cpu_ms_per_req')} ms CPU a request")
+
+
+async def run(args: argparse.Namespace, res: dict[str, Any]) -> None:
+    import aiohttp
+
+    from kvcompass.engine.tokenizer import load_tokenizer
+
+    texts = _prompts(args.prompts, args.words, args.seed)
+    tok = load_tokenizer(None)
+    # What tokenizing one prompt costs (our door must, to route it; sglang-router's tree works on
+    # characters): measured here, in this process, so the door's figure can be read net of it.
+    t0 = time.perf_counter()
+    for _ in range(20):
+        for t in texts:
+            tok.encode(t)
+    res["tokenize_ms_per_prompt"] = rnd((time.perf_counter() - t0) * 1e3 / (20 * len(texts)), 4)
+    res["prompt_tokens_mean"] = rnd(float(np.mean([len(tok.encode(t)) for t in texts])), 1)
+    bodies = [json.dumps({"model": MODEL, "prompt": t, "max_tokens": 1}).encode() for t in texts]
+    # sglang-router probes each worker for gRPC (an HTTP/2 preface) before it settles on HTTP:
+    # aiohttp refuses the preface, as it should; its log line about it is noise here.
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
+    runner, urls = await _backend(args.ports)
+    conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    try:
+        async with aiohttp.ClientSession(connector=conn) as s:
+            spec = {"topology": TOPOLOGY, "region": DOOR_REGION, "holder": DOOR_HOLDER, "prompts": [tok.encode(t).tolist() for t in texts], "worker_url": urls[0]}
+            door = Child("door", spec)
+            try:
+                await _measure(s, "ours", door.wait_ready()["url"], urls[0], door.pid, bodies, args, res)
+            finally:
+                door.stop()
+            if args.no_peer:
+                res["peer_error"] = "not run (--no-peer)"
+                return
+            try:
+                # In threads: the backend these wait on answers on this process's event loop.
+                python = await asyncio.to_thread(_peer_python, args)
+                peer, peer_url = await asyncio.to_thread(_start_peer, python, urls)
+            except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+                res["peer_error"] = str(e)
+                log(f"peer unavailable: {e}")
+                return
+            try:
+                version = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('sglang-router'))"], capture_output=True, text=True)
+                res["peer_version"] = version.stdout.strip() or None
+                await _measure(s, "peer", peer_url, urls[0], peer.pid, bodies, args, res)
+            finally:
+                peer.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    peer.wait(10)
+                if peer.poll() is None:
+                    peer.kill()
+    finally:
+        await runner.cleanup()
+    if res.get("ours_cpu_ms_per_req") and res.get("peer_cpu_ms_per_req"):
+        res["cpu_ratio"] = rnd(res["ours_cpu_ms_per_req"] / res["peer_cpu_ms_per_req"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="shorter phases (about a minute once the peer is installed)")
+    ap.add_argument("--no-peer", action="store_true", help="measure our door only")
+    ap.add_argument("--peer-python", type=Path, default=None, help="an interpreter that has sglang-router (default: the bench's own venv)")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--ports", type=int, default=14, help="backend ports, one per worker (default 14, the testbed's)")
+    ap.add_argument("--seed", type=int, default=7)
+    args = ap.parse_args(argv)
+    args.prompts, args.words = 16, 120
+    args.pairs = 400 if args.quick else 2000
+    args.warmup = 50
+    args.seconds = 4.0 if args.quick else 15.0
+    res: dict[str, Any] = {"mode": "quick" if args.quick else "full", "concurrency": args.concurrency, "backend_ports": args.ports, "prompt_words": args.words}
+    asyncio.run(run(args, res))
+    res["targets"] = TARGETS
+    res["meets"] = {k: (res[k] <= t["max"]) if k in res else None for k, t in TARGETS.items()}
+    res["cpu"] = cpu_model()
+    res["git_commit"], res["git_dirty"] = git_info()
+    res["date"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
