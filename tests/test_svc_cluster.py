@@ -629,3 +629,25 @@ def test_cluster_demo_hold_keeps_the_cluster_up_and_prints_its_dashboards(tmp_pa
         assert proc.wait(60) == 0 and "cluster_demo.png" in rest
     finally:
         _reap(proc)
+
+
+def test_up_can_rate_limit_every_tenant_key_but_not_the_doors_own(tmp_path: Path) -> None:
+    """``kvcompass up --key-rate R --key-burst B`` (issue 16: the keys file's rate limits, set
+    by the command that makes the keys): each tenant's key gets a token bucket, the doors'
+    hand-off key none; bad values are usage errors."""
+    from kvcompass.cli import main
+    from kvcompass.services.api_keys import KeyStore
+    from kvcompass.services.cluster import Cluster, ClusterConfig
+
+    c = Cluster(ClusterConfig(tenants=("acme",), key_rate_per_s=5.0, key_burst=8.0), tmp_path)
+    keys, path, peer_file = c.make_api_keys()
+    store = KeyStore.load(path)
+    for tenant, key in keys.items():
+        k = store.authenticate(f"Bearer {key}")
+        assert k is not None and k.rate_per_s == 5.0 and k.burst == 8.0 and k.tenants == (tenant,)
+    peer = store.authenticate(f"Bearer {peer_file.read_text().strip()}")
+    assert peer is not None and peer.rate_per_s is None
+    unlimited = Cluster(ClusterConfig(), tmp_path / "u").make_api_keys()
+    assert all(KeyStore.load(unlimited[1]).authenticate(f"Bearer {k}").rate_per_s is None for k in unlimited[0].values())  # type: ignore[union-attr]
+    for bad in (["--key-rate", "0"], ["--key-burst", "3"], ["--key-rate", "nan"], ["--open", "--key-rate", "2"]):
+        assert main(["up", *bad]) == 2

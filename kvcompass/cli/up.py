@@ -30,6 +30,8 @@ def add_parsers(sub: Any) -> None:
     u.add_argument("--no-auth", action="store_true", help="no per-worker credentials (any agent may claim any worker)")
     u.add_argument("--tls", action="store_true", help="mutual TLS on every hop with a CA made for this run (in RUN_DIR/secrets/pki)")
     u.add_argument("--open", action="store_true", help="doors without API keys: any client acts as any tenant it names (local experiments only)")
+    u.add_argument("--key-rate", type=float, default=None, metavar="RPS", help="rate limit of every tenant's API key, requests per second (default: none; past it a 429 with Retry-After)")
+    u.add_argument("--key-burst", type=float, default=None, metavar="N", help="with --key-rate: requests a key may send at once (default: the rate, at least 1)")
     u.add_argument("--tenants", default="", metavar="T1,T2,...", help="tenants besides the default one to make API keys for (all keys go to the state file's api_keys)")
 
     u.set_defaults(func=up_main)
@@ -54,10 +56,18 @@ def up_main(args: argparse.Namespace) -> int:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    for name in ("key_rate", "key_burst"):
+        v = getattr(args, name)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise UsageError(f"--{name.replace('_', '-')} must be a number > 0, got {v}")
+    if args.key_burst is not None and args.key_rate is None:
+        raise UsageError("--key-burst needs --key-rate")
+    if args.open and args.key_rate is not None:
+        raise UsageError("--key-rate limits API keys, which --open does without")
     cfg = ClusterConfig(
         topology=args.topology, routing=args.routing, time_scale=args.time_scale, wan_delay=not args.no_wan_delay, handoff=not args.no_handoff,
         workers_per_region=args.workers_per_region, max_workers=args.max_workers, state_file=args.state_file, run_dir=args.run_dir,
         startup_timeout_s=args.startup_timeout, drain_grace_s=args.drain_grace, auth=not args.no_auth, tls=args.tls, open=args.open,
-        tenants=_tenants(args.tenants),
+        tenants=_tenants(args.tenants), key_rate_per_s=args.key_rate, key_burst=args.key_burst,
     )
     return asyncio.run(run_cluster(cfg))

@@ -171,10 +171,20 @@ def _parse(doc: Any, where: str) -> dict[str, ApiKey]:
     return out
 
 
-def write_keys_file(path: str | os.PathLike[str], entries: Iterable[tuple[str, str, Sequence[str]]]) -> None:
+def write_keys_file(path: str | os.PathLike[str], entries: Iterable[tuple[str, str, Sequence[str]]], limits: Mapping[str, tuple[float, float | None]] | None = None) -> None:
     """Write a keys file (mode 0600) for ``(name, key in the clear, tenants)`` entries: only
-    the keys' digests go to disk."""
-    doc = {"keys": [{"name": n, "sha256": hash_key(k), "tenants": list(t)} for n, k, t in entries]}
+    the keys' digests go to disk. ``limits``: name -> ``(rate_per_s, burst or None)`` for the
+    keys that get a token bucket."""
+    limits = limits or {}
+    doc: dict[str, Any] = {"keys": []}
+    for n, k, t in entries:
+        e: dict[str, Any] = {"name": n, "sha256": hash_key(k), "tenants": list(t)}
+        if n in limits:
+            rate, burst = limits[n]
+            e["rate_per_s"] = rate
+            if burst is not None:
+                e["burst"] = burst
+        doc["keys"].append(e)
     _parse(doc, str(path))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:

@@ -83,6 +83,11 @@ class ClusterConfig:
     """Doors without API keys (any client acts as any tenant); else a key per tenant."""
     tenants: tuple[str, ...] = ()
     """Tenants beyond the default one to make API keys for."""
+    key_rate_per_s: float | None = None
+    """A token bucket per tenant key (requests per second; None: unlimited); the doors' own
+    hand-off key is never limited."""
+    key_burst: float | None = None
+    """The buckets' depth (None: the rate, at least 1)."""
 
 
 @dataclass(eq=False)
@@ -214,7 +219,9 @@ class Cluster:
         keys = {t: new_key() for t in tenants}
         peer = new_key()
         path = d / "api-keys.json"
-        write_keys_file(path, [*((t, k, [t]) for t, k in keys.items()), ("doors (hand-offs)", peer, [ANY_TENANT])])
+        rate = self.cfg.key_rate_per_s
+        limits = {t: (rate, self.cfg.key_burst) for t in keys} if rate is not None else None
+        write_keys_file(path, [*((t, k, [t]) for t, k in keys.items()), ("doors (hand-offs)", peer, [ANY_TENANT])], limits)
         peer_file = d / "peer.key"
         _write_secret(peer_file, peer + "\n")
         return keys, path, peer_file
