@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from _provenance import git_info
+from kvcompass.services.lifecycle import stop_process
 from bench_service import DOOR_HOLDER, DOOR_REGION, MODEL, TOPOLOGY, Child, closed_loop, cpu_model, log, pct, post_once, proc_cpu_s, rnd
 
 REPO = Path(__file__).resolve().parent.parent
@@ -223,11 +224,7 @@ async def run(args: argparse.Namespace, res: dict[str, Any]) -> None:
                 res["peer_version"] = version.stdout.strip() or None
                 await _measure(s, "peer", peer_url, urls[0], peer.pid, bodies, args, res)
             finally:
-                peer.terminate()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    peer.wait(10)
-                if peer.poll() is None:
-                    peer.kill()
+                stop_process(peer, 10)
     finally:
         await runner.cleanup()
     if res.get("ours_cpu_ms_per_req") and res.get("peer_cpu_ms_per_req"):

@@ -83,6 +83,7 @@ from typing import Any
 import numpy as np
 
 from _provenance import git_info
+from kvcompass.services.lifecycle import stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -265,13 +266,7 @@ class Child:
         return proc_cpu_s(self.proc.pid)
 
     def stop(self, timeout: float = 20.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
 

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from _provenance import git_info
+from kvcompass.services.lifecycle import stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 BARS = {
@@ -246,12 +247,7 @@ def main() -> int:
             log("kill -9 of the us edge")
             kill_and_time(state_file, state, res)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, 30)
     res["bars"] = BARS
     res["passed"] = verdicts(res)
     res["git_commit"], res["git_dirty"] = git_info()

@@ -49,6 +49,8 @@ from typing import Any
 
 import aiohttp
 
+from kvcompass.services.lifecycle import stop_process
+
 TOPOLOGY = """
 name = "soak-2x"
 block_size = 16
@@ -154,13 +156,7 @@ class Soak:
         up = self.up
         if up is None:
             return
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                up.kill()
-                up.wait()
+        stop_process(up, 60)
         # The restarted processes are the supervisor's children; stop any it left behind.
         for f in self.faults:
             pid = f.get("new_pid")

@@ -28,6 +28,7 @@ from grpclib.client import Channel
 
 from kvcompass._proto.kvcompass.v1 import EdgeStub, RouteRequest
 from kvcompass.index_types import Namespace
+from kvcompass.services.lifecycle import stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "llama-3.1-8b"
@@ -188,13 +189,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         KEYS.update(state["api_keys"])
         yield Cluster(proc, state, log)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, 30)
 
 
 def test_up_writes_the_documented_state_file(cluster: Cluster) -> None:

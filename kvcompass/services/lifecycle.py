@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, AsyncIterator
@@ -35,6 +36,7 @@ __all__ = [
     "hostport",
     "on_signals",
     "stop_on_signals",
+    "stop_process",
 ]
 
 PARENT_ENV = "KVCOMPASS_PARENT_PID"
@@ -107,3 +109,15 @@ async def _watch_parent(pid: int, stop: asyncio.Event) -> None:
             stop.set()
             return
         await asyncio.sleep(0.5)
+
+
+def stop_process(proc: subprocess.Popen[Any], grace_s: float) -> int:
+    """Stop a child the way every process here expects: SIGTERM, up to ``grace_s`` for it to
+    drain and exit, then SIGKILL. Its exit code (already exited: that code)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
