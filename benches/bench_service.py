@@ -218,14 +218,28 @@ def child_door(spec: dict[str, Any]) -> None:
     workers = {w: spec["worker_url"] for w in edge.workers}
 
     async def main() -> None:
+        from aiohttp import web
+
+        from kvcompass.services.dashboard import Dashboard
         from kvcompass.services.lifecycle import on_signals
 
         stop = asyncio.Event()
         with on_signals(stop.set, (signal.SIGTERM,)):
             door = await serve_door(edge, workers, None)
-            _ready({"url": door.url})
+            # The operators' page, on a listener of its own as an edge process serves it.
+            dash = Dashboard(edge)
+            dash.door = door.door
+            app = web.Application()
+            for path, handler in dash.routes():
+                app.router.add_get(path, handler)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            _ready({"url": door.url, "dashboard": f"http://127.0.0.1:{runner.addresses[0][1]}/dashboard"})
             await stop.wait()
             await door.stop(grace_s=1.0)
+            await runner.cleanup()
 
     _run(main(), spec.get("profile"))
 
@@ -621,9 +635,51 @@ async def bench_door(door_cpu: int | None, args: argparse.Namespace, prompts: li
             res["direct_req_per_s_canned"] = rnd(n2 / dt2, 1)
             log(f"  {n} requests in {dt:.2f}s: {n / dt:,.0f} req/s, door CPU {res['edge_door_cpu_util']} "
                 f"({res['edge_req_per_door_cpu_s']} req per door CPU-second); canned directly {n2 / dt2:,.0f} req/s")
+            await bench_dashboard(s, door, door_u, args, res, door_load)
         finally:
             door.stop()
             await runner.cleanup()
+
+
+async def bench_dashboard(s: Any, door: Child, door_u: str, args: argparse.Namespace, res: dict[str, Any], door_load: Any) -> None:
+    """What an open dashboard costs the routing path: the door's CPU per request under the same
+    closed loop with and without a client polling ``/dashboard/data`` at ``dashboard_hz`` (the
+    page polls once a second; 10 is ten open pages), interleaved A B A B so the host's drift
+    falls on both."""
+    data_u = door.info["dashboard"] + "/data"
+    fetched = 0
+
+    async def poll(stop: asyncio.Event) -> None:
+        nonlocal fetched
+        while not stop.is_set():
+            async with s.get(data_u) as r:
+                await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"dashboard data answered {r.status}")
+            fetched += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0 / args.dashboard_hz)
+
+    per: dict[bool, list[tuple[int, float]]] = {False: [], True: []}
+    for open_page in (False, True, False, True):
+        stop = asyncio.Event()
+        poller = asyncio.create_task(poll(stop)) if open_page else None
+        n, _, cpu = await door_load(door, door_u, args.door_rps_seconds / 2)
+        stop.set()
+        if poller is not None:
+            await poller
+        if cpu:
+            per[open_page].append((n, cpu))
+    closed = sum(n for n, _ in per[False]) / sum(c for _, c in per[False]) if per[False] else None
+    opened = sum(n for n, _ in per[True]) / sum(c for _, c in per[True]) if per[True] else None
+    res["dashboard_poll_hz"] = args.dashboard_hz
+    res["dashboard_fetches"] = fetched
+    res["edge_req_per_door_cpu_s_page_closed"] = rnd(closed, 1) if closed else None
+    res["edge_req_per_door_cpu_s_page_open"] = rnd(opened, 1) if opened else None
+    if closed and opened:
+        res["dashboard_cpu_cost_pct"] = rnd(100.0 * (closed / opened - 1.0), 2)
+    log(f"  dashboard polled at {args.dashboard_hz} Hz ({fetched} fetches): {res['edge_req_per_door_cpu_s_page_open']} req per door CPU-second "
+        f"with it, {res['edge_req_per_door_cpu_s_page_closed']} without ({res.get('dashboard_cpu_cost_pct')} % more CPU a request)")
 
 
 def _prof(args: argparse.Namespace, name: str) -> str | None:
@@ -704,6 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     args.door_warmup = 100
     args.door_concurrency = 16
     args.door_rps_seconds = 4.0 if quick else 15.0
+    args.dashboard_hz = 10.0
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
 

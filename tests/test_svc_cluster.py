@@ -461,7 +461,8 @@ def test_each_edge_serves_a_dashboard_on_its_metrics_listener(cluster: Cluster) 
     assert {"local_hit_rate", "xregion_hit_rate", "false_claim_rate", "routes"} <= set(d["rates"])
     assert isinstance(d["hot"], list) and all({"family", "misses", "age_s"} <= set(h) for h in d["hot"])
     assert isinstance(d["migrations"], list) and all({"family", "kind", "done_as", "source", "target", "tokens", "outcome", "ms"} <= set(m) for m in d["migrations"])
-    assert d["views"] and all({"table", "shard", "epoch", "seq", "entries", "behind"} <= set(v) for v in d["views"])
+    assert d["views"] and all({"table", "shard", "epoch", "seq", "entries", "bits_per_entry", "behind"} <= set(v) for v in d["views"])
+    assert all((v["bits_per_entry"] is None) == (v["entries"] == 0) and (v["bits_per_entry"] or 1) > 0 for v in d["views"]) and d["resyncs"] >= 0
     # Time to first token and to the last byte, as the door measured them, per route and as
     # percentiles over the ring; a stream's first event comes before its end.
     assert 0 < route["ttft_ms"] <= route["e2e_ms"]

@@ -72,7 +72,18 @@ class Dashboard:
         for t in e.layout.tables:
             for s in range(e.layout.shards):
                 v = e.view(t.table_id, s)
-                views.append({"table": t.table_id, "shard": s, "epoch": v.epoch, "seq": v.seq, "entries": v.count_entries() if v.initialised else 0, "behind": (t.table_id, s) in behind})
+                entries = v.count_entries() if v.initialised else 0
+                views.append(
+                    {
+                        "table": t.table_id,
+                        "shard": s,
+                        "epoch": v.epoch,
+                        "seq": v.seq,
+                        "entries": entries,
+                        "bits_per_entry": round(8 * v.memory_bytes / entries, 2) if entries else None,
+                        "behind": (t.table_id, s) in behind,
+                    }
+                )
         stale = {str(k): round(v, 1) for k, v in (self.stale_shards() if self.stale_shards is not None else {}).items()}
         recent = list(door.recent_routes) if door is not None else []
         now = self.clock()
@@ -86,6 +97,7 @@ class Dashboard:
             "hot": [{"family": f"{f:016x}", "misses": n, "age_s": round(max(0.0, now - last), 3)} for f, n, last in e.hot_families(now)[:_HOT_SHOWN]],
             "migrations": list(door.recent_migrations)[-_MIGRATIONS_SHOWN:][::-1] if door is not None else [],
             "views": views,
+            "resyncs": e.stats.resyncs_requested,
             "stale_shards": stale,
         }
 
