@@ -199,6 +199,26 @@ def test_n_choices_decode_side_by_side_after_one_prefill() -> None:
     run(main())
 
 
+def test_a_list_of_prompts_is_served_as_vllm_serves_it() -> None:
+    # A completions request listing prompts: each prefilled, n sequences each, choice i is
+    # sequence i % n of prompt i // n; usage sums every prompt and sequence.
+    async def main() -> None:
+        async with emulated() as w, aiohttp.ClientSession() as s:
+            url = w.http_url + "/v1/completions"
+            prompts = [list(range(40)), list(range(100, 120)), "some text to tokenize"]
+            st, _, whole = await post(s, url, {"prompt": prompts, "max_tokens": 2, "n": 2})
+            assert st == 200 and [c["index"] for c in whole["choices"]] == [0, 1, 2, 3, 4, 5]
+            text_tokens = len(w.tokenizer.encode("some text to tokenize"))
+            assert whole["usage"]["prompt_tokens"] == 60 + text_tokens and whole["usage"]["completion_tokens"] == 12
+            assert w.stats.prompt_tokens == 60 + text_tokens and w.stats.requests == 1
+            async with s.post(url, json={"prompt": prompts[:2], "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}) as r:
+                events = sse_events(await r.text())
+            assert events[-1] == "[DONE]" and events[-2]["usage"]["prompt_tokens"] == 60
+            assert sorted({e["choices"][0]["index"] for e in events[:-2]}) == [0, 1]
+
+    run(main())
+
+
 def test_sse_stream_format_chat() -> None:
     async def main() -> None:
         async with emulated() as w, aiohttp.ClientSession() as s:
@@ -228,7 +248,8 @@ BAD: list[tuple[str, object, bytes | None, int, str | None, str | None]] = [
     ("/v1/completions", {"prompt": [1, 2**32]}, None, 400, "prompt", "invalid_token_id"),
     ("/v1/completions", {"prompt": [1.5]}, None, 400, "prompt", "invalid_token_id"),
     ("/v1/completions", {"prompt": [True]}, None, 400, "prompt", "invalid_token_id"),
-    ("/v1/completions", {"prompt": [[1, 2], [3]]}, None, 400, "prompt", "unsupported"),
+    ("/v1/completions", {"prompt": [[1, 2], []]}, None, 400, "prompt[1]", "empty_prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], [3]], "n": 33}, None, 400, "n", None),
     ("/v1/completions", {"prompt": {"a": 1}}, None, 400, "prompt", "invalid_type"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, None, 400, "max_tokens", None),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, None, 400, "max_tokens", None),

@@ -88,7 +88,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from kvcompass.agent.events import REPLAY_END_SEQ, Event, encode_batch
 from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.errors import InvalidArgumentError
-from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, OpenAIError, chat_tokens, decode_json_object, error_middleware, prompt_tokens
+from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, OpenAIError, chat_tokens, decode_json_object, error_middleware, one_prompt_tokens, prompt_batch, prompt_tokens
 from kvcompass.engine.tokenizer import Tokenizer, load_tokenizer
 from kvcompass.engine.cache import Policy, PrefixCache
 from kvcompass.engine.costs import CostModel
@@ -227,18 +227,30 @@ class _Job:
 @dataclass(frozen=True, slots=True)
 class _Request:
     chat: bool
-    tokens: npt.NDArray[np.uint32]
+    prompts: list[npt.NDArray[np.uint32]]
+    """One prompt, or a completions request's list of them (vLLM serves a list as one request)."""
     max_tokens: int
     stream: bool
     include_usage: bool
     request_id: str
     cache_salt: str | None = None
     n: int = 1
-    """Choices to return: sequences decoded side by side in the batch after one prefill."""
+    """Choices to return per prompt: sequences decoded side by side in the batch after one
+    prefill. Choice ``i`` is sequence ``i % n`` of prompt ``i // n``, as OpenAI numbers them."""
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def prompt_of(self, choice: int) -> npt.NDArray[np.uint32]:
+        return self.prompts[choice // self.n]
 
 
 MAX_N = 64
-"""The most choices one request may ask for (each is a sequence in the decode batch)."""
+"""The most choices one request may ask for, over all its prompts (each is a sequence in the
+decode batch)."""
+MAX_PROMPTS = 256
+"""The most prompts one completions request may list (the door's default too)."""
 
 
 def _json(obj: object, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
@@ -622,11 +634,14 @@ class EmulatedWorker:
         try:
             req = await self._parse(request, chat)
             self.stats.requests += 1
-            v, d = await self._prefill(req.tokens, req.cache_salt)
-            cached = v + d
-            self.stats.prompt_tokens += len(req.tokens)
-            self.stats.cached_tokens += cached
-            self._metrics.on_prefill(len(req.tokens), v, d)
+            cached = prompt_tokens_n = 0
+            for tokens in req.prompts:  # a list of prompts is prefilled prompt by prompt, as vLLM's scheduler would
+                v, d = await self._prefill(tokens, req.cache_salt)
+                cached += v + d
+                prompt_tokens_n += len(tokens)
+                self.stats.prompt_tokens += len(tokens)
+                self.stats.cached_tokens += v + d
+                self._metrics.on_prefill(len(tokens), v, d)
             headers = {
                 QUEUE_MS_HEADER: f"{self.queue_ms():.3f}",
                 CACHED_HEADER: str(cached),
@@ -634,9 +649,9 @@ class EmulatedWorker:
                 "x-request-id": req.request_id,
             }
             usage = {
-                "prompt_tokens": len(req.tokens),
-                "total_tokens": len(req.tokens) + req.n * req.max_tokens,
-                "completion_tokens": req.n * req.max_tokens,
+                "prompt_tokens": prompt_tokens_n,
+                "total_tokens": prompt_tokens_n + req.choices * req.max_tokens,
+                "completion_tokens": req.choices * req.max_tokens,
                 "prompt_tokens_details": {"cached_tokens": cached},
             }
             if req.stream:
@@ -650,12 +665,12 @@ class EmulatedWorker:
     async def _whole(self, req: _Request, headers: dict[str, str], usage: dict[str, Any]) -> web.Response:
         async def one(i: int) -> str:
             texts: list[str] = []
-            async with contextlib.aclosing(self._decode(req.tokens, req.max_tokens, i)) as gen:
+            async with contextlib.aclosing(self._decode(req.prompt_of(i), req.max_tokens, i % req.n)) as gen:
                 async for _, text in gen:
                     texts.append(text)
             return "".join(texts)
 
-        outs = await asyncio.gather(*(one(i) for i in range(req.n)))
+        outs = await asyncio.gather(*(one(i) for i in range(req.choices)))
         headers[QUEUE_MS_HEADER] = f"{self.queue_ms():.3f}"
         created = int(time.time())
         choices: list[dict[str, Any]]
@@ -685,18 +700,18 @@ class EmulatedWorker:
         out: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
 
         async def one(i: int) -> None:
-            async with contextlib.aclosing(self._decode(req.tokens, req.max_tokens, i)) as gen:
+            async with contextlib.aclosing(self._decode(req.prompt_of(i), req.max_tokens, i % req.n)) as gen:
                 async for _, text in gen:
                     await out.put((i, text))
             await out.put((i, None))
 
-        tasks = [asyncio.ensure_future(one(i)) for i in range(req.n)]
-        made = [0] * req.n
+        tasks = [asyncio.ensure_future(one(i)) for i in range(req.choices)]
+        made = [0] * req.choices
         try:
             if req.chat:
-                for i in range(req.n):
+                for i in range(req.choices):
                     await send([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra)
-            left = req.n
+            left = req.choices
             while left:
                 i, text = await out.get()
                 if text is None:
@@ -776,21 +791,28 @@ class EmulatedWorker:
         if type(max_tokens) is not int or max_tokens < 0:
             raise OpenAIError(400, f"{max_param} must be an integer >= 0, got {max_tokens!r}", max_param)
         inline = self.config.inline_tokenize_chars
+        batch = None if chat else prompt_batch(body, MAX_PROMPTS)
         if chat:
             param = "messages"
-            tokens = await chat_tokens(body, self.tokenizer.apply_chat_template, inline)
+            prompts = [await chat_tokens(body, self.tokenizer.apply_chat_template, inline)]
+        elif batch is None:
+            param = "prompt"
+            prompts = [await prompt_tokens(body, self.tokenizer.encode, inline)]
         else:
             param = "prompt"
-            tokens = await prompt_tokens(body, self.tokenizer.encode, inline)
+            prompts = [await one_prompt_tokens(p, self.tokenizer.encode, inline, f"prompt[{i}]") for i, p in enumerate(batch)]
+        if len(prompts) * n > MAX_N:
+            raise OpenAIError(400, f"{len(prompts)} prompts x n = {n} asks for {len(prompts) * n} sequences; at most {MAX_N} are decoded for one request", "n")
         limit = self.config.max_model_len
-        if len(tokens) + max_tokens > limit:
-            raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. However, you requested {len(tokens) + max_tokens} tokens "
-                f"({len(tokens)} in the {param}, {max_tokens} in the completion). Please reduce the length of the {param} or completion.", param, "context_length_exceeded")
+        for tokens in prompts:
+            if len(tokens) + max_tokens > limit:
+                raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. However, you requested {len(tokens) + max_tokens} tokens "
+                    f"({len(tokens)} in the {param}, {max_tokens} in the completion). Please reduce the length of the {param} or completion.", param, "context_length_exceeded")
         salt = body.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise OpenAIError(400, "cache_salt must be a non-empty string", "cache_salt")
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        return _Request(chat, tokens, max_tokens, stream, include_usage, rid, salt, n)
+        return _Request(chat, prompts, max_tokens, stream, include_usage, rid, salt, n)
 
 def _bind(sock: zmq.asyncio.Socket, endpoint: str | None, host: str) -> str:
     if endpoint is None:
