@@ -647,3 +647,69 @@ def test_up_can_rate_limit_every_tenant_key_but_not_the_doors_own(tmp_path: Path
     assert all(KeyStore.load(unlimited[1]).authenticate(f"Bearer {k}").rate_per_s is None for k in unlimited[0].values())  # type: ignore[union-attr]
     for bad in (["--key-rate", "0"], ["--key-burst", "3"], ["--key-rate", "nan"], ["--open", "--key-rate", "2"]):
         assert main(["up", *bad]) == 2
+
+
+def test_sglang_events_through_real_agent_maintenance_and_edge_processes(tmp_path: Path) -> None:
+    """Issue 16: SGLang's own event structs (0.5.18 on, ``BlockStoredWithMetadata`` for a
+    salted request beside a plain ``BlockStored``), msgspec-encoded as its publisher encodes
+    them, published on a ZMQ PUB socket standing in for the engine, go through real
+    ``kvcompass agent``, ``maintenance`` and ``edge`` processes: the plain prompt is claimed
+    for the worker in the public namespace, the salted one only in its tenant's."""
+    import msgspec
+    import zmq
+
+    from kvcompass.services.wire import TENANT_SALT_PREFIX
+    from test_engine_formats import BS, sglang_structs
+
+    topo = tmp_path / "tiny.toml"
+    topo.write_text(TOPOLOGY)
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(*args: str) -> dict[str, Any]:
+        p = subprocess.Popen(_cmd(*args), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        procs.append(p)
+        assert p.stdout is not None
+        return dict(json.loads(p.stdout.readline()))
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    try:
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        units = [start("maintenance", "--topology", str(topo), "--shard", str(s)) for s in (0, 1)]
+        maint = ",".join(u["grpc"] for u in units)
+        edge = start("edge", "--topology", str(topo), "--region", "a", "--maintenance", maint, "--open")
+        start("agent", "--worker", "a-1", "--topology", str(topo), "--events", f"tcp://127.0.0.1:{port}", "--maintenance", maint)
+        s = sglang_structs(array_like=True)
+        plain = list(range(5000, 5000 + 32 * BS))
+        salted = list(range(9000, 9000 + 32 * BS))
+        events = [
+            s["stored"](block_hashes=list(range(1, 33)), parent_block_hash=None, token_ids=plain, block_size=BS, lora_id=None, medium="GPU"),
+            s["salted"](block_hashes=list(range(101, 133)), parent_block_hash=None, token_ids=salted, block_size=BS, lora_id=None, medium="GPU", metadata=s["meta"](cache_salt=TENANT_SALT_PREFIX + "acme")),
+        ]
+        payload = msgspec.msgpack.encode(s["batch"](ts=time.time(), events=events))
+        # A PUB socket drops what it sends before the subscriber joined: resend (same seq,
+        # which the agent treats as the duplicate it is) until the edge sees the claim.
+        deadline = time.monotonic() + 20
+        while True:
+            pub.send_multipart([b"", (0).to_bytes(8, "big"), payload])
+            d = _route(edge["grpc"], plain, key=None)
+            if d.worker == "a-1" and d.claimed_tokens >= 256:
+                break
+            assert time.monotonic() < deadline, f"the edge never claimed the plain prompt for a-1 (last: {d.worker}, {d.claimed_tokens})"
+            time.sleep(0.1)
+        acme = Namespace(MODEL, "acme")
+        while True:  # the salted chain, in acme's namespace
+            d = _route(edge["grpc"], salted, acme, key=None)
+            if d.worker == "a-1" and d.claimed_tokens >= 256:
+                break
+            assert time.monotonic() < deadline, f"the edge never claimed the salted prompt for a-1 in acme's namespace (last: {d.worker}, {d.claimed_tokens})"
+            time.sleep(0.1)
+        assert _route(edge["grpc"], salted, key=None).claimed_tokens == 0  # not in the public namespace
+        assert _route(edge["grpc"], plain, acme, key=None).claimed_tokens == 0  # nor the plain one in acme's
+    finally:
+        pub.close(0)
+        ctx.term()
+        for p in reversed(procs):
+            stop_process(p, 10)
+            if p.stdout is not None:
+                p.stdout.close()
