@@ -54,9 +54,7 @@ def _init(topology: Topology, workloads: Mapping[str, Sequence[Request]], option
 
 
 def _run(rate: str, scheme: str, progress: Callable[[int, int], None] | None = None) -> tuple[Summary, float]:
-    t0 = time.perf_counter()
-    s = simulate(_worker["topology"], _worker["workloads"][rate], scheme, progress=progress, **_worker["options"])
-    return s, time.perf_counter() - t0
+    return _cell(_worker["topology"], _worker["workloads"][rate], _worker["options"], scheme, progress)
 
 
 def run_cells(
@@ -123,9 +121,10 @@ def run_cells(
     return results
 
 
-def _cell(topology: Topology, requests: list[Request], options: Mapping[str, Any], scheme: str) -> tuple[Summary, float]:
+def _cell(topology: Topology, requests: Sequence[Request], options: Mapping[str, Any], scheme: str, progress: Callable[[int, int], None] | None = None) -> tuple[Summary, float]:
+    """One cell's run and its wall time, wherever it runs (here, a worker process, a Ray task)."""
     t0 = time.perf_counter()
-    s = simulate(topology, requests, scheme, **options)
+    s = simulate(topology, requests, scheme, progress=progress, **options)
     return s, time.perf_counter() - t0
 
 
