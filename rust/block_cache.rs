@@ -1,13 +1,29 @@
 //! The emulated engine's prefix cache: block-granular, two tiers (VRAM and host DRAM), LRU or
 //! LFU, netting each call's changes into the KV events a vLLM worker would publish.
 //!
-//! `kvcompass/sim/cache.py` documents the model (blocks named by a chained hash, contiguity,
-//! prefix-closed VRAM, leaf-only eviction per tier, event order); this is its data structure,
-//! moved out of Python because the simulator stores, looks up and promotes every block of every
-//! prompt on every worker it reaches (a few hundred blocks a request), and a Python object per
-//! block was most of a baseline scheme's run. Every choice is the same as the Python model it
-//! replaced, decision for decision: victims are the least-valued live leaf of a per-tier heap
-//! with lazy deletion, compared as the tuple `(uses if LFU else 0, last use, stamp, hash)`.
+//! `kvcompass/engine/cache.py` documents the model (blocks named by a chained hash, contiguity,
+//! prefix-closed VRAM, leaf-only eviction per tier, event order). The victim of a tier is its
+//! least-valued leaf block, compared as `(uses if LFU else 0, last use, stamp)`, where a block's
+//! stamp is renewed each time a call stores or touches it (unique, so no tie is left).
+//!
+//! **Why a radix tree of runs, not a table of blocks.** A prompt is a few hundred blocks, and
+//! the simulator stores, looks up and promotes every one of them on every worker it reaches;
+//! with a hash-table record per block, a baseline scheme's run was mostly waiting on the table's
+//! cache misses. But the blocks of one prompt are touched together: a *run* here is a maximal
+//! chain of blocks with one history (stored, then touched, by the same calls), so its blocks
+//! share `uses` and `last`, their stamps are consecutive, and only its first block can have a
+//! parent outside it and only its last can have children. One record per run holds the blocks'
+//! names (8 bytes each) and, when the cache publishes events, their tokens. A call splits the
+//! run where its prompt stops touching it, so the invariant holds after every call.
+//!
+//! With that invariant the per-block policy is computed exactly at run granularity: a run has
+//! at most one VRAM leaf (its last VRAM block, when the block after it is in DRAM or no child
+//! run has VRAM blocks) and one DRAM leaf (its last block, when in DRAM and childless); after
+//! that leaf goes, the run's next block is a leaf whose key is smaller than every other
+//! candidate (same `uses` and `last`, an earlier stamp), so the run stays the victim without a
+//! heap operation (the `top` slot) until it is used up or the call has what it needs. The
+//! differential test against the block-per-record model (`block_cache_reference.rs`, test-only)
+//! checks that events, statistics and lookups are the same, call for call.
 //!
 //! Blocks are identified by their chain hash; a chain is computed here from the prompt's tokens
 //! with [`crate::chunk_hash::block_chain`] (so a call hashes once, without the GIL).
@@ -15,7 +31,7 @@
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
 
-use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use rustc_hash::FxHashSet as HashSet;
 
 use crate::block_table::BlockTable;
 
@@ -28,57 +44,57 @@ pub fn memo_bytes() -> usize {
     BASE_MEMO.with(|m| m.borrow().iter().map(|(_, _, t, c)| t.capacity() * 4 + c.capacity() * 8).sum())
 }
 
-/// A block's tier: VRAM and DRAM; `MOVING` while a call lifts it out of DRAM.
+/// A block's tier: VRAM and DRAM.
 pub const VRAM: u8 = 1;
 pub const DRAM: u8 = 2;
-const MOVING: u8 = 0;
 const COMPACT_SLACK: usize = 64;
-/// How many blocks ahead a chain walk prefetches its table slots: enough misses in flight to
-/// cover memory latency, few enough that the lines are still there when the walk arrives.
-const AHEAD: usize = 8;
+const NIL: u32 = u32::MAX;
 
-/// 56 bytes: a fleet-sized simulation holds ten million of these (128 workers' full caches),
-/// so the parent is a value and a flag rather than an `Option`, and the tokens, which only the
-/// stored events need, live in a side table that caches nobody reads events of leave empty.
-#[derive(Clone, Copy, Debug, Default)]
-struct Node {
-    parent: u64,
+/// A run of blocks with one history (see the module notes). Block `j` of the run has stamp
+/// `stamp + j`, insertion number `born + j` and position `pos + j` in its prompt.
+#[derive(Clone, Debug, Default)]
+struct Run {
+    /// The blocks' names, parent first; empty for a free record.
+    ids: Vec<u64>,
+    /// Their tokens, `block_size` each (only in a cache that publishes events).
+    toks: Vec<u32>,
     last: f64,
     stamp: u64,
-    born: u64, // insertion order, for listing blocks as the Python dict did
+    born: u64,
+    /// The run holding this run's first block's parent ([`NIL`]: a prompt start).
+    parent: u32,
     uses: u32,
-    position: u32,
-    nv: u32,   // children in VRAM
-    nc: u32,   // children cached (either tier)
-    salt: u32, // a prompt-start block's cache salt (0: none)
-    tier: u8,
-    has_parent: bool,
+    pos: u32,
+    /// Leading blocks in VRAM (the rest are in DRAM: VRAM is prefix-closed).
+    vram: u32,
+    /// Child runs with VRAM blocks, and child runs.
+    nv: u32,
+    nc: u32,
+    /// A prompt-start run's cache salt (0: none).
+    salt: u32,
 }
 
-impl Node {
+impl Run {
     #[inline]
-    fn parent(&self) -> Option<u64> {
-        if self.has_parent {
-            Some(self.parent)
-        } else {
-            None
-        }
+    fn len(&self) -> u32 {
+        self.ids.len() as u32
     }
 }
 
-/// A victim-heap entry, ordered as the tuple `(uses, last, stamp, hash)`.
+/// A victim-heap entry: a run's leaf in one tier, ordered as `(uses, last, stamp)`; the stamp
+/// names the block, and an entry whose block has since been touched, moved or dropped is stale.
 #[derive(Clone, Copy, Debug)]
 struct Entry {
     uses: u64,
     last: f64,
     stamp: u64,
-    h: u64,
+    run: u32,
 }
 
 crate::ord_from_cmp!(Entry);
 impl Ord for Entry {
     fn cmp(&self, o: &Self) -> Ordering {
-        self.uses.cmp(&o.uses).then(self.last.total_cmp(&o.last)).then(self.stamp.cmp(&o.stamp)).then(self.h.cmp(&o.h))
+        self.uses.cmp(&o.uses).then(self.last.total_cmp(&o.last)).then(self.stamp.cmp(&o.stamp)).then(self.run.cmp(&o.run))
     }
 }
 
@@ -120,20 +136,23 @@ pub struct BlockInfo {
     pub last: f64,
 }
 
-/// Blocks a call must not evict: none, a set, or those it stamped (a live heap entry carries its
-/// block's current stamp, so `stamp > s` picks out the blocks this call touched).
+/// Leaves a call must not take: none, those of the given runs, or those it stamped (a live
+/// entry carries its block's current stamp, so `stamp > s` picks out the blocks this call
+/// touched).
 #[derive(Clone, Copy)]
 enum Pin<'a> {
     Nothing,
-    Set(&'a HashSet<u64>),
+    Runs(&'a [u32]),
     StampedAfter(u64),
 }
 
+/// One call's moves, for its events (kept only when the call publishes them).
 #[derive(Default)]
 struct Changes {
-    cpu_stored: Vec<u64>,  // demoted into DRAM
-    gpu_removed: Vec<u64>, // demoted or dropped from VRAM
-    cpu_removed: Vec<u64>, // evicted from DRAM
+    on: bool,
+    cpu_stored: Vec<(u64, u32, u32)>, // demoted into DRAM: (name, run, index in run)
+    gpu_removed: Vec<u64>,            // demoted or dropped from VRAM
+    cpu_removed: Vec<u64>,            // evicted from DRAM
 }
 
 /// See the module notes. Capacities are in blocks.
@@ -142,18 +161,22 @@ pub struct BlockCache {
     cap: [usize; 3],
     used: [usize; 3],
     lfu: bool,
-    nodes: BlockTable<Node>,
+    runs: Vec<Run>,
+    free: Vec<u32>,
+    /// A run's first block name -> the run (a name stands for its whole prefix, so this finds
+    /// the next run of a walk).
+    heads: BlockTable<u32>,
     heaps: [BinaryHeap<Reverse<Entry>>; 3],
+    /// Per tier, one entry held beside the heap (part of it for every purpose): the run being
+    /// used up, whose next leaf is always the least, so taking it needs no heap operation.
+    top: [Option<Entry>; 3],
     stamp: u64,
     born: u64,
+    blocks: usize,
     name_seed: u64,
     keep_tokens: bool,
     /// Live entries of each heap at its last compaction.
     heap_floor: [usize; 3],
-    /// Blocks removed since the token map was last rebuilt.
-    removed: usize,
-    /// Each block's tokens, when the cache keeps them (for the stored events).
-    toks: HashMap<u64, Box<[u32]>>,
     pub stats: Stats,
 }
 
@@ -201,29 +224,34 @@ impl BlockCache {
         if vram_blocks == 0 {
             return Err(CoreError::InvalidArgument("VRAM must hold at least one block".into()));
         }
+        if vram_blocks.max(dram_blocks) >= u32::MAX as usize {
+            return Err(CoreError::InvalidArgument("a tier holds fewer than 2^32 - 1 blocks".into()));
+        }
         Ok(BlockCache {
             block_size,
             cap: [0, vram_blocks, dram_blocks],
             used: [0; 3],
             lfu,
-            nodes: BlockTable::new(),
+            runs: Vec::new(),
+            free: Vec::new(),
+            heads: BlockTable::new(),
             heaps: [BinaryHeap::new(), BinaryHeap::new(), BinaryHeap::new()],
+            top: [None; 3],
             stamp: 0,
             born: 0,
+            blocks: 0,
             name_seed,
             keep_tokens: true,
             heap_floor: [0; 3],
-            removed: 0,
-            toks: HashMap::default(),
             stats: Stats::default(),
         })
     }
 
     /// Whether blocks keep their tokens (default). Only the stored events carry tokens: a
-    /// cache nobody reads events of may drop them (a quarter of a block's bytes and an
-    /// allocation per block); asking such a cache for events is then an error.
+    /// cache nobody reads events of may drop them (most of a block's bytes); asking such a
+    /// cache for events is then an error.
     pub fn set_keep_tokens(&mut self, keep: bool) -> Result<()> {
-        if !self.nodes.is_empty() && keep != self.keep_tokens {
+        if self.blocks != 0 && keep != self.keep_tokens {
             return Err(CoreError::InvalidArgument("keep_tokens can change only while the cache is empty".into()));
         }
         self.keep_tokens = keep;
@@ -241,39 +269,49 @@ impl BlockCache {
         self.used[tier as usize]
     }
     pub fn len(&self) -> usize {
-        self.nodes.len()
+        self.blocks
     }
     pub fn is_empty(&self) -> bool {
-        self.nodes.is_empty()
+        self.blocks == 0
     }
-    /// The tier of a block (0 when it is not cached).
+    /// The tier of a block (0 when it is not cached). An inspection call: it scans every run.
     pub fn tier_of(&self, h: u64) -> u8 {
-        self.nodes.get(&h).map_or(0, |x| x.tier)
+        for r in &self.runs {
+            if let Some(j) = r.ids.iter().position(|&x| x == h) {
+                return if (j as u32) < r.vram { VRAM } else { DRAM };
+            }
+        }
+        0
     }
-    /// Slots of the block table and of each victim heap's allocation (memory accounting).
+    /// `(run records, VRAM heap slots, DRAM heap slots)` (memory accounting).
     pub fn capacities(&self) -> (usize, usize, usize) {
-        (self.nodes.capacity(), self.heaps[VRAM as usize].capacity(), self.heaps[DRAM as usize].capacity())
+        (self.runs.capacity(), self.heaps[VRAM as usize].capacity(), self.heaps[DRAM as usize].capacity())
     }
 
     /// Entries in the victim heap of `tier` (live or stale), for the bound the tests check.
     pub fn heap_len(&self, tier: u8) -> usize {
-        self.heaps[tier as usize].len()
+        self.heaps[tier as usize].len() + self.top[tier as usize].is_some() as usize
     }
-    /// Bytes this cache holds on the heap (tables at their capacity, block tokens, victim heaps):
-    /// what a Python heap profiler cannot see. The chain memo is shared (see [`memo_bytes`]).
+    /// Bytes this cache holds on the heap (run records, block names and tokens, the head table,
+    /// victim heaps): what a Python heap profiler cannot see. The chain memo is shared (see
+    /// [`memo_bytes`]).
     pub fn memory_bytes(&self) -> usize {
-        let nodes = self.nodes.capacity() * BlockTable::<Node>::SLOT_BYTES + self.toks.capacity() * (std::mem::size_of::<(u64, Box<[u32]>)>() + 1) + self.toks.len() * self.block_size * 4;
+        let runs = self.runs.capacity() * std::mem::size_of::<Run>() + self.runs.iter().map(|r| r.ids.capacity() * 8 + r.toks.capacity() * 4).sum::<usize>();
+        let heads = self.heads.capacity() * BlockTable::<u32>::SLOT_BYTES + self.free.capacity() * 4;
         let heaps: usize = self.heaps.iter().map(|h| h.capacity() * std::mem::size_of::<Entry>()).sum();
-        std::mem::size_of::<Self>() + nodes + heaps
+        std::mem::size_of::<Self>() + runs + heads + heaps
     }
 
     /// Every cached block, in the order they were stored.
     pub fn blocks(&self) -> Vec<BlockInfo> {
-        let mut v: Vec<(u64, BlockInfo)> = self
-            .nodes
-            .iter()
-            .map(|(h, x)| (x.born, BlockInfo { hash: h, parent: x.parent(), position: x.position, tier: x.tier, uses: x.uses as u64, last: x.last }))
-            .collect();
+        let mut v: Vec<(u64, BlockInfo)> = Vec::with_capacity(self.blocks);
+        for r in self.runs.iter().filter(|r| !r.ids.is_empty()) {
+            for (j, &h) in r.ids.iter().enumerate() {
+                let tier = if (j as u32) < r.vram { VRAM } else { DRAM };
+                let info = BlockInfo { hash: h, parent: self.parent_of(r, j), position: r.pos + j as u32, tier, uses: r.uses as u64, last: r.last };
+                v.push((r.born + j as u64, info));
+            }
+        }
         v.sort_unstable_by_key(|e| e.0);
         v.into_iter().map(|e| e.1).collect()
     }
@@ -310,45 +348,48 @@ impl BlockCache {
     /// [`Self::lookup`] of the seed-free chain `base`, named on the way (no allocation): a
     /// driver that keeps a prompt's chain hashes it once for every cache.
     pub fn lookup_base(&self, base: &[u64]) -> (usize, usize) {
-        let (k, v) = self.prefix(base.len(), |i| self.name(base[i]));
+        let (k, v) = self.walk(base.len(), |i| self.name(base[i]), None);
         (v, k - v)
-    }
-
-    /// `(cached, vram)`: how many leading blocks of a chain of `n` blocks (block `i` named
-    /// `name(i)`) are cached, and how many of those are in VRAM. Both are binary searches, not
-    /// walks: a cached block's parent is cached (contiguity) and a VRAM block's parent is in
-    /// VRAM (prefix-closed VRAM), and a name stands for its whole prefix, so "block i is
-    /// cached" (and "is in VRAM") holds for a leading run of the chain and then never again.
-    /// A long prompt's lookup touches ~2 log2(n) hash-table slots instead of n, and every
-    /// slot is a cache miss in a fleet-sized table.
-    fn prefix(&self, n: usize, name: impl Fn(usize) -> u64) -> (usize, usize) {
-        let tier = |i: usize| self.nodes.get(&name(i)).map_or(0, |x| x.tier);
-        let (mut lo, mut hi) = (0usize, n);
-        while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            if tier(mid) != 0 {
-                lo = mid + 1;
-            } else {
-                hi = mid;
-            }
-        }
-        let k = lo;
-        let (mut lo, mut hi) = (0usize, k);
-        while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            if tier(mid) == VRAM {
-                lo = mid + 1;
-            } else {
-                hi = mid;
-            }
-        }
-        (k, lo)
     }
 
     /// `(vram_blocks, dram_blocks)` of the longest cached prefix of `chain`.
     pub fn lookup(&self, chain: &[u64]) -> (usize, usize) {
-        let (k, v) = self.prefix(chain.len(), |i| chain[i]);
+        let (k, v) = self.walk(chain.len(), |i| chain[i], None);
         (v, k - v)
+    }
+
+    /// `(cached, vram)`: how many leading blocks of a chain of `n` blocks (block `i` named
+    /// `name(i)`) are cached, and how many of those are in VRAM; `path` gets the runs the
+    /// cached prefix passes through, with how many of each run's blocks it covers. A run is
+    /// found by its first block's name and then compared name by name along the chain (a
+    /// sequential read), so a prompt costs one table probe per run, not per block.
+    fn walk(&self, n: usize, name: impl Fn(usize) -> u64, mut path: Option<&mut Vec<(u32, u32)>>) -> (usize, usize) {
+        let mut pos = 0usize;
+        let mut vram: Option<usize> = None;
+        if n == 0 {
+            return (0, 0);
+        }
+        let mut cur = self.heads.get(&name(0)).copied();
+        while let Some(ri) = cur {
+            let r = &self.runs[ri as usize];
+            let lim = (r.ids.len()).min(n - pos);
+            let mut m = 1; // the first name matched through the head table
+            while m < lim && r.ids[m] == name(pos + m) {
+                m += 1;
+            }
+            if vram.is_none() && (r.vram as usize) < m {
+                vram = Some(pos + r.vram as usize);
+            }
+            if let Some(p) = path.as_deref_mut() {
+                p.push((ri, m as u32));
+            }
+            pos += m;
+            if m < r.ids.len() || pos == n {
+                break;
+            }
+            cur = self.heads.get(&name(pos)).copied();
+        }
+        (pos, vram.unwrap_or(pos))
     }
 
     /// Every full block of the prompt (up to VRAM capacity) ends in VRAM: an admit after a
@@ -365,10 +406,14 @@ impl BlockCache {
         if self.keep_tokens && tokens.len() != prompt_len {
             return Err(CoreError::InvalidArgument("a cache that keeps tokens needs the prompt's tokens".into()));
         }
+        if self.keep_tokens && tokens.len() < chain.len() * self.block_size {
+            return Err(CoreError::InvalidArgument("the chain has more blocks than the tokens fill".into()));
+        }
         self.check_events(events)?;
         let bs = self.block_size;
         let n = chain.len();
-        let (k, v) = self.prefix(n, |i| chain[i]);
+        let mut path: Vec<(u32, u32)> = Vec::new();
+        let (k, v) = self.walk(n, |i| chain[i], Some(&mut path));
         if request {
             self.stats.admits += 1;
             self.stats.prompt_tokens += prompt_len as u64;
@@ -382,42 +427,44 @@ impl BlockCache {
         if n_cap == 0 {
             return Ok(Vec::new());
         }
-        let ids = &chain[..n_cap];
         let kept = k.min(n_cap);
+        self.trim(&mut path, kept);
+        // One use of the cached prefix: each run on it is touched whole (the trim split the
+        // last), parent first, with fresh stamps no heap entry has, so they are no victims
+        // below; the chain's last block is entered at the end.
         let touched_after = self.stamp;
-        // One use of the chain, parent first; touched blocks carry stamps no heap entry has, so
-        // they are no victims below; the chain's last block is re-entered at the end.
-        for (i, h) in ids[..kept].iter().enumerate() {
-            if let Some(a) = ids[..kept].get(i + AHEAD) {
-                self.nodes.prefetch(*a);
+        let mut lifted = 0usize;
+        for &(ri, _) in &path {
+            let r = &mut self.runs[ri as usize];
+            r.uses += 1;
+            r.last = now;
+            r.stamp = self.stamp + 1;
+            self.stamp += r.len() as u64;
+            lifted += (r.len() - r.vram) as usize;
+        }
+        // The DRAM part of the prefix comes up: out of DRAM now (it is nobody's DRAM victim),
+        // into VRAM's count once room is made (it is pinned meanwhile: stamped by this call).
+        let lifted_ids: Vec<u64> = if events && lifted > 0 { chain[v..kept].to_vec() } else { Vec::new() };
+        for &(ri, _) in &path {
+            let (was, len, parent) = {
+                let r = &self.runs[ri as usize];
+                (r.vram, r.len(), r.parent)
+            };
+            if was < len {
+                self.runs[ri as usize].vram = len;
+                if was == 0 && parent != NIL {
+                    self.runs[parent as usize].nv += 1;
+                }
             }
-            self.stamp += 1;
-            let x = self.nodes.get_mut(h).expect("cached prefix");
-            x.uses += 1;
-            x.last = now;
-            x.stamp = self.stamp;
         }
-        let lifted: Vec<u64> = if v < kept { ids[v..kept].to_vec() } else { Vec::new() };
-        for h in &lifted {
-            self.nodes.get_mut(h).expect("cached prefix").tier = MOVING;
-        }
-        self.used[DRAM as usize] -= lifted.len();
-        let mut ch = Changes::default();
-        // The chain's VRAM head must not be demoted to make room for its own tail: those are
-        // exactly the VRAM blocks stamped by this call (the lifted ones are in no tier yet).
+        self.used[DRAM as usize] -= lifted;
+        let mut ch = Changes { on: events, ..Changes::default() };
         self.make_vram_room(n_cap as i64 - v as i64, &mut ch, Pin::StampedAfter(touched_after))?;
-        for h in &lifted {
-            let x = self.nodes.get_mut(h).expect("lifted block");
-            x.tier = VRAM;
-            if let Some(p) = x.parent() {
-                self.nodes.get_mut(&p).expect("parent of a cached block").nv += 1;
-            }
-        }
-        self.used[VRAM as usize] += lifted.len();
-        self.stats.promoted_blocks += lifted.len() as u64;
-        self.store_run(ids, kept, n_cap, tokens, now, salt);
-        let last = ids[n_cap - 1];
-        if self.nodes[&last].nv == 0 {
+        self.used[VRAM as usize] += lifted;
+        self.stats.promoted_blocks += lifted as u64;
+        let parent = path.last().map_or(NIL, |p| p.0);
+        let last = if n_cap > kept { self.store(&chain[kept..n_cap], tokens, kept, parent, VRAM, now, salt) } else { parent };
+        if self.runs[last as usize].nv == 0 {
             self.push(VRAM, last);
         }
         if !events {
@@ -425,10 +472,13 @@ impl BlockCache {
         }
         let mut out = self.net(&ch);
         if n_cap > v {
-            out.push(self.stored_event(&ids[v..n_cap], VRAM));
+            let first = if v == 0 { path.first().map_or(last, |p| p.0) } else { NIL };
+            let salt = if v == 0 { self.runs[first as usize].salt } else { 0 };
+            let toks = if self.keep_tokens { tokens[v * bs..n_cap * bs].to_vec() } else { Vec::new() };
+            out.push(Event::Stored { medium: VRAM, hashes: chain[v..n_cap].to_vec(), parent: if v > 0 { Some(chain[v - 1]) } else { None }, tokens: toks, salt });
         }
-        if !lifted.is_empty() {
-            out.push(Event::Removed { medium: DRAM, hashes: lifted });
+        if !lifted_ids.is_empty() {
+            out.push(Event::Removed { medium: DRAM, hashes: lifted_ids });
         }
         Ok(out)
     }
@@ -437,110 +487,277 @@ impl BlockCache {
     /// there (DRAM leaves evicted for room); nothing cached moves.
     pub fn place_dram(&mut self, tokens: &[u32], chain: &[u64], now: f64, salt: u32, events: bool) -> Result<Vec<Event>> {
         self.check_events(events)?;
+        if self.keep_tokens && tokens.len() < chain.len() * self.block_size {
+            return Err(CoreError::InvalidArgument("the chain has more blocks than the tokens fill".into()));
+        }
         let n = chain.len();
         self.stats.copies += 1;
-        let mut parent: Option<u64> = None;
-        let mut chain_dram: Vec<u64> = Vec::new();
-        let mut k = 0usize;
-        for (i, &h) in chain.iter().enumerate() {
-            if let Some(a) = chain.get(i + AHEAD) {
-                self.nodes.prefetch(*a);
-            }
-            match self.nodes.get(&h) {
-                None => break,
-                Some(x) => {
-                    if x.tier == DRAM {
-                        chain_dram.push(h);
-                    }
-                }
-            }
-            parent = Some(h);
-            k += 1;
-        }
-        let m = (n - k).min(self.cap[DRAM as usize] - chain_dram.len());
+        let mut path: Vec<(u32, u32)> = Vec::new();
+        let (k, v) = self.walk(n, |i| chain[i], Some(&mut path));
+        let m = (n - k).min(self.cap[DRAM as usize] - (k - v));
         self.stats.truncated_blocks += (n - k - m) as u64;
         if m == 0 {
             return Ok(Vec::new());
         }
-        let mut ch = Changes::default();
-        let pinned: HashSet<u64> = chain_dram.iter().copied().collect();
-        let mut held: Vec<u64> = Vec::new();
+        self.trim(&mut path, k);
+        let mut ch = Changes { on: events, ..Changes::default() };
+        // The prefix's own DRAM blocks stay: the copy hangs from them.
+        let pinned: Vec<u32> = path.iter().map(|p| p.0).collect();
+        let mut held: Vec<Entry> = Vec::new();
         while self.used[DRAM as usize] + m > self.cap[DRAM as usize] {
-            let h = self.pop(DRAM, Pin::Set(&pinned), &mut held)?;
-            self.remove(h, &mut ch);
+            let e = self.pop(DRAM, Pin::Runs(&pinned), &mut held)?;
+            self.remove_last(e.run, &mut ch);
         }
-        for h in held {
-            self.push(DRAM, h);
+        for e in held {
+            self.heap_push(DRAM, e);
         }
-        let ids: Vec<u64> = chain[k..k + m].to_vec();
-        for (i, &h) in ids.iter().enumerate() {
-            self.store(h, parent, tokens, k + i, DRAM, now, salt);
-            parent = Some(h);
-        }
-        self.push(DRAM, *ids.last().expect("m > 0"));
+        let parent = path.last().map_or(NIL, |p| p.0);
+        let ri = self.store(&chain[k..k + m], tokens, k, parent, DRAM, now, salt);
+        self.push(DRAM, ri);
         if !events {
             return Ok(Vec::new());
         }
         let mut out = self.net(&ch);
-        out.push(self.stored_event(&ids, DRAM));
+        let toks = if self.keep_tokens { tokens[k * self.block_size..(k + m) * self.block_size].to_vec() } else { Vec::new() };
+        let salt = if k == 0 { self.runs[ri as usize].salt } else { 0 };
+        out.push(Event::Stored { medium: DRAM, hashes: chain[k..k + m].to_vec(), parent: if k > 0 { Some(chain[k - 1]) } else { None }, tokens: toks, salt });
         Ok(out)
     }
 
     /// Drop everything (the caller publishes `AllBlocksCleared`).
     pub fn clear(&mut self) {
-        self.nodes.clear();
-        self.toks.clear();
+        self.runs.clear();
+        self.free.clear();
+        self.heads.clear();
         for h in self.heaps.iter_mut() {
             h.clear();
         }
+        self.top = [None; 3];
         self.used = [0; 3];
+        self.blocks = 0;
         self.stats.clears += 1;
+    }
+
+    /// Cut `path` (runs with the blocks of each a walk covered) to its first `keep` blocks,
+    /// splitting the run where it ends so every run left on it is covered whole.
+    fn trim(&mut self, path: &mut Vec<(u32, u32)>, keep: usize) {
+        let mut acc = 0usize;
+        for i in 0..path.len() {
+            let (ri, _) = path[i];
+            let len = self.runs[ri as usize].len() as usize;
+            if acc + len >= keep {
+                path.truncate(i + 1);
+                let cut = keep - acc;
+                if cut == 0 {
+                    path.pop();
+                } else if cut < len {
+                    path[i] = (self.split(ri, cut as u32), cut as u32);
+                } else {
+                    path[i].1 = len as u32;
+                }
+                return;
+            }
+            path[i].1 = len as u32;
+            acc += len;
+        }
+    }
+
+    /// Split run `ri` after its first `k` blocks: the head moves to a new record, the tail
+    /// stays (its children, heap entries and DRAM leaf keep pointing at it). Returns the head.
+    fn split(&mut self, ri: u32, k: u32) -> u32 {
+        let bs = self.block_size;
+        let hi = self.alloc();
+        let (head, tail_first) = {
+            let r = &mut self.runs[ri as usize];
+            let ids: Vec<u64> = r.ids.drain(..k as usize).collect();
+            let toks: Vec<u32> = if r.toks.is_empty() { Vec::new() } else { r.toks.drain(..k as usize * bs).collect() };
+            let head = Run {
+                ids,
+                toks,
+                last: r.last,
+                stamp: r.stamp,
+                born: r.born,
+                parent: r.parent,
+                uses: r.uses,
+                pos: r.pos,
+                vram: r.vram.min(k),
+                nv: (r.vram > k) as u32,
+                nc: 1,
+                salt: r.salt,
+            };
+            r.stamp += k as u64;
+            r.born += k as u64;
+            r.pos += k;
+            r.vram = r.vram.saturating_sub(k);
+            r.parent = hi;
+            r.salt = 0;
+            (head, r.ids[0])
+        };
+        let head_first = head.ids[0];
+        let leaf = head.vram > 0 && head.vram <= k && (head.vram < k || head.nv == 0);
+        self.runs[hi as usize] = head;
+        self.heads.insert(head_first, hi);
+        self.heads.insert(tail_first, ri);
+        if leaf {
+            // The run's VRAM leaf was in the head: its entry named the record the tail kept.
+            self.push(VRAM, hi);
+        }
+        hi
+    }
+
+    fn alloc(&mut self) -> u32 {
+        if let Some(i) = self.free.pop() {
+            i
+        } else {
+            self.runs.push(Run::default());
+            (self.runs.len() - 1) as u32
+        }
+    }
+
+    /// Store the blocks `ids` (chain positions `at..`) as one new run in `tier`, the child of
+    /// run `parent`'s last block (or a prompt start). Returns the run.
+    #[allow(clippy::too_many_arguments)]
+    fn store(&mut self, ids: &[u64], tokens: &[u32], at: usize, parent: u32, tier: u8, now: f64, salt: u32) -> u32 {
+        let bs = self.block_size;
+        let n = ids.len();
+        let ri = self.alloc();
+        let toks = if self.keep_tokens { tokens[at * bs..(at + n) * bs].to_vec() } else { Vec::new() };
+        self.runs[ri as usize] = Run {
+            ids: ids.to_vec(),
+            toks,
+            last: now,
+            stamp: self.stamp + 1,
+            born: self.born + 1,
+            parent,
+            uses: 1,
+            pos: at as u32,
+            vram: if tier == VRAM { n as u32 } else { 0 },
+            nv: 0,
+            nc: 0,
+            salt: if parent == NIL { salt } else { 0 },
+        };
+        self.stamp += n as u64;
+        self.born += n as u64;
+        self.heads.insert(ids[0], ri);
+        if parent != NIL {
+            let p = &mut self.runs[parent as usize];
+            p.nc += 1;
+            if tier == VRAM {
+                p.nv += 1;
+            }
+        }
+        self.used[tier as usize] += n;
+        self.blocks += n;
+        self.stats.stored_blocks += n as u64;
+        ri
     }
 
     /// Demote (or, without DRAM, drop) VRAM leaves other than `pinned` until `needed` more
     /// blocks fit.
     fn make_vram_room(&mut self, needed: i64, ch: &mut Changes, pinned: Pin<'_>) -> Result<()> {
         let (v, d) = (VRAM as usize, DRAM as usize);
-        let mut held: Vec<u64> = Vec::new();
+        let mut held: Vec<Entry> = Vec::new();
         while self.used[v] as i64 + needed > self.cap[v] as i64 {
-            let h = self.pop(VRAM, pinned, &mut held)?;
-            ch.gpu_removed.push(h);
+            let e = self.pop(VRAM, pinned, &mut held)?;
+            let ri = e.run;
             if self.cap[d] == 0 {
-                self.remove(h, ch);
+                let h = *self.runs[ri as usize].ids.last().expect("a victim run has blocks");
+                if ch.on {
+                    ch.gpu_removed.push(h);
+                }
+                self.remove_last(ri, ch);
                 continue;
+            }
+            let j = self.runs[ri as usize].vram - 1;
+            let h = self.runs[ri as usize].ids[j as usize];
+            if ch.on {
+                ch.gpu_removed.push(h);
             }
             if self.used[d] >= self.cap[d] {
                 let mut none = Vec::new();
                 let victim = self.pop(DRAM, Pin::Nothing, &mut none)?;
-                self.remove(victim, ch);
+                self.remove_last(victim.run, ch);
             }
-            let x = self.nodes.get_mut(&h).expect("victim");
-            x.tier = DRAM;
-            let (parent, nc) = (x.parent(), x.nc);
+            let (vram, len, nc, parent) = {
+                let r = &mut self.runs[ri as usize];
+                r.vram -= 1;
+                (r.vram, r.len(), r.nc, r.parent)
+            };
             self.used[v] -= 1;
             self.used[d] += 1;
             self.stats.demoted_blocks += 1;
-            ch.cpu_stored.push(h);
-            if let Some(p) = parent {
-                let px = self.nodes.get_mut(&p).expect("parent of a cached block");
-                px.nv -= 1;
-                // The parent is often the next victim, and then its parent the next miss.
-                let pp = px.has_parent.then_some(px.parent);
-                if px.nv == 0 && px.tier == VRAM {
-                    self.push(VRAM, p);
-                }
-                if let Some(pp) = pp {
-                    self.nodes.prefetch(pp);
+            if ch.on {
+                ch.cpu_stored.push((h, ri, j));
+            }
+            if vram > 0 {
+                self.follow(VRAM, ri);
+            } else if parent != NIL {
+                let p = &mut self.runs[parent as usize];
+                p.nv -= 1;
+                if p.nv == 0 && p.vram == p.len() {
+                    self.push(VRAM, parent);
                 }
             }
-            if nc == 0 {
-                self.push(DRAM, h);
+            if j + 1 == len && nc == 0 {
+                self.push(DRAM, ri);
             }
         }
-        for h in held {
-            self.push(VRAM, h);
+        for e in held {
+            self.heap_push(VRAM, e);
         }
         Ok(())
+    }
+
+    /// Drop run `ri`'s last block (a DRAM leaf, or a VRAM leaf when there is no DRAM).
+    fn remove_last(&mut self, ri: u32, ch: &mut Changes) {
+        let bs = self.block_size;
+        let (h, j, tier, parent) = {
+            let r = &mut self.runs[ri as usize];
+            let j = r.len() - 1;
+            let h = r.ids.pop().expect("a victim run has blocks");
+            if !r.toks.is_empty() {
+                r.toks.truncate(j as usize * bs);
+            }
+            let tier = if j < r.vram {
+                r.vram -= 1;
+                VRAM
+            } else {
+                DRAM
+            };
+            (h, j, tier, r.parent)
+        };
+        self.used[tier as usize] -= 1;
+        self.blocks -= 1;
+        self.stats.evicted_blocks += 1;
+        if tier == DRAM && ch.on {
+            ch.cpu_removed.push(h);
+        }
+        if j > 0 {
+            let r = &self.runs[ri as usize];
+            if tier == VRAM {
+                self.follow(VRAM, ri);
+            } else if r.vram < r.len() {
+                self.follow(DRAM, ri);
+            }
+            return;
+        }
+        // The run is gone.
+        self.heads.remove(&h);
+        self.runs[ri as usize] = Run::default();
+        self.free.push(ri);
+        if parent == NIL {
+            return;
+        }
+        let p = &mut self.runs[parent as usize];
+        p.nc -= 1;
+        if tier == VRAM {
+            p.nv -= 1;
+            if p.nv == 0 && p.vram == p.len() {
+                self.push(VRAM, parent);
+            }
+        } else if p.nc == 0 && p.vram < p.len() {
+            self.push(DRAM, parent);
+        }
     }
 
     fn check_events(&self, events: bool) -> Result<()> {
@@ -550,96 +767,33 @@ impl BlockCache {
         Ok(())
     }
 
-    fn new_node(&mut self, parent: Option<u64>, i: usize, tier: u8, now: f64, salt: u32) -> Node {
-        self.stamp += 1;
-        self.born += 1;
-        Node {
-            parent: parent.unwrap_or(0),
-            has_parent: parent.is_some(),
-            position: i as u32,
-            tier,
-            uses: 1,
-            last: now,
-            stamp: self.stamp,
-            nv: 0,
-            nc: 0,
-            salt: if parent.is_none() { salt } else { 0 },
-            born: self.born,
+    /// Run `ri`'s leaf candidate in `tier` (its last VRAM block, or its last block).
+    fn entry(&self, tier: u8, ri: u32) -> Entry {
+        let r = &self.runs[ri as usize];
+        let j = if tier == VRAM { r.vram - 1 } else { r.len() - 1 };
+        Entry { uses: if self.lfu { r.uses as u64 } else { 0 }, last: r.last, stamp: r.stamp + j as u64, run: ri }
+    }
+
+    fn push(&mut self, tier: u8, ri: u32) {
+        let e = self.entry(tier, ri);
+        self.heap_push(tier, e);
+    }
+
+    /// Run `ri` just gave up its leaf in `tier` and its next block is the new leaf: smaller
+    /// than every other candidate, so it goes to the `top` slot, not through the heap.
+    fn follow(&mut self, tier: u8, ri: u32) {
+        let e = self.entry(tier, ri);
+        if let Some(old) = self.top[tier as usize].replace(e) {
+            self.heap_push(tier, old);
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn store(&mut self, h: u64, parent: Option<u64>, tokens: &[u32], i: usize, tier: u8, now: f64, salt: u32) {
-        let x = self.new_node(parent, i, tier, now, salt);
-        self.nodes.insert(h, x);
-        if self.keep_tokens {
-            let bs = self.block_size;
-            self.toks.insert(h, tokens[i * bs..(i + 1) * bs].into());
-        }
-        self.used[tier as usize] += 1;
-        self.stats.stored_blocks += 1;
-        if let Some(p) = parent {
-            let px = self.nodes.get_mut(&p).expect("parent of a stored block");
-            px.nc += 1;
-            if tier == VRAM {
-                px.nv += 1;
-            }
-        }
-    }
-
-    /// Store blocks `lo..hi` of a chain into VRAM, each the child of the one before.
-    fn store_run(&mut self, ids: &[u64], lo: usize, hi: usize, tokens: &[u32], now: f64, salt: u32) {
-        let mut prev = if lo > 0 { Some(ids[lo - 1]) } else { None };
-        for (i, &h) in ids.iter().enumerate().take(hi).skip(lo) {
-            if let Some(a) = ids[..hi].get(i + AHEAD) {
-                self.nodes.prefetch(*a);
-            }
-            self.store(h, prev, tokens, i, VRAM, now, salt);
-            prev = Some(h);
-        }
-    }
-
-    /// Drop leaf `h` (a DRAM leaf, or a VRAM leaf when there is no DRAM).
-    fn remove(&mut self, h: u64, ch: &mut Changes) {
-        let x = self.nodes.remove(&h).expect("victim");
-        self.removed += 1;
-        if self.keep_tokens && self.removed > self.toks.capacity() / 4 {
-            // A full cache evicts as much as it stores; every removal can leave a tombstone in
-            // the token map, and when tombstones use up its slack hashbrown doubles it, so a
-            // full 82k-block cache ended in a map sized for 229k. Rebuilding it afresh before
-            // that keeps it sized for what it holds (O(n) per n/4 removals). The block table
-            // needs none of this: it shifts entries back on removal and keeps no tombstones.
-            self.toks = std::mem::take(&mut self.toks).into_iter().collect();
-            self.removed = 0;
-        }
-        self.used[x.tier as usize] -= 1;
-        self.stats.evicted_blocks += 1;
-        if x.tier == DRAM {
-            ch.cpu_removed.push(h);
-        }
-        self.toks.remove(&h);
-        let Some(p) = x.parent() else { return };
-        let px = self.nodes.get_mut(&p).expect("parent of a cached block");
-        px.nc -= 1;
-        if x.tier == VRAM {
-            px.nv -= 1;
-            if px.nv == 0 && px.tier == VRAM {
-                self.push(VRAM, p);
-            }
-        } else if px.nc == 0 && px.tier == DRAM {
-            self.push(DRAM, p);
-        }
-    }
-
-    fn push(&mut self, tier: u8, h: u64) {
-        let x = &self.nodes[&h];
-        let e = Entry { uses: if self.lfu { x.uses as u64 } else { 0 }, last: x.last, stamp: x.stamp, h };
+    fn heap_push(&mut self, tier: u8, e: Entry) {
         let t = tier as usize;
         self.heaps[t].push(Reverse(e));
         // Compact when stale entries could outnumber the live ones: against the live count at
-        // the last compaction (leaves, usually a small share of a tier's blocks, since most
-        // blocks are inside chains), not the tier's size, which let a full cache carry two
-        // stale entries per block. Each compaction at least halves the heap: O(1) amortised.
+        // the last compaction (leaf runs, a small share of a tier's blocks), not the tier's
+        // size. Each compaction at least halves the heap: O(1) amortised.
         if self.heaps[t].len() > 2 * self.used[t].min(self.heap_floor[t]) + COMPACT_SLACK {
             let old = std::mem::take(&mut self.heaps[t]);
             let mut live: Vec<Entry> = old.into_iter().map(|r| r.0).filter(|e| self.live(tier, e)).collect();
@@ -651,43 +805,60 @@ impl BlockCache {
     }
 
     fn live(&self, tier: u8, e: &Entry) -> bool {
-        match self.nodes.get(&e.h) {
-            Some(x) if x.tier == tier && x.stamp == e.stamp => {
-                if tier == VRAM {
-                    x.nv == 0
-                } else {
-                    x.nc == 0
-                }
-            }
-            _ => false,
+        let r = &self.runs[e.run as usize];
+        let len = r.len();
+        if len == 0 {
+            return false;
+        }
+        if tier == VRAM {
+            r.vram > 0 && r.stamp + (r.vram - 1) as u64 == e.stamp && (r.vram < len || r.nv == 0)
+        } else {
+            r.vram < len && r.stamp + (len - 1) as u64 == e.stamp && r.nc == 0
         }
     }
 
     /// The policy's least-valued leaf of `tier`, skipping `pinned` (collected in `held` for
     /// the caller to push back).
-    fn pop(&mut self, tier: u8, pinned: Pin<'_>, held: &mut Vec<u64>) -> Result<u64> {
+    fn pop(&mut self, tier: u8, pinned: Pin<'_>, held: &mut Vec<Entry>) -> Result<Entry> {
         let t = tier as usize;
-        while let Some(Reverse(e)) = self.heaps[t].pop() {
-            // The next candidate's slot, while this one is checked (a victim's parent is
-            // usually the next, and already at hand; an unrelated leaf is a miss).
-            if let Some(Reverse(n)) = self.heaps[t].peek() {
-                self.nodes.prefetch(n.h);
-            }
+        loop {
+            let e = match (self.top[t], self.heaps[t].peek()) {
+                (Some(a), Some(Reverse(b))) if a < *b => {
+                    self.top[t] = None;
+                    a
+                }
+                (_, Some(_)) => self.heaps[t].pop().expect("peeked").0,
+                (Some(a), None) => {
+                    self.top[t] = None;
+                    a
+                }
+                (None, None) => return Err(broken()),
+            };
             if !self.live(tier, &e) {
                 continue;
             }
             let pin = match pinned {
                 Pin::Nothing => false,
-                Pin::Set(p) => p.contains(&e.h),
+                Pin::Runs(p) => p.contains(&e.run),
                 Pin::StampedAfter(s) => e.stamp > s,
             };
             if pin {
-                held.push(e.h);
+                held.push(e);
                 continue;
             }
-            return Ok(e.h);
+            return Ok(e);
         }
-        Err(broken())
+    }
+
+    /// The parent name of block `j` of run `r`.
+    fn parent_of(&self, r: &Run, j: usize) -> Option<u64> {
+        if j > 0 {
+            Some(r.ids[j - 1])
+        } else if r.parent != NIL {
+            self.runs[r.parent as usize].ids.last().copied()
+        } else {
+            None
+        }
     }
 
     /// One call's changes as events: the CPU stores of demotions (in parent-to-child runs), the
@@ -696,12 +867,36 @@ impl BlockCache {
     fn net(&self, ch: &Changes) -> Vec<Event> {
         let mut out = Vec::new();
         let evicted: HashSet<u64> = ch.cpu_removed.iter().copied().collect();
-        let demoted: HashSet<u64> = ch.cpu_stored.iter().copied().collect();
-        let mut stored: Vec<u64> = ch.cpu_stored.iter().copied().filter(|h| !evicted.contains(h)).collect();
+        let demoted: HashSet<u64> = ch.cpu_stored.iter().map(|x| x.0).collect();
+        let mut stored: Vec<(u64, u32, u32)> = ch.cpu_stored.iter().copied().filter(|x| !evicted.contains(&x.0)).collect();
         if !stored.is_empty() {
-            stored.sort_by_key(|h| self.nodes[h].position); // stable, as Python's sort
-            for run in self.runs(&stored) {
-                out.push(self.stored_event(&run, DRAM));
+            stored.sort_by_key(|&(_, ri, j)| self.runs[ri as usize].pos + j); // stable, as Python's sort
+            // Parent-to-child chains, in the order their first blocks come.
+            let mut chains: Vec<Vec<(u64, u32, u32)>> = Vec::new();
+            let mut tails: rustc_hash::FxHashMap<u64, usize> = Default::default();
+            for x in stored {
+                let r = &self.runs[x.1 as usize];
+                let c = self.parent_of(r, x.2 as usize).and_then(|p| tails.remove(&p)).unwrap_or_else(|| {
+                    chains.push(Vec::new());
+                    chains.len() - 1
+                });
+                chains[c].push(x);
+                tails.insert(x.0, c);
+            }
+            let bs = self.block_size;
+            for c in chains {
+                let mut tokens = Vec::with_capacity(c.len() * bs);
+                for &(_, ri, j) in &c {
+                    let r = &self.runs[ri as usize];
+                    if !r.toks.is_empty() {
+                        tokens.extend_from_slice(&r.toks[j as usize * bs..(j as usize + 1) * bs]);
+                    }
+                }
+                let (_, ri, j) = c[0];
+                let r = &self.runs[ri as usize];
+                let parent = self.parent_of(r, j as usize);
+                let salt = if parent.is_none() { r.salt } else { 0 };
+                out.push(Event::Stored { medium: DRAM, hashes: c.iter().map(|x| x.0).collect(), parent, tokens, salt });
             }
         }
         if !ch.gpu_removed.is_empty() {
@@ -713,32 +908,11 @@ impl BlockCache {
         }
         out
     }
-
-    /// Group blocks (parents before children) into parent-to-child chains.
-    fn runs(&self, ids: &[u64]) -> Vec<Vec<u64>> {
-        let mut runs: Vec<Vec<u64>> = Vec::new();
-        let mut tails: HashMap<u64, usize> = HashMap::default();
-        for &h in ids {
-            let r = self.nodes[&h].parent().and_then(|p| tails.remove(&p));
-            let r = r.unwrap_or_else(|| {
-                runs.push(Vec::new());
-                runs.len() - 1
-            });
-            runs[r].push(h);
-            tails.insert(h, r);
-        }
-        runs
-    }
-
-    fn stored_event(&self, run: &[u64], medium: u8) -> Event {
-        let mut tokens = Vec::with_capacity(run.len() * self.block_size);
-        for h in run {
-            tokens.extend_from_slice(self.toks.get(h).map_or(&[][..], |t| &t[..]));
-        }
-        let first = &self.nodes[&run[0]];
-        Event::Stored { medium, hashes: run.to_vec(), parent: first.parent(), tokens, salt: if first.parent().is_none() { first.salt } else { 0 } }
-    }
 }
+
+#[cfg(test)]
+#[path = "block_cache_reference.rs"]
+mod reference;
 
 #[cfg(test)]
 mod tests {
@@ -786,6 +960,93 @@ mod tests {
         for t in 0..3000u32 {
             admit(&mut c, &[t % 11, t % 5], t as f64);
         }
-        assert!(c.heap_len(VRAM) <= 2 * 8 + COMPACT_SLACK && c.heap_len(DRAM) <= 2 * 8 + COMPACT_SLACK);
+        assert!(c.heap_len(VRAM) <= 2 * 8 + COMPACT_SLACK + 1 && c.heap_len(DRAM) <= 2 * 8 + COMPACT_SLACK + 1);
+    }
+
+    #[test]
+    fn a_run_is_one_record_and_splits_where_a_prompt_stops() {
+        let mut c = BlockCache::new(1, 64, 0, false, 0).unwrap();
+        admit(&mut c, &[1, 2, 3, 4, 5, 6], 1.0);
+        assert_eq!(c.runs.iter().filter(|r| !r.ids.is_empty()).count(), 1);
+        admit(&mut c, &[1, 2, 3], 2.0); // touches half the run: it splits there
+        assert_eq!(c.runs.iter().filter(|r| !r.ids.is_empty()).count(), 2);
+        admit(&mut c, &[1, 2, 3, 9], 3.0); // a branch under the head
+        assert_eq!(c.runs.iter().filter(|r| !r.ids.is_empty()).count(), 3);
+        assert_eq!(c.len(), 7);
+        let b = c.blocks();
+        assert_eq!(b.iter().map(|x| x.position).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4, 5, 3]);
+        assert_eq!(b[3].parent, Some(b[2].hash));
+        assert_eq!(b[6].parent, Some(b[2].hash));
+        assert_eq!((b[0].uses, b[3].uses), (3, 1));
+    }
+
+    // The radix-of-runs cache against the block-per-record model it replaced: the same calls
+    // give the same events, statistics, lookups and block listings, for LRU and LFU, with and
+    // without DRAM, across splits, promotions, demotions, evictions and truncation.
+    use proptest::prelude::*;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Admit(u8, u8, bool),
+        Dram(u8, u8),
+        Clear,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            8 => (0u8..12, 1u8..14, any::<bool>()).prop_map(|(p, l, r)| Op::Admit(p, l, r)),
+            3 => (0u8..12, 1u8..14).prop_map(|(p, l)| Op::Dram(p, l)),
+            1 => Just(Op::Clear),
+        ]
+    }
+
+    /// Prompt `p` of `l` blocks: prompts share prefixes (p / 4 picks one of three stems, p % 4
+    /// where they fork), so chains branch, nest and end mid-run.
+    fn prompt(p: u8, l: u8, bs: usize) -> Vec<u32> {
+        let stem = (p / 4) as u32;
+        let fork = 2 + (p % 4) as usize;
+        (0..l as usize * bs).map(|i| if i / bs < fork { stem * 1000 + (i / bs) as u32 } else { p as u32 * 100_000 + i as u32 }).collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+        #[test]
+        fn same_as_the_block_model(ops in proptest::collection::vec(op(), 1..120), vram in 1usize..12, dram in 0usize..16, lfu in any::<bool>(), seed in 0u64..3, bs in 1usize..3) {
+            let mut a = BlockCache::new(bs, vram, dram, lfu, seed).unwrap();
+            let mut b = reference::BlockCache::new(bs, vram, dram, lfu, seed).unwrap();
+            for (t, o) in ops.iter().enumerate() {
+                let now = (t / 3) as f64; // ties in `last` happen
+                match *o {
+                    Op::Admit(p, l, req) => {
+                        let tok = prompt(p, l, bs);
+                        let ch = a.chain(&tok, 0).unwrap();
+                        let ea = a.place_vram(&tok, &ch, now, p as u32, req, true).unwrap();
+                        let eb = b.place_vram(&tok, &ch, now, p as u32, req, true).unwrap();
+                        prop_assert_eq!(ea, eb, "admit {:?} at {}", o, t);
+                    }
+                    Op::Dram(p, l) => {
+                        let tok = prompt(p, l, bs);
+                        let ch = a.chain(&tok, 0).unwrap();
+                        let ea = a.place_dram(&tok, &ch, now, p as u32, true).unwrap();
+                        let eb = b.place_dram(&tok, &ch, now, p as u32, true).unwrap();
+                        prop_assert_eq!(ea, eb, "dram {:?} at {}", o, t);
+                    }
+                    Op::Clear => {
+                        a.clear();
+                        b.clear();
+                    }
+                }
+                prop_assert_eq!(a.stats, b.stats);
+                prop_assert_eq!((a.len(), a.used(VRAM), a.used(DRAM)), (b.len(), b.used(VRAM), b.used(DRAM)));
+                for p in 0..12u8 {
+                    let ch = a.chain(&prompt(p, 13, bs), 0).unwrap();
+                    prop_assert_eq!(a.lookup(&ch), b.lookup(&ch));
+                }
+            }
+            prop_assert_eq!(a.blocks(), b.blocks());
+            for x in b.blocks() {
+                prop_assert_eq!(a.tier_of(x.hash), x.tier);
+            }
+        }
     }
 }
