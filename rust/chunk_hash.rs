@@ -135,6 +135,20 @@ pub fn prefix_keys_batch(ns: &[u8; 32], tokens: &[u32], offsets: &[u64], lengths
 /// Domain separator of the emulated engine's block hashes (never equal to a prefix key's input).
 const BLOCK_DOMAIN: &[u8] = b"kvcompass-block-v2";
 
+/// `tokens` as little-endian bytes: the slice itself on a little-endian machine, a copy otherwise.
+fn le_bytes(tokens: &[u32]) -> std::borrow::Cow<'_, [u8]> {
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: u32 has no padding and any byte pattern is a valid u8; the length is exact and
+        // the alignment of u8 is 1.
+        std::borrow::Cow::Borrowed(unsafe { std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens)) })
+    }
+    #[cfg(not(target_endian = "little"))]
+    {
+        std::borrow::Cow::Owned(tokens.iter().flat_map(|t| t.to_le_bytes()).collect())
+    }
+}
+
 /// Chained block hashes of the full blocks of `tokens`: block `i` is named by XXH3-64 of its
 /// tokens (LE u32) seeded with the previous block's name, the first block's seed being XXH3-64
 /// of the domain seeded with `seed`. Equal token prefixes give equal chains and a name stands
@@ -153,13 +167,9 @@ pub fn block_chain(seed: u64, tokens: &[u32], block_size: usize) -> Result<Vec<u
     let n = tokens.len() / block_size;
     let mut out = Vec::with_capacity(n);
     let mut h = xxh3_64_with_seed(BLOCK_DOMAIN, seed);
-    let mut buf: Vec<u8> = Vec::with_capacity(block_size * 4);
-    for block in tokens[..n * block_size].chunks_exact(block_size) {
-        buf.clear();
-        for t in block {
-            buf.extend_from_slice(&t.to_le_bytes());
-        }
-        h = xxh3_64_with_seed(&buf, h);
+    let bytes = le_bytes(&tokens[..n * block_size]);
+    for block in bytes.chunks_exact(block_size * 4) {
+        h = xxh3_64_with_seed(block, h);
         out.push(h);
     }
     Ok(out)

@@ -29,16 +29,15 @@ pub fn mix64(x: u64) -> u64 {
 /// The first `input_length` token ids of the blocks `ids` (`block_size` tokens each). The
 /// caller checks that the ids cover the length.
 pub fn expand_blocks(ids: &[u64], input_length: usize, block_size: usize) -> Vec<u32> {
-    let mut out = Vec::with_capacity(input_length);
-    'blocks: for &id in ids {
+    let mut out = vec![0u32; input_length.min(ids.len().saturating_mul(block_size))];
+    // Whole blocks without a length check per token (the loop over `j` is branch-free, so
+    // its independent multiplies overlap), then the partial last block.
+    for (chunk, &id) in out.chunks_mut(block_size.max(1)).zip(ids) {
         let seed = mix64(id ^ TOKEN_SALT);
-        for j in 0..block_size as u64 {
-            if out.len() == input_length {
-                break 'blocks;
-            }
-            let z = mix64(seed.wrapping_add(j.wrapping_mul(GOLDEN)));
+        for (j, t) in chunk.iter_mut().enumerate() {
+            let z = mix64(seed.wrapping_add((j as u64).wrapping_mul(GOLDEN)));
             // Multiply-shift maps the top 32 bits onto [0, VOCAB) without a division.
-            out.push((((z >> 32) * VOCAB) >> 32) as u32);
+            *t = (((z >> 32) * VOCAB) >> 32) as u32;
         }
     }
     out
