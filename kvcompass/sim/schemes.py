@@ -41,7 +41,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import hashlib
-import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -298,68 +297,21 @@ class SGLangCacheAware:
 
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
-        t = fleet.topology
-        self._workers = [w.id for w in t.indexed_workers]
-        self._block = t.block_size
-        self._max_blocks = max(1, self.max_tree_tokens // self._block)
-        # Per worker: block -> last use; dicts keep insertion order, so the first key is the
-        # least recently used (a prompt's blocks are touched child first, so parents stay newer
-        # than their children and eviction takes leaves).
-        self._trees: list[dict[int, float]] = [{} for _ in self._workers]
-        self._next_eviction_ms = self.eviction_interval_s * 1e3
 
-    def _load(self, w: str, now_ms: float) -> int:
-        return self._fleet.pending(w)
-
-    def choose(self, request: Request, tokens: npt.NDArray[np.uint32], now_ms: float) -> Choice:
+    def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
         f = self._fleet
-        if now_ms >= self._next_eviction_ms:
-            self._evict()
-            self._next_eviction_ms = (now_ms // (self.eviction_interval_s * 1e3) + 1) * self.eviction_interval_s * 1e3
-        salt = f.salt(request)
-        chain = _core.block_chain_hashes(tokens, self._block, 0 if salt is None else salt_key(salt)).tolist()
-        loads = [self._load(w, now_ms) for w in self._workers]
-        hi, lo = max(loads), min(loads)
-        matched = 0
-        if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
-            i = loads.index(lo)
-        else:
-            best_i, best = 0, -1
-            for k, tree in enumerate(self._trees):
-                m = _prefix_in(tree, chain)
-                if m > best:
-                    best_i, best = k, m
-            if chain and best * self._block > self.cache_threshold * len(tokens):
-                i, matched = best_i, best * self._block
-            else:
-                sizes = [len(t) for t in self._trees]
-                i = sizes.index(min(sizes))
-        tree = self._trees[i]
-        for h in reversed(chain):  # children first: parents end up the more recently used
-            tree.pop(h, None)
-            tree[h] = now_ms
-        return Choice(self._workers[i], matched)
-
-    def _evict(self) -> None:
-        for tree in self._trees:
-            extra = len(tree) - self._max_blocks
-            if extra > 0:
-                for h in list(itertools.islice(tree, extra)):
-                    del tree[h]
-
-
-def _prefix_in(tree: Mapping[int, float], chain: Sequence[int]) -> int:
-    """How many leading blocks of ``chain`` ``tree`` holds: a binary search, since the tree
-    holds a block's parents whenever it holds the block (it takes whole prompts and evicts
-    leaves first)."""
-    lo, hi = 0, len(chain)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if chain[mid] in tree:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+        t = f.topology
+        return EnginePolicy(
+            "sglang",
+            (
+                [f.worker_index(w.id) for w in t.indexed_workers],
+                max(1, self.max_tree_tokens // t.block_size),
+                self.eviction_interval_s * 1e3,
+                self.cache_threshold,
+                self.balance_abs_threshold,
+                self.balance_rel_threshold,
+            ),
+        )
 
 
 class KVCompassAblation(KVCompassScheme):

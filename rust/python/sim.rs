@@ -17,7 +17,7 @@ use super::block_cache::{events_out, PyBlockCache};
 use super::errors::core_err;
 use crate::block_cache::BlockCache;
 use crate::error::CoreError;
-use crate::sim::{Baseline, CoordinatorState, DynamoState, Choice, Config, Cost, Engine, History, Out, Pcg64, Policy, RequestSpec, Salts, Step, WorkerSetup};
+use crate::sim::{Baseline, CoordinatorState, DynamoState, SGLangState, Choice, Config, Cost, Engine, History, Out, Pcg64, Policy, RequestSpec, Salts, Step, WorkerSetup};
 
 type RngState = (u128, u128, bool, u32);
 
@@ -471,6 +471,17 @@ impl PySimEngine {
         }
         let trees = pools.iter().map(|_| History::new(capacity)).collect();
         self.inner.set_policy(Policy::Baseline(Baseline::SkyWalker { pools, trees, remote, region_of })).map_err(core_err)
+    }
+
+    /// SGLang's cache-aware router over `workers`: trees cut back to `max_blocks` every
+    /// `interval_ms`; the cache and balance thresholds as SGLang names them.
+    #[allow(clippy::too_many_arguments)]
+    fn set_sglang(&mut self, workers: Vec<u32>, max_blocks: usize, interval_ms: f64, cache_threshold: f64, balance_abs: u32, balance_rel: f64) -> PyResult<()> {
+        if workers.is_empty() || !(interval_ms > 0.0) {
+            return Err(bad("sglang needs workers and a positive eviction interval".into()));
+        }
+        let st = SGLangState::new(workers, max_blocks, interval_ms, cache_threshold, balance_abs, balance_rel);
+        self.inner.set_policy(Policy::Baseline(Baseline::SGLang(Box::new(st)))).map_err(core_err)
     }
 
     /// Schedule every arrival (before anything the driver schedules after this call).

@@ -5,7 +5,7 @@ use std::cmp::Ordering;
 use std::collections::{BinaryHeap, VecDeque};
 
 use super::rng::Pcg64;
-pub use policy::{Baseline, CoordinatorState, DynamoState, History, Salts};
+pub use policy::{Baseline, CoordinatorState, DynamoState, History, SGLangState, Salts};
 
 #[path = "policy.rs"]
 mod policy;

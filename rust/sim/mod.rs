@@ -14,5 +14,5 @@
 pub mod engine;
 pub mod rng;
 
-pub use engine::{Baseline, CoordinatorState, DynamoState, Choice, Config, Cost, Engine, History, Out, Policy, RequestSpec, Salts, Step, WorkerSetup};
+pub use engine::{Baseline, CoordinatorState, DynamoState, SGLangState, Choice, Config, Cost, Engine, History, Out, Policy, RequestSpec, Salts, Step, WorkerSetup};
 pub use rng::Pcg64;

@@ -467,6 +467,60 @@ fn apply_ops(view: &mut FxHashMap<u64, u8>, ops: &[(u64, u8)], mut counts: Optio
     }
 }
 
+/// SGLang's `cache_aware` router (`schemes.SGLangCacheAware` documents the policy and its
+/// stated simplifications): per worker, the blocks of the prompts it was sent, least recently
+/// used first, cut back to `max_blocks` every `interval_ms`.
+#[derive(Clone, Debug)]
+pub struct SGLangState {
+    /// Every prefill worker, topology order.
+    workers: Vec<u32>,
+    trees: Vec<LruBlocks>,
+    max_blocks: usize,
+    interval_ms: f64,
+    next_eviction_ms: f64,
+    cache_threshold: f64,
+    balance_abs: u32,
+    balance_rel: f64,
+}
+
+impl SGLangState {
+    pub fn new(workers: Vec<u32>, max_blocks: usize, interval_ms: f64, cache_threshold: f64, balance_abs: u32, balance_rel: f64) -> Self {
+        let trees = workers.iter().map(|_| LruBlocks::default()).collect();
+        SGLangState { workers, trees, max_blocks: max_blocks.max(1), interval_ms, next_eviction_ms: interval_ms, cache_threshold, balance_abs, balance_rel }
+    }
+}
+
+/// A set of blocks in least-recently-used order (Python's dict with pop-and-reinsert): each
+/// touch appends to `order` and renumbers the block, so an `order` entry whose number is not
+/// the block's current one is stale and skipped.
+#[derive(Clone, Debug, Default)]
+struct LruBlocks {
+    map: FxHashMap<u64, u64>,
+    order: VecDeque<(u64, u64)>,
+    clock: u64,
+}
+
+impl LruBlocks {
+    fn touch(&mut self, h: u64) {
+        self.clock += 1;
+        self.map.insert(h, self.clock);
+        self.order.push_back((h, self.clock));
+        if self.order.len() > 2 * self.map.len() + 1024 {
+            let map = &self.map;
+            self.order.retain(|(h, c)| map.get(h) == Some(c));
+        }
+    }
+    /// Drop the least recently used blocks until at most `max` are left.
+    fn cut(&mut self, max: usize) {
+        while self.map.len() > max {
+            let (h, c) = self.order.pop_front().expect("every block is in the order queue");
+            if self.map.get(&h) == Some(&c) {
+                self.map.remove(&h);
+            }
+        }
+    }
+}
+
 /// The static state of each baseline (built by `kvcompass.sim.schemes`).
 #[derive(Clone, Debug)]
 pub enum Baseline {
@@ -476,6 +530,7 @@ pub enum Baseline {
     PlanetServe { pools: Vec<Vec<u32>>, trees: Vec<History> },
     SkyWalker { pools: Vec<Vec<u32>>, trees: Vec<History>, remote: Vec<Vec<u16>>, region_of: Vec<u16> },
     Dynamo(Box<DynamoState>),
+    SGLang(Box<SGLangState>),
 }
 
 fn between(x: u64, a: u64, b: u64) -> bool {
@@ -588,6 +643,48 @@ impl Engine {
         }
         let i = self.pick(&scores, 1.0);
         Choice { worker: s.workers[i], claimed: matches[i] as i64, delay_ms: 0.0 }
+    }
+
+    /// `SGLangCacheAware`: the least-loaded worker when the load is imbalanced, else the
+    /// longest tree match above the cache threshold, else the smallest tree; the prompt's blocks
+    /// then enter the chosen tree, children first (so parents stay the more recently used).
+    fn choose_sglang(&mut self, s: &mut SGLangState, length: usize, chain: &[u64]) -> Choice {
+        if self.now >= s.next_eviction_ms {
+            for t in s.trees.iter_mut() {
+                t.cut(s.max_blocks);
+            }
+            s.next_eviction_ms = (py_floordiv(self.now, s.interval_ms) + 1.0) * s.interval_ms;
+        }
+        let loads: Vec<u32> = s.workers.iter().map(|&w| self.workers[w as usize].pending).collect();
+        let (hi, lo) = (loads.iter().copied().max().unwrap_or(0), loads.iter().copied().min().unwrap_or(0));
+        let mut matched = 0i64;
+        let i = if hi - lo > s.balance_abs && hi as f64 > s.balance_rel * lo as f64 {
+            loads.iter().position(|&x| x == lo).expect("a least load")
+        } else {
+            // A tree holds a block's parents whenever it holds the block (whole prompts in,
+            // least recently used out, parents newer than children): a binary search.
+            let (mut best_i, mut best) = (0usize, -1i64);
+            for (k, t) in s.trees.iter().enumerate() {
+                let m = leading(chain, |h| t.map.contains_key(h)) as i64;
+                if m > best {
+                    best_i = k;
+                    best = m;
+                }
+            }
+            let block = self.block_size as i64;
+            if !chain.is_empty() && (best * block) as f64 > s.cache_threshold * length as f64 {
+                matched = best * block;
+                best_i
+            } else {
+                let least = s.trees.iter().map(|t| t.map.len()).min().unwrap_or(0);
+                s.trees.iter().position(|t| t.map.len() == least).expect("a smallest tree")
+            }
+        };
+        let t = &mut s.trees[i];
+        for &h in chain.iter().rev() {
+            t.touch(h);
+        }
+        Choice { worker: s.workers[i], claimed: matched, delay_ms: 0.0 }
     }
 
     /// Chord's recursive lookup of `key` from region `origin`: `(owner node, hops, delay_ms)`.
@@ -733,6 +830,7 @@ impl Engine {
                 done(w, l.min(v + d) as i64, delay)
             }
             Baseline::Dynamo(st) => Ok(self.choose_dynamo(st, r.region, tokens.len() as u64, chain)),
+            Baseline::SGLang(st) => Ok(self.choose_sglang(st, tokens.len(), chain)),
             Baseline::PlanetServe { pools, trees } => {
                 let region = r.region as usize;
                 let pool = std::mem::take(&mut pools[region]);
