@@ -13,12 +13,22 @@ ratios, below "sustained overload at 6000 req/s") is load 1.0, so 2750 req/s is 
 6000 req/s is 2.0, beyond the knee the paper reports for its full score (about 1.65 lambda_0,
 section 4). Every row carries both the paper's rate and our load and rate.
 
+The real-machine testbeds (figures 11, 13, 15, 17 and 18) are the paper's own hardware model
+(RTX 5090 workers at its calibrated 0.085 ms/token, its worker counts and measured latencies),
+and their rates, 4-40 req/s on 10-14 workers, sit where prompts of a few thousand tokens load
+such a fleet, as ours are; so a testbed figure takes the paper's rates as rates, and each row
+states the load they are against the workload's no-reuse capacity.
+
 What is reproduced: figures 12 and 14 on the Mixed workload (the synthetic Mixed-like
-generator, 50 tenants with private pools, LFU eviction as the paper uses for Mixed), and figure
-15, the ablations' closed-loop throughput on the testbed topology. The paper's WildChat and
-LMSYS columns are not in the figures (their nearest stand-in here, ShareGPT chat, is
-``kvcompass simulate --trace sharegpt``), and figures and tables 11, 13, 16-18, 4 and 5 are
-absent: the command refuses them with a message saying so. ``--ray`` runs a grid on Ray.
+generator, 50 tenants with private pools, LFU eviction as the paper uses for Mixed); figure 11
+(latency, distributions and throughput on the three-continent testbed) and figure 13 (reused
+and recomputed prefill tokens, from the same runs); figure 15, the ablations' closed-loop
+throughput on that testbed; figure 17, figure 11 on the North-American testbed; and figure 18,
+TTFT under prefill-decode disaggregation against the stock stack's dispatchers (one tenant, so
+every request draws on one pool of hot prefixes: our stand-in for the paper's "hot-skew
+Mixed"). The paper's WildChat and LMSYS columns are not in the figures (their nearest stand-in
+here, ShareGPT chat, is ``kvcompass simulate --trace sharegpt``), and figure 16 and tables 4 and
+5 are absent: the command refuses them with a message saying so. ``--ray`` runs a grid on Ray.
 """
 
 from __future__ import annotations
@@ -48,6 +58,15 @@ REFERENCE_RATE = 3000.0
 
 BASELINES = ("consistent-hash", "chord", "planetserve", "central-directory", "skywalker", "dynamo")
 HASH_PLACEMENT = ("consistent-hash", "chord")
+PD_BASELINES = ("random", "sglang-cache-aware", "round-robin", "consistent-hash")
+GROUPS: dict[str, tuple[str, ...]] = {
+    "baselines": BASELINES,
+    "hash_placement": HASH_PLACEMENT,
+    "hash_placement_and_central_directory": (*HASH_PLACEMENT, "central-directory"),
+    "baselines_but_central_directory": tuple(b for b in BASELINES if b != "central-directory"),
+    "pd_baselines": PD_BASELINES,
+}
+"""The scheme groups a metric ``<base>_min_over_<group>`` / ``<base>_max_over_<group>`` ranges over."""
 AGREE = 1.5
 """A row agrees when ours is within this factor of the paper's figure, either way."""
 
@@ -84,6 +103,14 @@ class Figure:
     closed_loop_per_worker: int = 0
     """0: open loop at the figure's rates. N: closed loop with N requests outstanding per
     indexed worker (the paper's throughput measure for its ablations)."""
+    reference_rate: float | None = REFERENCE_RATE
+    """The paper's rate taken as load 1.0; None: the paper's rates are taken as rates (a
+    testbed figure, see the module notes)."""
+    box_rate: float = 2750.0
+    """The paper's rate of the figure's distribution panels."""
+    draw: str = "curves"
+    """The layout: ``curves`` (P99 vs rate, boxes, throughput), ``heatmap``, ``ablation``,
+    ``reuse`` (reused and recomputed tokens) or ``cdf`` (TTFT CDF)."""
 
 
 _SCHEMES = ("kvcompass", "oracle", *BASELINES)
@@ -107,8 +134,59 @@ FIGURES: dict[str, Figure] = {
         quick_rates=(2750.0,),
         requests=100_000,
         quick_requests=12_000,
+        draw="heatmap",
     ),
 }
+
+_TESTBED = dict(reference_rate=None, box_rate=16.0)
+FIGURES["11"] = Figure(
+    "11",
+    "P99 TTFT vs. arrival rate, TTFT and E2E distributions at 16 req/s, and throughput (Mixed, the 14-worker testbed in 3 regions)",
+    "testbed-14x3",
+    _SCHEMES,
+    paper_rates=(4.0, 8.0, 16.0, 24.0, 32.0, 40.0),
+    quick_rates=(8.0, 16.0, 40.0),
+    requests=20_000,
+    quick_requests=4_000,
+    **_TESTBED,  # type: ignore[arg-type]
+)
+FIGURES["13"] = Figure(
+    "13",
+    "Prefill tokens reused from a KV cache hit and recomputed, per scheme, at 16 req/s (Mixed, the 14-worker testbed in 3 regions)",
+    "testbed-14x3",
+    _SCHEMES,
+    paper_rates=(16.0,),
+    quick_rates=(16.0,),
+    requests=20_000,
+    quick_requests=4_000,
+    draw="reuse",
+    **_TESTBED,  # type: ignore[arg-type]
+)
+FIGURES["17"] = Figure(
+    "17",
+    "P99 TTFT vs. arrival rate, distributions at 16 req/s, and throughput (Mixed, the North-American testbed: 11 workers in 4 regions)",
+    "testbed-na-11x4",
+    _SCHEMES,
+    paper_rates=(4.0, 8.0, 16.0, 24.0, 32.0, 40.0),
+    quick_rates=(8.0, 16.0, 40.0),
+    requests=20_000,
+    quick_requests=4_000,
+    **_TESTBED,  # type: ignore[arg-type]
+)
+FIGURES["18"] = Figure(
+    "18",
+    "TTFT CDF at 24 req/s under prefill-decode disaggregation (Mixed, one tenant: hot prefixes; 10 prefill-decode workers in 3 regions)",
+    "testbed-pd-10x3",
+    ("kvcompass", *PD_BASELINES),
+    paper_rates=(24.0,),
+    quick_rates=(24.0,),
+    requests=20_000,
+    quick_requests=4_000,
+    tenants=1,
+    draw="cdf",
+    reference_rate=None,
+    box_rate=24.0,
+)
 
 
 FIGURES["15"] = Figure(
@@ -121,6 +199,7 @@ FIGURES["15"] = Figure(
     requests=20_000,
     quick_requests=6_000,
     closed_loop_per_worker=32,
+    draw="ablation",
 )
 """Figure 15 is closed loop, so it has no rate: the run's rate (load 1.0) only spaces the first
 requests. The paper does not say how many requests its clients kept outstanding; ours is 32 per
@@ -167,26 +246,33 @@ def paper_rows(figure: str) -> list[dict[str, Any]]:
 
 
 def _metric(name: str, scheme: str, at: Mapping[str, Summary]) -> float:
-    """Our value of a paper metric from one rate's runs ``{scheme: Summary}``."""
+    """Our value of a paper metric from one rate's runs ``{scheme: Summary}``; a name
+    ``<base>_min_over_<group>`` (or ``_max_over_``) is the base metric's extreme over a group
+    of :data:`GROUPS`."""
+    for edge, pick in (("_min_over_", min), ("_max_over_", max)):
+        if edge in name:
+            base, group = name.split(edge, 1)
+            if group not in GROUPS:
+                raise InvalidArgumentError(f"paper_results.json names an unknown scheme group {group!r}")
+            return float(pick(_metric(base, b, at) for b in GROUPS[group]))
 
-    def p99(s: str) -> float:
-        return at[s].ttft_ms[2]
+    def p(s: str, i: int, attr: str = "ttft_ms") -> float:
+        return float(getattr(at[s], attr)[i])
 
     def tput(s: str) -> float:
         return at[s].throughput_tokens_s
 
     if name == "p99_ttft_ratio":
-        return p99(scheme) / p99("kvcompass")
-    if name == "p99_ttft_ratio_min_over_baselines":
-        return min(p99(b) for b in BASELINES) / p99("kvcompass")
-    if name == "p99_ttft_ratio_max_over_baselines":
-        return max(p99(b) for b in BASELINES) / p99("kvcompass")
+        return p(scheme, 2) / p("kvcompass", 2)
+    if name == "p50_ttft_ratio":
+        return p(scheme, 0) / p("kvcompass", 0)
+    if name == "p99_e2e_ratio":
+        return p(scheme, 2, "e2e_ms") / p("kvcompass", 2, "e2e_ms")
     if name == "throughput_ratio":
         return tput("kvcompass") / tput(scheme)
-    if name == "throughput_ratio_min_over_hash_placement":
-        return min(tput("kvcompass") / tput(b) for b in HASH_PLACEMENT)
-    if name == "throughput_ratio_max_over_hash_placement":
-        return max(tput("kvcompass") / tput(b) for b in HASH_PLACEMENT)
+    if name == "reused_tokens_ratio":
+        # Both runs replay the same prompts to completion, so reused tokens compare as hit rates.
+        return at[scheme].hit_rate / at["kvcompass"].hit_rate
     if name == "peak_load_factor":
         return at[scheme].peak_load_factor
     if name == "ablation_throughput":
@@ -210,7 +296,7 @@ def _note(metric: str, scheme: str, paper: float, ours: float) -> str:
         head = f"disagrees: without this mechanism our KVCompass keeps {ours:.3f} of its throughput (it costs {100 * (1 - ours):.1f} %), the paper's kept {paper:.2f}"
         causes = [KNOWN_DIFFERENCES[k] for k in (scheme, "*") if k in KNOWN_DIFFERENCES]
         return head + "; known differences that bear on it: " + "; ".join(causes) + "."
-    if metric.startswith("p99_ttft_ratio") or metric.startswith("throughput_ratio"):
+    if metric.startswith(("p99_ttft_ratio", "p50_ttft_ratio", "p99_e2e_ratio", "throughput_ratio", "reused_tokens_ratio")):
         side = "smaller" if ratio < 1 else "larger"
         what = "advantage over" if ours >= 1 else "disadvantage against"
         head = f"disagrees: our KVCompass {what} {scheme} is {side} than the paper's ({ours:.2f}x vs {paper:.2f}x)"
@@ -249,11 +335,12 @@ def reproduce(
     paper_rates = fig.quick_rates if quick else fig.paper_rates
     topology = load_topology(fig.topology)
     capacity = no_reuse_capacity(topology, _workload(fig, topology, n, 1.0, seed))
-    loads = [r / REFERENCE_RATE for r in paper_rates]
+    reference = capacity.req_per_s if fig.reference_rate is None else fig.reference_rate
+    loads = [r / reference for r in paper_rates]
     rates = rates_for_loads(capacity, loads)
     rate_of = dict(zip(paper_rates, rates))
     say(
-        f"figure {figure}: {fig.topology}, Mixed with {fig.tenants} tenants, {n} requests a run, no-reuse capacity {capacity.req_per_s:.1f} req/s; "
+        f"figure {figure}: {fig.topology}, Mixed with {fig.tenants} tenant{'s' if fig.tenants != 1 else ''}, {n} requests a run, no-reuse capacity {capacity.req_per_s:.1f} req/s; "
         + ", ".join(f"paper {p:g} req/s = load {l:.3f} = {r} req/s" for p, l, r in zip(paper_rates, loads, rates))
     )
     workloads = {rate: _workload(fig, topology, n, float(rate), seed) for rate in rates}
@@ -277,7 +364,7 @@ def reproduce(
         at = {s: results[s][rate] for s in fig.schemes}
         ours = _metric(p["metric"], p["scheme"], at)
         paper = float(p["paper"])
-        rows.append(Row(figure, p["metric"], p["scheme"], paper_rate / REFERENCE_RATE, rate, paper_rate, paper, ours, ours / paper, _note(p["metric"], p["scheme"], paper, ours)))
+        rows.append(Row(figure, p["metric"], p["scheme"], paper_rate / reference, rate, paper_rate, paper, ours, ours / paper, _note(p["metric"], p["scheme"], paper, ours)))
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.json").write_text(json.dumps([r.as_dict() for r in rows], indent=2) + "\n")
@@ -289,13 +376,13 @@ def reproduce(
         "workload": {"name": "mixed", "tenants": fig.tenants, "private_pools": fig.tenants > 1, "requests_per_run": n, "seed": seed, "eviction": fig.eviction},
         "closed_loop": closed,
         "capacity": {k: v for k, v in capacity.as_dict().items() if k != "per_worker"},
-        "reference_rate": REFERENCE_RATE,
-        "rates": {str(p): {"load": p / REFERENCE_RATE, "rate": r} for p, r in rate_of.items()},
+        "reference_rate": fig.reference_rate,
+        "rates": {str(p): {"load": p / reference, "rate": r} for p, r in rate_of.items()},
         "wall_s": wall,
         "summaries": {s: {r: _summary(results[s][r]) for r in rates} for s in fig.schemes},
     }
     (out_dir / "run.json").write_text(json.dumps(meta, indent=2) + "\n")
-    (out_dir / "report.md").write_text(_markdown(fig, rows, capacity, rate_of, n, results, wall, quick))
+    (out_dir / "report.md").write_text(_markdown(fig, rows, capacity, rate_of, n, results, wall, quick, reference))
     _draw(fig, out_dir / f"figure{figure}.png", results, rate_of, rows)
     return rows
 
@@ -312,9 +399,9 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"
 
 
-def _markdown(fig: Figure, rows: Sequence[Row], capacity: Capacity, rate_of: Mapping[float, str], n: int, results: Mapping[str, Mapping[str, Summary]], wall: float, quick: bool) -> str:
+def _markdown(fig: Figure, rows: Sequence[Row], capacity: Capacity, rate_of: Mapping[float, str], n: int, results: Mapping[str, Mapping[str, Summary]], wall: float, quick: bool, reference: float) -> str:
     agree = sum(1 for r in rows if "agrees" in r.note and "disagrees" not in r.note)
-    lines = [
+    head: list[str | None] = [
         f"# Figure {fig.number}, reproduced{' (--quick)' if quick else ''}",
         "",
         f"{fig.title}.",
@@ -325,19 +412,27 @@ def _markdown(fig: Figure, rows: Sequence[Row], capacity: Capacity, rate_of: Map
         f"(mean prompt {capacity.mean_input_tokens:.0f} tokens, output {capacity.mean_output_tokens:.0f}).",
         (
             f"- Closed loop: {fig.closed_loop_per_worker} requests outstanding per worker, each completion issuing the next; the rate "
-            + ", ".join(f"{r} req/s (load {p / REFERENCE_RATE:.3f})" for p, r in rate_of.items())
+            + ", ".join(f"{r} req/s (load {p / reference:.3f})" for p, r in rate_of.items())
             + " only spaces the first of them."
             if fig.closed_loop_per_worker
-            else f"- The paper's rates are mapped to loads with {REFERENCE_RATE:g} req/s = load 1.0 (an assumption, see `kvcompass/sim/reproduce.py`): "
-            + ", ".join(f"{p:g} req/s -> load {p / REFERENCE_RATE:.3f} = {r} req/s here" for p, r in rate_of.items())
-            + "."
+            else (
+                f"- The paper's rates are mapped to loads with {reference:g} req/s = load 1.0 (an assumption, see `kvcompass/sim/reproduce.py`): "
+                + ", ".join(f"{p:g} req/s -> load {p / reference:.3f} = {r} req/s here" for p, r in rate_of.items())
+                + "."
+                if fig.reference_rate is not None
+                else "- A testbed figure: the paper's rates are taken as rates (see `kvcompass/sim/reproduce.py`), at these loads: "
+                + ", ".join(f"{p:g} req/s = load {p / reference:.3f}" for p in rate_of)
+                + "."
+            )
         ),
         f"- {agree} of {len(rows)} rows agree within {AGREE}x; every other row says how it disagrees.",
-        "- Absent: the paper's WildChat and LMSYS columns (their nearest stand-in here is `kvcompass simulate --trace sharegpt`, not yet part of the figure)." if fig.number != "15" else "- The paper measured figure 15 on its real-machine testbed; ours is the simulator on the same topology.",
+        "- Absent: the paper's WildChat and LMSYS columns (their nearest stand-in here is `kvcompass simulate --trace sharegpt`, not yet part of the figure)." if fig.number not in ("15", "18") else None,
+        f"- The paper measured figure {fig.number} on its real-machine testbed; ours is the simulator on the same topology." if fig.reference_rate is None or fig.closed_loop_per_worker else None,
         "",
         "| metric | scheme | paper rate (load) | paper | ours | ours / paper | note |",
         "|---|---|---|---|---|---|---|",
     ]
+    lines = [x for x in head if x is not None]
     for r in rows:
         lines.append(f"| {r.metric} | {r.scheme} | {r.paper_rate:g} ({r.load:.3f}) | {_fmt(r.paper)} | {_fmt(r.ours)} | {r.ratio:.2f} | {r.note} |")
     lines += ["", "## Our runs", "", "| scheme | rate (req/s) | P50 TTFT ms | P99 TTFT ms | P99 E2E ms | throughput tok/s | hit rate | peak load factor |", "|---|---|---|---|---|---|---|---|"]
@@ -356,7 +451,7 @@ def _draw(fig: Figure, path: Path, results: Mapping[str, Mapping[str, Summary]],
     from matplotlib.figure import Figure as MplFigure
 
     schemes = list(results)
-    if fig.number == "15":
+    if fig.draw == "ablation":
         rate = next(iter(rate_of.values()))
         full = results["kvcompass"][rate].throughput_tokens_s
         ours = [100.0 * results[s][rate].throughput_tokens_s / full for s in schemes]
@@ -373,7 +468,34 @@ def _draw(fig: Figure, path: Path, results: Mapping[str, Mapping[str, Summary]],
         ax.set_title("Figure 15: closed-loop throughput with one mechanism removed")
         ax.legend()
         ax.grid(True, axis="y", alpha=0.3)
-    elif fig.number == "14":
+    elif fig.draw == "reuse":
+        rate = rate_of[fig.box_rate]
+        reused = np.array([sum(r.vram_hit + r.dram_hit for r in results[s][rate].records) for s in schemes], dtype=float) / 1e6
+        total = np.array([sum(r.input_tokens for r in results[s][rate].records) for s in schemes], dtype=float) / 1e6
+        out = MplFigure(figsize=(9, 4.2), layout="constrained")
+        ax = out.add_subplot()
+        x = np.arange(len(schemes))
+        ax.bar(x, reused, label="reused (KV cache hit)")
+        ax.bar(x, total - reused, bottom=reused, label="recomputed")
+        ax.set_xticks(x, schemes, rotation=30, fontsize=8)
+        ax.set_ylabel("prefill tokens (M)")
+        ax.set_title(f"Figure {fig.number}: reused vs recomputed prefill tokens at {rate} req/s")
+        ax.legend()
+        ax.grid(True, axis="y", alpha=0.3)
+    elif fig.draw == "cdf":
+        rate = rate_of[fig.box_rate]
+        out = MplFigure(figsize=(8, 4.5), layout="constrained")
+        ax = out.add_subplot()
+        for s in schemes:
+            t = np.sort(np.array([r.ttft_ms for r in results[s][rate].records])) / 1000.0
+            ax.plot(t, np.arange(1, len(t) + 1) / max(1, len(t)), label=s)
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (s)")
+        ax.set_ylabel("CDF")
+        ax.set_title(f"Figure {fig.number}: TTFT CDF at {rate} req/s")
+        ax.legend(fontsize=8)
+        ax.grid(True, alpha=0.3)
+    elif fig.draw == "heatmap":
         rate = rate_of[2750.0]
         m = np.array([np.nanmean(results[s][rate].load_factor, axis=1) for s in schemes])
         out = MplFigure(figsize=(12, 0.5 * len(schemes) + 1.5), layout="constrained")
@@ -391,13 +513,13 @@ def _draw(fig: Figure, path: Path, results: Mapping[str, Mapping[str, Summary]],
             a.plot(paper, [results[s][rate_of[p]].ttft_ms[2] for p in paper], marker="o", label=s)
             j.plot(paper, [results[s][rate_of[p]].throughput_tokens_s / 1e6 for p in paper], marker="o", label=s)
         a.set_yscale("log")
-        a.set_xlabel("paper's arrival rate (req/s; load = rate / 3000)")
+        a.set_xlabel("paper's arrival rate (req/s)" + (f"; load = rate / {fig.reference_rate:g}" if fig.reference_rate else ""))
         a.set_ylabel("P99 TTFT (ms)")
         a.set_title("(a) Mixed, P99 TTFT")
         j.set_xlabel("paper's arrival rate (req/s)")
         j.set_ylabel("throughput (Mtok/s)")
         j.set_title("(j) Mixed, throughput")
-        box = rate_of.get(2750.0, rate_of[paper[len(paper) // 2]])
+        box = rate_of.get(fig.box_rate, rate_of[paper[len(paper) // 2]])
         for ax, attr, name in ((d, "ttft_ms", "(d) Mixed, TTFT"), (g, "e2e_ms", "(g) Mixed, E2E latency")):
             data = [np.array([getattr(r, attr) for r in results[s][box].records]) / 1000.0 for s in schemes]
             ax.boxplot(data, whis=(1, 99), showfliers=False)
