@@ -30,8 +30,47 @@ pub fn mix64(x: u64) -> u64 {
 /// caller checks that the ids cover the length.
 pub fn expand_blocks(ids: &[u64], input_length: usize, block_size: usize) -> Vec<u32> {
     let mut out = vec![0u32; input_length.min(ids.len().saturating_mul(block_size))];
-    // Whole blocks without a length check per token (the loop over `j` is branch-free, so
-    // its independent multiplies overlap), then the partial last block.
+    // A Mixed prompt is ~5,000 tokens, each three 64-bit multiplies: a quarter of a baseline
+    // scheme's run. The loop vectorises, and with AVX-512 (native 64-bit lane multiplies) or
+    // AVX2 it runs several tokens a step; the CPU is asked at run time, since the wheel is built
+    // for any x86-64. Integer arithmetic only: every variant gives the same tokens.
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512dq") && std::arch::is_x86_feature_detected!("avx512vl") {
+            // SAFETY: the features the function is compiled for were detected on this CPU.
+            unsafe { expand_avx512(ids, block_size, &mut out) };
+            return out;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: as above.
+            unsafe { expand_avx2(ids, block_size, &mut out) };
+            return out;
+        }
+    }
+    expand_into(ids, block_size, &mut out);
+    out
+}
+
+/// # Safety
+/// The CPU must have AVX-512 F, DQ and VL and AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2")]
+unsafe fn expand_avx512(ids: &[u64], block_size: usize, out: &mut [u32]) {
+    expand_into(ids, block_size, out)
+}
+
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn expand_avx2(ids: &[u64], block_size: usize, out: &mut [u32]) {
+    expand_into(ids, block_size, out)
+}
+
+/// Whole blocks without a length check per token (the loop over `j` is branch-free, so its
+/// independent multiplies overlap or vectorise), the partial last block by the same loop.
+#[inline(always)]
+fn expand_into(ids: &[u64], block_size: usize, out: &mut [u32]) {
     for (chunk, &id) in out.chunks_mut(block_size.max(1)).zip(ids) {
         let seed = mix64(id ^ TOKEN_SALT);
         for (j, t) in chunk.iter_mut().enumerate() {
@@ -40,7 +79,6 @@ pub fn expand_blocks(ids: &[u64], input_length: usize, block_size: usize) -> Vec
             *t = (((z >> 32) * VOCAB) >> 32) as u32;
         }
     }
-    out
 }
 
 /// The block ids of runs `(chain, count)`: `mix64(chain + j * GOLDEN) & MAX_ID` for `j = 1..=count`.
@@ -63,6 +101,26 @@ mod tests {
         // The same values tests/test_sim_workload.py pins for the Python entry point.
         assert_eq!(expand_blocks(&[0, 1], 5, 4), vec![85192, 20828, 103872, 6824, 75434]);
         assert_eq!(expand_blocks(&[(1 << 63) - 1], 3, 8), vec![85479, 93283, 118171]);
+    }
+
+    #[test]
+    fn every_variant_gives_the_same_tokens() {
+        let ids: Vec<u64> = (0..97u64).map(|i| mix64(i) & MAX_ID).collect();
+        for bs in [1usize, 3, 16, 64] {
+            for len in [0usize, 1, bs * 40 + 1, ids.len() * bs] {
+                let mut scalar = vec![0u32; len.min(ids.len() * bs)];
+                expand_into(&ids, bs, &mut scalar);
+                assert_eq!(expand_blocks(&ids, len, bs), scalar);
+                #[cfg(target_arch = "x86_64")]
+                {
+                    if std::arch::is_x86_feature_detected!("avx2") {
+                        let mut v = vec![0u32; scalar.len()];
+                        unsafe { expand_avx2(&ids, bs, &mut v) };
+                        assert_eq!(v, scalar);
+                    }
+                }
+            }
+        }
     }
 
     #[test]
