@@ -285,7 +285,23 @@ impl KvFeed {
 /// (a cached block's parent is cached, a VRAM block's parent is in VRAM) while a key stands for
 /// its whole prefix. Walking every worker's view block by block was most of Dynamo's run.
 fn leading(keys: &[u64], held: impl Fn(&u64) -> bool) -> usize {
-    let n = keys.partition_point(&held);
+    // Galloping from the front: most views hold none or a short head of a prompt (another
+    // tenant's, another catalogue's), which this settles in one or a few probes where a plain
+    // binary search always pays log2(n); a long overlap costs about twice log2 of its length.
+    let mut lo = 0usize; // keys[..lo] are known held
+    let mut step = 1usize;
+    let mut hi = keys.len();
+    while lo < hi {
+        let probe = (lo + step - 1).min(hi - 1);
+        if held(&keys[probe]) {
+            lo = probe + 1;
+            step *= 2;
+        } else {
+            hi = probe;
+            break;
+        }
+    }
+    let n = lo + keys[lo..hi].partition_point(&held);
     debug_assert_eq!(n, keys.iter().take_while(|k| held(k)).count(), "a view that is not prefix-closed");
     n
 }
