@@ -59,9 +59,9 @@ def test_figure_12_writes_its_report(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_unknown_figures_are_refused_with_the_list(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["reproduce", "--figure", "16", "--out", str(tmp_path)]) == 2
+    assert main(["reproduce", "--figure", "table4", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("kvcompass reproduce: error: figure '16' is not reproduced") and "11, 12, 13, 14, 15, 17, 18" in err
+    assert err.startswith("kvcompass reproduce: error: figure 'table4' is not reproduced") and "11, 12, 13, 14, 15, 16, 17, 18" in err
     assert main(["reproduce", "--figure", "12", "--jobs", "0", "--out", str(tmp_path)]) == 2
 
 
@@ -109,3 +109,14 @@ def test_testbed_figures_take_the_papers_rates_as_rates(tmp_path: Path, capsys: 
     for r in rows:
         assert r["ours"] == pytest.approx(s[r["scheme"]]["16"]["hit_rate"] / s["kvcompass"]["16"]["hit_rate"])
     assert (tmp_path / "13" / "figure13.png").stat().st_size > 10_000
+
+
+def test_figure_16_is_figure_12_at_twice_the_scale(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["reproduce", "--figure", "16", "--quick", "--requests", "200", "--jobs", "2", "--out", str(tmp_path)]) == 0
+    assert "figure 16: 2 rows" in capsys.readouterr().out
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["topology"] == "paper-128x16" and run["reference_rate"] == 2 * REFERENCE_RATE
+    rows = json.loads((tmp_path / "report.json").read_text())
+    for r in rows:
+        assert r["paper_rate"] == 12000 and r["load"] == pytest.approx(2.0)
+    assert (tmp_path / "figure16.png").stat().st_size > 10_000
