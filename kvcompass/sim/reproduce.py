@@ -154,41 +154,22 @@ FIGURES["16"] = Figure(
 """Figure 16 is figure 12 at "twice the region count, worker count, and arrival rate" (appendix
 A), so its load 1.0 is twice figure 12's: 6000 req/s."""
 
-_TESTBED = dict(reference_rate=None, box_rate=16.0)
-FIGURES["11"] = Figure(
-    "11",
-    "P99 TTFT vs. arrival rate, TTFT and E2E distributions at 16 req/s, and throughput (Mixed, the 14-worker testbed in 3 regions)",
-    "testbed-14x3",
-    _SCHEMES,
-    paper_rates=(4.0, 8.0, 16.0, 24.0, 32.0, 40.0),
-    quick_rates=(8.0, 16.0, 40.0),
-    requests=20_000,
-    quick_requests=4_000,
-    **_TESTBED,  # type: ignore[arg-type]
-)
-FIGURES["13"] = Figure(
+def _testbed(number: str, title: str, topology: str, rates: tuple[float, ...] = (4.0, 8.0, 16.0, 24.0, 32.0, 40.0), quick: tuple[float, ...] = (8.0, 16.0, 40.0), draw: str = "curves") -> Figure:
+    """A testbed figure of the seven schemes and the Oracle: the paper's rates taken as rates,
+    its distributions at 16 req/s."""
+    return Figure(number, title, topology, _SCHEMES, rates, quick, requests=20_000, quick_requests=4_000, reference_rate=None, box_rate=16.0, draw=draw)
+
+
+FIGURES["11"] = _testbed("11", "P99 TTFT vs. arrival rate, TTFT and E2E distributions at 16 req/s, and throughput (Mixed, the 14-worker testbed in 3 regions)", "testbed-14x3")
+FIGURES["13"] = _testbed(
     "13",
     "Prefill tokens reused from a KV cache hit and recomputed, per scheme, at 16 req/s (Mixed, the 14-worker testbed in 3 regions)",
     "testbed-14x3",
-    _SCHEMES,
-    paper_rates=(16.0,),
-    quick_rates=(16.0,),
-    requests=20_000,
-    quick_requests=4_000,
+    rates=(16.0,),
+    quick=(16.0,),
     draw="reuse",
-    **_TESTBED,  # type: ignore[arg-type]
 )
-FIGURES["17"] = Figure(
-    "17",
-    "P99 TTFT vs. arrival rate, distributions at 16 req/s, and throughput (Mixed, the North-American testbed: 11 workers in 4 regions)",
-    "testbed-na-11x4",
-    _SCHEMES,
-    paper_rates=(4.0, 8.0, 16.0, 24.0, 32.0, 40.0),
-    quick_rates=(8.0, 16.0, 40.0),
-    requests=20_000,
-    quick_requests=4_000,
-    **_TESTBED,  # type: ignore[arg-type]
-)
+FIGURES["17"] = _testbed("17", "P99 TTFT vs. arrival rate, distributions at 16 req/s, and throughput (Mixed, the North-American testbed: 11 workers in 4 regions)", "testbed-na-11x4")
 FIGURES["18"] = Figure(
     "18",
     "TTFT CDF at 24 req/s under prefill-decode disaggregation (Mixed, one tenant: hot prefixes; 10 prefill-decode workers in 3 regions)",
