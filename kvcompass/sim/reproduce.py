@@ -154,6 +154,7 @@ FIGURES["16"] = Figure(
 """Figure 16 is figure 12 at "twice the region count, worker count, and arrival rate" (appendix
 A), so its load 1.0 is twice figure 12's: 6000 req/s."""
 
+
 def _testbed(number: str, title: str, topology: str, rates: tuple[float, ...] = (4.0, 8.0, 16.0, 24.0, 32.0, 40.0), quick: tuple[float, ...] = (8.0, 16.0, 40.0), draw: str = "curves") -> Figure:
     """A testbed figure of the seven schemes and the Oracle: the paper's rates taken as rates,
     its distributions at 16 req/s."""
@@ -184,7 +185,6 @@ FIGURES["18"] = Figure(
     reference_rate=None,
     box_rate=24.0,
 )
-
 
 FIGURES["15"] = Figure(
     "15",
