@@ -362,8 +362,8 @@ impl BlockCache {
     /// `(cached, vram)`: how many leading blocks of a chain of `n` blocks (block `i` named
     /// `name(i)`) are cached, and how many of those are in VRAM; `path` gets the runs the
     /// cached prefix passes through, with how many of each run's blocks it covers. A run is
-    /// found by its first block's name and then compared name by name along the chain (a
-    /// sequential read), so a prompt costs one table probe per run, not per block.
+    /// found by its first block's name and then by comparing its last name in reach (or
+    /// bisecting), so a prompt costs one table probe per run, not per block.
     fn walk(&self, n: usize, name: impl Fn(usize) -> u64, mut path: Option<&mut Vec<(u32, u32)>>) -> (usize, usize) {
         let mut pos = 0usize;
         let mut vram: Option<usize> = None;
@@ -374,10 +374,24 @@ impl BlockCache {
         while let Some(ri) = cur {
             let r = &self.runs[ri as usize];
             let lim = (r.ids.len()).min(n - pos);
-            let mut m = 1; // the first name matched through the head table
-            while m < lim && r.ids[m] == name(pos + m) {
-                m += 1;
-            }
+            // The first name matched through the head table. A name stands for its whole prefix,
+            // so "block j matches" holds for a leading run of the run's blocks: check the last
+            // one first (a prompt usually covers a run whole), else bisect; a few names computed
+            // instead of one per block (each a hash when the cache renames blocks).
+            let m = if r.ids[lim - 1] == name(pos + lim - 1) {
+                lim
+            } else {
+                let (mut lo, mut hi) = (1usize, lim - 1);
+                while lo < hi {
+                    let mid = lo + (hi - lo) / 2;
+                    if r.ids[mid] == name(pos + mid) {
+                        lo = mid + 1;
+                    } else {
+                        hi = mid;
+                    }
+                }
+                lo
+            };
             if vram.is_none() && (r.vram as usize) < m {
                 vram = Some(pos + r.vram as usize);
             }
