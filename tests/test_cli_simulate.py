@@ -130,13 +130,13 @@ def test_sensitivity_and_false_hit_tables(tmp_path: Path, capsys: pytest.Capture
     assert [(r["knob"], r["value"]) for r in rows] == [
         ("wan_jitter_pct", 0.0), ("wan_jitter_pct", 25.0), ("wan_jitter_pct", 50.0), ("wan_jitter_pct", 100.0),
         ("patch_loss_pct", 0.0), ("patch_loss_pct", 10.0), ("patch_loss_pct", 20.0), ("patch_loss_pct", 30.0),
-        ("patch_delay_ms", 0.0), ("patch_delay_ms", 100.0), ("patch_delay_ms", 300.0),
+        ("patch_delay_ms", 0.0), ("patch_delay_ms", 100.0), ("patch_delay_ms", 200.0), ("patch_delay_ms", 300.0),
     ]  # fmt: skip
     base = j["results"]["kvcompass"]["8"]
     assert rows[0]["ttft_p99_ms"] == base["ttft_p99_ms"] and rows[0]["hit_rate"] == base["hit_rate"]
     # Jitter moves every WAN traversal, so it moves the latencies.
     assert rows[3]["ttft_p99_ms"] != base["ttft_p99_ms"]
-    assert pl.read_csv(tmp_path / "sensitivity.csv").height == 11
+    assert pl.read_csv(tmp_path / "sensitivity.csv").height == 12
     fh = j["false_hits"]
     s = fh["structural"]
     assert s["0"] > 0.9 and 0 < s["8"] < 0.005 and s["16"] < s["8"]  # fingerprints are what make a keyless view usable

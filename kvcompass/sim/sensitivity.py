@@ -30,7 +30,7 @@ __all__ = ["DEFAULT_SWEEPS", "SensitivityRow", "StructuralRate", "structural_fal
 DEFAULT_SWEEPS: dict[str, tuple[float, ...]] = {
     "wan_jitter_pct": (0.0, 25.0, 50.0, 100.0),
     "patch_loss_pct": (0.0, 10.0, 20.0, 30.0),
-    "patch_delay_ms": (0.0, 100.0, 300.0),
+    "patch_delay_ms": (0.0, 100.0, 200.0, 300.0),
 }
 
 
