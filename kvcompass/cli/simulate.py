@@ -365,7 +365,7 @@ def _write_run(out: Path, args: argparse.Namespace, topology: Topology, extra: d
 
 
 def _reproduce_main(args: argparse.Namespace) -> int:
-    from kvcompass.sim.reproduce import reproduce
+    from kvcompass.sim.reproduce import image_name, reproduce
 
     if args.jobs < 1:
         raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
@@ -377,7 +377,7 @@ def _reproduce_main(args: argparse.Namespace) -> int:
         raise UsageError("give --jobs (processes here) or --ray (a Ray cluster), not both")
     rows = reproduce(args.figure, args.out, quick=args.quick, jobs=args.jobs, seed=args.seed, requests=args.requests, ray=args.ray)
     agree = sum(1 for r in rows if r.note.startswith("agrees"))
-    print(f"figure {args.figure}: {len(rows)} rows, {agree} agree within 1.5x; wrote {args.out}/report.md, report.json, run.json, figure{args.figure}.png")
+    print(f"figure {args.figure}: {len(rows)} rows, {agree} agree with the paper; wrote {args.out}/report.md, report.json, run.json, {image_name(args.figure)}")
     return 0
 
 

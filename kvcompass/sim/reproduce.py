@@ -53,7 +53,7 @@ from kvcompass.sim.sensitivity import SensitivityRow, sweep
 from kvcompass.sim.summary import Summary
 from kvcompass.sim.workload import Request, synthetic_mixed
 
-__all__ = ["FIGURES", "REFERENCE_RATE", "Figure", "Row", "paper_rows", "reproduce"]
+__all__ = ["FIGURES", "REFERENCE_RATE", "Figure", "Row", "image_name", "paper_rows", "reproduce"]
 
 REFERENCE_RATE = 3000.0
 """The paper's req/s taken as load 1.0 (see the module notes)."""
@@ -433,11 +433,12 @@ def reproduce(
         meta["sensitivity"] = [r.as_dict() for r in sensitivity.values()]
         (out_dir / "run.json").write_text(json.dumps(meta, indent=2) + "\n")
     (out_dir / "report.md").write_text(_markdown(fig, rows, capacity, rate_of, n, results, wall, quick, reference, list(sensitivity.values())))
-    _draw(fig, out_dir / _image_name(figure), results, rate_of, rows)
+    _draw(fig, out_dir / image_name(figure), results, rate_of, rows)
     return rows
 
 
-def _image_name(figure: str) -> str:
+def image_name(figure: str) -> str:
+    """The drawing's file name: ``figure{N}.png``, or ``table4.png``."""
     return f"{figure}.png" if figure.startswith("table") else f"figure{figure}.png"
 
 
