@@ -70,25 +70,28 @@ pub struct Salts {
     pub repr: Vec<String>,
 }
 
-/// `schemes._prefix_hashes`: one 64-bit hash per whole-block prefix of `tokens`.
-fn prefix_hashes(tokens: &[u32], block: usize, salt: Option<u64>) -> Vec<u64> {
+/// `schemes._prefix_hashes`' last value: the 64-bit hash of the whole-block prefix of `tokens`
+/// (None when there is no whole block). The baselines place a prompt by its level's key only,
+/// so the per-block values in between are never needed (each a finaliser and a store).
+fn prefix_hash(tokens: &[u32], block: usize, salt: Option<u64>) -> Option<u64> {
     let n = tokens.len() / block;
+    if n == 0 {
+        return None;
+    }
     let coef: Vec<u64> = (1..=block as u64).map(|j| fin(j.wrapping_mul(GOLD))).collect();
     let mut acc = 0u64;
-    let mut out = Vec::with_capacity(n);
     for (i, row) in tokens[..n * block].chunks_exact(block).enumerate() {
         let mut s = 0u64;
         for (t, c) in row.iter().zip(&coef) {
             s = s.wrapping_add((*t as u64).wrapping_mul(*c));
         }
         acc = acc.wrapping_add(fin(s.wrapping_add((i as u64).wrapping_mul(GOLD))));
-        let v = fin(acc);
-        out.push(match salt {
-            Some(x) => fin(v ^ x),
-            None => v,
-        });
     }
-    out
+    let v = fin(acc);
+    Some(match salt {
+        Some(x) => fin(v ^ x),
+        None => v,
+    })
 }
 
 /// `schemes._level_key`: `(level index, key)` of the longest level that fits the prompt.
@@ -97,9 +100,8 @@ fn level_key(levels: &[u64], tokens: &[u32], block: usize, salts: &Salts, salt: 
     let level = levels.iter().rposition(|&c| c <= len).unwrap_or(0);
     let n = if levels.is_empty() { tokens.len() } else { len.min(levels[level]) as usize };
     let salt_h = if salt == 0 { None } else { Some(salts.h64[salt as usize]) };
-    let ph = prefix_hashes(&tokens[..n], block, salt_h);
-    let key = match ph.last() {
-        Some(&k) => k,
+    let key = match prefix_hash(&tokens[..n], block, salt_h) {
+        Some(k) => k,
         None => {
             let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
             let salt_repr = if salt == 0 { "None" } else { salts.repr[salt as usize].as_str() };
