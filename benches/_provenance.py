@@ -1,10 +1,13 @@
-"""Which code a benchmark measured: the checkout's commit, and whether tracked files differ from
-it, for every JSON line the bench scripts print (shared by them; not a test)."""
+"""What every bench script's JSON line carries: which code was measured (the checkout's commit,
+and whether tracked files differ from it) and whether each figure met its bar (shared by the
+scripts; not a test)."""
 
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,3 +23,22 @@ def git_info() -> tuple[str | None, bool | None]:
         return head.stdout.strip() or None, dirty
     except (OSError, subprocess.SubprocessError):
         return None, None
+
+
+def meets(results: Mapping[str, Any], bars: Mapping[str, Mapping[str, Any]]) -> dict[str, bool | None]:
+    """Per bar, whether the result named like it meets it: a bar is ``{"max": x}``, ``{"min": x}``,
+    ``{"eq": x}`` or ``{"in": [...]}``; None when the run has no such result (not measured)."""
+    out: dict[str, bool | None] = {}
+    for name, bar in bars.items():
+        v = results.get(name)
+        if v is None:
+            out[name] = None
+        elif "max" in bar:
+            out[name] = bool(v <= bar["max"])
+        elif "min" in bar:
+            out[name] = bool(v >= bar["min"])
+        elif "eq" in bar:
+            out[name] = bool(v == bar["eq"])
+        else:
+            out[name] = v in bar["in"]
+    return out

@@ -43,7 +43,7 @@ import numpy as np
 
 from kvcompass import _core
 
-from _provenance import git_info
+from _provenance import git_info, meets
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -552,22 +552,13 @@ def main(argv: list[str] | None = None) -> int:
         "elapsed_s": rnd(time.perf_counter() - _T0, 1),
     })
     res["targets"] = TARGETS
-    meets: dict[str, bool | None] = {}
-    for k, tgt in TARGETS.items():
-        v = res.get(k)
-        if v is None:
-            meets[k] = None
-        elif "max" in tgt:
-            meets[k] = bool(v <= tgt["max"])
-        else:
-            meets[k] = bool(v >= tgt["min"])
-    res["meets"] = meets
+    res["meets"] = meets(res, TARGETS)
 
     line = json.dumps(res, sort_keys=False)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(line + "\n")
-    log(f"done in {time.perf_counter() - _T0:.1f}s; misses: {[k for k, ok in meets.items() if ok is False]}")
+    log(f"done in {time.perf_counter() - _T0:.1f}s; misses: {[k for k, ok in res['meets'].items() if ok is False]}")
     print(line, flush=True)
     return 0
 

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from _provenance import git_info
+from _provenance import git_info, meets
 from kvcompass.services.lifecycle import stop_process
 from bench_service import DOOR_HOLDER, DOOR_REGION, MODEL, TOPOLOGY, Child, closed_loop, cpu_model, log, pct, post_once, proc_cpu_s, rnd
 
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"mode": "quick" if args.quick else "full", "concurrency": args.concurrency, "backend_ports": args.ports, "prompt_words": args.words}
     asyncio.run(run(args, res))
     res["targets"] = TARGETS
-    res["meets"] = {k: (res[k] <= t["max"]) if k in res else None for k, t in TARGETS.items()}
+    res["meets"] = meets(res, TARGETS)
     res["cpu"] = cpu_model()
     res["git_commit"], res["git_dirty"] = git_info()
     res["date"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from _provenance import git_info
+from _provenance import git_info, meets
 from kvcompass.services.lifecycle import stop_process
 
 REPO = Path(__file__).resolve().parent.parent
@@ -210,21 +210,6 @@ def kill_and_time(state_file: Path, state: dict[str, Any], res: dict[str, Any]) 
     res["edge_ready_after_kill_s"] = None
 
 
-def verdicts(res: dict[str, Any]) -> dict[str, bool | None]:
-    out: dict[str, bool | None] = {}
-    for name, bar in BARS.items():
-        v = res.get(name)
-        if v is None:
-            out[name] = None
-        elif "max" in bar:
-            out[name] = v <= bar["max"]
-        elif "eq" in bar:
-            out[name] = v == bar["eq"]
-        else:
-            out[name] = v in bar["in"]
-    return out
-
-
 def main() -> int:
     res: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as d:
@@ -249,7 +234,7 @@ def main() -> int:
         finally:
             stop_process(proc, 30)
     res["bars"] = BARS
-    res["passed"] = verdicts(res)
+    res["passed"] = meets(res, BARS)
     res["git_commit"], res["git_dirty"] = git_info()
     res["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     print(json.dumps(res))
