@@ -428,10 +428,9 @@ def reproduce(
         "wall_s": wall,
         "summaries": {s: {r: _summary(results[s][r]) for r in rates} for s in fig.schemes},
     }
-    (out_dir / "run.json").write_text(json.dumps(meta, indent=2) + "\n")
     if sensitivity:
         meta["sensitivity"] = [r.as_dict() for r in sensitivity.values()]
-        (out_dir / "run.json").write_text(json.dumps(meta, indent=2) + "\n")
+    (out_dir / "run.json").write_text(json.dumps(meta, indent=2) + "\n")
     (out_dir / "report.md").write_text(_markdown(fig, rows, capacity, rate_of, n, results, wall, quick, reference, list(sensitivity.values())))
     _draw(fig, out_dir / image_name(figure), results, rate_of, rows)
     return rows
