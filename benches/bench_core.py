@@ -383,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     res["view_bits_per_entry"] = rnd(table.view_memory_bytes * 8 / n)
     res["view_bits_per_entry_follower"] = rnd(view.memory_bytes * 8 / n)
     res["writer_bytes_per_entry"] = rnd(table.memory_bytes / n, 1)
+    if hasattr(table, "memory_breakdown"):  # the breakdown exists from 2026-12-02 (issue 18) on
+        res["writer_bytes_per_entry_parts"] = {k: rnd(v / n, 2) for k, v in table.memory_breakdown.items()}
 
     # ---- single-key lookup (Rust-timed) ------------------------------------------------
     log("lookup: bench_lookup_ns over shuffled present keys")
@@ -434,9 +436,22 @@ def main(argv: list[str] | None = None) -> int:
     old_idx = rng.choice(n, size=n_pairs, replace=False)
     old = np.ascontiguousarray(present[old_idx])
     rb0, fb0 = table.rebuilds, table.fallback_len
+    ws0 = table.write_stats() if hasattr(table, "write_stats") else None
     t = time.perf_counter()
     ins, rem = _core.bench_remove_insert_ns(table, old, ins_new, VRAM)
     wall = time.perf_counter() - t
+    if ws0 is not None:
+        # Where an insert's time goes at 95 %: how many needed cuckoo moves, and how far the
+        # Othello forest walks (cycle checks of the new keys, class-bit toggles of moved keys) go.
+        ws = table.write_stats()
+        moves = [b - a for a, b in zip(ws0["inserts_by_moves"], ws["inserts_by_moves"])]  # type: ignore[arg-type]
+        d = {k: ws[k] - ws0[k] for k in ("joins", "join_nodes", "toggles", "toggle_nodes", "toggle_flips", "fallback_inserts")}  # type: ignore[operator]
+        res["insert_moves_share_95"] = [rnd(m / n_pairs, 4) for m in moves]
+        res["insert_fallback_share_95"] = rnd(d["fallback_inserts"] / n_pairs, 6)
+        res["join_walk_nodes_mean"] = rnd(d["join_nodes"] / max(1, d["joins"]), 2)
+        res["toggles_per_insert"] = rnd(d["toggles"] / n_pairs, 3)
+        res["toggle_walk_nodes_mean"] = rnd(d["toggle_nodes"] / max(1, d["toggles"]), 2)
+        res["toggle_flips_mean"] = rnd(d["toggle_flips"] / max(1, d["toggles"]), 2)
     res["insert_ns_p50_95"] = rnd(pct(ins, 50), 1)
     res["insert_ns_p99_95"] = rnd(pct(ins, 99), 1)
     res["insert_ns_p999_95"] = rnd(pct(ins, 99.9), 1)

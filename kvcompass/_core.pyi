@@ -350,10 +350,17 @@ class LudoTable:
     def pending_ops(self) -> int: ...
     @property
     def memory_bytes(self) -> int:
-        """Bytes held by the writer (keys, values, Othello forest, mirror view)."""
+        """Bytes held by the writer (keys, Othello forest, mirror view with the values, scratch)."""
     @property
     def view_memory_bytes(self) -> int:
         """Bytes a replica of this table's view holds."""
+    @property
+    def memory_breakdown(self) -> dict[str, int]:
+        """``memory_bytes`` by part: keys, meta, view, forest_nodes, forest_lists, scratch, pending."""
+    def write_stats(self) -> dict[str, int | list[int]]:
+        """Insert and Othello-walk counters since the table was created: ``inserts_by_moves``
+        (inserts that needed k cuckoo moves, k = 0..), ``fallback_inserts``, ``joins`` /
+        ``join_nodes``, ``toggles`` / ``toggle_nodes`` / ``toggle_flips``."""
 
 @final
 class ApplyResult:

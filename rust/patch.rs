@@ -34,7 +34,7 @@ pub const PERM_EMPTY: u8 = 4;
 
 /// One move of an insert path: re-seed `bucket` (slot j takes old slot `perm[j]`), write
 /// (`value`, `fp`) into `slot`, then flip the listed Othello cells.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Step {
     pub bucket: u32,
     pub seed: u8,
@@ -79,6 +79,27 @@ impl Batch {
 }
 
 /// Append one op's encoding to `out`.
+/// The head of an InsertPath op of `n` steps; [`encode_step`] each step after it. (The writer
+/// encodes a path step by step as it executes it, without building the op.)
+pub fn encode_insert_path_head(n: usize, out: &mut Vec<u8>) {
+    out.push(TAG_INSERT_PATH);
+    out.push(n as u8);
+}
+
+/// One step of an InsertPath op (after [`encode_insert_path_head`]).
+pub fn encode_step(s: &Step, out: &mut Vec<u8>) {
+    out.extend_from_slice(&s.bucket.to_le_bytes());
+    out.push(s.seed);
+    out.extend_from_slice(&s.perm);
+    out.push(s.slot);
+    out.extend_from_slice(&s.value.to_le_bytes());
+    out.extend_from_slice(&s.fp.to_le_bytes());
+    out.extend_from_slice(&(s.flips.len() as u32).to_le_bytes());
+    for f in &s.flips {
+        out.extend_from_slice(&f.to_le_bytes());
+    }
+}
+
 pub fn encode_op(op: &Op, out: &mut Vec<u8>) {
     match op {
         Op::SetValue { bucket, slot, value } => {
@@ -93,19 +114,9 @@ pub fn encode_op(op: &Op, out: &mut Vec<u8>) {
             out.push(*slot);
         }
         Op::InsertPath { steps } => {
-            out.push(TAG_INSERT_PATH);
-            out.push(steps.len() as u8);
-            for s in steps {
-                out.extend_from_slice(&s.bucket.to_le_bytes());
-                out.push(s.seed);
-                out.extend_from_slice(&s.perm);
-                out.push(s.slot);
-                out.extend_from_slice(&s.value.to_le_bytes());
-                out.extend_from_slice(&s.fp.to_le_bytes());
-                out.extend_from_slice(&(s.flips.len() as u32).to_le_bytes());
-                for f in &s.flips {
-                    out.extend_from_slice(&f.to_le_bytes());
-                }
+            encode_insert_path_head(steps.len(), out);
+            for st in steps {
+                encode_step(st, out);
             }
         }
         Op::FallbackSet { key, value } => {

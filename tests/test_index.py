@@ -1227,3 +1227,30 @@ def test_view_lookup_batch_concurrent_with_apply_and_lookup_does_not_deadlock() 
         for th in threads: th.join()
         """
     )
+
+
+def test_writer_accounts_its_memory_by_part_and_counts_its_inserts() -> None:
+    """The parts add up to ``memory_bytes``; every insert is counted once, by its cuckoo moves
+    (or as a fallback); each cycle check walks at least its two ends."""
+    t = kc.LudoTable(capacity=4000, seed=3)
+    parts = t.memory_breakdown
+    assert set(parts) == {"keys", "meta", "view", "forest_nodes", "forest_lists", "scratch", "pending"}
+    assert sum(parts.values()) == t.memory_bytes
+    keys = unique_keys(11, 3800)
+    for k in keys.tolist():
+        t.insert(k, 1)
+    s = t.write_stats()
+    moves = s["inserts_by_moves"]
+    assert isinstance(moves, list) and len(moves) == 6
+    assert sum(moves) + s["fallback_inserts"] == 3800
+    assert moves[1] > 0, "near full, some inserts must move a key"
+    assert s["joins"] >= 3800 - s["fallback_inserts"]
+    assert s["join_nodes"] >= 2 * s["joins"]
+    assert s["toggles"] == sum(m * k for k, m in enumerate(moves))
+    assert s["toggle_flips"] >= s["toggles"]
+    assert sum(t.memory_breakdown.values()) == t.memory_bytes
+    # The writer keeps keys, not values: the key array is 8 bytes a slot.
+    assert t.memory_breakdown["keys"] <= 8 * 4 * (t.capacity / (4 * 0.95) + 2)
+    t.rebuild()
+    assert t.write_stats()["inserts_by_moves"] == moves, "a rebuild's re-insertions are not counted"
+    t.verify()

@@ -17,7 +17,7 @@
 
 use super::hash::{self, Seeds};
 use super::mem::{HugeBuf, Plain};
-use super::othello::{Forest, Join};
+use super::othello::{Forest, Join, WalkStats};
 use super::view::{Geometry, LudoView};
 use super::{prefetch, MAX_CUCKOO_DEPTH, SLOTS};
 use crate::error::{CoreError, Result};
@@ -47,6 +47,13 @@ impl Default for TableConfig {
     }
 }
 
+/// What the inserts did: how many needed k cuckoo moves, how many went to the fallback.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WriteStats {
+    pub inserts_by_moves: [u64; MAX_CUCKOO_DEPTH + 1],
+    pub fallback_inserts: u64,
+}
+
 /// What an insert did (for statistics and tests).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Placement {
@@ -55,19 +62,21 @@ pub enum Placement {
     Updated,
 }
 
+/// A bucket's keys. Values are not kept here: the writer's mirror view holds every value
+/// already (it must, to be what the edges converge to), so a second copy would only add 8 bytes
+/// an entry and a line to keep in step.
 #[derive(Clone, Copy, Debug)]
-#[repr(C, align(64))]
+#[repr(C, align(32))]
 struct Bucket {
     keys: [u64; SLOTS],
-    vals: [u64; SLOTS],
 }
 
-// SAFETY: integers only, no padding (8 x u64).
+// SAFETY: integers only, no padding (4 x u64).
 unsafe impl Plain for Bucket {}
 // SAFETY: two u8, no padding.
 unsafe impl Plain for Meta {}
 
-const EMPTY_BUCKET: Bucket = Bucket { keys: [EMPTY; SLOTS], vals: [0; SLOTS] };
+const EMPTY_BUCKET: Bucket = Bucket { keys: [EMPTY; SLOTS] };
 
 #[derive(Clone, Copy, Debug, Default)]
 struct Meta {
@@ -93,7 +102,15 @@ pub struct LudoTable {
     /// Scratch for the cuckoo search: (bucket, parent entry, slot moved out of the parent).
     bfs: Vec<(u32, u32, u8)>,
     visited: Vec<u32>,
+    /// The cuckoo path [`LudoTable::plan_place`] found: root-first (from, slot, to).
+    path: Vec<(u32, u8, u32)>,
+    /// The step being applied (its flips' buffer is reused from insert to insert).
+    step: Step,
+    stats: WriteStats,
 }
+
+/// Slot seeds of a path's destinations in execution order, then the root's.
+type PathSeeds = [u8; MAX_CUCKOO_DEPTH + 1];
 
 impl LudoTable {
     pub fn new(cfg: TableConfig) -> Result<Self> {
@@ -118,6 +135,9 @@ impl LudoTable {
             rebuilds: 0,
             bfs: Vec::new(),
             visited: Vec::new(),
+            path: Vec::new(),
+            step: Step::default(),
+            stats: WriteStats::default(),
         })
     }
 
@@ -176,15 +196,34 @@ impl LudoTable {
         self.geo.value_bits
     }
 
-    pub fn memory_bytes(&self) -> usize {
-        std::mem::size_of::<Self>() + self.view.memory_bytes() - std::mem::size_of::<LudoView>()
-            + self.buckets.bytes()
-            + self.meta.bytes()
-            + 4 * self.visited.capacity()
-            + 12 * self.bfs.capacity()
-            + self.pending.capacity()
-            + self.forest.memory_bytes()
+    /// Bytes held, by part: `keys` (the bucket array), `meta` (slot seeds and counts), `view`
+    /// (the mirror: values, fingerprints, Othello bits, fallback), `forest_nodes` and
+    /// `forest_lists` (the Othello graph), `scratch` (search and walk buffers, the struct) and
+    /// `pending` (the batch being built).
+    pub fn memory_parts(&self) -> [(&'static str, usize); 7] {
+        let (nodes, lists, walk) = self.forest.memory_parts();
+        let scratch = std::mem::size_of::<Self>() - std::mem::size_of::<LudoView>() - std::mem::size_of::<Forest>() + 4 * self.visited.capacity() + 12 * self.bfs.capacity() + 12 * self.path.capacity() + 4 * self.step.flips.capacity() + walk;
+        [
+            ("keys", self.buckets.bytes()),
+            ("meta", self.meta.bytes()),
+            ("view", self.view.memory_bytes()),
+            ("forest_nodes", nodes),
+            ("forest_lists", lists),
+            ("scratch", scratch),
+            ("pending", self.pending.capacity()),
+        ]
     }
+
+    pub fn memory_bytes(&self) -> usize {
+        self.memory_parts().iter().map(|p| p.1).sum()
+    }
+
+    /// Insert and walk counters since the table was created (a rebuild's own re-insertions are
+    /// not counted).
+    pub fn write_stats(&self) -> (WriteStats, WalkStats) {
+        (self.stats, self.forest.walk_stats())
+    }
+
 
     fn check_key(key: u64) -> Result<()> {
         if key >> 63 != 0 {
@@ -200,14 +239,7 @@ impl LudoTable {
         Ok(())
     }
 
-    /// (bucket, slot) of `key` if it sits in a bucket.
-    #[inline]
-    fn find_slot(&self, key: u64) -> Option<(u32, usize)> {
-        let (b0, b1) = hash::buckets(key, &self.seeds, self.geo.n_buckets);
-        self.find_in(key, b0, b1)
-    }
-
-    /// [`Self::find_slot`] with the candidate buckets already computed.
+    /// The slot of `key` among its candidate buckets (b0, b1), if it sits in one.
     #[inline]
     fn find_in(&self, key: u64, b0: u32, b1: u32) -> Option<(u32, usize)> {
         for b in [b0, b1] {
@@ -219,6 +251,12 @@ impl LudoTable {
             }
         }
         None
+    }
+
+    /// The value of the key at (bucket, slot), read from the mirror view.
+    #[inline]
+    fn value(&self, bucket: u32, slot: usize) -> u64 {
+        self.view.value_at(&self.geo, bucket, slot)
     }
 
     /// The key's Othello edge as forest nodes.
@@ -269,9 +307,9 @@ impl LudoTable {
         if key >> 63 != 0 {
             return None;
         }
-        self.prefetch_buckets(key);
-        if let Some((b, s)) = self.find_slot(key) {
-            return Some(self.buckets[b as usize].vals[s]);
+        let (b0, b1) = self.warm_slots(key);
+        if let Some((b, s)) = self.find_in(key, b0, b1) {
+            return Some(self.value(b, s));
         }
         self.fallback_get(key)
     }
@@ -340,8 +378,7 @@ impl LudoTable {
         }
         let (b0, b1) = self.warm_slots(key);
         if let Some((b, s)) = self.find_in(key, b0, b1) {
-            if self.buckets[b as usize].vals[s] != value {
-                self.buckets[b as usize].vals[s] = value;
+            if self.value(b, s) != value {
                 self.emit(Op::SetValue { bucket: b, slot: s as u8, value });
             }
             return Ok(Placement::Updated);
@@ -362,6 +399,9 @@ impl LudoTable {
         if value == 0 {
             return Err(CoreError::InvalidArgument("cannot insert value 0 (it means absent)".into()));
         }
+        // Warm both key lines, both view records and Othello cells and both forest nodes in one
+        // round: the presence check and the insert then find them all here.
+        self.prefetch_op(key);
         if self.get(key).is_some() {
             return Err(CoreError::InvalidArgument(format!("key {key:#x} is already in the table")));
         }
@@ -396,11 +436,10 @@ impl LudoTable {
     /// Remove the key stored at (bucket, slot); returns its value.
     fn remove_at(&mut self, b: u32, s: usize, key: u64) -> u64 {
         let bi = b as usize;
-        let old = self.buckets[bi].vals[s];
+        let old = self.value(b, s);
         let (u, v) = self.edge_of(key);
         self.forest.remove_edge(u, v);
         self.buckets[bi].keys[s] = EMPTY;
-        self.buckets[bi].vals[s] = 0;
         self.meta[bi].count -= 1;
         self.live -= 1;
         self.emit(Op::ClearSlot { bucket: b, slot: s as u8 });
@@ -422,12 +461,11 @@ impl LudoTable {
         let (b0, b1) = self.warm_slots(key);
         // The common case (the key sits in a bucket) reads and writes its slot once.
         if let Some((b, s)) = self.find_in(key, b0, b1) {
-            let cur = self.buckets[b as usize].vals[s];
+            let cur = self.value(b, s);
             let new = (cur & !(3u64 << shift)) | ((tier as u64) << shift);
             if new == 0 {
                 self.remove_at(b, s, key);
             } else if new != cur {
-                self.buckets[b as usize].vals[s] = new;
                 self.emit(Op::SetValue { bucket: b, slot: s as u8, value: new });
             }
             return Ok(new);
@@ -488,16 +526,27 @@ impl LudoTable {
         let (u, v) = self.forest.nodes(ia, ib);
         self.forest.prefetch_nodes(u, v);
         self.view.prefetch_key(key);
-        let placed = match self.forest.check_join(u, v) {
-            Join::Cycle => None,
-            Join::Free => self.cuckoo_place(key, value, b0, b1, u, v),
+        // Find room first (reads only; it requests the lines its moves will touch), then walk
+        // the forest for a cycle while those requests are in flight: the two are independent,
+        // so their cache misses overlap instead of queueing one after the other.
+        let plan = self.plan_place(key, b0, b1);
+        let placed = match (plan, self.forest.check_join(u, v)) {
+            (Some((root, seeds)), Join::Free) => {
+                let path = std::mem::take(&mut self.path);
+                let moves = self.finish_insert(key, value, root, b0, u, v, &path, &seeds);
+                self.path = path;
+                Some(moves)
+            }
+            _ => None,
         };
         match placed {
             Some(moves) => {
                 self.live += 1;
+                self.stats.inserts_by_moves[moves.min(MAX_CUCKOO_DEPTH)] += 1;
                 Ok(Placement::Bucket { moves })
             }
             None => {
+                self.stats.fallback_inserts += 1;
                 self.emit(Op::FallbackSet { key, value });
                 if self.view.fallback_len() > self.cfg.fallback_limit {
                     self.rebuild(self.geo.capacity(), self.geo.seed.wrapping_add(1))?;
@@ -533,9 +582,9 @@ impl LudoTable {
     }
 
     /// Put (key, value) into `bucket` with slot seed `seed` (from [`Self::seed_for`]),
-    /// moving the bucket's other keys to their slots under that seed. Returns the view step
-    /// (without flips).
-    fn place(&mut self, bucket: u32, seed: u8, key: u64, value: u64) -> Step {
+    /// moving the bucket's other keys to their slots under that seed. Writes the view step
+    /// (without flips) into `step`.
+    fn place(&mut self, bucket: u32, seed: u8, key: u64, value: u64, step: &mut Step) {
         let bi = bucket as usize;
         let mut perm = [PERM_EMPTY; SLOTS];
         let old = self.buckets[bi];
@@ -552,7 +601,6 @@ impl LudoTable {
                     let t = hash::slot(old.keys[j], &self.seeds, seed);
                     perm[t] = j as u8;
                     self.buckets[bi].keys[t] = old.keys[j];
-                    self.buckets[bi].vals[t] = old.vals[j];
                 }
             }
             self.meta[bi].seed = seed;
@@ -560,101 +608,117 @@ impl LudoTable {
         let slot = hash::slot(key, &self.seeds, seed);
         debug_assert_eq!(self.buckets[bi].keys[slot], EMPTY);
         self.buckets[bi].keys[slot] = key;
-        self.buckets[bi].vals[slot] = value;
         self.meta[bi].count += 1;
-        Step { bucket, seed, perm, slot: slot as u8, value, fp: hash::fingerprint(key, &self.seeds, self.geo.fp_bits) as u16, flips: Vec::new() }
+        step.bucket = bucket;
+        step.seed = seed;
+        step.perm = perm;
+        step.slot = slot as u8;
+        step.value = value;
+        step.fp = hash::fingerprint(key, &self.seeds, self.geo.fp_bits) as u16;
+        step.flips.clear();
     }
 
-    /// Find room for a new key whose Othello edge (u, v) joins two separate components, moving
-    /// up to MAX_CUCKOO_DEPTH keys. Returns the number of moves, or None (nothing changed).
-    fn cuckoo_place(&mut self, key: u64, value: u64, b0: u32, b1: u32, u: u32, v: u32) -> Option<usize> {
+    /// Where a new key goes: a bucket with room among its two (the emptier first), or the root
+    /// of the shortest cuckoo path (breadth-first, up to MAX_CUCKOO_DEPTH moves) left in
+    /// `self.path` (root-first (from, slot, to)), with the slot seed each destination needs in
+    /// execution order. None: no path. Changes nothing but scratch space.
+    fn plan_place(&mut self, key: u64, b0: u32, b1: u32) -> Option<(u32, PathSeeds)> {
+        self.path.clear();
         let (c0, c1) = (self.meta[b0 as usize].count, self.meta[b1 as usize].count);
         // Prefer the emptier candidate so buckets fill evenly.
         let first = if c1 < c0 { [b1, b0] } else { [b0, b1] };
         for &b in &first {
             if let Some(seed) = self.seed_for(b, None, key) {
-                return Some(self.finish_insert(key, value, b, b0, u, v, &[], &[seed]));
+                let mut seeds = [0; MAX_CUCKOO_DEPTH + 1];
+                seeds[0] = seed;
+                return Some((b, seeds));
             }
         }
-        // Most paths are one move long: warm the lines such a move touches (the alternative
-        // bucket, its view record, the moved key's Othello nodes) for all eight candidates at
-        // once, so their misses overlap instead of queueing behind each other.
-        for &b in &first {
-            for s in 0..SLOTS {
-                let k = self.buckets[b as usize].keys[s];
-                let (k0, k1) = hash::buckets(k, &self.seeds, self.geo.n_buckets);
-                let y = if k0 == b { k1 } else { k0 };
-                prefetch(&self.buckets, y as usize);
-                self.view.prefetch_bucket(y);
-                let (ku, kv) = self.edge_of(k);
-                self.forest.prefetch_nodes(ku, kv);
-            }
-        }
-        // Breadth-first over buckets: entry i = (bucket, parent entry, slot of the key in the
-        // parent bucket that moves into this bucket).
+        // Breadth-first over buckets, a level at a time: entry i = (bucket, parent entry, slot of
+        // the key in the parent bucket that moves into this bucket). Whether a bucket has room is
+        // read from `meta` (two bytes a bucket: it stays in cache), so a level costs one round of
+        // cache misses, for the key lines of its buckets, all requested together; the roots' lines
+        // are already here. Nothing is fetched for candidates the search does not take.
         self.bfs.clear();
         self.visited.clear();
         for &b in &first {
             self.bfs.push((b, u32::MAX, 0));
             self.visited.push(b);
         }
-        let mut head = 0;
-        let mut depth_end = self.bfs.len();
-        let mut depth = 0;
-        while head < self.bfs.len() {
-            if head == depth_end {
-                depth += 1;
-                depth_end = self.bfs.len();
-                if depth >= MAX_CUCKOO_DEPTH {
-                    break;
+        let mut level = 0..self.bfs.len();
+        for depth in 0..MAX_CUCKOO_DEPTH {
+            if level.is_empty() {
+                break;
+            }
+            if depth > 0 {
+                for i in level.clone() {
+                    prefetch(&self.buckets, self.bfs[i].0 as usize);
                 }
             }
-            let x = self.bfs[head].0;
-            for s in 0..SLOTS {
-                let k = self.buckets[x as usize].keys[s];
-                let (k0, k1) = hash::buckets(k, &self.seeds, self.geo.n_buckets);
-                let y = if k0 == x { k1 } else { k0 };
-                if self.visited.contains(&y) {
-                    continue;
-                }
-                self.visited.push(y);
-                if self.meta[y as usize].count < SLOTS as u8 {
-                    // Path found: collect (from bucket, slot, to bucket) root-first.
-                    let mut path = vec![(x, s as u8, y)];
-                    let mut i = head;
-                    while self.bfs[i].1 != u32::MAX {
-                        let (bx, p, ps) = self.bfs[i];
-                        path.push((self.bfs[p as usize].0, ps, bx));
-                        i = p as usize;
+            let end = level.end;
+            for head in level {
+                let x = self.bfs[head].0;
+                for s in 0..SLOTS {
+                    let k = self.buckets[x as usize].keys[s];
+                    let (k0, k1) = hash::buckets(k, &self.seeds, self.geo.n_buckets);
+                    let y = if k0 == x { k1 } else { k0 };
+                    if self.visited.contains(&y) {
+                        continue;
                     }
-                    let root = self.bfs[i].0;
-                    path.reverse();
-                    // Every bucket on the path must get a slot seed for its new key set before
-                    // anything moves (fails with probability ~1e-11; then keep searching).
-                    if let Some(seeds) = self.path_seeds(key, root, &path) {
-                        return Some(self.finish_insert(key, value, root, b0, u, v, &path, &seeds));
+                    self.visited.push(y);
+                    if self.meta[y as usize].count < SLOTS as u8 {
+                        // Path found: collect (from bucket, slot, to bucket) root-first.
+                        self.path.clear();
+                        self.path.push((x, s as u8, y));
+                        let mut i = head;
+                        while self.bfs[i].1 != u32::MAX {
+                            let (bx, p, ps) = self.bfs[i];
+                            self.path.push((self.bfs[p as usize].0, ps, bx));
+                            i = p as usize;
+                        }
+                        let root = self.bfs[i].0;
+                        self.path.reverse();
+                        self.prefetch_path();
+                        // Every bucket on the path must get a slot seed for its new key set before
+                        // anything moves (fails with probability ~1e-11; then keep searching).
+                        if let Some(seeds) = self.path_seeds(key, root) {
+                            return Some((root, seeds));
+                        }
+                        continue;
                     }
-                    continue;
+                    self.bfs.push((y, head as u32, s as u8));
                 }
-                self.bfs.push((y, head as u32, s as u8));
             }
-            head += 1;
+            level = end..self.bfs.len();
         }
+        self.path.clear();
         None
+    }
+
+    /// Warm what executing a cuckoo path touches, all at once: each destination's key line and
+    /// view record, and each moved key's two forest nodes.
+    fn prefetch_path(&self) {
+        for &(from, slot, to) in &self.path {
+            prefetch(&self.buckets, to as usize);
+            self.view.prefetch_bucket(to);
+            let (ku, kv) = self.edge_of(self.buckets[from as usize].keys[slot as usize]);
+            self.forest.prefetch_nodes(ku, kv);
+        }
     }
 
     /// Slot seeds for each destination of a root-first path, in execution order (deepest move
     /// first, the root last). None if some bucket has no separating seed.
-    fn path_seeds(&self, key: u64, root: u32, path: &[(u32, u8, u32)]) -> Option<Vec<u8>> {
-        let mut seeds = Vec::with_capacity(path.len() + 1);
-        for i in (0..path.len()).rev() {
+    fn path_seeds(&self, key: u64, root: u32) -> Option<PathSeeds> {
+        let path = &self.path;
+        let mut seeds = [0; MAX_CUCKOO_DEPTH + 1];
+        for (n, i) in (0..path.len()).rev().enumerate() {
             let (from, slot, to) = path[i];
             let k = self.buckets[from as usize].keys[slot as usize];
             // `to` loses the key that moves one step deeper, if it is an intermediate bucket.
             let out = path.get(i + 1).map(|&(_, s, _)| s as usize);
-            seeds.push(self.seed_for(to, out, k)?);
+            seeds[n] = self.seed_for(to, out, k)?;
         }
-        seeds.push(self.seed_for(root, path.first().map(|&(_, s, _)| s as usize), key)?);
+        seeds[path.len()] = self.seed_for(root, path.first().map(|&(_, s, _)| s as usize), key)?;
         Some(seeds)
     }
 
@@ -662,36 +726,41 @@ impl LudoTable {
     /// the new key into `root`, and emit the whole thing as one InsertPath op.
     #[allow(clippy::too_many_arguments)]
     fn finish_insert(&mut self, key: u64, value: u64, root: u32, b0: u32, u: u32, v: u32, path: &[(u32, u8, u32)], seeds: &[u8]) -> usize {
-        let mut steps = Vec::with_capacity(path.len() + 1);
+        // Each step is encoded as it is applied, into the pending batch, through one reused
+        // step (no allocation per insert).
+        let mut step = std::mem::take(&mut self.step);
+        if !self.quiet {
+            patch::encode_insert_path_head(path.len() + 1, &mut self.pending);
+        }
         for (n, &(from, slot, to)) in path.iter().rev().enumerate() {
             let (fi, si) = (from as usize, slot as usize);
-            let (k, val) = (self.buckets[fi].keys[si], self.buckets[fi].vals[si]);
+            let (k, val) = (self.buckets[fi].keys[si], self.value(from, si));
             self.buckets[fi].keys[si] = EMPTY;
-            self.buckets[fi].vals[si] = 0;
             self.meta[fi].count -= 1;
-            let mut step = self.place(to, seeds[n], k, val);
+            self.place(to, seeds[n], k, val, &mut step);
             // The key now lives in its other candidate bucket: toggle its class bit.
             let (ku, kv) = self.edge_of(k);
             self.forest.toggle_flips(ku, kv, &mut step.flips);
             // Apply now: later steps read the Othello bits this one flips.
             self.view.apply_step(&step);
-            steps.push(step);
+            if !self.quiet {
+                patch::encode_step(&step, &mut self.pending);
+            }
         }
         let want = if root == b0 { 0 } else { 1 };
         let (ia, ib) = hash::othello_edge(key, &self.seeds, self.geo.ma, self.geo.mb);
-        let mut flips = Vec::new();
-        if self.view.othello_bit(ia, ib) != want {
-            self.forest.join_flips(u, v, &mut flips);
+        let flip = self.view.othello_bit(ia, ib) != want;
+        self.place(root, seeds[path.len()], key, value, &mut step);
+        if flip {
+            self.forest.join_flips(u, v, &mut step.flips);
         }
         self.forest.add_edge(u, v);
-        let mut step = self.place(root, seeds[path.len()], key, value);
-        step.flips = flips;
         self.view.apply_step(&step);
-        steps.push(step);
         if !self.quiet {
-            patch::encode_op(&Op::InsertPath { steps }, &mut self.pending);
+            patch::encode_step(&step, &mut self.pending);
             self.pending_ops += 1;
         }
+        self.step = step;
         path.len()
     }
 
@@ -712,10 +781,10 @@ impl LudoTable {
     /// All live (key, value) pairs, bucket entries first, then fallback entries.
     pub fn entries(&self) -> Vec<(u64, u64)> {
         let mut out = Vec::with_capacity(self.len() as usize);
-        for bk in self.buckets.iter() {
+        for (b, bk) in self.buckets.iter().enumerate() {
             for s in 0..SLOTS {
                 if bk.keys[s] != EMPTY {
-                    out.push((bk.keys[s], bk.vals[s]));
+                    out.push((bk.keys[s], self.value(b as u32, s)));
                 }
             }
         }
@@ -752,6 +821,7 @@ impl LudoTable {
             }
         };
         let (epoch, seq, rebuilds) = (self.cfg.epoch, self.seq, self.rebuilds + 1);
+        let (stats, walks) = self.write_stats();
         let quiet = self.quiet;
         let fallback_limit = self.cfg.fallback_limit;
         *self = fresh;
@@ -760,6 +830,8 @@ impl LudoTable {
         self.seq = seq;
         self.view.set_position(epoch, seq);
         self.rebuilds = rebuilds;
+        self.stats = stats;
+        self.forest.set_walk_stats(walks);
         self.quiet = quiet;
         self.pending.clear();
         self.pending_ops = 0;
@@ -1062,3 +1134,4 @@ mod tests {
         }
     }
 }
+

@@ -26,6 +26,8 @@ pub(crate) unsafe trait Plain: Copy {}
 // SAFETY: integers are valid at all-zero.
 unsafe impl Plain for u8 {}
 // SAFETY: integers are valid at all-zero.
+unsafe impl Plain for u32 {}
+// SAFETY: integers are valid at all-zero.
 unsafe impl Plain for u64 {}
 
 /// A fixed-length array of plain values, on huge pages when large.

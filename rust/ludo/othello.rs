@@ -2,50 +2,80 @@
 //!
 //! A key's class bit is `A[ia] xor B[ib]`. As long as the graph is a forest, any single edge's
 //! bit can be set by flipping every node on one side of it, and flipping a whole component never
-//! changes the bit of any edge inside it. So the writer keeps the real forest (adjacency lists),
-//! refuses an edge that would close a cycle (the table's keyed fallback takes that key), and
-//! uses a union-find as a fast "certainly not connected" filter. Deletions cannot split
-//! union-find sets, so the sets over-approximate components; a tree walk confirms before a key is
-//! refused, and the sets are rebuilt once enough deletions have made them stale.
+//! changes the bit of any edge inside it. So the writer keeps the real forest (adjacency lists)
+//! and refuses an edge that would close a cycle (the table's keyed fallback takes that key).
 //!
-//! Layout: one 16-byte record per node holds up to three neighbours and the union-find link (or,
-//! at a root, the set size), so visiting a node costs one cache line; the ~1% of nodes with more
-//! than three neighbours keep the rest in a side map. Edges need no identity of their own: the
-//! graph has no parallel edges (a second key on the same two cells closes a cycle and is
-//! refused), so an edge is its pair of endpoints, recomputable from the key.
+//! Whether a new edge (u, v) closes a cycle is decided by walking the trees of u and of v in
+//! lockstep, one node each in turn: a walk that reaches the other end means one component (a
+//! cycle); the first walk to finish has enumerated the smaller component, which is also the set
+//! of cells to flip if the new edge's bit is wrong. That costs at most twice the smaller
+//! component, and the graph is sparse (about 0.8 edges per node at 95 % load: most components
+//! have a handful of nodes, and an end is isolated in about two inserts of three). A union-find
+//! filter used to answer "certainly not connected" first; it cost a 4-byte link per node and
+//! chains of dependent cache misses per insert, and the walk was needed anyway for the flips.
+//!
+//! Layout: one 12-byte record per node holds up to three neighbours; the few nodes with more
+//! keep the rest in a side map. Edges need no identity of their own: the graph has no parallel
+//! edges (a second key on the same two cells closes a cycle and is refused), so an edge is its
+//! pair of endpoints, recomputable from the key.
 
 use std::collections::HashMap;
 
-use super::mem::{HugeBuf, Plain};
+use super::mem::HugeBuf;
 use super::prefetch;
 use crate::patch::FLIP_B;
 
 pub const NIL: u32 = u32::MAX;
-const ROOT: u32 = 1 << 31;
-const INLINE: usize = 3;
-
-#[derive(Clone, Copy, Debug)]
-#[repr(C)]
-struct Node {
-    nbr: [u32; INLINE],
-    /// Union-find: the parent node, or `ROOT | set size` at a root.
-    up: u32,
-}
-
-// SAFETY: four u32, no padding.
-unsafe impl Plain for Node {}
-
-const FRESH: Node = Node { nbr: [NIL; INLINE], up: ROOT | 1 };
+/// A node word with this bit set (and not NIL) points into the neighbour lists.
+const SPILL: u32 = 1 << 31;
+/// Largest node count: node ids must stay below [`SPILL`].
+pub const MAX_NODES: u64 = SPILL as u64 - 1;
+/// Neighbours per list record; a node with more keeps the rest in the overflow map.
+const LIST: usize = 4;
+const EMPTY_LIST: [u32; LIST] = [NIL; LIST];
 
 #[derive(Clone, Debug)]
 pub struct Forest {
     ma: u32,
-    nodes: HugeBuf<Node>,
+    /// One word per node: NIL (no neighbour), the id of its only neighbour, or `SPILL | i`
+    /// (two or more neighbours, in `lists[i]`).
+    nodes: HugeBuf<u32>,
+    lists: Vec<[u32; LIST]>,
+    /// Records of `lists` no node uses.
+    free: Vec<u32>,
+    /// Neighbours beyond a list's [`LIST`], by node (degree five or more: rare at the loads the
+    /// tables are sized for).
     overflow: HashMap<u32, Vec<u32>>,
     live: u64,
-    stale: u64,
+    stats: WalkStats,
     queue: Vec<(u32, u32)>,
     queue_b: Vec<(u32, u32)>,
+    /// The cells of the smaller component found by the last [`Forest::check_join`] that
+    /// answered [`Join::Free`]: what [`Forest::join_flips`] hands out.
+    join_side: Vec<u32>,
+}
+
+/// The patch encoding of node `node`'s Othello cell (A cells are the first `ma` nodes).
+#[inline]
+fn cell_of(ma: u32, node: u32) -> u32 {
+    if node < ma {
+        node
+    } else {
+        (node - ma) | FLIP_B
+    }
+}
+
+/// How much walking the forest has done: what an insert's cycle check and a cuckoo move's
+/// toggle cost beyond their fixed reads (each node visited is one record, often a cache miss).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WalkStats {
+    /// Cycle checks of new edges ([`Forest::check_join`]) and the nodes they visited.
+    pub joins: u64,
+    pub join_nodes: u64,
+    /// Toggles of existing edges ([`Forest::toggle_flips`]), the nodes visited and cells flipped.
+    pub toggles: u64,
+    pub toggle_nodes: u64,
+    pub toggle_flips: u64,
 }
 
 /// Result of asking whether an edge may join the forest.
@@ -58,7 +88,21 @@ pub enum Join {
 
 impl Forest {
     pub fn new(ma: u32, mb: u32) -> Self {
-        Forest { ma, nodes: HugeBuf::filled(ma as usize + mb as usize, FRESH), overflow: HashMap::new(), live: 0, stale: 0, queue: Vec::new(), queue_b: Vec::new() }
+        let n = ma as u64 + mb as u64;
+        assert!(n <= MAX_NODES, "Othello forest of {n} nodes: Geometry keeps ma + mb <= {MAX_NODES}");
+        Forest {
+            ma,
+            nodes: HugeBuf::filled(n as usize, NIL),
+            // About a fifth of the nodes have two or more neighbours once the table is full.
+            lists: Vec::with_capacity((n / 5) as usize),
+            free: Vec::new(),
+            overflow: HashMap::new(),
+            live: 0,
+            stats: WalkStats::default(),
+            queue: Vec::new(),
+            queue_b: Vec::new(),
+            join_side: Vec::new(),
+        }
     }
 
     /// Graph node of A cell `ia` / B cell `ib`.
@@ -70,49 +114,21 @@ impl Forest {
     /// The patch encoding of a node's Othello cell.
     #[inline]
     pub fn cell(&self, node: u32) -> u32 {
-        if node < self.ma {
-            node
-        } else {
-            (node - self.ma) | FLIP_B
-        }
+        cell_of(self.ma, node)
     }
 
-    fn find(&mut self, mut x: u32) -> u32 {
-        loop {
-            let p = self.nodes[x as usize].up;
-            if p & ROOT != 0 {
-                return x;
-            }
-            let gp = self.nodes[p as usize].up;
-            if gp & ROOT != 0 {
-                return p;
-            }
-            // Path halving.
-            self.nodes[x as usize].up = gp;
-            x = gp;
-        }
-    }
-
-    fn set_size(&self, root: u32) -> u32 {
-        self.nodes[root as usize].up & !ROOT
-    }
-
-    fn union(&mut self, x: u32, y: u32) {
-        let (rx, ry) = (self.find(x), self.find(y));
-        if rx == ry {
-            return;
-        }
-        let (sx, sy) = (self.set_size(rx), self.set_size(ry));
-        let (big, small) = if sx >= sy { (rx, ry) } else { (ry, rx) };
-        self.nodes[small as usize].up = big;
-        self.nodes[big as usize].up = ROOT | (sx + sy).min(ROOT - 1);
-    }
-
-    /// Neighbours of `x` into `out` (inline ones, then any overflow).
+    /// Call `f` on each neighbour of `x`.
     #[inline]
     fn for_each_nbr(&self, x: u32, mut f: impl FnMut(u32)) {
-        let n = &self.nodes[x as usize];
-        for &y in &n.nbr {
+        let w = self.nodes[x as usize];
+        if w == NIL {
+            return;
+        }
+        if w & SPILL == 0 {
+            f(w);
+            return;
+        }
+        for &y in &self.lists[(w & !SPILL) as usize] {
             if y == NIL {
                 return;
             }
@@ -125,31 +141,6 @@ impl Forest {
         }
     }
 
-    /// Walk the tree of `start`, never stepping to `from` first (the side of edge
-    /// (start, from) that holds `start`), into `self.queue`. Returns true if `target` was
-    /// reached. The graph is a forest, so remembering each node's parent is enough to never
-    /// revisit one.
-    fn walk(&mut self, start: u32, from: u32, target: u32) -> bool {
-        let mut q = std::mem::take(&mut self.queue);
-        q.clear();
-        q.push((start, from));
-        let mut i = 0;
-        let mut found = start == target;
-        while i < q.len() {
-            let (x, parent) = q[i];
-            i += 1;
-            self.for_each_nbr(x, |y| {
-                if y != parent {
-                    found |= y == target;
-                    prefetch(&self.nodes, y as usize);
-                    q.push((y, x));
-                }
-            });
-        }
-        self.queue = q;
-        found
-    }
-
     /// Warm the node records an insert of edge (u, v) will touch, so their misses overlap.
     #[inline]
     pub fn prefetch_nodes(&self, u: u32, v: u32) {
@@ -157,22 +148,58 @@ impl Forest {
         prefetch(&self.nodes, v as usize);
     }
 
-    /// May an edge (u, v) be added without closing a cycle?
+    /// May an edge (u, v) be added without closing a cycle? Walks both trees in lockstep (see
+    /// the module docs); on [`Join::Free`] the smaller component's cells are kept for
+    /// [`Self::join_flips`].
     pub fn check_join(&mut self, u: u32, v: u32) -> Join {
-        if self.find(u) != self.find(v) {
-            return Join::Free;
-        }
-        if self.walk(u, NIL, v) {
-            Join::Cycle
-        } else {
-            Join::Free
-        }
+        let mut qa = std::mem::take(&mut self.queue);
+        let mut qb = std::mem::take(&mut self.queue_b);
+        qa.clear();
+        qb.clear();
+        qa.push((u, NIL));
+        qb.push((v, NIL));
+        // A side is complete as soon as its queue is used up: checked right after each
+        // expansion, so an isolated end (about two inserts in three) costs no read of the other.
+        let (mut ia, mut ib) = (0, 0);
+        let found = loop {
+            if self.expand_until(&mut qa, ia, v) {
+                break None;
+            }
+            ia += 1;
+            if ia == qa.len() {
+                break Some(0);
+            }
+            if self.expand_until(&mut qb, ib, u) {
+                break None;
+            }
+            ib += 1;
+            if ib == qb.len() {
+                break Some(1);
+            }
+        };
+        self.stats.joins += 1;
+        self.stats.join_nodes += (qa.len() + qb.len()) as u64;
+        let out = match found {
+            None => Join::Cycle,
+            Some(side) => {
+                let q = if side == 0 { &qa } else { &qb };
+                self.join_side.clear();
+                let ma = self.ma;
+                self.join_side.extend(q.iter().map(|&(x, _)| cell_of(ma, x)));
+                Join::Free
+            }
+        };
+        self.queue = qa;
+        self.queue_b = qb;
+        out
     }
 
     /// Cells to flip so that a new edge (u, v) between two components changes its bit: the
-    /// smaller of the two components, flipped whole.
+    /// smaller of the two components, flipped whole, as found by the [`Self::check_join`] of
+    /// (u, v) just before (flips of other edges since then do not change the components).
     pub fn join_flips(&mut self, u: u32, v: u32, out: &mut Vec<u32>) {
-        self.walk_smaller(u, NIL, v, NIL, out);
+        debug_assert!(self.join_side.iter().any(|&c| c == self.cell(u) || c == self.cell(v)), "join_flips without its check_join");
+        out.extend_from_slice(&self.join_side);
     }
 
     /// Cells to flip so that existing edge (u, v) (and no other edge) changes its bit: the
@@ -193,6 +220,21 @@ impl Forest {
         });
     }
 
+    /// [`Self::expand`] that stops (returning true) when a child is `target`.
+    #[inline]
+    fn expand_until(&self, q: &mut Vec<(u32, u32)>, i: usize, target: u32) -> bool {
+        let (x, parent) = q[i];
+        let mut hit = false;
+        self.for_each_nbr(x, |y| {
+            if y != parent {
+                hit |= y == target;
+                prefetch(&self.nodes, y as usize);
+                q.push((y, x));
+            }
+        });
+        hit
+    }
+
     /// Walk the trees of `a` (not stepping to `from_a` first) and of `b` in lockstep, one node
     /// each in turn, and emit the cells of whichever finishes first: flipping either side is
     /// correct, and this costs at most twice the smaller side instead of the larger one.
@@ -205,26 +247,51 @@ impl Forest {
         qb.push((b, from_b));
         let (mut ia, mut ib) = (0, 0);
         let done = loop {
+            self.expand(&mut qa, ia);
+            ia += 1;
             if ia == qa.len() {
                 break 0;
             }
-            self.expand(&mut qa, ia);
-            ia += 1;
+            self.expand(&mut qb, ib);
+            ib += 1;
             if ib == qb.len() {
                 break 1;
             }
-            self.expand(&mut qb, ib);
-            ib += 1;
         };
         let side = if done == 0 { &qa } else { &qb };
+        self.stats.toggles += 1;
+        self.stats.toggle_nodes += (qa.len() + qb.len()) as u64;
+        self.stats.toggle_flips += side.len() as u64;
         out.extend(side.iter().map(|&(x, _)| self.cell(x)));
         self.queue = qa;
         self.queue_b = qb;
     }
 
+    fn alloc_list(&mut self, rec: [u32; LIST]) -> u32 {
+        if let Some(i) = self.free.pop() {
+            self.lists[i as usize] = rec;
+            return i;
+        }
+        if self.lists.len() == self.lists.capacity() {
+            // Grow by an eighth, not double: the lists are a fifth of the writer's bytes.
+            self.lists.reserve_exact(self.lists.len() / 8 + 64);
+        }
+        self.lists.push(rec);
+        (self.lists.len() - 1) as u32
+    }
+
     fn push_nbr(&mut self, x: u32, y: u32) {
-        let n = &mut self.nodes[x as usize];
-        for slot in n.nbr.iter_mut() {
+        let w = self.nodes[x as usize];
+        if w == NIL {
+            self.nodes[x as usize] = y;
+            return;
+        }
+        if w & SPILL == 0 {
+            let i = self.alloc_list([w, y, NIL, NIL]);
+            self.nodes[x as usize] = SPILL | i;
+            return;
+        }
+        for slot in self.lists[(w & !SPILL) as usize].iter_mut() {
             if *slot == NIL {
                 *slot = y;
                 return;
@@ -234,6 +301,16 @@ impl Forest {
     }
 
     fn drop_nbr(&mut self, x: u32, y: u32) {
+        let w = self.nodes[x as usize];
+        if w == NIL {
+            return;
+        }
+        if w & SPILL == 0 {
+            if w == y {
+                self.nodes[x as usize] = NIL;
+            }
+            return;
+        }
         if let Some(more) = self.overflow.get_mut(&x) {
             if let Some(i) = more.iter().position(|&z| z == y) {
                 more.swap_remove(i);
@@ -243,24 +320,31 @@ impl Forest {
                 return;
             }
         }
-        let refill = self.overflow.get_mut(&x).and_then(|m| m.pop());
-        if self.overflow.get(&x).is_some_and(|m| m.is_empty()) {
-            self.overflow.remove(&x);
+        let li = (w & !SPILL) as usize;
+        let l = &mut self.lists[li];
+        let Some(i) = l.iter().position(|&z| z == y) else { return };
+        let last = l.iter().rposition(|&z| z != NIL).unwrap_or(i);
+        l[i] = l[last];
+        l[last] = NIL;
+        if let Some(more) = self.overflow.get_mut(&x) {
+            if let Some(r) = more.pop() {
+                l[last] = r;
+            }
+            if more.is_empty() {
+                self.overflow.remove(&x);
+            }
         }
-        let n = &mut self.nodes[x as usize];
-        let Some(i) = n.nbr.iter().position(|&z| z == y) else { return };
-        let last = n.nbr.iter().rposition(|&z| z != NIL).unwrap_or(i);
-        n.nbr[i] = n.nbr[last];
-        n.nbr[last] = NIL;
-        if let Some(r) = refill {
-            n.nbr[INLINE - 1] = r;
+        if l[1] == NIL {
+            // Down to one neighbour: back into the node word.
+            self.nodes[x as usize] = l[0];
+            *l = EMPTY_LIST;
+            self.free.push(li as u32);
         }
     }
 
     pub fn add_edge(&mut self, u: u32, v: u32) {
         self.push_nbr(u, v);
         self.push_nbr(v, u);
-        self.union(u, v);
         self.live += 1;
     }
 
@@ -268,44 +352,32 @@ impl Forest {
         self.drop_nbr(u, v);
         self.drop_nbr(v, u);
         self.live -= 1;
-        self.stale += 1;
-        // Stale links merge sets until every insert needs a confirming walk; re-deriving the sets
-        // costs one pass, so do it once deletions have made a comparable number of links stale.
-        if self.stale > self.live.max(1024) / 2 {
-            self.rebuild_sets();
-        }
     }
 
-    /// Recompute union-find sets from the real forest so they stop over-approximating.
-    fn rebuild_sets(&mut self) {
-        for n in self.nodes.iter_mut() {
-            n.up = ROOT | 1;
-        }
-        for x in 0..self.nodes.len() as u32 {
-            let mut ys = [NIL; INLINE];
-            ys.copy_from_slice(&self.nodes[x as usize].nbr);
-            for y in ys {
-                if y != NIL && y > x {
-                    self.union(x, y);
-                }
-            }
-            if let Some(more) = self.overflow.get(&x).cloned() {
-                for y in more {
-                    if y > x {
-                        self.union(x, y);
-                    }
-                }
-            }
-        }
-        self.stale = 0;
+    /// Bytes held, as (node words, neighbour lists with their free list and overflow map,
+    /// walk scratch).
+    pub fn memory_parts(&self) -> (usize, usize, usize) {
+        let lists = std::mem::size_of::<[u32; LIST]>() * self.lists.capacity()
+            + 4 * self.free.capacity()
+            + self.overflow.capacity() * (4 + std::mem::size_of::<Vec<u32>>() + 1)
+            + self.overflow.values().map(|v| 4 * v.capacity()).sum::<usize>();
+        let scratch = std::mem::size_of::<Self>() + 8 * (self.queue.capacity() + self.queue_b.capacity()) + 4 * self.join_side.capacity();
+        (self.nodes.bytes(), lists, scratch)
     }
 
     pub fn memory_bytes(&self) -> usize {
-        std::mem::size_of::<Self>()
-            + self.nodes.bytes()
-            + 8 * (self.queue.capacity() + self.queue_b.capacity())
-            + self.overflow.capacity() * (4 + std::mem::size_of::<Vec<u32>>() + 1)
-            + self.overflow.values().map(|v| 4 * v.capacity()).sum::<usize>()
+        let (a, b, c) = self.memory_parts();
+        a + b + c
+    }
+
+    /// Walk counters since the forest was built (or as last set).
+    pub fn walk_stats(&self) -> WalkStats {
+        self.stats
+    }
+
+    /// Carry counters over from a forest this one replaces.
+    pub fn set_walk_stats(&mut self, stats: WalkStats) {
+        self.stats = stats;
     }
 }
 

@@ -17,8 +17,10 @@ use crate::patch::{self, Batch, Op, Reader, Step, FLIP_B, PERM_EMPTY};
 
 const STATE_MAGIC: &[u8; 4] = b"KVCS";
 const STATE_VERSION: u8 = 1;
-/// Largest bucket array a geometry may describe (also bounds what a hostile snapshot allocates).
-pub const MAX_BUCKETS: u32 = 1 << 30;
+/// Largest bucket array a geometry may describe (also bounds what a hostile snapshot allocates):
+/// 2^27 buckets hold about 510 million entries, and keep the writer's Othello forest (about 9.3
+/// nodes per bucket) within its 31-bit node ids.
+pub const MAX_BUCKETS: u32 = 1 << 27;
 /// Largest fingerprint width.
 pub const MAX_FP_BITS: u8 = 16;
 
@@ -58,7 +60,7 @@ impl Geometry {
         if self.n_buckets < 2 || self.n_buckets > MAX_BUCKETS {
             return Err(CoreError::InvalidArgument(format!("n_buckets {} outside 2..={MAX_BUCKETS}", self.n_buckets)));
         }
-        if self.ma == 0 || self.mb == 0 || self.ma as u64 > 2 * MAX_BUCKETS as u64 * 4 || self.mb as u64 > 2 * MAX_BUCKETS as u64 * 4 {
+        if self.ma == 0 || self.mb == 0 || self.ma as u64 + self.mb as u64 > super::othello::MAX_NODES {
             return Err(CoreError::InvalidArgument(format!("Othello sizes ma={} mb={} out of range", self.ma, self.mb)));
         }
         Ok(())

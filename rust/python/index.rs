@@ -200,7 +200,7 @@ impl PyLudoTable {
     fn pending_ops(&self) -> PyResult<u32> {
         Ok(self.r()?.pending_ops())
     }
-    /// Bytes held by the writer (keys, values, Othello forest, mirror view).
+    /// Bytes held by the writer (keys, Othello forest, mirror view with the values, scratch).
     #[getter]
     fn memory_bytes(&self) -> PyResult<usize> {
         Ok(self.r()?.memory_bytes())
@@ -209,6 +209,31 @@ impl PyLudoTable {
     #[getter]
     fn view_memory_bytes(&self) -> PyResult<usize> {
         Ok(self.r()?.view().memory_bytes())
+    }
+    /// `memory_bytes` by part (keys, meta, view, forest_nodes, forest_lists, scratch, pending).
+    #[getter]
+    fn memory_breakdown<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (name, bytes) in self.r()?.memory_parts() {
+            d.set_item(name, bytes)?;
+        }
+        Ok(d)
+    }
+    /// Insert and Othello-walk counters since the table was created: `inserts_by_moves` (a list:
+    /// inserts that needed k cuckoo moves, k = 0..), `fallback_inserts`, `joins`/`join_nodes`
+    /// (cycle checks of new keys and the forest nodes they visited), `toggles`/`toggle_nodes`/
+    /// `toggle_flips` (moved keys' class-bit changes, nodes visited, cells flipped).
+    fn write_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (w, f) = self.r()?.write_stats();
+        let d = PyDict::new(py);
+        d.set_item("inserts_by_moves", w.inserts_by_moves.to_vec())?;
+        d.set_item("fallback_inserts", w.fallback_inserts)?;
+        d.set_item("joins", f.joins)?;
+        d.set_item("join_nodes", f.join_nodes)?;
+        d.set_item("toggles", f.toggles)?;
+        d.set_item("toggle_nodes", f.toggle_nodes)?;
+        d.set_item("toggle_flips", f.toggle_flips)?;
+        Ok(d)
     }
     fn __repr__(&self) -> PyResult<String> {
         let g = self.r()?;
