@@ -121,8 +121,35 @@ pub fn find_seed(keys: &[u64], seeds: &Seeds) -> Option<u8> {
 }
 
 /// [`find_seed`] over precomputed slot hashes.
+///
+/// About one seed in ten separates four keys, so the search is short but its outcome random:
+/// seeds are tried eight at a time without branching on each (a seed works when its slots, as
+/// a bit set, have as many bits as there are keys), which spares a mispredicted branch per try.
 pub fn find_seed_h(h: &[u64]) -> Option<u8> {
     debug_assert!(h.len() <= 4);
+    let n = h.len() as u32;
+    let mut base = 0u32;
+    while base <= super::MAX_SEED as u32 {
+        let mut ok = 0u32;
+        for j in 0..8u32 {
+            let s = base + j;
+            let mut used = 0u32;
+            for &x in h {
+                used |= 1 << slot_of(x, s as u8);
+            }
+            ok |= ((used.count_ones() == n && s <= super::MAX_SEED as u32) as u32) << j;
+        }
+        if ok != 0 {
+            return Some((base + ok.trailing_zeros()) as u8);
+        }
+        base += 8;
+    }
+    None
+}
+
+/// The straightforward search [`find_seed_h`] must agree with (tests only).
+#[cfg(test)]
+fn find_seed_h_plain(h: &[u64]) -> Option<u8> {
     'seed: for s in 0..=super::MAX_SEED {
         let mut used = 0u8;
         for &x in h {
@@ -150,6 +177,19 @@ mod tests {
                 assert!(a < n && b < n && a != b);
             }
         }
+    }
+
+    #[test]
+    fn batched_seed_search_finds_the_smallest_seed() {
+        let s = Seeds::from_table_seed(9);
+        for t in 0..20_000u64 {
+            let n = (t % 5) as usize;
+            let h: Vec<u64> = (0..n as u64).map(|i| slot_hash(mix64(t * 8 + i), &s)).collect();
+            assert_eq!(find_seed_h(&h), find_seed_h_plain(&h), "{h:?}");
+        }
+        // Keys no seed separates: two equal slot hashes.
+        assert_eq!(find_seed_h(&[7, 7]), None);
+        assert_eq!(find_seed_h_plain(&[7, 7]), None);
     }
 
     #[test]

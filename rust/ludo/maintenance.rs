@@ -530,7 +530,16 @@ impl LudoTable {
         // the forest for a cycle while those requests are in flight: the two are independent,
         // so their cache misses overlap instead of queueing one after the other.
         let plan = self.plan_place(key, b0, b1);
-        let placed = match (plan, self.forest.check_join(u, v)) {
+        let join = self.forest.check_join(u, v);
+        // A path's slot seeds read its destinations' key lines, requested by the search: by now
+        // the walk has waited for them too. Every bucket on the path must get a slot seed for its
+        // new key set (fails with probability ~1e-11; the key then goes to the fallback).
+        let plan = match plan {
+            Some((root, None)) => self.path_seeds(key, root).map(|seeds| (root, seeds)),
+            Some((root, Some(seeds))) => Some((root, seeds)),
+            None => None,
+        };
+        let placed = match (plan, join) {
             (Some((root, seeds)), Join::Free) => {
                 let path = std::mem::take(&mut self.path);
                 let moves = self.finish_insert(key, value, root, b0, u, v, &path, &seeds);
@@ -618,11 +627,12 @@ impl LudoTable {
         step.flips.clear();
     }
 
-    /// Where a new key goes: a bucket with room among its two (the emptier first), or the root
-    /// of the shortest cuckoo path (breadth-first, up to MAX_CUCKOO_DEPTH moves) left in
-    /// `self.path` (root-first (from, slot, to)), with the slot seed each destination needs in
-    /// execution order. None: no path. Changes nothing but scratch space.
-    fn plan_place(&mut self, key: u64, b0: u32, b1: u32) -> Option<(u32, PathSeeds)> {
+    /// Where a new key goes: a bucket with room among its two (the emptier first, with the slot
+    /// seed it needs), or the root of the shortest cuckoo path (breadth-first, up to
+    /// MAX_CUCKOO_DEPTH moves) left in `self.path` (root-first (from, slot, to)), whose lines are
+    /// then requested and whose seeds are [`Self::path_seeds`]'s to find. None: no path.
+    /// Changes nothing but scratch space.
+    fn plan_place(&mut self, key: u64, b0: u32, b1: u32) -> Option<(u32, Option<PathSeeds>)> {
         self.path.clear();
         let (c0, c1) = (self.meta[b0 as usize].count, self.meta[b1 as usize].count);
         // Prefer the emptier candidate so buckets fill evenly.
@@ -631,7 +641,7 @@ impl LudoTable {
             if let Some(seed) = self.seed_for(b, None, key) {
                 let mut seeds = [0; MAX_CUCKOO_DEPTH + 1];
                 seeds[0] = seed;
-                return Some((b, seeds));
+                return Some((b, Some(seeds)));
             }
         }
         // Breadth-first over buckets, a level at a time: entry i = (bucket, parent entry, slot of
@@ -679,12 +689,7 @@ impl LudoTable {
                         let root = self.bfs[i].0;
                         self.path.reverse();
                         self.prefetch_path();
-                        // Every bucket on the path must get a slot seed for its new key set before
-                        // anything moves (fails with probability ~1e-11; then keep searching).
-                        if let Some(seeds) = self.path_seeds(key, root) {
-                            return Some((root, seeds));
-                        }
-                        continue;
+                        return Some((root, None));
                     }
                     self.bfs.push((y, head as u32, s as u8));
                 }
@@ -706,8 +711,8 @@ impl LudoTable {
         }
     }
 
-    /// Slot seeds for each destination of a root-first path, in execution order (deepest move
-    /// first, the root last). None if some bucket has no separating seed.
+    /// Slot seeds for each destination of the root-first path in `self.path`, in execution order
+    /// (deepest move first, the root last). None if some bucket has no separating seed.
     fn path_seeds(&self, key: u64, root: u32) -> Option<PathSeeds> {
         let path = &self.path;
         let mut seeds = [0; MAX_CUCKOO_DEPTH + 1];
