@@ -438,6 +438,7 @@ impl LudoTable {
         let bi = b as usize;
         let old = self.value(b, s);
         let (u, v) = self.edge_of(key);
+        self.forest.prefetch_lists(u, v);
         self.forest.remove_edge(u, v);
         self.buckets[bi].keys[s] = EMPTY;
         self.meta[bi].count -= 1;
@@ -531,6 +532,7 @@ impl LudoTable {
         // so their cache misses overlap instead of queueing one after the other.
         let plan = self.plan_place(key, b0, b1);
         let join = self.forest.check_join(u, v);
+        self.forest.prefetch_lists(u, v); // for the edge's own add, after the moves
         // A path's slot seeds read its destinations' key lines, requested by the search: by now
         // the walk has waited for them too. Every bucket on the path must get a slot seed for its
         // new key set (fails with probability ~1e-11; the key then goes to the fallback).
