@@ -21,6 +21,7 @@ const EMPTY: u64 = 0;
 const FIB: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// See the module notes.
+#[derive(Clone, Debug)]
 pub struct BlockTable<V: Copy + Default> {
     keys: Vec<u64>,
     vals: Vec<V>,

@@ -7,6 +7,7 @@
 //! same order, and routing histories evict in the same LRU order. Where a key only has to
 //! name a prefix (routing histories), the engine's block chain of the prompt serves.
 
+use crate::block_table::BlockTable;
 use std::collections::VecDeque;
 
 use blake2::digest::{Update, VariableOutput};
@@ -113,27 +114,62 @@ fn level_key(levels: &[u64], tokens: &[u32], block: usize, salts: &Salts, salt: 
 
 /// A region balancer's routing history (`schemes._History`): prefix -> workers it was sent to,
 /// at most `capacity` prefixes, least recently inserted-or-touched evicted first.
+///
+/// Every routed prompt touches each of its few hundred block prefixes here, in tables far
+/// larger than the CPU caches, so the map is a [`BlockTable`] whose slots are prefetched a few
+/// blocks ahead of the walk, and a prefix's first [`HOLDERS_INLINE`] holders live in its slot
+/// (one allocation per prefix was most of an insert's time); more move to a side list.
 #[derive(Clone, Debug)]
 pub struct History {
-    map: FxHashMap<u64, (Vec<u32>, u64)>,
+    map: BlockTable<HEntry>,
+    /// Holder lists of prefixes with more than [`HOLDERS_INLINE`] holders, and the free ones.
+    spills: Vec<Vec<u32>>,
+    free: Vec<u32>,
     order: VecDeque<(u64, u64)>,
     clock: u64,
     capacity: usize,
 }
 
+const HOLDERS_INLINE: usize = 3;
+/// `HEntry::n` of a prefix whose holders are in `History::spills`.
+const SPILLED: u8 = u8::MAX;
+/// How many blocks ahead a walk prefetches.
+const AHEAD: usize = 8;
+
+#[derive(Clone, Copy, Debug, Default)]
+struct HEntry {
+    inline: [u32; HOLDERS_INLINE],
+    /// Holders in `inline`, or [`SPILLED`].
+    n: u8,
+    spill: u32,
+    /// When it was last inserted or touched.
+    clock: u64,
+}
+
 impl History {
     pub fn new(capacity: usize) -> Self {
-        History { map: FxHashMap::default(), order: VecDeque::new(), clock: 0, capacity }
+        History { map: BlockTable::new(), spills: Vec::new(), free: Vec::new(), order: VecDeque::new(), clock: 0, capacity }
+    }
+
+    fn holders<'a>(&'a self, e: &'a HEntry) -> &'a [u32] {
+        if e.n == SPILLED {
+            &self.spills[e.spill as usize]
+        } else {
+            &e.inline[..e.n as usize]
+        }
     }
 
     /// `(blocks, holders)` of the longest routed prefix, walked from the root.
     fn matched(&self, hashes: &[u64]) -> (usize, &[u32]) {
         let mut best: &[u32] = &[];
         let mut n = 0;
-        for h in hashes {
+        for (i, h) in hashes.iter().enumerate() {
+            if let Some(&a) = hashes.get(i + AHEAD) {
+                self.map.prefetch(a);
+            }
             match self.map.get(h) {
-                Some((s, _)) if !s.is_empty() => {
-                    best = s;
+                Some(e) if e.n != 0 => {
+                    best = self.holders(e);
                     n += 1;
                 }
                 _ => break,
@@ -145,9 +181,12 @@ impl History {
     /// The holders of every routed prefix of `hashes` from the root, one entry per block.
     fn path(&self, hashes: &[u64]) -> Vec<&[u32]> {
         let mut out = Vec::new();
-        for h in hashes {
+        for (i, h) in hashes.iter().enumerate() {
+            if let Some(&a) = hashes.get(i + AHEAD) {
+                self.map.prefetch(a);
+            }
             match self.map.get(h) {
-                Some((s, _)) if !s.is_empty() => out.push(s.as_slice()),
+                Some(e) if e.n != 0 => out.push(self.holders(e)),
                 _ => break,
             }
         }
@@ -155,25 +194,59 @@ impl History {
     }
 
     fn insert(&mut self, hashes: &[u64], worker: u32) {
-        for &h in hashes {
+        for &h in hashes.iter().take(AHEAD) {
+            self.map.prefetch(h);
+        }
+        for (i, &h) in hashes.iter().enumerate() {
+            if let Some(&a) = hashes.get(i + AHEAD) {
+                self.map.prefetch(a);
+            }
             self.clock += 1;
             let c = self.clock;
-            let e = self.map.entry(h).or_insert_with(|| (Vec::new(), 0));
-            if !e.0.contains(&worker) {
-                e.0.push(worker);
+            let mut e = self.map.get(&h).copied().unwrap_or_default();
+            if e.n == SPILLED {
+                let list = &mut self.spills[e.spill as usize];
+                if !list.contains(&worker) {
+                    list.push(worker);
+                }
+            } else if !e.inline[..e.n as usize].contains(&worker) {
+                if (e.n as usize) < HOLDERS_INLINE {
+                    e.inline[e.n as usize] = worker;
+                    e.n += 1;
+                } else {
+                    let mut list = e.inline.to_vec();
+                    list.push(worker);
+                    e.spill = match self.free.pop() {
+                        Some(j) => {
+                            self.spills[j as usize] = list;
+                            j
+                        }
+                        None => {
+                            self.spills.push(list);
+                            (self.spills.len() - 1) as u32
+                        }
+                    };
+                    e.n = SPILLED;
+                }
             }
-            e.1 = c;
+            e.clock = c;
+            self.map.insert(h, e);
             self.order.push_back((h, c));
         }
         while self.map.len() > self.capacity {
             let (h, c) = self.order.pop_front().expect("every entry is in the order queue");
-            if self.map.get(&h).is_some_and(|e| e.1 == c) {
-                self.map.remove(&h);
+            if self.map.get(&h).is_some_and(|e| e.clock == c) {
+                if let Some(e) = self.map.remove(&h) {
+                    if e.n == SPILLED {
+                        self.spills[e.spill as usize] = Vec::new();
+                        self.free.push(e.spill);
+                    }
+                }
             }
         }
         if self.order.len() > 2 * self.map.len() + 1024 {
             let map = &self.map;
-            self.order.retain(|(h, c)| map.get(h).is_some_and(|e| e.1 == *c));
+            self.order.retain(|(h, c)| map.get(h).is_some_and(|e| e.clock == *c));
         }
     }
 }
