@@ -115,3 +115,18 @@ def test_malformed_sglang_metadata_skips_its_event() -> None:
     # Unknown metadata keys are ignored, as SGLang's own decoders do.
     payload = msgpack.packb([1.0, [["BlockStored", [1], None, list(range(BS)), BS, None, None, {"cache_salt": "x", "future": 1}]]])
     assert decode_message(frames(0, payload)).events[0].cache_salt == "x"  # type: ignore[union-attr]
+
+
+def test_a_top_level_cache_salt_in_map_form_keys_the_tenants_namespace() -> None:
+    """A map-form store that carries ``cache_salt`` as a key of its own (not inside
+    ``metadata``) is salted the same way: filed in the tenant's namespace, not the public one."""
+    import msgpack
+
+    salt = TENANT_SALT_PREFIX + "acme"
+    store = {"type": "BlockStored", "block_hashes": [11, 12, 13, 14], "parent_block_hash": None, "token_ids": PROMPT, "block_size": BS, "lora_id": None, "medium": "GPU"}
+    top = msgpack.packb({"ts": 1.0, "events": [{**store, "cache_salt": salt}]})
+    nested = msgpack.packb({"ts": 1.0, "events": [{**store, "metadata": {"cache_salt": salt}}]})
+    plain = msgpack.packb({"ts": 1.0, "events": [store]})
+    assert decode_message(frames(0, top)).events[0].cache_salt == salt  # type: ignore[union-attr]
+    assert held_after(frames(0, top)) == held_after(frames(0, nested))
+    assert not set(held_after(frames(0, top))) & set(held_after(frames(0, plain)))

@@ -553,3 +553,31 @@ def test_the_runner_logs_and_counts_a_skipped_event_and_sends_the_rest(caplog: p
         assert any("skipped event 0 of seq 0" in r.getMessage() for r in caplog.records)
 
     run(main())
+
+
+def test_the_skipped_count_does_not_stop_at_the_log_window(caplog: pytest.LogCaptureFixture) -> None:
+    """300 events no one can read in one message: all 300 are counted (the metric reads this
+    count), the latest 256 are logged by index and the rest in one line, and the good event of
+    the message applies."""
+    import msgpack
+
+    async def main() -> None:
+        async with fake_engine() as engine:
+            sink = Collect()
+            runner = AgentRunner(new_agent(), sink, engine.events, engine.replay)
+            await runner.start()
+            try:
+                await engine.subscribed()
+                p = prompt(3)
+                good = ["BlockStored", [601, 602, 603, 604], None, p, 16, None, "GPU"]
+                bad = [["BlockStored", [1]]] * 300
+                await engine.publish(0, p, payload=msgpack.packb([1.0, [*bad, good]]))
+                await wait_until(lambda: runner.stats.events_skipped == 300 and net(sink.batches) != {})
+            finally:
+                await runner.stop()
+        msgs = [r.getMessage() for r in caplog.records]
+        assert sum("skipped event" in m for m in msgs) == 256
+        assert any("44 more events skipped" in m for m in msgs)
+        assert "skipped event 299 of seq 0" in "\n".join(msgs) and "skipped event 43 of seq 0" not in "\n".join(msgs)
+
+    run(main())

@@ -204,6 +204,39 @@ def test_up_writes_the_documented_state_file(cluster: Cluster) -> None:
     assert all(_alive(pid) for pid in s["pids"].values())
 
 
+def test_up_open_serves_without_keys_and_says_so(tmp_path: Path) -> None:
+    """``kvcompass up --open`` keeps the unauthenticated mode for local experiments: no keys in
+    the state file, a line at start saying the doors are open, and completions without a key."""
+    topo = tmp_path / "tiny.toml"
+    topo.write_text(TOPOLOGY)
+    state_file = tmp_path / "state.json"
+    log = tmp_path / "up.log"
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen(
+            _cmd("up", "--topology", str(topo), "--state-file", str(state_file), "--run-dir", str(tmp_path / "run"), "--time-scale", "0.02", "--open"),
+            stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while not state_file.exists():
+            assert proc.poll() is None, f"kvcompass up exited with {proc.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"cluster not up in 60 s:\n{log.read_text()}"
+            time.sleep(0.1)
+        state = json.loads(state_file.read_text())
+        assert state["api_keys"] == {}
+        url = str(state["edges"]["a"]["http"]) + "/v1/completions"
+        body = {"model": MODEL, "prompt": _prompt(29, 64), "max_tokens": 2}
+        for extra in ({}, {"x-kvcompass-namespace": "anyone"}):  # no Authorization header at all
+            req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **extra}, method="POST")
+            with urllib.request.urlopen(req, timeout=20) as r:
+                assert r.status == 200
+        while b"doors are open (--open)" not in log.read_bytes():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+    finally:
+        stop_process(proc, 30)
+
+
 def test_completions_need_a_key_and_the_key_decides_the_tenant(cluster: Cluster) -> None:
     # issue 19 finding 4: naming a tenant by header used to be enough to act as it.
     assert set(cluster.state["api_keys"]) == {"public", "acme"}
@@ -228,16 +261,34 @@ def test_sighup_reloads_the_doors_keys_file(cluster: Cluster) -> None:
     key = new_key()
     doc["keys"].append({"name": "added", "sha256": hash_key(key), "tenants": ["public"]})
     path.write_text(json.dumps(doc))
+    import http.client
+    from urllib.parse import urlsplit
+
     url = cluster.edge("a") + "/v1/completions"
     body = {"model": MODEL, "prompt": _prompt(23, 64), "max_tokens": 2}
     auth = {"Authorization": f"Bearer {key}"}
-    assert _post(url, body, headers=auth)[0] == 401
-    os.kill(cluster.state["pids"]["edge-a"], signal.SIGHUP)
-    deadline = time.monotonic() + 10
-    while (st := _post(url, body, headers=auth)[0]) == 401 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert st == 200
-    assert _post(url, body, headers=_auth())[0] == 200  # the keys in force before stay
+    # One kept-alive connection carries every request below: the reload must not drop it.
+    u = urlsplit(cluster.edge("a"))
+    conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=10)
+
+    def post(headers: dict[str, str]) -> int:
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json", **headers})
+        r = conn.getresponse()
+        r.read()
+        return r.status
+
+    try:
+        assert post(auth) == 401
+        sock = conn.sock
+        os.kill(cluster.state["pids"]["edge-a"], signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while (st := post(auth)) == 401 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert st == 200
+        assert post(_auth()) == 200  # the keys in force before stay
+        assert conn.sock is sock, "the connection was dropped and reopened across the reload"
+    finally:
+        conn.close()
 
 
 def test_bad_requests_get_openai_errors(cluster: Cluster) -> None:
@@ -649,17 +700,56 @@ def test_up_can_rate_limit_every_tenant_key_but_not_the_doors_own(tmp_path: Path
         assert main(["up", *bad]) == 2
 
 
-def test_sglang_events_through_real_agent_maintenance_and_edge_processes(tmp_path: Path) -> None:
-    """Issue 16: SGLang's own event structs (0.5.18 on, ``BlockStoredWithMetadata`` for a
-    salted request beside a plain ``BlockStored``), msgspec-encoded as its publisher encodes
-    them, published on a ZMQ PUB socket standing in for the engine, go through real
+def _engine_payload(form: str, plain: list[int], salted: list[int], salt: str) -> bytes:
+    """One engine message holding a plain store and a salted one, encoded by msgspec with the
+    engine's own struct definitions as its publisher encodes them."""
+    import msgspec
+
+    from test_engine_formats import BS, sglang_structs
+
+    if form.startswith("sglang"):
+        s = sglang_structs(array_like=form == "sglang-array")
+        events = [
+            s["stored"](block_hashes=list(range(1, 33)), parent_block_hash=None, token_ids=plain, block_size=BS, lora_id=None, medium="GPU"),
+            s["salted"](block_hashes=list(range(101, 133)), parent_block_hash=None, token_ids=salted, block_size=BS, lora_id=None, medium="GPU", metadata=s["meta"](cache_salt=salt)),
+        ]
+        return msgspec.msgpack.encode(s["batch"](ts=time.time(), events=events))
+    # vLLM (vllm/distributed/kv_events.py, the structs of tests/fixtures/make_engine_fixtures.py):
+    # the salt is the first block's extra key.
+    fx = _engine_fixture_module()
+    stored, batch = (fx.VStored, fx.VEventBatch) if form == "vllm-map" else (fx.CStored, fx.CEventBatch)
+    extra = [(salt,)] + [None] * 31
+    events = [
+        stored(block_hashes=list(range(1, 33)), parent_block_hash=None, token_ids=plain, block_size=BS, lora_id=None, medium="GPU", lora_name=None),
+        stored(block_hashes=list(range(101, 133)), parent_block_hash=None, token_ids=salted, block_size=BS, lora_id=None, medium="GPU", lora_name=None, extra_keys=extra),
+    ]
+    return msgspec.msgpack.encode(batch(ts=time.time(), events=events))
+
+
+def _engine_fixture_module() -> Any:
+    import importlib.util
+
+    path = Path(__file__).parent / "fixtures" / "make_engine_fixtures.py"
+    spec = importlib.util.spec_from_file_location("make_engine_fixtures", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("make_engine_fixtures", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("form", ["sglang-array", "sglang-map", "vllm-map", "vllm-array"])
+def test_engine_events_through_real_agent_maintenance_and_edge_processes(tmp_path: Path, form: str) -> None:
+    """Issue 16: each engine's own event structs (SGLang 0.5.18 on: a plain ``BlockStored``
+    beside a salted ``BlockStoredWithMetadata``, as arrays and as tagged maps; vLLM: the salt as
+    the first block's extra key, map and array forms), msgspec-encoded as the engine's publisher
+    encodes them, published on a ZMQ PUB socket standing in for the engine, go through real
     ``kvcompass agent``, ``maintenance`` and ``edge`` processes: the plain prompt is claimed
     for the worker in the public namespace, the salted one only in its tenant's."""
-    import msgspec
     import zmq
 
     from kvcompass.services.wire import TENANT_SALT_PREFIX
-    from test_engine_formats import BS, sglang_structs
+    from test_engine_formats import BS
 
     topo = tmp_path / "tiny.toml"
     topo.write_text(TOPOLOGY)
@@ -679,14 +769,9 @@ def test_sglang_events_through_real_agent_maintenance_and_edge_processes(tmp_pat
         maint = ",".join(u["grpc"] for u in units)
         edge = start("edge", "--topology", str(topo), "--region", "a", "--maintenance", maint, "--open")
         start("agent", "--worker", "a-1", "--topology", str(topo), "--events", f"tcp://127.0.0.1:{port}", "--maintenance", maint)
-        s = sglang_structs(array_like=True)
         plain = list(range(5000, 5000 + 32 * BS))
         salted = list(range(9000, 9000 + 32 * BS))
-        events = [
-            s["stored"](block_hashes=list(range(1, 33)), parent_block_hash=None, token_ids=plain, block_size=BS, lora_id=None, medium="GPU"),
-            s["salted"](block_hashes=list(range(101, 133)), parent_block_hash=None, token_ids=salted, block_size=BS, lora_id=None, medium="GPU", metadata=s["meta"](cache_salt=TENANT_SALT_PREFIX + "acme")),
-        ]
-        payload = msgspec.msgpack.encode(s["batch"](ts=time.time(), events=events))
+        payload = _engine_payload(form, plain, salted, TENANT_SALT_PREFIX + "acme")
         # A PUB socket drops what it sends before the subscriber joined: resend (same seq,
         # which the agent treats as the duplicate it is) until the edge sees the claim.
         deadline = time.monotonic() + 20

@@ -681,6 +681,9 @@ def test_api_keys_bind_tenants_and_rate_to_credentials() -> None:
                     if r.status == 429:
                         assert (await r.json())["error"]["code"] == "rate_limit_exceeded" and int(r.headers["Retry-After"]) >= 1
             assert codes == [200, 200, 429]
+            # Size first: an oversized body is refused as too large before any key is asked for.
+            async with t.client.post("/v1/completions", data=b"x" * (65 * 1024), headers={"Content-Type": "application/json"}) as r:
+                assert r.status == 413, await r.text()
             # What needs no key.
             async with t.client.get("/v1/models") as r:
                 assert r.status == 200
@@ -966,5 +969,35 @@ def test_the_door_carries_out_its_edges_migrations() -> None:
             dash = Dashboard(edge)
             dash.door = door
             assert dash.data()["migrations"] == [row]  # the operators' page lists it
+
+    run(go())
+
+
+def test_sampling_fields_reach_the_worker_untouched_and_the_forwarded_route_is_committed() -> None:
+    """Issue 16: what the door does not interpret (n, echo, logprobs, stop, seed, tools, ...)
+    reaches the worker as the client sent it; the route the door forwards is committed (its
+    speculative claim registered), and only that one."""
+    plane = make_plane()
+    fleet = Fleet()
+    edge = plane.edges["us"]
+
+    async def go() -> None:
+        async with rig(plane, fleet) as t:
+            sampling = {
+                "n": 2, "echo": True, "logprobs": 3, "stop": ["\n\n", "END"], "seed": 11, "temperature": 0.25, "top_p": 0.9,
+                "presence_penalty": 0.5, "logit_bias": {"50256": -100}, "user": "u-1", "suffix": "!",
+            }
+            before = edge.speculative_entries
+            body = {"prompt": prompt_ids(5, 300).tolist(), "max_tokens": 3, **sampling}  # past the first plan length (256)
+            status, _, got = await complete(t.client, body)
+            assert status == 200 and len(got["choices"]) == 2
+            sent = fleet.calls[-1][1]
+            assert {k: sent[k] for k in sampling} == sampling
+            assert edge.speculative_entries > before  # the forwarded route registered its claim
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], "tool_choice": "auto", "seed": 3}
+            async with t.client.post("/v1/chat/completions", json=chat) as r:
+                assert r.status == 200
+            sent = fleet.calls[-1][1]
+            assert (sent["tools"], sent["tool_choice"], sent["seed"]) == (chat["tools"], "auto", 3)
 
     run(go())

@@ -568,10 +568,16 @@ class WorkerAgent:
 
     def take_skipped(self) -> list[tuple[int, SkippedEvent]]:
         """The events skipped since the last call, as ``(seq, event)`` (the latest 256), for
-        the driver to log; counted in ``stats.events_skipped``."""
+        the driver to log; counted in ``stats.events_skipped`` and :attr:`skipped_total`."""
         out = list(self._skips)
         self._skips.clear()
         return out
+
+    @property
+    def skipped_total(self) -> int:
+        """Every event skipped so far, logged or not (:meth:`take_skipped` keeps only the latest
+        256 for a driver that has not asked for a while; a count must not stop there)."""
+        return self._stats.events_skipped
 
     def _apply(self, b: EngineBatch) -> None:
         if b.skipped:

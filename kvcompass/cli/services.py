@@ -289,6 +289,10 @@ def _door_keys(args: argparse.Namespace) -> tuple[Any, str | None]:
     return keys, peer_key
 
 
+def _no_keys_to_reload() -> None:
+    print("kvcompass edge: SIGHUP: no keys file to reload (--open)", file=sys.stderr, flush=True)
+
+
 def _reload_keys(keys: Any) -> Callable[[], None]:
     """Re-read the keys file (on SIGHUP: connections stay up; a malformed file is logged and the
     keys in force stay)."""
@@ -407,6 +411,9 @@ async def _edge(args: argparse.Namespace) -> int:
         if keys is not None:
             stack.enter_context(on_signals(_reload_keys(keys), (signal.SIGHUP,)))
         else:
+            # SIGHUP means "reload the keys" to an operator; an open door has none to reload, and
+            # the signal's default action would end the edge.
+            stack.enter_context(on_signals(_no_keys_to_reload, (signal.SIGHUP,)))
             print("kvcompass edge: --open: the door serves completions without API keys, and any client may act as any tenant", file=sys.stderr, flush=True)
         announce("edge", region=args.region, http=door.url, grpc=grpc, metrics=server.metrics_url, dashboard=f"{server.metrics_url}/dashboard" if server.metrics_url else None)
         if args.door_peers_file is not None and not door_peers:

@@ -101,7 +101,7 @@ class RunnerStats:
     rejections: int = 0  # AgentSequenceError from the sink, answered with on_rejected
     heartbeats: int = 0  # rounds of empty batches sent after heartbeat_s of silence
     engine_gone: int = 0  # disconnections from the engine's publisher, each withdrawing every claim
-    events_skipped: int = 0  # events the agent could not understand (each logged; the rest of its message applied)
+    events_skipped: int = 0  # events the agent could not understand (logged, the latest 256 each by index; the rest of its message applied)
 
 
 class AgentRunner:
@@ -282,9 +282,14 @@ class AgentRunner:
             return None
 
     def _log_skipped(self) -> None:
-        for seq, sk in self.agent.take_skipped():
-            self.stats.events_skipped += 1
+        listed = self.agent.take_skipped()
+        total = self.agent.skipped_total
+        for seq, sk in listed:
             _log.warning("worker %s: skipped event %d of seq %d (the rest of the message applied): %s", self.agent.worker_id, sk.index, seq, sk.reason)
+        unlisted = total - self.stats.events_skipped - len(listed)
+        if unlisted > 0:
+            _log.warning("worker %s: %d more events skipped without a line each (only the latest %d are kept for the log)", self.agent.worker_id, unlisted, len(listed))
+        self.stats.events_skipped = total
 
     async def _handle(self, out: AgentOutput) -> None:
         self._log_skipped()
