@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import pytest
@@ -714,10 +714,44 @@ def _engine_payload(form: str, plain: list[int], salted: list[int], salt: str) -
             s["salted"](block_hashes=list(range(101, 133)), parent_block_hash=None, token_ids=salted, block_size=BS, lora_id=None, medium="GPU", metadata=s["meta"](cache_salt=salt)),
         ]
         return msgspec.msgpack.encode(s["batch"](ts=time.time(), events=events))
+    if form == "sglang-0.5.20":
+        # 0.5.20 on: events are tagged maps (array_like dropped from KVCacheEvent), the salt and
+        # session a BlockStored's own optional fields; the batch stays an array.
+        class Batch(msgspec.Struct, array_like=True, gc=False):
+            ts: float
+            events: list[Any]
+            attn_dp_rank: Optional[int] = None  # noqa: UP045 - the engine's own annotation
+
+        class Event(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+            pass
+
+        class Stored(Event, tag="BlockStored"):
+            block_hashes: list[int]
+            parent_block_hash: Optional[int]  # noqa: UP045
+            token_ids: list[int]
+            block_size: int
+            lora_id: Optional[int]  # noqa: UP045
+            medium: Optional[str] = None  # noqa: UP045
+            cache_salt: Optional[str] = None  # noqa: UP045
+            session_id: Optional[str] = None  # noqa: UP045
+            lora_name: Optional[str] = None  # noqa: UP045
+
+        events = [
+            Stored(block_hashes=list(range(1, 33)), parent_block_hash=None, token_ids=plain, block_size=BS, lora_id=None, medium="GPU", session_id="s-1"),
+            Stored(block_hashes=list(range(101, 133)), parent_block_hash=None, token_ids=salted, block_size=BS, lora_id=None, medium="GPU", cache_salt=salt, session_id="s-2"),
+        ]
+        return msgspec.msgpack.encode(Batch(ts=time.time(), events=events))
     # vLLM (vllm/distributed/kv_events.py, the structs of tests/fixtures/make_engine_fixtures.py):
     # the salt is the first block's extra key.
     fx = _engine_fixture_module()
-    stored, batch = (fx.VStored, fx.VEventBatch) if form == "vllm-map" else (fx.CStored, fx.CEventBatch)
+    stored, batch = {"vllm-map": (fx.VStored, fx.VEventBatch), "vllm-array": (fx.CStored, fx.CEventBatch)}.get(form, (fx.VStored, None))
+    if batch is None:  # "vllm-0.24": the batch an array, its events tagged maps (0.24.0 on)
+        class MixedBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+            ts: float
+            events: list[Any]
+            data_parallel_rank: Optional[int] = None  # noqa: UP045
+
+        batch = MixedBatch
     extra = [(salt,)] + [None] * 31
     events = [
         stored(block_hashes=list(range(1, 33)), parent_block_hash=None, token_ids=plain, block_size=BS, lora_id=None, medium="GPU", lora_name=None),
@@ -738,11 +772,13 @@ def _engine_fixture_module() -> Any:
     return mod
 
 
-@pytest.mark.parametrize("form", ["sglang-array", "sglang-map", "vllm-map", "vllm-array"])
+@pytest.mark.parametrize("form", ["sglang-array", "sglang-map", "sglang-0.5.20", "vllm-array", "vllm-0.24", "vllm-map"])
 def test_engine_events_through_real_agent_maintenance_and_edge_processes(tmp_path: Path, form: str) -> None:
-    """Issue 16: each engine's own event structs (SGLang 0.5.18 on: a plain ``BlockStored``
-    beside a salted ``BlockStoredWithMetadata``, as arrays and as tagged maps; vLLM: the salt as
-    the first block's extra key, map and array forms), msgspec-encoded as the engine's publisher
+    """Issue 16: each engine's own event structs (SGLang 0.5.18-0.5.19: a plain ``BlockStored``
+    beside a salted ``BlockStoredWithMetadata``, as arrays and as tagged maps; SGLang 0.5.20 on:
+    tagged-map events with ``cache_salt`` a field of their own; vLLM: the salt as the first
+    block's extra key, in the all-array form of 0.17-0.23, the array batch of map events of 0.24
+    on, and an all-map form), msgspec-encoded as the engine's publisher
     encodes them, published on a ZMQ PUB socket standing in for the engine, go through real
     ``kvcompass agent``, ``maintenance`` and ``edge`` processes: the plain prompt is claimed
     for the worker in the public namespace, the salted one only in its tenant's."""
