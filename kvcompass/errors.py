@@ -33,6 +33,15 @@ __all__ = [
     "WrongShardError",
     "StaleIncarnationError",
     "UsageError",
+    "UnauthenticatedError",
+    "NotAllowedError",
+    "RateLimitedError",
+    "DrainingError",
+    "SubscriberLaggingError",
+    "UnknownRouteError",
+    "MessageTooLargeError",
+    "UnsupportedError",
+    "IngestRejectedError",
 ]
 
 
@@ -192,3 +201,65 @@ class StaleIncarnationError(AgentSequenceError):
     """
 
     worker: str
+
+
+# ---- refusals of the services (each maps to one gRPC status and one HTTP status) ---------------
+
+
+class UnauthenticatedError(KVCompassError, PermissionError):
+    """A request without a valid credential: an API key, a worker's ingest token, the edges'
+    shared secret. Nothing was read past the credential."""
+
+
+class NotAllowedError(KVCompassError, PermissionError):
+    """A valid credential asked for something it may not do: a tenant, model or namespace that is
+    not its own. ``code`` names what (e.g. ``tenant_not_allowed``) when there is a name for it."""
+
+    code: str | None
+
+
+class RateLimitedError(KVCompassError):
+    """A credential's request rate is used up; retry after ``retry_after_s`` seconds."""
+
+    retry_after_s: float
+
+
+class DrainingError(KVCompassError):
+    """The service is shutting down and takes no new work: retry on another replica, or on this
+    address once it is back."""
+
+
+class SubscriberLaggingError(KVCompassError):
+    """A patch subscriber fell too far behind the unit's stream: resubscribe from its positions
+    (the unit replays or snapshots what it missed)."""
+
+
+class UnknownRouteError(KVCompassError, KeyError):
+    """An outcome for a route this edge never issued, already closed, or no longer keeps."""
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class MessageTooLargeError(KVCompassError, ValueError):
+    """A request larger than the server's limit for its kind; nothing was read past its size."""
+
+    limit: int
+
+
+class UnsupportedError(KVCompassError):
+    """A request for something this server does not implement (e.g. compressed gRPC messages)."""
+
+
+class IngestRejectedError(KVCompassError):
+    """A maintenance unit refused a key-op batch (or the ingest stream) for a reason resending
+    cannot fix. ``cause`` is the class of the unit's refusal (read back from its status and
+    reason), ``reason`` that class's name, ``status`` the gRPC status it came with, ``shard`` and
+    ``seq`` the batch."""
+
+    shard: int
+    seq: int
+    status: object
+    reason: str
+    cause: type[KVCompassError]
+

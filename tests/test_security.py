@@ -51,7 +51,8 @@ from kvcompass.services.agent_runner import AgentRunner
 from kvcompass.services.edge_service import EdgeServer, EdgeService, QueueBroadcaster
 from kvcompass.services.edge_sync import EdgeSync
 from kvcompass.services.http_door import DoorConfig, serve_door
-from kvcompass.services.ingest_client import IngestClient, IngestRejected
+from kvcompass.errors import IngestRejectedError
+from kvcompass.services.ingest_client import IngestClient
 from kvcompass.services.maintenance_service import (
     INGEST_PATH,
     TOKEN_HEADER,
@@ -480,13 +481,13 @@ def test_forged_and_unauthenticated_writes_are_refused_counted_and_change_nothin
                     ch.close()
                 # A wrong token through the client: a final rejection, not retried.
                 async with IngestClient("eu-1", u.addrs, a1.on_rejected, token="guess", ssl_context=cctx) as client:
-                    with pytest.raises(IngestRejected) as rej:
+                    with pytest.raises(IngestRejectedError) as rej:
                         await client.send(victim)
                 assert rej.value.status is Status.UNAUTHENTICATED
                 # A worker the token map does not know.
                 a2 = world.agent("asia-0")
                 async with IngestClient("asia-0", u.addrs, a2.on_rejected, token="anything", ssl_context=cctx) as client:
-                    with pytest.raises(IngestRejected) as rej:
+                    with pytest.raises(IngestRejectedError) as rej:
                         await client.send(cache(a2, prompt(5)))
                 assert rej.value.status is Status.UNAUTHENTICATED
 

@@ -49,7 +49,8 @@ from kvcompass.discovery.topology import Topology, load_topology
 from kvcompass.index_types import Namespace, Tier
 from kvcompass.services.edge_service import EdgeServer, EdgeService, QueueBroadcaster
 from kvcompass.services.edge_sync import EdgeSync
-from kvcompass.services.ingest_client import IngestClient, IngestRejected
+from kvcompass.errors import IngestRejectedError
+from kvcompass.services.ingest_client import IngestClient
 from kvcompass.services.maintenance_service import (
     INGEST_PATH,
     SUBSCRIBE_PATH,
@@ -158,6 +159,62 @@ def test_every_error_class_has_its_own_status_row() -> None:
     assert status_of(errors_mod.StaleIncarnationError("x", expected=2, got=1)) is Status.FAILED_PRECONDITION
     assert status_of(errors_mod.ForbiddenWriteError("x")) is Status.PERMISSION_DENIED
     assert status_of(RuntimeError("bug")) is Status.INTERNAL
+
+
+def test_a_status_comes_back_as_the_class_that_was_raised() -> None:
+    """The table both ways: every class, sent as its status and message, is read back by the
+    client as the same class; a status without a class name reads as the class it stands for."""
+    from kvcompass.services.status import error_class, error_from, grpc_error
+
+    for cls in STATUS_OF:
+        g = grpc_error(cls("refused"))
+        back = error_from(g.status, g.message)
+        assert type(back) is cls and back.message == "refused", cls
+        assert error_class(cls.__name__, Status.OK) is cls
+    assert type(error_from(Status.UNAUTHENTICATED, "no key")) is errors_mod.UnauthenticatedError
+    assert type(error_from(Status.UNAVAILABLE, None)) is errors_mod.DrainingError
+    assert error_class("NoSuchClass", Status.DATA_LOSS) is errors_mod.KVCompassError
+
+
+def test_no_handler_builds_a_grpc_error_by_hand() -> None:
+    """Every refusal goes through the one table (``grpc_error`` of a class from
+    ``kvcompass.errors``): a ``GRPCError(...)`` written anywhere else in the package would send a
+    status the client cannot read back as a class."""
+    import ast
+    from pathlib import Path
+
+    import kvcompass
+
+    root = Path(kvcompass.__file__).parent
+    found = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("_proto/") or rel == "services/status.py":
+            continue  # generated stubs; the table itself
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+                if name == "GRPCError":
+                    found.append(f"{rel}:{node.lineno}")
+    assert found == []
+
+
+def test_the_http_table_answers_the_door_and_the_worker_alike() -> None:
+    from kvcompass.services.openai_api import OpenAIError
+    from kvcompass.services.status import HTTP_OF, http_of
+
+    assert http_of(RuntimeError("bug")) == (500, None)
+    assert all(http_of(cls("x"))[0] >= 400 for cls in STATUS_OF)
+    e = OpenAIError.of(errors_mod.RateLimitedError("slow down", retry_after_s=2.2))
+    assert (e.status, e.code, e.headers["Retry-After"]) == (429, "rate_limit_exceeded", "3")
+    e = OpenAIError.of(errors_mod.UnauthenticatedError("no key"))
+    assert (e.status, e.code, e.headers["WWW-Authenticate"].startswith("Bearer")) == (401, "invalid_api_key", True)
+    e = OpenAIError.of(errors_mod.NotAllowedError("no", code="tenant_not_allowed"), "x-kvcompass-namespace")
+    assert (e.status, e.code, e.param) == (403, "tenant_not_allowed", "x-kvcompass-namespace")
+    e = OpenAIError.of(errors_mod.DrainingError("bye"))
+    assert (e.status, e.kind, e.code) == (503, "service_unavailable_error", "draining")
+    assert HTTP_OF[errors_mod.MessageTooLargeError] == (413, "request_too_large")
 
 
 def test_regenerating_the_proto_code_reproduces_the_committed_bytes() -> None:
@@ -335,7 +392,7 @@ def test_a_forged_worker_is_denied_and_changes_nothing(world: World) -> None:
             # The client surfaces both as final rejections.
             batch = KeyOpBatch("eu-1", 1, 1, 1, np.array(k, np.uint64), np.full(3, 2, np.uint8))
             async with IngestClient("eu-1", {1: ch}, lambda s: (), token="wrong") as client:
-                with pytest.raises(IngestRejected) as rej:
+                with pytest.raises(IngestRejectedError) as rej:
                     await client.send([batch])
             assert rej.value.status is Status.UNAUTHENTICATED
             async with IngestClient("eu-1", {1: "127.0.0.1:1"}, lambda s: (), max_attempts=2, backoff_s=(0.001, 0.001)) as client:
@@ -418,7 +475,7 @@ def test_a_zombie_incarnation_is_refused_for_good(world: World) -> None:
             await raw_ingest(ch, "us-1", [ops("us-1", 0, 1, [4], [1], inc=5)])
             stale = [KeyOpBatch("us-1", 4, 0, 1, np.array([8], np.uint64), np.array([1], np.uint8), reset=True)]
             async with IngestClient("us-1", {0: ch}, lambda s: ()) as client:
-                with pytest.raises(IngestRejected) as ei:
+                with pytest.raises(IngestRejectedError) as ei:
                     await client.send(stale)
             assert (ei.value.status, ei.value.reason) == (Status.FAILED_PRECONDITION, "StaleIncarnationError")
 

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvcompass.services.edge_service import EdgeServer, EdgeService, QueueBroadcaster
     from kvcompass.services.edge_sync import EdgeSync
-    from kvcompass.services.ingest_client import IngestClient, IngestRejected, SendReport
+    from kvcompass.services.ingest_client import IngestClient, SendReport
     from kvcompass.services.maintenance_service import MaintenanceConfig, MaintenanceServer, MaintenanceService, load_unit, serve_maintenance
     from kvcompass.services.metrics import MetricsServer, ServiceMetrics
-    from kvcompass.services.status import grpc_error, status_of
+    from kvcompass.services.status import error_from, grpc_error, status_of
 
 _LAZY = {
     "EdgeServer": "edge_service",
@@ -25,7 +25,6 @@ _LAZY = {
     "QueueBroadcaster": "edge_service",
     "EdgeSync": "edge_sync",
     "IngestClient": "ingest_client",
-    "IngestRejected": "ingest_client",
     "SendReport": "ingest_client",
     "MaintenanceConfig": "maintenance_service",
     "MaintenanceServer": "maintenance_service",
@@ -34,6 +33,7 @@ _LAZY = {
     "serve_maintenance": "maintenance_service",
     "MetricsServer": "metrics",
     "ServiceMetrics": "metrics",
+    "error_from": "status",
     "grpc_error": "status",
     "status_of": "status",
 }
@@ -43,7 +43,6 @@ __all__ = [
     "EdgeService",
     "EdgeSync",
     "IngestClient",
-    "IngestRejected",
     "MaintenanceConfig",
     "MaintenanceServer",
     "MaintenanceService",
@@ -51,6 +50,7 @@ __all__ = [
     "QueueBroadcaster",
     "SendReport",
     "ServiceMetrics",
+    "error_from",
     "grpc_error",
     "load_unit",
     "serve_maintenance",

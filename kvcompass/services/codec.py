@@ -14,7 +14,7 @@ matter for a service facing untrusted peers:
 :class:`StrictProtoCodec` first walks the bytes against the message's own schema (wire types,
 lengths, UTF-8 strings, 32-bit ranges, nested messages and map entries; unknown field numbers
 are skipped as protobuf requires), then lets betterproto build the message. Anything refused
-becomes ``GRPCError(INVALID_ARGUMENT, "malformed <Message>: ...")`` raised from the handler's
+becomes INVALID_ARGUMENT (``InvalidArgumentError: malformed <Message>: ...``) raised from the handler's
 ``recv_message``, so the client gets a precise status and the server's error counters see it.
 """
 
@@ -25,9 +25,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import betterproto
-from grpclib.const import Status
 from grpclib.encoding.proto import ProtoCodec
 from grpclib.exceptions import GRPCError
+
+from kvcompass.errors import InvalidArgumentError, MessageTooLargeError, UnsupportedError
+from kvcompass.services.status import grpc_error
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "MalformedMessage", "StrictProtoCodec", "check_wire", "install_receive_limit"]
 
@@ -174,7 +176,7 @@ class StrictProtoCodec(ProtoCodec):
         except GRPCError:
             raise
         except Exception as e:  # noqa: BLE001 - any parser failure is the peer's malformed bytes
-            raise GRPCError(Status.INVALID_ARGUMENT, f"malformed {name}: {e}") from None
+            raise grpc_error(InvalidArgumentError(f"malformed {name}: {e}")) from None
 
 
 async def _capped_recv_message(stream: Any, codec: Any, message_type: Any) -> Any:
@@ -190,14 +192,14 @@ async def _capped_recv_message(stream: Any, codec: Any, message_type: Any) -> An
         return None
     compressed, n = struct.unpack(">?I", meta)
     if compressed:
-        raise GRPCError(Status.UNIMPLEMENTED, "compressed messages are not supported")
+        raise grpc_error(UnsupportedError("compressed messages are not supported"))
     cap = limit(message_type)
     if n > cap:
         name = getattr(message_type, "__name__", "message")
-        raise GRPCError(Status.RESOURCE_EXHAUSTED, f"{name} of {n} bytes exceeds this server's limit of {cap} bytes")
+        raise grpc_error(MessageTooLargeError(f"{name} of {n} bytes exceeds this server's limit of {cap} bytes", limit=cap))
     data = await stream.recv_data(n)
     if len(data) != n:
-        raise GRPCError(Status.INVALID_ARGUMENT, f"message truncated: {len(data)} of {n} bytes")
+        raise grpc_error(InvalidArgumentError(f"message truncated: {len(data)} of {n} bytes"))
     return codec.decode(data, message_type)
 
 

@@ -24,7 +24,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 from grpclib.client import Channel
-from grpclib.const import Cardinality, Handler, Status
+from grpclib.const import Cardinality, Handler
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.health.check import CheckBase, ServiceStatus
 from grpclib.health.service import Health
@@ -43,7 +43,7 @@ from kvcompass._proto.kvcompass.v1 import (
 from kvcompass.discovery.edge import Edge
 from kvcompass.discovery.queues import MAX_QUEUE_MS
 from kvcompass._core import namespace_digest
-from kvcompass.errors import InvalidArgumentError, KVCompassError
+from kvcompass.errors import InvalidArgumentError, KVCompassError, NotAllowedError, RateLimitedError, UnauthenticatedError, UnknownRouteError
 from kvcompass.services.api_keys import ANY_TENANT, ApiKey, KeyStore
 from kvcompass.services.grpc_lifecycle import DrainingServer, OwnedChannels
 from kvcompass.services.lifecycle import hostport
@@ -66,7 +66,7 @@ of decisions at 1,000 routes a second."""
 
 
 def _bad(msg: str) -> GRPCError:
-    return GRPCError(Status.INVALID_ARGUMENT, msg)
+    return grpc_error(InvalidArgumentError(msg))
 
 
 class EdgeService(EdgeBase):
@@ -120,9 +120,10 @@ class EdgeService(EdgeBase):
         got = stream.metadata.get("authorization") if stream.metadata is not None else None
         key = self._keys.authenticate(got if isinstance(got, str) else None)
         if key is None:
-            raise GRPCError(Status.UNAUTHENTICATED, "missing or incorrect API key: send authorization: Bearer <your key> metadata")
-        if self._keys.admit(key, time.monotonic()) > 0:
-            raise GRPCError(Status.RESOURCE_EXHAUSTED, f"rate limit of this API key ({key.rate_per_s:g} requests/s) reached")
+            raise grpc_error(UnauthenticatedError("missing or incorrect API key: send authorization: Bearer <your key> metadata"))
+        wait = self._keys.admit(key, time.monotonic())
+        if wait > 0:
+            raise grpc_error(RateLimitedError(f"rate limit of this API key ({key.rate_per_s:g} requests/s) reached", retry_after_s=wait))
         return key
 
     def _allowed(self, key: ApiKey, namespace: bytes) -> bool:
@@ -142,7 +143,7 @@ class EdgeService(EdgeBase):
         request = await stream.recv_message()
         assert request is not None
         if key is not None and not self._allowed(key, bytes(request.namespace)):
-            raise GRPCError(Status.PERMISSION_DENIED, "this API key may not route in that namespace (not one of its tenants' and models')")
+            raise grpc_error(NotAllowedError("this API key may not route in that namespace (not one of its tenants' and models')", code="namespace_not_allowed"))
         await stream.send_message(await self._route(request, None if key is None else key.name))
 
     async def _rpc_outcome(self, stream: Stream[OutcomeRequest, OutcomeResponse]) -> None:
@@ -155,7 +156,7 @@ class EdgeService(EdgeBase):
         if self._peer_token is not None:
             got = stream.metadata.get(PEER_TOKEN_HEADER) if stream.metadata is not None else None
             if not isinstance(got, str) or not hmac.compare_digest(got.encode(), self._peer_token.encode()):
-                raise GRPCError(Status.UNAUTHENTICATED, f"ExchangeQueues is for this deployment's edges: bad or missing {PEER_TOKEN_HEADER}")
+                raise grpc_error(UnauthenticatedError(f"ExchangeQueues is for this deployment's edges: bad or missing {PEER_TOKEN_HEADER}"))
         request = await stream.recv_message()
         assert request is not None
         await stream.send_message(await self.exchange_queues(request))
@@ -228,7 +229,7 @@ class EdgeService(EdgeBase):
             raise grpc_error(e) from None
         issued = self._open.get(r.route_id)
         if issued is None or issued[0] != r.worker or (caller is not None and issued[3] != caller):
-            raise GRPCError(Status.NOT_FOUND, f"no open route {r.route_id} to {r.worker!r} from this edge: report the route_id of a RouteResponse, once")
+            raise grpc_error(UnknownRouteError(f"no open route {r.route_id} to {r.worker!r} from this edge: report the route_id of a RouteResponse, once", route_id=r.route_id))
         worker, claimed, prompt_tokens, _ = issued
         if r.reused_tokens > prompt_tokens:
             raise _bad(f"reused_tokens {r.reused_tokens} exceeds the route's prompt of {prompt_tokens} tokens")

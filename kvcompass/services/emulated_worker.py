@@ -87,7 +87,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from kvcompass.agent.events import REPLAY_END_SEQ, Event, encode_batch
 from kvcompass.discovery.layout import WorkerSpec
-from kvcompass.errors import InvalidArgumentError
+from kvcompass.errors import DrainingError, InvalidArgumentError
 from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, OpenAIError, chat_tokens, decode_json_object, error_middleware, one_prompt_tokens, prompt_batch, prompt_tokens
 from kvcompass.engine.tokenizer import Tokenizer, load_tokenizer
 from kvcompass.engine.cache import Policy, PrefixCache
@@ -628,7 +628,7 @@ class EmulatedWorker:
 
     async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         if self._draining:
-            raise OpenAIError(503, "the worker is shutting down; retry on another worker", None, "draining", "service_unavailable_error")
+            raise OpenAIError.of(DrainingError("the worker is shutting down; retry on another worker"))
         self._inflight += 1
         self._idle.clear()
         try:

@@ -80,7 +80,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from kvcompass.discovery.edge import Decision, Edge
 from kvcompass.discovery.migration import MigrationAction
-from kvcompass.errors import InvalidArgumentError, KVCompassError
+from kvcompass.errors import DrainingError, InvalidArgumentError, KVCompassError, MessageTooLargeError, NotAllowedError, RateLimitedError, UnauthenticatedError
 from kvcompass.index_types import Namespace
 from kvcompass.services.api_keys import ANY_TENANT, ApiKey, KeyStore
 from kvcompass.services.conn_guard import ConnGuard, GuardedSite
@@ -599,14 +599,14 @@ class FrontDoor:
 
     async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         if self.draining:
-            raise OpenAIError(503, "this edge is shutting down; retry on another", code="draining")
+            raise OpenAIError.of(DrainingError("this edge is shutting down; retry on another"))
         client = self._client_of(request)
         if client is None:
             return await self._serve_counted(request, chat=chat)
         n = self._per_client.get(client, 0)
         if n >= self.config.max_inflight_per_client:
             self.metrics.auth_refusals.labels("concurrency").inc()
-            raise OpenAIError(429, f"this client already has {n} requests in progress (the limit); retry when one ends", code="too_many_concurrent_requests", headers={"Retry-After": "1"})
+            raise OpenAIError.of(RateLimitedError(f"this client already has {n} requests in progress (the limit); retry when one ends", retry_after_s=1.0), code="too_many_concurrent_requests")
         self._per_client[client] = n + 1
         try:
             return await self._serve_counted(request, chat=chat)
@@ -642,12 +642,12 @@ class FrontDoor:
         of a batched completions request (each routed and forwarded on its own)."""
         cfg = self.config
         if request.content_length is not None and request.content_length > cfg.max_body_bytes:
-            raise OpenAIError(413, f"request body exceeds {cfg.max_body_bytes} bytes", code="request_too_large")
+            raise OpenAIError.of(MessageTooLargeError(f"request body exceeds {cfg.max_body_bytes} bytes", limit=cfg.max_body_bytes))
         key = self._authenticate(request)
         try:
             raw = await asyncio.wait_for(request.read(), cfg.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
-            raise OpenAIError(413, f"request body exceeds {cfg.max_body_bytes} bytes", code="request_too_large") from None
+            raise OpenAIError.of(MessageTooLargeError(f"request body exceeds {cfg.max_body_bytes} bytes", limit=cfg.max_body_bytes)) from None
         except TimeoutError:
             raise OpenAIError(408, f"the request body did not arrive within {cfg.body_timeout_s:g} s", code="request_timeout", headers={"Connection": "close"}) from None
         body = decode_json_object(raw, request.headers.get("Content-Type"))
@@ -683,10 +683,10 @@ class FrontDoor:
             granted = key.tenant_for(named, cfg.default_tenant)
             if granted is None:
                 self.metrics.auth_refusals.labels("tenant").inc()
-                raise OpenAIError(403, f"this API key may not act as tenant {named!r} (its tenants: {', '.join(key.tenants)})", NAMESPACE_HEADER, "tenant_not_allowed")
+                raise OpenAIError.of(NotAllowedError(f"this API key may not act as tenant {named!r} (its tenants: {', '.join(key.tenants)})", code="tenant_not_allowed"), NAMESPACE_HEADER)
             if not key.allows_model(model):
                 self.metrics.auth_refusals.labels("model").inc()
-                raise OpenAIError(403, f"this API key may not use the model {model!r}", "model", "model_not_allowed")
+                raise OpenAIError.of(NotAllowedError(f"this API key may not use the model {model!r}", code="model_not_allowed"), "model")
             tenant = granted
         self.metrics.tenant_requests.labels(tenant).inc()
 
@@ -753,11 +753,11 @@ class FrontDoor:
         key = request[_KEY_SLOT] if _KEY_SLOT in request else store.authenticate(request.headers.get("Authorization"))
         if key is None:
             self.metrics.auth_refusals.labels("key").inc()
-            raise OpenAIError(401, "missing or incorrect API key: send Authorization: Bearer <your key>", code="invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="kvcompass"'})
+            raise OpenAIError.of(UnauthenticatedError("missing or incorrect API key: send Authorization: Bearer <your key>"))
         wait = store.admit(key, time.monotonic())
         if wait > 0:
             self.metrics.auth_refusals.labels("rate").inc()
-            raise OpenAIError(429, f"rate limit of this API key ({key.rate_per_s:g} requests/s) reached; retry after {wait:.2f} s", code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})
+            raise OpenAIError.of(RateLimitedError(f"rate limit of this API key ({key.rate_per_s:g} requests/s) reached; retry after {wait:.2f} s", retry_after_s=wait))
         return key
 
     def _namespace(self, model: str, tenant: str) -> Namespace:
@@ -902,7 +902,7 @@ class FrontDoor:
     async def _forward_via(self, request: web.Request, prep: _Prepared, choice: _Choice, peer: str | None) -> web.StreamResponse:
         session = self._session
         if session is None:
-            raise OpenAIError(503, "the door is not running", code="draining")
+            raise OpenAIError.of(DrainingError("the door is not running"))
         headers = prep.headers
         if peer is not None:
             url = peer + prep.path

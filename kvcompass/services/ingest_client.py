@@ -18,7 +18,8 @@ itself:
   (the unit drops re-deliveries as duplicates).
 
 Anything else refused (bad keys, wrong shard, a newer incarnation owns the worker, a credential
-the unit does not accept) raises :class:`IngestRejected`: resending cannot help.
+the unit does not accept) raises :class:`~kvcompass.errors.IngestRejectedError`, whose ``cause``
+is the class the unit refused with: resending cannot help.
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ from grpclib.exceptions import GRPCError, StreamTerminatedError
 
 from kvcompass._proto.kvcompass.v1 import IngestAck, KeyOps
 from kvcompass.discovery.key_ops import KeyOpBatch
+from kvcompass.errors import AgentSequenceError, IngestRejectedError
+from kvcompass.services.status import error_class, error_from
 from kvcompass.services.wire import INGEST_PATH, TOKEN_HEADER, WORKER_HEADER
 from kvcompass.services.grpc_lifecycle import OwnedChannels
 
-__all__ = ["IngestClient", "IngestRejected", "SendReport", "encode_key_ops"]
+__all__ = ["IngestClient", "SendReport", "encode_key_ops"]
 
 ResendFn = Callable[[int], Sequence[KeyOpBatch]]
 
@@ -48,16 +51,13 @@ ResendFn = Callable[[int], Sequence[KeyOpBatch]]
 _TRANSIENT = {Status.UNAVAILABLE, Status.CANCELLED, Status.DEADLINE_EXCEEDED, Status.UNKNOWN, Status.INTERNAL, Status.RESOURCE_EXHAUSTED}
 
 
-class IngestRejected(Exception):
-    """A maintenance unit refused a batch (or the stream) for a reason resending cannot fix."""
-
-    def __init__(self, shard: int, seq: int, status: Status, reason: str, message: str) -> None:
-        super().__init__(f"shard {shard} seq {seq}: {status.name} {reason}: {message}")
-        self.shard = shard
-        self.seq = seq
-        self.status = status
-        self.reason = reason
-        self.message = message
+def _rejected(shard: int, seq: int, status: Status, reason: str | None, message: str) -> IngestRejectedError:
+    """A final refusal, with the class the unit refused with read back through the status table
+    (its ack's ``reason`` or the stream status's message names it)."""
+    cause = error_class(reason, status) if reason else type(error_from(status, message))
+    return IngestRejectedError(
+        f"shard {shard} seq {seq}: {status.name} {cause.__name__}: {message}", shard=shard, seq=seq, status=status, reason=cause.__name__, cause=cause
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +229,7 @@ class IngestClient:
 
     async def send(self, batches: Sequence[KeyOpBatch]) -> SendReport:
         """Deliver ``batches`` (any shards, each shard's in seq order) and wait for every ack.
-        Raises IngestRejected when a unit refuses one for good, ConnectionError after
+        Raises IngestRejectedError when a unit refuses one for good, ConnectionError after
         ``max_attempts`` failed attempts in a row."""
         by_shard: dict[int, list[KeyOpBatch]] = {}
         for b in batches:
@@ -293,7 +293,7 @@ class IngestClient:
                     except GRPCError as e:
                         await u.drop()
                         b0 = inflight[0] if inflight else None
-                        raise IngestRejected(u.shard, b0.seq if b0 else 0, e.status, "stream", e.message or "") from None
+                        raise _rejected(u.shard, b0.seq if b0 else 0, e.status, None, e.message or "") from None
                     failures = 0
                     b = inflight.popleft()
                     if ack.code == 0:
@@ -304,17 +304,17 @@ class IngestClient:
                     status = Status(ack.code)
                     if b.seq < reset_floor:
                         continue  # sent before the reset went out: superseded by it
-                    if status is Status.ABORTED and ack.reason == "AgentSequenceError":
+                    if error_class(ack.reason, status) is AgentSequenceError:  # a gap: re-report, not a refusal
                         resets += 1
                         if resets > self._max_resets:
-                            raise IngestRejected(u.shard, b.seq, status, ack.reason, f"{ack.message} (still refused after {self._max_resets} resets)")
+                            raise _rejected(u.shard, b.seq, status, ack.reason, f"{ack.message} (still refused after {self._max_resets} resets)")
                         fresh = list(self._on_rejected(u.shard))
                         mine = [x for x in fresh if x.shard == u.shard]
                         extra += [x for x in fresh if x.shard != u.shard]
                         todo = deque(mine)
                         reset_floor = min((x.seq for x in mine), default=reset_floor)
                         continue
-                    raise IngestRejected(u.shard, b.seq, status, ack.reason, ack.message)
+                    raise _rejected(u.shard, b.seq, status, ack.reason, ack.message)
             except BaseException:
                 # Unread acks would be taken for the next send's: start that one on a fresh stream.
                 if inflight:

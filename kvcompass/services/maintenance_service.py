@@ -35,8 +35,7 @@ from pathlib import Path
 from typing import Callable, Mapping, TypeVar
 
 import numpy as np
-from grpclib.const import Cardinality, Handler, Status
-from grpclib.exceptions import GRPCError
+from grpclib.const import Cardinality, Handler
 from grpclib.health.check import ServiceStatus
 from grpclib.health.service import Health
 from grpclib.server import Stream
@@ -56,7 +55,19 @@ from kvcompass._proto.kvcompass.v1 import (
 from kvcompass.discovery.layout import IndexLayout
 from kvcompass.discovery.maintenance import ApplyReport, MaintenanceUnit, PatchBatch
 from kvcompass.discovery.key_ops import KeyOpBatch
-from kvcompass.errors import AgentSequenceError, CapacityError, InvalidArgumentError, KVCompassError, UnknownWorkerError
+from kvcompass.errors import (
+    AgentSequenceError,
+    CapacityError,
+    DrainingError,
+    ForbiddenWriteError,
+    InvalidArgumentError,
+    KVCompassError,
+    SubscriberLaggingError,
+    UnauthenticatedError,
+    UnknownWorkerError,
+    WrongShardError,
+    WrongTableError,
+)
 from kvcompass.services.grpc_lifecycle import DrainingServer
 from kvcompass.services.lifecycle import hostport, on_signals
 from kvcompass.services.metrics import MetricsServer, ServiceMetrics, export_states
@@ -440,19 +451,19 @@ class MaintenanceService(MaintenanceBase):
         worker = md.get(WORKER_HEADER) if md is not None else None
         if not isinstance(worker, str) or not worker:
             self.metrics.reject("Unauthenticated")
-            raise GRPCError(Status.UNAUTHENTICATED, f"missing {WORKER_HEADER} metadata")
+            raise grpc_error(UnauthenticatedError(f"missing {WORKER_HEADER} metadata"))
         tokens = self._cfg.tokens
         if tokens is not None:
             want = tokens.get(worker)
             got = md.get(TOKEN_HEADER) if md is not None else None
             if want is None or not isinstance(got, str) or not hmac.compare_digest(want.encode(), got.encode()):
                 self.metrics.reject("Unauthenticated")
-                raise GRPCError(Status.UNAUTHENTICATED, f"bad or missing {TOKEN_HEADER} for worker {worker!r}")
+                raise grpc_error(UnauthenticatedError(f"bad or missing {TOKEN_HEADER} for worker {worker!r}", worker=worker))
         return worker
 
     def _refuse_if_draining(self) -> None:
         if self._draining:
-            raise GRPCError(Status.UNAVAILABLE, "maintenance unit is draining: reconnect")
+            raise grpc_error(DrainingError("maintenance unit is draining: reconnect"))
 
     async def _rpc_ingest(self, stream: Stream[KeyOps, IngestAck]) -> None:
         self._refuse_if_draining()
@@ -460,7 +471,7 @@ class MaintenanceService(MaintenanceBase):
         async for msg in stream:
             if msg.worker != worker:
                 self.metrics.reject("ForbiddenWriteError")
-                raise GRPCError(Status.PERMISSION_DENIED, f"ForbiddenWriteError: stream of worker {worker!r} carries a batch of worker {msg.worker!r}")
+                raise grpc_error(ForbiddenWriteError(f"stream of worker {worker!r} carries a batch of worker {msg.worker!r}", worker=msg.worker))
             await stream.send_message(await self._ingest_one(msg, worker))
 
     async def _ingest_one(self, msg: KeyOps, worker: str) -> IngestAck:
@@ -494,14 +505,14 @@ class MaintenanceService(MaintenanceBase):
         self._refuse_if_draining()
         req = await stream.recv_message()
         if req is None:  # pragma: no cover - grpclib always delivers the unary request
-            raise GRPCError(Status.INVALID_ARGUMENT, "no request")
+            raise grpc_error(InvalidArgumentError("no request"))
         shard = self._unit.shard
         if req.shard != shard:
-            raise GRPCError(Status.INVALID_ARGUMENT, f"this unit serves shard {shard}, not {req.shard}")
+            raise grpc_error(WrongShardError(f"this unit serves shard {shard}, not {req.shard}", shard=shard, got_shard=req.shard, key=None))
         want = {t.table_id: (0, 0) for t in self._unit.layout.tables}
         for p in req.positions:
             if p.table not in want or p.shard != shard:
-                raise GRPCError(Status.INVALID_ARGUMENT, f"no table ({p.table}, {p.shard}) on the unit of shard {shard}")
+                raise grpc_error(WrongTableError(f"no table ({p.table}, {p.shard}) on the unit of shard {shard}", table=p.table, shard=shard, got_table=p.table, got_shard=p.shard))
             want[p.table] = (p.epoch, p.seq)
         sub = _Subscriber(req.subscriber or str(stream.peer), asyncio.Queue(self._cfg.subscriber_queue))
         async with self._lock:
@@ -526,7 +537,7 @@ class MaintenanceService(MaintenanceBase):
                 ev = await sub.queue.get()
                 if ev is None:
                     if sub.cut:
-                        raise GRPCError(Status.RESOURCE_EXHAUSTED, "subscriber fell behind: resubscribe from your positions")
+                        raise grpc_error(SubscriberLaggingError("subscriber fell behind: resubscribe from your positions"))
                     return
                 await stream.send_message(ev)
         finally:
@@ -536,7 +547,7 @@ class MaintenanceService(MaintenanceBase):
     async def snapshot(self, snapshot_request: SnapshotRequest) -> SnapshotResponse:
         shard = self._unit.shard
         if snapshot_request.shard != shard:
-            raise GRPCError(Status.INVALID_ARGUMENT, f"this unit serves shard {shard}, not {snapshot_request.shard}")
+            raise grpc_error(WrongShardError(f"this unit serves shard {shard}, not {snapshot_request.shard}", shard=shard, got_shard=snapshot_request.shard, key=None))
         tables = list(snapshot_request.tables) or [t.table_id for t in self._unit.layout.tables]
         try:
             async with self._lock:

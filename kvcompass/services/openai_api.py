@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal
 
@@ -23,6 +24,7 @@ from aiohttp import web
 
 from kvcompass import _core
 from kvcompass.errors import KVCompassError
+from kvcompass.services.status import http_of
 
 __all__ = [
     "INLINE_TOKENIZE_CHARS",
@@ -65,6 +67,22 @@ class OpenAIError(Exception):
         self.kind: ErrorType = kind or ("invalid_request_error" if status < 500 else "server_error")
         self.headers = headers or {}
 
+    @classmethod
+    def of(cls, exc: KVCompassError, param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> OpenAIError:
+        """``exc`` answered through the one HTTP table (:data:`kvcompass.services.status.HTTP_OF`),
+        the door's and the worker's alike: its status and code (the error's own ``code``
+        attribute, or ``code``, win over the table's), ``Retry-After`` from a rate refusal's
+        ``retry_after_s``, ``WWW-Authenticate`` on a 401."""
+        status, table_code = http_of(exc)
+        hdrs = dict(headers or {})
+        retry = getattr(exc, "retry_after_s", None)
+        if status == 429 and retry is not None:
+            hdrs.setdefault("Retry-After", str(max(1, math.ceil(retry))))
+        if status == 401:
+            hdrs.setdefault("WWW-Authenticate", 'Bearer realm="kvcompass"')
+        kind: ErrorType | None = "service_unavailable_error" if status == 503 else None
+        return cls(status, exc.message, param, code or getattr(exc, "code", None) or table_code, kind, hdrs)
+
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None, kind: ErrorType | None = None) -> dict[str, Any]:
     """``{"error": {"message", "type", "param", "code"}}``, OpenAI's shape."""
@@ -94,6 +112,9 @@ def error_middleware(max_body_bytes: int, observe: Observe | None = None) -> Any
         except OpenAIError as e:
             err = e
             resp = error_response(e)
+        except KVCompassError as e:  # a refusal the handler did not word itself: the HTTP table's
+            err = OpenAIError.of(e)
+            resp = error_response(err)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
