@@ -10,7 +10,9 @@ Progress goes to stderr; the last line of stdout is one JSON object: ``ours_cpu_
 ``peer_cpu_ms_per_req``, ``cpu_ratio`` (ours / peer), ``ours_req_per_s``, ``peer_req_per_s``,
 ``ours_added_p50_ms``/``p99`` and ``peer_added_p50_ms``/``p99``, ``tokenize_ms_per_prompt`` (what
 the built-in tokenizer costs per prompt, measured in the driver: our door pays it, the peer's
-character tree does not), the targets and whether each is met. When the peer cannot be installed or started the line says why (``peer_error``) and
+character tree does not), ``doors_cpu_ms_per_req`` / ``doors_req_per_s`` / ``doors_cpu_share`` by door process count (N
+doors on one ``SO_REUSEPORT`` port, each its own edge: CPU per request should stay flat as N
+grows, with the load shared), the targets and whether each is met. When the peer cannot be installed or started the line says why (``peer_error``) and
 the peer's figures and the ratio are absent, never guessed.
 
 Set-up, the same for both routers:
@@ -152,7 +154,9 @@ def _start_peer(python: str, urls: list[str]) -> tuple[subprocess.Popen[bytes], 
     raise RuntimeError("sglang-router did not answer within 60 s")
 
 
-async def _measure(s: Any, name: str, router_url: str, direct_url: str, pid: int, bodies: list[bytes], args: argparse.Namespace, res: dict[str, Any]) -> None:
+async def _measure(s: Any, name: str, router_url: str, direct_url: str, pids: list[int], bodies: list[bytes], args: argparse.Namespace, res: dict[str, Any]) -> None:
+    """Added latency at one connection, then a closed loop: requests per second, and the
+    router's CPU per request (every process in ``pids`` together) and each process's share."""
     through_u, direct_u = router_url + "/v1/completions", direct_url + "/v1/completions"
     d_lat, p_lat = [], []
     for i in range(args.warmup + args.pairs):
@@ -167,14 +171,17 @@ async def _measure(s: Any, name: str, router_url: str, direct_url: str, pid: int
     res[f"{name}_added_p50_ms"] = rnd(pct(p_lat, 50) - pct(d_lat, 50))
     res[f"{name}_added_p99_ms"] = rnd(pct(p_lat, 99) - pct(d_lat, 99))
     await closed_loop(s, through_u, bodies, args.concurrency, 0.5)  # open the connections
-    c0 = proc_cpu_s(pid)
+    c0 = [proc_cpu_s(p) for p in pids]
     n, dt = await closed_loop(s, through_u, bodies, args.concurrency, args.seconds)
-    c1 = proc_cpu_s(pid)
+    c1 = [proc_cpu_s(p) for p in pids]
     res[f"{name}_req_per_s"] = rnd(n / dt, 1)
     res[f"{name}_requests"] = n
-    if c0 is not None and c1 is not None and n:
-        res[f"{name}_cpu_ms_per_req"] = rnd((c1 - c0) * 1e3 / n, 4)
-        res[f"{name}_cpu_util"] = rnd((c1 - c0) / dt)
+    if None not in c0 and None not in c1 and n:
+        used = [b - a for a, b in zip(c0, c1)]  # type: ignore[operator]
+        res[f"{name}_cpu_ms_per_req"] = rnd(sum(used) * 1e3 / n, 4)
+        res[f"{name}_cpu_util"] = rnd(sum(used) / dt)
+        if len(pids) > 1:
+            res[f"{name}_cpu_share"] = [rnd(u / sum(used), 3) for u in used] if sum(used) > 0 else None
     log(f"{name}: added {res[f'{name}_added_p50_ms']}/{res[f'{name}_added_p99_ms']} ms (P50/P99 at one connection); "
         f"{n / dt:,.0f} req/s at {args.concurrency} connections, {res.get(f'{name}_cpu_ms_per_req')} ms CPU a request")
 
@@ -205,9 +212,27 @@ async def run(args: argparse.Namespace, res: dict[str, Any]) -> None:
             spec = {"topology": TOPOLOGY, "region": DOOR_REGION, "holder": DOOR_HOLDER, "prompts": [tok.encode(t).tolist() for t in texts], "worker_url": urls[0]}
             door = Child("door", spec)
             try:
-                await _measure(s, "ours", door.wait_ready()["url"], urls[0], door.pid, bodies, args, res)
+                await _measure(s, "ours", door.wait_ready()["url"], urls[0], [door.pid], bodies, args, res)
             finally:
                 door.stop()
+            # Door processes on one port (SO_REUSEPORT), each its own edge: CPU per request should
+            # stay flat as they are added, with the connections spread among them.
+            for n in args.doors:
+                doors = [Child("door", {**spec, "reuse_port": True})]
+                try:
+                    url = doors[0].wait_ready()["url"]
+                    port = int(url.rsplit(":", 1)[1])
+                    for _ in range(n - 1):
+                        doors.append(Child("door", {**spec, "reuse_port": True, "port": port}))
+                        doors[-1].wait_ready()
+                    part: dict[str, Any] = {}
+                    await _measure(s, "doors", url, urls[0], [d.pid for d in doors], bodies, args, part)
+                    res.setdefault("doors_cpu_ms_per_req", {})[str(n)] = part.get("doors_cpu_ms_per_req")
+                    res.setdefault("doors_req_per_s", {})[str(n)] = part.get("doors_req_per_s")
+                    res.setdefault("doors_cpu_share", {})[str(n)] = part.get("doors_cpu_share")
+                finally:
+                    for d in doors:
+                        d.stop()
             if args.no_peer:
                 res["peer_error"] = "not run (--no-peer)"
                 return
@@ -222,7 +247,7 @@ async def run(args: argparse.Namespace, res: dict[str, Any]) -> None:
             try:
                 version = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('sglang-router'))"], capture_output=True, text=True)
                 res["peer_version"] = version.stdout.strip() or None
-                await _measure(s, "peer", peer_url, urls[0], peer.pid, bodies, args, res)
+                await _measure(s, "peer", peer_url, urls[0], [peer.pid], bodies, args, res)
             finally:
                 stop_process(peer, 10)
     finally:
@@ -239,7 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--ports", type=int, default=14, help="backend ports, one per worker (default 14, the testbed's)")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--doors", default="1,2", help="door process counts to measure on one SO_REUSEPORT port, comma list ('' skips; default 1,2)")
     args = ap.parse_args(argv)
+    try:
+        args.doors = [int(x) for x in args.doors.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--doors takes a comma list of counts, got {args.doors!r}")
+    if any(n < 1 for n in args.doors):
+        ap.error("--doors counts must be >= 1")
     args.prompts, args.words = 16, 120
     args.pairs = 400 if args.quick else 2000
     args.warmup = 50

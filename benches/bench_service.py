@@ -225,7 +225,7 @@ def child_door(spec: dict[str, Any]) -> None:
 
         stop = asyncio.Event()
         with on_signals(stop.set, (signal.SIGTERM,)):
-            door = await serve_door(edge, workers, None)
+            door = await serve_door(edge, workers, None, port=int(spec.get("port", 0)), reuse_port=bool(spec.get("reuse_port", False)))
             # The operators' page, on a listener of its own as an edge process serves it.
             dash = Dashboard(edge)
             dash.door = door.door

@@ -91,7 +91,7 @@ _RawRemoved = tuple[bool, int, npt.NDArray[np.uint64]]
 
 @final
 class BlockCache:
-    """The emulated engine's two-tier prefix cache (``kvcompass.sim.cache.PrefixCache`` wraps it
+    """The emulated engine's two-tier prefix cache (``kvcompass.engine.cache.PrefixCache`` wraps it
     and documents the model). Tiers are 1 (VRAM) and 2 (DRAM); capacities are in blocks; chains
     are hashed from the tokens under ``salt_seed`` and named through ``name_seed``; ``salt`` is a
     caller's number for a cache salt (0: none), returned with stored runs that start a prompt."""
@@ -125,7 +125,7 @@ _RngState = tuple[int, int, bool, int]
 _CostArgs = tuple[float, float, float, float, float, float, float, int]
 
 def cost_prefill_ms(cost: _CostArgs, uncached: int) -> float:
-    """``kvcompass.sim.costs.CostModel.prefill_ms`` (the cost forms live here, once)."""
+    """``kvcompass.engine.costs.CostModel.prefill_ms`` (the cost forms live here, once)."""
 def cost_reload_ms(cost: _CostArgs, dram: int) -> float: ...
 def cost_decode_step_ms(cost: _CostArgs, batch: int, context: int) -> float: ...
 def cost_estimate_ms(cost: _CostArgs, length: int, vram_hit: int, dram_hit: int, batch: int, context: int, max_batched_tokens: int, chunked: bool) -> float: ...

@@ -58,14 +58,12 @@ from kvcompass.services.codec import StrictProtoCodec
 from kvcompass.services.edge_service import EdgeServer, EdgeService
 from kvcompass.services.http_door import DoorConfig, serve_door
 from kvcompass.services.maintenance_service import (
-    INGEST_PATH,
-    SUBSCRIBE_PATH,
-    WORKER_HEADER,
     MaintenanceConfig,
     MaintenanceServer,
     MaintenanceService,
     decode_key_ops,
 )
+from kvcompass.services.wire import INGEST_PATH, SUBSCRIBE_PATH, WORKER_HEADER
 
 CORPUS = Path(__file__).resolve().parent / "data" / "bad_input"
 ITEMS: list[dict[str, Any]] = json.loads((CORPUS / "MANIFEST.json").read_text())["items"]

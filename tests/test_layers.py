@@ -55,3 +55,12 @@ def test_top_level_exports_load_on_first_use() -> None:
     )
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode == 0, p.stderr
+
+
+def test_the_readme_stays_a_front_page() -> None:
+    """Issue 15: the README is what a newcomer reads first (what it is, the two commands, what
+    is inside, one results table per area, status); measurements and history live in docs/."""
+    from pathlib import Path
+
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    assert readme.stat().st_size <= 20 * 1024, f"README.md is {readme.stat().st_size} bytes: move detail to docs/"

@@ -1001,3 +1001,39 @@ def test_sampling_fields_reach_the_worker_untouched_and_the_forwarded_route_is_c
             assert (sent["tools"], sent["tool_choice"], sent["seed"]) == (chat["tools"], "auto", 3)
 
     run(go())
+
+
+def test_two_doors_serve_one_port_each_with_its_own_edge() -> None:
+    """Issue 15: ``reuse_port`` lets several processes (here two doors, each over its own edge
+    replica) serve one door port; the kernel spreads new connections among them."""
+    fleet = Fleet()
+    planes = [make_plane(), make_plane()]
+
+    async def go() -> None:
+        app = web.Application()
+        app.router.add_post("/w/{wid}/v1/completions", fleet.handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        sock = bound_socket()
+        await web.SockSite(runner, sock).start()
+        base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        edges = [p.edges["us"] for p in planes]
+        first = await serve_door(edges[0], {w: f"{base}/w/{w}" for w in edges[0].workers}, ByteTokenizer(), reuse_port=True)
+        second = await serve_door(edges[1], {w: f"{base}/w/{w}" for w in edges[1].workers}, ByteTokenizer(), port=first.port, reuse_port=True)
+        try:
+            assert second.port == first.port
+            body = {"prompt": prompt_ids(7, 64).tolist(), "max_tokens": 1}
+            # A connection each: the kernel picks the listener per connection.
+            async with aiohttp.ClientSession(first.url, connector=aiohttp.TCPConnector(force_close=True)) as client:
+                for _ in range(40):
+                    status, _, _ = await complete(client, body)
+                    assert status == 200
+            routes = [e.stats.routes for e in edges]
+            assert sum(routes) == 40 and min(routes) > 0, routes
+        finally:
+            await second.stop(grace_s=1.0)
+            await first.stop(grace_s=1.0)
+            await runner.cleanup()
+            sock.close()
+
+    run(go())

@@ -52,16 +52,13 @@ from kvcompass.services.edge_sync import EdgeSync
 from kvcompass.errors import IngestRejectedError
 from kvcompass.services.ingest_client import IngestClient
 from kvcompass.services.maintenance_service import (
-    INGEST_PATH,
-    SUBSCRIBE_PATH,
-    TOKEN_HEADER,
-    WORKER_HEADER,
     MaintenanceConfig,
     MaintenanceServer,
     MaintenanceService,
     load_unit,
     serve_maintenance,
 )
+from kvcompass.services.wire import INGEST_PATH, SUBSCRIBE_PATH, TOKEN_HEADER, WORKER_HEADER
 from kvcompass.services.metrics import MetricsServer
 from kvcompass.services.status import STATUS_OF, status_of
 

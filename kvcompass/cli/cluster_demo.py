@@ -26,7 +26,6 @@ import contextlib
 import json
 import math
 import os
-import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcompass.errors import UsageError
-from kvcompass.services.lifecycle import env_for_child, on_signals
+from kvcompass.services.lifecycle import env_for_child, on_signals, stop_process_async
 
 __all__ = ["add_parsers", "format_table", "run_cluster_demo", "write_figure"]
 
@@ -97,13 +96,7 @@ async def _run_mode(args: argparse.Namespace, mode: str, plans: Sequence[Any], o
         if getattr(args, "hold", False) and mode == args.modes.split(",")[-1].strip():
             await _hold(state, mode)
     finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            rc = await asyncio.wait_for(proc.wait(), 90)
-        except TimeoutError:
-            proc.kill()
-            rc = await proc.wait()
+        rc, _ = await stop_process_async(proc, 90)
     print(f"[{mode}] cluster stopped (exit {rc}); {time.perf_counter() - t0:.1f} s in all", file=sys.stderr, flush=True)
     return records
 

@@ -51,6 +51,9 @@ def add_parsers(sub: Any) -> None:
     e.add_argument("--routing", choices=("kvcompass", "local"), default="kvcompass", help="kvcompass: joint score over every region; local: region-local cache-aware routing")
     e.add_argument("--host", default="127.0.0.1")
     e.add_argument("--http-port", type=int, default=0)
+    e.add_argument("--reuse-port", action="store_true",
+                   help="bind --http-port with SO_REUSEPORT, so several edge processes of one region serve one door port from several cores "
+                        "(each with its own views, fed by the units; the kernel spreads connections among them; give each its own --grpc-port and --metrics-port)")
     e.add_argument("--grpc-port", type=int, default=0)
     e.add_argument("--metrics-port", type=int, default=0)
     e.add_argument("--maintenance", required=True, metavar="HOST:PORT,...", help="the units of shards 0..N-1, in shard order")
@@ -398,7 +401,7 @@ async def _edge(args: argparse.Namespace) -> int:
                 drain_grace_s=args.drain_grace, api_keys=keys, peer_key=peer_key, header_timeout_s=args.header_timeout, max_connections_per_address=args.max_connections_per_address
             ),
             regions=regions, wan_one_way_ms=one_way if scale > 0 else None, ssl_context=http_server_ssl, upstream_ssl=http_client_ssl,
-            peers=door_peers,
+            peers=door_peers, reuse_port=args.reuse_port,
         )
         door.door.stale_shards = sync.stale_shards
         dashboard.door = door.door

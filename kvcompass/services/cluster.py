@@ -51,7 +51,7 @@ from typing import IO, Any
 import aiohttp
 
 from kvcompass.errors import UsageError
-from kvcompass.services.lifecycle import env_for_child, on_signals
+from kvcompass.services.lifecycle import env_for_child, on_signals, stop_process_async
 
 __all__ = ["Child", "ClusterConfig", "pick_workers", "run_cluster"]
 
@@ -456,17 +456,10 @@ class Cluster:
             group = [c for c in self.children if c.role == role and c.proc is not None and c.proc.returncode is None]
             for c in group:
                 c.stopping = True
-                with contextlib.suppress(ProcessLookupError):
-                    assert c.proc is not None
-                    c.proc.send_signal(signal.SIGTERM)
-            for c in group:
-                assert c.proc is not None
-                try:
-                    rc = await asyncio.wait_for(c.proc.wait(), self.cfg.drain_grace_s + 10)
-                except TimeoutError:
-                    with contextlib.suppress(ProcessLookupError):
-                        c.proc.kill()
-                    rc = await c.proc.wait()
+            # The whole group drains at once: each gets SIGTERM now and its own grace period.
+            results = await asyncio.gather(*(stop_process_async(c.proc, self.cfg.drain_grace_s + 10) for c in group if c.proc is not None))
+            for c, (rc, killed) in zip(group, results):
+                if killed:
                     print(f"kvcompass up: {c.name} did not stop within its grace period: killed", file=sys.stderr)
                 if rc != 0 and not (not c.ready and rc == -signal.SIGTERM):
                     # (A restart still starting when the cluster stops dies of the SIGTERM

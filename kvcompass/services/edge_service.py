@@ -46,20 +46,16 @@ from kvcompass._core import namespace_digest
 from kvcompass.errors import InvalidArgumentError, KVCompassError, NotAllowedError, RateLimitedError, UnauthenticatedError, UnknownRouteError
 from kvcompass.services.api_keys import ANY_TENANT, ApiKey, KeyStore
 from kvcompass.services.grpc_lifecycle import DrainingServer, OwnedChannels
-from kvcompass.services.lifecycle import hostport
+from kvcompass.services.lifecycle import AsyncResource, hostport
 from kvcompass.services.metrics import MetricsServer, Route, ServiceMetrics
 from kvcompass.services.status import grpc_error
-from kvcompass.services.wire import PEER_TOKEN_HEADER
+from kvcompass.services.wire import EXCHANGE_PATH, OUTCOME_PATH, PEER_TOKEN_HEADER, ROUTE_PATH
 
 __all__ = ["Clock", "EdgeServer", "EdgeService", "QueueBroadcaster"]
 
 Clock = Callable[[], float]
 
 MAX_PROMPT_TOKENS = 1 << 21
-EXCHANGE_PATH = "/kvcompass.v1.Edge/ExchangeQueues"
-ROUTE_PATH = "/kvcompass.v1.Edge/Route"
-OUTCOME_PATH = "/kvcompass.v1.Edge/ReportOutcome"
-"""The metadata carrying the deployment's shared edge secret (the doors' peer key)."""
 OPEN_ROUTES = 1 << 16
 """Routes whose outcome an edge still accepts (the oldest is forgotten first): about a minute
 of decisions at 1,000 routes a second."""
@@ -322,7 +318,7 @@ class QueueBroadcaster:
         self._channels.close()
 
 
-class EdgeServer:
+class EdgeServer(AsyncResource):
     """:class:`EdgeService` plus grpclib Health on one server, and optionally the metrics
     endpoint. ``health`` is the readiness check (EdgeSync's), reported for the Edge service and
     overall; ``ready`` backs ``/healthz``."""
@@ -365,8 +361,3 @@ class EdgeServer:
             m, self._metrics_server = self._metrics_server, None
             await m.close()
 
-    async def __aenter__(self) -> EdgeServer:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()

@@ -32,9 +32,10 @@ from grpclib.health.check import ServiceStatus
 from kvcompass._proto.kvcompass.v1 import MaintenanceStub, Position, SnapshotRequest, SubscribeEvent, SubscribeRequest
 from kvcompass.discovery.edge import Edge
 from kvcompass.errors import InvalidArgumentError
-from kvcompass.services.maintenance_service import SUBSCRIBE_PATH
+from kvcompass.services.wire import SUBSCRIBE_PATH
 from kvcompass.services.metrics import ServiceMetrics, export_states
 from kvcompass.services.grpc_lifecycle import OwnedChannels
+from kvcompass.services.lifecycle import AsyncResource
 
 __all__ = ["EdgeSync"]
 
@@ -45,7 +46,7 @@ class _Resubscribe(Exception):
     """A view needs repair: subscribe again from the current positions."""
 
 
-class EdgeSync:
+class EdgeSync(AsyncResource):
     """Subscribes ``edge`` to every unit in ``units`` (shard -> grpclib Channel, shared and closed
     by the caller, or ``"host:port"``, opened and closed here, over TLS with ``ssl_context``)."""
 
@@ -152,12 +153,8 @@ class EdgeSync:
             self._set_live(s, False)
         self._update()
 
-    async def __aenter__(self) -> EdgeSync:
+    async def open(self) -> None:
         await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     # ---- the follower ------------------------------------------------------------------------
 

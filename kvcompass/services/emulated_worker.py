@@ -92,7 +92,7 @@ from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, OpenAIError, ch
 from kvcompass.engine.tokenizer import Tokenizer, load_tokenizer
 from kvcompass.engine.cache import Policy, PrefixCache
 from kvcompass.engine.costs import CostModel
-from kvcompass.services.lifecycle import on_signals
+from kvcompass.services.lifecycle import AsyncResource, on_signals
 from kvcompass.services.wire import CACHED_HEADER, LOAD_PATH, QUEUE_MS_HEADER, WORKER_HEADER
 
 __all__ = [
@@ -257,7 +257,7 @@ def _json(obj: object, status: int = 200, headers: Mapping[str, str] | None = No
     return web.Response(body=json.dumps(obj, separators=(",", ":")).encode(), status=status, content_type="application/json", headers=headers)
 
 
-class EmulatedWorker:
+class EmulatedWorker(AsyncResource):
     """One emulated vLLM worker: ``await start()``, then HTTP on :attr:`http_url`, KV events on
     :attr:`events_endpoint`, replay on :attr:`replay_endpoint`; ``await stop()`` drains."""
 
@@ -378,11 +378,10 @@ class EmulatedWorker:
             self._ctx.term()
             self._ctx = None
 
-    async def __aenter__(self) -> EmulatedWorker:
+    async def open(self) -> None:
         await self.start()
-        return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def close(self) -> None:
         await self.stop()
 
     # ---- fault injection and inspection -------------------------------------------------------

@@ -17,7 +17,8 @@ from grpclib.server import Server
 
 from kvcompass.services.codec import StrictProtoCodec, install_receive_limit
 from kvcompass.services.lifecycle import hostport
-from kvcompass.services.metrics import ServiceMetrics, bind_socket
+from kvcompass.services.lifecycle import bind_socket
+from kvcompass.services.metrics import ServiceMetrics
 from kvcompass.services.tls import grpc_channel
 
 __all__ = ["DrainingServer", "OwnedChannels"]

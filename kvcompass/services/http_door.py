@@ -95,6 +95,7 @@ from kvcompass.services.openai_api import (
     prompt_batch,
     prompt_tokens,
 )
+from kvcompass.services.lifecycle import AsyncResource, bind_socket
 from kvcompass.services.wire import (
     HANDOFF_HEADER,
     MIGRATION_HEADER,
@@ -1420,7 +1421,7 @@ def make_app(
     return app
 
 
-class DoorServer:
+class DoorServer(AsyncResource):
     """A running door: its listening socket, and :meth:`stop` to drain and close it."""
 
     def __init__(self, app: web.Application, runner: web.AppRunner, sock: socket.socket, *, tls: bool = False) -> None:
@@ -1457,10 +1458,7 @@ class DoorServer:
         finally:
             self._sock.close()
 
-    async def __aenter__(self) -> DoorServer:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
+    async def close(self) -> None:
         await self.stop()
 
 
@@ -1480,9 +1478,12 @@ async def serve_door(
     ssl_context: ssl.SSLContext | None = None,
     upstream_ssl: ssl.SSLContext | None = None,
     peers: Mapping[str, str] | None = None,
+    reuse_port: bool = False,
 ) -> DoorServer:
     """Start the door on ``sock`` (a bound socket) or ``host:port`` (0: any free port; read
-    :attr:`DoorServer.port`) and return once it accepts connections. ``ssl_context`` (a
+    :attr:`DoorServer.port`) and return once it accepts connections. ``reuse_port`` lets other
+    processes serve the same port (each an edge with its own views; the kernel spreads the
+    connections among them). ``ssl_context`` (a
     :meth:`TLSConfig.server_context <kvcompass.services.tls.TLSConfig.server_context>` for
     ``"http"``) serves HTTPS; ``upstream_ssl`` is passed to :func:`make_app`."""
     app = make_app(
@@ -1490,14 +1491,7 @@ async def serve_door(
         peers=peers,
     )
     if sock is None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-        except OSError:
-            sock.close()
-            raise
+        sock = bind_socket(host, port, reuse_port=reuse_port)
     # Whatever is still running when the grace period ended is cut off after 1 s more.
     runner = web.AppRunner(app, shutdown_timeout=1.0, access_log=None)
     await runner.setup()

@@ -42,6 +42,7 @@ from kvcompass.errors import AgentSequenceError, IngestRejectedError
 from kvcompass.services.status import error_class, error_from
 from kvcompass.services.wire import INGEST_PATH, TOKEN_HEADER, WORKER_HEADER
 from kvcompass.services.grpc_lifecycle import OwnedChannels
+from kvcompass.services.lifecycle import AsyncResource
 
 __all__ = ["IngestClient", "SendReport", "encode_key_ops"]
 
@@ -184,7 +185,7 @@ async def _close_quietly(stack: contextlib.AsyncExitStack) -> None:
         await stack.aclose()
 
 
-class IngestClient:
+class IngestClient(AsyncResource):
     """Streams one worker's key-op batches to the maintenance units.
 
     ``units`` maps shard -> grpclib Channel (shared: the caller closes it) or ``"host:port"``
@@ -329,8 +330,3 @@ class IngestClient:
                 await u.drop()
         self._owned.close()
 
-    async def __aenter__(self) -> IngestClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()

@@ -24,12 +24,15 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Self
 
 __all__ = [
+    "AsyncResource",
+    "bind_socket",
     "PARENT_ENV",
     "announce",
     "env_for_child",
@@ -37,6 +40,7 @@ __all__ = [
     "on_signals",
     "stop_on_signals",
     "stop_process",
+    "stop_process_async",
 ]
 
 PARENT_ENV = "KVCOMPASS_PARENT_PID"
@@ -121,3 +125,59 @@ def stop_process(proc: subprocess.Popen[Any], grace_s: float) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
     return proc.wait()
+
+
+async def stop_process_async(proc: asyncio.subprocess.Process, grace_s: float) -> tuple[int, bool]:
+    """:func:`stop_process` for an asyncio child: its exit code, and whether it had to be killed
+    (it outlived its grace period)."""
+    if proc.returncode is not None:
+        return proc.returncode, False
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return await asyncio.wait_for(proc.wait(), grace_s), False
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        return await proc.wait(), True
+
+
+class AsyncResource:
+    """A server or client used as ``async with``: entering runs :meth:`open` (nothing for the
+    ones built already running), leaving runs :meth:`close`, written once for every service
+    object instead of a pair of dunder methods on each."""
+
+    async def open(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def bind_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A listening TCP socket bound before the server starts, so port 0 yields a known port.
+
+    ``reuse_port`` (Linux ``SO_REUSEPORT``): several processes bind the same port and the kernel
+    spreads new connections among them, which is how one region's edge serves its door from more
+    than one core (each process its own edge, with its own view replica)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+

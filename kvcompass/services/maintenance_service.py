@@ -69,10 +69,10 @@ from kvcompass.errors import (
     WrongTableError,
 )
 from kvcompass.services.grpc_lifecycle import DrainingServer
-from kvcompass.services.lifecycle import hostport, on_signals
+from kvcompass.services.lifecycle import AsyncResource, hostport, on_signals
 from kvcompass.services.metrics import MetricsServer, ServiceMetrics, export_states
 from kvcompass.services.status import grpc_error, status_of
-from kvcompass.services.wire import INGEST_PATH, TOKEN_HEADER, WORKER_HEADER
+from kvcompass.services.wire import INGEST_PATH, SUBSCRIBE_PATH, TOKEN_HEADER, WORKER_HEADER
 
 __all__ = [
     "MaintenanceConfig",
@@ -83,8 +83,6 @@ __all__ = [
     "serve_maintenance",
     "write_atomic",
 ]
-
-SUBSCRIBE_PATH = "/kvcompass.v1.Maintenance/Subscribe"
 
 _T = TypeVar("_T")
 
@@ -567,7 +565,7 @@ class MaintenanceEndpoints:
     metrics: str | None
 
 
-class MaintenanceServer:
+class MaintenanceServer(AsyncResource):
     """A :class:`MaintenanceService` plus Health on a grpclib server, and the metrics endpoint:
     the whole process of ``kvcompass maintenance``, as an async context manager."""
 
@@ -617,11 +615,6 @@ class MaintenanceServer:
                     m, self._metrics = self._metrics, None
                     await m.close()
 
-    async def __aenter__(self) -> MaintenanceServer:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
 
 async def serve_maintenance(

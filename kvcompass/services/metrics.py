@@ -8,14 +8,15 @@ clashes). Other services add their own collectors to ``metrics.registry`` and re
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Awaitable, Sequence
 from typing import Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["MetricsServer", "ServiceMetrics", "bind_socket", "metrics_app"]
+from kvcompass.services.lifecycle import AsyncResource, bind_socket
+
+__all__ = ["MetricsServer", "ServiceMetrics", "metrics_app"]
 
 # Patch lag on loopback is sub-millisecond; across regions it is a WAN RTT plus the flush period.
 _LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -101,22 +102,7 @@ def metrics_app(registry: CollectorRegistry, ready: Callable[[], bool], routes: 
     return app
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket bound before the server starts, so port 0 yields a known port."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-class MetricsServer:
+class MetricsServer(AsyncResource):
     """The metrics endpoint as a start/close pair (for ``AsyncExitStack`` lifecycles)."""
 
     def __init__(self, registry: CollectorRegistry, ready: Callable[[], bool], routes: Sequence[Route] = ()) -> None:
@@ -144,11 +130,6 @@ class MetricsServer:
             runner, self._runner = self._runner, None
             await runner.cleanup()
 
-    async def __aenter__(self) -> MetricsServer:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
 
 StateRow = tuple[int, int, int, int, bytes]

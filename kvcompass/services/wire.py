@@ -8,15 +8,19 @@ from kvcompass.agent.agent import TENANT_SALT_PREFIX
 
 __all__ = [
     "CACHED_HEADER",
+    "EXCHANGE_PATH",
     "HANDOFF_HEADER",
     "INGEST_PATH",
     "LOAD_PATH",
     "MIGRATION_HEADER",
     "NAMESPACE_HEADER",
+    "OUTCOME_PATH",
     "PEER_TOKEN_HEADER",
     "QUEUE_MS_HEADER",
     "QUEUE_VECTOR_HEADER",
     "REGION_HEADER",
+    "ROUTE_PATH",
+    "SUBSCRIBE_PATH",
     "TENANT_SALT_PREFIX",
     "TOKEN_HEADER",
     "WORKER_HEADER",
@@ -32,6 +36,14 @@ PEER_TOKEN_HEADER = "x-kvcompass-edge-token"
 """The deployment's shared edge secret: edges' queue exchange and doors' hand-offs."""
 INGEST_PATH = "/kvcompass.v1.Maintenance/Ingest"
 """The ingest RPC, served by a hand-written handler (acks per batch, in order)."""
+SUBSCRIBE_PATH = "/kvcompass.v1.Maintenance/Subscribe"
+"""The patch stream an edge follows (hand-written on both ends: flow control, catch-up)."""
+EXCHANGE_PATH = "/kvcompass.v1.Edge/ExchangeQueues"
+"""Queue vectors between edges (the deployment's shared edge secret in ``PEER_TOKEN_HEADER``)."""
+ROUTE_PATH = "/kvcompass.v1.Edge/Route"
+"""A gateway's route (or, with ``lookup_only``, question) to an edge."""
+OUTCOME_PATH = "/kvcompass.v1.Edge/ReportOutcome"
+"""What a route's worker reported, back to the edge that decided it."""
 
 # HTTP, worker -> door
 QUEUE_MS_HEADER = "x-kvcompass-queue-ms"

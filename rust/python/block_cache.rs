@@ -1,5 +1,5 @@
 //! `BlockCache`: the emulated engine's prefix cache (`crate::block_cache`), wrapped by
-//! `kvcompass.sim.cache.PrefixCache`, which checks arguments and turns the raw events returned
+//! `kvcompass.engine.cache.PrefixCache`, which checks arguments and turns the raw events returned
 //! here into `kvcompass.agent.events` objects.
 
 use numpy::{IntoPyArray, PyArray1};
@@ -135,7 +135,7 @@ impl PyBlockCache {
         self.inner.tier_of(block_hash)
     }
 
-    /// The counters, in `kvcompass.sim.cache.CacheStats` field order.
+    /// The counters, in `kvcompass.engine.cache.CacheStats` field order.
     fn stats(&self) -> [u64; 11] {
         let s = self.inner.stats;
         [s.admits, s.copies, s.clears, s.prompt_tokens, s.vram_hit_tokens, s.dram_hit_tokens, s.stored_blocks, s.promoted_blocks, s.demoted_blocks, s.evicted_blocks, s.truncated_blocks]

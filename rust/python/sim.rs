@@ -701,7 +701,7 @@ fn cost_of(c: CostArgs) -> Cost {
     Cost { prefill_ms_per_token: a, prefill_base_ms: b, reload_ms_per_token: cc, decode_base_ms: d, decode_ms_per_seq: e, decode_compute_ms_per_token: f, decode_ms_per_context_token: g, kv_bytes_per_token: h }
 }
 
-/// The cost model's forms (`crate::sim::Cost`), for `kvcompass.sim.costs.CostModel`: the one
+/// The cost model's forms (`crate::sim::Cost`), for `kvcompass.engine.costs.CostModel`: the one
 /// implementation the simulator's engine and the services' emulated workers share.
 #[pyfunction]
 fn cost_prefill_ms(cost: CostArgs, uncached: u64) -> f64 {

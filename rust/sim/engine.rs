@@ -14,7 +14,7 @@ use crate::error::{CoreError, Result};
 use crate::chunk_hash::block_chain;
 use crate::token_ids::{chain_block_ids, expand_blocks};
 
-/// The calibrated cost model (`kvcompass.sim.costs.CostModel`), float for float.
+/// The calibrated cost model (`kvcompass.engine.costs.CostModel`), float for float.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Cost {
     pub prefill_ms_per_token: f64,
