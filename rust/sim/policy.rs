@@ -12,7 +12,6 @@ use std::collections::VecDeque;
 
 use blake2::digest::{Update, VariableOutput};
 use blake2::Blake2bVar;
-use rustc_hash::FxHashMap;
 
 use super::{Choice, Engine};
 use crate::error::{CoreError, Result};
@@ -301,14 +300,14 @@ fn unmix64(mut y: u64) -> u64 {
 #[derive(Clone, Debug)]
 pub struct KvFeed {
     seeds: Vec<u64>,
-    tracker: Vec<FxHashMap<u64, u8>>,
+    tracker: Vec<BlockTable<u8>>,
 }
 
 impl KvFeed {
     /// `seeds`: every worker's cache name seed.
     pub fn new(seeds: Vec<u64>) -> Self {
         let n = seeds.len();
-        KvFeed { seeds, tracker: vec![FxHashMap::default(); n] }
+        KvFeed { seeds, tracker: (0..n).map(|_| BlockTable::new()).collect() }
     }
 
     fn key(&self, w: usize, name: u64) -> u64 {
@@ -333,7 +332,10 @@ impl KvFeed {
                             continue;
                         }
                     }
-                    for &h in hashes {
+                    for (i, &h) in hashes.iter().enumerate() {
+                        if let Some(&a) = hashes.get(i + 8) {
+                            self.tracker[w].prefetch(a);
+                        }
                         self.tracker[w].insert(h, *medium);
                         ops.push((self.key(w, h), *medium));
                     }
@@ -382,7 +384,7 @@ fn leading(keys: &[u64], held: impl Fn(&u64) -> bool) -> usize {
 }
 
 /// `(vram, dram)` leading blocks of `keys` in `view` (VRAM is prefix-closed: the VRAM run first).
-fn tiered_overlap(keys: &[u64], view: &FxHashMap<u64, u8>) -> (usize, usize) {
+fn tiered_overlap(keys: &[u64], view: &BlockTable<u8>) -> (usize, usize) {
     let k = leading(keys, |x| view.contains_key(x));
     let v = leading(&keys[..k], |x| view.get(x) == Some(&crate::block_cache::VRAM));
     (v, k - v)
@@ -407,7 +409,7 @@ pub struct CoordinatorState {
     reports: Vec<VecDeque<(f64, f64)>>,
     /// Per worker: the coordinator's view, its latest queue report `(sent at, queued ms)`, and
     /// what it dispatched there since `(due at the worker, estimated ms)`.
-    view: Vec<FxHashMap<u64, u8>>,
+    view: Vec<BlockTable<u8>>,
     report: Vec<(f64, f64)>,
     sent: Vec<VecDeque<(f64, f64)>>,
 }
@@ -430,7 +432,7 @@ impl CoordinatorState {
             feed: KvFeed::new(seeds),
             log: vec![VecDeque::new(); n],
             reports: vec![VecDeque::new(); n],
-            view: vec![FxHashMap::default(); n],
+            view: (0..n).map(|_| BlockTable::new()).collect(),
             report: vec![(0.0, 0.0); n],
             sent: vec![VecDeque::new(); n],
         }
@@ -483,9 +485,9 @@ pub struct DynamoState {
     workers: Vec<u32>,
     beta: Vec<f64>,
     feed: KvFeed,
-    exact: Vec<FxHashMap<u64, u8>>,
-    stale: Vec<FxHashMap<u64, u8>>,
-    filter: Vec<FxHashMap<u64, u32>>,
+    exact: Vec<BlockTable<u8>>,
+    stale: Vec<BlockTable<u8>>,
+    filter: Vec<BlockTable<u32>>,
     log: Vec<VecDeque<(f64, Vec<(u64, u8)>)>>,
     queue: Vec<f64>,
     epoch: f64,
@@ -502,9 +504,9 @@ impl DynamoState {
             workers,
             beta,
             feed: KvFeed::new(seeds),
-            exact: vec![FxHashMap::default(); n],
-            stale: vec![FxHashMap::default(); n],
-            filter: vec![FxHashMap::default(); regions],
+            exact: (0..n).map(|_| BlockTable::new()).collect(),
+            stale: (0..n).map(|_| BlockTable::new()).collect(),
+            filter: (0..regions).map(|_| BlockTable::new()).collect(),
             log: vec![VecDeque::new(); n],
             queue: vec![0.0; n],
             epoch: -1.0,
@@ -527,13 +529,22 @@ impl DynamoState {
     }
 
     /// Leading blocks of `keys` in `view`.
-    fn overlap<V>(keys: &[u64], view: &FxHashMap<u64, V>) -> usize {
+    fn overlap<V: Copy + Default>(keys: &[u64], view: &BlockTable<V>) -> usize {
         leading(keys, |k| view.contains_key(k))
     }
 }
 
-fn apply_ops(view: &mut FxHashMap<u64, u8>, ops: &[(u64, u8)], mut counts: Option<&mut FxHashMap<u64, u32>>) {
-    for &(k, medium) in ops {
+/// A run of key operations into a view (and its region's holder counts): the slots of the keys a
+/// few operations ahead are requested while the current one is applied, so their misses overlap.
+fn apply_ops(view: &mut BlockTable<u8>, ops: &[(u64, u8)], mut counts: Option<&mut BlockTable<u32>>) {
+    const AHEAD: usize = 8;
+    for (i, &(k, medium)) in ops.iter().enumerate() {
+        if let Some(&(a, _)) = ops.get(i + AHEAD) {
+            view.prefetch(a);
+            if let Some(c) = counts.as_deref() {
+                c.prefetch(a);
+            }
+        }
         let had = view.contains_key(&k);
         if medium == 0 {
             view.remove(&k);
@@ -551,7 +562,12 @@ fn apply_ops(view: &mut FxHashMap<u64, u8>, ops: &[(u64, u8)], mut counts: Optio
             view.insert(k, medium);
             if !had {
                 if let Some(c) = counts.as_deref_mut() {
-                    *c.entry(k).or_insert(0) += 1;
+                    match c.get_mut(&k) {
+                        Some(n) => *n += 1,
+                        None => {
+                            c.insert(k, 1);
+                        }
+                    }
                 }
             }
         }
@@ -586,7 +602,7 @@ impl SGLangState {
 /// the block's current one is stale and skipped.
 #[derive(Clone, Debug, Default)]
 struct LruBlocks {
-    map: FxHashMap<u64, u64>,
+    map: BlockTable<u64>,
     order: VecDeque<(u64, u64)>,
     clock: u64,
 }
@@ -704,6 +720,11 @@ impl Engine {
         let now = self.now;
         if let Some((regions, rbeta, by_region)) = &s.global {
             let mut rs = Vec::with_capacity(regions.len());
+            if let Some(&k0) = keys.first() {
+                for &r in regions.iter() {
+                    s.filter[r as usize].prefetch(k0);
+                }
+            }
             for (k, &r) in regions.iter().enumerate() {
                 let load = by_region[k].iter().map(|&w| s.queue[w as usize] + self.dispatched_from(w, origin)).fold(f64::INFINITY, f64::min);
                 let m = l.min(DynamoState::overlap(keys, &s.filter[r as usize]) as u64 * block);
@@ -713,6 +734,11 @@ impl Engine {
             let workers = &by_region[k];
             let mut matches = Vec::with_capacity(workers.len());
             let mut scores = Vec::with_capacity(workers.len());
+            if let Some(&k0) = keys.first() {
+                for &w in workers {
+                    s.exact[w as usize].prefetch(k0);
+                }
+            }
             for &w in workers {
                 let m = l.min(DynamoState::overlap(keys, &s.exact[w as usize]) as u64 * block);
                 scores.push(self.queued(&self.workers[w as usize], now) + self.dispatched_from(w, origin) + s.beta[w as usize] * (l - m) as f64);
@@ -723,6 +749,14 @@ impl Engine {
         }
         let mut matches = Vec::with_capacity(s.workers.len());
         let mut scores = Vec::with_capacity(s.workers.len());
+        // Every view's first probe is the prompt's first block: request them all before reading
+        // any, so the misses of the workers' views overlap.
+        if let Some(&k0) = keys.first() {
+            for &w in &s.workers {
+                let local = self.workers[w as usize].region == origin;
+                (if local { &s.exact[w as usize] } else { &s.stale[w as usize] }).prefetch(k0);
+            }
+        }
         for &w in &s.workers {
             let x = &self.workers[w as usize];
             let local = x.region == origin;
@@ -755,6 +789,11 @@ impl Engine {
             // A tree holds a block's parents whenever it holds the block (whole prompts in,
             // least recently used out, parents newer than children): a binary search.
             let (mut best_i, mut best) = (0usize, -1i64);
+            if let Some(&k0) = chain.first() {
+                for t in &s.trees {
+                    t.map.prefetch(k0);
+                }
+            }
             for (k, t) in s.trees.iter().enumerate() {
                 let m = leading(chain, |h| t.map.contains_key(h)) as i64;
                 if m > best {
@@ -772,7 +811,11 @@ impl Engine {
             }
         };
         let t = &mut s.trees[i];
-        for &h in chain.iter().rev() {
+        const AHEAD: usize = 8;
+        for (j, &h) in chain.iter().enumerate().rev() {
+            if j >= AHEAD {
+                t.map.prefetch(chain[j - AHEAD]);
+            }
             t.touch(h);
         }
         Choice { worker: s.workers[i], claimed: matched, delay_ms: 0.0 }
@@ -901,6 +944,11 @@ impl Engine {
                 let mut hits = Vec::with_capacity(c.workers.len());
                 let mut scores = Vec::with_capacity(c.workers.len());
                 let mut best = f64::INFINITY;
+                if let Some(&k0) = chain.first() {
+                    for &w in &c.workers {
+                        c.view[w as usize].prefetch(k0);
+                    }
+                }
                 for (i, &w) in c.workers.iter().enumerate() {
                     let (vb, db) = tiered_overlap(chain, &c.view[w as usize]);
                     let v = l.min(vb as u64 * block);
