@@ -577,6 +577,7 @@ def test_the_skipped_count_does_not_stop_at_the_log_window(caplog: pytest.LogCap
                 await runner.stop()
         msgs = [r.getMessage() for r in caplog.records]
         assert sum("skipped event" in m for m in msgs) == 256
+        assert all(m.startswith(f"worker {runner.agent.worker_id}: ") for m in msgs if "skipped" in m)
         assert any("44 more events skipped" in m for m in msgs)
         assert "skipped event 299 of seq 0" in "\n".join(msgs) and "skipped event 43 of seq 0" not in "\n".join(msgs)
 

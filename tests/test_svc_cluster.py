@@ -324,7 +324,8 @@ def test_metrics_and_health(cluster: Cluster) -> None:
         assert b"kvcompass_worker_event_subscribers" in _get(w["http"] + "/metrics")[1]
     for a in s["agents"].values():
         assert _get(a["metrics"] + "/healthz")[0] == 200
-        assert b"kvcompass_agent_engine_messages" in _get(a["metrics"] + "/metrics")[1]
+        agent_metrics = _get(a["metrics"] + "/metrics")[1]
+        assert b"kvcompass_agent_engine_messages" in agent_metrics and b"kvcompass_agent_skipped_events" in agent_metrics
 
 
 def test_remote_prefix_becomes_visible_and_wins_when_it_saves_more_than_the_rtt(cluster: Cluster) -> None:
