@@ -34,6 +34,7 @@ import functools
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -195,7 +196,7 @@ class Tokenizer:
                 one.append((role, content))
             parsed.append(one)
         texts = [c for one in parsed for _, c in one if c]
-        encoded = iter(self._hf.encode_batch(texts, add_special_tokens=False) if texts else [])
+        encoded = iter(self._encode_batch(texts) if texts else [])
         heads = {role: [start, *self._ids(role), *self._newline] for role in {r for one in parsed for r, _ in one}}
         trailer = [end, *self._newline]
         result: list[tuple[npt.NDArray[np.uint32], list[int]]] = []
@@ -222,7 +223,15 @@ class Tokenizer:
     def _ids(self, text: str) -> list[int]:
         if not text:
             return []
-        return self._hf.encode(text, add_special_tokens=False).ids
+        ids: list[int] = self._encode_batch([text])[0].ids
+        return ids
+
+    def _encode_batch(self, texts: list[str]) -> list[Any]:
+        """``tokenizers``' batch encoding without character offsets where it has one (0.20.2
+        on): the same ids for about a fifth less CPU (offsets are most of what an ``Encoding``
+        costs beyond the ids, and nothing here reads them)."""
+        fast = getattr(self._hf, "encode_batch_fast", None)
+        return list(fast(texts, add_special_tokens=False) if fast is not None else self._hf.encode_batch(texts, add_special_tokens=False))
 
 
 def _text(name: str, text: object) -> str:
