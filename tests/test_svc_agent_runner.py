@@ -530,10 +530,12 @@ def test_on_engine_gone_withdraws_everything_under_a_new_incarnation() -> None:
     assert net([*out.batches, *batches]) == {}
 
 
-def test_the_runner_logs_and_counts_a_skipped_event_and_sends_the_rest(caplog: pytest.LogCaptureFixture) -> None:
+def _bad_events_beside_a_good_one(n_bad: int) -> tuple[AgentRunner, dict[int, int], list[int]]:
+    """One message of ``n_bad`` events no one can read and one good store, through a runner:
+    the runner (stopped), what it sent (net) and the good store's prompt."""
     import msgpack
 
-    async def main() -> None:
+    async def main() -> tuple[AgentRunner, dict[int, int], list[int]]:
         async with fake_engine() as engine:
             sink = Collect()
             runner = AgentRunner(new_agent(), sink, engine.events, engine.replay)
@@ -542,43 +544,32 @@ def test_the_runner_logs_and_counts_a_skipped_event_and_sends_the_rest(caplog: p
                 await engine.subscribed()
                 p = prompt(3)
                 good = ["BlockStored", [501, 502, 503, 504], None, p, 16, None, "GPU"]
-                await engine.publish(0, p, payload=msgpack.packb([1.0, [["BlockStored", [1]], good]]))
-                await wait_until(lambda: runner.stats.events_skipped == 1 and net(sink.batches) != {})
+                await engine.publish(0, p, payload=msgpack.packb([1.0, [*[["BlockStored", [1]]] * n_bad, good]]))
+                await wait_until(lambda: runner.stats.events_skipped == n_bad and net(sink.batches) != {})
             finally:
                 await runner.stop()
-        reference = new_agent()
-        reference.on_message(encode_batch([BlockStored((501, 502, 503, 504), None, tuple(p), 16, None, "GPU")], 0))
-        assert net(sink.batches) == {k: int(t) for k, t in reference.held().items()}
-        assert runner.stats.malformed == 0 and engine.requests == []  # nothing to replay
-        assert any("skipped event 0 of seq 0" in r.getMessage() for r in caplog.records)
+            assert runner.stats.malformed == 0 and engine.requests == []  # nothing to replay
+            return runner, net(sink.batches), p
 
-    run(main())
+    return run(main())
+
+
+def test_the_runner_logs_and_counts_a_skipped_event_and_sends_the_rest(caplog: pytest.LogCaptureFixture) -> None:
+    _, sent, p = _bad_events_beside_a_good_one(1)
+    reference = new_agent()
+    reference.on_message(encode_batch([BlockStored((501, 502, 503, 504), None, tuple(p), 16, None, "GPU")], 0))
+    assert sent == {k: int(t) for k, t in reference.held().items()}
+    assert any("skipped event 0 of seq 0" in r.getMessage() for r in caplog.records)
 
 
 def test_the_skipped_count_does_not_stop_at_the_log_window(caplog: pytest.LogCaptureFixture) -> None:
     """300 events no one can read in one message: all 300 are counted (the metric reads this
     count), the latest 256 are logged by index and the rest in one line, and the good event of
     the message applies."""
-    import msgpack
-
-    async def main() -> None:
-        async with fake_engine() as engine:
-            sink = Collect()
-            runner = AgentRunner(new_agent(), sink, engine.events, engine.replay)
-            await runner.start()
-            try:
-                await engine.subscribed()
-                p = prompt(3)
-                good = ["BlockStored", [601, 602, 603, 604], None, p, 16, None, "GPU"]
-                bad = [["BlockStored", [1]]] * 300
-                await engine.publish(0, p, payload=msgpack.packb([1.0, [*bad, good]]))
-                await wait_until(lambda: runner.stats.events_skipped == 300 and net(sink.batches) != {})
-            finally:
-                await runner.stop()
-        msgs = [r.getMessage() for r in caplog.records]
-        assert sum("skipped event" in m for m in msgs) == 256
-        assert all(m.startswith(f"worker {runner.agent.worker_id}: ") for m in msgs if "skipped" in m)
-        assert any("44 more events skipped" in m for m in msgs)
-        assert "skipped event 299 of seq 0" in "\n".join(msgs) and "skipped event 43 of seq 0" not in "\n".join(msgs)
-
-    run(main())
+    runner, sent, _ = _bad_events_beside_a_good_one(300)
+    assert sent
+    msgs = [r.getMessage() for r in caplog.records]
+    assert sum("skipped event" in m for m in msgs) == 256
+    assert all(m.startswith(f"worker {runner.agent.worker_id}: ") for m in msgs if "skipped" in m)
+    assert any("44 more events skipped" in m for m in msgs)
+    assert "skipped event 299 of seq 0" in "\n".join(msgs) and "skipped event 43 of seq 0" not in "\n".join(msgs)

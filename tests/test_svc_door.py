@@ -177,6 +177,24 @@ class Rig:
 
 
 @asynccontextmanager
+async def fleet_server(fleet: Fleet) -> AsyncIterator[str]:
+    """The fake workers served on a loopback port: yields the base URL (worker ``w`` at
+    ``{base}/w/{w}``)."""
+    app = web.Application()
+    app.router.add_post("/w/{wid}/v1/completions", fleet.handle)
+    app.router.add_post("/w/{wid}/v1/chat/completions", fleet.handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    sock = bound_socket()
+    try:
+        await web.SockSite(runner, sock).start()
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+        sock.close()
+
+
+@asynccontextmanager
 async def rig(
     plane: LocalPlane,
     fleet: Fleet,
@@ -186,15 +204,7 @@ async def rig(
     config: DoorConfig = DoorConfig(),
     wan: Callable[[str, str], float] | None = None,
 ) -> AsyncIterator[Rig]:
-    app = web.Application()
-    app.router.add_post("/w/{wid}/v1/completions", fleet.handle)
-    app.router.add_post("/w/{wid}/v1/chat/completions", fleet.handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    sock = bound_socket()
-    try:
-        await web.SockSite(runner, sock).start()
-        base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    async with fleet_server(fleet) as base:
         edge = plane.edges[region]
         workers = {w: f"{base}/w/{w}" for w in edge.workers}
         workers.update(urls or {})
@@ -204,9 +214,6 @@ async def rig(
                 yield Rig(door, client, fleet)
         finally:
             await door.stop(grace_s=1.0)
-    finally:
-        await runner.cleanup()
-        sock.close()
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -566,50 +573,42 @@ def test_a_peer_door_hands_off_a_request_to_a_less_loaded_worker_of_its_region()
     us, eu = plane.edges["us"], plane.edges["eu"]
 
     async def go() -> None:
-        app = web.Application()
-        app.router.add_post("/w/{wid}/v1/completions", fleet.handle)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        sock = bound_socket()
-        await web.SockSite(runner, sock).start()
-        base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        eu_door = await serve_door(eu, {w: f"{base}/w/{w}" for w in eu.workers if w.startswith("eu-")}, ByteTokenizer())
-        # The us door knows no eu worker URL: eu workers are reachable through the eu door only.
-        us_door = await serve_door(us, {w: f"{base}/w/{w}" for w in us.workers if w.startswith("us-")}, ByteTokenizer(), peers={"eu": eu_door.url})
-        try:
-            async with aiohttp.ClientSession(us_door.url) as client:
-                # eu-0 is idle: the eu door keeps the worker the us edge chose.
-                status, headers, _ = await complete(client, {"model": MODEL, "prompt": ids.tolist(), "max_tokens": 4})
-                assert status == 200 and headers["x-kvcompass-worker"] == "eu-0" and fleet.served()[-1] == "eu-0"
-                assert "x-kvcompass-handoff" not in fleet.calls[-1][2]  # the header stops at the eu door
-                # eu-0 filled up since the us edge last heard (its estimate is stale): moved.
-                eu.set_local_queue("eu-0", 60_000.0, 1e9)
-                eu.set_local_queue("eu-1", 0.0, 1e9)
-                status, headers, _ = await complete(client, {"model": MODEL, "prompt": ids.tolist(), "max_tokens": 4})
-                assert status == 200 and headers["x-kvcompass-worker"] == "eu-1" and fleet.served()[-1] == "eu-1"
-            async with aiohttp.ClientSession(eu_door.url) as client:
-                async with client.get("/metrics") as r:
-                    text = await r.text()
-                assert metric(text, "kvcompass_door_handoffs_total", outcome="kept") == 1
-                assert metric(text, "kvcompass_door_handoffs_total", outcome="moved") == 1
-                # A hand-off must name a worker of the door's own region.
-                status, _, body = await complete(client, {"prompt": ids.tolist()}, **{"x-kvcompass-handoff": "us-1"})
-                assert status == 400 and body["error"]["code"] == "invalid_handoff"
-            # The eu door goes away: the us door cannot reach eu workers any other way (it has no
-            # URL for them), so after one failed attempt it leaves region eu alone for a while.
-            await eu_door.stop(grace_s=0.0)
-            for _ in range(30):  # forget the piggybacked 60 s: eu-0 is where the us edge routes again
-                us.on_broadcast("eu", {"eu-0": 0.0, "eu-1": 0.0}, time.monotonic())
-            async with aiohttp.ClientSession(us_door.url) as client:
-                status, headers, _ = await complete(client, {"model": MODEL, "prompt": ids.tolist(), "max_tokens": 4})
-                assert status == 200 and headers["x-kvcompass-worker"].startswith("us-")
-                async with client.get("/metrics") as r:
-                    assert metric(await r.text(), "kvcompass_door_peer_failures_total") == 1
-        finally:
-            await us_door.stop(grace_s=1.0)
-            await eu_door.stop(grace_s=1.0)
-            await runner.cleanup()
-            sock.close()
+        async with fleet_server(fleet) as base:
+            eu_door = await serve_door(eu, {w: f"{base}/w/{w}" for w in eu.workers if w.startswith("eu-")}, ByteTokenizer())
+            # The us door knows no eu worker URL: eu workers are reachable through the eu door only.
+            us_door = await serve_door(us, {w: f"{base}/w/{w}" for w in us.workers if w.startswith("us-")}, ByteTokenizer(), peers={"eu": eu_door.url})
+            try:
+                async with aiohttp.ClientSession(us_door.url) as client:
+                    # eu-0 is idle: the eu door keeps the worker the us edge chose.
+                    status, headers, _ = await complete(client, {"model": MODEL, "prompt": ids.tolist(), "max_tokens": 4})
+                    assert status == 200 and headers["x-kvcompass-worker"] == "eu-0" and fleet.served()[-1] == "eu-0"
+                    assert "x-kvcompass-handoff" not in fleet.calls[-1][2]  # the header stops at the eu door
+                    # eu-0 filled up since the us edge last heard (its estimate is stale): moved.
+                    eu.set_local_queue("eu-0", 60_000.0, 1e9)
+                    eu.set_local_queue("eu-1", 0.0, 1e9)
+                    status, headers, _ = await complete(client, {"model": MODEL, "prompt": ids.tolist(), "max_tokens": 4})
+                    assert status == 200 and headers["x-kvcompass-worker"] == "eu-1" and fleet.served()[-1] == "eu-1"
+                async with aiohttp.ClientSession(eu_door.url) as client:
+                    async with client.get("/metrics") as r:
+                        text = await r.text()
+                    assert metric(text, "kvcompass_door_handoffs_total", outcome="kept") == 1
+                    assert metric(text, "kvcompass_door_handoffs_total", outcome="moved") == 1
+                    # A hand-off must name a worker of the door's own region.
+                    status, _, body = await complete(client, {"prompt": ids.tolist()}, **{"x-kvcompass-handoff": "us-1"})
+                    assert status == 400 and body["error"]["code"] == "invalid_handoff"
+                # The eu door goes away: the us door cannot reach eu workers any other way (it has no
+                # URL for them), so after one failed attempt it leaves region eu alone for a while.
+                await eu_door.stop(grace_s=0.0)
+                for _ in range(30):  # forget the piggybacked 60 s: eu-0 is where the us edge routes again
+                    us.on_broadcast("eu", {"eu-0": 0.0, "eu-1": 0.0}, time.monotonic())
+                async with aiohttp.ClientSession(us_door.url) as client:
+                    status, headers, _ = await complete(client, {"model": MODEL, "prompt": ids.tolist(), "max_tokens": 4})
+                    assert status == 200 and headers["x-kvcompass-worker"].startswith("us-")
+                    async with client.get("/metrics") as r:
+                        assert metric(await r.text(), "kvcompass_door_peer_failures_total") == 1
+            finally:
+                await us_door.stop(grace_s=1.0)
+                await eu_door.stop(grace_s=1.0)
 
     run(go())
 
@@ -1010,30 +1009,22 @@ def test_two_doors_serve_one_port_each_with_its_own_edge() -> None:
     planes = [make_plane(), make_plane()]
 
     async def go() -> None:
-        app = web.Application()
-        app.router.add_post("/w/{wid}/v1/completions", fleet.handle)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        sock = bound_socket()
-        await web.SockSite(runner, sock).start()
-        base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        edges = [p.edges["us"] for p in planes]
-        first = await serve_door(edges[0], {w: f"{base}/w/{w}" for w in edges[0].workers}, ByteTokenizer(), reuse_port=True)
-        second = await serve_door(edges[1], {w: f"{base}/w/{w}" for w in edges[1].workers}, ByteTokenizer(), port=first.port, reuse_port=True)
-        try:
-            assert second.port == first.port
-            body = {"prompt": prompt_ids(7, 64).tolist(), "max_tokens": 1}
-            # A connection each: the kernel picks the listener per connection.
-            async with aiohttp.ClientSession(first.url, connector=aiohttp.TCPConnector(force_close=True)) as client:
-                for _ in range(40):
-                    status, _, _ = await complete(client, body)
-                    assert status == 200
-            routes = [e.stats.routes for e in edges]
-            assert sum(routes) == 40 and min(routes) > 0, routes
-        finally:
-            await second.stop(grace_s=1.0)
-            await first.stop(grace_s=1.0)
-            await runner.cleanup()
-            sock.close()
+        async with fleet_server(fleet) as base:
+            edges = [p.edges["us"] for p in planes]
+            first = await serve_door(edges[0], {w: f"{base}/w/{w}" for w in edges[0].workers}, ByteTokenizer(), reuse_port=True)
+            second = await serve_door(edges[1], {w: f"{base}/w/{w}" for w in edges[1].workers}, ByteTokenizer(), port=first.port, reuse_port=True)
+            try:
+                assert second.port == first.port
+                body = {"prompt": prompt_ids(7, 64).tolist(), "max_tokens": 1}
+                # A connection each: the kernel picks the listener per connection.
+                async with aiohttp.ClientSession(first.url, connector=aiohttp.TCPConnector(force_close=True)) as client:
+                    for _ in range(40):
+                        status, _, _ = await complete(client, body)
+                        assert status == 200
+                routes = [e.stats.routes for e in edges]
+                assert sum(routes) == 40 and min(routes) > 0, routes
+            finally:
+                await second.stop(grace_s=1.0)
+                await first.stop(grace_s=1.0)
 
     run(go())

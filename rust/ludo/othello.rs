@@ -223,16 +223,10 @@ impl Forest {
     /// Queue the children of walk entry `i` (its neighbours except the one it came from).
     #[inline]
     fn expand(&self, q: &mut Vec<(u32, u32)>, i: usize) {
-        let (x, parent) = q[i];
-        self.for_each_nbr(x, |y| {
-            if y != parent {
-                prefetch(&self.nodes, y as usize);
-                q.push((y, x));
-            }
-        });
+        self.expand_until(q, i, NIL); // no node is NIL: nothing to stop at
     }
 
-    /// [`Self::expand`] that stops (returning true) when a child is `target`.
+    /// [`Self::expand`], also saying whether a child is `target`.
     #[inline]
     fn expand_until(&self, q: &mut Vec<(u32, u32)>, i: usize, target: u32) -> bool {
         let (x, parent) = q[i];
