@@ -164,46 +164,19 @@ impl Forest {
     /// the module docs); on [`Join::Free`] the smaller component's cells are kept for
     /// [`Self::join_flips`].
     pub fn check_join(&mut self, u: u32, v: u32) -> Join {
-        let mut qa = std::mem::take(&mut self.queue);
-        let mut qb = std::mem::take(&mut self.queue_b);
-        qa.clear();
-        qb.clear();
-        qa.push((u, NIL));
-        qb.push((v, NIL));
-        // A side is complete as soon as its queue is used up: checked right after each
-        // expansion, so an isolated end (about two inserts in three) costs no read of the other.
-        let (mut ia, mut ib) = (0, 0);
-        let found = loop {
-            if self.expand_until(&mut qa, ia, v) {
-                break None;
-            }
-            ia += 1;
-            if ia == qa.len() {
-                break Some(0);
-            }
-            if self.expand_until(&mut qb, ib, u) {
-                break None;
-            }
-            ib += 1;
-            if ib == qb.len() {
-                break Some(1);
-            }
-        };
+        let found = self.lockstep((u, NIL, v), (v, NIL, u));
         self.stats.joins += 1;
-        self.stats.join_nodes += (qa.len() + qb.len()) as u64;
-        let out = match found {
+        self.stats.join_nodes += (self.queue.len() + self.queue_b.len()) as u64;
+        match found {
             None => Join::Cycle,
             Some(side) => {
-                let q = if side == 0 { &qa } else { &qb };
-                self.join_side.clear();
+                let q = if side == 0 { &self.queue } else { &self.queue_b };
                 let ma = self.ma;
+                self.join_side.clear();
                 self.join_side.extend(q.iter().map(|&(x, _)| cell_of(ma, x)));
                 Join::Free
             }
-        };
-        self.queue = qa;
-        self.queue_b = qb;
-        out
+        }
     }
 
     /// Cells to flip so that a new edge (u, v) between two components changes its bit: the
@@ -220,13 +193,8 @@ impl Forest {
         self.walk_smaller(u, v, v, u, out);
     }
 
-    /// Queue the children of walk entry `i` (its neighbours except the one it came from).
-    #[inline]
-    fn expand(&self, q: &mut Vec<(u32, u32)>, i: usize) {
-        self.expand_until(q, i, NIL); // no node is NIL: nothing to stop at
-    }
-
-    /// [`Self::expand`], also saying whether a child is `target`.
+    /// Queue the children of walk entry `i` (its neighbours except the one it came from), and
+    /// say whether one of them is `target`.
     #[inline]
     fn expand_until(&self, q: &mut Vec<(u32, u32)>, i: usize, target: u32) -> bool {
         let (x, parent) = q[i];
@@ -245,32 +213,46 @@ impl Forest {
     /// each in turn, and emit the cells of whichever finishes first: flipping either side is
     /// correct, and this costs at most twice the smaller side instead of the larger one.
     fn walk_smaller(&mut self, a: u32, from_a: u32, b: u32, from_b: u32, out: &mut Vec<u32>) {
+        let side = self.lockstep((a, from_a, NIL), (b, from_b, NIL)).expect("no walk targets NIL");
+        let q = if side == 0 { &self.queue } else { &self.queue_b };
+        self.stats.toggles += 1;
+        self.stats.toggle_nodes += (self.queue.len() + self.queue_b.len()) as u64;
+        self.stats.toggle_flips += q.len() as u64;
+        let ma = self.ma;
+        out.extend(q.iter().map(|&(x, _)| cell_of(ma, x)));
+    }
+
+    /// Walk two trees in lockstep, each from `(start, the neighbour not to step to first,
+    /// target)`, one node each in turn, into `self.queue` and `self.queue_b`: `Some(side)` once
+    /// one side's walk is complete (checked right after each expansion, so an isolated start
+    /// costs no read of the other), None as soon as either reaches its target.
+    fn lockstep(&mut self, a: (u32, u32, u32), b: (u32, u32, u32)) -> Option<usize> {
         let mut qa = std::mem::take(&mut self.queue);
         let mut qb = std::mem::take(&mut self.queue_b);
         qa.clear();
         qb.clear();
-        qa.push((a, from_a));
-        qb.push((b, from_b));
+        qa.push((a.0, a.1));
+        qb.push((b.0, b.1));
         let (mut ia, mut ib) = (0, 0);
-        let done = loop {
-            self.expand(&mut qa, ia);
+        let found = loop {
+            if self.expand_until(&mut qa, ia, a.2) {
+                break None;
+            }
             ia += 1;
             if ia == qa.len() {
-                break 0;
+                break Some(0);
             }
-            self.expand(&mut qb, ib);
+            if self.expand_until(&mut qb, ib, b.2) {
+                break None;
+            }
             ib += 1;
             if ib == qb.len() {
-                break 1;
+                break Some(1);
             }
         };
-        let side = if done == 0 { &qa } else { &qb };
-        self.stats.toggles += 1;
-        self.stats.toggle_nodes += (qa.len() + qb.len()) as u64;
-        self.stats.toggle_flips += side.len() as u64;
-        out.extend(side.iter().map(|&(x, _)| self.cell(x)));
         self.queue = qa;
         self.queue_b = qb;
+        found
     }
 
     fn alloc_list(&mut self, rec: [u32; LIST]) -> u32 {
