@@ -52,6 +52,7 @@ from kvcompass.services.edge_service import EdgeServer, EdgeService, QueueBroadc
 from kvcompass.services.edge_sync import EdgeSync
 from kvcompass.services.http_door import DoorConfig, serve_door
 from kvcompass.errors import IngestRejectedError
+import kvcompass.errors as E_
 from kvcompass.services.ingest_client import IngestClient
 from kvcompass.services.maintenance_service import (
     INGEST_PATH,
@@ -484,6 +485,7 @@ def test_forged_and_unauthenticated_writes_are_refused_counted_and_change_nothin
                     with pytest.raises(IngestRejectedError) as rej:
                         await client.send(victim)
                 assert rej.value.status is Status.UNAUTHENTICATED
+                assert rej.value.cause is E_.UnauthenticatedError and str(rej.value).count("UnauthenticatedError") == 1
                 # A worker the token map does not know.
                 a2 = world.agent("asia-0")
                 async with IngestClient("asia-0", u.addrs, a2.on_rejected, token="anything", ssl_context=cctx) as client:

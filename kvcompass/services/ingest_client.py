@@ -55,9 +55,13 @@ _TRANSIENT = {Status.UNAVAILABLE, Status.CANCELLED, Status.DEADLINE_EXCEEDED, St
 def _rejected(shard: int, seq: int, status: Status, reason: str | None, message: str) -> IngestRejectedError:
     """A final refusal, with the class the unit refused with read back through the status table
     (its ack's ``reason`` or the stream status's message names it)."""
-    cause = error_class(reason, status) if reason else type(error_from(status, message))
+    if reason:
+        cause, text = error_class(reason, status), message
+    else:  # a stream status: its message names the class ("Class: text")
+        e = error_from(status, message)
+        cause, text = type(e), e.message
     return IngestRejectedError(
-        f"shard {shard} seq {seq}: {status.name} {cause.__name__}: {message}", shard=shard, seq=seq, status=status, reason=cause.__name__, cause=cause
+        f"shard {shard} seq {seq}: {status.name} {cause.__name__}: {text}", shard=shard, seq=seq, status=status, reason=cause.__name__, cause=cause
     )
 
 
