@@ -133,6 +133,12 @@ def cost_chunk_step(cost: _CostArgs, left: int, extra_ms: float, batch: int, con
 def cost_saturated_ms(cost: _CostArgs, inputs: npt.NDArray[np.uint64], outputs: npt.NDArray[np.uint64], max_batched_tokens: int) -> tuple[float, float, float]:
     """``(prefill_ms, mixed_decode_ms, batched_decode_ms)`` a saturated worker spends per request
     with nothing reused (``kvcompass.sim.capacity``)."""
+def busy_windows(
+    intervals: list[npt.NDArray[np.float64]], start: float, window: float, edges: npt.NDArray[np.float64]
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """Busy time per (worker, window), not yet divided by the windows' widths, and each
+    worker's total busy time (``kvcompass.sim.summary``): ``intervals[w]`` holds worker ``w``'s
+    flattened ``(begin, end)`` pairs."""
 
 @final
 class AgentForest:

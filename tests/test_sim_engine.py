@@ -475,3 +475,39 @@ def test_a_summary_reports_the_caches_churn() -> None:
     b = simulate(tight, reqs, "oracle", seed=1)
     assert a.demoted_blocks == a.evicted_blocks == 0
     assert b.demoted_blocks > 0 and b.evicted_blocks > 0
+
+
+def test_busy_matrix_is_the_interval_by_interval_sum_float_for_float() -> None:
+    """The Rust core sums busy time in the order the summary's Python loop did (interval by
+    interval, window by window, Python's floor division for the first and last window); a
+    summary's utilisation and peak load factor must not move by a last bit."""
+    from kvcompass.sim.summary import _busy
+
+    def reference(intervals: list[list[tuple[float, float]]], start: float, end: float, window: float) -> tuple[np.ndarray, np.ndarray]:
+        n = max(1, int(np.ceil((end - start) / window)))
+        edges = start + window * np.arange(n + 1)
+        edges[-1] = max(end, edges[-2] + 1e-9)
+        out = np.zeros((len(intervals), n))
+        for w, ivs in enumerate(intervals):
+            for b, e in ivs:
+                if e <= b:
+                    continue
+                k0 = max(0, int((b - start) // window))
+                k1 = min(n - 1, int((e - start) // window))
+                for k in range(k0, k1 + 1):
+                    out[w, k] += max(0.0, min(e, edges[k + 1]) - max(b, edges[k]))
+        totals = np.array([sum(max(0.0, e - b) for b, e in ivs) for ivs in intervals], dtype=np.float64)
+        return np.clip(out / np.diff(edges), 0.0, 1.0), totals
+
+    rng = np.random.default_rng(11)
+    for _ in range(50):
+        start = float(rng.uniform(-50, 50))
+        end = start + float(rng.uniform(1, 5000))
+        window = float(rng.choice([1.0, 7.3, 100.0, 1000.0]))
+        intervals = []
+        for _w in range(int(rng.integers(1, 6))):
+            b = np.sort(rng.uniform(start - 20, end + 20, size=int(rng.integers(0, 40))))
+            intervals.append([(float(x), float(x + rng.exponential(30.0) * rng.choice([1, 1, 1, -1]))) for x in b])
+        want_util, want_totals = reference(intervals, start, end, window)
+        got_util, got_totals = _busy(intervals, start, end, window)
+        assert np.array_equal(got_util, want_util) and np.array_equal(got_totals, want_totals)

@@ -567,7 +567,7 @@ class Simulator:
             # The records too are built before the collector is back: a collection among the
             # agents' millions of objects per few hundred new records was most of this step.
             ids = [w for w, x in self._workers.items() if x.spec.role != "decode"]  # prefill servers
-            busy = [[(b, e) for b, e in engine.busy(self._index[w]).tolist()] for w in ids]
+            busy = [engine.busy(self._index[w]) for w in ids]
             summary = summarize(self._scheme.name, self.topology.name, self._records(), ids, busy, window_ms=self.config.window_ms)
         finally:
             engine.return_caches([x.cache._core for x in self._by_index])

@@ -37,6 +37,8 @@ from typing import Any, overload
 import numpy as np
 import numpy.typing as npt
 
+from kvcompass import _core
+
 __all__ = ["RecordTable", "RequestRecord", "Summary", "busy_matrix", "summarize"]
 
 
@@ -189,27 +191,28 @@ class Summary:
         return self.reused_tokens / total if total else 0.0
 
 
-def busy_matrix(intervals: Sequence[Sequence[tuple[float, float]]], start_ms: float, end_ms: float, window_ms: float) -> npt.NDArray[np.float64]:
+def busy_matrix(intervals: Sequence[Sequence[tuple[float, float]] | npt.NDArray[np.float64]], start_ms: float, end_ms: float, window_ms: float) -> npt.NDArray[np.float64]:
     """Busy fraction per (worker, window) from each worker's busy ``(begin, end)`` intervals;
     windows of ``window_ms`` tile ``[start_ms, end_ms)`` (the last one may be shorter and is
     normalised by its own length)."""
+    return _busy(intervals, start_ms, end_ms, window_ms)[0]
+
+
+def _busy(
+    intervals: Sequence[Sequence[tuple[float, float]] | npt.NDArray[np.float64]], start_ms: float, end_ms: float, window_ms: float
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """:func:`busy_matrix` and each worker's total busy time, in one pass (the Rust core's
+    ``busy_windows``: the sums interval by interval, window by window)."""
     if not window_ms > 0:
         raise ValueError(f"window_ms must be > 0, got {window_ms}")
     n = max(1, int(np.ceil((end_ms - start_ms) / window_ms)))
-    edges = start_ms + window_ms * np.arange(n + 1)
+    edges = np.asarray(start_ms + window_ms * np.arange(n + 1), dtype=np.float64)
     edges[-1] = max(end_ms, edges[-2] + 1e-9)
     width = np.diff(edges)
-    out = np.zeros((len(intervals), n))
-    for w, ivs in enumerate(intervals):
-        for b, e in ivs:
-            if e <= b:
-                continue
-            k0 = max(0, int((b - start_ms) // window_ms))
-            k1 = min(n - 1, int((e - start_ms) // window_ms))
-            for k in range(k0, k1 + 1):
-                out[w, k] += max(0.0, min(e, edges[k + 1]) - max(b, edges[k]))
+    flat = [np.ascontiguousarray(np.asarray(ivs, dtype=np.float64).reshape(-1)) for ivs in intervals]
+    out, totals = _core.busy_windows(flat, float(start_ms), float(window_ms), edges)
     busy: npt.NDArray[np.float64] = np.clip(out / width, 0.0, 1.0)
-    return busy
+    return busy, totals
 
 
 def _pct(x: npt.NDArray[np.float64]) -> tuple[float, float, float]:
@@ -219,9 +222,8 @@ def _pct(x: npt.NDArray[np.float64]) -> tuple[float, float, float]:
     return (float(p[0]), float(p[1]), float(p[2]))
 
 
-def _peak(busy: Sequence[Sequence[tuple[float, float]]]) -> float:
+def _peak(totals: npt.NDArray[np.float64]) -> float:
     """The hottest worker's compute time over the fleet mean (module notes); 0 when idle."""
-    totals = np.array([sum(max(0.0, e - b) for b, e in ivs) for ivs in busy], dtype=np.float64)
     mean = float(totals.mean()) if totals.size else 0.0
     return float(totals.max()) / mean if mean > 0 else 0.0
 
@@ -231,7 +233,7 @@ def summarize(
     topology: str,
     records: Sequence[RequestRecord],
     workers: Sequence[str],
-    busy: Sequence[Sequence[tuple[float, float]]],
+    busy: Sequence[Sequence[tuple[float, float]] | npt.NDArray[np.float64]],
     *,
     window_ms: float = 1000.0,
 ) -> Summary:
@@ -254,7 +256,11 @@ def summarize(
     span_s = (end - start) / 1e3
     tokens = int((c["input_tokens"] + c["output_tokens"]).sum())
     local = c["worker_region"] == c["region"]
-    util = busy_matrix(busy, start, end, window_ms) if n else np.zeros((len(workers), 0))
+    # With no request there is no span to tile; the totals (for the peak load factor) still
+    # come from the intervals, over one window.
+    util, totals = _busy(busy, start, end if n else start + window_ms, window_ms)
+    if not n:
+        util = np.zeros((len(workers), 0))
     mean = util.mean(axis=0) if len(workers) else np.zeros(util.shape[1])
     lf = np.divide(util, mean, out=np.zeros_like(util), where=mean > 0)
     return Summary(
@@ -276,6 +282,6 @@ def summarize(
         workers=tuple(workers),
         utilisation=util,
         load_factor=lf,
-        peak_load_factor=_peak(busy),
+        peak_load_factor=_peak(totals),
         records=recs,
     )

@@ -742,6 +742,35 @@ fn cost_saturated_ms(py: Python<'_>, cost: CostArgs, inputs: &Bound<'_, PyAny>, 
     Ok(py.detach(|| c.saturated_ms(&prompts, max_batched_tokens)))
 }
 
+/// Busy time per (worker, window) before division by the windows' widths, and each worker's
+/// total busy time (`crate::sim::busy`): `intervals[w]` is worker `w`'s flattened
+/// `(begin, end)` pairs (float64), `edges` the window edges built from `start` and `window`.
+#[pyfunction]
+fn busy_windows<'py>(py: Python<'py>, intervals: Vec<Bound<'py, PyAny>>, start: f64, window: f64, edges: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyArray2<f64>>, Bound<'py, PyArray1<f64>>)> {
+    if !(window > 0.0) {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!("window must be > 0, got {window}")));
+    }
+    let edges = f64_vec("edges", edges)?;
+    if edges.len() < 2 {
+        return Err(pyo3::exceptions::PyValueError::new_err("edges: at least two (one window)"));
+    }
+    let mut flat = Vec::with_capacity(intervals.len());
+    for (w, iv) in intervals.iter().enumerate() {
+        let v = f64_vec(&format!("intervals[{w}]"), iv)?;
+        if v.len() % 2 != 0 {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!("intervals[{w}]: (begin, end) pairs, got {} values", v.len())));
+        }
+        flat.push(v);
+    }
+    let n = edges.len() - 1;
+    let (out, totals) = py.detach(|| {
+        let views: Vec<&[f64]> = flat.iter().map(|v| v.as_slice()).collect();
+        crate::sim::busy::busy_windows(&views, start, window, &edges)
+    });
+    let arr = numpy::ndarray::Array2::from_shape_vec((flat.len(), n), out).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+    Ok((arr.into_pyarray(py), totals.into_pyarray(py)))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cost_prefill_ms, m)?)?;
     m.add_function(wrap_pyfunction!(cost_reload_ms, m)?)?;
@@ -749,6 +778,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cost_estimate_ms, m)?)?;
     m.add_function(wrap_pyfunction!(cost_chunk_step, m)?)?;
     m.add_function(wrap_pyfunction!(cost_saturated_ms, m)?)?;
+    m.add_function(wrap_pyfunction!(busy_windows, m)?)?;
     m.add_class::<PySimEngine>()?;
     Ok(())
 }

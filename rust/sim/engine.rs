@@ -9,6 +9,7 @@ pub use policy::{Baseline, CoordinatorState, DynamoState, History, SGLangState, 
 
 #[path = "policy.rs"]
 mod policy;
+pub(crate) use policy::py_floordiv;
 use crate::block_cache::{BlockCache, Event, DRAM, VRAM};
 use crate::error::{CoreError, Result};
 use crate::chunk_hash::block_chain;

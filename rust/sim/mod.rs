@@ -11,6 +11,7 @@
 //! event sequence number it would have scheduled at, so that whatever the driver schedules
 //! in reply sorts exactly where it would have in one single-threaded loop.
 
+pub mod busy;
 pub mod engine;
 pub mod rng;
 

@@ -252,7 +252,7 @@ impl History {
 
 /// Python's float floor division `a // b` (not `(a / b).floor()`, which differs when the
 /// quotient rounds up to an integer).
-fn py_floordiv(a: f64, b: f64) -> f64 {
+pub(crate) fn py_floordiv(a: f64, b: f64) -> f64 {
     let m = a % b;
     let mut div = (a - m) / b;
     if m != 0.0 && ((b < 0.0) != (m < 0.0)) {
