@@ -59,9 +59,9 @@ def test_figure_12_writes_its_report(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_unknown_figures_are_refused_with_the_list(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["reproduce", "--figure", "table5", "--out", str(tmp_path)]) == 2
+    assert main(["reproduce", "--figure", "table6", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("kvcompass reproduce: error: figure 'table5' is not reproduced") and "11, 12, 13, 14, 15, 16, 17, 18, table4" in err
+    assert err.startswith("kvcompass reproduce: error: figure 'table6' is not reproduced") and "11, 12, 13, 14, 15, 16, 17, 18, table4, table5" in err
     assert main(["reproduce", "--figure", "12", "--jobs", "0", "--out", str(tmp_path)]) == 2
 
 
@@ -138,3 +138,24 @@ def test_table_4_turns_one_fault_knob_at_a_time(tmp_path: Path, capsys: pytest.C
     assert all(r["note"].startswith(("agrees", "disagrees")) for r in rows)
     assert "# Table 4, reproduced" in (tmp_path / "report.md").read_text()
     assert (tmp_path / "table4.png").stat().st_size > 10_000
+
+
+def test_table_5_puts_structural_and_end_to_end_false_hits_beside_the_papers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["reproduce", "--figure", "table5", "--quick", "--requests", "300", "--out", str(tmp_path)]) == 0
+    assert "figure table5: 6 rows" in capsys.readouterr().out
+    rows = {r["metric"]: r for r in json.loads((tmp_path / "report.json").read_text())}
+    run = json.loads((tmp_path / "run.json").read_text())
+    structural = {round(s["load"], 2): s["rate"] for s in run["structural"]}
+    assert sorted(structural) == [0.2, 0.4, 0.6, 0.8, 0.95]
+    for load, rate in structural.items():
+        # No fingerprint: a never-inserted key reads whatever occupied slot it lands on.
+        assert rate == pytest.approx(load, abs=0.01)
+        assert rows[f"structural_fp_rate@load={load}"]["ours"] == rate
+    assert rows["structural_fp_rate@load=0.95"]["paper"] == pytest.approx(0.453)
+    assert run["structural_fp"]["fp_bits"] == 8 and run["structural_fp"]["rate"] < 0.01
+    (key,) = run["summaries"]["kvcompass"]
+    assert rows["end_to_end_false_lookup_rate"]["ours"] == pytest.approx(run["summaries"]["kvcompass"][key]["false_hit_rate"])
+    assert all(r["note"].startswith(("agrees", "disagrees")) for r in rows.values())
+    assert "# Table 5, reproduced" in (tmp_path / "report.md").read_text()
+    assert (tmp_path / "table5.png").stat().st_size > 10_000
+

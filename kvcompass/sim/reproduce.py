@@ -49,7 +49,7 @@ import numpy as np
 from kvcompass.discovery.topology import Topology, load_topology
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.sim.capacity import Capacity, no_reuse_capacity, rates_for_loads
-from kvcompass.sim.sensitivity import SensitivityRow, sweep
+from kvcompass.sim.sensitivity import SensitivityRow, StructuralRate, structural_false_hit_rate, sweep
 from kvcompass.sim.summary import Summary
 from kvcompass.sim.workload import Request, synthetic_mixed
 
@@ -204,6 +204,26 @@ paper's columns) on KVCompass at the paper's 3000 req/s (load 1.0); each row is 
 TTFT or hit rate relative to the fault-free run, beside the paper's same ratio. Its runs go one
 after another (``--jobs`` and ``--ray`` fan out figures, not this table)."""
 
+FIGURES["table5"] = Figure(
+    "table5",
+    "False hits of the keyless index: never-inserted keys by table load, and requests end to end (Mixed, 64 workers in 8 regions, 3000 req/s)",
+    "paper-64x8",
+    ("kvcompass",),
+    paper_rates=(3000.0,),
+    quick_rates=(3000.0,),
+    requests=100_000,
+    quick_requests=12_000,
+    draw="false_hits",
+    box_rate=3000.0,
+)
+"""Table 5: the structural rate (a keyless view, no fingerprints as in the paper's table, filled
+with random keys to each table load and probed with keys never inserted) beside the paper's,
+and the end-to-end rate of a Mixed run (requests whose worker reused less than the edge
+claimed). The paper's WildChat and LMSYS columns have no data here (issue 14: ShareGPT chat is
+``kvcompass simulate --trace sharegpt``)."""
+
+STRUCTURAL_LOADS = (0.2, 0.4, 0.6, 0.8, 0.95)
+
 FIGURES["15"] = Figure(
     "15",
     "Closed-loop service throughput with one mechanism removed at a time (Mixed, the 14-worker testbed in 3 regions)",
@@ -292,6 +312,8 @@ def _metric(name: str, scheme: str, at: Mapping[str, Summary]) -> float:
         return at[scheme].peak_load_factor
     if name == "ablation_throughput":
         return tput(scheme) / tput("kvcompass")
+    if name == "end_to_end_false_lookup_rate":
+        return at[scheme].false_hit_rate
     raise InvalidArgumentError(f"paper_results.json names an unknown metric {name!r}")
 
 
@@ -308,6 +330,19 @@ def _sensitivity_metric(name: str, base: Summary, rows: Mapping[tuple[str, float
     if what == "hit_rate_vs_base":
         return row.hit_rate / base.hit_rate
     raise InvalidArgumentError(f"paper_results.json names an unknown metric {name!r}")
+
+
+def _structural_note(r: StructuralRate, paper: float, with_fp: StructuralRate | None) -> str:
+    """Table 5's structural rows: ours follows the slot load, for a stated reason."""
+    ratio = r.rate / paper if paper else math.inf
+    head = "agrees" if 1 / AGREE <= ratio <= AGREE else "disagrees"
+    tail = (
+        f"; a keyless view answers a never-inserted key with whatever value sits in the slot it lands on, and every occupied slot here "
+        f"holds a nonzero value, so the rate is the slot load ({r.load:.0%}); the paper's is about half its load, as if half its occupied "
+        "slots read as absent"
+    )
+    fp = f"; with the {with_fp.fp_bits}-bit fingerprints paper-64x8 uses, {100 * with_fp.rate:.2f} % at {with_fp.load:.0%}" if with_fp is not None else ""
+    return f"{head}: ours {100 * r.rate:.1f} % at {r.load:.0%} load, the paper's {100 * paper:.1f} %{tail}{fp}."
 
 
 def _note(metric: str, scheme: str, paper: float, ours: float) -> str:
@@ -399,6 +434,12 @@ def reproduce(
             return run_cells(topology, workloads, [(rate, "kvcompass")], {**options, **faults})["kvcompass"][rate]
 
         sensitivity = {(r.knob, r.value): r for r in sweep(knob_run, base=results["kvcompass"][rate])}
+    structural: dict[float, StructuralRate] = {}
+    structural_fp: StructuralRate | None = None
+    if fig.draw == "false_hits":
+        say("table 5: never-inserted keys against keyless views at " + ", ".join(f"{x:.0%}" for x in STRUCTURAL_LOADS) + " load")
+        structural = {x: structural_false_hit_rate(0, load=x, seed=seed) for x in STRUCTURAL_LOADS}
+        structural_fp = structural_false_hit_rate(topology.fp_bits, seed=seed) if topology.fp_bits else None
     wall = time.perf_counter() - t0
     rows: list[Row] = []
     for p in paper_rows(figure):
@@ -409,9 +450,15 @@ def reproduce(
             continue
         rate = rate_of[paper_rate]
         at = {s: results[s][rate] for s in fig.schemes}
-        ours = _sensitivity_metric(p["metric"], at["kvcompass"], sensitivity) if "@" in p["metric"] else _metric(p["metric"], p["scheme"], at)
         paper = float(p["paper"])
-        rows.append(Row(figure, p["metric"], p["scheme"], paper_rate / reference, rate, paper_rate, paper, ours, ours / paper, _note(p["metric"], p["scheme"], paper, ours)))
+        if p["metric"].startswith("structural_fp_rate@load="):
+            r = structural[float(p["metric"].split("=", 1)[1])]
+            ours = r.rate
+            note = _structural_note(r, paper, structural_fp)
+        else:
+            ours = _sensitivity_metric(p["metric"], at["kvcompass"], sensitivity) if "@" in p["metric"] else _metric(p["metric"], p["scheme"], at)
+            note = _note(p["metric"], p["scheme"], paper, ours)
+        rows.append(Row(figure, p["metric"], p["scheme"], paper_rate / reference, rate, paper_rate, paper, ours, ours / paper if paper else math.inf, note))
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.json").write_text(json.dumps([r.as_dict() for r in rows], indent=2) + "\n")
@@ -430,6 +477,10 @@ def reproduce(
     }
     if sensitivity:
         meta["sensitivity"] = [r.as_dict() for r in sensitivity.values()]
+    if structural:
+        meta["structural"] = [{"fp_bits": r.fp_bits, "load": r.load, "entries": r.entries, "probes": r.probes, "rate": r.rate} for r in structural.values()]
+        if structural_fp is not None:
+            meta["structural_fp"] = {"fp_bits": structural_fp.fp_bits, "load": structural_fp.load, "rate": structural_fp.rate}
     (out_dir / "run.json").write_text(json.dumps(meta, indent=2) + "\n")
     (out_dir / "report.md").write_text(_markdown(fig, rows, capacity, rate_of, n, results, wall, quick, reference, list(sensitivity.values())))
     _draw(fig, out_dir / image_name(figure), results, rate_of, rows)
@@ -437,7 +488,7 @@ def reproduce(
 
 
 def image_name(figure: str) -> str:
-    """The drawing's file name: ``figure{N}.png``, or ``table4.png``."""
+    """The drawing's file name: ``figure{N}.png``, or ``table{N}.png``."""
     return f"{figure}.png" if figure.startswith("table") else f"figure{figure}.png"
 
 
@@ -504,6 +555,8 @@ def _markdown(
     for s, by_rate in results.items():
         for rate, x in sorted(by_rate.items(), key=lambda kv: float(kv[0])):
             lines.append(f"| {s} | {rate} | {x.ttft_ms[0]:.0f} | {x.ttft_ms[2]:.0f} | {x.e2e_ms[2]:.0f} | {x.throughput_tokens_s:,.0f} | {x.hit_rate:.3f} | {x.peak_load_factor:.2f} |")
+    if fig.draw == "false_hits":
+        lines += ["", "Structural rows: a keyless view (no fingerprint, as in the paper's table) of random keys at each load, probed with 200,000 keys never inserted."]
     if sensitivity:
         lines += ["", "## The sweep (one knob at a time)", "", "| knob | value | P99 TTFT ms | hit rate | false-hit rate |", "|---|---|---|---|---|"]
         lines += [f"| {r.knob} | {r.value:g} | {r.ttft_p99_ms:.0f} | {r.hit_rate:.4f} | {r.false_hit_rate:.4f} |" for r in sensitivity]
@@ -550,6 +603,26 @@ def _draw(fig: Figure, path: Path, results: Mapping[str, Mapping[str, Summary]],
             ax.set_ylim(min(0.8, *(r.ours for r in rs)), max(1.2, *(r.ours for r in rs)))
             ax.set_title(f"Table 4: {what.replace('_', ' ')}")
             ax.legend(fontsize=8)
+    elif fig.draw == "false_hits":
+        structural_rows = [r for r in rows if r.metric.startswith("structural_fp_rate@")]
+        e2e_rows = [r for r in rows if r.metric == "end_to_end_false_lookup_rate"]
+        out = MplFigure(figsize=(12, 4.2), layout="constrained")
+        ax1, ax2 = out.subplots(1, 2)
+        loads = [100 * float(r.metric.split("=", 1)[1]) for r in structural_rows]
+        ax1.plot(loads, [100 * r.ours for r in structural_rows], marker="o", label="ours (no fingerprint)")
+        ax1.plot(loads, [100 * r.paper for r in structural_rows], marker="s", label="paper")
+        ax1.set_xlabel("table load, % of slots")
+        ax1.set_ylabel("never-inserted keys answered, %")
+        ax1.set_title("Table 5: structural false positives")
+        ax1.grid(True, alpha=0.3)
+        ax1.legend(fontsize=8)
+        x = np.arange(len(e2e_rows))
+        ax2.bar(x - 0.2, [100 * r.ours for r in e2e_rows], 0.4, label="ours")
+        ax2.bar(x + 0.2, [100 * r.paper for r in e2e_rows], 0.4, label="paper")
+        ax2.set_xticks(x, ["Mixed" for _ in e2e_rows])
+        ax2.set_ylabel("requests whose worker reused less than claimed, %")
+        ax2.set_title("Table 5: end-to-end false lookups")
+        ax2.legend(fontsize=8)
     elif fig.draw == "reuse":
         rate = rate_of[fig.box_rate]
         reused = np.array([sum(r.vram_hit + r.dram_hit for r in results[s][rate].records) for s in schemes], dtype=float) / 1e6

@@ -79,16 +79,24 @@ class StructuralRate:
     rate: float
 
 
-def structural_false_hit_rate(fp_bits: int, *, entries: int = 1 << 16, probes: int = 200_000, seed: int = 0) -> StructuralRate:
-    """Fill a table to its capacity (95 % slot load) with random keys and nonzero values, then
-    probe its keyless view with keys never inserted: the share that returns a locator."""
+def structural_false_hit_rate(fp_bits: int, *, load: float = 0.95, entries: int = 1 << 16, probes: int = 200_000, seed: int = 0) -> StructuralRate:
+    """Fill a table sized for ``entries`` (its capacity is 95 % of its slots) to ``load`` of its
+    slots with random keys and nonzero values, then probe its keyless view with keys never
+    inserted: the share that returns a locator (paper table 5 reads it by table load)."""
+    if not 0 < load <= 0.95:
+        raise ValueError(f"load must be in (0, 0.95], got {load}")
     rng = np.random.default_rng([seed, fp_bits])
     keys = np.unique(rng.integers(1, 1 << 63, size=entries + entries // 4, dtype=np.uint64))
     rng.shuffle(keys)
     vals = rng.integers(1, 1 << 32, size=len(keys), dtype=np.uint64)
-    table = _core.LudoTable.build(keys[:entries], vals[:entries], capacity=entries, fp_bits=fp_bits, seed=seed)
-    i = entries
-    while len(table) < table.capacity and i < len(keys):
+    empty = _core.LudoView(0, 0)
+    empty.apply_batch(_core.LudoTable(capacity=entries, fp_bits=fp_bits, seed=seed).export_snapshot())
+    geo0 = empty.geometry()
+    slots = int(geo0["n_buckets"]) * 4 if geo0 else entries
+    target = min(entries, int(round(load * slots)))
+    table = _core.LudoTable.build(keys[:target], vals[:target], capacity=entries, fp_bits=fp_bits, seed=seed)
+    i = target
+    while len(table) < target and i < len(keys):
         table.insert(int(keys[i]), int(vals[i]))
         i += 1
     table.take_batch()
