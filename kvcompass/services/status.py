@@ -130,7 +130,7 @@ HTTP_OF: Final[Mapping[type[KVCompassError], tuple[int, str | None]]] = MappingP
         NotAllowedError: (403, "not_allowed"),
         ForbiddenWriteError: (403, "not_allowed"),
         KeyNotFoundError: (404, "not_found"),
-        UnknownWorkerError: (404, "model_not_found"),
+        UnknownWorkerError: (404, "not_found"),
         UnknownRouteError: (404, "not_found"),
         MessageTooLargeError: (413, "request_too_large"),
         RateLimitedError: (429, "rate_limit_exceeded"),
@@ -139,7 +139,6 @@ HTTP_OF: Final[Mapping[type[KVCompassError], tuple[int, str | None]]] = MappingP
         UnsupportedError: (501, "unsupported"),
     }
 )
-
 
 
 def status_of(exc: BaseException) -> Status:
