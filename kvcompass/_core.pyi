@@ -33,6 +33,7 @@ __all__ = [
     "cost_estimate_ms",
     "cost_chunk_step",
     "cost_saturated_ms",
+    "busy_windows",
     "LudoTable",
     "LudoView",
     "ApplyResult",
