@@ -19,6 +19,7 @@ This module imports nothing heavy, so a command that only needs its process plum
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import json
@@ -142,16 +143,18 @@ async def stop_process_async(proc: asyncio.subprocess.Process, grace_s: float) -
         return await proc.wait(), True
 
 
-class AsyncResource:
+class AsyncResource(abc.ABC):
     """A server or client used as ``async with``: entering runs :meth:`open` (nothing for the
     ones built already running), leaving runs :meth:`close`, written once for every service
-    object instead of a pair of dunder methods on each."""
+    object instead of a pair of dunder methods on each. A class that does not say how it
+    closes cannot be built."""
 
     async def open(self) -> None:
         return None
 
+    @abc.abstractmethod
     async def close(self) -> None:
-        raise NotImplementedError
+        """Release what the object holds (idempotent in every implementation here)."""
 
     async def __aenter__(self) -> Self:
         await self.open()
