@@ -132,7 +132,8 @@ pub struct History {
 const HOLDERS_INLINE: usize = 3;
 /// `HEntry::n` of a prefix whose holders are in `History::spills`.
 const SPILLED: u8 = u8::MAX;
-/// How many blocks ahead a walk prefetches.
+/// How many blocks (or key operations) ahead a walk over a table larger than the caches
+/// requests its slots, for every per-block structure of the baselines.
 const AHEAD: usize = 8;
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -333,7 +334,7 @@ impl KvFeed {
                         }
                     }
                     for (i, &h) in hashes.iter().enumerate() {
-                        if let Some(&a) = hashes.get(i + 8) {
+                        if let Some(&a) = hashes.get(i + AHEAD) {
                             self.tracker[w].prefetch(a);
                         }
                         self.tracker[w].insert(h, *medium);
@@ -537,7 +538,6 @@ impl DynamoState {
 /// A run of key operations into a view (and its region's holder counts): the slots of the keys a
 /// few operations ahead are requested while the current one is applied, so their misses overlap.
 fn apply_ops(view: &mut BlockTable<u8>, ops: &[(u64, u8)], mut counts: Option<&mut BlockTable<u32>>) {
-    const AHEAD: usize = 8;
     for (i, &(k, medium)) in ops.iter().enumerate() {
         if let Some(&(a, _)) = ops.get(i + AHEAD) {
             view.prefetch(a);
@@ -811,7 +811,6 @@ impl Engine {
             }
         };
         let t = &mut s.trees[i];
-        const AHEAD: usize = 8;
         for (j, &h) in chain.iter().enumerate().rev() {
             if j >= AHEAD {
                 t.map.prefetch(chain[j - AHEAD]);
