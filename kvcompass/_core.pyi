@@ -147,7 +147,18 @@ class AgentForest:
     decodes and sequences the engine's messages and hands every event to it."""
 
     def __new__(cls, lengths: list[int], namespace: bytes) -> AgentForest: ...
-    def stored(self, group: int, medium: str, block_size: int, tokens: bytes, lora: bool, parent: int | bytes | None, hashes: tuple[int | bytes, ...], extra: list[bool] | None, salt_root: bytes | None) -> None: ...
+    def stored(
+        self,
+        group: int,
+        medium: str,
+        block_size: int,
+        tokens: bytes | npt.NDArray[np.uint32],
+        lora: bool,
+        parent: int | bytes | None,
+        hashes: Sequence[int | bytes] | npt.NDArray[np.uint64],
+        extra: list[bool] | None,
+        salt_root: bytes | None,
+    ) -> None: ...
     def removed(self, run: list[tuple[int, str, int | bytes]]) -> None: ...
     def clear(self) -> None: ...
     def forget_changes(self) -> None: ...
@@ -428,6 +439,8 @@ class RouteResult:
     def tiers(self) -> npt.NDArray[np.uint8]: ...
     @property
     def scores(self) -> npt.NDArray[np.float64]: ...
+    def keys_at(self, lengths: list[int]) -> list[int]:
+        """Keys of the prompt's prefixes of ``lengths``, each one this route hashed."""
 
 @final
 class QueueEstimates:

@@ -135,6 +135,13 @@ impl RouteScratch {
     pub fn scores(&self) -> &[f64] {
         &self.scores
     }
+    /// The prefix lengths the call hashed (ascending) and their keys, position for position.
+    pub fn lengths(&self) -> &[u32] {
+        &self.lengths
+    }
+    pub fn keys(&self) -> &[u64] {
+        &self.keys
+    }
 }
 
 /// Route one request. `plan[r]` = ascending indexed prefix lengths this edge queries toward

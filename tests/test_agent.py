@@ -1022,3 +1022,42 @@ def test_sglang_content_hashes_match_the_engine_cache_until_ambiguous(page: int,
     event("never ambiguous")
     event(f"look-alike parents: {'some' if a.stats.ambiguous_parents else 'none'}")
     assert a.stats.conflicts == a.stats.unknown_removals == 0
+
+
+def test_array_events_from_an_in_process_engine_key_like_decoded_tuples() -> None:
+    """The simulator hands its emulated engine's uint64 hashes and uint32 tokens over as arrays
+    (no Python int per block or token); the forest must key them exactly as the decoded tuples
+    a wire message gives, for int hashes and salted (extra-keyed) first blocks alike."""
+    from kvcompass.agent import EngineBatch
+
+    rng = np.random.default_rng(7)
+    toks = rng.integers(0, 50_000, 8 * 4, dtype=np.uint32)
+    hashes = np.array([11, 12, 13, 14], dtype=np.uint64)
+    tail = np.array([21, 22], dtype=np.uint64)
+    tail_toks = rng.integers(0, 50_000, 8 * 2, dtype=np.uint32)
+    lengths = [4, 8, 16, 24, 32, 40, 48]
+
+    def run(as_arrays: bool) -> tuple[dict[int, int], bytes]:
+        a = WorkerAgent("w0", NS, lengths, 2, block_size=8)
+        sink = Sink(2)
+        first = BlockStored(
+            block_hashes=hashes if as_arrays else tuple(hashes.tolist()),
+            parent_block_hash=None,
+            token_ids=toks if as_arrays else tuple(toks.tolist()),
+            block_size=8,
+        )
+        more = BlockStored(
+            block_hashes=tail if as_arrays else tuple(tail.tolist()),
+            parent_block_hash=14,
+            token_ids=tail_toks if as_arrays else tuple(tail_toks.tolist()),
+            block_size=8,
+            medium="CPU",
+        )
+        for seq, e in enumerate([first, more]):
+            sink.apply(a.on_batch(EngineBatch(seq, float(seq), (e,), digest=bytes([seq]))))
+        return sink.keys, a.digest()
+
+    keys, digest = run(as_arrays=True)
+    assert (keys, digest) == run(as_arrays=False)
+    whole = np.concatenate([toks, tail_toks]).tolist()
+    assert [keys.get(k, 0) for k in keys_of(whole, lengths)] == [1, 1, 1, 1, 1, 2, 2]  # GPU to 32, then CPU

@@ -611,3 +611,17 @@ def test_concurrent_routes_agree_with_sequential() -> None:
     for th in threads:
         th.join()
     assert errors == []
+
+
+def test_route_result_gives_the_keys_it_hashed() -> None:
+    """The edge registers speculative entries and counts families from the keys the route
+    already hashed (no second SHA-256 pass over the prompt): they must be prefix_keys' own."""
+    plan = [[8, 16, 32, 64], [16, 48]]
+    g = Group(0, [0]).put(0, VRAM, [8])
+    w = workers(2, region=[0, 1])
+    r = route(kc.Router(plan, [g.spec()]), w, tokens=PROMPT[:40])
+    assert r.keys_at([8, 16, 32]) == [key_of(PROMPT, c) for c in (8, 16, 32)]
+    with pytest.raises(ValueError, match="did not hash length 48"):
+        r.keys_at([48])  # beyond the prompt
+    with pytest.raises(ValueError, match="did not hash length 12"):
+        r.keys_at([12])  # in no plan

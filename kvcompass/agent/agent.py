@@ -651,8 +651,8 @@ class WorkerAgent:
             e.group_idx or 0,
             _medium_name(e.medium),
             e.block_size,
-            # little-endian u32, as struct.pack("<nI") would
-            t.astype("<u4", copy=False).tobytes() if isinstance(t, np.ndarray) else _core.pack_tokens(t),
+            # little-endian u32, as struct.pack("<nI") would (a uint32 array is read in place)
+            (t if t.dtype == np.uint32 else t.astype("<u4").tobytes()) if isinstance(t, np.ndarray) else _core.pack_tokens(t),
             e.lora_id is not None or e.lora_name is not None,
             e.parent_block_hash,
             e.block_hashes,

@@ -100,10 +100,11 @@ class BlockStored:
     inherits its chain's namespace through its parent).
 
     ``token_ids`` is a tuple as decoded from an engine, or a uint32 array where the emulated
-    engine hands its own tokens to an agent in the same process (the simulator).
+    engine hands its own tokens to an agent in the same process (the simulator); likewise
+    ``block_hashes`` may be the emulated engine's uint64 array (no Python int per block).
     """
 
-    block_hashes: tuple[BlockHash, ...]
+    block_hashes: tuple[BlockHash, ...] | npt.NDArray[np.uint64]
     parent_block_hash: BlockHash | None
     token_ids: tuple[int, ...] | npt.NDArray[np.uint32]
     block_size: int

@@ -707,8 +707,7 @@ class Edge:
         hotness when ``track``; none without ``effects``) and the :class:`Decision` that says so."""
         p = self._params
         matches = res.matches
-        ml: list[int] = matches.tolist()
-        m = ml[w]
+        m = int(matches[w])
         tier = _TIERS[int(res.tiers[w])]
         b = float(belief[w])
         L = len(toks)
@@ -719,7 +718,7 @@ class Edge:
         terms = ScoreTerms(wan=self._wan_l[w], queue=float(tq[w]), prefill=prefill, reload=reload, lam=lam, belief=b)
         if effects and p.load_aware and p.dispatch_charge_ttl_s > 0:
             self._queues.charge(w, (self._beta_l[w] * remaining if remaining > 0 else 0.0) + reload, now)
-        local_match = max([ml[i] for i in self._local_idx], default=0)
+        local_match = int(matches[self._local_idx_arr].max()) if self._local_idx else 0
 
         spec_lengths = _fitting(self._plan_lists[self._region_l[w]], L) if effects and p.speculative_ttl_s > 0 else []
         if spec_lengths and m >= spec_lengths[-1] and tier == Tier.VRAM:
@@ -728,8 +727,7 @@ class Edge:
         family: int | None = None
         if spec_lengths or track:
             lengths = sorted(set(spec_lengths) | ({self._family_length} if track else set()))
-            keys = _core.prefix_keys(ns, toks, np.array(lengths, dtype=np.uint32)).tolist()
-            by_len = dict(zip(lengths, keys))
+            by_len = dict(zip(lengths, res.keys_at(lengths)))  # plan lengths: the route hashed them
             if spec_lengths:
                 self._speculate(w, [by_len[c] for c in spec_lengths], now)
             if track:

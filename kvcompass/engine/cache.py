@@ -306,9 +306,10 @@ class PrefixCache:
 
     def events_from_core(self, raw: list[tuple[Any, ...]], *, token_arrays: bool = False) -> list[Event]:
         """The core's raw events (``BlockCache.place_*``) as :mod:`kvcompass.agent.events` objects.
-        With ``token_arrays`` a stored event's ``token_ids`` stay the core's uint32 array (the
-        simulator hands them straight to an agent: a tuple of thousands of Python ints a prompt,
-        packed back into bytes by the agent, was a twentieth of a KVCompass run)."""
+        With ``token_arrays`` a stored event's ``token_ids`` and ``block_hashes`` stay the core's
+        uint32 and uint64 arrays (the simulator hands them straight to an agent's forest: a
+        tuple of thousands of Python ints a prompt, packed back into bytes by the agent, was a
+        twentieth of a KVCompass run, and a Python int per block hash another tenth)."""
         return self._events(raw, token_arrays)
 
     def _events(self, raw: list[tuple[Any, ...]], token_arrays: bool = False) -> list[Event]:
@@ -316,7 +317,7 @@ class PrefixCache:
         for e in raw:
             if e[0]:
                 _, medium, hashes, parent, tokens, salt = e
-                ids = tuple(hashes.tolist())
+                ids = hashes if token_arrays else tuple(hashes.tolist())
                 # vLLM puts a request's cache salt in the extra keys of its prompt's first block.
                 extra = ((self._salts[salt],),) + (None,) * (len(ids) - 1) if salt else None
                 toks = tokens if token_arrays else tuple(tokens.tolist())

@@ -1,7 +1,8 @@
 //! `AgentForest`: the worker agent's block forest (`crate::agent_forest`), driven by
 //! `kvcompass.agent.WorkerAgent`, which decodes and sequences the engine's messages.
 
-use numpy::{IntoPyArray, PyArray1};
+use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
@@ -32,11 +33,40 @@ impl PyForest {
     /// namespace digest the first block's salt names (None: none or not ours).
     #[pyo3(signature = (group, medium, block_size, tokens, lora, parent, hashes, extra, salt_root))]
     #[allow(clippy::too_many_arguments)]
-    fn stored(&mut self, group: u32, medium: &str, block_size: u32, tokens: &[u8], lora: bool, parent: Option<Bound<'_, PyAny>>, hashes: &Bound<'_, PyTuple>, extra: Option<Vec<bool>>, salt_root: Option<[u8; 32]>) -> PyResult<()> {
+    fn stored(&mut self, group: u32, medium: &str, block_size: u32, tokens: &Bound<'_, PyAny>, lora: bool, parent: Option<Bound<'_, PyAny>>, hashes: &Bound<'_, PyAny>, extra: Option<Vec<bool>>, salt_root: Option<[u8; 32]>) -> PyResult<()> {
         let parent = parent.map(|p| bhash(&p)).transpose()?;
-        let hashes = hashes.iter().map(|h| bhash(&h)).collect::<PyResult<Vec<_>>>()?;
+        let hashes = if let Ok(a) = hashes.cast::<PyArray1<u64>>() {
+            // The emulated engine's own hash array (the simulator): no Python int per block.
+            let ro = a.try_readonly().map_err(|e| PyValueError::new_err(format!("hashes: {e}")))?;
+            ro.as_array().iter().map(|&h| BHash::Int(h)).collect()
+        } else if let Ok(t) = hashes.cast::<PyTuple>() {
+            t.iter().map(|h| bhash(&h)).collect::<PyResult<Vec<_>>>()?
+        } else {
+            hashes.try_iter()?.map(|h| bhash(&h?)).collect::<PyResult<Vec<_>>>()?
+        };
         let extra = extra.unwrap_or_default();
-        self.inner.stored(&Stored { group, medium, block_size, tokens, lora, parent, hashes, extra, salt_root });
+        if let Ok(b) = tokens.cast::<PyBytes>() {
+            self.inner.stored(&Stored { group, medium, block_size, tokens: b.as_bytes(), lora, parent, hashes, extra, salt_root });
+            return Ok(());
+        }
+        // A uint32 token array (the simulator hands the emulated engine's array over): read as
+        // the little-endian bytes the forest hashes, without packing a copy on this host.
+        let a = tokens.cast::<PyArray1<u32>>().map_err(|_| PyValueError::new_err("tokens: expected bytes (little-endian u32) or a 1-D uint32 array"))?;
+        let ro = a.try_readonly().map_err(|e| PyValueError::new_err(format!("tokens: {e}")))?;
+        let packed: Vec<u8>;
+        let bytes: &[u8] = match ro.as_slice() {
+            #[cfg(target_endian = "little")]
+            Ok(s) => {
+                // SAFETY: a u32 slice is readable as 4x as many bytes; on a little-endian host
+                // those are exactly the little-endian encoding.
+                unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<u8>(), std::mem::size_of_val(s)) }
+            }
+            _ => {
+                packed = ro.as_array().iter().flat_map(|t| t.to_le_bytes()).collect();
+                &packed
+            }
+        };
+        self.inner.stored(&Stored { group, medium, block_size, tokens: bytes, lora, parent, hashes, extra, salt_root });
         Ok(())
     }
 

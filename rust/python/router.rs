@@ -47,6 +47,8 @@ pub struct PyRouteResult {
     matches: Py<PyArray1<u32>>,
     tiers: Py<PyArray1<u8>>,
     scores: Py<PyArray1<f64>>,
+    lengths: Vec<u32>,
+    keys: Vec<u64>,
 }
 
 #[pymethods]
@@ -65,6 +67,18 @@ impl PyRouteResult {
     #[getter]
     fn scores(&self, py: Python<'_>) -> Py<PyArray1<f64>> {
         self.scores.clone_ref(py)
+    }
+    /// The keys of the prompt's prefixes of ``lengths`` that this route hashed (every plan
+    /// length that fits the prompt), so the caller registers speculative entries and counts
+    /// families without hashing the prompt again; ValueError names a length it did not hash.
+    fn keys_at(&self, lengths: Vec<u32>) -> PyResult<Vec<u64>> {
+        lengths
+            .iter()
+            .map(|c| match self.lengths.binary_search(c) {
+                Ok(i) => Ok(self.keys[i]),
+                Err(_) => Err(PyValueError::new_err(format!("keys_at: this route did not hash length {c} (it hashed {:?})", self.lengths))),
+            })
+            .collect()
     }
     fn __repr__(&self) -> String {
         format!("RouteResult(winner={}, score={:.3})", self.winner, self.score)
@@ -123,7 +137,7 @@ impl PyRouter {
         let tokens = u32_vec("tokens", tokens)?;
         let w = Workers { region: u32_vec("region", region)?, beta: f64_vec("beta", beta)?, wan: f64_vec("wan", wan)?, tq: f64_vec("tq", tq)?, belief: f64_vec("belief", belief)? };
         let params = ScoreParams { gamma, lambda: lam, closure };
-        let (win, m, t, s) = py.detach(|| {
+        let (win, m, t, s, lengths, keys) = py.detach(|| {
             // Reuse the warm scratch when free; a concurrent caller gets a fresh one instead of
             // waiting.
             let mut fresh;
@@ -136,9 +150,9 @@ impl PyRouter {
                 }
             };
             let win = self.run(&ns, &tokens, &w, &params, scratch)?;
-            Ok::<_, PyErr>((win, scratch.matches().to_vec(), scratch.tiers().to_vec(), scratch.scores().to_vec()))
+            Ok::<_, PyErr>((win, scratch.matches().to_vec(), scratch.tiers().to_vec(), scratch.scores().to_vec(), scratch.lengths().to_vec(), scratch.keys().to_vec()))
         })?;
-        Ok(PyRouteResult { winner: win.winner, score: win.score, matches: m.into_pyarray(py).unbind(), tiers: t.into_pyarray(py).unbind(), scores: s.into_pyarray(py).unbind() })
+        Ok(PyRouteResult { winner: win.winner, score: win.score, matches: m.into_pyarray(py).unbind(), tiers: t.into_pyarray(py).unbind(), scores: s.into_pyarray(py).unbind(), lengths, keys })
     }
 
     /// Number of tables this router reads.
