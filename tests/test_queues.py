@@ -358,6 +358,37 @@ def test_edge_repeated_vectors_fold_as_the_first_did() -> None:
         assert fast.queue_estimate("b0") == before and fast.queue_age("b0", 9.0) == 6.0
 
 
+def test_many_vectors_fold_as_one_at_a_time() -> None:
+    """``on_broadcasts_values`` (every broadcast due at an edge, the simulator's lazy delivery)
+    leaves an edge exactly as ``on_broadcast_values`` of each in order: regions seen for the
+    first time mid-list, the own region, ignored ids, and a bad vector that raises after the
+    ones before it were folded and leaves its own samples and the later ones unapplied."""
+    many, one = make_edge(), make_edge()
+    ids_b, ids_c = ("b0", "zz", "b1"), ("c0",)
+    items = [
+        ("B", ids_b, np.array([80.0, 3.0, 10.0]), 0.1),
+        ("B", ids_b, np.array([40.0, 1.0, 30.0]), 0.2),
+        ("C", ids_c, np.array([7.0]), 0.25),  # C's ids resolved here, mid-list
+        ("A", ("a0",), np.array([999.0]), 0.3),  # own region: ignored
+        ("B", ids_b, np.array([5.0, 0.0, 7.0]), 0.4),
+        ("C", ids_c, np.array([9.0]), 0.5),
+    ]
+    many.on_broadcasts_values(items)
+    for it in items:
+        one.on_broadcast_values(*it)
+
+    def state(e: Edge) -> list[tuple[float, float]]:
+        return [(e.queue_estimate(w), e.queue_age(w, 9.0)) for w in ("a0", "b0", "b1", "c0")]
+
+    assert state(many) == state(one)
+    assert many.stats.queue_samples_ignored == one.stats.queue_samples_ignored == 3
+    bad = [("C", ids_c, np.array([1.0]), 1.0), ("B", ids_b, np.array([1.0, 1.0, -5.0]), 1.1), ("C", ids_c, np.array([2.0]), 1.2)]
+    with pytest.raises(InvalidArgumentError, match="b1"):
+        many.on_broadcasts_values(bad)
+    one.on_broadcast_values(*bad[0])
+    assert state(many) == state(one)  # the first folded, the bad one and the one after not
+
+
 def test_vectors_as_arrays_fold_as_dicts_do() -> None:
     """``on_broadcast_values`` (ids and an array, the simulator's form) leaves an edge exactly as
     ``on_broadcast`` of the same dict does: estimates, ages, ignored ids, refusals, own region."""

@@ -327,6 +327,7 @@ class Simulator:
         number = {e.region: k for k, e in enumerate(self._live_edges)}
         self._live_edge = np.array([number.get(x.spec.region, -1) for x in self._by_index], dtype=np.int64)
         self._live_idx = np.array([self._edge_index(number, x) for x in self._by_index], dtype=np.int64)
+        self._live_monotone = bool((np.diff(self._live_edge) >= 0).all())
         reqs = self._requests
         for q in reqs:
             if q.region not in self._region_index:
@@ -428,9 +429,12 @@ class Simulator:
         if not box:
             return
         cur = self._eng().current() if bound is None else bound
+        due = []
         while box and box[0][:3] < cur:
             t, _, _, source, ids, vals = heapq.heappop(box)
-            edge.on_broadcast_values(source, ids, vals, t / 1e3)
+            due.append((source, ids, vals, t / 1e3))
+        if due:
+            edge.on_broadcasts_values(due)
 
     def _settle_all(self, bound: tuple[float, int, int] | None = None) -> None:
         for edge in self.plane.edges.values():
@@ -711,8 +715,13 @@ class Simulator:
             if int(eid.min()) < 0:
                 raise RuntimeError("the engine polled the queue of a worker whose region has no edge")
             first = int(eid[0])
-            if bool((eid == first).all()):  # one region busy (most ticks): no grouping
+            if first == int(eid[-1]) and bool((eid == first).all()):  # one region busy: no grouping
                 self._live_edges[first].set_local_queues(self._live_idx[ws], qs, now / 1e3)
+            elif self._live_monotone:  # workers numbered region by region: runs, not masks
+                idx = self._live_idx[ws]
+                cuts = [0, *(np.flatnonzero(eid[1:] != eid[:-1]) + 1).tolist(), len(ws)]
+                for a, b in zip(cuts, cuts[1:]):
+                    self._live_edges[int(eid[a])].set_local_queues(idx[a:b], qs[a:b], now / 1e3)
             else:
                 for k in np.unique(eid).tolist():
                     m = eid == k
