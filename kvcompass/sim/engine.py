@@ -720,8 +720,8 @@ class Simulator:
             elif self._live_monotone:  # workers numbered region by region: runs, not masks
                 idx = self._live_idx[ws]
                 cuts = [0, *(np.flatnonzero(eid[1:] != eid[:-1]) + 1).tolist(), len(ws)]
-                for a, b in zip(cuts, cuts[1:]):
-                    self._live_edges[int(eid[a])].set_local_queues(idx[a:b], qs[a:b], now / 1e3)
+                for lo, hi in zip(cuts, cuts[1:]):
+                    self._live_edges[int(eid[lo])].set_local_queues(idx[lo:hi], qs[lo:hi], now / 1e3)
             else:
                 for k in np.unique(eid).tolist():
                     m = eid == k
