@@ -859,19 +859,7 @@ class Edge:
         """:meth:`on_broadcast` of the vector ``dict(zip(ids, values))``, given as the sending
         edge's :attr:`local_ids` and :meth:`local_values` (a driver in one process, the
         simulator, passes arrays instead of building a dict per broadcast)."""
-        if region == self._region:
-            return
-        known = self._vector_ids.get(region)
-        if known is not None and (known[0] is ids or known[0] == ids):
-            ii, ignored, pos, lag = known[1], known[2], known[3], known[4]
-            try:
-                self._queues.fold_lagged(ii, values if pos is None else np.ascontiguousarray(values[pos]), now, lag)
-            except ValueError:
-                pass  # a sample not finite and >= 0: the full check names it
-            else:
-                self._n.queue_samples_ignored += ignored
-                return
-        self._fold_vector(region, dict(zip(ids, values.tolist())), now)
+        self.on_broadcasts_values([(region, ids, values, now)])
 
     def on_broadcasts_values(self, items: Sequence[tuple[str, tuple[str, ...], npt.NDArray[np.float64], float]]) -> None:
         """:meth:`on_broadcast_values` for each ``(region, ids, values, now)`` of ``items``, in
@@ -893,7 +881,7 @@ class Edge:
                 continue
             self._fold_batch(batch, held, ignored)
             batch, held, ignored = [], [], 0
-            self.on_broadcast_values(region, ids, values, now)
+            self._fold_vector(region, dict(zip(ids, values.tolist())), now)
         self._fold_batch(batch, held, ignored)
 
     def _fold_batch(
@@ -907,8 +895,8 @@ class Edge:
         try:
             self._queues.fold_lagged_many(batch)  # checks every vector before folding any
         except ValueError:
-            for region, ids, values, now in held:  # one by one: the bad sample is named
-                self.on_broadcast_values(region, ids, values, now)
+            for region, ids, values, now in held:  # one by one: the full check names the bad sample
+                self._fold_vector(region, dict(zip(ids, values.tolist())), now)
         else:
             self._n.queue_samples_ignored += ignored
 

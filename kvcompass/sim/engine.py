@@ -714,18 +714,13 @@ class Simulator:
             eid = self._live_edge[ws]
             if int(eid.min()) < 0:
                 raise RuntimeError("the engine polled the queue of a worker whose region has no edge")
-            first = int(eid[0])
-            if first == int(eid[-1]) and bool((eid == first).all()):  # one region busy: no grouping
-                self._live_edges[first].set_local_queues(self._live_idx[ws], qs, now / 1e3)
-            elif self._live_monotone:  # workers numbered region by region: runs, not masks
-                idx = self._live_idx[ws]
-                cuts = [0, *(np.flatnonzero(eid[1:] != eid[:-1]) + 1).tolist(), len(ws)]
-                for lo, hi in zip(cuts, cuts[1:]):
-                    self._live_edges[int(eid[lo])].set_local_queues(idx[lo:hi], qs[lo:hi], now / 1e3)
-            else:
-                for k in np.unique(eid).tolist():
-                    m = eid == k
-                    self._live_edges[k].set_local_queues(self._live_idx[ws[m]], qs[m], now / 1e3)
+            if not self._live_monotone:  # workers not numbered region by region: group them first
+                order = np.argsort(eid, kind="stable")
+                ws, qs, eid = ws[order], qs[order], eid[order]
+            idx = self._live_idx[ws]
+            cuts = [0, *(np.flatnonzero(eid[1:] != eid[:-1]) + 1).tolist(), len(ws)]
+            for lo, hi in zip(cuts, cuts[1:]):  # one run of workers a busy region
+                self._live_edges[int(eid[lo])].set_local_queues(idx[lo:hi], qs[lo:hi], now / 1e3)
         t_s = now / 1e3
         if self._migrate:
             for edge in self._live_edges:
