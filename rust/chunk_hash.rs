@@ -175,8 +175,94 @@ pub fn block_chain(seed: u64, tokens: &[u32], block_size: usize) -> Result<Vec<u
     Ok(out)
 }
 
+/// SHA-256's initial chaining value (FIPS 180-4, 5.3.3).
+const SHA256_IV: [u32; 8] = [0x6a09_e667, 0xbb67_ae85, 0x3c6e_f372, 0xa54f_f53a, 0x510e_527f, 0x9b05_688c, 0x1f83_d9ab, 0x5be0_cd19];
+
+/// A resumable SHA-256 whose parts are open: the chaining value after every whole 64-byte
+/// block, the bytes after the last one, and the length. `sha2::Sha256` holds the same, but as an
+/// opaque 112-byte value; a structure that keeps one state per stored engine block (the agent's
+/// forest: millions at fleet scale) keeps only the parts it needs and rebuilds the state here.
+/// Digests equal `Sha256`'s for the same bytes (tested).
+#[derive(Clone, Copy)]
+pub struct Midstate {
+    pub cv: [u32; 8],
+    /// `buf[..total % 64]`: the bytes not yet compressed.
+    pub buf: [u8; 64],
+    pub total: u64,
+}
+
+impl Default for Midstate {
+    fn default() -> Self {
+        Midstate { cv: SHA256_IV, buf: [0; 64], total: 0 }
+    }
+}
+
+impl Midstate {
+    /// Bytes held in `buf`.
+    #[inline]
+    pub fn pending(&self) -> usize {
+        (self.total % 64) as usize
+    }
+
+    pub fn update(&mut self, mut data: &[u8]) {
+        let used = self.pending();
+        self.total += data.len() as u64;
+        if used > 0 {
+            let take = (64 - used).min(data.len());
+            self.buf[used..used + take].copy_from_slice(&data[..take]);
+            data = &data[take..];
+            if used + take < 64 {
+                return;
+            }
+            sha2::block_api::compress256(&mut self.cv, std::slice::from_ref(&self.buf));
+        }
+        let (blocks, rest) = data.as_chunks::<64>();
+        if !blocks.is_empty() {
+            sha2::block_api::compress256(&mut self.cv, blocks);
+        }
+        self.buf[..rest.len()].copy_from_slice(rest);
+    }
+
+    /// The digest of everything fed so far (the state itself is unchanged).
+    pub fn finalize(&self) -> [u8; 32] {
+        let used = self.pending();
+        let mut cv = self.cv;
+        let mut blk = [0u8; 64];
+        blk[..used].copy_from_slice(&self.buf[..used]);
+        blk[used] = 0x80;
+        if used >= 56 {
+            sha2::block_api::compress256(&mut cv, std::slice::from_ref(&blk));
+            blk = [0u8; 64];
+        }
+        blk[56..].copy_from_slice(&self.total.wrapping_mul(8).to_be_bytes());
+        sha2::block_api::compress256(&mut cv, std::slice::from_ref(&blk));
+        let mut out = [0u8; 32];
+        for (o, w) in out.chunks_exact_mut(4).zip(cv) {
+            o.copy_from_slice(&w.to_be_bytes());
+        }
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn midstate_digests_equal_sha256_for_any_split() {
+        let data: Vec<u8> = (0..700u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        for len in [0usize, 1, 31, 32, 55, 56, 63, 64, 65, 119, 120, 128, 300, 700] {
+            let want: [u8; 32] = Sha256::digest(&data[..len]).into();
+            for cut in [0usize, 1, 7, 32, 63, 64, 100] {
+                let cut = cut.min(len);
+                let mut m = Midstate::default();
+                m.update(&data[..cut]);
+                let mid = m.finalize(); // finalising leaves the state as it was
+                m.update(&data[cut..len]);
+                assert_eq!(m.finalize(), want, "len {len} cut {cut}");
+                assert_eq!(mid, <[u8; 32]>::from(Sha256::digest(&data[..cut])));
+            }
+        }
+    }
+
     use super::*;
 
     fn hex(d: &[u8]) -> String {

@@ -10,7 +10,7 @@ use crate::agent_forest::{BHash, Forest, Removal, Stored};
 
 fn bhash(obj: &Bound<'_, PyAny>) -> PyResult<BHash> {
     if let Ok(b) = obj.cast::<PyBytes>() {
-        return Ok(BHash::Bytes(b.as_bytes().into()));
+        return Ok(BHash::Bytes(Box::new(b.as_bytes().into())));
     }
     Ok(BHash::Int(obj.extract::<u64>()?))
 }
