@@ -202,6 +202,21 @@ def test_tier_is_worst_along_the_chain_and_best_across_media() -> None:
     assert a.stats.unknown_removals == 0
 
 
+def test_a_block_held_by_many_media_stays_until_the_last_lets_go() -> None:
+    # The forest keeps the first 64 media of a block as bits and any further ones beside it: a
+    # block held only by the 70th medium is still held, and goes with that medium's removal.
+    a, sink = agent(LENGTHS), Sink(3)
+    names = ["GPU", *(f"EXTRA{i}" for i in range(69))]
+    for i, m in enumerate(names):
+        sink.apply(a.on_message(msg(i, BlockStored((1,), None, tuple(T[:4]), 4, medium=m))))
+    assert tiers(sink, T[:4], LENGTHS) == [1, 1, 1]
+    n = len(names)
+    sink.apply(a.on_message(msg(n, *(BlockRemoved((1,), m) for m in names[:-1]))))
+    assert tiers(sink, T[:4], LENGTHS) == [0, 0, 0] and len(a) == 1  # EXTRA68 (not indexed) still holds it
+    sink.apply(a.on_message(msg(n + 1, BlockRemoved((1,), names[-1]))))
+    assert len(a) == 0 and a.stats.unknown_removals == 0
+
+
 def test_interior_eviction_withdraws_descendants_until_restored() -> None:
     a, sink = agent(LENGTHS), Sink(3)
     sink.apply(a.on_message(msg(0, BlockStored((1, 2, 3), None, tuple(T[:12]), 4))))
