@@ -57,8 +57,12 @@ const NIL: u32 = u32::MAX;
 struct Run {
     /// The blocks' names, parent first; empty for a free record.
     ids: Vec<u64>,
-    /// Their tokens, `block_size` each (only in a cache that publishes events).
+    /// Their tokens, `block_size` each (only in a cache that publishes events, and not when
+    /// `src` says where to find them again).
     toks: Vec<u32>,
+    /// The request whose prompt holds the blocks' tokens at positions `pos..`, in the cache's
+    /// [`TokenSource`] (a simulated fleet: the tokens were 64 of a block's ~80 bytes).
+    src: Option<u32>,
     last: f64,
     stamp: u64,
     born: u64,
@@ -80,6 +84,13 @@ impl Run {
     fn len(&self) -> u32 {
         self.ids.len() as u32
     }
+}
+
+/// Where a cache that publishes events finds a request's tokens again, so its blocks need not
+/// carry them: the simulator's engine, which expands a prompt from its block ids on demand.
+pub trait TokenSource: Send + Sync {
+    /// The whole prompt of request `src`.
+    fn tokens(&self, src: u32) -> Vec<u32>;
 }
 
 /// A victim-heap entry: a run's leaf in one tier, ordered as `(uses, last, stamp)`; the stamp
@@ -176,6 +187,9 @@ pub struct BlockCache {
     blocks: usize,
     name_seed: u64,
     keep_tokens: bool,
+    /// Where source-backed runs' tokens are (see [`Run::src`]), and the current call's request.
+    source: Option<std::sync::Arc<dyn TokenSource>>,
+    call_src: Option<u32>,
     /// Live entries of each heap at its last compaction.
     heap_floor: [usize; 3],
     pub stats: Stats,
@@ -243,6 +257,8 @@ impl BlockCache {
             blocks: 0,
             name_seed,
             keep_tokens: true,
+            source: None,
+            call_src: None,
             heap_floor: [0; 3],
             stats: Stats::default(),
         })
@@ -257,6 +273,21 @@ impl BlockCache {
         }
         self.keep_tokens = keep;
         Ok(())
+    }
+
+    /// Where this cache may find a request's tokens again (None: every run keeps its own).
+    pub fn set_token_source(&mut self, source: Option<std::sync::Arc<dyn TokenSource>>) -> Result<()> {
+        if self.blocks != 0 {
+            return Err(CoreError::InvalidArgument("the token source can change only while the cache is empty".into()));
+        }
+        self.source = source;
+        Ok(())
+    }
+
+    /// The request whose whole prompt the next calls store (None: tokens kept as given). With a
+    /// token source installed, blocks stored from it keep a reference, not their tokens.
+    pub fn set_call_source(&mut self, req: Option<u32>) {
+        self.call_src = req;
     }
 
     pub fn block_size(&self) -> usize {
@@ -589,6 +620,7 @@ impl BlockCache {
             let head = Run {
                 ids,
                 toks,
+                src: r.src,
                 last: r.last,
                 stamp: r.stamp,
                 born: r.born,
@@ -636,10 +668,12 @@ impl BlockCache {
         let bs = self.block_size;
         let n = ids.len();
         let ri = self.alloc();
-        let toks = if self.keep_tokens { tokens[at * bs..(at + n) * bs].to_vec() } else { Vec::new() };
+        let src = if self.keep_tokens && self.source.is_some() { self.call_src } else { None };
+        let toks = if self.keep_tokens && src.is_none() { tokens[at * bs..(at + n) * bs].to_vec() } else { Vec::new() };
         self.runs[ri as usize] = Run {
             ids: ids.to_vec(),
             toks,
+            src,
             last: now,
             stamp: self.stamp + 1,
             born: self.born + 1,
@@ -899,11 +933,20 @@ impl BlockCache {
                 tails.insert(x.0, c);
             }
             let bs = self.block_size;
+            let mut prompt: Option<(u32, Vec<u32>)> = None; // the last source prompt expanded
             for c in chains {
                 let mut tokens = Vec::with_capacity(c.len() * bs);
                 for &(_, ri, j) in &c {
                     let r = &self.runs[ri as usize];
-                    if !r.toks.is_empty() {
+                    if let Some(s) = r.src {
+                        if prompt.as_ref().is_none_or(|p| p.0 != s) {
+                            let source = self.source.as_ref().expect("a source-backed run's cache has a source");
+                            prompt = Some((s, source.tokens(s)));
+                        }
+                        let p = &prompt.as_ref().expect("expanded").1;
+                        let at = (r.pos + j) as usize * bs;
+                        tokens.extend_from_slice(&p[at..at + bs]);
+                    } else if !r.toks.is_empty() {
                         tokens.extend_from_slice(&r.toks[j as usize * bs..(j as usize + 1) * bs]);
                     }
                 }
@@ -936,6 +979,50 @@ mod tests {
     fn admit(c: &mut BlockCache, tokens: &[u32], now: f64) -> Vec<Event> {
         let chain = c.chain(tokens, 0).unwrap();
         c.place_vram(tokens, &chain, now, 0, true, true).unwrap()
+    }
+
+    struct Fixed(Vec<Vec<u32>>);
+    impl TokenSource for Fixed {
+        fn tokens(&self, src: u32) -> Vec<u32> {
+            self.0[src as usize].clone()
+        }
+    }
+
+    /// A cache that finds its prompts' tokens in a source publishes exactly the events (tokens
+    /// included) of one that keeps them: demotions re-read the tokens of runs stored, split
+    /// and truncated by other calls. A source-backed run whose positions were off by a block
+    /// would publish another block's tokens here.
+    #[test]
+    fn a_token_source_publishes_the_tokens_a_kept_copy_would() {
+        let mut rng = crate::sim::rng::Pcg64::seeded(7);
+        let stems: Vec<Vec<u32>> = (0..4).map(|_| (0..24).map(|_| rng.next_u64() as u32).collect()).collect();
+        let prompts: Vec<Vec<u32>> = (0..40)
+            .map(|i| {
+                let mut p = stems[i % 4][..(4 * (1 + i % 6)).min(24)].to_vec();
+                p.extend((0..(4 * (i % 5))).map(|_| rng.next_u64() as u32));
+                p
+            })
+            .filter(|p| !p.is_empty())
+            .collect();
+        for lfu in [false, true] {
+            let mut kept = BlockCache::new(4, 6, 10, lfu, 3).unwrap();
+            let mut sourced = BlockCache::new(4, 6, 10, lfu, 3).unwrap();
+            sourced.set_token_source(Some(std::sync::Arc::new(Fixed(prompts.clone())))).unwrap();
+            let mut demoted = 0;
+            for step in 0..400 {
+                let i = (rng.next_u64() % prompts.len() as u64) as u32;
+                let p = &prompts[i as usize];
+                let chain = kept.chain(p, 0).unwrap();
+                let a = kept.place_vram_len(p, p.len(), &chain, step as f64, 0, true, true).unwrap();
+                sourced.set_call_source(Some(i));
+                let b = sourced.place_vram_len(p, p.len(), &chain, step as f64, 0, true, true).unwrap();
+                sourced.set_call_source(None);
+                assert_eq!(a, b, "step {step}");
+                demoted += a.iter().filter(|e| matches!(e, Event::Stored { medium: DRAM, .. })).count();
+            }
+            assert!(demoted > 50, "the sequence demotes ({demoted} DRAM stores)");
+            assert!(sourced.memory_bytes() < kept.memory_bytes());
+        }
     }
 
     #[test]

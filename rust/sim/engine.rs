@@ -3,6 +3,7 @@
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, VecDeque};
+use std::sync::Arc;
 
 use super::rng::Pcg64;
 pub use policy::{Baseline, CoordinatorState, DynamoState, History, SGLangState, Salts};
@@ -10,7 +11,7 @@ pub use policy::{Baseline, CoordinatorState, DynamoState, History, SGLangState, 
 #[path = "policy.rs"]
 mod policy;
 pub(crate) use policy::py_floordiv;
-use crate::block_cache::{BlockCache, Event, DRAM, VRAM};
+use crate::block_cache::{BlockCache, Event, TokenSource, DRAM, VRAM};
 use crate::error::{CoreError, Result};
 use crate::chunk_hash::block_chain;
 use crate::token_ids::{chain_block_ids, expand_blocks};
@@ -221,6 +222,28 @@ pub struct RequestSpec {
     /// Its slice of the block ids is runs `(chain, count)` of synthetic ids
     /// ([`crate::token_ids::chain_block_ids`]), not the ids themselves.
     pub runs: bool,
+}
+
+/// The workload's requests and their block ids (`ids[id_offs[i]..id_offs[i + 1]]` for request
+/// `i`): everything a prompt's tokens are expanded from.
+struct Prompts {
+    reqs: Vec<RequestSpec>,
+    ids: Vec<u64>,
+    id_offs: Vec<usize>,
+}
+
+impl TokenSource for Prompts {
+    fn tokens(&self, req: u32) -> Vec<u32> {
+        let r = self.reqs[req as usize];
+        let slice = &self.ids[self.id_offs[req as usize]..self.id_offs[req as usize + 1]];
+        if r.runs {
+            let chains: Vec<u64> = slice.iter().step_by(2).copied().collect();
+            let counts: Vec<u64> = slice.iter().skip(1).step_by(2).copied().collect();
+            expand_blocks(&chain_block_ids(&chains, &counts), r.input_length as usize, r.block_size as usize)
+        } else {
+            expand_blocks(slice, r.input_length as usize, r.block_size as usize)
+        }
+    }
 }
 
 /// A routing decision: worker index, claimed tokens, lookup delay beyond the edge.
@@ -442,9 +465,9 @@ pub struct Engine {
     block_size: usize,
     regions: usize,
     workers: Vec<Worker>,
-    reqs: Vec<RequestSpec>,
-    ids: Vec<u64>,
-    id_offs: Vec<usize>,
+    /// The workload, shared with the caches that publish events (they find a stored prompt's
+    /// tokens here again instead of keeping them).
+    prompts: Arc<Prompts>,
     jobs: Vec<Job>,
     heap: BinaryHeap<Entry>,
     seq: u64,
@@ -550,8 +573,12 @@ impl Engine {
             return bad("every worker's cache must have the same block size".into());
         }
         let mut workers = workers;
+        let prompts = Arc::new(Prompts { reqs, ids, id_offs });
         for w in &mut workers {
             w.cache.set_keep_tokens(w.publish)?;
+            if w.publish {
+                w.cache.set_token_source(Some(prompts.clone()))?;
+            }
         }
         let workers = workers
             .into_iter()
@@ -585,7 +612,7 @@ impl Engine {
                 decoded: 0,
             })
             .collect();
-        let n_req = reqs.len();
+        let n_req = prompts.reqs.len();
         Ok(Engine {
             cfg,
             policy: Policy::Driver,
@@ -594,9 +621,7 @@ impl Engine {
             block_size,
             regions,
             workers,
-            reqs,
-            ids,
-            id_offs,
+            prompts,
             jobs: Vec::with_capacity(n_req),
             heap: BinaryHeap::new(),
             seq: 0,
@@ -662,20 +687,20 @@ impl Engine {
             _ => {}
         }
         if self.salts.h64.is_empty() {
-            let salts = self.reqs.iter().map(|r| r.salt).max().unwrap_or(0) as usize;
+            let salts = self.prompts.reqs.iter().map(|r| r.salt).max().unwrap_or(0) as usize;
             if salts > 0 && matches!(policy, Policy::Baseline(_)) {
                 return Err(CoreError::InvalidArgument("set the salts' keys before a content-keyed baseline".into()));
             }
             self.salts = Salts { h64: vec![0], repr: vec!["None".into()] };
         }
-        if self.reqs.iter().any(|r| r.salt as usize >= self.salts.h64.len()) {
+        if self.prompts.reqs.iter().any(|r| r.salt as usize >= self.salts.h64.len()) {
             return Err(CoreError::InvalidArgument("a request's salt has no key".into()));
         }
         if let Policy::LeastLoaded { pools, per_region } = &policy {
             if pools.iter().flatten().any(|&w| w >= n) || (*per_region && pools.len() != self.regions) || (!*per_region && pools.len() != 1) {
                 return Err(CoreError::InvalidArgument("least-loaded pools do not match the topology".into()));
             }
-            if let Some(i) = self.reqs.iter().position(|r| pools[if *per_region { r.region as usize } else { 0 }].is_empty()) {
+            if let Some(i) = self.prompts.reqs.iter().position(|r| pools[if *per_region { r.region as usize } else { 0 }].is_empty()) {
                 return Err(CoreError::InvalidArgument(format!("request {i} (in arrival order) has no worker to go to")));
             }
         }
@@ -700,7 +725,7 @@ impl Engine {
             Policy::Driver => Ok(None),
             Policy::LeastLoaded { pools, per_region } => {
                 let (req, _, _) = self.pending.as_ref().expect("an arrival is pending");
-                let r = self.reqs[*req as usize];
+                let r = self.prompts.reqs[*req as usize];
                 let (pool, origin) = if *per_region { (&pools[r.region as usize], Some(r.region)) } else { (&pools[0], None) };
                 Ok(Some(Choice { worker: self.least_loaded(pool, origin), claimed: 0, delay_ms: 0.0 }))
             }
@@ -816,10 +841,10 @@ impl Engine {
             return;
         }
         self.started = true;
-        self.issued = self.reqs.iter().map(|r| r.arrival_ms).collect();
-        let n = if self.closed > 0 { self.closed.min(self.reqs.len()) } else { self.reqs.len() };
+        self.issued = self.prompts.reqs.iter().map(|r| r.arrival_ms).collect();
+        let n = if self.closed > 0 { self.closed.min(self.prompts.reqs.len()) } else { self.prompts.reqs.len() };
         for i in 0..n {
-            let t = self.reqs[i].arrival_ms;
+            let t = self.prompts.reqs[i].arrival_ms;
             self.push(t, Ev::Arrive(i as u32));
         }
         self.next_issue = n;
@@ -839,7 +864,7 @@ impl Engine {
             self.events_processed += 1;
             match e.ev {
                 Ev::Arrive(req) => {
-                    let r = self.reqs[req as usize];
+                    let r = self.prompts.reqs[req as usize];
                     let tokens = self.request_tokens(req);
                     let chain = block_chain(r.salt_seed, &tokens, self.block_size)?;
                     self.pending = Some((req, tokens, chain));
@@ -898,7 +923,7 @@ impl Engine {
         self.workers.len()
     }
     pub fn requests(&self) -> usize {
-        self.reqs.len()
+        self.prompts.reqs.len()
     }
     pub fn completed(&self) -> u64 {
         self.done
@@ -1040,7 +1065,7 @@ impl Engine {
         // A worker whose cache publishes no events never needs the prompt's tokens again (its
         // chain names the blocks): a waiting job keeps 8 bytes a block, not 4 a token.
         let tokens = if self.workers[c.worker as usize].publish { tokens } else { Vec::new() };
-        let r = self.reqs[req as usize];
+        let r = self.prompts.reqs[req as usize];
         let wr = self.workers[c.worker as usize].region;
         let forward = self.way(r.edge_region, wr);
         let back = self.way(wr, r.edge_region);
@@ -1273,7 +1298,7 @@ impl Engine {
     fn restore(&mut self, job: u32, w: u32) -> Result<()> {
         let req = self.jobs[job as usize].req;
         let tokens = self.request_tokens(req);
-        let r = self.reqs[req as usize];
+        let r = self.prompts.reqs[req as usize];
         let chain = block_chain(r.salt_seed, &tokens, self.block_size)?;
         let publish = self.workers[w as usize].publish;
         let j = &mut self.jobs[job as usize];
@@ -1285,15 +1310,7 @@ impl Engine {
 
     /// Request `req`'s tokens, expanded from its block ids (or runs of them).
     fn request_tokens(&self, req: u32) -> Vec<u32> {
-        let r = self.reqs[req as usize];
-        let slice = &self.ids[self.id_offs[req as usize]..self.id_offs[req as usize + 1]];
-        if r.runs {
-            let chains: Vec<u64> = slice.iter().step_by(2).copied().collect();
-            let counts: Vec<u64> = slice.iter().skip(1).step_by(2).copied().collect();
-            expand_blocks(&chain_block_ids(&chains, &counts), r.input_length as usize, r.block_size as usize)
-        } else {
-            expand_blocks(slice, r.input_length as usize, r.block_size as usize)
-        }
+        self.prompts.tokens(req)
     }
 
     fn start_prefill(&mut self, w: u32) -> Result<()> {
@@ -1322,7 +1339,11 @@ impl Engine {
             return Ok(true);
         }
         x.pending = x.pending.saturating_sub(1); // a routed request's prefill ended
-        let ev = x.cache.place_vram_len(&j.tokens, j.input_length as usize, &chain, now, j.salt, true, x.publish)?;
+        // Its tokens are the request's prompt: the cache keeps a reference, not a copy.
+        x.cache.set_call_source(Some(j.req));
+        let ev = x.cache.place_vram_len(&j.tokens, j.input_length as usize, &chain, now, j.salt, true, x.publish);
+        x.cache.set_call_source(None);
+        let ev = ev?;
         self.publish_events(w, ev);
         let j = &mut self.jobs[job as usize];
         // Its KV is in the cache now: decoding needs neither the prompt's tokens nor its chain
@@ -1630,13 +1651,13 @@ impl Engine {
         j.tokens = Vec::new(); // a finished request keeps no tokens
         j.chain = Vec::new();
         self.done += 1;
-        if self.closed > 0 && self.next_issue < self.reqs.len() {
+        if self.closed > 0 && self.next_issue < self.prompts.reqs.len() {
             let next = self.next_issue;
             self.next_issue += 1;
             self.issued[next] = at_client;
             self.push(at_client, Ev::Arrive(next as u32));
         }
-        let total = self.reqs.len() as u64;
+        let total = self.prompts.reqs.len() as u64;
         if self.done % self.progress_every == 0 || self.done == total {
             self.out.push(Out::Progress { done: self.done });
         }

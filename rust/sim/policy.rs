@@ -903,7 +903,7 @@ impl Engine {
 
     /// The baseline's choice for request `req`, whose tokens and chain are `tokens`, `chain`.
     pub(super) fn choose_baseline(&mut self, b: &mut Baseline, req: u32, tokens: &[u32], chain: &[u64]) -> Result<Choice> {
-        let r = self.reqs[req as usize];
+        let r = self.prompts.reqs[req as usize];
         let block = self.block_size;
         let done = |worker: u32, claimed: i64, delay_ms: f64| Ok(Choice { worker, claimed, delay_ms });
         match b {
