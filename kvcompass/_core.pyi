@@ -21,6 +21,7 @@ __all__ = [
     "block_chain_hashes",
     "expand_block_tokens",
     "chain_block_ids",
+    "mix_fold",
     "first_bad_token",
     "token_array",
     "pack_tokens",
@@ -74,6 +75,9 @@ def expand_block_tokens(ids: npt.NDArray[np.uint64], input_length: int, block_si
 
 def chain_block_ids(chains: npt.NDArray[np.uint64], counts: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     """Block ids ``mix64(chain + j * golden) & (2**63 - 1)`` for ``j = 1..count`` of every run."""
+
+def mix_fold(h: int, parts: Sequence[int]) -> int:
+    """``h`` folded with every part: ``h = mix64(h ^ part)`` (uint64 parts)."""
 
 def token_array(tokens: list[int] | tuple[int, ...]) -> tuple[npt.NDArray[np.uint32], int]:
     """``(uint32 array, -1)``, or ``(empty, i)`` for the first item not an exact int in 0..2**32-1."""

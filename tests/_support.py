@@ -14,6 +14,18 @@ import numpy.typing as npt
 
 import kvcompass as kc
 
+M64 = (1 << 64) - 1
+
+
+def mix64(x: int) -> int:
+    """SplitMix64's finaliser of ``x + golden``, written out: the reference the package's
+    (Rust) mixing of token and synthetic block ids is checked against."""
+    z = (x + 0x9E3779B97F4A7C15) & M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
 # "KVCP" | version u8 | flags u8 | reserved u16 | table u32 | shard u32 | epoch u64 | seq u64
 #        | n_ops u32 | payload_len u32 | payload | crc32 u32
 HEADER_LEN = 4 + 1 + 1 + 2 + 4 + 4 + 8 + 8 + 4 + 4

@@ -21,7 +21,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 import kvcompass as kc
-from kvcompass.sim.workload import _mix64
+from _support import mix64 as _mix64
 from kvcompass.agent import AllBlocksCleared, BlockRemoved, BlockStored, Event, WorkerAgent, encode_batch
 from kvcompass.index_types import Tier
 from kvcompass.engine.cache import CachedBlock, PrefixCache

@@ -24,7 +24,6 @@ from kvcompass.sim.workload import (
     MixedConfig,
     Request,
     TraceBlocks,
-    _mix64,
     _mix64_np,
     dump_trace,
     expand_blocks,
@@ -36,6 +35,8 @@ from kvcompass.sim.workload import (
     reuse_stats,
     synthetic_mixed,
 )
+
+from _support import mix64 as _mix64
 
 ROOT = Path(__file__).resolve().parents[1]
 EXCERPT = ROOT / "tests" / "data" / "conversation_excerpt.jsonl"
@@ -69,6 +70,19 @@ def test_expansion_known_answer() -> None:
 def test_mix_scalar_and_vector_agree() -> None:
     xs = [0, 1, 2**63 - 1, 2**64 - 1, 0x9E3779B97F4A7C15, 123456789]
     assert _mix64_np(np.array(xs, dtype=np.uint64)).tolist() == [_mix64(x) for x in xs]
+
+
+def test_mix_fold_is_the_scalar_mixing_folded() -> None:
+    """Segment ids and prompt chains (``_core.mix_fold``) against the definition in Python."""
+    from kvcompass import _core
+
+    for h, parts in ((0, ()), (0x6B7663636861696E, (1, 0, 4096)), (2**64 - 1, (2**64 - 1, 0, 7, 123456789))):
+        want = h
+        for p in parts:
+            want = _mix64(want ^ p)
+        assert _core.mix_fold(h, parts) == want
+    with pytest.raises(OverflowError):
+        _core.mix_fold(0, (-1,))
 
 
 def test_rust_expansion_and_chain_ids_match_the_scalar_definition() -> None:

@@ -69,6 +69,7 @@ Tenants
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
@@ -134,18 +135,12 @@ _PACKAGE = Path(__file__).resolve().parents[1]
 
 
 # --------------------------------------------------------------------------------------------
-# Integer mixing (SplitMix64's finaliser): the only source of token and synthetic block ids.
-
-
-def _mix64(x: int) -> int:
-    z = (x + _GOLDEN) & _M64
-    z = ((z ^ (z >> 30)) * _C1) & _M64
-    z = ((z ^ (z >> 27)) * _C2) & _M64
-    return z ^ (z >> 31)
+# Integer mixing (SplitMix64's finaliser, ``rust/token_ids.rs``): the only source of token and
+# synthetic block ids. Scalars go through ``_core.mix_fold``; the tests hold a reference.
 
 
 def _mix64_np(x: U64Array) -> U64Array:
-    """Elementwise :func:`_mix64` (uint64 arithmetic wraps, as the scalar form masks)."""
+    """Elementwise SplitMix64 finaliser of ``x + golden`` (uint64 arithmetic wraps)."""
     z = x + np.uint64(_GOLDEN)
     z ^= z >> np.uint64(30)
     z *= np.uint64(_C1)
@@ -367,6 +362,12 @@ def draw_regions(cdf: F64Array, u: F64Array) -> I64Array:
     # side="right": a uniform equal to a boundary goes to the next region, so a zero-weight
     # region (an empty interval) is never drawn.
     return np.minimum(np.searchsorted(cdf, u, side="right"), cdf.size - 1).astype(np.int64)
+
+
+def _draw_one(cdf: list[float], u: float) -> int:
+    """:func:`draw_regions` for one uniform, the cdf a list (a generator drawing one at a time
+    made two small arrays a draw)."""
+    return min(bisect.bisect_right(cdf, u), len(cdf) - 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -766,10 +767,7 @@ _KINDS = ("tool", "docqa", "coding")
 
 
 def _seg_id(*parts: int) -> int:
-    h = _CHAIN_ROOT
-    for p in parts:
-        h = _mix64(h ^ (p & _M64))
-    return h
+    return _core.mix_fold(_CHAIN_ROOT, parts)
 
 
 class _Prompt:
@@ -789,7 +787,7 @@ class _Prompt:
         session is a token prefix of the later ones."""
         bs = self.block_size
         p = _Prompt(bs)
-        p.chain = _mix64(self.chain ^ seg)
+        p.chain = _core.mix_fold(self.chain, (seg,))
         count = -(-length // bs)
         p.runs = self.runs + ((p.chain, count),)
         p.tokens = -(-self.tokens // bs) * bs + length
@@ -867,15 +865,16 @@ def synthetic_mixed(
         _SEG_DOC: rng.integers(cfg.document[0], cfg.document[1] + 1, size=cfg.documents).tolist(),
         _SEG_PROBLEM: [_lognormal(rng, cfg.problem, cfg.sigma) for _ in range(cfg.problems)],
     }
-    cdfs = {tag: _zipf_cdf(len(lens), cfg.zipf_s) for tag, lens in pools.items()}
+    cdfs = {tag: _zipf_cdf(len(lens), cfg.zipf_s).tolist() for tag, lens in pools.items()}
     per_session = np.array([cfg.calls_mean(), 1.0, 1.0])
     kind_p = np.asarray(cfg.shares, dtype=np.float64) / per_session
     kind_cdf = np.cumsum(kind_p / kind_p.sum())
     kind_cdf[-1] = 1.0
     session_gap_ms = 1000.0 * float(np.dot(kind_p / kind_p.sum(), per_session)) / rate_v
+    kind_list, region_list = kind_cdf.tolist(), region_cdf.tolist()
 
     def pick(tag: int, tenant: int) -> tuple[int, int]:
-        item = int(draw_regions(cdfs[tag], rng.random(1))[0])
+        item = _draw_one(cdfs[tag], rng.random())
         length = pools[tag][item]
         return (_seg_id(tag, item, length, tenant) if private_pools else _seg_id(tag, item, length)), length
 
@@ -884,10 +883,10 @@ def synthetic_mixed(
     session = 0
     while len(drafts) < n:
         t += float(rng.exponential(session_gap_ms))
-        kind = int(draw_regions(kind_cdf, rng.random(1))[0])
+        kind = _draw_one(kind_list, rng.random())
         # One uniform whatever the tenant count, so K tenants see the same sessions as one.
         tenant = min(int(rng.random() * tenants), tenants - 1)
-        region = int(draw_regions(region_cdf, rng.random(1))[0])
+        region = _draw_one(region_list, rng.random())
         base = _Prompt(block_size)
         if kind == 0:
             seg, ln = pick(_SEG_TOOLSET, tenant)
