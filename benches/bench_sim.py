@@ -94,13 +94,13 @@ def main() -> int:
         print(f"{name}: {summary.requests} requests in {wall:.2f} s -> {rates[name]:.0f} req/s, {events[name]} engine events per request", file=sys.stderr)
         del sim, summary
     # Memory for half and all of the requests, first scheme: the Python heap's peak (tracemalloc,
-    # numpy included) plus what the emulated caches hold in Rust at the end (their blocks live
-    # there, out of tracemalloc's sight, and only grow until full; the index tables are bounded
-    # by their capacity). Flat memory means the growth per request is the per-request record
-    # alone (a few hundred bytes), not its tokens.
+    # numpy included) plus what the emulated caches and the agents' block forests hold in Rust at
+    # the end (their blocks live there, out of tracemalloc's sight, and only grow until the
+    # caches are full; the index tables are bounded by their capacity).
     first = schemes[0]
     peaks: dict[str, float] = {}
     caches: dict[str, float] = {}
+    forests: dict[str, float] = {}
     m = min(n, args.memory_requests)
     for label, k in ((("half", m // 2), ("full", m)) if m else ()):
         tracemalloc.start()
@@ -109,13 +109,15 @@ def main() -> int:
         py_peak = tracemalloc.get_traced_memory()[1] / 2**20
         tracemalloc.stop()
         caches[label] = (sum(c.memory_bytes for c in sim.caches.values()) + BlockCache.memo_bytes()) / 2**20  # + the shared chain memo
-        peaks[label] = py_peak + caches[label]
+        forests[label] = sum(a.memory_bytes for a in sim.agents.values()) / 2**20
+        peaks[label] = py_peak + caches[label] + forests[label]
         del sim
     growth_kb = (peaks["full"] - peaks["half"]) * 1024 / max(1, m - m // 2) if m else 0.0
     if m:
         print(
             f"{first}: peak {peaks['half']:.1f} MiB at {m // 2} requests, {peaks['full']:.1f} MiB at {m} "
-            f"(of which emulated caches {caches['half']:.1f} / {caches['full']:.1f} MiB): {growth_kb:.2f} KiB per request",
+            f"(of which emulated caches {caches['half']:.1f} / {caches['full']:.1f} MiB, agents' forests "
+            f"{forests['half']:.1f} / {forests['full']:.1f} MiB): {growth_kb:.2f} KiB per request",
             file=sys.stderr,
         )
     out = {
@@ -130,6 +132,7 @@ def main() -> int:
         "memory_requests": m,
         "heap_peak_mb": {k: round(v, 2) for k, v in peaks.items()},
         "cache_mb": {k: round(v, 2) for k, v in caches.items()},
+        "forest_mb": {k: round(v, 2) for k, v in forests.items()},
         "heap_growth_kb_per_request": round(growth_kb, 3),
         "cache_scale": args.cache_scale,
         "mode": "quick" if args.quick else "full",

@@ -326,6 +326,41 @@ impl Forest {
     pub fn len(&self) -> usize {
         self.blocks.len()
     }
+
+    /// Bytes held on the heap: every table at its capacity (a hash table's slot plus its
+    /// control byte) and what the entries own (byte hashes, key lists, child maps).
+    pub fn memory_bytes(&self) -> usize {
+        fn map<K, V>(m: &FxHashMap<K, V>) -> usize {
+            m.capacity() * (std::mem::size_of::<(K, V)>() + 1)
+        }
+        fn owned(h: &BHash) -> usize {
+            match h {
+                BHash::Int(_) => 0,
+                BHash::Bytes(b) => std::mem::size_of::<Box<[u8]>>() + b.len(),
+            }
+        }
+        let slab = self.blocks.slots.capacity() * std::mem::size_of::<Option<Block>>()
+            + self.blocks.free.capacity() * std::mem::size_of::<Bid>()
+            + self.blocks.iter().map(|(_, x)| owned(&x.hash)).sum::<usize>();
+        let sides = map(&self.roots)
+            + map(&self.orphans)
+            + self.orphans.values().map(|v| v.capacity() * std::mem::size_of::<(BHash, Bid)>()).sum::<usize>()
+            + map(&self.waits)
+            + map(&self.pending)
+            + self.pending.values().map(|t| t.len()).sum::<usize>()
+            + map(&self.salted)
+            + map(&self.more_keys)
+            + self.more_keys.values().map(|k| k.len() * 8).sum::<usize>()
+            + map(&self.long_tails)
+            + map(&self.many_kids)
+            + self.many_kids.values().map(map).sum::<usize>()
+            + map(&self.more_media)
+            + self.more_media.values().map(|v| v.capacity() * 2).sum::<usize>()
+            + map(&self.counts)
+            + map(&self.step_old)
+            + map(&self.medium_ids);
+        slab + self.by_fp.capacity() * BlockTable::<Bid>::SLOT_BYTES + sides
+    }
     pub fn is_empty(&self) -> bool {
         self.blocks.is_empty()
     }

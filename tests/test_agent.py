@@ -202,6 +202,18 @@ def test_tier_is_worst_along_the_chain_and_best_across_media() -> None:
     assert a.stats.unknown_removals == 0
 
 
+def test_memory_bytes_counts_the_forest_blocks() -> None:
+    # The forest lives in Rust, out of a heap profiler's sight: memory_bytes is how the
+    # simulator's memory figures see it. 4,000 blocks cost at least their records.
+    a = agent(LENGTHS)
+    empty = a.memory_bytes
+    toks = list(range(4 * 4000))
+    a.on_message(msg(0, BlockStored(tuple(range(1, 4001)), None, tuple(toks), 4)))
+    assert len(a) == 4000
+    assert a.memory_bytes >= empty + 4000 * 100
+    assert a.memory_bytes < empty + 4000 * 1000
+
+
 def test_a_block_held_by_many_media_stays_until_the_last_lets_go() -> None:
     # The forest keeps the first 64 media of a block as bits and any further ones beside it: a
     # block held only by the 70th medium is still held, and goes with that medium's removal.

@@ -446,6 +446,12 @@ class Simulator:
         engine holds their blocks while it runs)."""
         return {w: x.cache for w, x in self._workers.items()}
 
+    @property
+    def agents(self) -> dict[str, WorkerAgent]:
+        """Every indexed worker's agent, by worker id (for inspection; a scheme that does not
+        use the index runs none)."""
+        return {w: x.agent for w, x in self._workers.items() if x.agent is not None}
+
     def namespace(self, request: Request) -> Namespace:
         return self._ns_of.get(request.namespace, self._ns)
 

@@ -110,6 +110,12 @@ impl PyForest {
         self.inner.len()
     }
 
+    /// Bytes the forest holds on the heap (blocks, their side tables, indexes, the key
+    /// counts): what a Python heap profiler cannot see.
+    fn memory_bytes(&self) -> usize {
+        self.inner.memory_bytes()
+    }
+
     /// blocks_stored, blocks_removed, orphans, adopted, unindexed, unknown_removals, conflicts,
     /// ambiguous_parents, ambiguous_removals.
     fn stats(&self) -> [u64; 9] {
