@@ -276,12 +276,19 @@ impl BlockCache {
     }
 
     /// Where this cache may find a request's tokens again (None: every run keeps its own).
-    pub fn set_token_source(&mut self, source: Option<std::sync::Arc<dyn TokenSource>>) -> Result<()> {
-        if self.blocks != 0 {
-            return Err(CoreError::InvalidArgument("the token source can change only while the cache is empty".into()));
+    /// Runs that found theirs in the previous source copy them first, so no run ever reads
+    /// another workload's prompt.
+    pub fn set_token_source(&mut self, source: Option<std::sync::Arc<dyn TokenSource>>) {
+        if let Some(old) = self.source.take() {
+            let bs = self.block_size;
+            for r in self.runs.iter_mut() {
+                if let Some(s) = r.src.take() {
+                    let at = r.pos as usize * bs;
+                    r.toks = old.tokens(s)[at..at + r.ids.len() * bs].to_vec();
+                }
+            }
         }
         self.source = source;
-        Ok(())
     }
 
     /// The request whose whole prompt the next calls store (None: tokens kept as given). With a
@@ -1007,7 +1014,7 @@ mod tests {
         for lfu in [false, true] {
             let mut kept = BlockCache::new(4, 6, 10, lfu, 3).unwrap();
             let mut sourced = BlockCache::new(4, 6, 10, lfu, 3).unwrap();
-            sourced.set_token_source(Some(std::sync::Arc::new(Fixed(prompts.clone())))).unwrap();
+            sourced.set_token_source(Some(std::sync::Arc::new(Fixed(prompts.clone()))));
             let mut demoted = 0;
             for step in 0..400 {
                 let i = (rng.next_u64() % prompts.len() as u64) as u32;
@@ -1022,6 +1029,16 @@ mod tests {
             }
             assert!(demoted > 50, "the sequence demotes ({demoted} DRAM stores)");
             assert!(sourced.memory_bytes() < kept.memory_bytes());
+            // Another workload's source: the runs copy their tokens from the old one first, and
+            // the two caches still publish the same events.
+            sourced.set_token_source(Some(std::sync::Arc::new(Fixed(vec![vec![0; 4]; prompts.len()]))));
+            for step in 400..500 {
+                let p = &prompts[(rng.next_u64() % prompts.len() as u64) as usize];
+                let chain = kept.chain(p, 0).unwrap();
+                let a = kept.place_vram_len(p, p.len(), &chain, step as f64, 0, true, true).unwrap();
+                let b = sourced.place_vram_len(p, p.len(), &chain, step as f64, 0, true, true).unwrap();
+                assert_eq!(a, b, "step {step}");
+            }
         }
     }
 

@@ -577,7 +577,7 @@ impl Engine {
         for w in &mut workers {
             w.cache.set_keep_tokens(w.publish)?;
             if w.publish {
-                w.cache.set_token_source(Some(prompts.clone()))?;
+                w.cache.set_token_source(Some(prompts.clone()));
             }
         }
         let workers = workers
