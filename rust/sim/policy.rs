@@ -94,16 +94,17 @@ fn prefix_hash(tokens: &[u32], block: usize, salt: Option<u64>) -> Option<u64> {
     })
 }
 
-/// `schemes._level_key`: `(level index, key)` of the longest level that fits the prompt.
-fn level_key(levels: &[u64], tokens: &[u32], block: usize, salts: &Salts, salt: u32) -> (usize, u64) {
-    let len = tokens.len() as u64;
+/// `schemes._level_key`: `(level index, key)` of the longest level that fits a prompt of `len`
+/// tokens. `tokens(n)` gives the prompt's first `n` tokens: only the level's prefix is hashed,
+/// so only that much of a prompt needs expanding.
+fn level_key(levels: &[u64], len: u64, tokens: impl Fn(usize) -> Vec<u32>, block: usize, salts: &Salts, salt: u32) -> (usize, u64) {
     let level = levels.iter().rposition(|&c| c <= len).unwrap_or(0);
-    let n = if levels.is_empty() { tokens.len() } else { len.min(levels[level]) as usize };
+    let n = if levels.is_empty() { len as usize } else { len.min(levels[level]) as usize };
     let salt_h = if salt == 0 { None } else { Some(salts.h64[salt as usize]) };
-    let key = match prefix_hash(&tokens[..n], block, salt_h) {
+    let key = match prefix_hash(&tokens(n), block, salt_h) {
         Some(k) => k,
         None => {
-            let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+            let bytes: Vec<u8> = tokens(len as usize).iter().flat_map(|t| t.to_le_bytes()).collect();
             let salt_repr = if salt == 0 { "None" } else { salts.repr[salt as usize].as_str() };
             h64(&format!("('short', {salt_repr}, {})", bytes_repr(&bytes)))
         }
@@ -901,20 +902,23 @@ impl Engine {
         (self.least_loaded(pool, Some(origin)), 0)
     }
 
-    /// The baseline's choice for request `req`, whose tokens and chain are `tokens`, `chain`.
-    pub(super) fn choose_baseline(&mut self, b: &mut Baseline, req: u32, tokens: &[u32], chain: &[u64]) -> Result<Choice> {
+    /// The baseline's choice for request `req`, whose chain is `chain` (its tokens are expanded
+    /// only as far as a content-keyed scheme hashes them).
+    pub(super) fn choose_baseline(&mut self, b: &mut Baseline, req: u32, chain: &[u64]) -> Result<Choice> {
         let r = self.prompts.reqs[req as usize];
+        let prompts = std::sync::Arc::clone(&self.prompts);
+        let tokens = |n: usize| prompts.tokens_upto(req, n);
         let block = self.block_size;
         let done = |worker: u32, claimed: i64, delay_ms: f64| Ok(Choice { worker, claimed, delay_ms });
         match b {
             Baseline::ConsistentHash { levels, rings } => {
-                let (level, key) = level_key(levels, tokens, block, &self.salts, r.salt);
+                let (level, key) = level_key(levels, r.input_length, tokens, block, &self.salts, r.salt);
                 let (pos, owner) = &rings[level];
                 let i = pos.partition_point(|&p| p < key);
                 done(owner[i % owner.len()], 0, 0.0)
             }
             Baseline::Chord { levels, .. } => {
-                let (_, key) = level_key(levels, tokens, block, &self.salts, r.salt);
+                let (_, key) = level_key(levels, r.input_length, tokens, block, &self.salts, r.salt);
                 let (owner, _, delay) = self.chord_route(b, r.region, key);
                 let Baseline::Chord { nodes, .. } = &*b else { unreachable!("matched above") };
                 done(nodes[owner], 0, delay)
@@ -926,7 +930,7 @@ impl Engine {
                 // is seen as of now, a little fresher than it could be).
                 let delay = self.rtt(r.region, c.coordinator);
                 let decide = self.now + delay / 2.0;
-                let l = tokens.len() as u64;
+                let l = r.input_length;
                 let block = self.block_size as u64;
                 let mut q = Vec::with_capacity(c.workers.len());
                 let mut least = f64::INFINITY;
@@ -967,8 +971,8 @@ impl Engine {
                 c.sent[w as usize].push_back((due, work));
                 done(w, l.min(v + d) as i64, delay)
             }
-            Baseline::Dynamo(st) => Ok(self.choose_dynamo(st, r.region, tokens.len() as u64, chain)),
-            Baseline::SGLang(st) => Ok(self.choose_sglang(st, tokens.len(), chain)),
+            Baseline::Dynamo(st) => Ok(self.choose_dynamo(st, r.region, r.input_length, chain)),
+            Baseline::SGLang(st) => Ok(self.choose_sglang(st, r.input_length as usize, chain)),
             Baseline::PlanetServe { pools, trees } => {
                 let region = r.region as usize;
                 let pool = std::mem::take(&mut pools[region]);
