@@ -287,6 +287,50 @@ impl Prompts {
         }
         out
     }
+
+    /// [`policy::prefix_sum`] of request `req`'s first `n` tokens (`block` tokens a block),
+    /// where `chain` is its chain ([`Self::chain`]): the same value, from `memo`'s partial sums
+    /// of the runs seen before (keyed like the chain's names: by the name before the run, which
+    /// also fixes where the run starts) instead of from the tokens.
+    fn prefix_sum(&self, req: u32, n: usize, block: usize, chain: &[u64], memo: &mut ChainMemo) -> Option<u64> {
+        let r = self.reqs[req as usize];
+        let nb = n.min(r.input_length as usize) / block;
+        if nb == 0 {
+            return None;
+        }
+        if !r.runs || r.block_size as usize != block || chain.len() < nb {
+            return policy::prefix_sum(&self.tokens_upto(req, n), block);
+        }
+        let slice = &self.ids[self.id_offs[req as usize]..self.id_offs[req as usize + 1]];
+        let coef = policy::prefix_coef(block);
+        let (mut acc, mut at) = (0u64, 0usize);
+        for run in slice.chunks_exact(2) {
+            if at >= nb {
+                break;
+            }
+            let (id, count) = (run[0], run[1] as usize);
+            let need = count.min(nb - at);
+            let before = if at == 0 { block_chain_root(r.salt_seed) } else { chain[at - 1] };
+            let part = match memo.get(before, id, need) {
+                Some(sums) => sums[need - 1],
+                None => {
+                    let ids = chain_block_ids(&[id], &[need as u64]);
+                    let toks = expand_blocks(&ids, need * block, block);
+                    let mut sums = Vec::with_capacity(need);
+                    let mut s = 0u64;
+                    for (j, row) in toks.chunks_exact(block).enumerate() {
+                        s = s.wrapping_add(policy::prefix_term(row, (at + j) as u64, &coef));
+                        sums.push(s);
+                    }
+                    memo.put(before, id, &sums);
+                    s
+                }
+            };
+            acc = acc.wrapping_add(part);
+            at += need;
+        }
+        Some(acc)
+    }
 }
 
 impl TokenSource for Prompts {
@@ -295,8 +339,8 @@ impl TokenSource for Prompts {
     }
 }
 
-/// The block names of runs of synthetic ids, by (name of the block before the run, the run's
-/// chain id): see [`Prompts::chain`]. Bounded: when the names it holds reach [`MEMO_NAMES`],
+/// Per-block values of runs of synthetic ids (the blocks' names, or partial sums), by (name of
+/// the block before the run, the run's chain id): see [`Prompts::chain`]. Bounded: when the names it holds reach [`MEMO_NAMES`],
 /// it starts over (the runs still in use come back at the next miss).
 #[derive(Default)]
 struct ChainMemo {
@@ -568,6 +612,8 @@ pub struct Engine {
     /// ([`Engine::pending_tokens`]), its chain.
     pending: Option<(u32, Option<Vec<u32>>, Vec<u64>)>,
     chain_memo: ChainMemo,
+    /// Partial sums of content-keyed schemes' prefix hashes ([`Prompts::prefix_sum`]).
+    sum_memo: ChainMemo,
     salts: Salts,
     pub records: Records,
     done: u64,
@@ -723,6 +769,7 @@ impl Engine {
             out: Vec::new(),
             pending: None,
             chain_memo: ChainMemo::default(),
+            sum_memo: ChainMemo::default(),
             salts: Salts::default(),
             records: Records {
                 order: Vec::with_capacity(n_req),
@@ -1000,7 +1047,7 @@ impl Engine {
 
     /// Bytes held by the chain memo ([`Prompts::chain`]).
     pub fn chain_memo_bytes(&self) -> usize {
-        self.chain_memo.bytes()
+        self.chain_memo.bytes() + self.sum_memo.bytes()
     }
 
     pub fn job_tokens(&self, job: u32) -> Option<&[u32]> {
@@ -1848,6 +1895,18 @@ mod tests {
             }
             assert!(!memo.at.is_empty());
             memo.put(0, 0, &vec![0; MEMO_NAMES]); // fills it: the next put starts over
+        }
+        // Content-keyed schemes' prefix sums: from the memo's partial sums of runs, the same as
+        // from the tokens, for prefixes that end inside a run, on a run's end, inside a block.
+        let mut sums = ChainMemo::default();
+        for round in 0..2 {
+            for req in 0..p.reqs.len() as u32 {
+                let chain = p.chain(req, bs, &mut memo);
+                for n in [0usize, 15, 16, 100, 16 * 4, 16 * 10, 16 * 12 + 3, 16 * 15, 10_000] {
+                    let want = policy::prefix_sum(&p.tokens_upto(req, n), bs);
+                    assert_eq!(p.prefix_sum(req, n, bs, &chain, &mut sums), want, "round {round}, request {req}, {n} tokens");
+                }
+            }
         }
         assert_eq!(p.chain(0, bs, &mut memo), p.chain(p.reqs.len() as u32 - 1, bs, &mut memo));
     }

@@ -70,41 +70,56 @@ pub struct Salts {
     pub repr: Vec<String>,
 }
 
-/// `schemes._prefix_hashes`' last value: the 64-bit hash of the whole-block prefix of `tokens`
-/// (None when there is no whole block). The baselines place a prompt by its level's key only,
-/// so the per-block values in between are never needed (each a finaliser and a store).
-fn prefix_hash(tokens: &[u32], block: usize, salt: Option<u64>) -> Option<u64> {
+/// The weights of a block's tokens in its term of a prefix's sum ([`prefix_sum`]).
+pub(super) fn prefix_coef(block: usize) -> Vec<u64> {
+    (1..=block as u64).map(|j| fin(j.wrapping_mul(GOLD))).collect()
+}
+
+/// Block `i`'s term (tokens `row`) of [`prefix_sum`]; terms add (wrapping), so a prefix's
+/// sum is the sum of its blocks' terms and a driver may keep partial sums of shared runs.
+#[inline]
+pub(super) fn prefix_term(row: &[u32], i: u64, coef: &[u64]) -> u64 {
+    let mut s = 0u64;
+    for (t, c) in row.iter().zip(coef) {
+        s = s.wrapping_add((*t as u64).wrapping_mul(*c));
+    }
+    fin(s.wrapping_add(i.wrapping_mul(GOLD)))
+}
+
+/// `schemes._prefix_hashes`' last value, the 64-bit hash of a prompt's whole-block prefix, from
+/// the sum of its blocks' terms ([`prefix_sum`]). The baselines place a prompt by its level's key
+/// only, so the per-block values in between are never needed.
+fn prefix_finish(acc: u64, salt: Option<u64>) -> u64 {
+    let v = fin(acc);
+    match salt {
+        Some(x) => fin(v ^ x),
+        None => v,
+    }
+}
+
+/// The sum of the terms of the whole blocks of `tokens` (None: no whole block); see
+/// [`prefix_finish`].
+pub(super) fn prefix_sum(tokens: &[u32], block: usize) -> Option<u64> {
     let n = tokens.len() / block;
     if n == 0 {
         return None;
     }
-    let coef: Vec<u64> = (1..=block as u64).map(|j| fin(j.wrapping_mul(GOLD))).collect();
-    let mut acc = 0u64;
-    for (i, row) in tokens[..n * block].chunks_exact(block).enumerate() {
-        let mut s = 0u64;
-        for (t, c) in row.iter().zip(&coef) {
-            s = s.wrapping_add((*t as u64).wrapping_mul(*c));
-        }
-        acc = acc.wrapping_add(fin(s.wrapping_add((i as u64).wrapping_mul(GOLD))));
-    }
-    let v = fin(acc);
-    Some(match salt {
-        Some(x) => fin(v ^ x),
-        None => v,
-    })
+    let coef = prefix_coef(block);
+    Some(tokens[..n * block].chunks_exact(block).enumerate().fold(0u64, |acc, (i, row)| acc.wrapping_add(prefix_term(row, i as u64, &coef))))
 }
 
 /// `schemes._level_key`: `(level index, key)` of the longest level that fits a prompt of `len`
-/// tokens. `tokens(n)` gives the prompt's first `n` tokens: only the level's prefix is hashed,
-/// so only that much of a prompt needs expanding.
-fn level_key(levels: &[u64], len: u64, tokens: impl Fn(usize) -> Vec<u32>, block: usize, salts: &Salts, salt: u32) -> (usize, u64) {
+/// tokens. `sum(n)` is [`prefix_sum`] of the prompt's first `n` tokens and `tokens()` the whole
+/// prompt (read only for a prompt shorter than a block), so a driver need not expand a prompt
+/// to key it.
+fn level_key(levels: &[u64], len: u64, sum: impl FnOnce(usize) -> Option<u64>, tokens: impl FnOnce() -> Vec<u32>, salts: &Salts, salt: u32) -> (usize, u64) {
     let level = levels.iter().rposition(|&c| c <= len).unwrap_or(0);
     let n = if levels.is_empty() { len as usize } else { len.min(levels[level]) as usize };
     let salt_h = if salt == 0 { None } else { Some(salts.h64[salt as usize]) };
-    let key = match prefix_hash(&tokens(n), block, salt_h) {
-        Some(k) => k,
+    let key = match sum(n) {
+        Some(acc) => prefix_finish(acc, salt_h),
         None => {
-            let bytes: Vec<u8> = tokens(len as usize).iter().flat_map(|t| t.to_le_bytes()).collect();
+            let bytes: Vec<u8> = tokens().iter().flat_map(|t| t.to_le_bytes()).collect();
             let salt_repr = if salt == 0 { "None" } else { salts.repr[salt as usize].as_str() };
             h64(&format!("('short', {salt_repr}, {})", bytes_repr(&bytes)))
         }
@@ -907,18 +922,18 @@ impl Engine {
     pub(super) fn choose_baseline(&mut self, b: &mut Baseline, req: u32, chain: &[u64]) -> Result<Choice> {
         let r = self.prompts.reqs[req as usize];
         let prompts = std::sync::Arc::clone(&self.prompts);
-        let tokens = |n: usize| prompts.tokens_upto(req, n);
+        let tokens = || prompts.tokens_upto(req, usize::MAX);
         let block = self.block_size;
         let done = |worker: u32, claimed: i64, delay_ms: f64| Ok(Choice { worker, claimed, delay_ms });
         match b {
             Baseline::ConsistentHash { levels, rings } => {
-                let (level, key) = level_key(levels, r.input_length, tokens, block, &self.salts, r.salt);
+                let (level, key) = level_key(levels, r.input_length, |n| prompts.prefix_sum(req, n, block, chain, &mut self.sum_memo), tokens, &self.salts, r.salt);
                 let (pos, owner) = &rings[level];
                 let i = pos.partition_point(|&p| p < key);
                 done(owner[i % owner.len()], 0, 0.0)
             }
             Baseline::Chord { levels, .. } => {
-                let (_, key) = level_key(levels, r.input_length, tokens, block, &self.salts, r.salt);
+                let (_, key) = level_key(levels, r.input_length, |n| prompts.prefix_sum(req, n, block, chain, &mut self.sum_memo), tokens, &self.salts, r.salt);
                 let (owner, _, delay) = self.chord_route(b, r.region, key);
                 let Baseline::Chord { nodes, .. } = &*b else { unreachable!("matched above") };
                 done(nodes[owner], 0, delay)
