@@ -187,6 +187,8 @@ pub struct BlockCache {
     blocks: usize,
     name_seed: u64,
     keep_tokens: bool,
+    /// Events without tokens are allowed ([`Self::set_token_free_events`]).
+    token_free_events: bool,
     /// Where source-backed runs' tokens are (see [`Run::src`]), and the current call's request.
     source: Option<std::sync::Arc<dyn TokenSource>>,
     call_src: Option<u32>,
@@ -257,6 +259,7 @@ impl BlockCache {
             blocks: 0,
             name_seed,
             keep_tokens: true,
+            token_free_events: false,
             source: None,
             call_src: None,
             heap_floor: [0; 3],
@@ -273,6 +276,24 @@ impl BlockCache {
         }
         self.keep_tokens = keep;
         Ok(())
+    }
+
+    /// Events whose stored blocks carry no tokens (on), from a cache that keeps none, for a
+    /// reader that names blocks by their hashes only: the simulator's own Dynamo indexer and
+    /// Central Directory, for which expanding every prompt's tokens to put them in events nobody
+    /// reads was a fifth of a run. Off again, such a cache refuses to publish events (its blocks
+    /// have no tokens to give). Changes only while the cache is empty.
+    pub fn set_token_free_events(&mut self, on: bool) -> Result<()> {
+        if on {
+            self.set_keep_tokens(false)?;
+        }
+        self.token_free_events = on;
+        Ok(())
+    }
+
+    /// Whether the blocks keep their tokens (so a call must be given the prompt's).
+    pub fn keeps_tokens(&self) -> bool {
+        self.keep_tokens
     }
 
     /// Where this cache may find a request's tokens again (None: every run keeps its own).
@@ -817,7 +838,7 @@ impl BlockCache {
     }
 
     fn check_events(&self, events: bool) -> Result<()> {
-        if events && !self.keep_tokens {
+        if events && !self.keep_tokens && !self.token_free_events {
             return Err(CoreError::InvalidArgument("this cache keeps no tokens, so it cannot publish events".into()));
         }
         Ok(())
@@ -1040,6 +1061,41 @@ mod tests {
                 assert_eq!(a, b, "step {step}");
             }
         }
+    }
+
+    /// Token-free events are the kept cache's events with the stored tokens left out, call for
+    /// call (the same blocks demoted and evicted); the mode changes only while the cache is
+    /// empty, and once off again the cache refuses to publish.
+    #[test]
+    fn token_free_events_are_the_events_without_their_tokens() {
+        let mut rng = crate::sim::rng::Pcg64::seeded(11);
+        let prompts: Vec<Vec<u32>> = (0..30).map(|i| (0..(4 * (1 + i % 6))).map(|j| if j < 8 { (i % 3) as u32 } else { rng.next_u64() as u32 }).collect()).collect();
+        let mut kept = BlockCache::new(4, 6, 10, false, 3).unwrap();
+        let mut free = BlockCache::new(4, 6, 10, false, 3).unwrap();
+        free.set_token_free_events(true).unwrap();
+        assert!(!free.keeps_tokens());
+        let strip = |evs: Vec<Event>| -> Vec<Event> {
+            evs.into_iter()
+                .map(|e| match e {
+                    Event::Stored { medium, hashes, parent, salt, .. } => Event::Stored { medium, hashes, parent, tokens: Vec::new(), salt },
+                    e => e,
+                })
+                .collect()
+        };
+        let mut removed = 0;
+        for step in 0..300 {
+            let p = &prompts[(rng.next_u64() % prompts.len() as u64) as usize];
+            let chain = kept.chain(p, 0).unwrap();
+            let a = kept.place_vram_len(p, p.len(), &chain, step as f64, 0, true, true).unwrap();
+            let b = free.place_vram_len(&[], p.len(), &chain, step as f64, 0, true, true).unwrap();
+            removed += a.iter().filter(|e| matches!(e, Event::Removed { .. })).count();
+            assert_eq!(strip(a), b, "step {step}");
+        }
+        assert!(removed > 20, "the sequence evicts ({removed} removals)");
+        assert!(free.set_token_free_events(false).is_ok());
+        let chain = free.chain(&prompts[0], 0).unwrap();
+        assert!(free.place_vram_len(&[], prompts[0].len(), &chain, 1e3, 0, true, true).is_err());
+        assert!(kept.set_token_free_events(true).is_err(), "a cache with blocks keeps its tokens");
     }
 
     #[test]

@@ -847,6 +847,13 @@ impl Engine {
                 return Err(CoreError::InvalidArgument("an oblivious policy needs a non-empty pool of the topology's workers".into()));
             }
         }
+        // These read the caches' events natively, by block hash: their workers' events need no
+        // tokens, so no prompt is expanded for them (caches handed in warm keep theirs).
+        if matches!(policy, Policy::Baseline(Baseline::Dynamo(_) | Baseline::CentralDirectory(_))) {
+            for x in self.workers.iter_mut().filter(|x| x.publish && x.cache.is_empty()) {
+                x.cache.set_token_free_events(true)?;
+            }
+        }
         self.policy = policy;
         Ok(())
     }
@@ -1125,10 +1132,13 @@ impl Engine {
     }
 
     /// Move every worker's cache out (for the driver to inspect after a run); `put_caches` undoes it.
+    /// The workers' caches (one-block placeholders left behind); a cache that published
+    /// token-free events to a native reader goes back refusing to publish any.
     pub fn take_caches(&mut self) -> Vec<BlockCache> {
         self.workers
             .iter_mut()
             .map(|x| {
+                x.cache.set_token_free_events(false).expect("turning token-free events off always succeeds");
                 std::mem::replace(
                     &mut x.cache,
                     BlockCache::new(1, 1, 0, false, 0).expect("a one-block cache"),
@@ -1207,7 +1217,7 @@ impl Engine {
         self.worker(c.worker)?;
         // A worker whose cache publishes no events never needs the prompt's tokens again (its
         // chain names the blocks): a waiting job keeps 8 bytes a block, not 4 a token.
-        let tokens = if self.workers[c.worker as usize].publish { tokens.unwrap_or_else(|| self.prompts.tokens(req)) } else { Vec::new() };
+        let tokens = if self.workers[c.worker as usize].cache.keeps_tokens() { tokens.unwrap_or_else(|| self.prompts.tokens(req)) } else { Vec::new() };
         let r = self.prompts.reqs[req as usize];
         let wr = self.workers[c.worker as usize].region;
         let forward = self.way(r.edge_region, wr);
@@ -1441,7 +1451,7 @@ impl Engine {
     fn restore(&mut self, job: u32, w: u32) -> Result<()> {
         let req = self.jobs[job as usize].req;
         let chain = self.prompts.chain(req, self.block_size, &mut self.chain_memo);
-        let tokens = if self.workers[w as usize].publish { self.prompts.tokens(req) } else { Vec::new() };
+        let tokens = if self.workers[w as usize].cache.keeps_tokens() { self.prompts.tokens(req) } else { Vec::new() };
         let j = &mut self.jobs[job as usize];
         j.chain = chain;
         j.tokens = tokens;
