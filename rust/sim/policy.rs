@@ -810,8 +810,18 @@ impl Engine {
                     t.map.prefetch(k0);
                 }
             }
+            // Only a tree that beats the best so far matters (ties keep the first), and a
+            // prefix-closed tree beats `best` blocks exactly when it holds block `best`: one
+            // probe for most trees (those holding a shared head the best already has).
             for (k, t) in s.trees.iter().enumerate() {
-                let m = leading(chain, |h| t.map.contains_key(h)) as i64;
+                let held = |h: &u64| t.map.contains_key(h);
+                let m = if best < 0 {
+                    leading(chain, held) as i64
+                } else if (best as usize) < chain.len() && held(&chain[best as usize]) {
+                    best + 1 + leading(&chain[best as usize + 1..], held) as i64
+                } else {
+                    continue;
+                };
                 if m > best {
                     best_i = k;
                     best = m;
