@@ -108,7 +108,8 @@ def main() -> int:
         sim.run()
         py_peak = tracemalloc.get_traced_memory()[1] / 2**20
         tracemalloc.stop()
-        caches[label] = (sum(c.memory_bytes for c in sim.caches.values()) + BlockCache.memo_bytes()) / 2**20  # + the shared chain memo
+        # + the caches' shared chain memo and the engine's memo of prompt runs
+        caches[label] = (sum(c.memory_bytes for c in sim.caches.values()) + BlockCache.memo_bytes() + sim.engine_memo_bytes) / 2**20
         forests[label] = sum(a.memory_bytes for a in sim.agents.values()) / 2**20
         peaks[label] = py_peak + caches[label] + forests[label]
         del sim

@@ -80,6 +80,21 @@ def test_a_run_is_a_function_of_its_seed(testbed: Topology, mixed: list[Request]
     assert a.records == b.records
 
 
+def test_the_engine_memo_of_prompt_runs_is_counted_and_bounded(testbed: Topology, mixed: list[Request]) -> None:
+    # The engine keeps the block names (and, for the hash baselines, the key sums) of prompt
+    # runs it has seen, in Rust where tracemalloc cannot see them: memo_bytes is how the
+    # benchmarks' memory figures count them. Names of ~8 bytes a block, a few per prompt at
+    # most, and never more than the two 32 MB memos.
+    from kvcompass.sim.engine import SimConfig, Simulator
+
+    blocks = sum(r.blocks.n_blocks for r in mixed)
+    for scheme in ("oracle", "consistent-hash"):
+        sim = Simulator(testbed, mixed, scheme, SimConfig(seed=1))
+        assert sim.engine_memo_bytes == 0
+        sim.run()
+        assert 8 * 100 <= sim.engine_memo_bytes <= min(2 * (32 << 20) + (1 << 20), 64 * blocks + (1 << 20))
+
+
 def _repeats(testbed: Topology) -> tuple[list[Request], dict[str, Summary]]:
     rng = np.random.default_rng(7)
     regions = testbed.region_names

@@ -527,6 +527,12 @@ class Simulator:
         """Engine events the run's clock has processed (a measure of its work per request)."""
         return int(self._eng().events_processed)
 
+    @property
+    def engine_memo_bytes(self) -> int:
+        """Bytes of the engine's memo of prompt runs (block names, partial sums; bounded at 32 MB
+        each), for a memory account: they are Rust's, out of tracemalloc's sight."""
+        return int(self._eng().memo_bytes)
+
     # ---- the clock -------------------------------------------------------------------------------
 
     @property

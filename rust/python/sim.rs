@@ -644,6 +644,12 @@ impl PySimEngine {
         self.inner.events_processed
     }
 
+    /// Bytes held by the engine's memo of prompt runs' block names and partial sums.
+    #[getter]
+    fn memo_bytes(&self) -> usize {
+        self.inner.chain_memo_bytes()
+    }
+
     fn decoded(&self, worker: u32) -> PyResult<u64> {
         self.inner.decoded(worker).map_err(core_err)
     }
