@@ -551,6 +551,35 @@ impl DynamoState {
     }
 }
 
+/// Views whose first probe a choice requests ahead, in the order it will read them.
+const PREFETCH_VIEWS: usize = 16;
+
+/// Indices of `bound` in ascending order (ties by index): the order in which a choice scores
+/// workers whose scores `bound` bounds from below.
+fn by_bound(bound: &[f64]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..bound.len()).collect();
+    order.sort_by(|&a, &b| bound[a].total_cmp(&bound[b]));
+    order
+}
+
+/// Every worker's score that can be within `tie` of the best, the others infinite: `score(i)`
+/// (at least `bound[i]`) is called in `order` (ascending bound) until a bound exceeds the best
+/// score so far plus `tie`; no later worker can come within `tie` of the best, so a choice
+/// among the scores within `tie` of their minimum is the same as over every worker's score.
+fn bounded_scores(bound: &[f64], order: &[usize], tie: f64, mut score: impl FnMut(usize) -> f64) -> Vec<f64> {
+    let mut scores = vec![f64::INFINITY; bound.len()];
+    let mut best = f64::INFINITY;
+    for &i in order {
+        if bound[i] > best + tie {
+            break;
+        }
+        scores[i] = score(i);
+        debug_assert!(scores[i] >= bound[i], "a score below its bound");
+        best = best.min(scores[i]);
+    }
+    scores
+}
+
 /// A run of key operations into a view (and its region's holder counts): the slots of the keys a
 /// few operations ahead are requested while the current one is applied, so their misses overlap.
 fn apply_ops(view: &mut BlockTable<u8>, ops: &[(u64, u8)], mut counts: Option<&mut BlockTable<u32>>) {
@@ -763,25 +792,34 @@ impl Engine {
             let i = self.pick(&scores, 1.0);
             return Choice { worker: workers[i], claimed: matches[i] as i64, delay_ms: 0.0 };
         }
-        let mut matches = Vec::with_capacity(s.workers.len());
-        let mut scores = Vec::with_capacity(s.workers.len());
-        // Every view's first probe is the prompt's first block: request them all before reading
-        // any, so the misses of the workers' views overlap.
-        if let Some(&k0) = keys.first() {
-            for &w in &s.workers {
-                let local = self.workers[w as usize].region == origin;
-                (if local { &s.exact[w as usize] } else { &s.stale[w as usize] }).prefetch(k0);
-            }
-        }
+        // A worker's score is its WAN and queue terms plus its residual prefill, which is never
+        // negative, so the first two bound it from below: workers are scored in the order of
+        // that bound, and the overlap search (a view probe or a dozen) is skipped for every
+        // worker whose bound already exceeds the best score so far plus the tie margin, since
+        // none of them can be a candidate (`pick` sees them as infinite; same choice).
+        let n = s.workers.len();
+        let mut bound = Vec::with_capacity(n);
         for &w in &s.workers {
             let x = &self.workers[w as usize];
-            let local = x.region == origin;
-            let view = if local { &s.exact[w as usize] } else { &s.stale[w as usize] };
-            let m = l.min(DynamoState::overlap(keys, view) as u64 * block);
-            let q = (if local { self.queued(x, now) } else { s.queue[w as usize] }) + self.dispatched_from(w, origin);
-            scores.push(self.rtt(origin, x.region) + q + s.beta[w as usize] * (l - m) as f64);
-            matches.push(m);
+            let q = (if x.region == origin { self.queued(x, now) } else { s.queue[w as usize] }) + self.dispatched_from(w, origin);
+            bound.push(self.rtt(origin, x.region) + q);
         }
+        let order = by_bound(&bound);
+        let view = |w: u32| if self.workers[w as usize].region == origin { &s.exact[w as usize] } else { &s.stale[w as usize] };
+        // The first probe of each of the likeliest views is the prompt's first block: request
+        // them before reading any, so their misses overlap.
+        if let Some(&k0) = keys.first() {
+            for &i in order.iter().take(PREFETCH_VIEWS) {
+                view(s.workers[i]).prefetch(k0);
+            }
+        }
+        let mut matches = vec![0u64; n];
+        let scores = bounded_scores(&bound, &order, 1.0, |i| {
+            let w = s.workers[i];
+            let m = l.min(DynamoState::overlap(keys, view(w)) as u64 * block);
+            matches[i] = m;
+            bound[i] + s.beta[w as usize] * (l - m) as f64
+        });
         let i = self.pick(&scores, 1.0);
         Choice { worker: s.workers[i], claimed: matches[i] as i64, delay_ms: 0.0 }
     }
@@ -969,24 +1007,27 @@ impl Engine {
                     q.push(v);
                 }
                 let lam = c.lambda_max.min(least / c.tau_ms);
-                let mut hits = Vec::with_capacity(c.workers.len());
-                let mut scores = Vec::with_capacity(c.workers.len());
-                let mut best = f64::INFINITY;
+                // As in Dynamo's choice: the WAN and queue terms bound a score from below, so
+                // workers are scored in that order and those whose bound exceeds the best so far
+                // plus the tie margin skip their overlap search (never candidates; same choice).
+                let n = c.workers.len();
+                let bound: Vec<f64> = (0..n).map(|i| c.wan_fraction * self.rtt(r.region, self.workers[c.workers[i] as usize].region) + q[i]).collect();
+                let order = by_bound(&bound);
                 if let Some(&k0) = chain.first() {
-                    for &w in &c.workers {
-                        c.view[w as usize].prefetch(k0);
+                    for &i in order.iter().take(PREFETCH_VIEWS) {
+                        c.view[c.workers[i] as usize].prefetch(k0);
                     }
                 }
-                for (i, &w) in c.workers.iter().enumerate() {
-                    let (vb, db) = tiered_overlap(chain, &c.view[w as usize]);
+                let mut hits = vec![(0u64, 0u64, 0.0f64); n];
+                let scores = bounded_scores(&bound, &order, c.tie_ms, |i| {
+                    let (vb, db) = tiered_overlap(chain, &c.view[c.workers[i] as usize]);
                     let v = l.min(vb as u64 * block);
                     let d = l.min((vb + db) as u64 * block) - v;
                     let work = c.beta[i] * l.saturating_sub(v + d) as f64 + c.gamma * d as f64;
-                    let s = c.wan_fraction * self.rtt(r.region, self.workers[w as usize].region) + q[i] + work + lam * c.beta[i] * l.saturating_sub(v + d) as f64;
-                    best = best.min(s);
-                    hits.push((v, d, work));
-                    scores.push(s);
-                }
+                    hits[i] = (v, d, work);
+                    bound[i] + work + lam * c.beta[i] * l.saturating_sub(v + d) as f64
+                });
+                let best = scores.iter().copied().fold(f64::INFINITY, f64::min);
                 let tie = c.tie_ms;
                 let cand: Vec<usize> = (0..c.workers.len()).filter(|&i| scores[i] <= best + tie).collect();
                 let i = if cand.len() > 1 { cand[self.rng.integers(cand.len() as u64) as usize] } else { cand[0] };
@@ -1059,6 +1100,34 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The workers within the tie margin of the best, from the bounded scores, are those from
+    /// every score, over random bounds and residuals (many near ties), and workers past the
+    /// margin go unscored.
+    #[test]
+    fn bounded_scores_keep_every_candidate_within_the_tie() {
+        let mut g = crate::sim::rng::Pcg64::seeded(5);
+        let mut skipped = 0;
+        for case in 0..2000 {
+            let n = 1 + (g.next_u64() % 24) as usize;
+            let tie = [0.0, 0.5, 1.0][case % 3];
+            let bound: Vec<f64> = (0..n).map(|_| (g.next_u64() % 40) as f64 * 0.25).collect();
+            let extra: Vec<f64> = (0..n).map(|_| if g.next_u64().is_multiple_of(3) { 0.0 } else { (g.next_u64() % 16) as f64 * 0.5 }).collect();
+            let full: Vec<f64> = (0..n).map(|i| bound[i] + extra[i]).collect();
+            let mut called = 0;
+            let part = bounded_scores(&bound, &by_bound(&bound), tie, |i| {
+                called += 1;
+                bound[i] + extra[i]
+            });
+            let cand = |s: &[f64]| {
+                let best = s.iter().copied().fold(f64::INFINITY, f64::min);
+                (0..n).filter(|&i| s[i] <= best + tie).collect::<Vec<_>>()
+            };
+            assert_eq!(cand(&part), cand(&full), "case {case}");
+            skipped += n - called;
+        }
+        assert!(skipped > 1000, "the bound prunes ({skipped} workers skipped)");
+    }
 
     #[test]
     fn unmix64_inverts_mix64() {
