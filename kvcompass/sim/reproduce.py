@@ -29,7 +29,9 @@ TTFT under prefill-decode disaggregation against the stock stack's dispatchers (
 every request draws on one pool of hot prefixes: our stand-in for the paper's "hot-skew
 Mixed"). The paper's WildChat and LMSYS columns are not in the figures (their nearest stand-in
 here, ShareGPT chat, is ``kvcompass simulate --trace sharegpt``); table 4 (``--figure table4``)
-reruns KVCompass with one fault knob set at a time; table 5 is absent: the command refuses them with a message saying so. ``--ray`` runs a grid on Ray.
+reruns KVCompass with one fault knob set at a time; table 5 (``--figure table5``) puts the
+structural false-hit rate of never-inserted keys by table load beside the paper's, with a Mixed
+run's end-to-end rate. ``--ray`` runs a grid on Ray.
 """
 
 from __future__ import annotations
