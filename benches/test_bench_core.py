@@ -24,7 +24,7 @@ pytest.importorskip("pytest_benchmark")
 from kvcompass import _core  # noqa: E402
 from kvcompass.agent import WorkerAgent, encode_batch  # noqa: E402
 from kvcompass.agent.events import BlockStored  # noqa: E402
-from kvcompass.index_types import Namespace, Tier, pack_tiers  # noqa: E402
+from kvcompass.index_types import Namespace, Tier, as_tokens, pack_tiers  # noqa: E402
 
 CAPACITY = 1_000_000
 BATCH = 1024
@@ -191,11 +191,12 @@ def test_route_14w_3r_2shards_route_with_hit_numpy(benchmark: Any) -> None:
 
 @pytest.mark.benchmark(group="route_14w_3r_2shards")
 def test_route_14w_3r_2shards_route_with_hit_from_list(benchmark: Any) -> None:
-    # What a door pays when the prompt arrives as a JSON list: the list -> uint32 array step.
+    # What a caller pays when the prompt arrives as a list (a JSON body, a tokenizer's ids): the
+    # list -> uint32 array step, as Edge.route takes it (as_tokens).
     benchmark.extra_info["criterion"] = "route_14w_3r_2shards/route_with/hit"
     router, tokens, ns, a = _router()
     as_list = tokens.tolist()
-    res = benchmark(lambda: router.route(np.asarray(as_list, dtype=np.uint32), ns, **a))
+    res = benchmark(lambda: router.route(as_tokens(as_list), ns, **a))
     assert res.matches.max() > 0
 
 

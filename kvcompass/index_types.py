@@ -53,6 +53,13 @@ def as_lengths(lengths: Sequence[int] | npt.NDArray[np.uint32]) -> npt.NDArray[n
 
 
 def _as_u32(name: str, values: Sequence[int] | npt.NDArray[np.uint32]) -> npt.NDArray[np.uint32]:
+    if type(values) is list or type(values) is tuple:
+        # A tokenizer's or a JSON body's ids: one Rust pass (4,096 ids ~20 µs; numpy's census,
+        # int64 copy, min, max and cast ~190 µs). Anything it refuses takes the general path
+        # below, which says what is wrong (or accepts what it can, e.g. numpy integers).
+        arr, bad = _core.token_array(values)
+        if bad < 0:
+            return arr
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be one-dimensional, got shape {arr.shape}")

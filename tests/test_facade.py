@@ -181,6 +181,34 @@ def test_as_tokens_refuses_values_that_do_not_fit(bad: object) -> None:
         as_tokens(bad)  # type: ignore[arg-type]
 
 
+def test_token_array_takes_exact_ints_that_fit_and_names_the_first_that_does_not() -> None:
+    # The one-pass conversion behind as_tokens for lists and tuples (and the door's JSON ids).
+    for seq in ([0, 7, 2**32 - 1], (0, 7, 2**32 - 1)):
+        arr, bad = _core.token_array(seq)
+        assert bad == -1 and arr.dtype == np.uint32 and arr.tolist() == [0, 7, 2**32 - 1]
+    assert _core.token_array([])[1] == -1 and _core.token_array(())[0].shape == (0,)
+
+    class Sub(int):
+        pass
+
+    for seq, i in (([1, 2**32], 1), ([5, -1], 1), ([True], 0), ([1, 2, 3.0], 2), ([2**64], 0), ([2**64 - 1], 0), ([0, Sub(3)], 1), ([0, np.uint32(3)], 1), ((1, "2"), 1)):
+        arr, bad = _core.token_array(seq)
+        assert (bad, arr.shape) == (i, (0,)), seq
+    with pytest.raises(TypeError):
+        _core.token_array(np.arange(3))
+
+
+def test_as_tokens_from_lists_and_tuples_equals_the_numpy_path() -> None:
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 2**32, 5000, dtype=np.uint64)
+    want = ids.astype(np.uint32)
+    for src in (ids.tolist(), tuple(ids.tolist())):
+        out = as_tokens(src)
+        assert out.dtype == np.uint32 and out.flags.c_contiguous and np.array_equal(out, want)
+    # What the one pass refuses still goes through the general path: numpy integers are taken.
+    assert as_tokens([np.uint32(4), 5]).tolist() == [4, 5]
+
+
 @pytest.mark.parametrize("bad", [[[1, 2], [3, 4]], np.zeros((2, 2), dtype=np.int64), np.array(5, dtype=np.int64)])
 def test_as_tokens_refuses_non_1d(bad: object) -> None:
     with pytest.raises(ValueError, match="one-dimensional"):

@@ -42,6 +42,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from kvcompass.errors import InvalidArgumentError
+from kvcompass.index_types import as_tokens
 
 __all__ = [
     "BUNDLED_TEXT",
@@ -137,7 +138,7 @@ class Tokenizer:
 
     def encode(self, text: str) -> npt.NDArray[np.uint32]:
         """Token ids of ``text`` (no special tokens added; an empty text gives an empty array)."""
-        return np.asarray(self._ids(_text("text", text)), dtype=np.uint32)
+        return as_tokens(self._ids(_text("text", text)))
 
     def decode(self, ids: Sequence[int] | npt.NDArray[np.uint32]) -> str:
         """The text of ``ids`` (special tokens left out)."""
