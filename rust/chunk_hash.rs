@@ -176,17 +176,16 @@ pub fn block_chain_root(seed: u64) -> u64 {
 }
 
 /// [`block_chain`] continued: appends the names of the full blocks of `tokens` chained from `h`
-/// (the root or the name of the block before them) to `out`, and returns the last name (`h` if
-/// there is no full block). `block_size` must be >= 1. For a driver that has a chain's first
-/// part already (a prefix it named before) and hashes only the rest.
-pub fn block_chain_extend(mut h: u64, tokens: &[u32], block_size: usize, out: &mut Vec<u64>) -> u64 {
+/// (the root or the name of the block before them) to `out`. `block_size` must be >= 1. For a
+/// driver that has a chain's first part already (a prefix it named before) and hashes only the
+/// rest.
+pub fn block_chain_extend(mut h: u64, tokens: &[u32], block_size: usize, out: &mut Vec<u64>) {
     let n = tokens.len() / block_size;
     let bytes = le_bytes(&tokens[..n * block_size]);
     for block in bytes.chunks_exact(block_size * 4) {
         h = xxh3_64_with_seed(block, h);
         out.push(h);
     }
-    h
 }
 
 /// SHA-256's initial chaining value (FIPS 180-4, 5.3.3).

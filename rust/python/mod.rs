@@ -94,15 +94,7 @@ fn mix_fold(h: u64, parts: Vec<u64>) -> u64 {
 /// pass instead of a type census, a min and a max.
 #[pyfunction]
 fn first_bad_token(tokens: &Bound<'_, PyAny>) -> PyResult<i64> {
-    use pyo3::types::{PyInt, PyList, PyTuple};
-    let ok = |t: &Bound<'_, PyAny>| t.is_exact_instance_of::<PyInt>() && t.extract::<u32>().is_ok();
-    if let Ok(l) = tokens.cast::<PyList>() {
-        return Ok(l.iter().position(|t| !ok(&t)).map_or(-1, |i| i as i64));
-    }
-    if let Ok(t) = tokens.cast::<PyTuple>() {
-        return Ok(t.iter().position(|x| !ok(&x)).map_or(-1, |i| i as i64));
-    }
-    Err(pyo3::exceptions::PyTypeError::new_err("tokens: expected a list or tuple of ints"))
+    Ok(each_exact_u32(tokens, |_| ())?.err().unwrap_or(-1))
 }
 
 /// Token ids given as a list or tuple as a uint32 array, checked in the same pass: `(array,
@@ -111,30 +103,31 @@ fn first_bad_token(tokens: &Bound<'_, PyAny>) -> PyResult<i64> {
 /// int64 copy, a min, a max and a cast.
 #[pyfunction]
 fn token_array<'py>(py: Python<'py>, tokens: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyArray1<u32>>, i64)> {
-    use pyo3::types::{PyList, PyTuple};
-    let got = if tokens.is_instance_of::<PyList>() {
-        exact_u32s(tokens, false)
-    } else if tokens.is_instance_of::<PyTuple>() {
-        exact_u32s(tokens, true)
-    } else {
-        return Err(pyo3::exceptions::PyTypeError::new_err("tokens: expected a list or tuple of ints"));
-    };
-    Ok(match got {
-        Ok(v) => (v.into_pyarray(py), -1),
+    let mut out = Vec::with_capacity(tokens.len().unwrap_or(0));
+    Ok(match each_exact_u32(tokens, |v| out.push(v))? {
+        Ok(()) => (out.into_pyarray(py), -1),
         Err(i) => (Vec::<u32>::new().into_pyarray(py), i),
     })
 }
 
-/// The items of a list (or tuple, `tuple`) that are all exact ints in 0..2**32-1, or the index of
-/// the first that is not. Read through the C API (borrowed items, no reference counting, one
-/// conversion call each): a tokenizer's 4,096 ids cost ~80 µs through PyO3's iterator and
-/// `extract`, several times this loop.
-fn exact_u32s(seq: &Bound<'_, PyAny>, tuple: bool) -> Result<Vec<u32>, i64> {
+/// `sink` of each item of a list or tuple while they are exact ints in 0..2**32-1 (a bool is
+/// not): `Ok(Err(i))` names the first that is not, a TypeError says `seq` is neither. Read
+/// through the C API (borrowed items, no reference counting, one conversion call each): a
+/// tokenizer's 4,096 ids cost ~80 µs through PyO3's iterator and `extract`, several times this
+/// loop.
+fn each_exact_u32(seq: &Bound<'_, PyAny>, mut sink: impl FnMut(u32)) -> PyResult<Result<(), i64>> {
     use pyo3::ffi;
+    use pyo3::types::{PyList, PyTuple};
+    let tuple = if seq.is_instance_of::<PyList>() {
+        false
+    } else if seq.is_instance_of::<PyTuple>() {
+        true
+    } else {
+        return Err(pyo3::exceptions::PyTypeError::new_err("tokens: expected a list or tuple of ints"));
+    };
     let p = seq.as_ptr();
-    // SAFETY: `p` is a live list or tuple (checked by the caller) and the GIL is held.
+    // SAFETY: `p` is a live list or tuple (checked above) and the GIL is held.
     let n = unsafe { if tuple { ffi::PyTuple_GET_SIZE(p) } else { ffi::PyList_GET_SIZE(p) } };
-    let mut out = Vec::with_capacity(n.max(0) as usize);
     for i in 0..n {
         // SAFETY: `i` is below the length read above, and nothing in this loop runs Python code
         // (an exact int's conversion calls no user method), so the sequence cannot change
@@ -154,11 +147,11 @@ fn exact_u32s(seq: &Bound<'_, PyAny>, tuple: bool) -> Result<Vec<u32>, i64> {
             }
         };
         if !ok {
-            return Err(i as i64);
+            return Ok(Err(i as i64));
         }
-        out.push(v);
+        sink(v);
     }
-    Ok(out)
+    Ok(Ok(()))
 }
 
 /// Token ids (a list or tuple of ints in 0..2**32-1) as little-endian u32 bytes, the form the

@@ -255,43 +255,25 @@ impl Prompts {
     /// ids is ~10 µs here, more than the rest of what a cache-blind scheme does per request. But a
     /// synthetic prompt is a few runs of ids, most of them shared with earlier prompts (a
     /// system prompt, a document, a conversation so far), and the names of a run's blocks depend
-    /// only on the name before the run and the run's ids: remembered per (name before, run),
-    /// a run seen before costs a table probe and a copy. Prompts given as plain ids (trace
-    /// files) are hashed from their tokens every time.
+    /// only on the name before the run and the run's ids ([`Self::run_values`]). Prompts given
+    /// as plain ids (trace files) are hashed from their tokens every time.
     fn chain(&self, req: u32, block_size: usize, memo: &mut ChainMemo) -> Vec<u64> {
         let r = self.reqs[req as usize];
         let n = r.input_length as usize / block_size;
+        let root = block_chain_root(r.salt_seed);
         if !r.runs || r.block_size as usize != block_size {
             let mut out = Vec::with_capacity(n);
-            block_chain_extend(block_chain_root(r.salt_seed), &self.tokens_upto(req, n * block_size), block_size, &mut out);
+            block_chain_extend(root, &self.tokens_upto(req, n * block_size), block_size, &mut out);
             return out;
         }
-        let slice = &self.ids[self.id_offs[req as usize]..self.id_offs[req as usize + 1]];
-        let mut out = Vec::with_capacity(n);
-        let mut h = block_chain_root(r.salt_seed);
-        for run in slice.chunks_exact(2) {
-            let have = out.len();
-            if have >= n {
-                break;
-            }
-            let (chain, count) = (run[0], run[1] as usize);
-            let need = count.min(n - have);
-            if let Some(names) = memo.get(h, chain, need) {
-                out.extend_from_slice(names);
-            } else {
-                let ids = chain_block_ids(&[chain], &[need as u64]);
-                block_chain_extend(h, &expand_blocks(&ids, need * block_size, block_size), block_size, &mut out);
-                memo.put(h, chain, &out[have..]);
-            }
-            h = out.last().copied().unwrap_or(h);
-        }
-        out
+        let before = |at: usize, names: &[u64]| if at == 0 { root } else { names[at - 1] };
+        self.run_values(req, n, block_size, memo, before, |_, h, toks, out| block_chain_extend(h, toks, block_size, out))
     }
 
     /// [`policy::prefix_sum`] of request `req`'s first `n` tokens (`block` tokens a block),
-    /// where `chain` is its chain ([`Self::chain`]): the same value, from `memo`'s partial sums
-    /// of the runs seen before (keyed like the chain's names: by the name before the run, which
-    /// also fixes where the run starts) instead of from the tokens.
+    /// where `chain` is its chain ([`Self::chain`]): the same value, from `memo`'s per-block
+    /// terms of the runs seen before (keyed like the chain's names: by the name before the run,
+    /// which also fixes where the run starts) instead of from the tokens.
     fn prefix_sum(&self, req: u32, n: usize, block: usize, chain: &[u64], memo: &mut ChainMemo) -> Option<u64> {
         let r = self.reqs[req as usize];
         let nb = n.min(r.input_length as usize) / block;
@@ -301,35 +283,38 @@ impl Prompts {
         if !r.runs || r.block_size as usize != block || chain.len() < nb {
             return policy::prefix_sum(&self.tokens_upto(req, n), block);
         }
-        let slice = &self.ids[self.id_offs[req as usize]..self.id_offs[req as usize + 1]];
+        let root = block_chain_root(r.salt_seed);
         let coef = policy::prefix_coef(block);
-        let (mut acc, mut at) = (0u64, 0usize);
+        let terms = self.run_values(req, nb, block, memo, |at, _| if at == 0 { root } else { chain[at - 1] }, |at, _, toks, out| {
+            out.extend(toks.chunks_exact(block).enumerate().map(|(j, row)| policy::prefix_term(row, (at + j) as u64, &coef)));
+        });
+        Some(terms.iter().fold(0u64, |acc, &t| acc.wrapping_add(t)))
+    }
+
+    /// One value a block for the first `nb` blocks of request `req`, a prompt given as runs of
+    /// ids (`block` tokens a block), run by run: a run's values depend only on the name of the
+    /// block before it (`before(at, values so far)` for a run starting at block `at`) and its
+    /// ids, so they come from `memo` when that run followed that name before, and otherwise
+    /// `fill(at, name before, the run's tokens, out)` appends them and `memo` keeps them.
+    fn run_values(&self, req: u32, nb: usize, block: usize, memo: &mut ChainMemo, before: impl Fn(usize, &[u64]) -> u64, mut fill: impl FnMut(usize, u64, &[u32], &mut Vec<u64>)) -> Vec<u64> {
+        let slice = &self.ids[self.id_offs[req as usize]..self.id_offs[req as usize + 1]];
+        let mut out = Vec::with_capacity(nb);
         for run in slice.chunks_exact(2) {
+            let at = out.len();
             if at >= nb {
                 break;
             }
-            let (id, count) = (run[0], run[1] as usize);
-            let need = count.min(nb - at);
-            let before = if at == 0 { block_chain_root(r.salt_seed) } else { chain[at - 1] };
-            let part = match memo.get(before, id, need) {
-                Some(sums) => sums[need - 1],
-                None => {
-                    let ids = chain_block_ids(&[id], &[need as u64]);
-                    let toks = expand_blocks(&ids, need * block, block);
-                    let mut sums = Vec::with_capacity(need);
-                    let mut s = 0u64;
-                    for (j, row) in toks.chunks_exact(block).enumerate() {
-                        s = s.wrapping_add(policy::prefix_term(row, (at + j) as u64, &coef));
-                        sums.push(s);
-                    }
-                    memo.put(before, id, &sums);
-                    s
-                }
-            };
-            acc = acc.wrapping_add(part);
-            at += need;
+            let (id, need) = (run[0], (run[1] as usize).min(nb - at));
+            let b = before(at, &out);
+            if let Some(values) = memo.get(b, id, need) {
+                out.extend_from_slice(values);
+            } else {
+                let ids = chain_block_ids(&[id], &[need as u64]);
+                fill(at, b, &expand_blocks(&ids, need * block, block), &mut out);
+                memo.put(b, id, &out[at..]);
+            }
         }
-        Some(acc)
+        out
     }
 }
 
@@ -339,9 +324,10 @@ impl TokenSource for Prompts {
     }
 }
 
-/// Per-block values of runs of synthetic ids (the blocks' names, or partial sums), by (name of
-/// the block before the run, the run's chain id): see [`Prompts::chain`]. Bounded: when the names it holds reach [`MEMO_NAMES`],
-/// it starts over (the runs still in use come back at the next miss).
+/// Per-block values of runs of synthetic ids (the blocks' names, or prefix-sum terms), by (name
+/// of the block before the run, the run's chain id): see [`Prompts::run_values`]. Bounded: when
+/// the values it holds reach [`MEMO_NAMES`], it starts over (the runs still in use come back at
+/// the next miss).
 #[derive(Default)]
 struct ChainMemo {
     at: rustc_hash::FxHashMap<(u64, u64), (u32, u32)>,
@@ -612,7 +598,7 @@ pub struct Engine {
     /// ([`Engine::pending_tokens`]), its chain.
     pending: Option<(u32, Option<Vec<u32>>, Vec<u64>)>,
     chain_memo: ChainMemo,
-    /// Partial sums of content-keyed schemes' prefix hashes ([`Prompts::prefix_sum`]).
+    /// Per-block terms of content-keyed schemes' prefix hashes ([`Prompts::prefix_sum`]).
     sum_memo: ChainMemo,
     salts: Salts,
     pub records: Records,
@@ -1131,9 +1117,9 @@ impl Engine {
         lookup(&x.cache, tokens, salt_seed)
     }
 
-    /// Move every worker's cache out (for the driver to inspect after a run); `put_caches` undoes it.
-    /// The workers' caches (one-block placeholders left behind); a cache that published
-    /// token-free events to a native reader goes back refusing to publish any.
+    /// Move every worker's cache out (for the driver to inspect after a run; one-block
+    /// placeholders stay behind); `put_caches` undoes it. A cache that published token-free
+    /// events to a native reader goes back refusing to publish any.
     pub fn take_caches(&mut self) -> Vec<BlockCache> {
         self.workers
             .iter_mut()

@@ -575,25 +575,22 @@ fn compact_order<V: Copy + Default>(order: &mut VecDeque<(u64, u64)>, map: &Bloc
     order.truncate(kept);
 }
 
-/// Views whose first probe a choice requests ahead, in the order it will read them.
+/// Workers whose first probe [`bounded_scores`] requests ahead, in the order it scores them.
 const PREFETCH_VIEWS: usize = 16;
 
-/// Indices of `bound` in ascending order (ties by index): the order in which a choice scores
-/// workers whose scores `bound` bounds from below.
-fn by_bound(bound: &[f64]) -> Vec<usize> {
+/// Every worker's score that can be within `tie` of the best, the others infinite: `score(i)`
+/// (at least `bound[i]`) is called in ascending order of `bound` (ties by index) until a bound
+/// exceeds the best score so far plus `tie`; no later worker can come within `tie` of the best,
+/// so a choice among the scores within `tie` of their minimum is the same as over every
+/// worker's score. `warm(i)` is called first for the [`PREFETCH_VIEWS`] likeliest workers, for
+/// the caller to request what their scores will read, so those misses overlap.
+fn bounded_scores(bound: &[f64], tie: f64, warm: impl Fn(usize), mut score: impl FnMut(usize) -> f64) -> Vec<f64> {
     let mut order: Vec<usize> = (0..bound.len()).collect();
     order.sort_by(|&a, &b| bound[a].total_cmp(&bound[b]));
-    order
-}
-
-/// Every worker's score that can be within `tie` of the best, the others infinite: `score(i)`
-/// (at least `bound[i]`) is called in `order` (ascending bound) until a bound exceeds the best
-/// score so far plus `tie`; no later worker can come within `tie` of the best, so a choice
-/// among the scores within `tie` of their minimum is the same as over every worker's score.
-fn bounded_scores(bound: &[f64], order: &[usize], tie: f64, mut score: impl FnMut(usize) -> f64) -> Vec<f64> {
+    order.iter().take(PREFETCH_VIEWS).for_each(|&i| warm(i));
     let mut scores = vec![f64::INFINITY; bound.len()];
     let mut best = f64::INFINITY;
-    for &i in order {
+    for &i in &order {
         if bound[i] > best + tie {
             break;
         }
@@ -828,17 +825,11 @@ impl Engine {
             let q = (if x.region == origin { self.queued(x, now) } else { s.queue[w as usize] }) + self.dispatched_from(w, origin);
             bound.push(self.rtt(origin, x.region) + q);
         }
-        let order = by_bound(&bound);
         let view = |w: u32| if self.workers[w as usize].region == origin { &s.exact[w as usize] } else { &s.stale[w as usize] };
-        // The first probe of each of the likeliest views is the prompt's first block: request
-        // them before reading any, so their misses overlap.
-        if let Some(&k0) = keys.first() {
-            for &i in order.iter().take(PREFETCH_VIEWS) {
-                view(s.workers[i]).prefetch(k0);
-            }
-        }
+        // A view's first probe is the prompt's first block.
+        let warm = |i: usize| keys.first().into_iter().for_each(|&k0| view(s.workers[i]).prefetch(k0));
         let mut matches = vec![0u64; n];
-        let scores = bounded_scores(&bound, &order, 1.0, |i| {
+        let scores = bounded_scores(&bound, 1.0, warm, |i| {
             let w = s.workers[i];
             let m = l.min(DynamoState::overlap(keys, view(w)) as u64 * block);
             matches[i] = m;
@@ -1036,14 +1027,10 @@ impl Engine {
                 // plus the tie margin skip their overlap search (never candidates; same choice).
                 let n = c.workers.len();
                 let bound: Vec<f64> = (0..n).map(|i| c.wan_fraction * self.rtt(r.region, self.workers[c.workers[i] as usize].region) + q[i]).collect();
-                let order = by_bound(&bound);
-                if let Some(&k0) = chain.first() {
-                    for &i in order.iter().take(PREFETCH_VIEWS) {
-                        c.view[c.workers[i] as usize].prefetch(k0);
-                    }
-                }
+                let views = &c.view;
+                let warm = |i: usize| chain.first().into_iter().for_each(|&k0| views[c.workers[i] as usize].prefetch(k0));
                 let mut hits = vec![(0u64, 0u64, 0.0f64); n];
-                let scores = bounded_scores(&bound, &order, c.tie_ms, |i| {
+                let scores = bounded_scores(&bound, c.tie_ms, warm, |i| {
                     let (vb, db) = tiered_overlap(chain, &c.view[c.workers[i] as usize]);
                     let v = l.min(vb as u64 * block);
                     let d = l.min((vb + db) as u64 * block) - v;
@@ -1051,10 +1038,7 @@ impl Engine {
                     hits[i] = (v, d, work);
                     bound[i] + work + lam * c.beta[i] * l.saturating_sub(v + d) as f64
                 });
-                let best = scores.iter().copied().fold(f64::INFINITY, f64::min);
-                let tie = c.tie_ms;
-                let cand: Vec<usize> = (0..c.workers.len()).filter(|&i| scores[i] <= best + tie).collect();
-                let i = if cand.len() > 1 { cand[self.rng.integers(cand.len() as u64) as usize] } else { cand[0] };
+                let i = self.pick(&scores, c.tie_ms);
                 let (v, d, work) = hits[i];
                 let w = c.workers[i];
                 let due = self.now + delay + self.rtt(r.region, self.workers[w as usize].region) / 2.0;
@@ -1159,7 +1143,7 @@ mod tests {
             let extra: Vec<f64> = (0..n).map(|_| if g.next_u64().is_multiple_of(3) { 0.0 } else { (g.next_u64() % 16) as f64 * 0.5 }).collect();
             let full: Vec<f64> = (0..n).map(|i| bound[i] + extra[i]).collect();
             let mut called = 0;
-            let part = bounded_scores(&bound, &by_bound(&bound), tie, |i| {
+            let part = bounded_scores(&bound, tie, |_| {}, |i| {
                 called += 1;
                 bound[i] + extra[i]
             });
