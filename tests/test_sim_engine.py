@@ -13,7 +13,8 @@ import pytest
 from kvcompass.discovery.topology import Topology, load_topology, topology_from_dict
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.engine.costs import CostModel
-from kvcompass.sim.engine import simulate
+from kvcompass import _core
+from kvcompass.sim.engine import Simulator, simulate
 from kvcompass.sim.summary import Summary, busy_matrix
 from kvcompass.sim.schemes import SCHEMES
 from kvcompass.sim.workload import ChainBlocks, MixedConfig, Request, synthetic_mixed
@@ -157,6 +158,50 @@ def test_refusals(testbed: Topology) -> None:
         simulate(testbed, [_request(0, 0.0, "us", 1, 64)], gpu_sharing="shared")  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="max_batched_tokens"):
         simulate(testbed, [_request(0, 0.0, "us", 1, 64)], max_batched_tokens=0)
+
+
+def test_the_ticks_live_poll_writes_each_busy_workers_queue_at_its_edge(testbed: Topology, mixed: list[Request]) -> None:
+    """``SimEngine.poll_live`` (one call a tick for every edge) is ``Edge.set_local_queues`` of
+    each busy worker: the reading at its index of its edge's estimates, settled before now
+    minus the edge's lag. Checked mid-run against estimates the test owns."""
+    sim = Simulator(testbed, mixed, "kvcompass")
+    eng = sim._eng()
+    n = len(testbed.workers)
+    with pytest.raises(InvalidArgumentError, match="workers"):
+        eng.set_live_sinks([-1] * (n - 1), [0] * (n - 1), [])
+    with pytest.raises(InvalidArgumentError, match="sink 1"):
+        eng.set_live_sinks([1] + [-1] * (n - 1), [0] * n, [(_core.QueueEstimates(3, 0.5, 1.0), [0.0] * 3)])
+    with pytest.raises(InvalidArgumentError, match="index 3"):
+        eng.set_live_sinks([0] + [-1] * (n - 1), [3] + [0] * (n - 1), [(_core.QueueEstimates(3, 0.5, 1.0), [0.0] * 3)])
+    seen: list[int] = []
+
+    def probe() -> None:
+        ws, qs = eng.busy_queues()
+        if not len(ws):
+            eng.at(eng.now + 50.0, probe)
+            return
+        mine = _core.QueueEstimates(n, 0.5, 1.0)
+        lag = [0.001 * (i + 1) for i in range(n)]
+        eng.set_live_sinks([0] * n, list(range(n)), [(mine, lag)])
+        now_s = eng.now / 1e3
+        assert eng.poll_live(now_s) == len(ws)
+        want = _core.QueueEstimates(n, 0.5, 1.0)
+        want.set_live_many(ws.astype(np.int64), qs, now_s, now_s - np.array(lag)[ws])
+        assert mine.values.tolist() == want.values.tolist()
+        assert [mine.age(i, now_s) for i in range(n)] == [want.age(i, now_s) for i in range(n)]
+        eng.set_live_sinks([-1] * n, [0] * n, [])
+        with pytest.raises(RuntimeError, match="no edge"):
+            eng.poll_live(now_s)
+        seen.append(len(ws))
+        eng.set_live_sinks(*live)  # the run goes on with its own edges
+
+    edges = list(sim.plane.edges.values())
+    number = {e.region: k for k, e in enumerate(edges)}
+    idx = [sim._edge_index(number, x) for x in sim._by_index]
+    live = ([number.get(x.spec.region, -1) if i >= 0 else -1 for x, i in zip(sim._by_index, idx)], [max(i, 0) for i in idx], [(q, lags.tolist()) for q, lags in (e.live_sink() for e in edges)])
+    eng.at(mixed[len(mixed) // 2].arrival_ms, probe)
+    sim.run()
+    assert seen and seen[0] > 0
 
 
 def test_summary_hit_rates_are_token_weighted_and_the_peak_is_per_worker_compute() -> None:

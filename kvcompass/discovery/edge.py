@@ -834,6 +834,14 @@ class Edge:
             raise InvalidArgumentError(f"worker {bad!r} is not in this edge's region {self._region!r}: use on_response/on_broadcast")
         self._queues.set_live_many(ii, np.ascontiguousarray(tq_ms, dtype=np.float64), now, now - self._settle_lag_s_arr[ii])
 
+    def live_sink(self) -> tuple[_core.QueueEstimates, npt.NDArray[np.float64]]:
+        """``(estimates, settle lags)`` for a driver in one process that polls this region's
+        workers itself and writes the readings straight into the estimates (the simulator's
+        engine: one call a tick for every edge). A reading ``tq`` of own-region worker ``i``
+        at ``now`` is ``estimates.set_live_many([i], [tq], now, [now - lags[i]])``, which is
+        what :meth:`set_local_queues` does."""
+        return self._queues, self._settle_lag_s_arr.copy()
+
     def on_response(self, worker: str, claimed_tokens: int, reused_tokens: int, queue_vector: Mapping[str, float] | None, now: float) -> None:
         """A response from ``worker``: the edge had claimed ``claimed_tokens`` (the decision's
         ``expected_match``), the worker reports ``reused_tokens``; a remote worker's response

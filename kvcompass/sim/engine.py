@@ -320,14 +320,8 @@ class Simulator:
         """Migration actions carried out, by kind."""
         self.migration_log: list[MigrationAction] = []
         self._region_workers = {r: [w.id for w in topology.workers_in(r)] for r in regions}
-        # For the tick's live queue poll: each worker's own-region edge (by number, -1: none)
-        # and its index there, so a region's busy workers are read in one call.
         self._live_edges = list(self.plane.edges.values())
         self._next_broadcast_s = -math.inf  # the earliest edge's next broadcast (see _tick)
-        number = {e.region: k for k, e in enumerate(self._live_edges)}
-        self._live_edge = np.array([number.get(x.spec.region, -1) for x in self._by_index], dtype=np.int64)
-        self._live_idx = np.array([self._edge_index(number, x) for x in self._by_index], dtype=np.int64)
-        self._live_monotone = bool((np.diff(self._live_edge) >= 0).all())
         reqs = self._requests
         for q in reqs:
             if q.region not in self._region_index:
@@ -377,6 +371,15 @@ class Simulator:
             _pcg_state(np.random.default_rng(config.seed)),
             _pcg_state(faults),
             max(1, len(reqs) // 100),
+        )
+        # For the tick's live queue poll: each worker's own-region edge (by number, -1: none, or
+        # one that does not route to it, as a decode instance) and its index there.
+        number = {e.region: k for k, e in enumerate(self._live_edges)}
+        live_idx = [self._edge_index(number, x) for x in self._by_index]
+        self._engine.set_live_sinks(
+            [number.get(x.spec.region, -1) if i >= 0 else -1 for x, i in zip(self._by_index, live_idx)],
+            [max(i, 0) for i in live_idx],
+            [(q, lags.tolist()) for q, lags in (e.live_sink() for e in self._live_edges)],
         )
         if config.closed_loop:
             self._engine.set_closed_loop(config.closed_loop)
@@ -721,18 +724,8 @@ class Simulator:
             self.plane.propagate()
         # Own-region queues are read live (a real edge polls its workers): a running prefill's
         # remainder shrinks between events, so the busy workers are re-read every tick.
-        ws, qs = engine.busy_queues()
-        if len(ws):
-            eid = self._live_edge[ws]
-            if int(eid.min()) < 0:
-                raise RuntimeError("the engine polled the queue of a worker whose region has no edge")
-            if not self._live_monotone:  # workers not numbered region by region: group them first
-                order = np.argsort(eid, kind="stable")
-                ws, qs, eid = ws[order], qs[order], eid[order]
-            idx = self._live_idx[ws]
-            cuts = [0, *(np.flatnonzero(eid[1:] != eid[:-1]) + 1).tolist(), len(ws)]
-            for lo, hi in zip(cuts, cuts[1:]):  # one run of workers a busy region
-                self._live_edges[int(eid[lo])].set_local_queues(idx[lo:hi], qs[lo:hi], now / 1e3)
+        # (Edge.set_local_queues of each busy region's workers, in one call: set_live_sinks.)
+        engine.poll_live(now / 1e3)
         t_s = now / 1e3
         if self._migrate:
             for edge in self._live_edges:

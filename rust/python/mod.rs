@@ -10,7 +10,7 @@ mod bench;
 mod block_cache;
 mod errors;
 mod index;
-mod queues;
+pub(crate) mod queues;
 mod router;
 mod sim;
 

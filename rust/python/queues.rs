@@ -38,7 +38,7 @@ impl PyQueueEstimates {
         Ok(index as usize)
     }
 
-    fn fold_vec(&mut self, indices: &[i64], samples: &[f64], now: f64, weight: f64, before: Before<'_>, n_before: Option<usize>) -> PyResult<()> {
+    pub(crate) fn fold_vec(&mut self, indices: &[i64], samples: &[f64], now: f64, weight: f64, before: Before<'_>, n_before: Option<usize>) -> PyResult<()> {
         if indices.len() != samples.len() || n_before.is_some_and(|n| n != indices.len()) {
             return Err(PyValueError::new_err(format!("{} indices, {} samples and the charge times differ in length", indices.len(), samples.len())));
         }

@@ -15,6 +15,7 @@ use pyo3::types::{PyList, PyTuple};
 use super::arrays::{f64_vec, u32_vec, u64_vec};
 use super::block_cache::{events_out, PyBlockCache};
 use super::errors::core_err;
+use super::queues::PyQueueEstimates;
 use crate::block_cache::BlockCache;
 use crate::error::CoreError;
 use crate::sim::{Baseline, CoordinatorState, DynamoState, SGLangState, Choice, Config, Cost, Engine, History, Out, Pcg64, Policy, RequestSpec, Salts, Step, WorkerSetup};
@@ -27,6 +28,15 @@ pub struct PySimEngine {
     handles: HashMap<u64, Py<PyAny>>,
     next_handle: u64,
     running: bool,
+    live: Option<LiveSinks>,
+}
+
+/// Where the tick's live queue poll writes (`set_live_sinks`): each worker's sink (-1: its
+/// region has no edge) and its index at that sink's edge; each sink an edge's queue estimates
+/// with the settle lag (s) of each of that edge's workers.
+struct LiveSinks {
+    of: Vec<(i64, i64)>,
+    sinks: Vec<(Py<PyQueueEstimates>, Vec<f64>)>,
 }
 
 fn bad(msg: String) -> PyErr {
@@ -271,6 +281,7 @@ impl PySimEngine {
             handles: HashMap::new(),
             next_handle: 0,
             running: false,
+            live: None,
         })
     }
 
@@ -620,6 +631,52 @@ impl PySimEngine {
         self.inner
             .migrate_recompute(t, worker, tokens, tier, region, salt, salt_seed)
             .map_err(core_err)
+    }
+
+    /// Where `poll_live` writes: `sink_of[w]` the sink of worker `w` (-1: no edge reads it),
+    /// `index_of[w]` its index at that sink's edge; each sink `(queue_estimates, settle_lag_s)`,
+    /// an edge's estimates and the settle lag of each of its workers (`Edge.live_sink`).
+    fn set_live_sinks(&mut self, sink_of: Vec<i64>, index_of: Vec<i64>, sinks: Vec<(Py<PyQueueEstimates>, Vec<f64>)>) -> PyResult<()> {
+        let n = self.inner.workers();
+        if sink_of.len() != n || index_of.len() != n {
+            return Err(bad(format!("set_live_sinks: {} sinks and {} indices for {n} workers", sink_of.len(), index_of.len())));
+        }
+        for (w, (&s, &i)) in sink_of.iter().zip(&index_of).enumerate() {
+            if s < -1 || s >= sinks.len() as i64 {
+                return Err(bad(format!("set_live_sinks: worker {w} has sink {s}, not in -1..{}", sinks.len())));
+            }
+            if s >= 0 && (i < 0 || i as usize >= sinks[s as usize].1.len()) {
+                return Err(bad(format!("set_live_sinks: worker {w} has index {i} at sink {s} of {} workers", sinks[s as usize].1.len())));
+            }
+        }
+        self.live = Some(LiveSinks { of: sink_of.into_iter().zip(index_of).collect(), sinks });
+        Ok(())
+    }
+
+    /// The tick's live poll: every busy worker's queue (`busy_queues`) set at its edge as a
+    /// live reading at `now_s` (`QueueEstimates.set_live_many` per edge, its workers in worker
+    /// order, settled before `now_s` minus each one's lag). Returns how many were read.
+    fn poll_live(&mut self, py: Python<'_>, now_s: f64) -> PyResult<usize> {
+        let live = self.live.as_ref().ok_or_else(|| bad("poll_live before set_live_sinks".into()))?;
+        let busy = self.inner.busy_queues();
+        let mut per: Vec<(Vec<i64>, Vec<f64>, Vec<f64>)> = vec![(Vec::new(), Vec::new(), Vec::new()); live.sinks.len()];
+        for &(w, q) in &busy {
+            let (s, i) = live.of[w as usize];
+            if s < 0 {
+                return Err(pyo3::exceptions::PyRuntimeError::new_err("the engine polled the queue of a worker whose region has no edge"));
+            }
+            let lag = &live.sinks[s as usize].1;
+            let p = &mut per[s as usize];
+            p.0.push(i);
+            p.1.push(q);
+            p.2.push(now_s - lag[i as usize]);
+        }
+        for ((ix, qs, before), (sink, _)) in per.iter().zip(&live.sinks) {
+            if !ix.is_empty() {
+                sink.borrow_mut(py).fold_vec(ix, qs, now_s, 1.0, crate::queues::Before::At(before), Some(before.len()))?;
+            }
+        }
+        Ok(busy.len())
     }
 
     /// `(workers, queued_ms)` of the workers running a prefill whose edge reads their queue,
