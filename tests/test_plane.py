@@ -10,6 +10,7 @@ import pytest
 from kvcompass.agent import BlockRemoved, BlockStored, WorkerAgent, encode_batch
 from kvcompass.discovery.plane import LocalPlane
 from kvcompass.discovery.topology import load_topology
+from kvcompass.errors import InvalidArgumentError
 from kvcompass.index_types import Namespace, Tier
 
 NS = Namespace("llama-3.1-8b", "e2e")
@@ -131,10 +132,95 @@ def test_an_edge_only_region_gets_its_own_ladder_and_routes() -> None:
 
 
 def test_a_bad_queue_report_changes_neither_queues_nor_belief(plane: LocalPlane) -> None:
-    from kvcompass.errors import InvalidArgumentError
+
 
     edge = plane.edges["us"]
     before = (edge.belief("asia-0"), edge.queue_estimate("asia-2"))
     with pytest.raises(InvalidArgumentError):
         edge.on_response("asia-0", 1000, 0, {"asia-2": float("nan")}, 0.0)
     assert (edge.belief("asia-0"), edge.queue_estimate("asia-2")) == before
+
+
+def _rounds(plane: LocalPlane, rounds: int, seed: int) -> list[np.ndarray]:
+    """Several agents store and remove prompts round after round (enough blocks to grow the
+    tables past their 4,096-entry start); returns the prompts stored."""
+    rng = np.random.default_rng(seed)
+    names = ("us-0", "eu-1", "asia-1", "us-2")
+    agents = {w: agent_for(plane, w) for w in names}
+    seqs = dict.fromkeys(names, 0)
+    prompts: list[np.ndarray] = []
+    for r in range(rounds):
+        for i, w in enumerate(names):
+            toks = rng.integers(0, 50_000, size=16 * int(rng.integers(8, 160)), dtype=np.uint32)
+            base = 1_000_000 * (i + 1) + 10_000 * r
+            events: list[BlockStored | BlockRemoved] = [stored(toks, base)]
+            if r and rng.random() < 0.5:  # drop the previous round's prompt of this worker
+                prev = prompts[-len(names)]
+                events.append(BlockRemoved(tuple(range(base - 10_000, base - 10_000 + len(prev) // BLOCK)), "GPU"))
+            out = agents[w].on_message(encode_batch(events, seq=seqs[w]))
+            seqs[w] += 1
+            for b in out.batches:
+                plane.ingest(b, sender=b.worker)
+            prompts.append(toks)
+        plane.propagate()
+    return prompts
+
+
+def test_edges_that_share_views_route_exactly_as_edges_with_replicas() -> None:
+    """``LocalPlane(share_views=True)``: every edge reads the first edge's views, each batch is
+    applied once. Same events, same seeds: every edge decides as its replica-keeping twin,
+    through table growth, removals and rounds of patches."""
+    topo = load_topology("testbed-14x3")
+    own, shared = LocalPlane(topo, seed=5), LocalPlane(topo, seed=5, share_views=True)
+    first = next(iter(shared.edges))
+    assert [e.views_of for e in shared.edges.values()] == [None] + [first] * (len(shared.edges) - 1)
+    assert all(e.views_of is None for e in own.edges.values())
+    for rounds, seed in ((3, 1), (6, 2)):
+        p_own, p_shared = _rounds(own, rounds, seed), _rounds(shared, rounds, seed)
+        assert all((a == b).all() for a, b in zip(p_own, p_shared))
+        assert own.converged() and shared.converged()
+        for region in own.edges:
+            for k, toks in enumerate(p_own):
+                a = own.edges[region].route(toks, NS, now=float(k))
+                b = shared.edges[region].route(toks, NS, now=float(k))
+                assert (a.worker, a.expected_match, a.tier, a.score) == (b.worker, b.expected_match, b.tier, b.score)
+    assert max(len(shared.units[s].snapshot(0)) for s in range(shared.layout.shards)) > 4096  # the tables grew
+
+
+def test_an_edge_that_reads_anothers_views_refuses_patches_and_follows_its_snapshots() -> None:
+    topo = load_topology("testbed-14x3")
+    plane = LocalPlane(topo, seed=5, share_views=True)
+    leader, reader = list(plane.edges.values())[:2]
+    unit = plane.units[0]
+    batch = unit.snapshot(0)
+    for call in (lambda: reader.apply_patch(batch), lambda: reader.apply_patches_in_order([batch]), lambda: reader.bootstrap(0, 0, batch), lambda: reader.note_writer_position(0, 0, 1, 99)):
+        with pytest.raises(InvalidArgumentError, match="reads the views of"):
+            call()
+    with pytest.raises(InvalidArgumentError, match="one level"):
+        leader.read_views_of(reader)
+    # The leader re-bootstraps every view (new objects): the reader routes over the new ones.
+    for t in plane.layout.tables:
+        for s in range(plane.layout.shards):
+            leader.bootstrap(t.table_id, s, plane.units[s].snapshot(t.table_id))
+    prompt = np.random.default_rng(4).integers(0, 50_000, size=8192, dtype=np.uint32)
+    feed(plane, agent_for(plane, "eu-1"), encode_batch([stored(prompt, 7)], seq=0))
+    d = plane.edges["eu"].route(prompt, NS, now=0.0)
+    assert d.worker == "eu-1" and d.expected_match > 0
+    others = [w for w in leader.workers if w != "eu-1"]
+    for edge in plane.edges.values():  # every edge's views (the leader's) hold the new claim
+        assert edge.lookup(prompt, NS, now=0.0, exclude=others).expected_match > 0
+
+
+def test_shared_views_repair_lost_batches_for_every_edge() -> None:
+    plane = LocalPlane(load_topology("testbed-14x3"), seed=3, share_views=True)
+    agents = [agent_for(plane, w) for w in ("us-0", "eu-0", "asia-1")]
+    rng = np.random.default_rng(13)
+    for round_ in range(4):
+        for i, a in enumerate(agents):
+            toks = rng.integers(0, 50_000, size=1024, dtype=np.uint32)
+            for b in a.on_message(encode_batch([stored(toks, 10_000 * (i + 1) + 100 * round_)], seq=round_)).batches:
+                plane.ingest(b, sender=b.worker)
+        drop = {(0, s, plane.units[s].position(0)[1] + 1) for s in range(plane.layout.shards)}
+        assert plane.propagate(drop=drop).resyncs > 0
+    assert plane.converged()
+    assert all(edge.healthy for edge in plane.edges.values())

@@ -62,7 +62,7 @@ class LocalPlane:
     """Maintenance units for every shard plus an edge per edge region, bootstrapped from the
     units' snapshots and kept current by :meth:`propagate`."""
 
-    def __init__(self, topology: Topology, *, epoch: int = 1, capacity: int = 4096, params: EdgeParams = EdgeParams(), seed: int = 0) -> None:
+    def __init__(self, topology: Topology, *, epoch: int = 1, capacity: int = 4096, params: EdgeParams = EdgeParams(), seed: int = 0, share_views: bool = False) -> None:
         self.topology = topology
         self.plan = LevelPlan(topology)
         self.layout = layout_for(self.plan.layout(), params)
@@ -72,6 +72,16 @@ class LocalPlane:
             for unit in self.units:
                 for t in self.layout.tables:
                     edge.bootstrap(t.table_id, unit.shard, unit.snapshot(t.table_id))
+        # With share_views every edge reads the first edge's views (Edge.read_views_of): the
+        # batches are applied once, to it, and a loss is a loss for every edge. For a driver
+        # that delivers every batch to every edge at the same instant (the simulator without
+        # patch faults), where the replicas would be identical.
+        self._appliers = list(self.edges.values())
+        if share_views and self._appliers:
+            first = self._appliers[0]
+            for edge in self._appliers[1:]:
+                edge.read_views_of(first)
+            self._appliers = [first]
         # True while some view may still be behind its writer (a refused or lost batch).
         self._unsettled = False
 
@@ -114,7 +124,7 @@ class LocalPlane:
         if was_unsettled and not repair:
             resyncs += self._heal()  # the repairs asked for in the previous round arrive first
         refused = False
-        for edge in self.edges.values():
+        for edge in self._appliers:
             mine: Sequence[PatchBatch] = flushed
             if lose is not None:
                 mine = []
@@ -136,15 +146,15 @@ class LocalPlane:
                         resyncs += self._repair(edge, out)
         if repair and (refused or was_unsettled):
             resyncs += self._heal()
-            self._unsettled = any(edge.pending_resyncs() for edge in self.edges.values())
+            self._unsettled = any(edge.pending_resyncs() for edge in self._appliers)
         else:
-            self._unsettled = refused or (was_unsettled and any(edge.pending_resyncs() for edge in self.edges.values()))
+            self._unsettled = refused or (was_unsettled and any(edge.pending_resyncs() for edge in self._appliers))
         return PropagationReport(len(flushed), deliveries, resyncs, sum(len(b.data) for b in flushed))
 
     def _heal(self) -> int:
         """Heartbeats of every unit's position to every edge, then every open repair answered."""
         resyncs = 0
-        for edge in self.edges.values():
+        for edge in self._appliers:
             for unit in self.units:
                 for t in self.layout.tables:
                     epoch, seq = unit.position(t.table_id)

@@ -269,7 +269,9 @@ class Simulator:
         params = scheme_params(scheme, config.params)
         if topology.disaggregated and not params.disaggregated:
             params = dataclasses.replace(params, disaggregated=True)
-        self.plane = LocalPlane(topology, capacity=config.plane_capacity, params=params, seed=config.seed)
+        # Without patch faults every edge gets every batch at the same tick: one set of views
+        # serves them all (LocalPlane's share_views), each batch applied once.
+        self.plane = LocalPlane(topology, capacity=config.plane_capacity, params=params, seed=config.seed, share_views=not (config.patch_loss or config.patch_delay_ms))
         self._engine: SimEngine | None = None
         self._run_rng: _RunRng | None = None
         self._scheme = make_scheme(scheme, self) if isinstance(scheme, str) else scheme(self)
