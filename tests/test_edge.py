@@ -499,6 +499,32 @@ def test_a_batch_of_live_readings_is_the_same_as_one_at_a_time() -> None:
     assert many.queue_estimate("a0") == 12.5  # a refused batch changes nothing
 
 
+def test_a_vector_map_folds_a_broadcast_as_on_broadcast_does() -> None:
+    """``vector_map`` (for a driver that delivers broadcasts itself) and ``live_sink``: folding
+    a vector through them is ``on_broadcast`` of it, charges settled included."""
+    fleet = Fleet({"A": 2, "B": 3})
+    plans = {"A": PLAN_A, "B": [256, 512, 1024]}
+    rtts = {"A": 2.0, "B": 100.0}
+    one, other = fleet.edge("A", plans, rtts), fleet.edge("A", plans, rtts)
+    for e in (one, other):  # a dispatch charge toward b1 that a sample may settle
+        e.route(prompt(901), NS, now=0.5, exclude=["a0", "a1", "b0", "b2"])
+    ids = ("b2", "b0", "b1")
+    for k, t in enumerate((1.0, 1.05, 3.0)):
+        vals = np.array([10.0 * k, 5.0 + k, 40.0 / (k + 1)])
+        one.on_broadcast("B", dict(zip(ids, vals.tolist())), t)
+        ix, pos, lags = other.vector_map("B", ids)
+        q, all_lags = other.live_sink()
+        assert pos is None and lags == [float(all_lags[i]) for i in ix]
+        q.fold_lagged(np.array(ix, dtype=np.int64), vals, t, np.array(lags))
+    for w in ("a0", "a1", "b0", "b1", "b2"):
+        assert other.queue_estimate(w) == one.queue_estimate(w)
+        assert other.queue_age(w, 4.0) == one.queue_age(w, 4.0)
+    with pytest.raises(InvalidArgumentError, match="own region"):
+        other.vector_map("A", ("a0",))
+    with pytest.raises(InvalidArgumentError, match="not workers of 'B'"):
+        other.vector_map("B", ("b0", "a1"))
+
+
 def test_a_lookup_decides_as_a_route_would_and_changes_nothing() -> None:
     # issue 16: a gateway that only asks who holds a prompt used to register a 2 s claim, so
     # its next question saw a hit nobody held.

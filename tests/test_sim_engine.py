@@ -204,6 +204,46 @@ def test_the_ticks_live_poll_writes_each_busy_workers_queue_at_its_edge(testbed:
     assert seen and seen[0] > 0
 
 
+def test_broadcasts_travel_in_the_engine_and_fold_in_arrival_order(testbed: Topology, mixed: list[Request]) -> None:
+    """``SimEngine.post_broadcast`` files a queue vector for each target edge under the key its
+    delivery event would have had (now + one WAN way, then the next sequence key);
+    ``settle_broadcasts`` folds those due, in that order, as ``fold_lagged`` would, with the
+    arrival time as the sample time (its age and the charges it settles depend on it)."""
+    sim = Simulator(testbed, mixed, "kvcompass")
+    eng = sim._eng()
+    regions = testbed.region_names
+    ri = {r: i for i, r in enumerate(regions)}
+    n = len(testbed.workers)
+    sinks = [_core.QueueEstimates(n, 0.5, 1.0) for _ in regions]
+    want = [_core.QueueEstimates(n, 0.5, 1.0) for _ in regions]
+    own = {r: [i for i, w in enumerate(testbed.workers) if w.region == r] for r in regions}
+    lag = {r: [0.01 * (k + 1) for k in range(len(own[r]))] for r in regions}
+    # Region 1's vector carries an extra leading sample at region 0 that is not kept (positions).
+    maps = [[None if d == s else (own[regions[s]], [j + 1 for j in range(len(own[regions[s]]))] if (d, s) == (0, 1) else None, lag[regions[s]]) for s in range(len(regions))] for d in range(len(regions))]
+    eng.set_broadcast_edges([ri[r] for r in regions], sinks, maps)
+    with pytest.raises(InvalidArgumentError, match="does not send"):
+        eng.post_broadcast(0, [0], np.zeros(len(own[regions[0]])))
+    with pytest.raises(InvalidArgumentError, match="values"):
+        eng.post_broadcast(0, [1], np.zeros(len(own[regions[0]]) + 1))
+    now = eng.now
+    posts = []  # (arrival, order, dst, src, values)
+    for order, (src, dst, scale) in enumerate([(1, 0, 3.0), (2, 0, 5.0), (1, 0, 7.0), (0, 2, 11.0)]):
+        vals = scale * np.arange(1, len(own[regions[src]]) + 1, dtype=np.float64)
+        sent = np.concatenate([[99.0], vals]) if (dst, src) == (0, 1) else vals
+        eng.post_broadcast(src, [dst], sent)
+        posts.append((now + eng.way(ri[regions[src]], ri[regions[dst]]), order, dst, src, vals))  # no jitter: no draw
+    assert eng.settle_broadcasts(0, (now, 0, 0)) == 0  # none has arrived yet
+    assert eng.settle_broadcasts(0, (float("inf"), 0, 0)) == 3
+    assert eng.settle_broadcasts(2, (float("inf"), 0, 0)) == 1
+    for t, _, dst, src, vals in sorted(posts):
+        want[dst].fold_lagged(np.array(own[regions[src]], dtype=np.int64), vals, t / 1e3, np.array(lag[regions[src]]))
+    for d in range(len(regions)):
+        assert sinks[d].values.tolist() == want[d].values.tolist()
+        later = now / 1e3 + 5.0
+        assert [sinks[d].age(i, later) for i in range(n)] == [want[d].age(i, later) for i in range(n)]
+    assert sinks[0].values.tolist() != _core.QueueEstimates(n, 0.5, 1.0).values.tolist()
+
+
 def test_summary_hit_rates_are_token_weighted_and_the_peak_is_per_worker_compute() -> None:
     from kvcompass.sim.summary import RequestRecord, summarize
 

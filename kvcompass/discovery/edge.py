@@ -971,28 +971,50 @@ class Edge:
 
     def _fold_vector_checked(self, region: str, vector: Mapping[str, float], now: float, keys: tuple[str, ...]) -> None:
         # Validate every sample first so a bad vector changes nothing.
-        pos: list[int] = []
-        idx: list[int] = []
         vals: list[float] = []
-        index, worker_region = self._index, self._worker_region
-        ignored = 0
-        for k, (wid, x) in enumerate(vector.items()):
+        for wid, x in vector.items():
             v = float(x)
             if not (math.isfinite(v) and 0 <= v <= MAX_QUEUE_MS):
                 raise InvalidArgumentError(f"queue vector of {region!r}: {wid!r} = {x!r} ms must be finite and in [0, {MAX_QUEUE_MS:g}]")
+            vals.append(v)
+        ii, ignored, kept, lag = self._vector_layout(region, keys)
+        self._n.queue_samples_ignored += ignored
+        self._vector_ids[region] = (keys, ii, ignored, kept, lag)
+        if len(ii):
+            arr = np.array(vals, dtype=np.float64)
+            self._queues.fold_many(ii, arr if kept is None else arr[kept], now, now - self._settle_lag_s_arr[ii])
+
+    def _vector_layout(self, region: str, keys: Sequence[str]) -> tuple[npt.NDArray[np.int64], int, npt.NDArray[np.int64] | None, npt.NDArray[np.float64]]:
+        """Where the samples of ``region``'s vector with worker ids ``keys`` go: this edge's
+        indices of the kept ones (``region``'s own workers), how many are ignored, the kept
+        positions (None: all) and their settle lags."""
+        pos: list[int] = []
+        idx: list[int] = []
+        index, worker_region = self._index, self._worker_region
+        for k, wid in enumerate(keys):
             i = index.get(wid)
             if i is None or worker_region[i] != region:
-                ignored += 1
                 continue
             pos.append(k)
             idx.append(i)
-            vals.append(v)
-        self._n.queue_samples_ignored += ignored
+        ignored = len(keys) - len(idx)
         ii = np.fromiter(idx, dtype=np.int64, count=len(idx))
         kept = None if ignored == 0 else np.fromiter(pos, dtype=np.int64, count=len(pos))
-        self._vector_ids[region] = (keys, ii, ignored, kept, np.ascontiguousarray(self._settle_lag_s_arr[ii]))
-        if idx:
-            self._queues.fold_many(ii, np.fromiter(vals, dtype=np.float64, count=len(vals)), now, now - self._settle_lag_s_arr[ii])
+        return ii, ignored, kept, np.ascontiguousarray(self._settle_lag_s_arr[ii])
+
+    def vector_map(self, region: str, ids: Sequence[str]) -> tuple[list[int], list[int] | None, list[float]]:
+        """``(indices, positions, lags)``: how a queue vector of ``region`` with worker ids
+        ``ids`` (in that order) folds here: the samples at ``positions`` (None: all, in order)
+        go to this edge's ``indices`` with those settle lags, as :meth:`on_broadcast` folds
+        them. For a driver in one process that delivers broadcasts itself (the simulator's
+        engine). Ids of workers not in ``region`` (which a broadcast would ignore and count)
+        are refused: a region broadcasts its own workers."""
+        if region == self._region:
+            raise InvalidArgumentError(f"vector_map of {region!r}: this edge's own region (its estimates are read live)")
+        ii, ignored, kept, lag = self._vector_layout(region, tuple(ids))
+        if ignored:
+            raise InvalidArgumentError(f"vector_map of {region!r}: {ignored} of its {len(ids)} ids are not workers of {region!r} at this edge")
+        return ii.tolist(), None if kept is None else kept.tolist(), lag.tolist()
 
     @property
     def local_ids(self) -> tuple[str, ...]:

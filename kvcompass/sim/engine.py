@@ -387,7 +387,15 @@ class Simulator:
             self._engine.set_closed_loop(config.closed_loop)
         self._run_rng = _RunRng(self._engine)
         self._engine_holds_caches = True
-        self._inbox: dict[str, list[tuple[float, int, int, str, tuple[str, ...], npt.NDArray[np.float64]]]] = {r: [] for r in self.plane.edges}
+        # Queue-vector broadcasts between edges travel in the engine (see _settle): where each
+        # source's vector lands at each destination, resolved once.
+        edges = self._live_edges
+        self._edge_number = {e.region: k for k, e in enumerate(edges)}
+        self._engine.set_broadcast_edges(
+            [self._region_index[e.region] for e in edges],
+            [e.live_sink()[0] for e in edges],
+            [[None if d is e else d.vector_map(e.region, e.local_ids) for e in edges] for d in edges],
+        )
         native = getattr(self._scheme, "engine_policy", None)
         if native is not None:
             # Content-keyed baselines key a salted prompt with its salt as schemes._h64 does.
@@ -423,23 +431,15 @@ class Simulator:
         processed (or before ``bound``), in (time, seq) order.
 
         Broadcasts are not engine events: most arrive at an edge nobody reads before the next
-        one (8 edges x 7 regions every 100 ms), so each is filed under the sequence key its
+        one (8 edges x 7 regions every 100 ms), so each is filed (in the engine:
+        ``SimEngine.post_broadcast``, ``settle_broadcasts``) under the sequence key its
         delivery event would have had and applied when something next reads or folds a remote
         worker's estimate at that edge (:meth:`edge_for`, which routes; a response, which folds
         its vector). A broadcast touches only remote workers' estimates, and the accesses that
         skip this (live readings, piggybacked and broadcast vectors sent, migrations, patches)
         only own-region workers or views, so the edge is in exactly the state the
         event-per-broadcast clock gave it wherever a decision reads it."""
-        box = self._inbox.get(edge.region)
-        if not box:
-            return
-        cur = self._eng().current() if bound is None else bound
-        due = []
-        while box and box[0][:3] < cur:
-            t, _, _, source, ids, vals = heapq.heappop(box)
-            due.append((source, ids, vals, t / 1e3))
-        if due:
-            edge.on_broadcasts_values(due)
+        self._eng().settle_broadcasts(self._edge_number[edge.region], bound)
 
     def _settle_all(self, bound: tuple[float, int, int] | None = None) -> None:
         for edge in self.plane.edges.values():
@@ -737,19 +737,13 @@ class Simulator:
         # An edge's next broadcast time moves only when it broadcasts, so the earliest of them
         # (kept here) skips the scan on the nine ticks in ten that precede it.
         if t_s + 1e-9 >= self._next_broadcast_s:  # the schedule's own float slack
-            ri = self._region_index
+            num = self._edge_number
             for edge in self._live_edges:
                 if t_s + 1e-9 < edge.next_broadcast_s:
                     continue
                 targets = edge.broadcast_targets_due(t_s)
                 if targets:
-                    src = edge.region
-                    ids, vals = edge.local_ids, edge.local_values()
-                    for r in targets:
-                        if r in self._inbox:
-                            t = now + engine.way(ri[src], ri[r])
-                            seq, sub = engine.reserve_key()
-                            heapq.heappush(self._inbox[r], (t, seq, sub, src, ids, vals))
+                    engine.post_broadcast(num[edge.region], [num[r] for r in targets if r in num], edge.local_values())
             self._next_broadcast_s = min((e.next_broadcast_s for e in self._live_edges), default=math.inf)
         if engine.completed < len(self._requests):
             engine.at(now + cfg.patch_interval_ms, self._tick)

@@ -47,6 +47,12 @@ impl PyQueueEstimates {
         Ok(())
     }
 
+    /// `fold_lagged` of one vector with this estimator's own weight.
+    pub(crate) fn fold_lagged_slice(&mut self, indices: &[i64], samples: &[f64], now: f64, lag_s: &[f64]) -> PyResult<()> {
+        let w = self.q.weight;
+        self.fold_vec(indices, samples, now, w, Before::Lag(lag_s), Some(lag_s.len()))
+    }
+
     fn one(&mut self, index: i64, tq_ms: f64, now: f64, settled_before: Option<f64>, weight: f64) -> PyResult<f64> {
         let u = self.at(index)?;
         let x = sample(tq_ms)?;

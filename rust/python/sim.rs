@@ -29,6 +29,63 @@ pub struct PySimEngine {
     next_handle: u64,
     running: bool,
     live: Option<LiveSinks>,
+    inbox: Option<Inbox>,
+}
+
+/// Queue-vector broadcasts in flight between edges (`set_broadcast_edges`), filed under the key
+/// their delivery event would have had and folded when the destination edge is next read
+/// (`settle_broadcasts`): see `Simulator._settle` for why that is exact.
+struct Inbox {
+    /// Per edge (by number): its region, its queue estimates, and per source edge the layout
+    /// of that source's vectors here (None: never sent here).
+    region: Vec<u16>,
+    sinks: Vec<Py<PyQueueEstimates>>,
+    maps: Vec<Vec<Option<VectorMap>>>,
+    heaps: Vec<std::collections::BinaryHeap<std::cmp::Reverse<Post>>>,
+}
+
+/// How a source edge's vector lands at a destination: the destination's indices of the kept
+/// samples, their positions in the vector (None: all, in order), their settle lags (s).
+struct VectorMap {
+    ix: Vec<i64>,
+    pos: Option<Vec<usize>>,
+    lag: Vec<f64>,
+}
+
+struct Post {
+    t: f64,
+    seq: u64,
+    sub: u32,
+    src: u32,
+    vals: std::sync::Arc<Vec<f64>>,
+}
+
+impl Post {
+    fn key(&self) -> (f64, u64, u32) {
+        (self.t, self.seq, self.sub)
+    }
+}
+
+impl PartialEq for Post {
+    fn eq(&self, o: &Self) -> bool {
+        self.cmp(o) == std::cmp::Ordering::Equal
+    }
+}
+impl Eq for Post {}
+impl PartialOrd for Post {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Post {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        self.t.total_cmp(&o.t).then(self.seq.cmp(&o.seq)).then(self.sub.cmp(&o.sub))
+    }
+}
+
+/// `a < b` for (time, seq, sub) keys, as Python compares the tuples.
+fn key_before(a: (f64, u64, u32), b: (f64, u64, u32)) -> bool {
+    a.0 < b.0 || (a.0 == b.0 && (a.1, a.2) < (b.1, b.2))
 }
 
 /// Where the tick's live queue poll writes (`set_live_sinks`): each worker's sink (-1: its
@@ -282,6 +339,7 @@ impl PySimEngine {
             next_handle: 0,
             running: false,
             live: None,
+            inbox: None,
         })
     }
 
@@ -677,6 +735,96 @@ impl PySimEngine {
             }
         }
         Ok(busy.len())
+    }
+
+    /// The edges that broadcast queue vectors to each other: each one's region, queue
+    /// estimates, and per source edge `(indices, positions or None, lags)` of that source's
+    /// vectors here (`Edge.vector_map`; None where the source never sends here).
+    #[allow(clippy::type_complexity)]
+    fn set_broadcast_edges(&mut self, regions: Vec<u16>, sinks: Vec<Py<PyQueueEstimates>>, maps: Vec<Vec<Option<(Vec<i64>, Option<Vec<usize>>, Vec<f64>)>>>) -> PyResult<()> {
+        let n = regions.len();
+        if sinks.len() != n || maps.len() != n || maps.iter().any(|m| m.len() != n) {
+            return Err(bad(format!("set_broadcast_edges: {n} regions, {} sinks, {} map rows: need one each and a row of {n} per edge", sinks.len(), maps.len())));
+        }
+        if let Some(&r) = regions.iter().find(|&&r| r as usize >= self.inner.regions()) {
+            return Err(bad(format!("set_broadcast_edges: region {r} out of range")));
+        }
+        let maps: Vec<Vec<Option<VectorMap>>> = maps
+            .into_iter()
+            .map(|row| {
+                row.into_iter()
+                    .map(|m| {
+                        m.map(|(ix, pos, lag)| {
+                            if ix.len() != lag.len() || pos.as_ref().is_some_and(|p| p.len() != ix.len()) {
+                                return Err(bad(format!("set_broadcast_edges: {} indices, {} lags and {:?} positions differ in length", ix.len(), lag.len(), pos.as_ref().map(Vec::len))));
+                            }
+                            Ok(VectorMap { ix, pos, lag })
+                        })
+                        .transpose()
+                    })
+                    .collect::<PyResult<Vec<_>>>()
+            })
+            .collect::<PyResult<_>>()?;
+        self.inbox = Some(Inbox { region: regions, sinks, maps, heaps: (0..n).map(|_| Default::default()).collect() });
+        Ok(())
+    }
+
+    /// Edge `src` broadcasts `values` (its own workers' estimates) now to each edge of
+    /// `targets`, in that order: each copy takes one WAN way (a draw when the run jitters) and
+    /// the sequence key of an event scheduled now.
+    fn post_broadcast(&mut self, src: usize, targets: Vec<usize>, values: numpy::PyReadonlyArray1<'_, f64>) -> PyResult<()> {
+        let now = self.inner.now();
+        let inbox = self.inbox.as_mut().ok_or_else(|| bad("post_broadcast before set_broadcast_edges".into()))?;
+        let n = inbox.region.len();
+        if src >= n {
+            return Err(bad(format!("post_broadcast: edge {src} out of 0..{n}")));
+        }
+        let vals = std::sync::Arc::new(values.as_slice()?.to_vec());
+        for &d in &targets {
+            let map = inbox.maps.get(d).and_then(|row| row[src].as_ref());
+            let Some(map) = map else {
+                return Err(bad(format!("post_broadcast: edge {src} does not send to edge {d}")));
+            };
+            let need = map.pos.as_ref().map_or(map.ix.len(), |p| p.iter().max().map_or(0, |m| m + 1));
+            if vals.len() < need || (map.pos.is_none() && vals.len() != map.ix.len()) {
+                return Err(bad(format!("post_broadcast: {} values, the vector of edge {src} has {}", vals.len(), map.ix.len())));
+            }
+        }
+        for d in targets {
+            let (a, b) = (inbox.region[src], inbox.region[d]);
+            let t = now + self.inner.way(a, b);
+            let (seq, sub) = self.inner.reserve_key();
+            inbox.heaps[d].push(std::cmp::Reverse(Post { t, seq, sub, src: src as u32, vals: vals.clone() }));
+        }
+        Ok(())
+    }
+
+    /// Fold into edge `dst`'s estimates, in (time, seq, sub) order, every broadcast to it that
+    /// sorts before `bound` (default: the event being processed). Returns how many.
+    #[pyo3(signature = (dst, bound=None))]
+    fn settle_broadcasts(&mut self, py: Python<'_>, dst: usize, bound: Option<(f64, u64, u32)>) -> PyResult<usize> {
+        let cur = bound.unwrap_or_else(|| self.inner.current());
+        let inbox = self.inbox.as_mut().ok_or_else(|| bad("settle_broadcasts before set_broadcast_edges".into()))?;
+        let heap = inbox.heaps.get_mut(dst).ok_or_else(|| bad(format!("settle_broadcasts: edge {dst} out of range")))?;
+        let mut n = 0;
+        let mut sink: Option<PyRefMut<'_, PyQueueEstimates>> = None;
+        let mut picked = Vec::new();
+        while heap.peek().is_some_and(|p| key_before(p.0.key(), cur)) {
+            let std::cmp::Reverse(p) = heap.pop().expect("peeked");
+            let map = inbox.maps[dst][p.src as usize].as_ref().expect("checked when posted");
+            let s = sink.get_or_insert_with(|| inbox.sinks[dst].bind(py).borrow_mut());
+            let samples: &[f64] = match &map.pos {
+                None => &p.vals,
+                Some(pos) => {
+                    picked.clear();
+                    picked.extend(pos.iter().map(|&j| p.vals[j]));
+                    &picked
+                }
+            };
+            s.fold_lagged_slice(&map.ix, samples, p.t / 1e3, &map.lag)?;
+            n += 1;
+        }
+        Ok(n)
     }
 
     /// `(workers, queued_ms)` of the workers running a prefill whose edge reads their queue,
