@@ -161,7 +161,22 @@ impl PySimEngine {
                     r?;
                 }
                 Out::Queue { worker, queued_ms } => {
-                    d.queue.call1((worker, queued_ms))?;
+                    // A worker an edge reads live: straight into that edge's estimates, as
+                    // `Edge.set_local_queue` would (`set_live_sinks`); otherwise the driver.
+                    let direct = {
+                        let s = slf.borrow();
+                        let now_s = s.inner.now() / 1e3;
+                        s.live.as_ref().and_then(|l| {
+                            let (k, i) = l.of[worker as usize];
+                            (k >= 0).then(|| (l.sinks[k as usize].0.clone_ref(py), i, now_s, now_s - l.sinks[k as usize].1[i as usize]))
+                        })
+                    };
+                    match direct {
+                        Some((sink, i, now_s, before)) => sink.bind(py).borrow_mut().fold_vec(&[i], &[queued_ms], now_s, 1.0, crate::queues::Before::At(&[before]), Some(1))?,
+                        None => {
+                            d.queue.call1((worker, queued_ms))?;
+                        }
+                    }
                 }
                 Out::Progress { done } => {
                     if let Some(p) = &d.progress {
@@ -691,7 +706,8 @@ impl PySimEngine {
             .map_err(core_err)
     }
 
-    /// Where `poll_live` writes: `sink_of[w]` the sink of worker `w` (-1: no edge reads it),
+    /// Where `poll_live` and the engine's queue readings (instead of the driver's `queue`)
+    /// write: `sink_of[w]` the sink of worker `w` (-1: no edge reads it),
     /// `index_of[w]` its index at that sink's edge; each sink `(queue_estimates, settle_lag_s)`,
     /// an edge's estimates and the settle lag of each of its workers (`Edge.live_sink`).
     fn set_live_sinks(&mut self, sink_of: Vec<i64>, index_of: Vec<i64>, sinks: Vec<(Py<PyQueueEstimates>, Vec<f64>)>) -> PyResult<()> {
