@@ -507,8 +507,10 @@ class Router:
         gamma: float = 0.005,
         lam: float = 0.0,
         closure: bool = True,
+        only_region: int | None = None,
     ) -> RouteResult:
-        """score(w) = wan + tq + (1+lam)*beta*(L - b*m) + gamma*b*m*[tier == DRAM]; argmin wins."""
+        """score(w) = wan + tq + (1+lam)*beta*(L - b*m) + gamma*b*m*[tier == DRAM]; argmin wins.
+        ``only_region``: read that region's plan and tables only; every other worker scores inf."""
     @property
     def n_tables(self) -> int: ...
     @property

@@ -175,14 +175,40 @@ pub fn route_with<V: TierLookup>(
     workers: &WorkerArrays<'_>,
     params: &ScoreParams,
 ) -> Result<RouteWinner> {
+    route_within(scratch, ns, tokens, plan, tables, workers, params, None)
+}
+
+/// [`route_with`] restricted to one region when `only` names it: only its plan's lengths are
+/// hashed and only its tables read, so every other worker matches nothing and scores
+/// infinity. Its own workers get exactly the matches, tiers and scores the full route gives
+/// them (a worker's claims live in its region's tables only): what an edge re-placing a
+/// request among its own workers reads (the hand-off).
+#[allow(clippy::too_many_arguments)]
+pub fn route_within<V: TierLookup>(
+    scratch: &mut RouteScratch,
+    ns: &[u8; 32],
+    tokens: &[u32],
+    plan: &[Vec<u32>],
+    tables: &[RouteTable<'_, V>],
+    workers: &WorkerArrays<'_>,
+    params: &ScoreParams,
+    only: Option<u32>,
+) -> Result<RouteWinner> {
     let w_count = validate(plan, tables, workers, params)?;
+    if let Some(r) = only {
+        if r as usize >= plan.len() {
+            return Err(CoreError::InvalidArgument(format!("route within region {r}: the plan covers {} regions", plan.len())));
+        }
+    }
     let prompt_len = tokens.len();
 
     // Every region's lengths share one hash pass: the longest fitting length costs the same
     // SHA-256 work whether we hash one plan or all of them.
     scratch.lengths.clear();
-    for p in plan {
-        scratch.lengths.extend_from_slice(fitting(p, prompt_len));
+    for (r, p) in plan.iter().enumerate() {
+        if only.is_none_or(|o| o as usize == r) {
+            scratch.lengths.extend_from_slice(fitting(p, prompt_len));
+        }
     }
     scratch.lengths.sort_unstable();
     scratch.lengths.dedup();
@@ -202,7 +228,7 @@ pub fn route_with<V: TierLookup>(
         tiers,
         scores,
     } = scratch;
-    for t in tables {
+    for t in tables.iter().filter(|t| only.is_none_or(|o| o == t.region)) {
         probe_table(
             t,
             plan,
@@ -222,16 +248,24 @@ pub fn route_with<V: TierLookup>(
         score: f64::INFINITY,
     };
     for w in 0..w_count {
-        let s = worker_score(
-            prompt_len,
-            matches[w],
-            tiers[w],
-            workers.beta[w],
-            workers.wan[w],
-            workers.tq[w],
-            workers.belief[w],
-            params,
-        );
+        let s = if only.is_some_and(|o| o != workers.region[w]) {
+            // A layout keeps a worker's claims in its own region's tables; should one list it
+            // elsewhere, it still matches nothing here.
+            matches[w] = 0;
+            tiers[w] = TIER_ABSENT;
+            f64::INFINITY
+        } else {
+            worker_score(
+                prompt_len,
+                matches[w],
+                tiers[w],
+                workers.beta[w],
+                workers.wan[w],
+                workers.tq[w],
+                workers.belief[w],
+                params,
+            )
+        };
         scores.push(s);
         // Strict `<` keeps the lowest index on ties; `w == 0` seeds it even if every score
         // overflowed to infinity.
@@ -1241,6 +1275,44 @@ mod tests {
                 prop_assert_eq!(&r.scores, &scores);
                 prop_assert_eq!(r.winner, win);
                 prop_assert_eq!(r.score, scores[win]);
+                // Within one region: everyone else matches nothing and scores inf; when each
+                // worker's claims are in its own region's tables only (as a layout keeps
+                // them: the region of the tables listing it), its workers exactly as above;
+                // the keys of its lengths as the full route hashed them.
+                let mut full = RouteScratch::new();
+                route_with(&mut full, &ns(), &case.tokens, &case.plan, &views, &ws, &p).unwrap();
+                let mut home: Vec<Option<u32>> = vec![None; case.region.len()];
+                let mut consistent = true;
+                for (r, fields, _, _) in &case.tables {
+                    for &w in fields {
+                        consistent &= *home[w as usize].get_or_insert(*r) == *r;
+                    }
+                }
+                let region2: Vec<u32> = home.iter().zip(&case.region).map(|(h, &r)| h.unwrap_or(r)).collect();
+                let ws2 = WorkerArrays { region: &region2, ..ws };
+                for reg in 0..case.plan.len() as u32 {
+                    let mut s = RouteScratch::new();
+                    let w1 = route_within(&mut s, &ns(), &case.tokens, &case.plan, &views, &ws2, &p, Some(reg)).unwrap();
+                    for w in 0..case.region.len() {
+                        if region2[w] == reg {
+                            if !consistent {
+                                continue;
+                            }
+                            prop_assert_eq!((s.matches()[w], s.tiers()[w]), (m[w], tier[w]));
+                            prop_assert_eq!(s.scores()[w].to_bits(), scores[w].to_bits());
+                        } else {
+                            prop_assert_eq!((s.matches()[w], s.tiers()[w], s.scores()[w]), (0, TIER_ABSENT, f64::INFINITY));
+                        }
+                    }
+                    prop_assert!(s.scores()[w1.winner] <= s.scores().iter().copied().fold(f64::INFINITY, f64::min));
+                    for (c, k) in s.lengths().iter().zip(s.keys()) {
+                        let i = full.lengths().binary_search(c).unwrap();
+                        prop_assert_eq!(*k, full.keys()[i]);
+                    }
+                    let mine = fitting(&case.plan[reg as usize], case.tokens.len());
+                    prop_assert_eq!(s.lengths(), mine);
+                }
+                prop_assert!(route_within(&mut full, &ns(), &case.tokens, &case.plan, &views, &ws, &p, Some(case.plan.len() as u32)).is_err());
                 for t in &tbls {
                     for (s, shard) in t.shards.iter().enumerate() {
                         let n = t.shards.len() as u64;

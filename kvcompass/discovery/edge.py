@@ -639,10 +639,11 @@ class Edge:
         return self._lam
 
     def _score(
-        self, tokens: npt.NDArray[np.uint32] | Sequence[int], namespace: Namespace | bytes, now: float
+        self, tokens: npt.NDArray[np.uint32] | Sequence[int], namespace: Namespace | bytes, now: float, own_region: bool = False
     ) -> tuple[npt.NDArray[np.uint32], bytes, npt.NDArray[np.float64], float, npt.NDArray[np.float64], _core.RouteResult]:
         """Every worker's joint score for the prompt as of ``now`` (expired speculative entries
-        and dispatch charges dropped first), with the inputs the score used."""
+        and dispatch charges dropped first), with the inputs the score used. ``own_region``:
+        only this region's workers are scored (the others get inf), reading only its tables."""
         p = self._params
         self._expire(now)
         toks = as_tokens(tokens)
@@ -655,7 +656,7 @@ class Edge:
             belief = self._belief.values
         else:
             belief = self._ones
-        res = self._router.route(toks, ns, self._region_idx, self._beta, self._wan, tq, belief, gamma=self._gamma, lam=lam, closure=p.closure)
+        res = self._router.route(toks, ns, self._region_idx, self._beta, self._wan, tq, belief, gamma=self._gamma, lam=lam, closure=p.closure, only_region=0 if own_region else None)
         return toks, ns, tq, lam, belief, res
 
     def route(self, tokens: npt.NDArray[np.uint32] | Sequence[int], namespace: Namespace | bytes, now: float, exclude: Collection[str] = ()) -> Decision:
@@ -718,7 +719,8 @@ class Edge:
         if not self._local_l[i]:
             raise InvalidArgumentError(f"handoff of {worker!r}: a worker of region {self._worker_region[i]!r}, not of this edge's region {self._region!r}")
         p = self._params
-        toks, ns, tq, lam, belief, res = self._score(tokens, namespace, now)
+        # Only own-region workers may take it: their tables alone are read (region 0 is ours).
+        toks, ns, tq, lam, belief, res = self._score(tokens, namespace, now, own_region=True)
         w = i
         scores = res.scores + self._nonlocal_inf
         if exclude:

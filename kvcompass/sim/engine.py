@@ -304,6 +304,7 @@ class Simulator:
         self._by_index = list(self._workers.values())
         self._index = {w: x.index for w, x in self._workers.items()}
         regions = topology.region_names
+        self._region_names = regions
         self._region_index = {r: i for i, r in enumerate(regions)}
         edge_regions = plan.edge_regions
         self._edge_of = {r: min(edge_regions, key=lambda e: (e != r, plan.rtt_ms(r, e))) for r in topology.region_names} if edge_regions else {}
@@ -665,7 +666,7 @@ class Simulator:
     def _respond(self, worker: int, edge_region: int, claimed: int, reused: int, t: float, vector: npt.NDArray[np.float64] | None) -> None:
         """The first chunk back at the edge: reuse report and, from another region, a queue vector."""
         w = self._by_index[worker]
-        er = self.topology.region_names[edge_region]
+        er = self._region_names[edge_region]
         edge = self.plane.edges[er]
         region = w.spec.region
         vec: dict[str, float] | None = None

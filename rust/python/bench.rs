@@ -116,7 +116,7 @@ fn bench_route_ns<'py>(py: Python<'py>, router: PyRef<'py, PyRouter>, tokens: &B
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
             let a = Instant::now();
-            black_box(r.run(&ns, black_box(&tokens), &w, &params, &mut scratch)?);
+            black_box(r.run(&ns, black_box(&tokens), &w, &params, &mut scratch, None)?);
             out.push(a.elapsed().as_nanos() as f64);
         }
         Ok::<_, PyErr>(out)

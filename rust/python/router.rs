@@ -12,7 +12,7 @@ use super::arrays::{f64_vec, ns_bytes, u32_vec};
 use super::errors::core_err;
 use super::index::PyLudoView;
 use crate::ludo::view::LudoView;
-use crate::score::{route_with, RouteScratch, RouteTable, ScoreParams, WorkerArrays};
+use crate::score::{route_within, RouteScratch, RouteTable, ScoreParams, WorkerArrays};
 
 struct TableSpec {
     region: u32,
@@ -86,7 +86,7 @@ impl PyRouteResult {
 }
 
 impl PyRouter {
-    pub(crate) fn run(&self, ns: &[u8; 32], tokens: &[u32], w: &Workers, params: &ScoreParams, scratch: &mut RouteScratch) -> PyResult<crate::score::RouteWinner> {
+    pub(crate) fn run(&self, ns: &[u8; 32], tokens: &[u32], w: &Workers, params: &ScoreParams, scratch: &mut RouteScratch, only: Option<u32>) -> PyResult<crate::score::RouteWinner> {
         let mut guards = Vec::with_capacity(self.views.len());
         for v in &self.views {
             guards.push(v.read().map_err(|_| PyRuntimeError::new_err("view lock poisoned"))?);
@@ -94,7 +94,7 @@ impl PyRouter {
         let refs: Vec<&LudoView> = guards.iter().map(|g| &**g).collect();
         let tables: Vec<RouteTable<'_, &LudoView>> = self.tables.iter().map(|t| RouteTable { region: t.region, workers: &t.workers, shards: &refs[t.shards.clone()] }).collect();
         let wa = WorkerArrays { region: &w.region, beta: &w.beta, wan: &w.wan, tq: &w.tq, belief: &w.belief };
-        route_with(scratch, ns, tokens, &self.plan, &tables, &wa, params).map_err(core_err)
+        route_within(scratch, ns, tokens, &self.plan, &tables, &wa, params, only).map_err(core_err)
     }
 }
 
@@ -129,10 +129,12 @@ impl PyRouter {
     }
 
     /// Route one prompt: hash every plan length once, read every table, apply the closure
-    /// check, score every worker. GIL released for the whole loop.
-    #[pyo3(signature = (tokens, namespace, region, beta, wan, tq, belief, gamma=0.005, lam=0.0, closure=true))]
+    /// check, score every worker. GIL released for the whole loop. With `only_region` only
+    /// that region's plan and tables are read and every other worker scores infinity (its own
+    /// workers' figures are the full route's).
+    #[pyo3(signature = (tokens, namespace, region, beta, wan, tq, belief, gamma=0.005, lam=0.0, closure=true, only_region=None))]
     #[allow(clippy::too_many_arguments)]
-    fn route(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>, namespace: &Bound<'_, PyAny>, region: &Bound<'_, PyAny>, beta: &Bound<'_, PyAny>, wan: &Bound<'_, PyAny>, tq: &Bound<'_, PyAny>, belief: &Bound<'_, PyAny>, gamma: f64, lam: f64, closure: bool) -> PyResult<PyRouteResult> {
+    fn route(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>, namespace: &Bound<'_, PyAny>, region: &Bound<'_, PyAny>, beta: &Bound<'_, PyAny>, wan: &Bound<'_, PyAny>, tq: &Bound<'_, PyAny>, belief: &Bound<'_, PyAny>, gamma: f64, lam: f64, closure: bool, only_region: Option<u32>) -> PyResult<PyRouteResult> {
         let ns = ns_bytes(namespace)?;
         let tokens = u32_vec("tokens", tokens)?;
         let w = Workers { region: u32_vec("region", region)?, beta: f64_vec("beta", beta)?, wan: f64_vec("wan", wan)?, tq: f64_vec("tq", tq)?, belief: f64_vec("belief", belief)? };
@@ -149,7 +151,7 @@ impl PyRouter {
                     &mut fresh
                 }
             };
-            let win = self.run(&ns, &tokens, &w, &params, scratch)?;
+            let win = self.run(&ns, &tokens, &w, &params, scratch, only_region)?;
             Ok::<_, PyErr>((win, scratch.matches().to_vec(), scratch.tiers().to_vec(), scratch.scores().to_vec(), scratch.lengths().to_vec(), scratch.keys().to_vec()))
         })?;
         Ok(PyRouteResult { winner: win.winner, score: win.score, matches: m.into_pyarray(py).unbind(), tiers: t.into_pyarray(py).unbind(), scores: s.into_pyarray(py).unbind(), lengths, keys })
