@@ -37,12 +37,19 @@ pub const MAX_TABLE_WORKERS: usize = 32;
 /// for absent).
 pub trait TierLookup {
     fn lookup(&self, key: u64) -> u64;
+    /// Start the memory reads a later `lookup(key)` will make (a hint; no effect on results).
+    #[inline]
+    fn prefetch(&self, _key: u64) {}
 }
 
 impl<T: TierLookup + ?Sized> TierLookup for &T {
     #[inline]
     fn lookup(&self, key: u64) -> u64 {
         (**self).lookup(key)
+    }
+    #[inline]
+    fn prefetch(&self, key: u64) {
+        (**self).prefetch(key)
     }
 }
 
@@ -228,6 +235,11 @@ pub fn route_within<V: TierLookup>(
         tiers,
         scores,
     } = scratch;
+    // Each table's first probe is a cache miss on a table of megabytes: start them all
+    // before reading any, so they overlap instead of queueing one table after another.
+    for t in tables.iter().filter(|t| only.is_none_or(|o| o == t.region)) {
+        warm_table(t, plan, prompt_len, lengths, keys, params.closure);
+    }
     for t in tables.iter().filter(|t| only.is_none_or(|o| o == t.region)) {
         probe_table(
             t,
@@ -339,6 +351,34 @@ fn record(matches: &mut [u32], tiers: &mut [u8], w: usize, c: u32, tier: u8) {
 }
 
 #[allow(clippy::too_many_arguments)]
+/// Prefetch the slot `probe_table` reads first for `t`: its shortest (closure) or longest
+/// fitting length.
+fn warm_table<V: TierLookup>(t: &RouteTable<'_, V>, plan: &[Vec<u32>], prompt_len: usize, lengths: &[u32], keys: &[u64], closure: bool) {
+    if t.workers.is_empty() {
+        return;
+    }
+    let Some(p) = plan.get(t.region as usize) else { return };
+    let fit = fitting(p, prompt_len);
+    let c = if closure { fit.first() } else { fit.last() };
+    if let Some(&c) = c {
+        prefetch_probe(t, lengths, keys, c);
+    }
+}
+
+#[inline]
+fn prefetch_probe<V: TierLookup>(t: &RouteTable<'_, V>, lengths: &[u32], keys: &[u64], c: u32) {
+    let Ok(n) = u32::try_from(t.shards.len()) else { return };
+    if let Ok(i) = lengths.binary_search(&c) {
+        if let Some(&key) = keys.get(i) {
+            if key != NO_KEY {
+                if let Some(s) = t.shards.get(shard_of(key, n) as usize) {
+                    s.prefetch(key);
+                }
+            }
+        }
+    }
+}
+
 fn probe_table<V: TierLookup>(
     t: &RouteTable<'_, V>,
     plan: &[Vec<u32>],
@@ -385,7 +425,11 @@ fn probe_table<V: TierLookup>(
         // A hit at c_j only counts if every shorter planned prefix is also held, so walk up
         // and drop workers at their first miss; once none is left the rest cannot matter.
         let mut alive = all;
-        for &c in fit {
+        for (j, &c) in fit.iter().enumerate() {
+            // The next level's read starts while this one is decided (wasted if none is left).
+            if let Some(&next) = fit.get(j + 1) {
+                prefetch_probe(t, lengths, keys, next);
+            }
             let v = probe(c);
             let mut bits = alive;
             while bits != 0 {

@@ -747,6 +747,10 @@ impl crate::score::TierLookup for LudoView {
     fn lookup(&self, key: u64) -> u64 {
         LudoView::lookup(self, key)
     }
+    #[inline]
+    fn prefetch(&self, key: u64) {
+        self.prefetch_key(key)
+    }
 }
 
 #[cfg(test)]
