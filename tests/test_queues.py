@@ -358,55 +358,9 @@ def test_edge_repeated_vectors_fold_as_the_first_did() -> None:
         assert fast.queue_estimate("b0") == before and fast.queue_age("b0", 9.0) == 6.0
 
 
-def test_many_vectors_fold_as_one_at_a_time() -> None:
-    """``on_broadcasts_values`` (every broadcast due at an edge, the simulator's lazy delivery)
-    leaves an edge exactly as ``on_broadcast_values`` of each in order: regions seen for the
-    first time mid-list, the own region, ignored ids, and a bad vector that raises after the
-    ones before it were folded and leaves its own samples and the later ones unapplied."""
-    many, one = make_edge(), make_edge()
-    ids_b, ids_c = ("b0", "zz", "b1"), ("c0",)
-    items = [
-        ("B", ids_b, np.array([80.0, 3.0, 10.0]), 0.1),
-        ("B", ids_b, np.array([40.0, 1.0, 30.0]), 0.2),
-        ("C", ids_c, np.array([7.0]), 0.25),  # C's ids resolved here, mid-list
-        ("A", ("a0",), np.array([999.0]), 0.3),  # own region: ignored
-        ("B", ids_b, np.array([5.0, 0.0, 7.0]), 0.4),
-        ("C", ids_c, np.array([9.0]), 0.5),
-    ]
-    many.on_broadcasts_values(items)
-    for it in items:
-        one.on_broadcast_values(*it)
-
-    def state(e: Edge) -> list[tuple[float, float]]:
-        return [(e.queue_estimate(w), e.queue_age(w, 9.0)) for w in ("a0", "b0", "b1", "c0")]
-
-    assert state(many) == state(one)
-    assert many.stats.queue_samples_ignored == one.stats.queue_samples_ignored == 3
-    bad = [("C", ids_c, np.array([1.0]), 1.0), ("B", ids_b, np.array([1.0, 1.0, -5.0]), 1.1), ("C", ids_c, np.array([2.0]), 1.2)]
-    with pytest.raises(InvalidArgumentError, match="b1"):
-        many.on_broadcasts_values(bad)
-    one.on_broadcast_values(*bad[0])
-    assert state(many) == state(one)  # the first folded, the bad one and the one after not
-
-
-def test_vectors_as_arrays_fold_as_dicts_do() -> None:
-    """``on_broadcast_values`` (ids and an array, the simulator's form) leaves an edge exactly as
-    ``on_broadcast`` of the same dict does: estimates, ages, ignored ids, refusals, own region."""
-    arrays, dicts = make_edge(), make_edge()
-    ids = ("b0", "zz", "b1")
-    for k, vals in enumerate(([80.0, 3.0, 10.0], [40.0, 1.0, 30.0], [5.0, 0.0, 7.0])):
-        v = np.array(vals)
-        arrays.on_broadcast_values("B", ids, v, float(k))
-        dicts.on_broadcast("B", dict(zip(ids, vals)), float(k))
-        for w in ("b0", "b1"):
-            assert arrays.queue_estimate(w) == dicts.queue_estimate(w) and arrays.queue_age(w, 9.0) == dicts.queue_age(w, 9.0)
-    assert arrays.stats.queue_samples_ignored == dicts.stats.queue_samples_ignored == 3
-    before = arrays.queue_estimate("b0")
-    with pytest.raises(InvalidArgumentError):
-        arrays.on_broadcast_values("B", ids, np.array([1.0, 1.0, -5.0]), 4.0)
-    assert arrays.queue_estimate("b0") == before  # refused whole
-    arrays.on_broadcast_values("A", ("a0",), np.array([999.0]), 5.0)  # our own region: ignored
-    assert arrays.queue_estimate("a0") == dicts.queue_estimate("a0")
+def test_an_edge_exposes_its_own_vector_and_broadcast_targets_for_a_driver() -> None:
+    """``local_ids`` / ``local_values`` (the vector a driver sends, as arrays) and
+    ``broadcast_targets_due`` (who is due, the schedule advanced)."""
     a = make_edge()
     a.set_local_queue("a0", 20.0, 0.0)
     assert a.local_ids == ("a0", "a1") and a.local_values().tolist() == [20.0, 0.0]

@@ -909,51 +909,6 @@ class Edge:
             return
         self._fold_vector(region, vector, now)
 
-    def on_broadcast_values(self, region: str, ids: tuple[str, ...], values: npt.NDArray[np.float64], now: float) -> None:
-        """:meth:`on_broadcast` of the vector ``dict(zip(ids, values))``, given as the sending
-        edge's :attr:`local_ids` and :meth:`local_values` (a driver in one process, the
-        simulator, passes arrays instead of building a dict per broadcast)."""
-        self.on_broadcasts_values([(region, ids, values, now)])
-
-    def on_broadcasts_values(self, items: Sequence[tuple[str, tuple[str, ...], npt.NDArray[np.float64], float]]) -> None:
-        """:meth:`on_broadcast_values` for each ``(region, ids, values, now)`` of ``items``, in
-        order: the vectors of regions already resolved are folded in one call (a driver that
-        delivers broadcasts lazily, the simulator, hands over every one due at this edge)."""
-        batch: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.float64], float, npt.NDArray[np.float64]]] = []
-        held: list[tuple[str, tuple[str, ...], npt.NDArray[np.float64], float]] = []
-        ignored = 0
-        for item in items:
-            region, ids, values, now = item
-            if region == self._region:
-                continue
-            known = self._vector_ids.get(region)
-            if known is not None and (known[0] is ids or known[0] == ids):
-                ii, ign, pos, lag = known[1], known[2], known[3], known[4]
-                batch.append((ii, values if pos is None else np.ascontiguousarray(values[pos]), now, lag))
-                held.append(item)
-                ignored += ign
-                continue
-            self._fold_batch(batch, held, ignored)
-            batch, held, ignored = [], [], 0
-            self._fold_vector(region, dict(zip(ids, values.tolist())), now)
-        self._fold_batch(batch, held, ignored)
-
-    def _fold_batch(
-        self,
-        batch: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.float64], float, npt.NDArray[np.float64]]],
-        held: list[tuple[str, tuple[str, ...], npt.NDArray[np.float64], float]],
-        ignored: int,
-    ) -> None:
-        if not batch:
-            return
-        try:
-            self._queues.fold_lagged_many(batch)  # checks every vector before folding any
-        except ValueError:
-            for region, ids, values, now in held:  # one by one: the full check names the bad sample
-                self._fold_vector(region, dict(zip(ids, values.tolist())), now)
-        else:
-            self._n.queue_samples_ignored += ignored
-
     def _fold_vector(self, region: str, vector: Mapping[str, float], now: float) -> None:
         # A region sends the same worker ids in the same order every time: once a vector's ids
         # have been resolved, the next one with those ids is checked and folded as arrays.

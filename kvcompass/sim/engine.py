@@ -94,7 +94,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field

@@ -161,24 +161,6 @@ impl PyQueueEstimates {
         self.fold_vec(indices.as_slice()?, tq_ms.as_slice()?, now, w, Before::Lag(l), Some(l.len()))
     }
 
-    /// `fold_lagged` of each `(indices, tq_ms, now, lag_s)` of `items`, in order, every one
-    /// checked before any is folded (a bad item raises ValueError and changes nothing).
-    fn fold_lagged_many(&mut self, items: Vec<(PyReadonlyArray1<'_, i64>, PyReadonlyArray1<'_, f64>, f64, PyReadonlyArray1<'_, f64>)>) -> PyResult<()> {
-        let mut checked = Vec::with_capacity(items.len());
-        for (indices, tq, _, lag) in &items {
-            let (indices, samples, l) = (indices.as_slice()?, tq.as_slice()?, lag.as_slice()?);
-            if indices.len() != samples.len() || l.len() != indices.len() {
-                return Err(PyValueError::new_err(format!("{} indices, {} samples and the charge times differ in length", indices.len(), samples.len())));
-            }
-            checked.push(self.q.check(indices, samples).map_err(err)?);
-        }
-        let w = self.q.weight;
-        for (ix, (_, tq, now, lag)) in checked.iter().zip(&items) {
-            self.q.fold_checked(ix, tq.as_slice()?, *now, w, Before::Lag(lag.as_slice()?));
-        }
-        Ok(())
-    }
-
     /// How long the estimate has been at zero (0 when it is not).
     fn idle_for(&self, index: i64, now: f64) -> PyResult<f64> {
         let since = self.q.idle_since[self.at(index)?];
