@@ -116,7 +116,7 @@ fn bench(c: &mut Criterion) {
 
     let mut scratch = RouteScratch::new();
     for (name, p, t) in [("hit", &open, &prompt), ("hit_closure", &closed, &prompt), ("cold", &open, &cold)] {
-        let w = route_with(&mut scratch, &ns, t, &sc.plan, &tables, &wa, p).unwrap();
+        let w = route_with(&mut scratch, &ns, t, &sc.plan, &tables, &wa, p, None).unwrap();
         eprintln!("route {name}: winner {} score {:.1} matches {:?} tiers {:?}", w.winner, w.score, scratch.matches(), scratch.tiers());
     }
     // With 8-bit fingerprints a cold probe false-hits with p ~ 1/256 per (table, level).
@@ -128,7 +128,7 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::Bytes(bytes.len() as u64));
     for (name, p, t) in [("hit", &open, &prompt), ("hit_closure", &closed, &prompt), ("cold", &open, &cold)] {
         g.bench_function(BenchmarkId::new("route_with", name), |b| {
-            b.iter(|| route_with(&mut scratch, &ns, black_box(t), &sc.plan, &tables, &wa, p).unwrap())
+            b.iter(|| route_with(&mut scratch, &ns, black_box(t), &sc.plan, &tables, &wa, p, None).unwrap())
         });
     }
     g.bench_function("sha256_raw_16KiB", |b| b.iter(|| Sha256::digest(black_box(&bytes))));

@@ -162,7 +162,7 @@ pub fn route<V: TierLookup>(
     params: &ScoreParams,
 ) -> Result<RouteResult> {
     let mut s = RouteScratch::new();
-    let w = route_with(&mut s, ns, tokens, plan, tables, workers, params)?;
+    let w = route_with(&mut s, ns, tokens, plan, tables, workers, params, None)?;
     Ok(RouteResult {
         winner: w.winner,
         score: w.score,
@@ -173,25 +173,13 @@ pub fn route<V: TierLookup>(
 }
 
 /// [`route`] writing matches, tiers and scores into `scratch` instead of fresh vectors.
-pub fn route_with<V: TierLookup>(
-    scratch: &mut RouteScratch,
-    ns: &[u8; 32],
-    tokens: &[u32],
-    plan: &[Vec<u32>],
-    tables: &[RouteTable<'_, V>],
-    workers: &WorkerArrays<'_>,
-    params: &ScoreParams,
-) -> Result<RouteWinner> {
-    route_within(scratch, ns, tokens, plan, tables, workers, params, None)
-}
-
-/// [`route_with`] restricted to one region when `only` names it: only its plan's lengths are
-/// hashed and only its tables read, so every other worker matches nothing and scores
-/// infinity. Its own workers get exactly the matches, tiers and scores the full route gives
-/// them (a worker's claims live in its region's tables only): what an edge re-placing a
-/// request among its own workers reads (the hand-off).
+///
+/// With `only` naming a region, only its plan's lengths are hashed and only its tables read, so
+/// every other worker matches nothing and scores infinity. Its own workers get exactly the
+/// matches, tiers and scores the full route gives them (a worker's claims live in its region's
+/// tables only): what an edge re-placing a request among its own workers reads (the hand-off).
 #[allow(clippy::too_many_arguments)]
-pub fn route_within<V: TierLookup>(
+pub fn route_with<V: TierLookup>(
     scratch: &mut RouteScratch,
     ns: &[u8; 32],
     tokens: &[u32],
@@ -1001,7 +989,7 @@ mod tests {
         let p = params(0.5, 0.25, true);
         let mut s = RouteScratch::new();
         for tokens in [prompt(), prompt()[..40].to_vec(), prompt()] {
-            let w = route_with(&mut s, &ns(), &tokens, &plan1(), &views, &ws.view(), &p).unwrap();
+            let w = route_with(&mut s, &ns(), &tokens, &plan1(), &views, &ws.view(), &p, None).unwrap();
             let r = route(&ns(), &tokens, &plan1(), &views, &ws.view(), &p).unwrap();
             assert_eq!((w.winner, w.score), (r.winner, r.score));
             assert_eq!(s.matches(), r.matches.as_slice());
@@ -1324,7 +1312,7 @@ mod tests {
                 // them: the region of the tables listing it), its workers exactly as above;
                 // the keys of its lengths as the full route hashed them.
                 let mut full = RouteScratch::new();
-                route_with(&mut full, &ns(), &case.tokens, &case.plan, &views, &ws, &p).unwrap();
+                route_with(&mut full, &ns(), &case.tokens, &case.plan, &views, &ws, &p, None).unwrap();
                 let mut home: Vec<Option<u32>> = vec![None; case.region.len()];
                 let mut consistent = true;
                 for (r, fields, _, _) in &case.tables {
@@ -1336,7 +1324,7 @@ mod tests {
                 let ws2 = WorkerArrays { region: &region2, ..ws };
                 for reg in 0..case.plan.len() as u32 {
                     let mut s = RouteScratch::new();
-                    let w1 = route_within(&mut s, &ns(), &case.tokens, &case.plan, &views, &ws2, &p, Some(reg)).unwrap();
+                    let w1 = route_with(&mut s, &ns(), &case.tokens, &case.plan, &views, &ws2, &p, Some(reg)).unwrap();
                     for w in 0..case.region.len() {
                         if region2[w] == reg {
                             if !consistent {
@@ -1356,7 +1344,7 @@ mod tests {
                     let mine = fitting(&case.plan[reg as usize], case.tokens.len());
                     prop_assert_eq!(s.lengths(), mine);
                 }
-                prop_assert!(route_within(&mut full, &ns(), &case.tokens, &case.plan, &views, &ws, &p, Some(case.plan.len() as u32)).is_err());
+                prop_assert!(route_with(&mut full, &ns(), &case.tokens, &case.plan, &views, &ws, &p, Some(case.plan.len() as u32)).is_err());
                 for t in &tbls {
                     for (s, shard) in t.shards.iter().enumerate() {
                         let n = t.shards.len() as u64;

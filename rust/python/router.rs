@@ -12,7 +12,7 @@ use super::arrays::{f64_vec, ns_bytes, u32_vec};
 use super::errors::core_err;
 use super::index::PyLudoView;
 use crate::ludo::view::LudoView;
-use crate::score::{route_within, RouteScratch, RouteTable, ScoreParams, WorkerArrays};
+use crate::score::{route_with, RouteScratch, RouteTable, ScoreParams, WorkerArrays};
 
 struct TableSpec {
     region: u32,
@@ -94,7 +94,7 @@ impl PyRouter {
         let refs: Vec<&LudoView> = guards.iter().map(|g| &**g).collect();
         let tables: Vec<RouteTable<'_, &LudoView>> = self.tables.iter().map(|t| RouteTable { region: t.region, workers: &t.workers, shards: &refs[t.shards.clone()] }).collect();
         let wa = WorkerArrays { region: &w.region, beta: &w.beta, wan: &w.wan, tq: &w.tq, belief: &w.belief };
-        route_within(scratch, ns, tokens, &self.plan, &tables, &wa, params, only).map_err(core_err)
+        route_with(scratch, ns, tokens, &self.plan, &tables, &wa, params, only).map_err(core_err)
     }
 }
 
