@@ -225,6 +225,8 @@ def test_broadcasts_travel_in_the_engine_and_fold_in_arrival_order(testbed: Topo
         eng.post_broadcast(0, [0], np.zeros(len(own[regions[0]])))
     with pytest.raises(InvalidArgumentError, match="values"):
         eng.post_broadcast(0, [1], np.zeros(len(own[regions[0]]) + 1))
+    with pytest.raises(InvalidArgumentError, match="not a queue estimate"):
+        eng.post_broadcast(0, [1], np.full(len(own[regions[0]]), np.nan))
     now = eng.now
     posts = []  # (arrival, order, dst, src, values)
     for order, (src, dst, scale) in enumerate([(1, 0, 3.0), (2, 0, 5.0), (1, 0, 7.0), (0, 2, 11.0)]):

@@ -172,7 +172,7 @@ impl PySimEngine {
                         })
                     };
                     match direct {
-                        Some((sink, i, now_s, before)) => sink.bind(py).borrow_mut().fold_vec(&[i], &[queued_ms], now_s, 1.0, crate::queues::Before::At(&[before]), Some(1))?,
+                        Some((sink, i, now_s, before)) => sink.bind(py).try_borrow_mut()?.fold_vec(&[i], &[queued_ms], now_s, 1.0, crate::queues::Before::At(&[before]), Some(1))?,
                         None => {
                             d.queue.call1((worker, queued_ms))?;
                         }
@@ -747,7 +747,7 @@ impl PySimEngine {
         }
         for ((ix, qs, before), (sink, _)) in per.iter().zip(&live.sinks) {
             if !ix.is_empty() {
-                sink.borrow_mut(py).fold_vec(ix, qs, now_s, 1.0, crate::queues::Before::At(before), Some(before.len()))?;
+                sink.bind(py).try_borrow_mut()?.fold_vec(ix, qs, now_s, 1.0, crate::queues::Before::At(before), Some(before.len()))?;
             }
         }
         Ok(busy.len())
@@ -796,6 +796,9 @@ impl PySimEngine {
             return Err(bad(format!("post_broadcast: edge {src} out of 0..{n}")));
         }
         let vals = std::sync::Arc::new(values.as_slice()?.to_vec());
+        if let Some(j) = crate::queues::first_bad_sample(&vals) {
+            return Err(bad(format!("post_broadcast: value {j} = {} ms is not a queue estimate (finite, in [0, {}])", vals[j], crate::queues::MAX_QUEUE_MS)));
+        }
         for &d in &targets {
             let map = inbox.maps.get(d).and_then(|row| row[src].as_ref());
             let Some(map) = map else {
@@ -823,12 +826,14 @@ impl PySimEngine {
         let inbox = self.inbox.as_mut().ok_or_else(|| bad("settle_broadcasts before set_broadcast_edges".into()))?;
         let heap = inbox.heaps.get_mut(dst).ok_or_else(|| bad(format!("settle_broadcasts: edge {dst} out of range")))?;
         let mut n = 0;
-        let mut sink: Option<PyRefMut<'_, PyQueueEstimates>> = None;
+        if !heap.peek().is_some_and(|p| key_before(p.0.key(), cur)) {
+            return Ok(0);
+        }
+        let mut s = inbox.sinks[dst].bind(py).try_borrow_mut()?;
         let mut picked = Vec::new();
         while heap.peek().is_some_and(|p| key_before(p.0.key(), cur)) {
             let std::cmp::Reverse(p) = heap.pop().expect("peeked");
             let map = inbox.maps[dst][p.src as usize].as_ref().expect("checked when posted");
-            let s = sink.get_or_insert_with(|| inbox.sinks[dst].bind(py).borrow_mut());
             let samples: &[f64] = match &map.pos {
                 None => &p.vals,
                 Some(pos) => {
