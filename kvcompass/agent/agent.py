@@ -151,8 +151,8 @@ __all__ = ["TENANT_SALT_PREFIX", "AgentOutput", "AgentStats", "ReplayRequest", "
 
 _Frames = Sequence[bytes | bytearray | memoryview]
 
-_Removal = tuple[int, str, BlockHash]
-"""One hash of a BlockRemoved: (group, medium name, hash)."""
+_Removal = tuple[int, str, Sequence[BlockHash]]
+"""One BlockRemoved event: (group, medium name, its block hashes)."""
 
 BOOT_SHIFT = 8
 """:func:`boot_incarnation` leaves ``2**BOOT_SHIFT`` incarnations per microsecond of boot time."""
@@ -596,9 +596,9 @@ class WorkerAgent:
             if isinstance(e, BlockStored):
                 self._stored(e)
             elif isinstance(e, BlockRemoved):
-                run = self._removals(e)
+                run = [self._removal(e)]
                 while i < len(events) and isinstance(nxt := events[i], BlockRemoved):
-                    run += self._removals(nxt)
+                    run.append(self._removal(nxt))
                     i += 1
                 self._forest.removed(run)
             else:
@@ -667,6 +667,5 @@ class WorkerAgent:
         )
 
     @staticmethod
-    def _removals(e: BlockRemoved) -> list[_Removal]:
-        group, medium = e.group_idx or 0, _medium_name(e.medium)
-        return [(group, medium, h) for h in e.block_hashes]
+    def _removal(e: BlockRemoved) -> _Removal:
+        return e.group_idx or 0, _medium_name(e.medium), e.block_hashes

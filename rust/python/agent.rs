@@ -70,13 +70,16 @@ impl PyForest {
         Ok(())
     }
 
-    /// A run of removals: `(group, medium, hash)` each.
+    /// A run of removal events: `(group, medium, hashes)` each, the hashes of one event (a
+    /// sequence), taken in order as one run.
     fn removed(&mut self, run: &Bound<'_, PyList>) -> PyResult<()> {
-        let mut out: Vec<Removal> = Vec::with_capacity(run.len());
+        let mut out: Vec<Removal> = Vec::new();
         for item in run.iter() {
-            let (group, medium, h): (u32, String, Bound<'_, PyAny>) = item.extract()?;
-            let m = self.inner.medium(&medium);
-            out.push((group, m, bhash(&h)?));
+            let (group, medium, hashes): (u32, Bound<'_, pyo3::types::PyString>, Bound<'_, PyAny>) = item.extract()?;
+            let m = self.inner.medium(medium.to_str()?);
+            for h in hashes.try_iter()? {
+                out.push((group, m, bhash(&h?)?));
+            }
         }
         self.inner.removed(out);
         Ok(())
