@@ -28,6 +28,7 @@ from kvcompass.agent import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EngineBatch,
     ReplayRequest,
     WorkerAgent,
     boot_incarnation,
@@ -255,6 +256,21 @@ def test_orphan_removed_before_adoption_is_forgotten() -> None:
     assert len(a) == 0
     a.on_message(msg(2, BlockStored((1,), None, tuple(T[:4]), 4)))
     assert set(a.held()) == set(keys_of(T[:4], LENGTHS)) and a.stats.adopted == 0
+
+
+def test_removals_given_as_arrays_act_as_tuples() -> None:
+    """The simulator hands a removal's hashes over as the emulated engine's uint64 array
+    (``PrefixCache.events_from_core(token_arrays=True)``): the same run as the tuples, events
+    in a run mixed with tuple ones, a second medium and a group included."""
+    outs = []
+    for as_array in (False, True):
+        a = agent(LENGTHS)
+        a.on_batch(EngineBatch(0, 0.0, (BlockStored((1, 2, 3), None, tuple(T[:12]), 4), BlockStored((1, 2), None, tuple(T[:8]), 4, medium="CPU")), digest=b"0"))
+        hashes = np.array([3, 2], dtype=np.uint64) if as_array else (3, 2)
+        out = a.on_batch(EngineBatch(1, 1.0, (BlockRemoved(hashes), BlockRemoved((2,), medium="CPU"), BlockRemoved(np.array([9], dtype=np.uint64) if as_array else (9,), group_idx=1)), digest=b"1"))
+        outs.append(([(b.shard, b.keys.tolist(), b.tiers.tolist()) for b in out.batches], sorted(a.held().items()), a.stats.unknown_removals))
+    assert outs[0] == outs[1]
+    assert outs[0][2] == 1 and outs[0][1]  # block 9 unknown; block 1 still held
 
 
 def test_lora_blocks_and_their_descendants_are_not_indexed() -> None:

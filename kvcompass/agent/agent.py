@@ -130,6 +130,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from kvcompass import _core
 from kvcompass.agent.events import (
@@ -151,7 +152,7 @@ __all__ = ["TENANT_SALT_PREFIX", "AgentOutput", "AgentStats", "ReplayRequest", "
 
 _Frames = Sequence[bytes | bytearray | memoryview]
 
-_Removal = tuple[int, str, Sequence[BlockHash]]
+_Removal = tuple[int, str, Sequence[BlockHash] | npt.NDArray[np.uint64]]
 """One BlockRemoved event: (group, medium name, its block hashes)."""
 
 BOOT_SHIFT = 8

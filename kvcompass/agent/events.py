@@ -120,9 +120,10 @@ class BlockStored:
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """Blocks left the engine's prefix cache on ``medium`` (None: the GPU)."""
+    """Blocks left the engine's prefix cache on ``medium`` (None: the GPU). ``block_hashes``
+    may be the emulated engine's uint64 array, as in :class:`BlockStored`."""
 
-    block_hashes: tuple[BlockHash, ...]
+    block_hashes: tuple[BlockHash, ...] | npt.NDArray[np.uint64]
     medium: str | None = None
     group_idx: int | None = None
 

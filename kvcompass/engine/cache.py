@@ -306,8 +306,8 @@ class PrefixCache:
 
     def events_from_core(self, raw: list[tuple[Any, ...]], *, token_arrays: bool = False) -> list[Event]:
         """The core's raw events (``BlockCache.place_*``) as :mod:`kvcompass.agent.events` objects.
-        With ``token_arrays`` a stored event's ``token_ids`` and ``block_hashes`` stay the core's
-        uint32 and uint64 arrays (the simulator hands them straight to an agent's forest: a
+        With ``token_arrays`` a stored event's ``token_ids`` and ``block_hashes`` (and a removed
+        event's ``block_hashes``) stay the core's uint32 and uint64 arrays (the simulator hands them straight to an agent's forest: a
         tuple of thousands of Python ints a prompt, packed back into bytes by the agent, was a
         twentieth of a KVCompass run, and a Python int per block hash another tenth)."""
         return self._events(raw, token_arrays)
@@ -323,7 +323,7 @@ class PrefixCache:
                 toks = tokens if token_arrays else tuple(tokens.tolist())
                 out.append(BlockStored(block_hashes=ids, parent_block_hash=parent, token_ids=toks, extra_keys=extra, block_size=self.block_size, medium=_MEDIUM[medium]))
             else:
-                out.append(BlockRemoved(tuple(e[2].tolist()), _MEDIUM[e[1]]))
+                out.append(BlockRemoved(e[2] if token_arrays else tuple(e[2].tolist()), _MEDIUM[e[1]]))
         return out
 
 

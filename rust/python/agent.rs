@@ -15,6 +15,19 @@ fn bhash(obj: &Bound<'_, PyAny>) -> PyResult<BHash> {
     Ok(BHash::Int(obj.extract::<u64>()?))
 }
 
+/// An event's block hashes: a uint64 array (the emulated engine's own, in the simulator: no
+/// Python int per block), a tuple, or any sequence of ints or bytes.
+fn bhashes(hashes: &Bound<'_, PyAny>) -> PyResult<Vec<BHash>> {
+    if let Ok(a) = hashes.cast::<PyArray1<u64>>() {
+        let ro = a.try_readonly().map_err(|e| PyValueError::new_err(format!("hashes: {e}")))?;
+        return Ok(ro.as_array().iter().map(|&h| BHash::Int(h)).collect());
+    }
+    if let Ok(t) = hashes.cast::<PyTuple>() {
+        return t.iter().map(|h| bhash(&h)).collect();
+    }
+    hashes.try_iter()?.map(|h| bhash(&h?)).collect()
+}
+
 #[pyclass(name = "AgentForest", module = "kvcompass._core")]
 pub struct PyForest {
     inner: Forest,
@@ -35,15 +48,7 @@ impl PyForest {
     #[allow(clippy::too_many_arguments)]
     fn stored(&mut self, group: u32, medium: &str, block_size: u32, tokens: &Bound<'_, PyAny>, lora: bool, parent: Option<Bound<'_, PyAny>>, hashes: &Bound<'_, PyAny>, extra: Option<Vec<bool>>, salt_root: Option<[u8; 32]>) -> PyResult<()> {
         let parent = parent.map(|p| bhash(&p)).transpose()?;
-        let hashes = if let Ok(a) = hashes.cast::<PyArray1<u64>>() {
-            // The emulated engine's own hash array (the simulator): no Python int per block.
-            let ro = a.try_readonly().map_err(|e| PyValueError::new_err(format!("hashes: {e}")))?;
-            ro.as_array().iter().map(|&h| BHash::Int(h)).collect()
-        } else if let Ok(t) = hashes.cast::<PyTuple>() {
-            t.iter().map(|h| bhash(&h)).collect::<PyResult<Vec<_>>>()?
-        } else {
-            hashes.try_iter()?.map(|h| bhash(&h?)).collect::<PyResult<Vec<_>>>()?
-        };
+        let hashes = bhashes(hashes)?;
         let extra = extra.unwrap_or_default();
         if let Ok(b) = tokens.cast::<PyBytes>() {
             self.inner.stored(&Stored { group, medium, block_size, tokens: b.as_bytes(), lora, parent, hashes, extra, salt_root });
@@ -77,9 +82,7 @@ impl PyForest {
         for item in run.iter() {
             let (group, medium, hashes): (u32, Bound<'_, pyo3::types::PyString>, Bound<'_, PyAny>) = item.extract()?;
             let m = self.inner.medium(medium.to_str()?);
-            for h in hashes.try_iter()? {
-                out.push((group, m, bhash(&h?)?));
-            }
+            out.extend(bhashes(&hashes)?.into_iter().map(|h| (group, m, h)));
         }
         self.inner.removed(out);
         Ok(())
