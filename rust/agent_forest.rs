@@ -428,13 +428,20 @@ impl Forest {
         x.media != 0 || x.more_media
     }
 
-    fn media_of(&self, bid: Bid) -> Vec<u16> {
+    /// The block's media ids, ascending bits first, then those past 63: no allocation (it
+    /// runs on every store and removal).
+    fn media_of(&self, bid: Bid) -> impl Iterator<Item = u16> + '_ {
         let x = &self.blocks[&bid];
-        let mut out: Vec<u16> = (0..64u16).filter(|&i| x.media & (1 << i) != 0).collect();
-        if x.more_media {
-            out.extend_from_slice(&self.more_media[&bid]);
-        }
-        out
+        let mut bits = x.media;
+        let low = std::iter::from_fn(move || {
+            (bits != 0).then(|| {
+                let i = bits.trailing_zeros() as u16;
+                bits &= bits - 1;
+                i
+            })
+        });
+        let more: &[u16] = if x.more_media { &self.more_media[&bid] } else { &[] };
+        low.chain(more.iter().copied())
     }
 
     /// `p`'s child with hash `h`.
@@ -890,7 +897,7 @@ impl Forest {
     }
 
     fn set_own(&mut self, bid: Bid) {
-        let own = self.own_of(self.media_of(bid).into_iter());
+        let own = self.own_of(self.media_of(bid));
         let x = self.blocks.get_mut(&bid).expect("block");
         if own != x.own {
             x.own = own;
@@ -1246,7 +1253,7 @@ impl Forest {
             for k in keys {
                 row.extend_from_slice(&k.to_le_bytes());
             }
-            let mut media: Vec<&str> = self.media_of(bid).into_iter().map(|m| self.media[m as usize].0.as_str()).collect();
+            let mut media: Vec<&str> = self.media_of(bid).map(|m| self.media[m as usize].0.as_str()).collect();
             media.sort_unstable();
             row.extend_from_slice(&(media.len() as u32).to_le_bytes());
             for m in media {
