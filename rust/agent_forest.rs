@@ -1115,7 +1115,7 @@ impl Forest {
 
     /// A run of removals (consecutive BlockRemoved events; they commute): see the module notes.
     pub fn removed(&mut self, run: Vec<Removal>) {
-        let mut todo = Todo::default();
+        let mut todo = Todo::with_capacity(run.len());
         for r in run {
             todo.add(r);
         }
@@ -1291,6 +1291,12 @@ struct Todo {
 }
 
 impl Todo {
+    /// Sized for a run of `n` removals (a demotion's run is tens of blocks: no regrowth).
+    fn with_capacity(n: usize) -> Self {
+        let mut index = FxHashMap::default();
+        index.reserve(n);
+        Todo { items: Vec::with_capacity(n), index, live: 0 }
+    }
     fn add(&mut self, r: Removal) {
         match self.index.get(&r) {
             Some(&i) => self.items[i].as_mut().expect("live").1 += 1,
