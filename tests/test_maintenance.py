@@ -109,6 +109,22 @@ def unit() -> MaintenanceUnit:
 # ---- the happy path -----------------------------------------------------------------------
 
 
+def test_large_batches_write_each_workers_own_field(unit: MaintenanceUnit) -> None:
+    """Batches of hundreds of ops from workers of one table (the unit's run of field numbers
+    grows past its first size) land in each sender's field and no other."""
+    keys = shard_keys(5, 700)
+    agents = Agents(unit)
+    spans = {"a": (0, 400), "b": (300, 600), "c": (550, 700)}
+    for w, (lo, hi) in spans.items():
+        agents.send(w, [(k, 1 + (w == "c")) for k in keys[lo:hi]])
+    for w, (lo, hi) in spans.items():
+        assert np.array_equal(unit.held(w), np.sort(np.array(keys[lo:hi], dtype=np.uint64)))
+    t = unit.table(0)  # a, b and c share table 0
+    fa, fb, fc = FIELD["a"].field, FIELD["b"].field, FIELD["c"].field
+    assert t.get(keys[350]) == (1 << (2 * fa)) | (1 << (2 * fb))
+    assert t.get(keys[580]) == (1 << (2 * fb)) | (2 << (2 * fc))
+
+
 def test_followers_converge_byte_for_byte(unit: MaintenanceUnit) -> None:
     rng = np.random.default_rng(7)
     views = views_for(unit)
