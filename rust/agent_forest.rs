@@ -268,6 +268,9 @@ pub struct Forest {
     tick: u64,
     counts: FxHashMap<u64, [i64; 2]>,
     step_old: FxHashMap<u64, u8>,
+    /// `refresh`'s work stack, kept between calls (it runs on every store and removal that
+    /// changes a block's tier).
+    refresh_stack: Vec<Bid>,
     pub stats: ForestStats,
 }
 
@@ -308,6 +311,7 @@ impl Forest {
             tick: 0,
             counts: FxHashMap::default(),
             step_old: FxHashMap::default(),
+            refresh_stack: Vec::new(),
             stats: ForestStats::default(),
         }
     }
@@ -925,24 +929,38 @@ impl Forest {
 
     /// Recompute the chain tier of `bid` and, where it changed, of its descendants.
     fn refresh(&mut self, bid: Bid) {
-        let mut stack = vec![bid];
+        let mut stack = std::mem::take(&mut self.refresh_stack);
+        stack.clear();
+        stack.push(bid);
         while let Some(cid) = stack.pop() {
             let new = self.chain_of(cid);
             let old = self.blocks[&cid].chain;
             if new == old {
                 continue;
             }
-            let keys = self.keys_of(cid).to_vec();
+            // Most blocks carry at most one key, inline: no copy of a key list for them.
+            let x = &self.blocks[&cid];
+            let (one, many) = match x.nkeys {
+                0 => (None, None),
+                1 => (Some([x.key]), None),
+                _ => (None, Some(self.more_keys[&cid].clone())),
+            };
+            let keys: &[u64] = match (&one, &many) {
+                (Some(k), _) => k,
+                (None, Some(v)) => v,
+                (None, None) => &[],
+            };
             if old != 0 {
-                self.count(&keys, old, -1);
+                self.count(keys, old, -1);
             }
             if new != 0 {
-                self.count(&keys, new, 1);
+                self.count(keys, new, 1);
             }
             let x = self.blocks.get_mut(&cid).expect("block");
             x.chain = new;
             stack.extend(self.kids_of(cid));
         }
+        self.refresh_stack = stack;
     }
 
     fn count(&mut self, keys: &[u64], tier: u8, delta: i64) {
