@@ -315,7 +315,6 @@ class Edge:
             raise TopologyError(f"no worker may serve: cross_region is off and region {region!r} has no indexed worker")
         self._all_eligible = bool(self._eligible.all())
         self._ineligible_inf = np.where(self._eligible, 0.0, math.inf)
-        self._nonlocal_inf = np.where(self._local, 0.0, math.inf)
         self._zeros = np.zeros(n, dtype=np.float64)
         self._ones = np.ones(n, dtype=np.float64)
         self._gamma = params.gamma_ms_per_token if params.tier_aware else 0.0
@@ -722,8 +721,9 @@ class Edge:
         # Only own-region workers may take it: their tables alone are read (region 0 is ours).
         toks, ns, tq, lam, belief, res = self._score(tokens, namespace, now, own_region=True)
         w = i
-        scores = res.scores + self._nonlocal_inf
+        scores = res.scores  # every other region's workers already score inf
         if exclude:
+            scores = scores.copy()
             scores[[self.worker_index(x) for x in exclude]] = math.inf
         best = int(scores.argmin())
         if not math.isfinite(float(scores[best])):

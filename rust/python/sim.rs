@@ -96,6 +96,15 @@ struct LiveSinks {
     sinks: Vec<(Py<PyQueueEstimates>, Vec<f64>)>,
 }
 
+impl LiveSinks {
+    /// Where a reading of `worker` at `now_s` goes: `(sink, index there, settled before)`;
+    /// None when no edge reads it.
+    fn target(&self, worker: usize, now_s: f64) -> Option<(usize, i64, f64)> {
+        let (k, i) = self.of[worker];
+        (k >= 0).then(|| (k as usize, i, now_s - self.sinks[k as usize].1[i as usize]))
+    }
+}
+
 fn bad(msg: String) -> PyErr {
     core_err(CoreError::InvalidArgument(msg))
 }
@@ -166,10 +175,7 @@ impl PySimEngine {
                     let direct = {
                         let s = slf.borrow();
                         let now_s = s.inner.now() / 1e3;
-                        s.live.as_ref().and_then(|l| {
-                            let (k, i) = l.of[worker as usize];
-                            (k >= 0).then(|| (l.sinks[k as usize].0.clone_ref(py), i, now_s, now_s - l.sinks[k as usize].1[i as usize]))
-                        })
+                        s.live.as_ref().and_then(|l| l.target(worker as usize, now_s).map(|(k, i, before)| (l.sinks[k].0.clone_ref(py), i, now_s, before)))
                     };
                     match direct {
                         Some((sink, i, now_s, before)) => sink.bind(py).try_borrow_mut()?.fold_vec(&[i], &[queued_ms], now_s, 1.0, crate::queues::Before::At(&[before]), Some(1))?,
@@ -735,15 +741,13 @@ impl PySimEngine {
         let busy = self.inner.busy_queues();
         let mut per: Vec<(Vec<i64>, Vec<f64>, Vec<f64>)> = vec![(Vec::new(), Vec::new(), Vec::new()); live.sinks.len()];
         for &(w, q) in &busy {
-            let (s, i) = live.of[w as usize];
-            if s < 0 {
+            let Some((s, i, before)) = live.target(w as usize, now_s) else {
                 return Err(pyo3::exceptions::PyRuntimeError::new_err("the engine polled the queue of a worker whose region has no edge"));
-            }
-            let lag = &live.sinks[s as usize].1;
-            let p = &mut per[s as usize];
+            };
+            let p = &mut per[s];
             p.0.push(i);
             p.1.push(q);
-            p.2.push(now_s - lag[i as usize]);
+            p.2.push(before);
         }
         for ((ix, qs, before), (sink, _)) in per.iter().zip(&live.sinks) {
             if !ix.is_empty() {
