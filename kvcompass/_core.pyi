@@ -452,6 +452,14 @@ class RouteResult:
     def tiers(self) -> npt.NDArray[np.uint8]: ...
     @property
     def scores(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def near(self) -> list[int]:
+        """Workers within the route's ``tie_ms`` of the best score, in index order (empty without ``tie_ms``)."""
+    @property
+    def local_match(self) -> int:
+        """The longest match among region 0's workers (the edge's own region)."""
+    def at(self, w: int) -> tuple[int, int, float]:
+        """``(match, tier, score)`` of worker ``w``."""
     def keys_at(self, lengths: list[int]) -> list[int]:
         """Keys of the prompt's prefixes of ``lengths``, each one this route hashed."""
 
@@ -505,9 +513,11 @@ class Router:
         lam: float = 0.0,
         closure: bool = True,
         only_region: int | None = None,
+        tie_ms: float | None = None,
     ) -> RouteResult:
         """score(w) = wan + tq + (1+lam)*beta*(L - b*m) + gamma*b*m*[tier == DRAM]; argmin wins.
-        ``only_region``: read that region's plan and tables only; every other worker scores inf."""
+        ``only_region``: read that region's plan and tables only; every other worker scores inf.
+        ``tie_ms``: also list the workers within ``tie_ms`` of the best (``RouteResult.near``)."""
     @property
     def n_tables(self) -> int: ...
     @property

@@ -108,6 +108,29 @@ def check(r: kc.RouteResult, w: dict[str, np.ndarray], matches: list[int], tiers
     assert r.score == want[winner]
 
 
+def test_near_best_local_match_and_winner_terms() -> None:
+    """``near`` is numpy's ``scores <= best + tie_ms`` (the tie-break's candidates), ``local_match``
+    the longest region-0 match, ``at(w)`` worker w's (match, tier, score)."""
+    g0 = Group(0, [0, 1]).put(0, VRAM, [8, 16])
+    g1 = Group(1, [2, 3]).put(1, DRAM, [8, 16, 32])  # field 1 of this table: worker 3
+    router = kc.Router([[8, 16, 32, 64], [8, 16, 32, 64]], [g0.spec(), g1.spec()])
+    w = workers(4, region=[0, 0, 1, 1], wan=[0.0, 0.0, 9.5, 10.0])
+    for tie in (0.0, 0.5, 10.0, 100.0):
+        r = route(router, w, tie_ms=tie)
+        want = (r.scores <= r.score + tie).nonzero()[0].tolist()
+        assert r.near == want and want  # the best is always among them
+    assert route(router, w).near == []  # no tie_ms: nothing computed
+    r = route(router, w, tie_ms=0.0)
+    assert r.local_match == 16  # worker 3's 32 is another region's
+    for i in range(4):
+        assert r.at(i) == (int(r.matches[i]), int(r.tiers[i]), float(r.scores[i]))
+    assert r.at(3)[:2] == (32, DRAM)
+    with pytest.raises(IndexError):
+        r.at(4)
+    # No region-0 worker holds anything: 0.
+    assert route(kc.Router(PLAN1, [Group(0, [0, 1]).spec()]), workers(2), tie_ms=0.0).local_match == 0
+
+
 # ---- scenarios: one score term at a time ---------------------------------------------------
 
 

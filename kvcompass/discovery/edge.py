@@ -655,7 +655,7 @@ class Edge:
             belief = self._belief.values
         else:
             belief = self._ones
-        res = self._router.route(toks, ns, self._region_idx, self._beta, self._wan, tq, belief, gamma=self._gamma, lam=lam, closure=p.closure, only_region=0 if own_region else None)
+        res = self._router.route(toks, ns, self._region_idx, self._beta, self._wan, tq, belief, gamma=self._gamma, lam=lam, closure=p.closure, only_region=0 if own_region else None, tie_ms=p.tie_ms)
         return toks, ns, tq, lam, belief, res
 
     def route(self, tokens: npt.NDArray[np.uint32] | Sequence[int], namespace: Namespace | bytes, now: float, exclude: Collection[str] = ()) -> Decision:
@@ -683,7 +683,7 @@ class Edge:
         there were."""
         p = self._params
         if self._all_eligible and not exclude:
-            scores, best = res.scores, res.score
+            cand = res.near  # the route's own `scores <= best + tie_ms`, as a list
         else:
             scores = res.scores + self._ineligible_inf  # a fresh array
             if exclude:
@@ -691,10 +691,10 @@ class Edge:
             best = float(scores.min())
             if not math.isfinite(best):
                 raise InvalidArgumentError(f"every worker this edge may route to is excluded ({len(exclude)} excluded)")
-        cand = (scores <= best + p.tie_ms).nonzero()[0]
+            cand = (scores <= best + p.tie_ms).nonzero()[0].tolist()
         n_cand = len(cand)
         # random() in [0, 1): a uniform index, at a third of integers()' call cost.
-        w = int(cand[int(self._rng.random() * n_cand)]) if n_cand > 1 else int(cand[0])
+        w = cand[int(self._rng.random() * n_cand)] if n_cand > 1 else cand[0]
         return w, n_cand
 
     def handoff(
@@ -752,9 +752,8 @@ class Edge:
         """The side effects of sending ``toks`` to worker ``w`` (charge, speculative entries,
         hotness when ``track``; none without ``effects``) and the :class:`Decision` that says so."""
         p = self._params
-        matches = res.matches
-        m = int(matches[w])
-        tier = _TIERS[int(res.tiers[w])]
+        m, tier_code, score = res.at(w)
+        tier = _TIERS[tier_code]
         b = float(belief[w])
         L = len(toks)
         # Same operation order as the core, so the terms add up to the score bit for bit.
@@ -764,7 +763,7 @@ class Edge:
         terms = ScoreTerms(wan=self._wan_l[w], queue=float(tq[w]), prefill=prefill, reload=reload, lam=lam, belief=b)
         if effects and p.load_aware and p.dispatch_charge_ttl_s > 0:
             self._queues.charge(w, (self._beta_l[w] * remaining if remaining > 0 else 0.0) + reload, now)
-        local_match = int(matches[self._local_idx_arr].max()) if self._local_idx else 0
+        local_match = res.local_match
 
         spec_lengths = _fitting(self._plan_lists[self._region_l[w]], L) if effects and p.speculative_ttl_s > 0 else []
         if spec_lengths and m >= spec_lengths[-1] and tier == Tier.VRAM:
@@ -781,7 +780,7 @@ class Edge:
                 if not (self._local_l[w] and m > 0):
                     self._n.local_misses += 1
                     if self._hotness.observe_miss(family, now) and not self._planner.cooling(family, now):
-                        trig = evaluate_trigger(self._local, matches, res.scores, tq, self._n1, w)
+                        trig = evaluate_trigger(self._local, res.matches, res.scores, tq, self._n1, w)
                         if trig is not None:
                             self._planner.offer(family, trig, ns, toks, now)
 
@@ -791,7 +790,7 @@ class Edge:
             region=self._worker_region[w],
             expected_match=m,
             tier=tier,
-            score=float(res.scores[w]),
+            score=score,
             terms=terms,
             tie_broken=n_cand > 1,
             candidates=n_cand,

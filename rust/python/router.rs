@@ -49,6 +49,14 @@ pub struct PyRouteResult {
     scores: Py<PyArray1<f64>>,
     lengths: Vec<u32>,
     keys: Vec<u64>,
+    /// Workers within `tie_ms` of the best score, in index order (empty without `tie_ms`).
+    near: Vec<u32>,
+    #[pyo3(get)]
+    local_match: u32,
+    /// Copies of `matches`, `tiers`, `scores` for [`Self::at`] (the arrays are Python's).
+    m: Vec<u32>,
+    t: Vec<u8>,
+    s: Vec<f64>,
 }
 
 #[pymethods]
@@ -71,6 +79,21 @@ impl PyRouteResult {
     /// The keys of the prompt's prefixes of ``lengths`` that this route hashed (every plan
     /// length that fits the prompt), so the caller registers speculative entries and counts
     /// families without hashing the prompt again; ValueError names a length it did not hash.
+    /// Workers whose score is within the route's ``tie_ms`` of the best (``score <= best +
+    /// tie_ms``), in index order: the tie-break's candidates without a numpy pass over the
+    /// scores. Empty when the route was given no ``tie_ms``.
+    #[getter]
+    fn near(&self) -> Vec<u32> {
+        self.near.clone()
+    }
+    /// ``(match, tier, score)`` of worker ``w`` as Python numbers (what the edge's commit reads
+    /// of its winner, without three numpy scalar reads); IndexError past the workers.
+    fn at(&self, w: usize) -> PyResult<(u32, u8, f64)> {
+        if w >= self.s.len() {
+            return Err(pyo3::exceptions::PyIndexError::new_err(format!("worker {w} out of range ({} workers)", self.s.len())));
+        }
+        Ok((self.m[w], self.t[w], self.s[w]))
+    }
     fn keys_at(&self, lengths: Vec<u32>) -> PyResult<Vec<u64>> {
         lengths
             .iter()
@@ -132,9 +155,12 @@ impl PyRouter {
     /// check, score every worker. GIL released for the whole loop. With `only_region` only
     /// that region's plan and tables are read and every other worker scores infinity (its own
     /// workers' figures are the full route's).
-    #[pyo3(signature = (tokens, namespace, region, beta, wan, tq, belief, gamma=0.005, lam=0.0, closure=true, only_region=None))]
+    /// With `tie_ms` the result also lists the workers within `tie_ms` of the best
+    /// ([`PyRouteResult::near`]). `local_match` is the longest match among region 0's workers
+    /// (an edge passes its own region as 0).
+    #[pyo3(signature = (tokens, namespace, region, beta, wan, tq, belief, gamma=0.005, lam=0.0, closure=true, only_region=None, tie_ms=None))]
     #[allow(clippy::too_many_arguments)]
-    fn route(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>, namespace: &Bound<'_, PyAny>, region: &Bound<'_, PyAny>, beta: &Bound<'_, PyAny>, wan: &Bound<'_, PyAny>, tq: &Bound<'_, PyAny>, belief: &Bound<'_, PyAny>, gamma: f64, lam: f64, closure: bool, only_region: Option<u32>) -> PyResult<PyRouteResult> {
+    fn route(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>, namespace: &Bound<'_, PyAny>, region: &Bound<'_, PyAny>, beta: &Bound<'_, PyAny>, wan: &Bound<'_, PyAny>, tq: &Bound<'_, PyAny>, belief: &Bound<'_, PyAny>, gamma: f64, lam: f64, closure: bool, only_region: Option<u32>, tie_ms: Option<f64>) -> PyResult<PyRouteResult> {
         let ns = ns_bytes(namespace)?;
         let tokens = u32_vec("tokens", tokens)?;
         let w = Workers { region: u32_vec("region", region)?, beta: f64_vec("beta", beta)?, wan: f64_vec("wan", wan)?, tq: f64_vec("tq", tq)?, belief: f64_vec("belief", belief)? };
@@ -154,7 +180,29 @@ impl PyRouter {
             let win = self.run(&ns, &tokens, &w, &params, scratch, only_region)?;
             Ok::<_, PyErr>((win, scratch.matches().to_vec(), scratch.tiers().to_vec(), scratch.scores().to_vec(), scratch.lengths().to_vec(), scratch.keys().to_vec()))
         })?;
-        Ok(PyRouteResult { winner: win.winner, score: win.score, matches: m.into_pyarray(py).unbind(), tiers: t.into_pyarray(py).unbind(), scores: s.into_pyarray(py).unbind(), lengths, keys })
+        let near = match tie_ms {
+            // The same comparison as numpy's `scores <= best + tie_ms` (IEEE, no fused ops).
+            Some(tie) => {
+                let bar = win.score + tie;
+                s.iter().enumerate().filter(|&(_, &x)| x <= bar).map(|(i, _)| i as u32).collect()
+            }
+            None => Vec::new(),
+        };
+        let local_match = m.iter().zip(&w.region).filter(|&(_, &r)| r == 0).map(|(&x, _)| x).max().unwrap_or(0);
+        Ok(PyRouteResult {
+            winner: win.winner,
+            score: win.score,
+            matches: m.clone().into_pyarray(py).unbind(),
+            tiers: t.clone().into_pyarray(py).unbind(),
+            scores: s.clone().into_pyarray(py).unbind(),
+            lengths,
+            keys,
+            near,
+            local_match,
+            m,
+            t,
+            s,
+        })
     }
 
     /// Number of tables this router reads.
