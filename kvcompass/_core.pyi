@@ -42,6 +42,7 @@ __all__ = [
     "QueueEstimates",
     "Router",
     "RouteResult",
+    "ByteLevelBpe",
     "bench_lookup_ns",
     "bench_remove_insert_ns",
     "bench_update_ns",
@@ -462,6 +463,17 @@ class RouteResult:
         """``(match, tier, score)`` of worker ``w``."""
     def keys_at(self, lengths: list[int]) -> list[int]:
         """Keys of the prompt's prefixes of ``lengths``, each one this route hashed."""
+
+@final
+class ByteLevelBpe:
+    """HF's ByteLevel + BPE encoding of ASCII text, id for id (``kvcompass.engine.tokenizer``'s fast path)."""
+
+    def __new__(cls, byte_ids: list[int], merges: list[tuple[int, int, int]]) -> ByteLevelBpe: ...
+    def encode(self, text: str) -> npt.NDArray[np.uint32] | None:
+        """Ids of ``text``, or None when it is not ASCII."""
+    @staticmethod
+    def pieces(text: str) -> list[tuple[int, int]] | None:
+        """The GPT-2 pre-tokenizer's pieces of ASCII ``text`` as (start, end) offsets; None when not ASCII."""
 
 @final
 class QueueEstimates:

@@ -25,6 +25,7 @@ pub(crate) use ord_from_cmp;
 pub mod agent_forest;
 pub mod block_cache;
 pub mod block_table;
+pub mod bpe;
 pub mod chunk_hash;
 pub mod key_ops;
 pub mod error;

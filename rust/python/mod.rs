@@ -8,6 +8,7 @@ mod agent;
 mod arrays;
 mod bench;
 mod block_cache;
+mod bpe;
 mod errors;
 mod index;
 pub(crate) mod queues;
@@ -239,6 +240,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(coalesce_key_ops, m)?)?;
     index::register(m)?;
     block_cache::register(m)?;
+    bpe::register(m)?;
     sim::register(m)?;
     agent::register(m)?;
     router::register(m)?;
