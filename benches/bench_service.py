@@ -163,13 +163,16 @@ def cpus() -> tuple[int | None, int | None]:
 
 
 def _run(coro: Any, profile: str | None) -> None:
+    # The services' own loop choice (uvloop where installed), so a child costs what a service does.
+    from kvcompass.services.lifecycle import run
+
     if profile is None:
-        asyncio.run(coro)
+        run(coro)
         return
     prof = cProfile.Profile()
     prof.enable()
     try:
-        asyncio.run(coro)
+        run(coro)
     finally:
         prof.disable()
         prof.dump_stats(profile)

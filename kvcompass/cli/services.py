@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcompass.errors import KVCompassError, UsageError
+from kvcompass.services import lifecycle
 from kvcompass.services.lifecycle import announce, on_signals, stop_on_signals
 from kvcompass.services.wire import LOAD_PATH
 
@@ -125,7 +126,7 @@ def _run(main: Callable[[argparse.Namespace], Any]) -> Callable[[argparse.Namesp
     """One service's asyncio entry point as a command handler."""
 
     def run(args: argparse.Namespace) -> int:
-        return int(asyncio.run(main(args)))
+        return int(lifecycle.run(main(args)))
 
     return run
 

@@ -70,4 +70,6 @@ def up_main(args: argparse.Namespace) -> int:
         startup_timeout_s=args.startup_timeout, drain_grace_s=args.drain_grace, auth=not args.no_auth, tls=args.tls, open=args.open,
         tenants=_tenants(args.tenants), key_rate_per_s=args.key_rate, key_burst=args.key_burst,
     )
-    return asyncio.run(run_cluster(cfg))
+    from kvcompass.services.lifecycle import run
+
+    return int(run(run_cluster(cfg)))
