@@ -368,21 +368,25 @@ def test_a_worker_lost_mid_stream_ends_the_stream_with_an_error_event() -> None:
     run(go())
 
 
-@pytest.mark.parametrize("failure", ["refused", "http500"])
+@pytest.mark.parametrize("failure", ["refused", "http500", "silent"])
 def test_a_dead_worker_is_routed_around(failure: str) -> None:
     plane = make_plane()
     ids = prompt_ids(4, 2048)
     cache_prefix(plane, "us-5", ids)
     fleet = Fleet()
     urls: dict[str, str] = {}
+    silent = bound_socket()  # "silent": accepts connections (the kernel's backlog), never answers
+    silent.listen(8)
     if failure == "refused":
         urls["us-5"] = dead_url()
+    elif failure == "silent":
+        urls["us-5"] = f"http://127.0.0.1:{silent.getsockname()[1]}"
     else:
         fleet.status["us-5"] = 500
-    reason = "connect" if failure == "refused" else "status_5xx"
+    reason = {"refused": "connect", "http500": "status_5xx", "silent": "timeout"}[failure]
 
     async def go() -> None:
-        async with rig(plane, fleet, urls=urls) as t:
+        async with rig(plane, fleet, urls=urls, config=DoorConfig(head_timeout_s=0.3)) as t:
             status, headers, body = await complete(t.client, {"prompt": ids.tolist()})
             assert status == 200, body
             assert headers["x-kvcompass-worker"] != "us-5" and headers["x-kvcompass-worker"].startswith("us-")
@@ -397,7 +401,10 @@ def test_a_dead_worker_is_routed_around(failure: str) -> None:
             assert status == 200 and headers["x-kvcompass-worker"] != "us-5"
             assert metric(await t.metrics(), "kvcompass_door_retries_total") == 1.0
 
-    run(go())
+    try:
+        run(go())
+    finally:
+        silent.close()
 
 
 def test_when_every_worker_fails_the_client_gets_a_502() -> None:

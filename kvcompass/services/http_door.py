@@ -646,7 +646,10 @@ class FrontDoor:
             raise OpenAIError.of(MessageTooLargeError(f"request body exceeds {cfg.max_body_bytes} bytes", limit=cfg.max_body_bytes))
         key = self._authenticate(request)
         try:
-            raw = await asyncio.wait_for(request.read(), cfg.body_timeout_s)
+            # asyncio.timeout, not wait_for: no task of its own per request (wait_for's task and
+            # its scheduling were a twentieth of the door's CPU for a small request).
+            async with asyncio.timeout(cfg.body_timeout_s):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise OpenAIError.of(MessageTooLargeError(f"request body exceeds {cfg.max_body_bytes} bytes", limit=cfg.max_body_bytes)) from None
         except TimeoutError:
@@ -916,7 +919,8 @@ class FrontDoor:
         if delay:
             await asyncio.sleep(delay)
         try:
-            up = await asyncio.wait_for(session.post(url, data=prep.raw, headers=headers), self.config.head_timeout_s)
+            async with asyncio.timeout(self.config.head_timeout_s):
+                up = await session.post(url, data=prep.raw, headers=headers)
         except TimeoutError as e:
             raise _WorkerFailed("timeout", f"{choice.worker}: no response head: {e!r}") from None
         except aiohttp.ClientConnectorError as e:
