@@ -147,7 +147,9 @@ fn pair(a: u32, b: u32) -> u64 {
 
 impl ByteLevelBpe {
     /// `byte_id[b]`: the id of byte `b`'s token; `merges[r] = (left, right, merged)` at rank `r`.
-    /// A pair listed twice keeps its first (lowest) rank, as HF's loader does.
+    /// The caller reads the merges from HF's own serialization of a loaded tokenizer, which
+    /// lists each pair once at the rank HF applies; should a pair repeat anyway, its first rank
+    /// is kept.
     pub fn new(byte_id: [u32; 256], merges: &[(u32, u32, u32)]) -> Self {
         let mut m = FxHashMap::default();
         m.reserve(merges.len());

@@ -147,6 +147,20 @@ def test_a_non_special_added_token_keeps_hf(tok: Tokenizer, tmp_path: Path) -> N
     assert not Tokenizer(HFTokenizer.from_str(json.dumps(d))).fast
 
 
+def test_a_file_with_a_repeated_merge_follows_hf(tok: Tokenizer) -> None:
+    # HF's loader lets the later rank of a repeated pair win; the fast path reads the merges from
+    # HF's serialization of what it loaded, so it applies the same ranks.
+    d = json.loads(tok.hf.to_str())
+    merges = d["model"]["merges"]
+    d["model"]["merges"] = merges + [merges[16]]  # ('h', 'e') again, now last
+    other = Tokenizer(HFTokenizer.from_str(json.dumps(d)))
+    assert other.fast
+    text = "the theme of the thesis is the other thing, then there"
+    want = [e.ids for e in other.hf.encode_batch([text], add_special_tokens=False)][0]
+    assert want != tok.encode(text).tolist()  # the repeat changed HF's ids ...
+    assert other.encode(text).tolist() == want  # ... and the fast path's alike
+
+
 def test_bad_construction() -> None:
     with pytest.raises(ValueError, match="256"):
         _core.ByteLevelBpe([0] * 255, [])
