@@ -76,9 +76,6 @@ impl PyRouteResult {
     fn scores(&self, py: Python<'_>) -> Py<PyArray1<f64>> {
         self.scores.clone_ref(py)
     }
-    /// The keys of the prompt's prefixes of ``lengths`` that this route hashed (every plan
-    /// length that fits the prompt), so the caller registers speculative entries and counts
-    /// families without hashing the prompt again; ValueError names a length it did not hash.
     /// Workers whose score is within the route's ``tie_ms`` of the best (``score <= best +
     /// tie_ms``), in index order: the tie-break's candidates without a numpy pass over the
     /// scores. Empty when the route was given no ``tie_ms``.
@@ -94,6 +91,9 @@ impl PyRouteResult {
         }
         Ok((self.m[w], self.t[w], self.s[w]))
     }
+    /// The keys of the prompt's prefixes of ``lengths`` that this route hashed (every plan
+    /// length that fits the prompt), so the caller registers speculative entries and counts
+    /// families without hashing the prompt again; ValueError names a length it did not hash.
     fn keys_at(&self, lengths: Vec<u32>) -> PyResult<Vec<u64>> {
         lengths
             .iter()
