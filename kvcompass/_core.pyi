@@ -466,14 +466,15 @@ class RouteResult:
 
 @final
 class ByteLevelBpe:
-    """HF's ByteLevel + BPE encoding of ASCII text, id for id (``kvcompass.engine.tokenizer``'s fast path)."""
+    """HF's ByteLevel + BPE encoding, id for id, of text made of ASCII, Latin-1, Latin Extended-A and
+    General Punctuation characters (``kvcompass.engine.tokenizer``'s fast path)."""
 
     def __new__(cls, byte_ids: list[int], merges: list[tuple[int, int, int]]) -> ByteLevelBpe: ...
     def encode(self, text: str) -> npt.NDArray[np.uint32] | None:
-        """Ids of ``text``, or None when it is not ASCII."""
+        """Ids of ``text``, or None when it holds a character outside those blocks."""
     @staticmethod
     def pieces(text: str) -> list[tuple[int, int]] | None:
-        """The GPT-2 pre-tokenizer's pieces of ASCII ``text`` as (start, end) offsets; None when not ASCII."""
+        """The GPT-2 pre-tokenizer's pieces of ``text`` as (start, end) character offsets; None outside those blocks."""
 
 @final
 class QueueEstimates:

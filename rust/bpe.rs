@@ -1,19 +1,20 @@
-//! A byte-level BPE encoder for ASCII text, exact to HF `tokenizers`' ByteLevel + BPE pipeline
-//! (GPT-2's pre-tokenizer regex, merges by rank), for the tokenizer files it accepts.
+//! A byte-level BPE encoder exact to HF `tokenizers`' ByteLevel + BPE pipeline (GPT-2's
+//! pre-tokenizer regex, merges by rank) for the tokenizer files it accepts, on text made of the
+//! characters whose regex class it knows ([`class_of`]: ASCII and the Latin and punctuation
+//! blocks English text carries).
 //!
 //! Why: on this project's hosts HF `tokenizers` spends 0.3-0.6 µs a character in its
 //! pre-tokenizer regex (`\p{L}`, `\p{N}` and a look-ahead through Oniguruma): 0.25-0.45 ms for a
-//! 150-token prompt, a third or more of the front door's CPU per request. ASCII text needs no
-//! Unicode tables: a hand scanner of the same regex, then the same merge loop as HF's
-//! `Word::merge_all`, gives the same ids two orders of magnitude faster. Text with any non-ASCII
-//! byte is left to HF (the caller falls back), so Unicode-version differences between regex
-//! engines can never change an id. `tests/test_tokenizer_fast.py` compares the two on every
-//! ASCII character in every position class and on seeded random texts.
+//! 150-token prompt, a third or more of the front door's CPU per request. A hand scanner of the
+//! same regex over a class table, then the same merge loop as HF's `Word::merge_all`, gives the
+//! same ids two orders of magnitude faster. Text with any other character is left to HF (the
+//! caller falls back), so a Unicode-version difference between regex engines can never change
+//! an id. `tests/test_svc_tokenizer_fast.py` compares the two on every supported character in
+//! every position class and on seeded random texts.
 //!
 //! The regex (HF `pre_tokenizers::byte_level`, GPT-2's):
 //! `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`,
 //! leftmost-first: at each position the first alternative that matches wins, each greedy.
-//! For ASCII, `\p{L}` is `[A-Za-z]`, `\p{N}` is `[0-9]` and `\s` is `[\t\n\x0B\x0C\r ]`.
 
 use std::collections::BinaryHeap;
 use std::sync::Mutex;
@@ -25,66 +26,96 @@ const CACHE_WORDS: usize = 65_536;
 /// Words longer than this are not cached (HF's limit too: long runs are rare and one-off).
 const CACHE_MAX_LEN: usize = 256;
 
-#[inline]
-fn is_letter(b: u8) -> bool {
-    b.is_ascii_alphabetic()
+/// The classes the GPT-2 regex tells apart (`\p{L}`, `\p{N}`, `\s`, everything else).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Class {
+    Letter,
+    Digit,
+    Space,
+    Other,
 }
 
-#[inline]
-fn is_digit(b: u8) -> bool {
-    b.is_ascii_digit()
+/// The class of `c`, for the characters whose class no Unicode version has changed and that
+/// the tests compare against HF one by one: ASCII, Latin-1 Supplement, Latin Extended-A and
+/// General Punctuation (curly quotes, dashes, ellipsis, the typographic spaces: what English
+/// text pasted from an editor holds besides ASCII). None for anything else, which HF encodes.
+fn class_of(c: char) -> Option<Class> {
+    use Class::*;
+    let u = c as u32;
+    Some(match u {
+        0x30..=0x39 => Digit,
+        0x41..=0x5A | 0x61..=0x7A => Letter,
+        0x09..=0x0D | 0x20 => Space,
+        0x00..=0x7F => Other,
+        0x85 | 0xA0 => Space,
+        0xAA | 0xB5 | 0xBA | 0xC0..=0xD6 | 0xD8..=0xF6 | 0xF8..=0x17F => Letter,
+        0xB2 | 0xB3 | 0xB9 | 0xBC..=0xBE => Digit,
+        0x80..=0xFF => Other,
+        0x2000..=0x200A | 0x2028 | 0x2029 | 0x202F | 0x205F => Space,
+        // U+2065 is unassigned: a later version may give it a class.
+        0x2065 => return None,
+        0x200B..=0x206F => Other,
+        _ => return None,
+    })
 }
 
-#[inline]
-fn is_space(b: u8) -> bool {
-    matches!(b, b'\t' | b'\n' | 0x0B | 0x0C | b'\r' | b' ')
+/// One character of a text: itself, its class and where its bytes start.
+#[derive(Clone, Copy)]
+struct Ch {
+    c: char,
+    k: Class,
+    at: usize,
 }
 
-#[inline]
-fn is_other(b: u8) -> bool {
-    !(is_letter(b) || is_digit(b) || is_space(b))
+/// The characters of `text` with their classes, or None when one is outside [`class_of`].
+fn classify(text: &str) -> Option<Vec<Ch>> {
+    let mut out = Vec::with_capacity(text.len());
+    if text.is_ascii() {
+        // Most prompts: no UTF-8 decoding, one table per byte.
+        for (at, &b) in text.as_bytes().iter().enumerate() {
+            let c = b as char;
+            out.push(Ch { c, k: class_of(c)?, at });
+        }
+        return Some(out);
+    }
+    for (at, c) in text.char_indices() {
+        out.push(Ch { c, k: class_of(c)?, at });
+    }
+    Some(out)
 }
 
-/// The end of the run of bytes from `i` that satisfy `f`.
+/// The end of the run of characters from `i` of class `k`.
 #[inline]
-fn run(t: &[u8], mut i: usize, f: impl Fn(u8) -> bool) -> usize {
-    while i < t.len() && f(t[i]) {
+fn run(t: &[Ch], mut i: usize, k: Class) -> usize {
+    while i < t.len() && t[i].k == k {
         i += 1;
     }
     i
 }
 
-/// The end of the regex's match starting at `i` (ASCII `t`, `i < t.len()`).
-fn piece_end(t: &[u8], i: usize) -> usize {
+/// The end (a character index) of the regex's match starting at character `i < t.len()`.
+fn piece_end(t: &[Ch], i: usize) -> usize {
     let n = t.len();
-    let c = t[i];
-    if c == b'\'' && i + 1 < n {
+    let c = t[i].c;
+    if c == '\'' && i + 1 < n {
         // 's 't 're 've 'm 'll 'd, in the regex's order (case-sensitive, no word boundary).
-        let rest = &t[i + 1..];
-        for s in [&b"s"[..], b"t", b"re", b"ve", b"m", b"ll", b"d"] {
-            if rest.starts_with(s) {
-                return i + 1 + s.len();
+        for s in ["s", "t", "re", "ve", "m", "ll", "d"] {
+            let m = s.len();
+            if i + 1 + m <= n && s.chars().zip(&t[i + 1..i + 1 + m]).all(|(a, b)| a == b.c) {
+                return i + 1 + m;
             }
         }
     }
     // ` ?X+` for X = letters, digits, others: the optional space is U+0020 only.
-    let j = if c == b' ' && i + 1 < n { i + 1 } else { i };
-    let d = t[j];
-    if j > i || c != b' ' {
-        if is_letter(d) {
-            return run(t, j, is_letter);
-        }
-        if is_digit(d) {
-            return run(t, j, is_digit);
-        }
-        if is_other(d) {
-            return run(t, j, is_other);
-        }
+    let j = if c == ' ' && i + 1 < n { i + 1 } else { i };
+    let k = t[j].k;
+    if (j > i || c != ' ') && k != Class::Space {
+        return run(t, j, k);
     }
     // Whitespace: `\s+(?!\S)` backs off one character when the run is followed by a non-space,
     // unless that leaves it empty; then `\s+` takes the one character.
-    let end = run(t, i, is_space);
-    debug_assert!(end > i, "every ASCII byte is a letter, digit, space or other");
+    let end = run(t, i, Class::Space);
+    debug_assert!(end > i, "a character that starts no other alternative is a space");
     if end < n && end - i >= 2 {
         end - 1
     } else {
@@ -92,16 +123,18 @@ fn piece_end(t: &[u8], i: usize) -> usize {
     }
 }
 
-/// Byte ranges of the pre-tokenizer's pieces of ASCII `t`.
-pub fn pieces(t: &[u8]) -> Vec<(usize, usize)> {
+/// Byte ranges of the pre-tokenizer's pieces of `text`, or None when it holds a character
+/// outside [`class_of`].
+pub fn pieces(text: &str) -> Option<Vec<(usize, usize)>> {
+    let t = classify(text)?;
     let mut out = Vec::new();
     let mut i = 0;
     while i < t.len() {
-        let e = piece_end(t, i);
-        out.push((i, e));
+        let e = piece_end(&t, i);
+        out.push((t[i].at, t.get(e).map_or(text.len(), |x| x.at)));
         i = e;
     }
-    out
+    Some(out)
 }
 
 /// One pending merge: HF's order is the lowest rank first, then the leftmost position.
@@ -132,12 +165,15 @@ struct Symbol {
     gone: bool,
 }
 
+/// A piece's bytes -> its ids.
+type WordCache = FxHashMap<Box<[u8]>, Box<[u32]>>;
+
 /// The merge table and the byte alphabet of a byte-level BPE.
 pub struct ByteLevelBpe {
     byte_id: [u32; 256],
     /// (left id, right id) -> (rank, merged id).
     merges: FxHashMap<u64, (u32, u32)>,
-    cache: Mutex<FxHashMap<Box<[u8]>, Box<[u32]>>>,
+    cache: Mutex<WordCache>,
 }
 
 #[inline]
@@ -159,17 +195,16 @@ impl ByteLevelBpe {
         ByteLevelBpe { byte_id, merges: m, cache: Mutex::new(FxHashMap::default()) }
     }
 
-    /// Ids of ASCII `text`, or None when it holds a non-ASCII byte (HF must encode it).
-    pub fn encode(&self, text: &[u8]) -> Option<Vec<u32>> {
-        if !text.is_ascii() {
-            return None;
-        }
+    /// Ids of `text`, or None when it holds a character outside [`class_of`] (HF must encode it).
+    pub fn encode(&self, text: &str) -> Option<Vec<u32>> {
+        let t = classify(text)?;
+        let bytes = text.as_bytes();
         let mut out = Vec::with_capacity(text.len() / 3 + 1);
         let mut cache = self.cache.try_lock().ok();
         let mut i = 0;
-        while i < text.len() {
-            let e = piece_end(text, i);
-            let word = &text[i..e];
+        while i < t.len() {
+            let e = piece_end(&t, i);
+            let word = &bytes[t[i].at..t.get(e).map_or(bytes.len(), |x| x.at)];
             i = e;
             if let Some(c) = cache.as_deref() {
                 if let Some(ids) = c.get(word) {
@@ -244,7 +279,7 @@ mod tests {
     use super::*;
 
     fn split(s: &str) -> Vec<&str> {
-        pieces(s.as_bytes()).into_iter().map(|(a, b)| &s[a..b]).collect()
+        pieces(s).expect("supported characters").into_iter().map(|(a, b)| &s[a..b]).collect()
     }
 
     #[test]
@@ -260,6 +295,9 @@ mod tests {
         assert_eq!(split("don't"), ["don", "'t"]);
         assert_eq!(split(" "), [" "]);
         assert_eq!(split(""), Vec::<&str>::new());
+        assert_eq!(split("café — “naïve”"), ["café", " —", " “", "naïve", "”"]);
+        assert_eq!(split("a\u{2003}\u{2003}b"), ["a", "\u{2003}", "\u{2003}", "b"]);
+        assert_eq!(pieces("日本"), None);
     }
 
     #[test]
@@ -271,9 +309,10 @@ mod tests {
         // a=97. Rank 0: (a, a) -> 300; rank 1: (300, a) -> 301.
         let bpe = ByteLevelBpe::new(byte_id, &[(97, 97, 300), (300, 97, 301)]);
         // Leftmost (a, a) first; the other (a, a) is then stale and (300, a) merges.
-        assert_eq!(bpe.encode(b"aaa").unwrap(), vec![301]);
+        assert_eq!(bpe.encode("aaa").unwrap(), vec![301]);
         let bpe2 = ByteLevelBpe::new(byte_id, &[(97, 97, 300), (300, 97, 301), (300, 300, 302)]);
-        assert_eq!(bpe2.encode(b"aaaa").unwrap(), vec![302]);
-        assert_eq!(bpe.encode("é".as_bytes()), None);
+        assert_eq!(bpe2.encode("aaaa").unwrap(), vec![302]);
+        assert_eq!(bpe.encode("é").unwrap(), vec![0xC3, 0xA9]); // two bytes, no merges
+        assert_eq!(bpe.encode("日"), None);
     }
 }

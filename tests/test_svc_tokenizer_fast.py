@@ -1,12 +1,15 @@
-"""The Rust byte-level BPE (``_core.ByteLevelBpe``) gives HF ``tokenizers``' ids for ASCII text.
+"""The Rust byte-level BPE (``_core.ByteLevelBpe``) gives HF ``tokenizers``' ids for the text it
+takes: ASCII, Latin-1 Supplement, Latin Extended-A and General Punctuation.
 
 Exactness is the whole contract: the door and the workers must agree on every id, or prefix keys
 differ. The fast path is checked against HF itself: every ASCII string of up to two characters,
-every character in each position class of the GPT-2 regex, seeded random texts biased toward the
-regex's edge cases (contractions, whitespace runs before words, control characters), and the
-package's own sources. A development run also matched all 2.1 million ASCII strings of up to
-three characters, and all 1.2 million strings of four and five characters over an alphabet of
-each class's representatives.
+every supported character in each position class of the GPT-2 regex and beside every other
+supported character, seeded random texts biased toward the regex's edge cases (contractions,
+whitespace runs before words, control characters, typographic spaces and quotes), and the
+package's own sources. Development runs also matched all 2.1 million ASCII strings of up to
+three characters, 1.2 million strings of four and five characters over an alphabet of each
+class's representatives, every pair of supported characters, and 830,000 strings of three and
+four characters over the non-ASCII classes' representatives.
 """
 
 from __future__ import annotations
@@ -47,14 +50,23 @@ def assert_same(tok: Tokenizer, texts: list[str]) -> None:
         assert fast_ids(tok, text) == want, repr(text)
 
 
+SUPPORTED = [chr(i) for i in range(0x80, 0x180)] + [chr(i) for i in range(0x2000, 0x2070) if i != 0x2065]
+
+
 def test_every_ascii_string_of_up_to_two_characters(tok: Tokenizer) -> None:
     chars = [chr(i) for i in range(128)]
     assert_same(tok, chars + ["".join(p) for p in itertools.product(chars, repeat=2)])
 
 
-@pytest.mark.parametrize("ctx", ["a{}b", "{}{}a", " {}a", "a {}", "'{}", "{}'s", "1{}2", "  {}  ", "\n{}\n", "x{} y", "{}'ll"])
-def test_every_ascii_character_in_each_context(tok: Tokenizer, ctx: str) -> None:
-    assert_same(tok, [ctx.format(chr(i), chr(i)) for i in range(128)])
+@pytest.mark.parametrize("ctx", ["a{}b", "{}{}a", " {}a", "a {}", "'{}", "{}'s", "1{}2", "  {}  ", "\n{}\n", "x{} y", "{}'ll", "{} "])
+def test_every_supported_character_in_each_context(tok: Tokenizer, ctx: str) -> None:
+    assert_same(tok, [ctx.format(c, c) for c in [chr(i) for i in range(128)] + SUPPORTED])
+
+
+def test_every_supported_character_beside_every_other(tok: Tokenizer) -> None:
+    ascii_reps = list("aZ09 \t\n\x0b'!-_") + ["s"]
+    texts = [a + b for a in SUPPORTED for b in SUPPORTED + ascii_reps] + [a + b for a in ascii_reps for b in SUPPORTED]
+    assert_same(tok, texts)
 
 
 def test_pieces_are_hf_pre_tokenizer_pieces(tok: Tokenizer) -> None:
@@ -75,6 +87,7 @@ def test_seeded_random_texts(tok: Tokenizer) -> None:
         list("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"),
         ["'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "   ", "\n\n", " \n "],
         [chr(i) for i in range(32)] + ["\x7f"],
+        list("éèàçñüößøåœŁłđ’‘“”—–…•\u00a0\u2003\u2009\u200b\u00ad\u0085\u2028²¼ªº"),
     ]
     texts = []
     for _ in range(3000):
@@ -93,11 +106,17 @@ def test_the_package_sources(tok: Tokenizer) -> None:
     assert_same(tok, texts)
 
 
-def test_non_ascii_text_goes_to_hf(tok: Tokenizer) -> None:
-    for text in ["héllo", "日本語 text", "a\u00a0b", "tab\u2003x", "🙂"]:
+def test_other_text_goes_to_hf(tok: Tokenizer) -> None:
+    for text in ["日本語 text", "🙂", "Ωmega", "a\u2065b", "naïve 한국어"]:
         assert tok._fast.encode(text) is None  # type: ignore[union-attr]
         assert tok.encode(text).tolist() == hf_ids(tok, [text])[0]
         assert _core.ByteLevelBpe.pieces(text) is None
+    # Supported non-ASCII text is the fast path's, with HF's character offsets.
+    text = "Café — “naïve”\u00a0costs 3½ €"
+    assert _core.ByteLevelBpe.pieces(text) is None  # € (U+20AC) is outside the supported blocks
+    text = "Café — “naïve”\u00a0costs 3½"
+    assert _core.ByteLevelBpe.pieces(text) == [off for _, off in tok.hf.pre_tokenizer.pre_tokenize_str(text)]
+    assert fast_ids(tok, text) == hf_ids(tok, [text])[0]
 
 
 def test_chat_template_is_the_same_with_and_without_the_fast_path(tok: Tokenizer) -> None:

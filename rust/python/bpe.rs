@@ -1,5 +1,5 @@
-//! `ByteLevelBpe`: the fast path of `kvcompass.engine.tokenizer.Tokenizer` for ASCII text
-//! (`crate::bpe` says why and what it must match).
+//! `ByteLevelBpe`: the fast path of `kvcompass.engine.tokenizer.Tokenizer` (`crate::bpe` says
+//! why, for which text and what it must match).
 
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::exceptions::PyValueError;
@@ -22,18 +22,29 @@ impl PyByteLevelBpe {
         Ok(PyByteLevelBpe { inner: ByteLevelBpe::new(byte_id, &merges) })
     }
 
-    /// Token ids of `text` as a uint32 array, or None when `text` is not ASCII (the caller's
-    /// HF tokenizer encodes it). The GIL is released while encoding.
+    /// Token ids of `text` as a uint32 array, or None when `text` holds a character the fast
+    /// path does not classify (the caller's HF tokenizer encodes it). The GIL is released while
+    /// encoding a long text.
     fn encode<'py>(&self, py: Python<'py>, text: &str) -> Option<Bound<'py, PyArray1<u32>>> {
-        let ids = if text.len() < 4096 { self.inner.encode(text.as_bytes()) } else { py.detach(|| self.inner.encode(text.as_bytes())) };
+        let ids = if text.len() < 4096 { self.inner.encode(text) } else { py.detach(|| self.inner.encode(text)) };
         ids.map(|v| v.into_pyarray(py))
     }
 
-    /// The pre-tokenizer's pieces of ASCII `text` as (start, end) character offsets, or None
-    /// when `text` is not ASCII (for tests against HF's ``pre_tokenize_str``).
+    /// The pre-tokenizer's pieces of `text` as (start, end) character offsets, or None when
+    /// it holds a character the fast path does not classify (for tests against HF's
+    /// ``pre_tokenize_str``, which gives character offsets too).
     #[staticmethod]
     fn pieces(text: &str) -> Option<Vec<(usize, usize)>> {
-        text.is_ascii().then(|| crate::bpe::pieces(text.as_bytes()))
+        let bytes = crate::bpe::pieces(text)?;
+        // Byte offsets to character offsets.
+        let mut chars = vec![0usize; text.len() + 1];
+        let mut n = 0;
+        for (at, _) in text.char_indices() {
+            chars[at] = n;
+            n += 1;
+        }
+        chars[text.len()] = n;
+        Some(bytes.into_iter().map(|(a, b)| (chars[a], chars[b])).collect())
     }
 }
 
