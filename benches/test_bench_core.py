@@ -226,3 +226,31 @@ def test_agent_ingest_one_engine_batch(benchmark: Any) -> None:
         return len(agent.on_message(encode_batch([ev], seq=i)).batches)
 
     benchmark(one)
+
+
+# A ~150-token English prompt with curly quotes and a dash (the fast path's blocks), as the door
+# tokenizes one per request. No criterion twin: the fast path's merge table comes from a
+# tokenizer.json, which only the Python side reads.
+_PROMPT = (
+    "The function takes a list of numbers and returns the largest one. First, check that the list "
+    "is not empty; then keep the “largest” value seen so far — while walking through the list once. "
+) * 3
+
+
+@pytest.mark.benchmark(group="tokenizer")
+def test_tokenizer_encode_fast(benchmark: Any) -> None:
+    from kvcompass.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    assert tok.fast
+    ids = benchmark(lambda: tok.encode(_PROMPT))
+    assert ids.tolist() == tok.hf.encode(_PROMPT, add_special_tokens=False).ids
+
+
+@pytest.mark.benchmark(group="tokenizer")
+def test_tokenizer_encode_hf(benchmark: Any) -> None:
+    from kvcompass.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    enc = benchmark(lambda: tok.hf.encode(_PROMPT, add_special_tokens=False))
+    assert len(enc.ids) > 100
