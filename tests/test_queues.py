@@ -365,3 +365,18 @@ def test_an_edge_exposes_its_own_vector_and_broadcast_targets_for_a_driver() -> 
     a.set_local_queue("a0", 20.0, 0.0)
     assert a.local_ids == ("a0", "a1") and a.local_values().tolist() == [20.0, 0.0]
     assert a.broadcast_targets_due(0.0) == ["B", "C"] and a.broadcast_targets_due(0.05) == []
+
+
+def test_minimum_is_the_smallest_estimate_with_charges() -> None:
+    from kvcompass import _core
+
+    q = _core.QueueEstimates(4, 0.5, 1.0, 2.0)
+    assert q.minimum() == 0.0 == float(q.values.min())
+    for i, v in enumerate([5.0, 3.0, 7.0, 4.0]):
+        q.set_live(i, v, 1.0)
+    assert q.minimum() == 3.0
+    q.charge(1, 2.5, 1.0)  # an open dispatch charge counts
+    assert q.minimum() == 4.0 == float(q.values.min())
+    q.expire(10.0)  # the charge's TTL ran out
+    assert q.minimum() == 3.0 == float(q.values.min())
+    assert _core.QueueEstimates(0, 0.5, 1.0, 2.0).minimum() == float("inf")

@@ -631,8 +631,7 @@ class Edge:
             return 0.0
         # Estimates change far less often than requests arrive: recompute only after a change.
         if self._lam_version != self._queues.version:
-            tq = self._queues.values
-            m = float(tq.min()) if self._all_eligible else float(tq[self._eligible].min())
+            m = self._queues.minimum() if self._all_eligible else float(self._queues.values[self._eligible].min())
             self._lam = min(self._params.lambda_max, m / self._params.tau_ms)
             self._lam_version = self._queues.version
         return self._lam

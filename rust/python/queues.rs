@@ -82,6 +82,12 @@ impl PyQueueEstimates {
         PyArray1::from_slice(py, &self.q.tq)
     }
 
+    /// The smallest estimate (samples plus open charges) over every worker: what the capacity
+    /// price reads per change of the estimates, without copying them into an array first.
+    fn minimum(&self) -> f64 {
+        self.q.tq.iter().copied().fold(f64::INFINITY, f64::min)
+    }
+
     /// Bumped on every change, so readers can cache what they derive from the estimates.
     #[getter]
     fn version(&self) -> u64 {
