@@ -14,9 +14,10 @@ shares one lifecycle, so a supervisor can treat them alike:
 * **gRPC servers and channels** drain and close the same way everywhere
   (:mod:`kvcompass.services.grpc_lifecycle`).
 * **Event loop.** Every service runs its main coroutine through :func:`run`: uvloop's loop
-  (libuv) where it is installed, which halves the loop's own cost per request in the front door
-  (its timers, transports and callbacks are most of what aiohttp spends beyond the handler);
-  ``KVCOMPASS_LOOP=asyncio`` keeps the standard loop.
+  (libuv) where it is installed, whose timers, transports and callbacks cost less than the
+  standard loop's (the front door's CPU per request was equal or lower with it in every
+  interleaved pair measured, docs/services.md); ``KVCOMPASS_LOOP=asyncio`` keeps the standard
+  loop.
 
 This module imports nothing heavy, so a command that only needs its process plumbing starts fast.
 """
