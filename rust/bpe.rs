@@ -123,18 +123,25 @@ fn piece_end(t: &[Ch], i: usize) -> usize {
     }
 }
 
+/// Byte ranges of the pre-tokenizer's pieces of classified text `t` (of `len` bytes).
+fn piece_ranges(t: &[Ch], len: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        if i >= t.len() {
+            return None;
+        }
+        let e = piece_end(t, i);
+        let range = (t[i].at, t.get(e).map_or(len, |x| x.at));
+        i = e;
+        Some(range)
+    })
+}
+
 /// Byte ranges of the pre-tokenizer's pieces of `text`, or None when it holds a character
 /// outside [`class_of`].
 pub fn pieces(text: &str) -> Option<Vec<(usize, usize)>> {
     let t = classify(text)?;
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < t.len() {
-        let e = piece_end(&t, i);
-        out.push((t[i].at, t.get(e).map_or(text.len(), |x| x.at)));
-        i = e;
-    }
-    Some(out)
+    Some(piece_ranges(&t, text.len()).collect())
 }
 
 /// One pending merge: HF's order is the lowest rank first, then the leftmost position.
@@ -201,11 +208,8 @@ impl ByteLevelBpe {
         let bytes = text.as_bytes();
         let mut out = Vec::with_capacity(text.len() / 3 + 1);
         let mut cache = self.cache.try_lock().ok();
-        let mut i = 0;
-        while i < t.len() {
-            let e = piece_end(&t, i);
-            let word = &bytes[t[i].at..t.get(e).map_or(bytes.len(), |x| x.at)];
-            i = e;
+        for (a, b) in piece_ranges(&t, bytes.len()) {
+            let word = &bytes[a..b];
             if let Some(c) = cache.as_deref() {
                 if let Some(ids) = c.get(word) {
                     out.extend_from_slice(ids);
