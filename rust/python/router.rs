@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Mutex, RwLock};
 
-use numpy::{IntoPyArray, PyArray1};
+use numpy::{IntoPyArray, PyArray1, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -53,10 +53,6 @@ pub struct PyRouteResult {
     near: Vec<u32>,
     #[pyo3(get)]
     local_match: u32,
-    /// Copies of `matches`, `tiers`, `scores` for [`Self::at`] (the arrays are Python's).
-    m: Vec<u32>,
-    t: Vec<u8>,
-    s: Vec<f64>,
 }
 
 #[pymethods]
@@ -85,11 +81,12 @@ impl PyRouteResult {
     }
     /// ``(match, tier, score)`` of worker ``w`` as Python numbers (what the edge's commit reads
     /// of its winner, without three numpy scalar reads); IndexError past the workers.
-    fn at(&self, w: usize) -> PyResult<(u32, u8, f64)> {
-        if w >= self.s.len() {
-            return Err(pyo3::exceptions::PyIndexError::new_err(format!("worker {w} out of range ({} workers)", self.s.len())));
+    fn at(&self, py: Python<'_>, w: usize) -> PyResult<(u32, u8, f64)> {
+        let (m, t, s) = (self.matches.bind(py), self.tiers.bind(py), self.scores.bind(py));
+        match (m.get_owned([w]), t.get_owned([w]), s.get_owned([w])) {
+            (Some(m), Some(t), Some(s)) => Ok((m, t, s)),
+            _ => Err(pyo3::exceptions::PyIndexError::new_err(format!("worker {w} out of range ({} workers)", s.len()))),
         }
-        Ok((self.m[w], self.t[w], self.s[w]))
     }
     /// The keys of the prompt's prefixes of ``lengths`` that this route hashed (every plan
     /// length that fits the prompt), so the caller registers speculative entries and counts
@@ -192,16 +189,13 @@ impl PyRouter {
         Ok(PyRouteResult {
             winner: win.winner,
             score: win.score,
-            matches: m.clone().into_pyarray(py).unbind(),
-            tiers: t.clone().into_pyarray(py).unbind(),
-            scores: s.clone().into_pyarray(py).unbind(),
+            matches: m.into_pyarray(py).unbind(),
+            tiers: t.into_pyarray(py).unbind(),
+            scores: s.into_pyarray(py).unbind(),
             lengths,
             keys,
             near,
             local_match,
-            m,
-            t,
-            s,
         })
     }
 
