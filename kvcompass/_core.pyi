@@ -17,6 +17,7 @@ __all__ = [
     "namespace_digest",
     "prefix_keys",
     "prefix_keys_batch",
+    "prefix_memo_stats",
     "shard_of",
     "block_chain_hashes",
     "expand_block_tokens",
@@ -61,6 +62,10 @@ def namespace_digest(model: str, tenant: str) -> bytes:
 
 def prefix_keys(namespace: bytes, tokens: npt.NDArray[np.uint32], lengths: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint64]:
     """Keys of ``tokens[:c]`` for each ``c`` in ``lengths``, in one SHA-256 pass; ``NO_KEY`` past the prompt."""
+
+def prefix_memo_stats() -> tuple[int, int]:
+    """``(hits, misses)`` of the process's prefix memo: plan lengths a route found hashed before,
+    and lengths it hashed (``rust/prefix_memo.rs``)."""
 
 def prefix_keys_batch(
     namespace: bytes, tokens: npt.NDArray[np.uint32], offsets: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint32]

@@ -31,6 +31,7 @@ pub mod key_ops;
 pub mod error;
 pub mod ludo;
 pub mod patch;
+pub mod prefix_memo;
 pub mod queues;
 pub mod score;
 pub mod sim;

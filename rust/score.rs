@@ -20,7 +20,7 @@
 //! covers at most 32 workers. Tier 3 is reserved; it is read as absent so a future encoding can
 //! never be mistaken for a cache hit by an old router.
 
-use crate::chunk_hash::{prefix_keys_into, shard_of, NO_KEY};
+use crate::chunk_hash::{shard_of, NO_KEY};
 use crate::error::{CoreError, Result};
 
 /// The worker does not hold the prefix (or the index does not know).
@@ -209,7 +209,8 @@ pub fn route_with<V: TierLookup>(
     scratch.lengths.dedup();
     scratch.keys.clear();
     scratch.keys.resize(scratch.lengths.len(), NO_KEY);
-    prefix_keys_into(ns, tokens, &scratch.lengths, &mut scratch.keys)?;
+    // Through the process's memo: a prefix hashed before costs a fingerprint (prefix_memo).
+    crate::prefix_memo::keys_into(ns, tokens, &scratch.lengths, &mut scratch.keys)?;
 
     scratch.matches.clear();
     scratch.matches.resize(w_count, 0);

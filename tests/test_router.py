@@ -574,6 +574,8 @@ def test_route_matches_reference(cfg: dict[str, object]) -> None:
 
 def test_route_releases_the_gil() -> None:
     """While one thread is inside a long route call, another thread keeps running Python.
+    (Prompts up to 65,536 tokens are routed with the GIL held, reading them in place: such a
+    route is over in tens of microseconds.)
 
     A route over a 16M-token prompt whose plan reaches the last token hashes 64 MiB (tens of
     milliseconds or more). If the GIL were held for the call, the counting thread could not run
@@ -648,3 +650,34 @@ def test_route_result_gives_the_keys_it_hashed() -> None:
         r.keys_at([48])  # beyond the prompt
     with pytest.raises(ValueError, match="did not hash length 12"):
         r.keys_at([12])  # in no plan
+
+
+def test_prefix_memo_gives_the_hashed_keys_and_counts_hits() -> None:
+    """A route takes the plan lengths it hashed before from the process's prefix memo
+    (``rust/prefix_memo.rs``): the keys stay prefix_keys' own, for the same prompt, for one
+    that shares only a head with it, and in another namespace (which shares nothing)."""
+    plan = [[8, 16, 32, 64]]
+    g = Group(0, [0]).put(0, VRAM, [8, 16])
+    router = kc.Router(plan, [g.spec()])
+    w = workers(1)
+    rng = np.random.default_rng(5)
+    head = rng.integers(0, 50_000, 24).astype(np.uint32)  # a head no other test uses
+    a = np.concatenate([head, rng.integers(0, 50_000, 40).astype(np.uint32)])
+    b = np.concatenate([head, rng.integers(0, 50_000, 40).astype(np.uint32)])
+    want = {id(t): [int(k) for k in kc.prefix_keys(NS, t, np.array(plan[0], dtype=np.uint32))] for t in (a, b)}
+    hits0, misses0 = kc._core.prefix_memo_stats()
+    first = route(router, w, tokens=a)
+    assert first.keys_at(plan[0]) == want[id(a)]
+    hits1, misses1 = kc._core.prefix_memo_stats()
+    assert misses1 - misses0 >= 4  # a new prompt: every length hashed
+    again = route(router, w, tokens=a)
+    assert again.keys_at(plan[0]) == want[id(a)]
+    assert again.matches.tolist() == first.matches.tolist() and again.scores.tolist() == first.scores.tolist()
+    hits2, misses2 = kc._core.prefix_memo_stats()
+    assert hits2 - hits1 >= 4
+    other = route(router, w, tokens=b)  # shares lengths 8 and 16 with a
+    assert other.keys_at(plan[0]) == want[id(b)]
+    assert kc._core.prefix_memo_stats()[0] - hits2 >= 2
+    ns2 = kc.namespace_digest("llama-3.1-8b", "memo-test-tenant")
+    r2 = router.route(a, ns2, w["region"], w["beta"], w["wan"], w["tq"], w["belief"])
+    assert r2.keys_at(plan[0]) == [int(k) for k in kc.prefix_keys(ns2, a, np.array(plan[0], dtype=np.uint32))]

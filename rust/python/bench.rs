@@ -13,8 +13,8 @@ use sha2::{Digest, Sha256};
 use super::arrays::{f64_vec, ns_bytes, u32_vec, u64_vec};
 use super::errors::core_err;
 use super::index::{PyLudoTable, PyLudoView};
-use super::router::{PyRouter, Workers};
-use crate::score::{RouteScratch, ScoreParams};
+use super::router::PyRouter;
+use crate::score::{RouteScratch, ScoreParams, WorkerArrays};
 
 fn check_block(block: usize) -> PyResult<()> {
     if block == 0 {
@@ -108,7 +108,8 @@ fn bench_update_ns<'py>(py: Python<'py>, table: PyRef<'py, PyLudoTable>, keys: &
 fn bench_route_ns<'py>(py: Python<'py>, router: PyRef<'py, PyRouter>, tokens: &Bound<'py, PyAny>, namespace: &Bound<'py, PyAny>, region: &Bound<'py, PyAny>, beta: &Bound<'py, PyAny>, wan: &Bound<'py, PyAny>, tq: &Bound<'py, PyAny>, belief: &Bound<'py, PyAny>, n: usize, gamma: f64, lam: f64, closure: bool) -> PyResult<Bound<'py, PyArray1<f64>>> {
     let ns = ns_bytes(namespace)?;
     let tokens = u32_vec("tokens", tokens)?;
-    let w = Workers { region: u32_vec("region", region)?, beta: f64_vec("beta", beta)?, wan: f64_vec("wan", wan)?, tq: f64_vec("tq", tq)?, belief: f64_vec("belief", belief)? };
+    let (region, beta, wan, tq, belief) = (u32_vec("region", region)?, f64_vec("beta", beta)?, f64_vec("wan", wan)?, f64_vec("tq", tq)?, f64_vec("belief", belief)?);
+    let w = WorkerArrays { region: &region, beta: &beta, wan: &wan, tq: &tq, belief: &belief };
     let params = ScoreParams { gamma, lambda: lam, closure };
     let r = &*router;
     let out = py.detach(|| {

@@ -1,6 +1,13 @@
 //! `Router`: the edge's per-request call. It holds shared handles to the edge's views (patches
 //! applied to a `LudoView` are seen by the next route) and runs the whole lookup-and-score loop
-//! in one Rust call with the GIL released.
+//! in one Rust call.
+//!
+//! The GIL stays held through a route of a prompt up to 65,536 tokens: the prompt and the worker
+//! arrays are read in place, which only the GIL makes safe (released, Python code could write to
+//! them meanwhile), and copying the tokens out first was a third of a route's time. Such a route
+//! takes tens of microseconds, on the thread that serves the request. A longer prompt is copied
+//! and routed with the GIL released: its hashing alone takes long enough to hold other threads
+//! up.
 
 use std::sync::{Arc, Mutex, RwLock};
 
@@ -8,7 +15,7 @@ use numpy::{IntoPyArray, PyArray1, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-use super::arrays::{f64_vec, ns_bytes, u32_vec};
+use super::arrays::{ns_bytes, readonly_of, slice_of, u32_vec};
 use super::errors::core_err;
 use super::index::PyLudoView;
 use crate::ludo::view::LudoView;
@@ -20,14 +27,6 @@ struct TableSpec {
     shards: std::ops::Range<usize>,
 }
 
-/// Owned copies of one request's worker arrays, so the loop can run without the GIL.
-pub(crate) struct Workers {
-    pub region: Vec<u32>,
-    pub beta: Vec<f64>,
-    pub wan: Vec<f64>,
-    pub tq: Vec<f64>,
-    pub belief: Vec<f64>,
-}
 
 #[pyclass(name = "Router", module = "kvcompass._core", frozen)]
 pub struct PyRouter {
@@ -105,16 +104,36 @@ impl PyRouteResult {
     }
 }
 
+/// Prompts longer than this are routed with the GIL released (see the module docs).
+const DETACH_TOKENS: usize = 1 << 16;
+
+type Routed = (crate::score::RouteWinner, Vec<u32>, Vec<u8>, Vec<f64>, Vec<u32>, Vec<u64>);
+
 impl PyRouter {
-    pub(crate) fn run(&self, ns: &[u8; 32], tokens: &[u32], w: &Workers, params: &ScoreParams, scratch: &mut RouteScratch, only: Option<u32>) -> PyResult<crate::score::RouteWinner> {
+    /// [`PyRouter::run`] on the warm scratch when it is free (a concurrent caller gets a fresh
+    /// one instead of waiting), and the per-worker results copied out of it.
+    fn route_scratched(&self, ns: &[u8; 32], tokens: &[u32], w: &WorkerArrays<'_>, params: &ScoreParams, only: Option<u32>) -> PyResult<Routed> {
+        let mut fresh;
+        let mut guard = self.scratch.try_lock();
+        let scratch: &mut RouteScratch = match guard.as_mut() {
+            Ok(g) => g,
+            Err(_) => {
+                fresh = RouteScratch::new();
+                &mut fresh
+            }
+        };
+        let win = self.run(ns, tokens, w, params, scratch, only)?;
+        Ok((win, scratch.matches().to_vec(), scratch.tiers().to_vec(), scratch.scores().to_vec(), scratch.lengths().to_vec(), scratch.keys().to_vec()))
+    }
+
+    pub(crate) fn run(&self, ns: &[u8; 32], tokens: &[u32], wa: &WorkerArrays<'_>, params: &ScoreParams, scratch: &mut RouteScratch, only: Option<u32>) -> PyResult<crate::score::RouteWinner> {
         let mut guards = Vec::with_capacity(self.views.len());
         for v in &self.views {
             guards.push(v.read().map_err(|_| PyRuntimeError::new_err("view lock poisoned"))?);
         }
         let refs: Vec<&LudoView> = guards.iter().map(|g| &**g).collect();
         let tables: Vec<RouteTable<'_, &LudoView>> = self.tables.iter().map(|t| RouteTable { region: t.region, workers: &t.workers, shards: &refs[t.shards.clone()] }).collect();
-        let wa = WorkerArrays { region: &w.region, beta: &w.beta, wan: &w.wan, tq: &w.tq, belief: &w.belief };
-        route_with(scratch, ns, tokens, &self.plan, &tables, &wa, params, only).map_err(core_err)
+        route_with(scratch, ns, tokens, &self.plan, &tables, wa, params, only).map_err(core_err)
     }
 }
 
@@ -149,7 +168,8 @@ impl PyRouter {
     }
 
     /// Route one prompt: hash every plan length once, read every table, apply the closure
-    /// check, score every worker. GIL released for the whole loop. With `only_region` only
+    /// check, score every worker (the GIL held for prompts up to 65,536 tokens: see the module
+    /// docs). With `only_region` only
     /// that region's plan and tables are read and every other worker scores infinity (its own
     /// workers' figures are the full route's).
     /// With `tie_ms` the result also lists the workers within `tie_ms` of the best
@@ -159,24 +179,20 @@ impl PyRouter {
     #[allow(clippy::too_many_arguments)]
     fn route(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>, namespace: &Bound<'_, PyAny>, region: &Bound<'_, PyAny>, beta: &Bound<'_, PyAny>, wan: &Bound<'_, PyAny>, tq: &Bound<'_, PyAny>, belief: &Bound<'_, PyAny>, gamma: f64, lam: f64, closure: bool, only_region: Option<u32>, tie_ms: Option<f64>) -> PyResult<PyRouteResult> {
         let ns = ns_bytes(namespace)?;
-        let tokens = u32_vec("tokens", tokens)?;
-        let w = Workers { region: u32_vec("region", region)?, beta: f64_vec("beta", beta)?, wan: f64_vec("wan", wan)?, tq: f64_vec("tq", tq)?, belief: f64_vec("belief", belief)? };
+        let (tok, reg) = (readonly_of::<u32>("tokens", "uint32", tokens)?, readonly_of::<u32>("region", "uint32", region)?);
+        let (b, wn) = (readonly_of::<f64>("beta", "float64", beta)?, readonly_of::<f64>("wan", "float64", wan)?);
+        let (q, bel) = (readonly_of::<f64>("tq", "float64", tq)?, readonly_of::<f64>("belief", "float64", belief)?);
+        let tokens = slice_of("tokens", &tok)?;
+        let w = WorkerArrays { region: slice_of("region", &reg)?, beta: slice_of("beta", &b)?, wan: slice_of("wan", &wn)?, tq: slice_of("tq", &q)?, belief: slice_of("belief", &bel)? };
         let params = ScoreParams { gamma, lambda: lam, closure };
-        let (win, m, t, s, lengths, keys) = py.detach(|| {
-            // Reuse the warm scratch when free; a concurrent caller gets a fresh one instead of
-            // waiting.
-            let mut fresh;
-            let mut guard = self.scratch.try_lock();
-            let scratch: &mut RouteScratch = match guard.as_mut() {
-                Ok(g) => g,
-                Err(_) => {
-                    fresh = RouteScratch::new();
-                    &mut fresh
-                }
-            };
-            let win = self.run(&ns, &tokens, &w, &params, scratch, only_region)?;
-            Ok::<_, PyErr>((win, scratch.matches().to_vec(), scratch.tiers().to_vec(), scratch.scores().to_vec(), scratch.lengths().to_vec(), scratch.keys().to_vec()))
-        })?;
+        let (win, m, t, s, lengths, keys) = if tokens.len() > DETACH_TOKENS {
+            // Hashing a prompt this long takes long enough for other threads to want the GIL:
+            // copies (a small cost beside the hashing) and the loop without it.
+            let (tokens, region, beta, wan, tq, belief) = (tokens.to_vec(), w.region.to_vec(), w.beta.to_vec(), w.wan.to_vec(), w.tq.to_vec(), w.belief.to_vec());
+            py.detach(|| self.route_scratched(&ns, &tokens, &WorkerArrays { region: &region, beta: &beta, wan: &wan, tq: &tq, belief: &belief }, &params, only_region))?
+        } else {
+            self.route_scratched(&ns, tokens, &w, &params, only_region)?
+        };
         let near = match tie_ms {
             // The same comparison as numpy's `scores <= best + tie_ms` (IEEE, no fused ops).
             Some(tie) => {
@@ -185,7 +201,7 @@ impl PyRouter {
             }
             None => Vec::new(),
         };
-        let local_match = m.iter().zip(&w.region).filter(|&(_, &r)| r == 0).map(|(&x, _)| x).max().unwrap_or(0);
+        let local_match = m.iter().zip(w.region).filter(|&(_, &r)| r == 0).map(|(&x, _)| x).max().unwrap_or(0);
         Ok(PyRouteResult {
             winner: win.winner,
             score: win.score,
@@ -213,7 +229,16 @@ impl PyRouter {
     }
 }
 
+/// ``(hits, misses)`` of the process's prefix memo (``rust/prefix_memo.rs``): plan lengths a
+/// route found hashed before, and lengths it hashed. For the operators' metrics and the tests.
+#[pyfunction]
+fn prefix_memo_stats() -> (u64, u64) {
+    let s = crate::prefix_memo::stats();
+    (s.hits, s.misses)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(prefix_memo_stats, m)?)?;
     m.add_class::<PyRouter>()?;
     m.add_class::<PyRouteResult>()?;
     Ok(())
