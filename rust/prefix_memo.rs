@@ -17,7 +17,8 @@
 //! can build such a pair offline, and a chance collision of 128 bits is not a practical event.
 //! Even then the cost is a routing guess, not data: a worker's engine checks its own cache.
 //!
-//! Bounded: a direct-mapped table of [`SLOTS`] entries (128 bytes each, 4 MiB), a new prefix
+//! Bounded: a direct-mapped table of [`SLOTS`] entries (a 32-byte tag and a 104-byte state each,
+//! 4.25 MiB), a new prefix
 //! replacing whatever shared its slot. One table per process behind a lock; a caller that finds
 //! it taken hashes without it rather than wait.
 
@@ -32,13 +33,14 @@ use crate::error::{CoreError, Result};
 /// Entries of the process's memo (a power of two).
 pub const SLOTS: usize = 1 << 15;
 
+/// What a lookup reads: the prefix's fingerprint (odd; 0: an empty slot) and its key. The
+/// hashing state sits apart (`PrefixMemo::states`, same index) and is read only where hashing
+/// resumes, so a hit touches one cache line.
 #[derive(Clone, Copy)]
-struct Slot {
-    /// The prefix's fingerprint, odd (0: an empty slot).
+#[repr(align(32))]
+struct Tag {
     fp: u128,
     key: u64,
-    /// The hashing state after the namespace digest and the prefix's tokens.
-    state: Midstate,
 }
 
 /// Counters: lengths found in the memo, and lengths hashed (and filed).
@@ -49,7 +51,9 @@ pub struct MemoStats {
 }
 
 pub struct PrefixMemo {
-    slots: Vec<Slot>,
+    tags: Vec<Tag>,
+    /// The hashing state after the namespace digest and the slot's prefix.
+    states: Vec<Midstate>,
     seed: u64,
     stats: MemoStats,
 }
@@ -70,7 +74,7 @@ impl PrefixMemo {
     /// under `seed`.
     pub fn new(slots: usize, seed: u64) -> Self {
         let n = slots.max(1).next_power_of_two();
-        PrefixMemo { slots: vec![Slot { fp: 0, key: 0, state: Midstate::default() }; n], seed, stats: MemoStats::default() }
+        PrefixMemo { tags: vec![Tag { fp: 0, key: 0 }; n], states: vec![Midstate::default(); n], seed, stats: MemoStats::default() }
     }
 
     pub fn stats(&self) -> MemoStats {
@@ -90,18 +94,20 @@ impl PrefixMemo {
         if !cfg!(target_endian = "little") {
             return prefix_keys_into(ns, tokens, lengths, out);
         }
-        let mask = self.slots.len() - 1;
+        let mask = self.tags.len() - 1;
         let fitting = lengths.partition_point(|&c| c as usize <= tokens.len());
         out[fitting..].fill(NO_KEY);
-        // Every fingerprint first, each slot fetched as soon as it is known: the slots are
-        // random lines of a 4 MiB table, and their misses overlap instead of queueing.
+        // Every fingerprint first, each tag fetched as soon as it is known: the tags are random
+        // lines of a 1 MiB table, and their misses overlap instead of queueing.
         let mut fps = [0u128; 64];
         let mut fp = Xxh3::with_seed(self.seed);
         fp.update(ns);
         let mut fp_at = 0usize;
         let mut from = 0usize;
-        // The hashing state and how many tokens it has taken; built only on the first miss.
+        // The hashing state and how many tokens it has taken (built on the first miss), and the
+        // slot and length of the latest hit past it, whose state a miss resumes from.
         let mut state: Option<(Midstate, usize)> = None;
+        let mut resume: Option<(usize, usize)> = None;
         while from < fitting {
             let to = fitting.min(from + fps.len());
             for (f, &c) in fps.iter_mut().zip(&lengths[from..to]) {
@@ -109,27 +115,33 @@ impl PrefixMemo {
                 fp.update(bytes(&tokens[fp_at..c]));
                 fp_at = c;
                 *f = fp.digest128() | 1;
-                crate::ludo::prefetch(&self.slots, (*f >> 64) as usize & mask);
+                crate::ludo::prefetch(&self.tags, (*f >> 64) as usize & mask);
             }
             for (i, &f) in (from..to).zip(&fps) {
                 let c = lengths[i] as usize;
-                let slot = &mut self.slots[(f >> 64) as usize & mask];
-                if slot.fp == f {
-                    out[i] = slot.key;
-                    state = Some((slot.state, c));
+                let at_slot = (f >> 64) as usize & mask;
+                let tag = self.tags[at_slot];
+                if tag.fp == f {
+                    out[i] = tag.key;
+                    resume = Some((at_slot, c));
                     self.stats.hits += 1;
                     continue;
                 }
-                let (st, at) = state.get_or_insert_with(|| {
-                    let mut m = Midstate::default();
-                    m.update(ns);
-                    (m, 0)
-                });
+                let (st, at) = match (resume.take(), state.as_mut()) {
+                    (Some((j, hit_at)), _) => state.insert((self.states[j], hit_at)),
+                    (None, Some(s)) => s,
+                    (None, None) => {
+                        let mut m = Midstate::default();
+                        m.update(ns);
+                        state.insert((m, 0))
+                    }
+                };
                 st.update(bytes(&tokens[*at..c]));
                 *at = c;
                 let key = key_from_digest(&st.finalize());
                 out[i] = key;
-                *slot = Slot { fp: f, key, state: *st };
+                self.tags[at_slot] = Tag { fp: f, key };
+                self.states[at_slot] = *st;
                 self.stats.misses += 1;
             }
             from = to;
