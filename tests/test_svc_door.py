@@ -502,6 +502,17 @@ def test_models_metrics_and_health_respond() -> None:
                 assert r.headers["Content-Type"].startswith("text/plain")
                 m = await r.text()
             assert metric(m, "kvcompass_door_route_latency_seconds_count") == 1.0
+            # The process's prefix memo: a new prompt long enough for plan lengths is hashed, its
+            # repeat is not.
+            long_prompt = " ".join(f"memo{i}" for i in range(300))
+            seen = []
+            for _ in range(2):
+                status, _, _ = await complete(t.client, {"prompt": long_prompt})
+                assert status == 200
+                m2 = await t.metrics()
+                seen.append((metric(m2, "kvcompass_door_prefix_memo_hits"), metric(m2, "kvcompass_door_prefix_memo_misses")))
+            (h1, m1), (h2, m2_) = seen
+            assert m1 > metric(m, "kvcompass_door_prefix_memo_misses") and h2 > h1 and m2_ == m1
             assert metric(m, "kvcompass_door_edge_healthy") == 1.0
             for w in edge.workers:
                 assert metric(m, "kvcompass_door_worker_belief", worker=w) == 1.0

@@ -78,6 +78,7 @@ import numpy.typing as npt
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvcompass import _core
 from kvcompass.discovery.edge import Decision, Edge
 from kvcompass.discovery.migration import MigrationAction
 from kvcompass.errors import DrainingError, InvalidArgumentError, KVCompassError, MessageTooLargeError, NotAllowedError, RateLimitedError, UnauthenticatedError
@@ -281,6 +282,12 @@ class _Metrics:
         self.routes = _Children(Counter(p + "routes", "Requests routed, by the chosen worker's region", ["worker_region"], registry=registry))
         self.refused_connections = Gauge(p + "refused_connections", "Connections refused because their client address held max_connections_per_address (since start)", registry=registry)
         self.header_timeouts = Gauge(p + "header_timeouts", "Connections closed because a request head was not whole within header_timeout_s of the connection or of its first byte (since start)", registry=registry)
+        # The process's prefix memo (rust/prefix_memo.rs), read at scrape time: how much of the
+        # routes' prompt hashing it saved.
+        self.prefix_memo_hits = Gauge(p + "prefix_memo_hits", "Plan lengths routes found in the process's prefix memo instead of hashing them (since start)", registry=registry)
+        self.prefix_memo_hits.set_function(lambda: _core.prefix_memo_stats()[0])
+        self.prefix_memo_misses = Gauge(p + "prefix_memo_misses", "Plan lengths routes hashed with SHA-256 and filed in the prefix memo (since start)", registry=registry)
+        self.prefix_memo_misses.set_function(lambda: _core.prefix_memo_stats()[1])
         self.peer_failures = Counter(p + "peer_failures", "Hand-offs a peer door failed to answer (the worker was then tried directly when its URL is known)", registry=registry)
         self.peer_doors = Gauge(p + "peer_doors", "Other regions' doors this door hands requests to", registry=registry)
         self.migrations = Counter(
