@@ -18,9 +18,8 @@
 //! Even then the cost is a routing guess, not data: a worker's engine checks its own cache.
 //!
 //! Bounded: a direct-mapped table of [`SLOTS`] entries (a 32-byte tag and a 104-byte state each,
-//! 4.25 MiB), a new prefix
-//! replacing whatever shared its slot. One table per process behind a lock; a caller that finds
-//! it taken hashes without it rather than wait.
+//! 4.25 MiB), a new prefix replacing whatever shared its slot. One table per process behind a
+//! lock; a caller that finds it taken hashes without it rather than wait.
 
 use std::hash::BuildHasher;
 use std::sync::{Mutex, OnceLock};

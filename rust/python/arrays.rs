@@ -1,4 +1,5 @@
-//! numpy in, owned Rust values out, with errors that name the argument and what was wrong.
+//! numpy in, borrowed slices or owned Rust values out, with errors that name the argument and
+//! what was wrong.
 
 use numpy::{Element, PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;

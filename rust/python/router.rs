@@ -27,7 +27,6 @@ struct TableSpec {
     shards: std::ops::Range<usize>,
 }
 
-
 #[pyclass(name = "Router", module = "kvcompass._core", frozen)]
 pub struct PyRouter {
     plan: Vec<Vec<u32>>,
@@ -169,9 +168,8 @@ impl PyRouter {
 
     /// Route one prompt: hash every plan length once, read every table, apply the closure
     /// check, score every worker (the GIL held for prompts up to 65,536 tokens: see the module
-    /// docs). With `only_region` only
-    /// that region's plan and tables are read and every other worker scores infinity (its own
-    /// workers' figures are the full route's).
+    /// docs). With `only_region` only that region's plan and tables are read and every other
+    /// worker scores infinity (its own workers' figures are the full route's).
     /// With `tie_ms` the result also lists the workers within `tie_ms` of the best
     /// ([`PyRouteResult::near`]). `local_match` is the longest match among region 0's workers
     /// (an edge passes its own region as 0).
