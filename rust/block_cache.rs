@@ -91,6 +91,13 @@ impl Run {
 pub trait TokenSource: Send + Sync {
     /// The whole prompt of request `src`.
     fn tokens(&self, src: u32) -> Vec<u32>;
+
+    /// Tokens `first * block_size .. (first + n) * block_size` of request `src`'s prompt (whole
+    /// blocks inside it). A demotion's event needs a few blocks of a prompt: a source that can
+    /// make them alone (the simulator's, from their ids) need not make the whole prompt.
+    fn block_tokens(&self, src: u32, first: usize, n: usize, block_size: usize) -> Vec<u32> {
+        self.tokens(src)[first * block_size..(first + n) * block_size].to_vec()
+    }
 }
 
 /// A victim-heap entry: a run's leaf in one tier, ordered as `(uses, last, stamp)`; the stamp
@@ -928,6 +935,14 @@ impl BlockCache {
     }
 
     /// The parent name of block `j` of run `r`.
+    /// Append the tokens of a stretch `(source, first block, blocks)` of a source-backed run.
+    fn source_blocks(&self, span: Option<(u32, usize, usize)>, out: &mut Vec<u32>) {
+        if let Some((s, first, n)) = span {
+            let source = self.source.as_ref().expect("a source-backed run's cache has a source");
+            out.extend_from_slice(&source.block_tokens(s, first, n, self.block_size));
+        }
+    }
+
     fn parent_of(&self, r: &Run, j: usize) -> Option<u64> {
         if j > 0 {
             Some(r.ids[j - 1])
@@ -961,23 +976,29 @@ impl BlockCache {
                 tails.insert(x.0, c);
             }
             let bs = self.block_size;
-            let mut prompt: Option<(u32, Vec<u32>)> = None; // the last source prompt expanded
             for c in chains {
                 let mut tokens = Vec::with_capacity(c.len() * bs);
+                // Source-backed blocks are asked for a stretch at a time: (source, first block, n).
+                let mut span: Option<(u32, usize, usize)> = None;
                 for &(_, ri, j) in &c {
                     let r = &self.runs[ri as usize];
                     if let Some(s) = r.src {
-                        if prompt.as_ref().is_none_or(|p| p.0 != s) {
-                            let source = self.source.as_ref().expect("a source-backed run's cache has a source");
-                            prompt = Some((s, source.tokens(s)));
+                        let at = (r.pos + j) as usize;
+                        match &mut span {
+                            Some((s0, first, n)) if *s0 == s && *first + *n == at => *n += 1,
+                            _ => {
+                                self.source_blocks(span.take(), &mut tokens);
+                                span = Some((s, at, 1));
+                            }
                         }
-                        let p = &prompt.as_ref().expect("expanded").1;
-                        let at = (r.pos + j) as usize * bs;
-                        tokens.extend_from_slice(&p[at..at + bs]);
-                    } else if !r.toks.is_empty() {
-                        tokens.extend_from_slice(&r.toks[j as usize * bs..(j as usize + 1) * bs]);
+                    } else {
+                        self.source_blocks(span.take(), &mut tokens);
+                        if !r.toks.is_empty() {
+                            tokens.extend_from_slice(&r.toks[j as usize * bs..(j as usize + 1) * bs]);
+                        }
                     }
                 }
+                self.source_blocks(span, &mut tokens);
                 let (_, ri, j) = c[0];
                 let r = &self.runs[ri as usize];
                 let parent = self.parent_of(r, j as usize);

@@ -322,6 +322,25 @@ impl TokenSource for Prompts {
     fn tokens(&self, req: u32) -> Vec<u32> {
         self.tokens_upto(req, usize::MAX)
     }
+
+    /// Only the blocks asked for are expanded (a block's tokens depend on its id alone): a
+    /// demotion's event under cache churn takes a few blocks of a 5,000-token prompt, and
+    /// expanding the whole prompt for them was a tenth of a paper-scale KVCompass run.
+    fn block_tokens(&self, req: u32, first: usize, n: usize, block_size: usize) -> Vec<u32> {
+        let r = self.reqs[req as usize];
+        let (lo, hi) = (first * block_size, (first + n) * block_size);
+        if r.block_size as usize != block_size || hi > r.input_length as usize {
+            return self.tokens(req)[lo..hi].to_vec();
+        }
+        let slice = &self.ids[self.id_offs[req as usize]..self.id_offs[req as usize + 1]];
+        if r.runs {
+            let chains: Vec<u64> = slice.iter().step_by(2).copied().collect();
+            let counts: Vec<u64> = slice.iter().skip(1).step_by(2).copied().collect();
+            expand_blocks(&chain_block_ids(&chains, &counts)[first..first + n], hi - lo, block_size)
+        } else {
+            expand_blocks(&slice[first..first + n], hi - lo, block_size)
+        }
+    }
 }
 
 /// Per-block values of runs of synthetic ids (the blocks' names, or prefix-sum terms), by (name
@@ -1905,5 +1924,29 @@ mod tests {
             }
         }
         assert_eq!(p.chain(0, bs, &mut memo), p.chain(p.reqs.len() as u32 - 1, bs, &mut memo));
+    }
+
+    /// A stretch of a prompt's blocks, expanded alone, is that stretch of the whole prompt's
+    /// tokens: for prompts given as runs (a stretch across a run's end too) and as plain ids,
+    /// and through the general path for another block size.
+    #[test]
+    fn block_tokens_are_the_prompts_own() {
+        let (a, b) = (crate::token_ids::mix64(7) & MAX_ID, crate::token_ids::mix64(8) & MAX_ID);
+        let plain = chain_block_ids(&[a, b], &[6, 4]);
+        let mut ids = vec![a, 6, b, 4];
+        ids.extend(&plain);
+        let p = Prompts { reqs: vec![spec(10 * 16, 16, 0, true), spec(10 * 16 - 5, 16, 0, false)], ids, id_offs: vec![0, 4, 14] };
+        for req in 0..2u32 {
+            let all = p.tokens(req);
+            let whole = all.len() / 16;
+            for first in 0..whole {
+                for n in 1..=whole - first {
+                    assert_eq!(p.block_tokens(req, first, n, 16), all[first * 16..(first + n) * 16].to_vec(), "request {req}, blocks {first}+{n}");
+                }
+            }
+            // Another block size than the request's: the general path.
+            assert_eq!(p.block_tokens(req, 3, 2, 8), all[24..40].to_vec());
+        }
+        assert_eq!(p.tokens(0)[..9 * 16], p.tokens(1)[..9 * 16]); // the same blocks, two forms
     }
 }
