@@ -934,7 +934,6 @@ impl BlockCache {
         }
     }
 
-    /// The parent name of block `j` of run `r`.
     /// Append the tokens of a stretch `(source, first block, blocks)` of a source-backed run.
     fn source_blocks(&self, span: Option<(u32, usize, usize)>, out: &mut Vec<u32>) {
         if let Some((s, first, n)) = span {
@@ -943,6 +942,7 @@ impl BlockCache {
         }
     }
 
+    /// The parent name of block `j` of run `r`.
     fn parent_of(&self, r: &Run, j: usize) -> Option<u64> {
         if j > 0 {
             Some(r.ids[j - 1])
