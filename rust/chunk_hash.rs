@@ -136,7 +136,7 @@ pub fn prefix_keys_batch(ns: &[u8; 32], tokens: &[u32], offsets: &[u64], lengths
 const BLOCK_DOMAIN: &[u8] = b"kvcompass-block-v2";
 
 /// `tokens` as little-endian bytes: the slice itself on a little-endian machine, a copy otherwise.
-fn le_bytes(tokens: &[u32]) -> std::borrow::Cow<'_, [u8]> {
+pub(crate) fn le_bytes(tokens: &[u32]) -> std::borrow::Cow<'_, [u8]> {
     #[cfg(target_endian = "little")]
     {
         // SAFETY: u32 has no padding and any byte pattern is a valid u8; the length is exact and

@@ -26,7 +26,7 @@ use std::sync::{Mutex, OnceLock};
 
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::chunk_hash::{key_from_digest, prefix_keys_into, Midstate, NO_KEY};
+use crate::chunk_hash::{key_from_digest, le_bytes, prefix_keys_into, Midstate, NO_KEY};
 use crate::error::{CoreError, Result};
 
 /// Entries of the process's memo (a power of two).
@@ -57,17 +57,6 @@ pub struct PrefixMemo {
     stats: MemoStats,
 }
 
-#[inline]
-fn bytes(tokens: &[u32]) -> &[u8] {
-    // SAFETY: u32 has no padding and any byte pattern is a valid u8.
-    let b = unsafe { std::slice::from_raw_parts(tokens.as_ptr() as *const u8, std::mem::size_of_val(tokens)) };
-    if cfg!(target_endian = "little") {
-        b
-    } else {
-        unreachable!("prefix keys hash little-endian token bytes; the memo is built for little-endian targets only")
-    }
-}
-
 impl PrefixMemo {
     /// A memo of `slots` entries (rounded up to a power of two, at least 1) fingerprinting
     /// under `seed`.
@@ -90,9 +79,6 @@ impl PrefixMemo {
         if lengths.first() == Some(&0) || lengths.windows(2).any(|w| w[0] >= w[1]) {
             return Err(CoreError::InvalidArgument(format!("memoised prefix lengths must ascend strictly from >= 1, got {lengths:?}")));
         }
-        if !cfg!(target_endian = "little") {
-            return prefix_keys_into(ns, tokens, lengths, out);
-        }
         let mask = self.tags.len() - 1;
         let fitting = lengths.partition_point(|&c| c as usize <= tokens.len());
         out[fitting..].fill(NO_KEY);
@@ -111,7 +97,7 @@ impl PrefixMemo {
             let to = fitting.min(from + fps.len());
             for (f, &c) in fps.iter_mut().zip(&lengths[from..to]) {
                 let c = c as usize;
-                fp.update(bytes(&tokens[fp_at..c]));
+                fp.update(&le_bytes(&tokens[fp_at..c]));
                 fp_at = c;
                 *f = fp.digest128() | 1;
                 crate::ludo::prefetch(&self.tags, (*f >> 64) as usize & mask);
@@ -135,7 +121,7 @@ impl PrefixMemo {
                         state.insert((m, 0))
                     }
                 };
-                st.update(bytes(&tokens[*at..c]));
+                st.update(&le_bytes(&tokens[*at..c]));
                 *at = c;
                 let key = key_from_digest(&st.finalize());
                 out[i] = key;

@@ -233,18 +233,22 @@ struct Prompts {
 }
 
 impl Prompts {
+    /// The block ids of request `req`'s prompt (its runs' ids, or its plain ids as they are).
+    fn block_ids(&self, req: u32) -> std::borrow::Cow<'_, [u64]> {
+        let slice = &self.ids[self.id_offs[req as usize]..self.id_offs[req as usize + 1]];
+        if self.reqs[req as usize].runs {
+            let chains: Vec<u64> = slice.iter().step_by(2).copied().collect();
+            let counts: Vec<u64> = slice.iter().skip(1).step_by(2).copied().collect();
+            std::borrow::Cow::Owned(chain_block_ids(&chains, &counts))
+        } else {
+            std::borrow::Cow::Borrowed(slice)
+        }
+    }
+
     /// The first `n` tokens of request `req`'s prompt (all of them when `n` is larger).
     fn tokens_upto(&self, req: u32, n: usize) -> Vec<u32> {
         let r = self.reqs[req as usize];
-        let n = n.min(r.input_length as usize);
-        let slice = &self.ids[self.id_offs[req as usize]..self.id_offs[req as usize + 1]];
-        if r.runs {
-            let chains: Vec<u64> = slice.iter().step_by(2).copied().collect();
-            let counts: Vec<u64> = slice.iter().skip(1).step_by(2).copied().collect();
-            expand_blocks(&chain_block_ids(&chains, &counts), n, r.block_size as usize)
-        } else {
-            expand_blocks(slice, n, r.block_size as usize)
-        }
+        expand_blocks(&self.block_ids(req), n.min(r.input_length as usize), r.block_size as usize)
     }
 
     /// The seed-free block chain of request `req`'s prompt under its salt's seed: what
@@ -332,14 +336,7 @@ impl TokenSource for Prompts {
         if r.block_size as usize != block_size || hi > r.input_length as usize {
             return self.tokens(req)[lo..hi].to_vec();
         }
-        let slice = &self.ids[self.id_offs[req as usize]..self.id_offs[req as usize + 1]];
-        if r.runs {
-            let chains: Vec<u64> = slice.iter().step_by(2).copied().collect();
-            let counts: Vec<u64> = slice.iter().skip(1).step_by(2).copied().collect();
-            expand_blocks(&chain_block_ids(&chains, &counts)[first..first + n], hi - lo, block_size)
-        } else {
-            expand_blocks(&slice[first..first + n], hi - lo, block_size)
-        }
+        expand_blocks(&self.block_ids(req)[first..first + n], hi - lo, block_size)
     }
 }
 
