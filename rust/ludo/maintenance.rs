@@ -73,16 +73,8 @@ struct Bucket {
 
 // SAFETY: integers only, no padding (4 x u64).
 unsafe impl Plain for Bucket {}
-// SAFETY: two u8, no padding.
-unsafe impl Plain for Meta {}
 
 const EMPTY_BUCKET: Bucket = Bucket { keys: [EMPTY; SLOTS] };
-
-#[derive(Clone, Copy, Debug, Default)]
-struct Meta {
-    seed: u8,
-    count: u8,
-}
 
 #[derive(Clone, Debug)]
 pub struct LudoTable {
@@ -91,7 +83,12 @@ pub struct LudoTable {
     seeds: Seeds,
     view: LudoView,
     buckets: HugeBuf<Bucket>,
-    meta: HugeBuf<Meta>,
+    /// One bit a bucket: set when all its slots are taken. A cuckoo search asks this of every
+    /// bucket it reaches; at an eighth of a byte a bucket (33 KB a million entries) it stays in
+    /// the core's cache, where a per-bucket byte array (and the key lines themselves) would not.
+    /// A bucket's slot seed is the mirror view's and its count is read off its key line, so
+    /// nothing else is kept per bucket.
+    full: HugeBuf<u64>,
     forest: Forest,
     live: u64,
     seq: u64,
@@ -125,7 +122,7 @@ impl LudoTable {
             seeds: Seeds::from_table_seed(geo.seed),
             view: LudoView::empty(cfg.table, cfg.shard, cfg.epoch, geo)?,
             buckets: HugeBuf::filled(nb, EMPTY_BUCKET),
-            meta: HugeBuf::filled(nb, Meta::default()),
+            full: HugeBuf::filled(nb.div_ceil(64), 0),
             forest: Forest::new(geo.ma, geo.mb),
             live: 0,
             seq: 0,
@@ -196,7 +193,7 @@ impl LudoTable {
         self.geo.value_bits
     }
 
-    /// Bytes held, by part: `keys` (the bucket array), `meta` (slot seeds and counts), `view`
+    /// Bytes held, by part: `keys` (the bucket array), `meta` (the buckets' full bits), `view`
     /// (the mirror: values, fingerprints, Othello bits, fallback), `forest_nodes` and
     /// `forest_lists` (the Othello graph), `scratch` (search and walk buffers, the struct) and
     /// `pending` (the batch being built).
@@ -205,7 +202,7 @@ impl LudoTable {
         let scratch = std::mem::size_of::<Self>() - std::mem::size_of::<LudoView>() - std::mem::size_of::<Forest>() + 4 * self.visited.capacity() + 12 * self.bfs.capacity() + 12 * self.path.capacity() + 4 * self.step.flips.capacity() + walk;
         [
             ("keys", self.buckets.bytes()),
-            ("meta", self.meta.bytes()),
+            ("meta", self.full.bytes()),
             ("view", self.view.memory_bytes()),
             ("forest_nodes", nodes),
             ("forest_lists", lists),
@@ -239,18 +236,46 @@ impl LudoTable {
         Ok(())
     }
 
-    /// The slot of `key` among its candidate buckets (b0, b1), if it sits in one.
+    /// Keys in `bucket` (read off its key line).
     #[inline]
-    fn find_in(&self, key: u64, b0: u32, b1: u32) -> Option<(u32, usize)> {
-        for b in [b0, b1] {
-            let bk = &self.buckets[b as usize];
-            for s in 0..SLOTS {
-                if bk.keys[s] == key {
-                    return Some((b, s));
-                }
-            }
+    fn count(&self, bucket: u32) -> u32 {
+        self.buckets[bucket as usize].keys.iter().map(|&k| (k != EMPTY) as u32).sum()
+    }
+
+    #[inline]
+    fn is_full(&self, bucket: u32) -> bool {
+        (self.full[(bucket >> 6) as usize] >> (bucket & 63)) & 1 != 0
+    }
+
+    #[inline]
+    fn set_full(&mut self, bucket: u32, full: bool) {
+        let (w, m) = ((bucket >> 6) as usize, 1u64 << (bucket & 63));
+        if full {
+            self.full[w] |= m;
+        } else {
+            self.full[w] &= !m;
         }
-        None
+    }
+
+    /// The slot of `key` among its candidate buckets (b0, b1), if it sits in one.
+    ///
+    /// Branch-free over the eight slots: which slot holds the key is unpredictable, and a branch
+    /// on it would be mispredicted only once the key lines arrive, throwing away the next op's
+    /// already issued reads. Comparing all eight into a mask leaves one predictable branch
+    /// (found or not), so consecutive writes overlap their cache misses.
+    #[inline(always)]
+    fn find_in(&self, key: u64, b0: u32, b1: u32) -> Option<(u32, usize)> {
+        let (k0, k1) = (&self.buckets[b0 as usize].keys, &self.buckets[b1 as usize].keys);
+        let mut m = 0u32;
+        for s in 0..SLOTS {
+            m |= ((k0[s] == key) as u32) << s;
+            m |= ((k1[s] == key) as u32) << (s + SLOTS);
+        }
+        if m == 0 {
+            return None;
+        }
+        let i = m.trailing_zeros() as usize;
+        Some((if i < SLOTS { b0 } else { b1 }, i % SLOTS))
     }
 
     /// The value of the key at (bucket, slot), read from the mirror view.
@@ -441,7 +466,7 @@ impl LudoTable {
         self.forest.prefetch_lists(u, v);
         self.forest.remove_edge(u, v);
         self.buckets[bi].keys[s] = EMPTY;
-        self.meta[bi].count -= 1;
+        self.set_full(b, false);
         self.live -= 1;
         self.emit(Op::ClearSlot { bucket: b, slot: s as u8 });
         old
@@ -532,6 +557,13 @@ impl LudoTable {
         // so their cache misses overlap instead of queueing one after the other.
         let plan = self.plan_place(key, b0, b1);
         let join = self.forest.check_join(u, v);
+        // Half of new keys need their class bit set by flipping the smaller side: warm its cells
+        // while the plan's seeds are worked out.
+        if matches!(join, Join::Free) {
+            for &c in self.forest.join_side() {
+                self.view.prefetch_cell(c);
+            }
+        }
         self.forest.prefetch_lists(u, v); // for the edge's own add, after the moves
         // A path's slot seeds read its destinations' key lines, requested by the search: by now
         // the walk has waited for them too. Every bucket on the path must get a slot seed for its
@@ -571,7 +603,7 @@ impl LudoTable {
     /// `key`: the current seed when it already separates them, else the smallest one that does.
     fn seed_for(&self, bucket: u32, out: Option<usize>, key: u64) -> Option<u8> {
         let bk = &self.buckets[bucket as usize];
-        let cur = self.meta[bucket as usize].seed;
+        let cur = self.view.seed_at(&self.geo, bucket);
         let hk = hash::slot_hash(key, &self.seeds);
         let s_new = hash::slot_of(hk, cur);
         if bk.keys[s_new] == EMPTY || out == Some(s_new) {
@@ -594,12 +626,12 @@ impl LudoTable {
 
     /// Put (key, value) into `bucket` with slot seed `seed` (from [`Self::seed_for`]),
     /// moving the bucket's other keys to their slots under that seed. Writes the view step
-    /// (without flips) into `step`.
+    /// into `step`, all but its flips (left as they are).
     fn place(&mut self, bucket: u32, seed: u8, key: u64, value: u64, step: &mut Step) {
         let bi = bucket as usize;
         let mut perm = [PERM_EMPTY; SLOTS];
         let old = self.buckets[bi];
-        if seed == self.meta[bi].seed {
+        if seed == self.view.seed_at(&self.geo, bucket) {
             for (j, p) in perm.iter_mut().enumerate() {
                 if old.keys[j] != EMPTY {
                     *p = j as u8;
@@ -614,19 +646,19 @@ impl LudoTable {
                     self.buckets[bi].keys[t] = old.keys[j];
                 }
             }
-            self.meta[bi].seed = seed;
         }
         let slot = hash::slot(key, &self.seeds, seed);
         debug_assert_eq!(self.buckets[bi].keys[slot], EMPTY);
         self.buckets[bi].keys[slot] = key;
-        self.meta[bi].count += 1;
+        if self.buckets[bi].keys.iter().all(|&k| k != EMPTY) {
+            self.set_full(bucket, true);
+        }
         step.bucket = bucket;
         step.seed = seed;
         step.perm = perm;
         step.slot = slot as u8;
         step.value = value;
         step.fp = hash::fingerprint(key, &self.seeds, self.geo.fp_bits) as u16;
-        step.flips.clear();
     }
 
     /// Where a new key goes: a bucket with room among its two (the emptier first, with the slot
@@ -636,7 +668,7 @@ impl LudoTable {
     /// Changes nothing but scratch space.
     fn plan_place(&mut self, key: u64, b0: u32, b1: u32) -> Option<(u32, Option<PathSeeds>)> {
         self.path.clear();
-        let (c0, c1) = (self.meta[b0 as usize].count, self.meta[b1 as usize].count);
+        let (c0, c1) = (self.count(b0), self.count(b1));
         // Prefer the emptier candidate so buckets fill evenly.
         let first = if c1 < c0 { [b1, b0] } else { [b0, b1] };
         for &b in &first {
@@ -648,7 +680,7 @@ impl LudoTable {
         }
         // Breadth-first over buckets, a level at a time: entry i = (bucket, parent entry, slot of
         // the key in the parent bucket that moves into this bucket). Whether a bucket has room is
-        // read from `meta` (two bytes a bucket: it stays in cache), so a level costs one round of
+        // read from the full bits (they stay in cache), so a level costs one round of
         // cache misses, for the key lines of its buckets, all requested together; the roots' lines
         // are already here. Nothing is fetched for candidates the search does not take.
         self.bfs.clear();
@@ -678,7 +710,7 @@ impl LudoTable {
                         continue;
                     }
                     self.visited.push(y);
-                    if self.meta[y as usize].count < SLOTS as u8 {
+                    if !self.is_full(y) {
                         // Path found: collect (from bucket, slot, to bucket) root-first.
                         self.path.clear();
                         self.path.push((x, s as u8, y));
@@ -742,12 +774,17 @@ impl LudoTable {
         for (n, &(from, slot, to)) in path.iter().rev().enumerate() {
             let (fi, si) = (from as usize, slot as usize);
             let (k, val) = (self.buckets[fi].keys[si], self.value(from, si));
-            self.buckets[fi].keys[si] = EMPTY;
-            self.meta[fi].count -= 1;
-            self.place(to, seeds[n], k, val, &mut step);
-            // The key now lives in its other candidate bucket: toggle its class bit.
+            // The key moves to its other candidate bucket: toggle its class bit. The walk comes
+            // first so the cells it finds are being fetched while the bucket is rewritten.
             let (ku, kv) = self.edge_of(k);
+            step.flips.clear();
             self.forest.toggle_flips(ku, kv, &mut step.flips);
+            for &c in &step.flips {
+                self.view.prefetch_cell(c);
+            }
+            self.buckets[fi].keys[si] = EMPTY;
+            self.set_full(from, false);
+            self.place(to, seeds[n], k, val, &mut step);
             // Apply now: later steps read the Othello bits this one flips.
             self.view.apply_step(&step);
             if !self.quiet {
@@ -757,10 +794,14 @@ impl LudoTable {
         let want = if root == b0 { 0 } else { 1 };
         let (ia, ib) = hash::othello_edge(key, &self.seeds, self.geo.ma, self.geo.mb);
         let flip = self.view.othello_bit(ia, ib) != want;
-        self.place(root, seeds[path.len()], key, value, &mut step);
+        step.flips.clear();
         if flip {
             self.forest.join_flips(u, v, &mut step.flips);
+            for &c in &step.flips {
+                self.view.prefetch_cell(c);
+            }
         }
+        self.place(root, seeds[path.len()], key, value, &mut step);
         self.forest.add_edge(u, v);
         self.view.apply_step(&step);
         if !self.quiet {
@@ -858,6 +899,11 @@ impl LudoTable {
                 return Err(CoreError::InvalidArgument(format!("key {k:#x}: view returns {got:#x}, table holds {v:#x}")));
             }
         }
+        for b in 0..self.geo.n_buckets {
+            if self.is_full(b) != (self.count(b) == SLOTS as u32) {
+                return Err(CoreError::InvalidArgument(format!("bucket {b}: full bit {} but {} keys", self.is_full(b), self.count(b))));
+            }
+        }
         Ok(())
     }
 }
@@ -883,6 +929,7 @@ mod tests {
 
     fn check(t: &LudoTable, model: &HashMap<u64, u64>, v: &LudoView) {
         assert_eq!(t.len(), model.len() as u64);
+        t.verify().unwrap();
         for (&k, &val) in model {
             assert_eq!(t.get(k), Some(val), "keyed get of {k:#x}");
             assert_eq!(t.view().lookup(k), val, "mirror lookup of {k:#x}");

@@ -179,6 +179,11 @@ impl Forest {
         }
     }
 
+    /// The cells [`Self::join_flips`] would hand out now (to warm them before they are needed).
+    pub fn join_side(&self) -> &[u32] {
+        &self.join_side
+    }
+
     /// Cells to flip so that a new edge (u, v) between two components changes its bit: the
     /// smaller of the two components, flipped whole, as found by the [`Self::check_join`] of
     /// (u, v) just before (flips of other edges since then do not change the components).
@@ -191,6 +196,20 @@ impl Forest {
     /// smaller side of the tree once the edge is cut.
     pub fn toggle_flips(&mut self, u: u32, v: u32, out: &mut Vec<u32>) {
         self.walk_smaller(u, v, v, u, out);
+    }
+
+    /// Request the neighbour list of walk entry `i`, if there is one and it has a list: the
+    /// lockstep asks for the next entry's list of each side before expanding the current ones,
+    /// so a walk's list reads overlap instead of each waiting on the one before. (The entry's
+    /// node word was requested when it was queued.)
+    #[inline]
+    fn warm_entry(&self, q: &[(u32, u32)], i: usize) {
+        if let Some(&(x, _)) = q.get(i) {
+            let w = self.nodes[x as usize];
+            if w != NIL && w & SPILL != 0 {
+                prefetch(&self.lists, (w & !SPILL) as usize);
+            }
+        }
     }
 
     /// Queue the children of walk entry `i` (its neighbours except the one it came from), and
@@ -235,6 +254,8 @@ impl Forest {
         qb.push((b.0, b.1));
         let (mut ia, mut ib) = (0, 0);
         let found = loop {
+            self.warm_entry(&qb, ib);
+            self.warm_entry(&qa, ia + 1);
             if self.expand_until(&mut qa, ia, a.2) {
                 break None;
             }
