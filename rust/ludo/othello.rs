@@ -15,11 +15,11 @@
 //! chains of dependent cache misses per insert, and the walk was needed anyway for the flips.
 //!
 //! Layout: one 4-byte word per node holds its only neighbour, or points into a flat array of
-//! neighbour records: a pair (8 bytes) for a node of degree two, a quad (16 bytes) for degree
-//! three or four, with the rare rest in a side map. Degrees are about Poisson with mean 0.71 (A
-//! side) and 0.95 (B side) at 95 % load, so of the nodes with a record seven in ten have exactly
-//! two neighbours: sizing records by degree instead of giving every one room for four saves about
-//! 2.6 bytes a table entry. Edges need no identity of their own: the graph has no parallel
+//! neighbour records of exactly its degree (4 bytes a neighbour, up to [`MAX_REC`]; beyond that a
+//! side map that no realistic load reaches). Degrees are about Poisson with mean 0.71 (A side)
+//! and 0.95 (B side) at 95 % load, so of the nodes with a record seven in ten have exactly two
+//! neighbours and one in five three: exact sizes instead of room for four in every record (and a
+//! map for the fifth on) save about 3.3 bytes a table entry. Edges need no identity of their own: the graph has no parallel
 //! edges (a second key on the same two cells closes a cycle and is refused), so an edge is its
 //! pair of endpoints, recomputable from the key.
 
@@ -31,13 +31,13 @@ use crate::patch::FLIP_B;
 
 pub const NIL: u32 = u32::MAX;
 /// A node word with this bit set (and not NIL) is `SPILL | offset` of its record in `lists`.
-/// In `lists`, the first word of a quad carries it too (a pair's first word does not), which is
-/// how a reader tells the two apart.
+/// In `lists` it tags a record's size: the first `degree - 2` words of a record carry it
+/// (neighbour ids are below it), so a pair is two untagged words.
 const SPILL: u32 = 1 << 31;
 /// Largest node count: node ids must stay below [`SPILL`].
 pub const MAX_NODES: u64 = SPILL as u64 - 1;
-/// Neighbours in a quad record; a node with more keeps the rest in the overflow map.
-const QUAD: usize = 4;
+/// Neighbours in the largest record; a node with more keeps the rest in the overflow map.
+const MAX_REC: usize = 16;
 
 #[derive(Clone, Debug)]
 pub struct Forest {
@@ -45,13 +45,12 @@ pub struct Forest {
     /// One word per node: NIL (no neighbour), the id of its only neighbour, or `SPILL | o`
     /// (two or more neighbours, in the record at word offset `o` of `lists`).
     nodes: HugeBuf<u32>,
-    /// Neighbour records, back to back: a pair `[a, b]` at an even offset (degree two), or a
-    /// quad `[a | SPILL, b, c, d]` at a multiple of four (degree three or four; unused words
-    /// NIL), so no record straddles a cache line.
+    /// Neighbour records, back to back: `[a, b]`, `[a | SPILL, b, c]`,
+    /// `[a | SPILL, b | SPILL, c, d]` and so on. (A record may straddle two cache lines; for the
+    /// small ones that is rare, and the second line is the adjacent one.)
     lists: Vec<u32>,
-    /// Offsets of pairs and of quads no node uses.
-    free2: Vec<u32>,
-    free4: Vec<u32>,
+    /// Offsets of the records no node uses, by size (`free[d - 2]` for `d` neighbours).
+    free: [Vec<u32>; MAX_REC - 1],
     /// Neighbours beyond a quad's four, by node (degree five or more: rare at the loads the
     /// tables are sized for).
     overflow: HashMap<u32, Vec<u32>>,
@@ -102,10 +101,10 @@ impl Forest {
         Forest {
             ma,
             nodes: HugeBuf::filled(n as usize, NIL),
-            // About 0.15 pairs and 0.05 quads a node once the table is full: 0.5 words a node.
-            lists: Vec::with_capacity((n / 2) as usize),
-            free2: Vec::new(),
-            free4: Vec::new(),
+            // About 0.15 pairs, 0.04 triples and 0.01 quads a node once the table is full: 0.46
+            // words a node.
+            lists: Vec::with_capacity((n as usize).div_ceil(100) * 46),
+            free: std::array::from_fn(|_| Vec::new()),
             overflow: HashMap::new(),
             live: 0,
             stats: WalkStats::default(),
@@ -138,25 +137,41 @@ impl Forest {
             f(w);
             return;
         }
-        let o = (w & !SPILL) as usize;
-        let a = self.lists[o];
-        if a & SPILL == 0 {
-            f(a);
-            f(self.lists[o + 1]);
-            return;
-        }
-        f(a & !SPILL);
-        for &y in &self.lists[o + 1..o + QUAD] {
-            if y == NIL {
-                return;
-            }
-            f(y);
-        }
-        if let Some(more) = self.overflow.get(&x) {
-            for &y in more {
-                f(y);
+        let mut o = (w & !SPILL) as usize;
+        // Tagged words first, then the last two.
+        loop {
+            let y = self.lists[o];
+            f(y & !SPILL);
+            o += 1;
+            if y & SPILL == 0 {
+                break;
             }
         }
+        f(self.lists[o]);
+        if !self.overflow.is_empty() {
+            if let Some(more) = self.overflow.get(&x) {
+                for &y in more {
+                    f(y);
+                }
+            }
+        }
+    }
+
+    /// The neighbours in the record at offset `o`, untagged, and how many there are.
+    #[inline]
+    fn record(&self, o: usize) -> ([u32; MAX_REC], usize) {
+        let mut r = [NIL; MAX_REC];
+        let mut n = 0;
+        loop {
+            let y = self.lists[o + n];
+            r[n] = y & !SPILL;
+            n += 1;
+            if y & SPILL == 0 {
+                break;
+            }
+        }
+        r[n] = self.lists[o + n];
+        (r, n + 1)
     }
 
     /// Warm the node records an insert of edge (u, v) will touch, so their misses overlap.
@@ -297,34 +312,38 @@ impl Forest {
         found
     }
 
-    /// A record of `N` words (2 or 4) holding `rec`: a freed one of that size, or a new one at
-    /// the end (aligned to its size; a pair's worth of padding before a quad is kept as a free
-    /// pair).
-    fn alloc<const N: usize>(&mut self, rec: [u32; N]) -> u32 {
-        let free = if N == 2 { &mut self.free2 } else { &mut self.free4 };
-        let o = match free.pop() {
+    /// A record for the neighbours `nbrs` (2..=[`MAX_REC`]), tagged: a freed one of that size,
+    /// or a new one at the end.
+    fn alloc(&mut self, nbrs: &[u32]) -> u32 {
+        let n = nbrs.len();
+        let o = match self.free[n - 2].pop() {
             Some(o) => o as usize,
             None => {
-                let pad = if N == QUAD { self.lists.len() % QUAD } else { 0 };
-                if self.lists.len() + pad + N > self.lists.capacity() {
-                    // Grow by an eighth, not double: the records are a sixth of the writer's bytes.
-                    self.lists.reserve_exact(self.lists.len() / 8 + 64);
+                if self.lists.len() + n > self.lists.capacity() {
+                    // Grow by a sixteenth, not double: the records are a sixth of the writer's
+                    // bytes, and what is reserved and unused counts as much as what is used.
+                    self.lists.reserve_exact(self.lists.len() / 16 + 64);
                 }
-                if pad != 0 {
-                    self.free2.push(self.lists.len() as u32);
-                    self.lists.extend_from_slice(&[NIL; 2]);
-                }
-                self.lists.extend_from_slice(&[NIL; N]);
-                self.lists.len() - N
+                self.lists.resize(self.lists.len() + n, NIL);
+                self.lists.len() - n
             }
         };
-        self.lists[o..o + N].copy_from_slice(&rec);
+        let rec = &mut self.lists[o..o + n];
+        rec.copy_from_slice(nbrs);
+        for y in &mut rec[..n - 2] {
+            *y |= SPILL;
+        }
         o as u32
     }
 
-    fn release<const N: usize>(&mut self, o: u32) {
-        self.lists[o as usize..o as usize + N].fill(NIL);
-        if N == 2 { &mut self.free2 } else { &mut self.free4 }.push(o);
+    fn release(&mut self, o: u32, n: usize) {
+        self.lists[o as usize..o as usize + n].fill(NIL);
+        self.free[n - 2].push(o);
+    }
+
+    /// Point node `x` at a new record holding `nbrs` (one neighbour: the node word itself).
+    fn store(&mut self, x: u32, nbrs: &[u32]) {
+        self.nodes[x as usize] = if nbrs.len() == 1 { nbrs[0] } else { SPILL | self.alloc(nbrs) };
     }
 
     fn push_nbr(&mut self, x: u32, y: u32) {
@@ -334,26 +353,18 @@ impl Forest {
             return;
         }
         if w & SPILL == 0 {
-            let o = self.alloc([w, y]);
-            self.nodes[x as usize] = SPILL | o;
+            self.store(x, &[w, y]);
             return;
         }
-        let o = (w & !SPILL) as usize;
-        let a = self.lists[o];
-        if a & SPILL == 0 {
-            let b = self.lists[o + 1];
-            let q = self.alloc([a | SPILL, b, y, NIL]);
-            self.release::<2>(o as u32);
-            self.nodes[x as usize] = SPILL | q;
+        let o = w & !SPILL;
+        let (mut l, n) = self.record(o as usize);
+        if n == MAX_REC {
+            self.overflow.entry(x).or_default().push(y);
             return;
         }
-        for slot in self.lists[o + 1..o + QUAD].iter_mut() {
-            if *slot == NIL {
-                *slot = y;
-                return;
-            }
-        }
-        self.overflow.entry(x).or_default().push(y);
+        l[n] = y;
+        self.release(o, n);
+        self.store(x, &l[..n + 1]);
     }
 
     fn drop_nbr(&mut self, x: u32, y: u32) {
@@ -367,55 +378,37 @@ impl Forest {
             }
             return;
         }
-        let o = (w & !SPILL) as usize;
-        let a = self.lists[o];
-        if a & SPILL == 0 {
-            // A pair: the other neighbour goes back into the node word.
-            let b = self.lists[o + 1];
-            let keep = if a == y { b } else if b == y { a } else { return };
-            self.release::<2>(o as u32);
-            self.nodes[x as usize] = keep;
-            return;
-        }
-        // Only a full quad has more in the overflow map (pushes spill there only when it is full,
-        // and a removal from the quad refills it from there).
-        let full = self.lists[o + QUAD - 1] != NIL;
-        if full {
+        let o = w & !SPILL;
+        let (mut l, n) = self.record(o as usize);
+        let at = l[..n].iter().position(|&z| z == y);
+        // Only a full record has more in the overflow map (pushes spill there only when it is
+        // full, and a removal from it refills it from there).
+        if n == MAX_REC {
             if let Some(more) = self.overflow.get_mut(&x) {
-                if let Some(i) = more.iter().position(|&z| z == y) {
-                    more.swap_remove(i);
-                    if more.is_empty() {
-                        self.overflow.remove(&x);
+                let refill = match at {
+                    None => {
+                        if let Some(i) = more.iter().position(|&z| z == y) {
+                            more.swap_remove(i);
+                        }
+                        None
                     }
-                    return;
-                }
-            }
-        }
-        let mut l: [u32; QUAD] = self.lists[o..o + QUAD].try_into().expect("a quad is four words");
-        l[0] &= !SPILL;
-        let Some(i) = l.iter().position(|&z| z == y) else { return };
-        let last = l.iter().rposition(|&z| z != NIL).unwrap_or(i);
-        l[i] = l[last];
-        l[last] = NIL;
-        if full {
-            if let Some(more) = self.overflow.get_mut(&x) {
-                if let Some(r) = more.pop() {
-                    l[last] = r;
-                }
+                    Some(i) => more.pop().map(|r| (i, r)),
+                };
                 if more.is_empty() {
                     self.overflow.remove(&x);
                 }
+                if let Some((i, r)) = refill {
+                    l[i] = r;
+                    self.release(o, n);
+                    self.store(x, &l[..n]);
+                }
+                return;
             }
         }
-        if l[2] == NIL {
-            // Down to two neighbours: into a pair.
-            let p = self.alloc([l[0], l[1]]);
-            self.release::<QUAD>(o as u32);
-            self.nodes[x as usize] = SPILL | p;
-            return;
-        }
-        l[0] |= SPILL;
-        self.lists[o..o + QUAD].copy_from_slice(&l);
+        let Some(i) = at else { return };
+        l[i] = l[n - 1];
+        self.release(o, n);
+        self.store(x, &l[..n - 1]);
     }
 
     pub fn add_edge(&mut self, u: u32, v: u32) {
@@ -434,7 +427,7 @@ impl Forest {
     /// walk scratch).
     pub fn memory_parts(&self) -> (usize, usize, usize) {
         let lists = 4 * self.lists.capacity()
-            + 4 * (self.free2.capacity() + self.free4.capacity())
+            + 4 * self.free.iter().map(Vec::capacity).sum::<usize>()
             + self.overflow.capacity() * (4 + std::mem::size_of::<Vec<u32>>() + 1)
             + self.overflow.values().map(|v| 4 * v.capacity()).sum::<usize>();
         let scratch = std::mem::size_of::<Self>() + 8 * (self.queue.capacity() + self.queue_b.capacity()) + 4 * self.join_side.capacity();
@@ -462,7 +455,41 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    fn nbrs(f: &Forest, x: u32) -> Vec<u32> {
+        let mut v = Vec::new();
+        f.for_each_nbr(x, |y| v.push(y));
+        v.sort_unstable();
+        v
+    }
+
     proptest! {
+        /// A star grown and cut in any order passes through every record size (node word,
+        /// records of 2 to MAX_REC, the overflow map) both ways and always lists exactly its live
+        /// neighbours, and a fully cut forest leaves every record free for reuse.
+        #[test]
+        fn records_follow_degree(order in Just((0u32..20).collect::<Vec<u32>>()).prop_shuffle(), cut in Just((0u32..20).collect::<Vec<u32>>()).prop_shuffle()) {
+            let mut f = Forest::new(1, 20);
+            let mut live = Vec::new();
+            for &b in &order {
+                let (u, v) = f.nodes(0, b);
+                f.add_edge(u, v);
+                live.push(v);
+                live.sort_unstable();
+                prop_assert_eq!(nbrs(&f, u), live.clone());
+                prop_assert_eq!(nbrs(&f, v), vec![u]);
+            }
+            for &b in &cut {
+                let (u, v) = f.nodes(0, b);
+                f.remove_edge(u, v);
+                live.retain(|&z| z != v);
+                prop_assert_eq!(nbrs(&f, u), live.clone());
+                prop_assert!(nbrs(&f, v).is_empty());
+            }
+            prop_assert!(f.overflow.is_empty());
+            let freed: usize = f.free.iter().enumerate().map(|(i, fl)| fl.len() * (i + 2)).sum();
+            prop_assert_eq!(freed, f.lists.len());
+        }
+
         /// Against a brute-force connectivity oracle: joins are refused exactly when they close
         /// a cycle, and toggle flips change exactly the toggled edge's parity.
         #[test]
