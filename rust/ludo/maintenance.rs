@@ -341,6 +341,16 @@ impl LudoTable {
 
     // ---- emission ---------------------------------------------------------------------------
 
+    /// Emit a set-value op: the common write (a tier change), kept off the generic path.
+    #[inline]
+    fn emit_set_value(&mut self, bucket: u32, slot: usize, value: u64) {
+        self.view.set_value(&self.geo, bucket, slot, value);
+        if !self.quiet {
+            patch::encode_op(&Op::SetValue { bucket, slot: slot as u8, value }, &mut self.pending);
+            self.pending_ops += 1;
+        }
+    }
+
     fn emit(&mut self, op: Op) {
         self.view.apply_op(&op);
         if !self.quiet {
@@ -404,7 +414,7 @@ impl LudoTable {
         let (b0, b1) = self.warm_slots(key);
         if let Some((b, s)) = self.find_in(key, b0, b1) {
             if self.value(b, s) != value {
-                self.emit(Op::SetValue { bucket: b, slot: s as u8, value });
+                self.emit_set_value(b, s, value);
             }
             return Ok(Placement::Updated);
         }
@@ -492,7 +502,7 @@ impl LudoTable {
             if new == 0 {
                 self.remove_at(b, s, key);
             } else if new != cur {
-                self.emit(Op::SetValue { bucket: b, slot: s as u8, value: new });
+                self.emit_set_value(b, s, new);
             }
             return Ok(new);
         }

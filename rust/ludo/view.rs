@@ -255,6 +255,13 @@ impl LudoView {
         write_bits(&mut self.words, Self::rec_off(g, bucket), 8, s as u64);
     }
 
+    /// A set-value op: one slot's value, its fingerprint left as it is. (The writer's updates
+    /// call this directly, the views through [`Self::apply_op`].)
+    #[inline]
+    pub(crate) fn set_value(&mut self, g: &Geometry, bucket: u32, slot: usize, value: u64) {
+        write_bits(&mut self.words, Self::rec_off(g, bucket) + 8 + SLOTS * g.fp_bits as usize + slot * g.value_bits as usize, g.value_bits as u32, value);
+    }
+
     fn set_slot(&mut self, g: &Geometry, bucket: u32, slot: usize, value: u64, fp: u64) {
         let base = Self::rec_off(g, bucket);
         write_bits(&mut self.words, base + 8 + SLOTS * g.fp_bits as usize + slot * g.value_bits as usize, g.value_bits as u32, value);
@@ -540,10 +547,7 @@ impl LudoView {
             None => return,
         };
         match op {
-            Op::SetValue { bucket, slot, value } => {
-                let fp = self.fp_at(&g, *bucket, *slot as usize);
-                self.set_slot(&g, *bucket, *slot as usize, *value, fp);
-            }
+            Op::SetValue { bucket, slot, value } => self.set_value(&g, *bucket, *slot as usize, *value),
             Op::ClearSlot { bucket, slot } => self.set_slot(&g, *bucket, *slot as usize, 0, 0),
             Op::InsertPath { steps } => {
                 for st in steps {
