@@ -49,6 +49,7 @@ __all__ = [
     "bench_update_ns",
     "bench_route_ns",
     "bench_sha256_ns",
+    "bench_mem_latency_ns",
 ]
 
 NO_KEY: int
@@ -572,4 +573,8 @@ def bench_route_ns(
 
 def bench_sha256_ns(tokens: npt.NDArray[np.uint32], n: int) -> npt.NDArray[np.float64]:
     """Per-call ns of a plain SHA-256 of the tokens' bytes."""
+
+def bench_mem_latency_ns(mib: int = 64, steps: int = 2000000, seed: int = 1) -> float:
+    """ns per dependent load over ``mib`` MiB (a pointer chase on huge pages when large): the
+    host's memory latency, the unit the writer's per-op latencies are read in."""
 

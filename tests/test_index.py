@@ -1254,3 +1254,41 @@ def test_writer_accounts_its_memory_by_part_and_counts_its_inserts() -> None:
     t.rebuild()
     assert t.write_stats()["inserts_by_moves"] == moves, "a rebuild's re-insertions are not counted"
     t.verify()
+
+
+def test_writer_records_cost_what_the_degrees_need() -> None:
+    """The forest keeps a record of exactly each node's degree (4 bytes a neighbour beyond the
+    first): a million entries at 95 % with 64-bit values (bench_core's case) come to under 5
+    bytes an entry of neighbour records and at most 32 for the whole writer (the issue-18
+    budget), before and after churn; and a batch's buffer does not outlive its batch."""
+    n = 1_000_000
+    keys = unique_keys(17, n + 60_000)
+    t = kc.LudoTable.build(keys[:n], np.ones(n, np.uint64), capacity=n, seed=5, value_bits=64)
+    assert len(t) == t.capacity == n
+
+    def per_entry() -> tuple[float, float]:
+        return t.memory_breakdown["forest_lists"] / n, t.memory_bytes / n
+
+    lists, total = per_entry()
+    assert lists < 5.0 and total <= 32.0, (lists, total)
+    for old, new in zip(keys[:60_000].tolist(), keys[n:].tolist()):
+        t.remove(old)
+        t.insert(new, 1)
+    assert t.memory_breakdown["pending"] > 1 << 20  # 120,000 ops not yet taken
+    t.take_batch()
+    assert t.memory_breakdown["pending"] <= 32 << 10
+    lists2, total2 = per_entry()
+    assert lists2 < 5.0 and total2 <= 32.0, (lists2, total2)
+    t.verify()
+
+
+def test_memory_latency_probe_measures_and_refuses_nonsense() -> None:
+    """The host-latency probe behind bench_core's ``mem_latency_ns_64mib``."""
+    from kvcompass import _core
+
+    ns = _core.bench_mem_latency_ns(4, 20_000)
+    assert 0.0 < ns < 100_000.0
+    with pytest.raises(ValueError):
+        _core.bench_mem_latency_ns(0)
+    with pytest.raises(ValueError):
+        _core.bench_mem_latency_ns(4, 0)

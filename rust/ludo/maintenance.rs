@@ -76,6 +76,9 @@ unsafe impl Plain for Bucket {}
 
 const EMPTY_BUCKET: Bucket = Bucket { keys: [EMPTY; SLOTS] };
 
+/// Bytes of pending-batch buffer a table keeps between batches (about 2,000 tier changes).
+const PENDING_KEEP: usize = 32 << 10;
+
 #[derive(Clone, Debug)]
 pub struct LudoTable {
     cfg: TableConfig,
@@ -368,6 +371,9 @@ impl LudoTable {
         let h = BatchHeader { table: self.cfg.table, shard: self.cfg.shard, epoch: self.cfg.epoch, seq: self.seq, n_ops: self.pending_ops };
         let out = patch::encode_batch(&h, &self.pending);
         self.pending.clear();
+        // One large batch (a bulk load, a long gap between flushes) must not leave its buffer
+        // behind for good: keep what a routine batch needs, give back the rest.
+        self.pending.shrink_to(PENDING_KEEP);
         self.pending_ops = 0;
         self.view.set_position(self.cfg.epoch, self.seq);
         Some(out)

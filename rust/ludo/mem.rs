@@ -139,3 +139,66 @@ impl<T: Plain + std::fmt::Debug> std::fmt::Debug for HugeBuf<T> {
         write!(f, "HugeBuf(len={}, huge={})", self.len(), self.mapped.is_some())
     }
 }
+
+/// For each of `lines` cache lines, the next one in a single random cycle through all of them
+/// (Sattolo's shuffle): a pointer chase over it can never be predicted or cut short.
+fn chase_cycle(lines: usize, seed: u64) -> Vec<u32> {
+    let mut order: Vec<u32> = (0..lines as u32).collect();
+    let mut x = seed | 1;
+    for i in (1..lines).rev() {
+        x = super::hash::mix64(x);
+        order.swap(i, (x % i as u64) as usize);
+    }
+    let mut next = vec![0u32; lines];
+    for i in 0..lines {
+        next[order[i] as usize] = order[(i + 1) % lines];
+    }
+    next
+}
+
+/// Nanoseconds per dependent load over `bytes` of memory laid out as the index arrays are (on
+/// huge pages when large): a chase through one random cycle over all the cache lines, so no load
+/// can start before the one before it has returned. The machine's floor for anything that must
+/// follow a pointer it has just read (a forest walk, a cuckoo path): it puts a host's writer
+/// latencies in proportion, since this one number differs several times between machines.
+pub fn dependent_load_ns(bytes: usize, steps: usize, seed: u64) -> f64 {
+    const LINE: usize = 8; // u64 words a cache line
+    let lines = (bytes / 64).max(2);
+    let next = chase_cycle(lines, seed);
+    let mut buf = HugeBuf::filled(lines * LINE, 0u64);
+    for (i, &n) in next.iter().enumerate() {
+        buf[i * LINE] = (n as usize * LINE) as u64;
+    }
+    drop(next);
+    let mut p = 0usize;
+    for _ in 0..lines.min(steps) {
+        p = buf[p] as usize; // up to one lap of warm-up
+    }
+    let t = std::time::Instant::now();
+    for _ in 0..steps {
+        p = buf[p] as usize;
+    }
+    let ns = t.elapsed().as_nanos() as f64 / steps.max(1) as f64;
+    std::hint::black_box(p);
+    ns
+}
+
+#[cfg(test)]
+mod tests {
+    /// The chase visits every line once per lap (a single cycle), whatever the seed.
+    #[test]
+    fn chase_is_one_cycle() {
+        for seed in [1u64, 7, 99] {
+            let lines = 1000;
+            let next = super::chase_cycle(lines, seed);
+            let (mut p, mut seen) = (0u32, vec![false; lines]);
+            for _ in 0..lines {
+                assert!(!seen[p as usize]);
+                seen[p as usize] = true;
+                p = next[p as usize];
+            }
+            assert_eq!(p, 0);
+        }
+        assert!(super::dependent_load_ns(1 << 20, 10_000, 3) > 0.0);
+    }
+}

@@ -7,7 +7,7 @@
 
 pub mod hash;
 pub mod maintenance;
-mod mem;
+pub mod mem;
 pub mod othello;
 pub mod view;
 

@@ -142,7 +142,19 @@ fn bench_sha256_ns<'py>(py: Python<'py>, tokens: &Bound<'py, PyAny>, n: usize) -
     Ok(out.into_pyarray(py))
 }
 
+/// Nanoseconds per dependent load over `mib` MiB (a pointer chase on the index arrays' kind of
+/// memory): the host's memory latency, beside which the writer's per-op latencies are read.
+#[pyfunction]
+#[pyo3(signature = (mib=64, steps=2_000_000, seed=1))]
+fn bench_mem_latency_ns(py: Python<'_>, mib: usize, steps: usize, seed: u64) -> PyResult<f64> {
+    if mib == 0 || steps == 0 {
+        return Err(PyValueError::new_err("mib and steps must be >= 1"));
+    }
+    Ok(py.detach(|| crate::ludo::mem::dependent_load_ns(mib << 20, steps, seed)))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(bench_mem_latency_ns, m)?)?;
     m.add_function(wrap_pyfunction!(bench_lookup_ns, m)?)?;
     m.add_function(wrap_pyfunction!(bench_remove_insert_ns, m)?)?;
     m.add_function(wrap_pyfunction!(bench_update_ns, m)?)?;
