@@ -618,6 +618,12 @@ def main(argv: list[str] | None = None) -> int:
     res["route_us_p99"] = rnd(pct(route_ns, 99) / 1e3)
     res["sha256_us_p50"] = rnd(pct(sha_ns, 50) / 1e3)
     res["route_over_sha256"] = rnd(pct(route_ns, 50) / pct(sha_ns, 50))
+    try:  # `memo` exists from 2026-12-03 on: before it, the calls above repeated through the memo
+        memo_ns = _core.bench_route_ns(*r_args, route_n // route_rounds, closure=True, memo=True)
+        res["route_us_p50_memo"] = rnd(pct(memo_ns, 50) / 1e3)
+        res["route_stat"] = "route_us_*: each call hashes the prompt afresh (a first sight); route_us_p50_memo: the same prompt again through the prefix memo"
+    except TypeError:
+        pass
     res["route_shards"] = route_shards
     res["route_plan"] = PLAN
     res["route_prompt_tokens"] = PROMPT_LEN

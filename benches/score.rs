@@ -8,7 +8,9 @@
 //! SHA-256 of the same 16 KiB, so the ratio route / hash floor is visible (all reported in
 //! bytes of prompt per second). The route repeats one prompt, so after its first call every
 //! length comes from the process's prefix memo (`prefix_memo.rs`): the figure is a route of a
-//! prompt seen before (a fingerprint pass, no SHA-256), the raw hash beside it one seen first.
+//! prompt seen before (a fingerprint pass, no SHA-256); `route_with_first_sight` is the route of
+//! one seen first (every prefix hashed, as `bench_core.py`'s `route_over_sha256` measures it),
+//! the raw hash beside them.
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvcompass::chunk_hash::{namespace_digest, prefix_keys, shard_of};
 use kvcompass::ludo::hash::mix64;
@@ -133,6 +135,11 @@ fn bench(c: &mut Criterion) {
             b.iter(|| route_with(&mut scratch, &ns, black_box(t), &sc.plan, &tables, &wa, p, None).unwrap())
         });
     }
+    // The same route of a prompt seen for the first time: every prefix hashed afresh.
+    let mut first = RouteScratch::cold();
+    g.bench_function(BenchmarkId::new("route_with_first_sight", "hit_closure"), |b| {
+        b.iter(|| route_with(&mut first, &ns, black_box(&prompt), &sc.plan, &tables, &wa, &closed, None).unwrap())
+    });
     g.bench_function("sha256_raw_16KiB", |b| b.iter(|| Sha256::digest(black_box(&bytes))));
     g.finish();
 }

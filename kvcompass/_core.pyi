@@ -568,8 +568,10 @@ def bench_route_ns(
     gamma: float = 0.005,
     lam: float = 0.0,
     closure: bool = True,
+    memo: bool = False,
 ) -> npt.NDArray[np.float64]:
-    """Per-call ns of the route loop (timed in Rust, no FFI)."""
+    """Per-call ns of the route loop (timed in Rust, no FFI); each call hashes the prompt afresh
+    unless ``memo`` (repeats then come through the process's prefix memo)."""
 
 def bench_sha256_ns(tokens: npt.NDArray[np.uint32], n: int) -> npt.NDArray[np.float64]:
     """Per-call ns of a plain SHA-256 of the tokens' bytes."""

@@ -127,11 +127,18 @@ pub struct RouteScratch {
     matches: Vec<u32>,
     tiers: Vec<u8>,
     scores: Vec<f64>,
+    /// Hash every prefix afresh instead of through the process's prefix memo: what a prompt
+    /// seen for the first time costs (the benchmark's figure against plain SHA-256).
+    cold: bool,
 }
 
 impl RouteScratch {
     pub fn new() -> Self {
         Self::default()
+    }
+    /// A scratch whose routes never use the prefix memo (see `cold`).
+    pub fn cold() -> Self {
+        RouteScratch { cold: true, ..Self::default() }
     }
     pub fn matches(&self) -> &[u32] {
         &self.matches
@@ -210,7 +217,11 @@ pub fn route_with<V: TierLookup>(
     scratch.keys.clear();
     scratch.keys.resize(scratch.lengths.len(), NO_KEY);
     // Through the process's memo: a prefix hashed before costs a fingerprint (prefix_memo).
-    crate::prefix_memo::keys_into(ns, tokens, &scratch.lengths, &mut scratch.keys)?;
+    if scratch.cold {
+        crate::chunk_hash::prefix_keys_into(ns, tokens, &scratch.lengths, &mut scratch.keys)?;
+    } else {
+        crate::prefix_memo::keys_into(ns, tokens, &scratch.lengths, &mut scratch.keys)?;
+    }
 
     scratch.matches.clear();
     scratch.matches.resize(w_count, 0);
@@ -223,6 +234,7 @@ pub fn route_with<V: TierLookup>(
         matches,
         tiers,
         scores,
+        ..
     } = scratch;
     // Each table's first probe is a cache miss on a table of megabytes: start them all
     // before reading any, so they overlap instead of queueing one table after another.

@@ -101,11 +101,13 @@ fn bench_update_ns<'py>(py: Python<'py>, table: PyRef<'py, PyLudoTable>, keys: &
     Ok(out.into_pyarray(py))
 }
 
-/// Per-call ns of the whole route loop (hashing, lookups, closure check, scoring), `n` calls.
+/// Per-call ns of the whole route loop (hashing, lookups, closure check, scoring), `n` calls of
+/// the same prompt: by default each hashes it afresh (a prompt's first route); `memo=True` lets
+/// the repeats come through the process's prefix memo (a prompt routed before).
 #[pyfunction]
-#[pyo3(signature = (router, tokens, namespace, region, beta, wan, tq, belief, n, gamma=0.005, lam=0.0, closure=true))]
+#[pyo3(signature = (router, tokens, namespace, region, beta, wan, tq, belief, n, gamma=0.005, lam=0.0, closure=true, memo=false))]
 #[allow(clippy::too_many_arguments)]
-fn bench_route_ns<'py>(py: Python<'py>, router: PyRef<'py, PyRouter>, tokens: &Bound<'py, PyAny>, namespace: &Bound<'py, PyAny>, region: &Bound<'py, PyAny>, beta: &Bound<'py, PyAny>, wan: &Bound<'py, PyAny>, tq: &Bound<'py, PyAny>, belief: &Bound<'py, PyAny>, n: usize, gamma: f64, lam: f64, closure: bool) -> PyResult<Bound<'py, PyArray1<f64>>> {
+fn bench_route_ns<'py>(py: Python<'py>, router: PyRef<'py, PyRouter>, tokens: &Bound<'py, PyAny>, namespace: &Bound<'py, PyAny>, region: &Bound<'py, PyAny>, beta: &Bound<'py, PyAny>, wan: &Bound<'py, PyAny>, tq: &Bound<'py, PyAny>, belief: &Bound<'py, PyAny>, n: usize, gamma: f64, lam: f64, closure: bool, memo: bool) -> PyResult<Bound<'py, PyArray1<f64>>> {
     let ns = ns_bytes(namespace)?;
     let tokens = u32_vec("tokens", tokens)?;
     let (region, beta, wan, tq, belief) = (u32_vec("region", region)?, f64_vec("beta", beta)?, f64_vec("wan", wan)?, f64_vec("tq", tq)?, f64_vec("belief", belief)?);
@@ -113,7 +115,7 @@ fn bench_route_ns<'py>(py: Python<'py>, router: PyRef<'py, PyRouter>, tokens: &B
     let params = ScoreParams { gamma, lambda: lam, closure };
     let r = &*router;
     let out = py.detach(|| {
-        let mut scratch = RouteScratch::new();
+        let mut scratch = if memo { RouteScratch::new() } else { RouteScratch::cold() };
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
             let a = Instant::now();
