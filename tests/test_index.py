@@ -1292,3 +1292,5 @@ def test_memory_latency_probe_measures_and_refuses_nonsense() -> None:
         _core.bench_mem_latency_ns(0)
     with pytest.raises(ValueError):
         _core.bench_mem_latency_ns(4, 0)
+    with pytest.raises(ValueError):
+        _core.bench_mem_latency_ns(1 << 40)

@@ -19,9 +19,9 @@
 //! side map that no realistic load reaches). Degrees are about Poisson with mean 0.71 (A side)
 //! and 0.95 (B side) at 95 % load, so of the nodes with a record seven in ten have exactly two
 //! neighbours and one in five three: exact sizes instead of room for four in every record (and a
-//! map for the fifth on) save about 3.3 bytes a table entry. Edges need no identity of their own: the graph has no parallel
-//! edges (a second key on the same two cells closes a cycle and is refused), so an edge is its
-//! pair of endpoints, recomputable from the key.
+//! map for the fifth on) save about 3.6 bytes a table entry. Edges need no identity of their
+//! own: the graph has no parallel edges (a second key on the same two cells closes a cycle and is
+//! refused), so an edge is its pair of endpoints, recomputable from the key.
 
 use std::collections::HashMap;
 
@@ -51,8 +51,8 @@ pub struct Forest {
     lists: Vec<u32>,
     /// Offsets of the records no node uses, by size (`free[d - 2]` for `d` neighbours).
     free: [Vec<u32>; MAX_REC - 1],
-    /// Neighbours beyond a quad's four, by node (degree five or more: rare at the loads the
-    /// tables are sized for).
+    /// Neighbours beyond a full record's [`MAX_REC`], by node (a degree no load the tables are
+    /// sized for reaches; the tests reach it on purpose).
     overflow: HashMap<u32, Vec<u32>>,
     live: u64,
     stats: WalkStats,

@@ -149,8 +149,8 @@ fn bench_sha256_ns<'py>(py: Python<'py>, tokens: &Bound<'py, PyAny>, n: usize) -
 #[pyfunction]
 #[pyo3(signature = (mib=64, steps=2_000_000, seed=1))]
 fn bench_mem_latency_ns(py: Python<'_>, mib: usize, steps: usize, seed: u64) -> PyResult<f64> {
-    if mib == 0 || steps == 0 {
-        return Err(PyValueError::new_err("mib and steps must be >= 1"));
+    if mib == 0 || steps == 0 || mib > 4096 {
+        return Err(PyValueError::new_err(format!("mib must be 1..=4096 and steps >= 1, got mib={mib} steps={steps}")));
     }
     Ok(py.detach(|| crate::ludo::mem::dependent_load_ns(mib << 20, steps, seed)))
 }
