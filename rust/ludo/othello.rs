@@ -288,6 +288,27 @@ impl Forest {
         qb.clear();
         qa.push((a.0, a.1));
         qb.push((b.0, b.1));
+        // A start with no neighbour but the one it may not step to is a whole side by itself,
+        // and its node word (requested with the edge) says so: decide it without reading a
+        // record, in the order the lockstep would (side a first). For b that is sound because
+        // a's expansion cannot reach b's target then: a join's target is b's own start, which
+        // has no neighbours; a toggle has none.
+        let lone = |s: (u32, u32, u32)| {
+            let w = self.nodes[s.0 as usize];
+            w == NIL || (w & SPILL == 0 && w == s.1)
+        };
+        let quick = if lone(a) {
+            Some(Some(0))
+        } else if lone(b) && (a.2 == NIL || (a.2 == b.0 && self.nodes[b.0 as usize] == NIL)) {
+            Some(Some(1))
+        } else {
+            None
+        };
+        if let Some(found) = quick {
+            self.queue = qa;
+            self.queue_b = qb;
+            return found;
+        }
         let (mut ia, mut ib) = (0, 0);
         let found = loop {
             self.warm_entry(&qb, ib);
