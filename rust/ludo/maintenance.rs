@@ -576,9 +576,7 @@ impl LudoTable {
         // Half of new keys need their class bit set by flipping the smaller side: warm its cells
         // while the plan's seeds are worked out.
         if matches!(join, Join::Free) {
-            for &c in self.forest.join_side() {
-                self.view.prefetch_cell(c);
-            }
+            self.view.prefetch_cells(self.forest.join_side());
         }
         self.forest.prefetch_lists(u, v); // for the edge's own add, after the moves
         // A path's slot seeds read its destinations' key lines, requested by the search: by now
@@ -795,9 +793,7 @@ impl LudoTable {
             let (ku, kv) = self.edge_of(k);
             step.flips.clear();
             self.forest.toggle_flips(ku, kv, &mut step.flips);
-            for &c in &step.flips {
-                self.view.prefetch_cell(c);
-            }
+            self.view.prefetch_cells(&step.flips);
             self.buckets[fi].keys[si] = EMPTY;
             self.set_full(from, false);
             self.place(to, seeds[n], k, val, &mut step);
@@ -812,10 +808,8 @@ impl LudoTable {
         let flip = self.view.othello_bit(ia, ib) != want;
         step.flips.clear();
         if flip {
+            // (Its cells were requested right after the cycle check.)
             self.forest.join_flips(u, v, &mut step.flips);
-            for &c in &step.flips {
-                self.view.prefetch_cell(c);
-            }
         }
         self.place(root, seeds[path.len()], key, value, &mut step);
         self.forest.add_edge(u, v);

@@ -297,17 +297,17 @@ impl Forest {
             let w = self.nodes[s.0 as usize];
             w == NIL || (w & SPILL == 0 && w == s.1)
         };
-        let quick = if lone(a) {
-            Some(Some(0))
+        let side = if lone(a) {
+            Some(0)
         } else if lone(b) && (a.2 == NIL || (a.2 == b.0 && self.nodes[b.0 as usize] == NIL)) {
-            Some(Some(1))
+            Some(1)
         } else {
             None
         };
-        if let Some(found) = quick {
+        if side.is_some() {
             self.queue = qa;
             self.queue_b = qb;
-            return found;
+            return side;
         }
         let (mut ia, mut ib) = (0, 0);
         let found = loop {

@@ -275,11 +275,13 @@ impl LudoView {
         bit(&self.oa, ia) ^ bit(&self.ob, ib)
     }
 
-    /// Warm the word holding an Othello cell (in the patch encoding) that a step will flip.
+    /// Warm the words holding Othello cells (in the patch encoding) that a step will flip.
     #[inline]
-    pub(crate) fn prefetch_cell(&self, cell: u32) {
-        let (arr, i) = if cell & FLIP_B != 0 { (&self.ob, cell & !FLIP_B) } else { (&self.oa, cell) };
-        prefetch(arr, (i >> 6) as usize);
+    pub(crate) fn prefetch_cells(&self, cells: &[u32]) {
+        for &cell in cells {
+            let (arr, i) = if cell & FLIP_B != 0 { (&self.ob, cell & !FLIP_B) } else { (&self.oa, cell) };
+            prefetch(arr, (i >> 6) as usize);
+        }
     }
 
     pub(crate) fn flip(&mut self, cell: u32) {
