@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("mypy")
 
 ROOT = Path(__file__).resolve().parents[1]
-STRICT_FILES = ["kvcompass/index_types.py", "kvcompass/errors.py", "kvcompass/__init__.py", "kvcompass/discovery/maintenance.py", "kvcompass/discovery/topology.py", "kvcompass/discovery/plan.py", "kvcompass/cli", "kvcompass/demo.py"]
+STRICT_FILES = ["kvcompass/index_types.py", "kvcompass/errors.py", "kvcompass/records.py", "kvcompass/__init__.py", "kvcompass/discovery/maintenance.py", "kvcompass/discovery/topology.py", "kvcompass/discovery/plan.py", "kvcompass/cli", "kvcompass/demo.py"]
 STRICT_FILES += [f"kvcompass/discovery/{m}.py" for m in ("edge", "belief", "queues", "hotness", "migration", "params", "plane", "layout", "key_ops")]
 STRICT_FILES += [f"kvcompass/agent/{m}.py" for m in ("__init__", "events", "agent")]
 STRICT_FILES += [f"kvcompass/sim/{m}.py" for m in ("__init__",)]

@@ -147,6 +147,7 @@ from kvcompass.agent.events import (
 from kvcompass.discovery.key_ops import KeyOpBatch
 from kvcompass.errors import InvalidArgumentError, InvalidEventError
 from kvcompass.index_types import Namespace, Tier
+from kvcompass.records import fast_init
 
 __all__ = ["TENANT_SALT_PREFIX", "AgentOutput", "AgentStats", "ReplayRequest", "WorkerAgent", "boot_incarnation", "medium_tier"]
 
@@ -215,6 +216,7 @@ class ReplayRequest:
         return encode_replay_request(self.start_seq)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class AgentOutput:
     """What one call asks the driver to do: send ``batches`` (in order), then perform ``replay``."""

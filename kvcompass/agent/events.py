@@ -47,6 +47,7 @@ import msgpack  # type: ignore[import-untyped]  # ships no type information
 
 from kvcompass import _core
 from kvcompass.errors import InvalidEventError
+from kvcompass.records import fast_init
 
 if TYPE_CHECKING:
     import numpy as np
@@ -83,6 +84,7 @@ _I64_MIN = -(1 << 63)
 _U32_MAX = 0xFFFFFFFF
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class BlockStored:
     """Blocks entered the engine's prefix cache (on ``medium``).
@@ -118,6 +120,7 @@ class BlockStored:
     cache_salt: str | None = None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     """Blocks left the engine's prefix cache on ``medium`` (None: the GPU). ``block_hashes``
@@ -155,6 +158,7 @@ class EventBatch:
     skipped: tuple[SkippedEvent, ...] = ()
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class EngineBatch:
     """One decoded message: the payload plus its seq, topic and a digest of the payload bytes

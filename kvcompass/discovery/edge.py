@@ -63,6 +63,7 @@ from kvcompass.errors import (
     WrongTableError,
 )
 from kvcompass.index_types import Namespace, Tier, as_tokens
+from kvcompass.records import fast_init
 
 __all__ = [
     "Decision",
@@ -137,6 +138,7 @@ class QueueBroadcast:
     vector: dict[str, float]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ScoreTerms:
     """The winner's score, term by term (ms); ``wan + queue + prefill + reload == score``."""
@@ -149,6 +151,7 @@ class ScoreTerms:
     belief: float
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Decision:
     """Where one request goes, and why."""

@@ -12,9 +12,12 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from kvcompass.records import fast_init
+
 __all__ = ["KeyOpBatch"]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class KeyOpBatch:
     """Tier changes of one worker for keys of one shard.

@@ -58,6 +58,7 @@ from kvcompass.errors import (
     StaleIncarnationError,
     WrongShardError,
 )
+from kvcompass.records import fast_init
 
 __all__ = ["ApplyReport", "MaintenanceStats", "MaintenanceUnit", "PatchBatch"]
 
@@ -78,6 +79,7 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class PatchBatch:
     """One sequenced batch of one (table, shard), as every view of it must apply it.
@@ -94,6 +96,7 @@ class PatchBatch:
     snapshot: bool = False
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ApplyReport:
     """What :meth:`MaintenanceUnit.apply` did with one agent batch."""

@@ -19,10 +19,12 @@ from kvcompass.discovery.plan import LevelPlan
 from kvcompass.discovery.layout import IndexLayout
 from kvcompass.discovery.topology import Topology
 from kvcompass.errors import InvalidArgumentError
+from kvcompass.records import fast_init
 
 __all__ = ["LocalPlane", "PropagationReport", "build_edge", "wire_edge"]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class PropagationReport:
     """What one round of patch delivery did."""
@@ -31,6 +33,10 @@ class PropagationReport:
     deliveries: int
     resyncs: int
     patch_bytes: int
+
+
+# The report of a round with nothing to deliver (a record is immutable: one serves every such round).
+_NOTHING = PropagationReport(0, 0, 0, 0)
 
 
 def wire_edge(plan: LevelPlan, layout: IndexLayout, region: str, params: EdgeParams, *, seed: int = 0) -> Edge:
@@ -118,7 +124,7 @@ class LocalPlane:
         if not flushed and not self._unsettled:
             # Nothing new and every view was current after the last round: a no-op (the
             # simulator calls this every few virtual milliseconds).
-            return PropagationReport(0, 0, 0, 0)
+            return _NOTHING
         deliveries = resyncs = 0
         was_unsettled = self._unsettled
         if was_unsettled and not repair:

@@ -57,6 +57,7 @@ from kvcompass.discovery.plan import own_region_levels
 from kvcompass.discovery.topology import Topology
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.index_types import Namespace
+from kvcompass.records import fast_init
 from kvcompass.sim.workload import Request
 
 __all__ = [
@@ -83,6 +84,7 @@ __all__ = [
 ]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Choice:
     """A routing decision: ``worker`` serves the request; the scheme expected it to reuse
