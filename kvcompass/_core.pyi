@@ -9,6 +9,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "EdgeCore",
     "apply_view_batches",
     "coalesce_key_ops",
     "NO_KEY",
@@ -460,6 +461,9 @@ class RouteResult:
     @property
     def scores(self) -> npt.NDArray[np.float64]: ...
     @property
+    def tq(self) -> npt.NDArray[np.float64]:
+        """The queue estimates an ``EdgeCore`` route scored with (empty from ``Router.route``)."""
+    @property
     def near(self) -> list[int]:
         """Workers within the route's ``tie_ms`` of the best score, in index order (empty without ``tie_ms``)."""
     @property
@@ -469,6 +473,54 @@ class RouteResult:
         """``(match, tier, score)`` of worker ``w``."""
     def keys_at(self, lengths: list[int]) -> list[int]:
         """Keys of the prompt's prefixes of ``lengths``, each one this route hashed."""
+
+_Commit = tuple[int, int, int, int, float, tuple[float, float, float, float, float, float], int, int, int | None, bool]
+
+@final
+class EdgeCore:
+    """An edge's per-request steps around its router: expiries, the capacity price, the route, the
+    tie draw and the commit's side effects (``kvcompass.discovery.edge.Edge`` uses it)."""
+
+    def __new__(
+        cls,
+        router: Router,
+        queues: QueueEstimates,
+        region: list[int],
+        beta: list[float],
+        wan: list[float],
+        local: list[bool],
+        eligible: list[bool],
+        plan: list[list[int]],
+        family_length: int,
+        fields: list[tuple[int, int]],
+        spec_views: list[LudoView],
+        *,
+        value_bits: int,
+        spec_capacity: int,
+        spec_fp_bits: int,
+        load_aware: bool,
+        lambda_max: float,
+        tau_ms: float,
+        gamma: float,
+        closure: bool,
+        tie_ms: float,
+        speculative_ttl_s: float,
+        charge: bool,
+        migration: bool,
+    ) -> EdgeCore: ...
+    def set_router(self, router: Router) -> None: ...
+    def score(self, tokens: npt.NDArray[np.uint32], namespace: bytes, now: float, belief: npt.NDArray[np.float64], own_region: bool = False) -> RouteResult: ...
+    def commit(self, res: RouteResult, w: int, n_cand: int, now: float, track: bool, effects: bool = True) -> _Commit:
+        """``(w, n_cand, match, tier, score, (wan, queue, prefill, reload, lam, belief), prompt_tokens, local_match, family, local_miss)``."""
+    def route(
+        self, tokens: npt.NDArray[np.uint32], namespace: bytes, now: float, belief: npt.NDArray[np.float64], draw: Callable[[], float], track: bool = True, effects: bool = True
+    ) -> tuple[RouteResult, _Commit]: ...
+    def expire(self, now: float) -> int: ...
+    def capacity_price(self) -> float: ...
+    @property
+    def speculative_entries(self) -> int: ...
+    @property
+    def speculative_counts(self) -> tuple[int, int]: ...
 
 @final
 class ByteLevelBpe:

@@ -542,3 +542,41 @@ def test_a_lookup_decides_as_a_route_would_and_changes_nothing() -> None:
     other = next(w for w in edge.workers if w != d0.worker)
     seen = edge.lookup(p, NS, 1.5, exclude=[other])  # a lookup sees what routes did
     assert (seen.worker, seen.expected_match) == (d0.worker, 2048) and edge.stats.routes == 1
+
+
+def test_the_one_call_route_decides_as_score_choose_commit() -> None:
+    """``Edge.route`` takes one Rust call (``EdgeCore.route``: expiries, price, route, tie draw,
+    commit); a door's retry with ``exclude`` goes through ``score``, the Python tie-break over
+    the scores and ``commit``. With nothing excluded both must decide alike, route after route,
+    and leave the same speculative entries, charges and counters behind (two edges, one seed)."""
+    fleet = Fleet({"A": 4, "B": 3})
+    plan = {"A": PLAN_A, "B": [512, 1024, 2048]}
+    params = _EdgeParams(tie_ms=5.0, speculative_ttl_s=0.7, dispatch_charge_ttl_s=0.5)
+    one, split = fleet.edge("A", plan, {"A": 2.0, "B": 60.0}, params, seed=7), fleet.edge("A", plan, {"A": 2.0, "B": 60.0}, params, seed=7)
+    rng = np.random.default_rng(3)
+    prompts = [prompt(900 + i, 3000 if i < 2 else int(rng.integers(200, 3000))) for i in range(12)]
+    fleet.hold("b1", prompts[0], [512, 1024], DRAM)
+    fleet.hold("a2", prompts[1], [256, 512])
+
+    def via_score(edge: Edge, p: npt.NDArray[np.uint32], now: float) -> Decision:
+        res = edge._core.score(p, NS.digest, now, edge._belief_now(now))
+        w, n = edge._choose(res, ())
+        edge._n.routes += 1
+        edge._n.ties += n > 1
+        return edge._decide(res, edge._core.commit(res, w, n, now, True), p, NS.digest, now)
+
+    now, ties = 0.0, 0
+    for step in range(300):
+        now += float(rng.exponential(0.05))
+        p = prompts[int(rng.integers(len(prompts)))]
+        a, b = one.route(p, NS, now), via_score(split, p, now)
+        assert a == b, f"step {step}"
+        ties += a.tie_broken
+        if step % 25 == 0:
+            tq = float(rng.uniform(0, 40))
+            for e in (one, split):
+                e.set_local_queue("a0", tq, now)
+    assert ties > 20  # the draw among near-equal workers was exercised
+    assert one.speculative_entries == split.speculative_entries > 0
+    assert one.stats == split.stats
+    assert [one.queue_estimate(w) for w in one.workers] == [split.queue_estimate(w) for w in split.workers]

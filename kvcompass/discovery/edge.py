@@ -35,11 +35,9 @@ object, passing time in as ``now`` (seconds, non-decreasing) and moving bytes th
 
 from __future__ import annotations
 
-import bisect
-import heapq
 import math
 from dataclasses import dataclass, field, replace
-from typing import Collection, Literal, Mapping, Sequence
+from typing import Any, Collection, Literal, Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -221,27 +219,6 @@ class _Behind:
     """A position (epoch, seq) the writer is known to have reached: repaired once the view is there."""
 
 
-class _Speculative:
-    """Private writer + follower view for the speculative entries of one logical table."""
-
-    __slots__ = ("writer", "view")
-
-    def __init__(self, table: int, value_bits: int) -> None:
-        self.writer = _core.LudoTable(table=table, shard=0, capacity=_SPEC_CAPACITY, value_bits=value_bits, fp_bits=_SPEC_FP_BITS)
-        self.view = _core.LudoView(table, 0)
-        self.view.apply_batch(self.writer.export_snapshot())
-
-    def flush(self) -> None:
-        b = self.writer.take_batch()
-        if b is not None:
-            self.view.apply_batch(b)
-
-
-def _fitting(lengths: list[int], n: int) -> list[int]:
-    """The ascending ``lengths`` up to ``n``."""
-    return lengths[: bisect.bisect_right(lengths, n)]
-
-
 class Edge:
     """One edge node's lookup unit, router and learner.
 
@@ -320,7 +297,6 @@ class Edge:
             raise TopologyError(f"no worker may serve: cross_region is off and region {region!r} has no indexed worker")
         self._all_eligible = bool(self._eligible.all())
         self._ineligible_inf = np.where(self._eligible, 0.0, math.inf)
-        self._zeros = np.zeros(n, dtype=np.float64)
         self._ones = np.ones(n, dtype=np.float64)
         self._gamma = params.gamma_ms_per_token if params.tier_aware else 0.0
 
@@ -331,10 +307,8 @@ class Edge:
         self._views: dict[tuple[int, int], _core.LudoView] = {
             (t.table_id, s): _core.LudoView(t.table_id, s) for t in layout.tables for s in range(layout.shards)
         }
-        self._spec = [_Speculative(t.table_id, layout.value_bits) for t in layout.tables]
-        self._spec_expiry: dict[tuple[int, int, int], float] = {}
-        self._spec_heap: list[tuple[float, int, int, int, tuple[int, ...]]] = []
-        self._spec_serial = 0
+        # The views of each table's speculative entries (the router reads them; the core writes them).
+        self._spec_views = [_core.LudoView(t.table_id, 0) for t in layout.tables]
         self._router = self._build_router()
         # The edge whose views this one reads (None: its own), and the edges reading ours.
         self._views_of: Edge | None = None
@@ -352,12 +326,41 @@ class Edge:
         # are not this region's workers (ignored), the positions of the others (None: all kept),
         # their settle lags)
         self._vector_ids: dict[str, tuple[tuple[str, ...], npt.NDArray[np.int64], int, npt.NDArray[np.int64] | None, npt.NDArray[np.float64]]] = {}
-        self._lam, self._lam_version = 0.0, -1
         self._belief = CacheBelief(n, params.belief_weight, params.belief_initial)
         others = sorted({r for r in rtt_ms if r != region} | {r for r in regions if r != region})
         self._broadcast = BroadcastSchedule(others, params.broadcast_period_s)
         self._hotness = HotnessTracker(params.hot_misses, params.hot_window_s)
         self._planner = MigrationPlanner(self._ids, self._worker_region, params.migration_cooldown_s, params.hot_window_s, self._rng)
+        # The per-request steps around the router (rust/python/edge_core.rs): expiries, the
+        # capacity price, the route, the tie draw and the commit's side effects.
+        if [t.table_id for t in layout.tables] != list(range(len(layout.tables))):  # pragma: no cover - IndexLayout numbers them so
+            raise TopologyError("layout tables must be numbered 0, 1, ... in order")
+        self._core = _core.EdgeCore(
+            self._router,
+            self._queues,
+            self._region_l,
+            self._beta_l,
+            self._wan_l,
+            self._local_l,
+            self._eligible.tolist(),
+            self._plan_lists,
+            self._family_length,
+            [(ref.table_id, ref.field) for ref in self._field],
+            self._spec_views,
+            value_bits=layout.value_bits,
+            spec_capacity=_SPEC_CAPACITY,
+            spec_fp_bits=_SPEC_FP_BITS,
+            load_aware=params.load_aware,
+            lambda_max=params.lambda_max,
+            tau_ms=params.tau_ms,
+            gamma=self._gamma,
+            closure=params.closure,
+            tie_ms=params.tie_ms,
+            speculative_ttl_s=params.speculative_ttl_s,
+            charge=params.load_aware and params.dispatch_charge_ttl_s > 0,
+            migration=params.migration,
+        )
+        self._draw = self._rng.random
 
     @staticmethod
     def _check_workers(layout: IndexLayout, workers: Sequence[WorkerSpec], params: EdgeParams) -> None:
@@ -378,13 +381,17 @@ class Edge:
             if not (math.isfinite(w.beta_ms_per_token) and w.beta_ms_per_token > 0):
                 raise TopologyError(f"worker {w.id!r}: beta_ms_per_token = {w.beta_ms_per_token} must be finite and > 0")
 
+    def _rebuild_router(self) -> None:
+        self._router = self._build_router()
+        self._core.set_router(self._router)
+
     def _build_router(self) -> _core.Router:
         tables: list[tuple[int, npt.NDArray[np.uint32], list[_core.LudoView]]] = []
         for t in self._layout.tables:
             shards = [self._views[(t.table_id, s)] for s in range(self._layout.shards)]
             tables.append((self._table_region[t.table_id], self._table_workers[t.table_id], shards))
         for t in self._layout.tables:
-            tables.append((self._table_region[t.table_id], self._table_workers[t.table_id], [self._spec[t.table_id].view]))
+            tables.append((self._table_region[t.table_id], self._table_workers[t.table_id], [self._spec_views[t.table_id]]))
         return _core.Router(self._plan_lists, tables)
 
     # -- identity ----------------------------------------------------------------------------------
@@ -431,6 +438,7 @@ class Edge:
         self._n.broadcasts_suppressed = self._broadcast.suppressed
         self._n.migrations_emitted = self._planner.emitted
         self._n.migrations_no_target = self._planner.no_target
+        self._n.speculative_registered, self._n.speculative_expired = self._core.speculative_counts
         return replace(self._n)
 
     # -- views and patches ---------------------------------------------------------------------------
@@ -465,7 +473,7 @@ class Edge:
         self._behind = leader._behind
         self._views_of = leader
         leader._readers.append(self)
-        self._router = self._build_router()
+        self._rebuild_router()
 
     @property
     def views_of(self) -> str | None:
@@ -589,9 +597,9 @@ class Edge:
         if not r.snapshot:  # pragma: no cover - an empty view accepts nothing else
             raise UninitialisedViewError("bootstrap needs a snapshot batch")
         self._views[key] = fresh
-        self._router = self._build_router()
+        self._rebuild_router()
         for reader in self._readers:
-            reader._router = reader._build_router()
+            reader._rebuild_router()
         return self._applied(key, r)
 
     def _applied(self, key: tuple[int, int], r: _core.ApplyResult) -> PatchOutcome:
@@ -632,45 +640,19 @@ class Edge:
 
     def capacity_price(self) -> float:
         """lambda = min(lambda_max, min over servable workers of Tq / tau); 0 without load awareness."""
-        if not self._params.load_aware:
-            return 0.0
-        # Estimates change far less often than requests arrive: recompute only after a change.
-        if self._lam_version != self._queues.version:
-            m = self._queues.minimum() if self._all_eligible else float(self._queues.values[self._eligible].min())
-            self._lam = min(self._params.lambda_max, m / self._params.tau_ms)
-            self._lam_version = self._queues.version
-        return self._lam
+        return self._core.capacity_price()
 
-    def _score(
-        self, tokens: npt.NDArray[np.uint32] | Sequence[int], namespace: Namespace | bytes, now: float, own_region: bool = False
-    ) -> tuple[npt.NDArray[np.uint32], bytes, npt.NDArray[np.float64], float, npt.NDArray[np.float64], _core.RouteResult]:
-        """Every worker's joint score for the prompt as of ``now`` (expired speculative entries
-        and dispatch charges dropped first), with the inputs the score used. ``own_region``:
-        only this region's workers are scored (the others get inf), reading only its tables."""
-        p = self._params
-        self._expire(now)
-        toks = as_tokens(tokens)
-        ns = namespace.digest if isinstance(namespace, Namespace) else bytes(namespace)
-        self._queues.expire(now)
-        tq = self._queues.values if p.load_aware else self._zeros
-        lam = self.capacity_price()
-        if p.belief:
-            self._belief.relax(now, p.belief_half_life_s)
-            belief = self._belief.values
-        else:
-            belief = self._ones
-        res = self._router.route(toks, ns, self._region_idx, self._beta, self._wan, tq, belief, gamma=self._gamma, lam=lam, closure=p.closure, only_region=0 if own_region else None, tie_ms=p.tie_ms)
-        return toks, ns, tq, lam, belief, res
+    def _belief_now(self, now: float) -> npt.NDArray[np.float64]:
+        if not self._params.belief:
+            return self._ones
+        self._belief.relax(now, self._params.belief_half_life_s)
+        return self._belief.values
 
     def route(self, tokens: npt.NDArray[np.uint32] | Sequence[int], namespace: Namespace | bytes, now: float, exclude: Collection[str] = ()) -> Decision:
         """Pick the worker for one prompt (see the module docs); registers the speculative entry
         and counts hotness as side effects. ``exclude`` names workers that may not win (a
         front door retrying after a worker failed); InvalidArgumentError if nobody is left."""
-        toks, ns, tq, lam, belief, res = self._score(tokens, namespace, now)
-        w, n_cand = self._choose(res, exclude)
-        self._n.routes += 1
-        self._n.ties += n_cand > 1
-        return self._commit(res, w, n_cand, toks, ns, tq, lam, belief, now, track=True)
+        return self._route(tokens, namespace, now, exclude, effects=True)
 
     def lookup(self, tokens: npt.NDArray[np.uint32] | Sequence[int], namespace: Namespace | bytes, now: float, exclude: Collection[str] = ()) -> Decision:
         """What :meth:`route` would decide now, with none of its side effects: no dispatch
@@ -678,24 +660,34 @@ class Edge:
         a prompt: a query that registered a speculative claim made the next query see a hit
         nobody holds (issue 16). Ties are still drawn, so a lookup may name another of equally
         good workers than the route that follows it."""
-        toks, ns, tq, lam, belief, res = self._score(tokens, namespace, now)
-        w, n_cand = self._choose(res, exclude)
-        return self._commit(res, w, n_cand, toks, ns, tq, lam, belief, now, track=False, effects=False)
+        return self._route(tokens, namespace, now, exclude, effects=False)
+
+    def _route(self, tokens: npt.NDArray[np.uint32] | Sequence[int], namespace: Namespace | bytes, now: float, exclude: Collection[str], *, effects: bool) -> Decision:
+        toks = as_tokens(tokens)
+        ns = namespace.digest if isinstance(namespace, Namespace) else bytes(namespace)
+        belief = self._belief_now(now)
+        if self._all_eligible and not exclude:
+            res, c = self._core.route(toks, ns, now, belief, self._draw, effects, effects)
+        else:
+            res = self._core.score(toks, ns, now, belief)
+            w, n_cand = self._choose(res, exclude)
+            c = self._core.commit(res, w, n_cand, now, effects, effects)
+        if effects:
+            self._n.routes += 1
+            self._n.ties += c[1] > 1
+        return self._decide(res, c, toks, ns, now)
 
     def _choose(self, res: _core.RouteResult, exclude: Collection[str]) -> tuple[int, int]:
-        """The winner among the near-best (within ``tie_ms``), drawn uniformly, and how many
-        there were."""
+        """The winner among the near-best eligible workers not in ``exclude`` (within ``tie_ms``),
+        drawn uniformly, and how many there were."""
         p = self._params
-        if self._all_eligible and not exclude:
-            cand = res.near  # the route's own `scores <= best + tie_ms`, as a list
-        else:
-            scores = res.scores + self._ineligible_inf  # a fresh array
-            if exclude:
-                scores[[self.worker_index(x) for x in exclude]] = math.inf
-            best = float(scores.min())
-            if not math.isfinite(best):
-                raise InvalidArgumentError(f"every worker this edge may route to is excluded ({len(exclude)} excluded)")
-            cand = (scores <= best + p.tie_ms).nonzero()[0].tolist()
+        scores = res.scores + self._ineligible_inf  # a fresh array
+        if exclude:
+            scores[[self.worker_index(x) for x in exclude]] = math.inf
+        best = float(scores.min())
+        if not math.isfinite(best):
+            raise InvalidArgumentError(f"every worker this edge may route to is excluded ({len(exclude)} excluded)")
+        cand = (scores <= best + p.tie_ms).nonzero()[0].tolist()
         n_cand = len(cand)
         # random() in [0, 1): a uniform index, at a third of integers()' call cost.
         w = cand[int(self._rng.random() * n_cand)] if n_cand > 1 else cand[0]
@@ -722,12 +714,13 @@ class Edge:
         if not self._local_l[i]:
             raise InvalidArgumentError(f"handoff of {worker!r}: a worker of region {self._worker_region[i]!r}, not of this edge's region {self._region!r}")
         p = self._params
+        toks = as_tokens(tokens)
+        ns = namespace.digest if isinstance(namespace, Namespace) else bytes(namespace)
         # Only own-region workers may take it: their tables alone are read (region 0 is ours).
-        toks, ns, tq, lam, belief, res = self._score(tokens, namespace, now, own_region=True)
+        res = self._core.score(toks, ns, now, self._belief_now(now), True)
         w = i
         scores = res.scores  # every other region's workers already score inf
         if exclude:
-            scores = scores.copy()
             scores[[self.worker_index(x) for x in exclude]] = math.inf
         best = int(scores.argmin())
         if not math.isfinite(float(scores[best])):
@@ -736,113 +729,34 @@ class Edge:
             w = best
             self._n.handoffs_moved += 1
         self._n.handoffs += 1
-        return self._commit(res, w, 1, toks, ns, tq, lam, belief, now, track=False)
+        return self._decide(res, self._core.commit(res, w, 1, now, False), toks, ns, now)
 
-    def _commit(
-        self,
-        res: _core.RouteResult,
-        w: int,
-        n_cand: int,
-        toks: npt.NDArray[np.uint32],
-        ns: bytes,
-        tq: npt.NDArray[np.float64],
-        lam: float,
-        belief: npt.NDArray[np.float64],
-        now: float,
-        *,
-        track: bool,
-        effects: bool = True,
-    ) -> Decision:
-        """The side effects of sending ``toks`` to worker ``w`` (charge, speculative entries,
-        hotness when ``track``; none without ``effects``) and the :class:`Decision` that says so."""
-        p = self._params
-        m, tier_code, score = res.at(w)
-        tier = _TIERS[tier_code]
-        b = float(belief[w])
-        L = len(toks)
-        # Same operation order as the core, so the terms add up to the score bit for bit.
-        remaining = L - b * m
-        prefill = (1.0 + lam) * self._beta_l[w] * remaining if remaining > 0 else 0.0
-        reload = self._gamma * b * m if tier == Tier.DRAM else 0.0
-        # Positional: a frozen dataclass built by keyword costs half as much again (per route).
-        terms = ScoreTerms(self._wan_l[w], float(tq[w]), prefill, reload, lam, b)  # wan, queue, prefill, reload, lam, belief
-        if effects and p.load_aware and p.dispatch_charge_ttl_s > 0:
-            self._queues.charge(w, (self._beta_l[w] * remaining if remaining > 0 else 0.0) + reload, now)
-        local_match = res.local_match
-
-        spec_lengths = _fitting(self._plan_lists[self._region_l[w]], L) if effects and p.speculative_ttl_s > 0 else []
-        if spec_lengths and m >= spec_lengths[-1] and tier == Tier.VRAM:
-            spec_lengths = []  # already claimed in full (by the index or a live entry): nothing to add
-        track = track and p.migration and L >= self._family_length
-        family: int | None = None
-        if spec_lengths or track:
-            lengths = sorted(set(spec_lengths) | ({self._family_length} if track else set()))
-            by_len = dict(zip(lengths, res.keys_at(lengths)))  # plan lengths: the route hashed them
-            if spec_lengths:
-                self._speculate(w, [by_len[c] for c in spec_lengths], now)
-            if track:
-                family = by_len[self._family_length]
-                if not (self._local_l[w] and m > 0):
-                    self._n.local_misses += 1
-                    if self._hotness.observe_miss(family, now) and not self._planner.cooling(family, now):
-                        trig = evaluate_trigger(self._local, res.matches, res.scores, tq, self._n1, w)
-                        if trig is not None:
-                            self._planner.offer(family, trig, ns, toks, now)
-
-        # worker, worker_index, region, expected_match, tier, score, terms, tie_broken, candidates,
-        # prompt_tokens, local_match, family (positional, as the terms above)
-        return Decision(self._ids[w], w, self._worker_region[w], m, tier, score, terms, n_cand > 1, n_cand, L, local_match, family)
+    def _decide(self, res: _core.RouteResult, c: tuple[Any, ...], toks: npt.NDArray[np.uint32], ns: bytes, now: float) -> Decision:
+        """The :class:`Decision` of the core's commit tuple ``c`` (see ``EdgeCore.commit``); on a
+        local miss of a tracked family, hotness is counted and the migration rule evaluated."""
+        w, n_cand, m, tier, score, terms, n_tokens, local_match, family, local_miss = c
+        if local_miss:
+            self._n.local_misses += 1
+            if self._hotness.observe_miss(family, now) and not self._planner.cooling(family, now):
+                trig = evaluate_trigger(self._local, res.matches, res.scores, res.tq, self._n1, w)
+                if trig is not None:
+                    self._planner.offer(family, trig, ns, toks, now)
+        # worker, worker_index, region, expected_match, tier, score, terms (wan, queue, prefill,
+        # reload, lam, belief), tie_broken, candidates, prompt_tokens, local_match, family
+        # (positional: a frozen record built by keyword costs half as much again, per route)
+        return Decision(self._ids[w], w, self._worker_region[w], m, _TIERS[tier], score, ScoreTerms(*terms), n_cand > 1, n_cand, n_tokens, local_match, family)
 
     # -- speculative entries ---------------------------------------------------------------------------
 
     @property
     def speculative_entries(self) -> int:
         """Live (table, key, field) speculative entries."""
-        return len(self._spec_expiry)
-
-    def _speculate(self, w: int, keys: list[int], now: float) -> None:
-        ref = self._field[w]
-        t, f = ref.table_id, ref.field
-        writer = self._spec[t].writer
-        expires = now + self._params.speculative_ttl_s
-        vram = int(Tier.VRAM)
-        for k in keys:
-            entry = (t, k, f)
-            if entry not in self._spec_expiry:
-                writer.set_field(k, f, vram)
-                self._n.speculative_registered += 1
-            self._spec_expiry[entry] = expires
-        # One heap record per registration; the serial keeps records comparable without keys.
-        self._spec_serial += 1
-        heapq.heappush(self._spec_heap, (expires, self._spec_serial, t, f, tuple(keys)))
-        self._spec[t].flush()
+        return int(self._core.speculative_entries)
 
     def expire(self, now: float) -> int:
         """Drop speculative entries whose TTL ran out by ``now`` (also done on every route);
         returns how many."""
-        return self._expire(now)
-
-    def _expire(self, now: float) -> int:
-        heap = self._spec_heap
-        if not heap or heap[0][0] > now:
-            return 0
-        dirty: set[int] = set()
-        gone = 0
-        absent = int(Tier.ABSENT)
-        while heap and heap[0][0] <= now:
-            expires, _, t, f, keys = heapq.heappop(heap)
-            writer = self._spec[t].writer
-            for k in keys:
-                # A refreshed entry left an older record behind: only its latest expiry counts.
-                if self._spec_expiry.get((t, k, f)) == expires:
-                    del self._spec_expiry[(t, k, f)]
-                    writer.set_field(k, f, absent)
-                    dirty.add(t)
-                    gone += 1
-        for t in dirty:
-            self._spec[t].flush()
-        self._n.speculative_expired += gone
-        return gone
+        return int(self._core.expire(now))
 
     # -- belief and queue estimates -----------------------------------------------------------------
 

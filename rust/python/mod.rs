@@ -12,6 +12,7 @@ mod bpe;
 mod errors;
 mod index;
 pub(crate) mod queues;
+mod edge_core;
 mod router;
 mod sim;
 
@@ -244,6 +245,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     sim::register(m)?;
     agent::register(m)?;
     router::register(m)?;
+    edge_core::register(m)?;
     queues::register(m)?;
     bench::register(m)?;
     Ok(())

@@ -10,7 +10,7 @@ use pyo3::types::PyDict;
 
 use crate::queues::{first_bad_sample, Before, QueueError, QueueState, MAX_QUEUE_MS};
 
-fn err(e: QueueError) -> PyErr {
+pub(crate) fn err(e: QueueError) -> PyErr {
     match e {
         QueueError::Sample(_, x) => PyValueError::new_err(format!("queue estimate {x} ms must be finite and in [0, {MAX_QUEUE_MS}]")),
         QueueError::Index(i) => PyValueError::new_err(format!("worker index {i}: out of range or repeated")),
@@ -31,6 +31,14 @@ pub struct PyQueueEstimates {
 }
 
 impl PyQueueEstimates {
+    /// The estimates themselves, for an `EdgeCore` that routes on them.
+    pub(crate) fn state(&self) -> &QueueState {
+        &self.q
+    }
+    pub(crate) fn state_mut(&mut self) -> &mut QueueState {
+        &mut self.q
+    }
+
     fn at(&self, index: i64) -> PyResult<usize> {
         if index < 0 || index as usize >= self.q.len() {
             return Err(PyIndexError::new_err(format!("worker index {index} out of 0..{}", self.q.len())));

@@ -11,7 +11,7 @@
 
 use std::sync::{Arc, Mutex, RwLock};
 
-use numpy::{IntoPyArray, PyArray1, PyArrayMethods, PyUntypedArrayMethods};
+use numpy::PyArray1;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -35,40 +35,63 @@ pub struct PyRouter {
     scratch: Mutex<RouteScratch>,
 }
 
-/// The decision for one request plus the evidence behind it.
+/// The decision for one request plus the evidence behind it. The per-worker figures are kept
+/// as vectors and handed out as numpy arrays only when asked for (a fresh array each time):
+/// most routes read one worker's figures ([`PyRouteResult::at`]), and three arrays a route
+/// were a visible part of a simulated request.
 #[pyclass(name = "RouteResult", module = "kvcompass._core", frozen)]
 pub struct PyRouteResult {
     #[pyo3(get)]
     winner: usize,
     #[pyo3(get)]
     score: f64,
-    matches: Py<PyArray1<u32>>,
-    tiers: Py<PyArray1<u8>>,
-    scores: Py<PyArray1<f64>>,
+    pub(crate) matches: Vec<u32>,
+    pub(crate) tiers: Vec<u8>,
+    pub(crate) scores: Vec<f64>,
+    /// The queue estimates the scores used (empty when the caller kept them: [`PyRouter::route`]).
+    pub(crate) tq: Vec<f64>,
+    /// The beliefs and capacity price the scores used (kept for an `EdgeCore`'s commit only).
+    pub(crate) belief: Vec<f64>,
+    pub(crate) lam: f64,
+    /// Tokens in the prompt.
+    pub(crate) prompt_len: usize,
     lengths: Vec<u32>,
     keys: Vec<u64>,
     /// Workers within `tie_ms` of the best score, in index order (empty without `tie_ms`).
-    near: Vec<u32>,
+    pub(crate) near: Vec<u32>,
     #[pyo3(get)]
-    local_match: u32,
+    pub(crate) local_match: u32,
+}
+
+impl PyRouteResult {
+    /// The key this route hashed for plan length `c`, if it hashed one.
+    pub(crate) fn key_at(&self, c: u32) -> Option<u64> {
+        self.lengths.binary_search(&c).ok().map(|i| self.keys[i])
+    }
 }
 
 #[pymethods]
 impl PyRouteResult {
     /// Per-worker matched prefix length (0 = none), after the closure check.
     #[getter]
-    fn matches(&self, py: Python<'_>) -> Py<PyArray1<u32>> {
-        self.matches.clone_ref(py)
+    fn matches<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
+        PyArray1::from_slice(py, &self.matches)
     }
     /// Per-worker tier of that match: 0 none, 1 VRAM, 2 DRAM.
     #[getter]
-    fn tiers(&self, py: Python<'_>) -> Py<PyArray1<u8>> {
-        self.tiers.clone_ref(py)
+    fn tiers<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u8>> {
+        PyArray1::from_slice(py, &self.tiers)
     }
     /// Per-worker joint score (ms); the winner has the smallest.
     #[getter]
-    fn scores(&self, py: Python<'_>) -> Py<PyArray1<f64>> {
-        self.scores.clone_ref(py)
+    fn scores<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f64>> {
+        PyArray1::from_slice(py, &self.scores)
+    }
+    /// The per-worker queue estimates (ms) the scores used, for a route made by an
+    /// ``EdgeCore`` (which reads them itself); empty for ``Router.route``, whose caller passed them.
+    #[getter]
+    fn tq<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f64>> {
+        PyArray1::from_slice(py, &self.tq)
     }
     /// Workers whose score is within the route's ``tie_ms`` of the best (``score <= best +
     /// tie_ms``), in index order: the tie-break's candidates without a numpy pass over the
@@ -79,11 +102,10 @@ impl PyRouteResult {
     }
     /// ``(match, tier, score)`` of worker ``w`` as Python numbers (what the edge's commit reads
     /// of its winner, without three numpy scalar reads); IndexError past the workers.
-    fn at(&self, py: Python<'_>, w: usize) -> PyResult<(u32, u8, f64)> {
-        let (m, t, s) = (self.matches.bind(py), self.tiers.bind(py), self.scores.bind(py));
-        match (m.get_owned([w]), t.get_owned([w]), s.get_owned([w])) {
-            (Some(m), Some(t), Some(s)) => Ok((m, t, s)),
-            _ => Err(pyo3::exceptions::PyIndexError::new_err(format!("worker {w} out of range ({} workers)", s.len()))),
+    fn at(&self, w: usize) -> PyResult<(u32, u8, f64)> {
+        match (self.matches.get(w), self.tiers.get(w), self.scores.get(w)) {
+            (Some(&m), Some(&t), Some(&s)) => Ok((m, t, s)),
+            _ => Err(pyo3::exceptions::PyIndexError::new_err(format!("worker {w} out of range ({} workers)", self.scores.len()))),
         }
     }
     /// The keys of the prompt's prefixes of ``lengths`` that this route hashed (every plan
@@ -92,10 +114,7 @@ impl PyRouteResult {
     fn keys_at(&self, lengths: Vec<u32>) -> PyResult<Vec<u64>> {
         lengths
             .iter()
-            .map(|c| match self.lengths.binary_search(c) {
-                Ok(i) => Ok(self.keys[i]),
-                Err(_) => Err(PyValueError::new_err(format!("keys_at: this route did not hash length {c} (it hashed {:?})", self.lengths))),
-            })
+            .map(|&c| self.key_at(c).ok_or_else(|| PyValueError::new_err(format!("keys_at: this route did not hash length {c} (it hashed {:?})", self.lengths))))
             .collect()
     }
     fn __repr__(&self) -> String {
@@ -123,6 +142,31 @@ impl PyRouter {
         };
         let win = self.run(ns, tokens, w, params, scratch, only)?;
         Ok((win, scratch.matches().to_vec(), scratch.tiers().to_vec(), scratch.scores().to_vec(), scratch.lengths().to_vec(), scratch.keys().to_vec()))
+    }
+
+    /// The route of [`PyRouter::route`] from slices read under the GIL (`keep`: keep the queue
+    /// estimates and beliefs in the result, for an `EdgeCore`: see [`PyRouteResult::tq`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn route_arrays(&self, py: Python<'_>, ns: &[u8; 32], tokens: &[u32], w: &WorkerArrays<'_>, params: &ScoreParams, only_region: Option<u32>, tie_ms: Option<f64>, keep: bool) -> PyResult<PyRouteResult> {
+        let (win, m, t, s, lengths, keys) = if tokens.len() > DETACH_TOKENS {
+            // Hashing a prompt this long takes long enough for other threads to want the GIL:
+            // copies (a small cost beside the hashing) and the loop without it.
+            let (tokens, region, beta, wan, tq, belief) = (tokens.to_vec(), w.region.to_vec(), w.beta.to_vec(), w.wan.to_vec(), w.tq.to_vec(), w.belief.to_vec());
+            py.detach(|| self.route_scratched(ns, &tokens, &WorkerArrays { region: &region, beta: &beta, wan: &wan, tq: &tq, belief: &belief }, params, only_region))?
+        } else {
+            self.route_scratched(ns, tokens, w, params, only_region)?
+        };
+        let near = match tie_ms {
+            // The same comparison as numpy's `scores <= best + tie_ms` (IEEE, no fused ops).
+            Some(tie) => {
+                let bar = win.score + tie;
+                s.iter().enumerate().filter(|&(_, &x)| x <= bar).map(|(i, _)| i as u32).collect()
+            }
+            None => Vec::new(),
+        };
+        let local_match = m.iter().zip(w.region).filter(|&(_, &r)| r == 0).map(|(&x, _)| x).max().unwrap_or(0);
+        let (tq, belief) = if keep { (w.tq.to_vec(), w.belief.to_vec()) } else { (Vec::new(), Vec::new()) };
+        Ok(PyRouteResult { winner: win.winner, score: win.score, matches: m, tiers: t, scores: s, tq, belief, lam: params.lambda, prompt_len: tokens.len(), lengths, keys, near, local_match })
     }
 
     pub(crate) fn run(&self, ns: &[u8; 32], tokens: &[u32], wa: &WorkerArrays<'_>, params: &ScoreParams, scratch: &mut RouteScratch, only: Option<u32>) -> PyResult<crate::score::RouteWinner> {
@@ -183,34 +227,7 @@ impl PyRouter {
         let tokens = slice_of("tokens", &tok)?;
         let w = WorkerArrays { region: slice_of("region", &reg)?, beta: slice_of("beta", &b)?, wan: slice_of("wan", &wn)?, tq: slice_of("tq", &q)?, belief: slice_of("belief", &bel)? };
         let params = ScoreParams { gamma, lambda: lam, closure };
-        let (win, m, t, s, lengths, keys) = if tokens.len() > DETACH_TOKENS {
-            // Hashing a prompt this long takes long enough for other threads to want the GIL:
-            // copies (a small cost beside the hashing) and the loop without it.
-            let (tokens, region, beta, wan, tq, belief) = (tokens.to_vec(), w.region.to_vec(), w.beta.to_vec(), w.wan.to_vec(), w.tq.to_vec(), w.belief.to_vec());
-            py.detach(|| self.route_scratched(&ns, &tokens, &WorkerArrays { region: &region, beta: &beta, wan: &wan, tq: &tq, belief: &belief }, &params, only_region))?
-        } else {
-            self.route_scratched(&ns, tokens, &w, &params, only_region)?
-        };
-        let near = match tie_ms {
-            // The same comparison as numpy's `scores <= best + tie_ms` (IEEE, no fused ops).
-            Some(tie) => {
-                let bar = win.score + tie;
-                s.iter().enumerate().filter(|&(_, &x)| x <= bar).map(|(i, _)| i as u32).collect()
-            }
-            None => Vec::new(),
-        };
-        let local_match = m.iter().zip(w.region).filter(|&(_, &r)| r == 0).map(|(&x, _)| x).max().unwrap_or(0);
-        Ok(PyRouteResult {
-            winner: win.winner,
-            score: win.score,
-            matches: m.into_pyarray(py).unbind(),
-            tiers: t.into_pyarray(py).unbind(),
-            scores: s.into_pyarray(py).unbind(),
-            lengths,
-            keys,
-            near,
-            local_match,
-        })
+        self.route_arrays(py, &ns, tokens, &w, &params, only_region, tie_ms, false)
     }
 
     /// Number of tables this router reads.
