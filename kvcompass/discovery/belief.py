@@ -61,10 +61,11 @@ class CacheBelief:
         ratio = min(1.0, reused / claimed)
         b = (1.0 - self._weight) * float(self._b[index]) + self._weight * ratio
         # Rounding must never push a belief outside [0, 1]: the route loop refuses it.
-        self._b[index] = min(1.0, max(0.0, b))
+        b = min(1.0, max(0.0, b))
+        self._b[index] = b  # a float64 holds a Python float exactly: b is what is stored
         self._samples[index] += 1
-        self._away = self._away or self._b[index] != self._initial
-        return float(self._b[index])
+        self._away = self._away or b != self._initial
+        return b
 
     def relax(self, now: float, half_life_s: float, step_s: float = 1.0) -> None:
         """Move every belief toward the initial value: ``b = initial + (b - initial) *
