@@ -597,3 +597,50 @@ def test_load_trace_spreads_ties_when_rescaling_and_keeps_logged_times_in_trace_
     assert all(spread[r.parent].arrival_ms < r.arrival_ms for r in spread if r.parent >= 0)
     with pytest.raises(InvalidArgumentError):
         load_trace(path, 512, regions=["a"], ties="both")  # type: ignore[arg-type]
+
+
+def test_collector_paused_restores_the_collector() -> None:
+    import gc
+
+    from kvcompass.sim.workload import collector_paused
+
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        with collector_paused():
+            raise RuntimeError("inside")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # a caller's own pause is left as it was
+        synthetic_mixed(5, regions=["eu"], seed=1)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    synthetic_mixed(5, regions=["eu"], seed=1)
+    assert gc.isenabled()
+
+
+def test_a_workload_of_runs_and_plain_ids_simulates_as_runs_alone() -> None:
+    """The simulator hands the engine every prompt's blocks in one flat array: runs of a
+    synthetic prompt and plain ids of a trace's, in request order. The same prompts given half
+    as runs and half as their ids must give the same run as all of them as runs."""
+    import dataclasses
+
+    from kvcompass.sim.engine import SimConfig, Simulator
+    from kvcompass.sim.workload import TraceBlocks
+
+    topo = load_topology("paper-64x8")
+    reqs = synthetic_mixed(300, regions=topo, seed=5, rate=40.0, block_size=topo.block_size)
+    mixed = [dataclasses.replace(r, blocks=TraceBlocks(r.hash_ids())) if i % 3 == 1 else r for i, r in enumerate(reqs)]
+    assert sum(isinstance(r.blocks, TraceBlocks) for r in mixed) == 100
+    a = Simulator(topo, reqs, "kvcompass", SimConfig(seed=5)).run()
+    b = Simulator(topo, mixed, "kvcompass", SimConfig(seed=5)).run()
+    assert a.records == b.records and a.requests == b.requests == 300
+    np.testing.assert_array_equal(a.load_factor, b.load_factor)
+    assert (a.ttft_ms, a.hit_rate, a.cross_region_hit_rate) == (b.ttft_ms, b.hit_rate, b.cross_region_hit_rate)
+    assert a.reused_tokens > 0

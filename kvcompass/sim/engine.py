@@ -93,8 +93,8 @@ a request's salt with :meth:`Simulator.salt` (None in a one-namespace run).
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -121,7 +121,7 @@ from kvcompass.engine.cache import Policy, PrefixCache, salt_seed
 from kvcompass.engine.costs import CostModel
 from kvcompass.sim.summary import RecordTable, Summary, summarize
 from kvcompass.sim.schemes import Choice, Fleet, Scheme, make_scheme, salt_key, scheme_params
-from kvcompass.sim.workload import ChainBlocks, Request
+from kvcompass.sim.workload import ChainBlocks, Request, collector_paused
 
 __all__ = ["DEFAULT_DRAM_TOKENS", "DEFAULT_VRAM_TOKENS", "GPU_SHARING", "GpuSharing", "SimConfig", "Simulator", "simulate"]
 
@@ -248,12 +248,13 @@ def _pcg_state(g: np.random.Generator) -> tuple[int, int, bool, int]:
 class Simulator:
     """One run: build with the deployment and workload, then :meth:`run` once."""
 
+    @collector_paused()  # a fleet's set-up builds an object or more per request, no cycles
     def __init__(self, topology: Topology, requests: Sequence[Request], scheme: str | Callable[[Fleet], Scheme], config: SimConfig = SimConfig()) -> None:
         namespaces = sorted({r.namespace for r in requests}) or ["public"]
         self.topology = topology
         self.config = config
         self._cost = config.cost
-        self._requests = sorted(requests, key=lambda r: (r.arrival_ms, r.id))
+        self._requests = sorted(requests, key=operator.attrgetter("arrival_ms", "id"))
         self._ns = Namespace(config.model, namespaces[0])
         # Several namespaces (tenants): each is a vLLM cache salt, so the emulated caches keep
         # tenants apart and the agents key each tenant's chains in its own namespace.
@@ -332,10 +333,28 @@ class Simulator:
         # engine expands them at arrival; 500,000 Mixed prompts' ids would be a gigabyte), a
         # trace's as its ids.
         runs = [isinstance(r.blocks, ChainBlocks) for r in reqs]
-        ids = [np.array(r.blocks.runs, dtype=np.uint64).ravel() if run else r.hash_ids() for r, run in zip(reqs, runs)]  # type: ignore[union-attr]
+        # Runs flattened in one pass (an array per prompt was 5 µs a request: 3 s of a 500,000-
+        # request run's set-up); a trace's ids are arrays already.
+        flat: list[int] = []
+        ids: list[npt.NDArray[np.uint64]] = []
+        lens = np.zeros(len(reqs), dtype=np.uint64)
+        for i, (q, run) in enumerate(zip(reqs, runs)):
+            if run:
+                before = len(flat)
+                for chain, count in q.blocks.runs:  # type: ignore[union-attr]
+                    flat += (chain, count)
+                lens[i] = len(flat) - before
+            else:
+                if flat:
+                    ids.append(np.array(flat, dtype=np.uint64))
+                    flat = []
+                h = q.hash_ids()
+                ids.append(h)
+                lens[i] = len(h)
+        if flat:
+            ids.append(np.array(flat, dtype=np.uint64))
         offsets = np.zeros(len(reqs) + 1, dtype=np.uint64)
-        if ids:
-            np.cumsum([len(x) for x in ids], out=offsets[1:])
+        np.cumsum(lens, out=offsets[1:])
         salts = [self.salt(r) for r in reqs]
         cost = config.cost
         faults = np.random.default_rng([config.seed, 0x5EE5])  # faults draw from their own stream
@@ -574,29 +593,23 @@ class Simulator:
             queue=self._queue,
             progress=self._report if progress is not None else None,
         )
-        # The cyclic garbage collector is off while the clock runs: a run builds millions of
-        # long-lived objects (the agents' block trees) and creates no reference cycles (a test
-        # checks that a run leaves none), so every collection was a full traversal finding
-        # nothing. Reference counting still frees everything; the collector's state is
-        # restored afterwards.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            engine.run(driver)
-            self._settle_all((float("inf"), 0, 0))  # broadcasts still in flight when the last request completed
-            n = len(self._requests)
-            if engine.completed != n:
-                raise RuntimeError(f"{n - engine.completed} requests never completed")
-            # The records too are built before the collector is back: a collection among the
-            # agents' millions of objects per few hundred new records was most of this step.
-            ids = [w for w, x in self._workers.items() if x.spec.role != "decode"]  # prefill servers
-            busy = [engine.busy(self._index[w]) for w in ids]
-            summary = summarize(self._scheme.name, self.topology.name, self._records(), ids, busy, window_ms=self.config.window_ms)
-        finally:
-            engine.return_caches([x.cache._core for x in self._by_index])
-            self._engine_holds_caches = False
-            if collecting:
-                gc.enable()
+        # The cyclic garbage collector is off while the clock runs (collector_paused: a run
+        # builds millions of long-lived objects, the agents' block trees, and no cycles), and
+        # while the records are built (a collection among those objects per few hundred new
+        # records was most of that step).
+        with collector_paused():
+            try:
+                engine.run(driver)
+                self._settle_all((float("inf"), 0, 0))  # broadcasts still in flight when the last request completed
+                n = len(self._requests)
+                if engine.completed != n:
+                    raise RuntimeError(f"{n - engine.completed} requests never completed")
+                ids = [w for w, x in self._workers.items() if x.spec.role != "decode"]  # prefill servers
+                busy = [engine.busy(self._index[w]) for w in ids]
+                summary = summarize(self._scheme.name, self.topology.name, self._records(), ids, busy, window_ms=self.config.window_ms)
+            finally:
+                engine.return_caches([x.cache._core for x in self._by_index])
+                self._engine_holds_caches = False
         # Cache churn, for telling a run that reached steady state from one that never filled.
         stats = [x.cache.stats for x in self._by_index]
         return dataclasses.replace(summary, demoted_blocks=sum(c.demoted_blocks for c in stats), evicted_blocks=sum(c.evicted_blocks for c in stats))
