@@ -270,26 +270,22 @@ class Edge:
         # No cross-region reuse: nothing is looked up toward other regions ...
         self._plan = {r: (c if params.cross_region or r == region else ()) for r, c in full_plan.items()}
         self._plan_lists = [list(self._plan[r]) for r in regions]
-        self._family_length = full_plan[region][0]
+        family_length = full_plan[region][0]  # the prefix family: the own region's first length
 
         self._ids = tuple(w.id for w in workers)
         self._index = {w: i for i, w in enumerate(self._ids)}
         self._worker_region = tuple(w.region for w in workers)
         n = len(workers)
-        self._region_idx = np.array([ridx[w.region] for w in workers], dtype=np.uint32)
-        self._beta = np.array([w.beta_ms_per_token for w in workers], dtype=np.float64)
+        beta = np.array([w.beta_ms_per_token for w in workers], dtype=np.float64)
         rtt = np.array([float(rtt_ms[w.region]) for w in workers], dtype=np.float64)
-        self._wan = params.wan_fraction * rtt
         # n1 toward each worker: the shortest match worth crossing to it (paper section 3.2).
-        self._n1 = rtt / self._beta
+        self._n1 = rtt / beta
         self._local = np.array([w.region == region for w in workers], dtype=np.bool_)
         self._local_idx = [int(i) for i in np.flatnonzero(self._local)]
         self._local_ids = tuple(self._ids[i] for i in self._local_idx)
         self._local_idx_arr = np.array(self._local_idx, dtype=np.int64)
-        # Python copies for per-winner reads (numpy scalar indexing is slow on the hot path).
-        self._beta_l: list[float] = self._beta.tolist()
-        self._wan_l: list[float] = self._wan.tolist()
-        self._region_l: list[int] = self._region_idx.tolist()
+        # Python copies for per-worker reads (numpy scalar indexing is slow).
+        self._wan_l: list[float] = (params.wan_fraction * rtt).tolist()
         self._local_l: list[bool] = self._local.tolist()
         # ... and only own-region workers may win.
         self._eligible = np.ones(n, dtype=np.bool_) if params.cross_region else self._local.copy()
@@ -298,10 +294,8 @@ class Edge:
         self._all_eligible = bool(self._eligible.all())
         self._ineligible_inf = np.where(self._eligible, 0.0, math.inf)
         self._ones = np.ones(n, dtype=np.float64)
-        self._gamma = params.gamma_ms_per_token if params.tier_aware else 0.0
 
-        # (table id, field) of each worker, and the global worker index of each table's fields.
-        self._field = [layout.field_of(w) for w in self._ids]
+        # The global worker index of each table's fields.
         self._table_workers = [np.array([self._index[w] for w in t.workers], dtype=np.uint32) for t in layout.tables]
         self._table_region = [ridx[t.region] for t in layout.tables]
         self._views: dict[tuple[int, int], _core.LudoView] = {
@@ -335,17 +329,18 @@ class Edge:
         # capacity price, the route, the tie draw and the commit's side effects.
         if [t.table_id for t in layout.tables] != list(range(len(layout.tables))):  # pragma: no cover - IndexLayout numbers them so
             raise TopologyError("layout tables must be numbered 0, 1, ... in order")
+        fields = [layout.field_of(w) for w in self._ids]
         self._core = _core.EdgeCore(
             self._router,
             self._queues,
-            self._region_l,
-            self._beta_l,
+            [ridx[w.region] for w in workers],
+            beta.tolist(),
             self._wan_l,
             self._local_l,
             self._eligible.tolist(),
             self._plan_lists,
-            self._family_length,
-            [(ref.table_id, ref.field) for ref in self._field],
+            family_length,
+            [(ref.table_id, ref.field) for ref in fields],
             self._spec_views,
             value_bits=layout.value_bits,
             spec_capacity=_SPEC_CAPACITY,
@@ -353,7 +348,7 @@ class Edge:
             load_aware=params.load_aware,
             lambda_max=params.lambda_max,
             tau_ms=params.tau_ms,
-            gamma=self._gamma,
+            gamma=params.gamma_ms_per_token if params.tier_aware else 0.0,
             closure=params.closure,
             tie_ms=params.tie_ms,
             speculative_ttl_s=params.speculative_ttl_s,

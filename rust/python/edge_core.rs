@@ -200,6 +200,7 @@ impl PyEdgeCore {
 
     /// The side effects of sending the prompt of `res` to worker `w` (none without `effects`)
     /// and the decision's figures, as the tuple `Edge` unpacks.
+    #[allow(clippy::too_many_arguments)]
     fn commit_in<'py>(&self, py: Python<'py>, res: &PyRouteResult, w: usize, n_cand: usize, now: f64, track: bool, effects: bool) -> PyResult<Bound<'py, PyTuple>> {
         if w >= self.region.len() || res.scores.len() != self.region.len() || res.belief.len() != self.region.len() {
             return Err(PyValueError::new_err(format!("commit: worker {w} of {} workers, or a route made by another edge", self.region.len())));
