@@ -580,3 +580,26 @@ def test_the_one_call_route_decides_as_score_choose_commit() -> None:
     assert one.speculative_entries == split.speculative_entries > 0
     assert one.stats == split.stats
     assert [one.queue_estimate(w) for w in one.workers] == [split.queue_estimate(w) for w in split.workers]
+
+
+def test_edge_core_refuses_inconsistent_wiring() -> None:
+    """The core checks what it is built from: per-worker lists of one length, regions the plan
+    covers, tables that have a speculative view, every parameter present."""
+    fleet = Fleet({"A": 2})
+    edge = fleet.edge("A", {"A": PLAN_A}, {"A": 2.0})
+    workers = {"region": [0, 0], "beta": [BETA, BETA], "wan": [1.0, 1.0], "local": [True, True], "eligible": [True, True], "fields": [(0, 0), (0, 1)]}
+    params = {"load_aware": True, "lambda_max": 1.0, "tau_ms": 200.0, "gamma": GAMMA, "closure": True, "tie_ms": 0.0, "speculative_ttl_s": 1.0}
+    params |= {"charge": False, "migration": False, "value_bits": 32, "spec_capacity": 64, "spec_fp_bits": 16}
+
+    def core(w: dict[str, object], p: dict[str, object], plan: list[list[int]] = [PLAN_A]) -> object:
+        return kc._core.EdgeCore(edge._router, edge._queues, w, plan, 256, [kc._core.LudoView(0, 0)], p)  # type: ignore[arg-type]
+
+    core(workers, params)  # the consistent wiring builds
+    with pytest.raises(ValueError, match="every per-worker list must have 2 entries"):
+        core(workers | {"beta": [BETA]}, params)
+    with pytest.raises(ValueError, match="region 1 has no plan"):
+        core(workers | {"region": [0, 1]}, params)
+    with pytest.raises(ValueError, match="table 1 has no speculative view"):
+        core(workers | {"fields": [(0, 0), (1, 0)]}, params)
+    with pytest.raises(KeyError, match="tau_ms"):
+        core(workers, {k: v for k, v in params.items() if k != "tau_ms"})

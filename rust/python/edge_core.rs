@@ -81,6 +81,9 @@ struct State {
     lam_version: Option<u64>,
 }
 
+/// The edge's parameters the core reads (a dict from Python, by these names).
+#[derive(FromPyObject)]
+#[pyo3(from_item_all)]
 struct Params {
     load_aware: bool,
     lambda_max: f64,
@@ -88,24 +91,41 @@ struct Params {
     gamma: f64,
     closure: bool,
     tie_ms: f64,
-    spec_ttl: f64,
+    speculative_ttl_s: f64,
+    /// Dispatch charges on (load awareness and a charge TTL).
     charge: bool,
     migration: bool,
+    /// The speculative entries' tables.
+    value_bits: u8,
+    spec_capacity: u64,
+    spec_fp_bits: u8,
+}
+
+/// Per-worker figures in worker order (a dict from Python, by these names).
+#[derive(FromPyObject)]
+#[pyo3(from_item_all)]
+struct Workers {
+    /// The worker's region (0: the edge's own), an index into the plan.
+    region: Vec<u32>,
+    /// Prefill cost, ms a token.
+    beta: Vec<f64>,
+    /// The WAN term toward the worker, ms.
+    wan: Vec<f64>,
+    local: Vec<bool>,
+    /// May win a route (false: another region's worker with cross-region reuse off).
+    eligible: Vec<bool>,
+    /// (table id, field) of the worker's tier field.
+    fields: Vec<(u32, u32)>,
 }
 
 #[pyclass(name = "EdgeCore", module = "kvcompass._core", frozen)]
 pub struct PyEdgeCore {
     router: Mutex<Py<PyRouter>>,
     queues: Py<PyQueueEstimates>,
-    region: Vec<u32>,
-    beta: Vec<f64>,
-    wan: Vec<f64>,
-    local: Vec<bool>,
-    eligible: Vec<bool>,
+    w: Workers,
     all_eligible: bool,
     plan: Vec<Vec<u32>>,
     family_length: u32,
-    field: Vec<(u32, u32)>,
     p: Params,
     zeros: Vec<f64>,
     state: Mutex<State>,
@@ -166,7 +186,7 @@ impl PyEdgeCore {
             let m = if self.all_eligible {
                 q.tq.iter().copied().fold(f64::INFINITY, f64::min)
             } else {
-                q.tq.iter().zip(&self.eligible).filter(|&(_, &e)| e).map(|(&x, _)| x).fold(f64::INFINITY, f64::min)
+                q.tq.iter().zip(&self.w.eligible).filter(|&(_, &e)| e).map(|(&x, _)| x).fold(f64::INFINITY, f64::min)
             };
             let x = m / self.p.tau_ms;
             // Python's min(lambda_max, x): the first unless the second is smaller.
@@ -181,8 +201,8 @@ impl PyEdgeCore {
         let tok = readonly_of::<u32>("tokens", "uint32", tokens)?;
         let bel = readonly_of::<f64>("belief", "float64", belief)?;
         let (tokens, belief) = (slice_of("tokens", &tok)?, slice_of("belief", &bel)?);
-        if belief.len() != self.region.len() {
-            return Err(PyValueError::new_err(format!("belief: {} values for {} workers", belief.len(), self.region.len())));
+        if belief.len() != self.w.region.len() {
+            return Err(PyValueError::new_err(format!("belief: {} values for {} workers", belief.len(), self.w.region.len())));
         }
         let (lam, tq) = {
             let mut st = self.st()?;
@@ -193,7 +213,7 @@ impl PyEdgeCore {
             (lam, if self.p.load_aware { q.state().tq.clone() } else { self.zeros.clone() })
         };
         let router = self.router.lock().map_err(|_| poisoned())?.clone_ref(py);
-        let w = WorkerArrays { region: &self.region, beta: &self.beta, wan: &self.wan, tq: &tq, belief };
+        let w = WorkerArrays { region: &self.w.region, beta: &self.w.beta, wan: &self.w.wan, tq: &tq, belief };
         let params = ScoreParams { gamma: self.p.gamma, lambda: lam, closure: self.p.closure };
         router.get().route_arrays(py, &ns, tokens, &w, &params, own_region.then_some(0), Some(self.p.tie_ms), true)
     }
@@ -202,22 +222,22 @@ impl PyEdgeCore {
     /// and the decision's figures, as the tuple `Edge` unpacks.
     #[allow(clippy::too_many_arguments)]
     fn commit_in<'py>(&self, py: Python<'py>, res: &PyRouteResult, w: usize, n_cand: usize, now: f64, track: bool, effects: bool) -> PyResult<Bound<'py, PyTuple>> {
-        if w >= self.region.len() || res.scores.len() != self.region.len() || res.belief.len() != self.region.len() {
-            return Err(PyValueError::new_err(format!("commit: worker {w} of {} workers, or a route made by another edge", self.region.len())));
+        if w >= self.w.region.len() || res.scores.len() != self.w.region.len() || res.belief.len() != self.w.region.len() {
+            return Err(PyValueError::new_err(format!("commit: worker {w} of {} workers, or a route made by another edge", self.w.region.len())));
         }
         let (m, tier, score, b, lam) = (res.matches[w], res.tiers[w], res.scores[w], res.belief[w], res.lam);
         let len = res.prompt_len;
         // Same operation order as the core's score, so the terms add up to it bit for bit.
         let remaining = len as f64 - b * f64::from(m);
-        let prefill = if remaining > 0.0 { (1.0 + lam) * self.beta[w] * remaining } else { 0.0 };
+        let prefill = if remaining > 0.0 { (1.0 + lam) * self.w.beta[w] * remaining } else { 0.0 };
         let reload = if tier == DRAM { self.p.gamma * b * f64::from(m) } else { 0.0 };
         if effects && self.p.charge {
-            let work = (if remaining > 0.0 { self.beta[w] * remaining } else { 0.0 }) + reload;
+            let work = (if remaining > 0.0 { self.w.beta[w] * remaining } else { 0.0 }) + reload;
             self.queues.bind(py).try_borrow_mut()?.state_mut().charge(w as i64, work, now).map_err(queue_err)?;
         }
         let mut spec: &[u32] = &[];
-        if effects && self.p.spec_ttl > 0.0 {
-            let plan = &self.plan[self.region[w] as usize];
+        if effects && self.p.speculative_ttl_s > 0.0 {
+            let plan = &self.plan[self.w.region[w] as usize];
             spec = &plan[..plan.partition_point(|&c| c as usize <= len)];
             if spec.last().is_some_and(|&last| m >= last) && tier == VRAM {
                 spec = &[]; // already claimed in full (by the index or a live entry): nothing to add
@@ -230,14 +250,14 @@ impl PyEdgeCore {
             self.speculate(w, keys, now)?;
         }
         let family = if track { Some(key(self.family_length)?) } else { None };
-        let local_miss = track && !(self.local[w] && m > 0);
+        let local_miss = track && !(self.w.local[w] && m > 0);
         let queue = if res.tq.is_empty() { 0.0 } else { res.tq[w] };
-        (w, n_cand, m, tier, score, (self.wan[w], queue, prefill, reload, lam, b), len, res.local_match, family, local_miss).into_pyobject(py)
+        (w, n_cand, m, tier, score, (self.w.wan[w], queue, prefill, reload, lam, b), len, res.local_match, family, local_miss).into_pyobject(py)
     }
 
     fn speculate(&self, w: usize, keys: Vec<u64>, now: f64) -> PyResult<()> {
-        let (t, f) = self.field[w];
-        let expires = now + self.p.spec_ttl;
+        let (t, f) = self.w.fields[w];
+        let expires = now + self.p.speculative_ttl_s;
         let mut st = self.st()?;
         for &k in &keys {
             let entry = (t, k, f);
@@ -256,70 +276,40 @@ impl PyEdgeCore {
 
 #[pymethods]
 impl PyEdgeCore {
-    /// `fields[i]`: worker i's (table id, field); `spec_views[t]`: the view of table t's
-    /// speculative entries that `router` reads (filled here from a fresh writer's snapshot);
-    /// `plan[r]`: the lengths toward region r; per-worker arrays in worker order.
+    /// `workers` and `params`: dicts of [`Workers`]' and [`Params`]' fields; `plan[r]`: the
+    /// lengths toward region r; `spec_views[t]`: the view of table t's speculative entries that
+    /// `router` reads (filled here from a fresh writer's snapshot).
     #[new]
-    #[pyo3(signature = (router, queues, region, beta, wan, local, eligible, plan, family_length, fields, spec_views, *, value_bits, spec_capacity, spec_fp_bits, load_aware, lambda_max, tau_ms, gamma, closure, tie_ms, speculative_ttl_s, charge, migration))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        router: Py<PyRouter>,
-        queues: Py<PyQueueEstimates>,
-        region: Vec<u32>,
-        beta: Vec<f64>,
-        wan: Vec<f64>,
-        local: Vec<bool>,
-        eligible: Vec<bool>,
-        plan: Vec<Vec<u32>>,
-        family_length: u32,
-        fields: Vec<(u32, u32)>,
-        spec_views: Vec<PyRef<'_, PyLudoView>>,
-        value_bits: u8,
-        spec_capacity: u64,
-        spec_fp_bits: u8,
-        load_aware: bool,
-        lambda_max: f64,
-        tau_ms: f64,
-        gamma: f64,
-        closure: bool,
-        tie_ms: f64,
-        speculative_ttl_s: f64,
-        charge: bool,
-        migration: bool,
-    ) -> PyResult<Self> {
-        let n = region.len();
-        if [beta.len(), wan.len(), local.len(), eligible.len(), fields.len()].iter().any(|&x| x != n) {
+    fn new(router: Py<PyRouter>, queues: Py<PyQueueEstimates>, workers: Workers, plan: Vec<Vec<u32>>, family_length: u32, spec_views: Vec<PyRef<'_, PyLudoView>>, params: Params) -> PyResult<Self> {
+        let w = &workers;
+        let n = w.region.len();
+        if [w.beta.len(), w.wan.len(), w.local.len(), w.eligible.len(), w.fields.len()].iter().any(|&x| x != n) {
             return Err(PyValueError::new_err(format!("EdgeCore: every per-worker list must have {n} entries")));
         }
-        if let Some(r) = region.iter().find(|&&r| r as usize >= plan.len()) {
+        if let Some(r) = w.region.iter().find(|&&r| r as usize >= plan.len()) {
             return Err(PyValueError::new_err(format!("EdgeCore: region {r} has no plan ({} regions)", plan.len())));
         }
-        if let Some(&(t, _)) = fields.iter().find(|&&(t, _)| t as usize >= spec_views.len()) {
+        if let Some(&(t, _)) = w.fields.iter().find(|&&(t, _)| t as usize >= spec_views.len()) {
             return Err(PyValueError::new_err(format!("EdgeCore: table {t} has no speculative view ({} tables)", spec_views.len())));
         }
         let mut spec = Vec::with_capacity(spec_views.len());
         for (t, v) in spec_views.iter().enumerate() {
-            let cfg = TableConfig { table: t as u32, shard: 0, epoch: 1, capacity: spec_capacity, value_bits, fp_bits: spec_fp_bits, seed: 0, max_capacity: 1u64 << 32, fallback_limit: 64 };
+            let cfg = TableConfig { table: t as u32, shard: 0, epoch: 1, capacity: params.spec_capacity, value_bits: params.value_bits, fp_bits: params.spec_fp_bits, seed: 0, max_capacity: 1u64 << 32, fallback_limit: 64 };
             let writer = LudoTable::new(cfg).map_err(core_err)?;
             let snap = writer.export_snapshot().map_err(core_err)?;
             v.inner.write().map_err(|_| poisoned())?.apply_batch(&snap).map_err(core_err)?;
             spec.push(Spec { writer, view: v.inner.clone() });
         }
-        let all_eligible = eligible.iter().all(|&e| e);
+        let all_eligible = w.eligible.iter().all(|&e| e);
         Ok(PyEdgeCore {
             router: Mutex::new(router),
             queues,
             zeros: vec![0.0; n],
-            region,
-            beta,
-            wan,
-            local,
-            eligible,
+            w: workers,
             all_eligible,
             plan,
             family_length,
-            field: fields,
-            p: Params { load_aware, lambda_max, tau_ms, gamma, closure, tie_ms, spec_ttl: speculative_ttl_s, charge, migration },
+            p: params,
             state: Mutex::new(State { spec, expiry: FxHashMap::default(), heap: BinaryHeap::new(), serial: 0, registered: 0, expired: 0, lam: 0.0, lam_version: None }),
         })
     }
