@@ -200,6 +200,37 @@ def test_route_14w_3r_2shards_route_with_hit_from_list(benchmark: Any) -> None:
     assert res.matches.max() > 0
 
 
+def _edge_and_prompt() -> tuple[Any, np.ndarray, Any]:
+    """An edge of paper-64x8 whose own region holds a 4,096-token prompt at its first plan lengths."""
+    from kvcompass.discovery.plane import LocalPlane
+    from kvcompass.discovery.topology import load_topology
+
+    plane = LocalPlane(load_topology("paper-64x8"), seed=SEED)
+    edge = next(iter(plane.edges.values()))
+    ns = Namespace("llama-3.1-8b", "public")
+    tokens = (np.arange(4096, dtype=np.uint64) * 2654435761 % 128_000).astype(np.uint32)
+    return edge, tokens, ns
+
+
+@pytest.mark.benchmark(group="edge")
+def test_edge_route_4096(benchmark: Any) -> None:
+    # Edge.route as the door and the simulator call it: the core's one call (expiries, price,
+    # route, tie draw, charge, speculative entries) plus the belief and the Decision in Python;
+    # beside route_14w_3r_2shards, the edge's own cost per request. The clock moves a second a
+    # call, so speculative entries and charges expire as they would.
+    edge, tokens, ns = _edge_and_prompt()
+    clock = iter(range(1, 10**9))
+    d = benchmark(lambda: edge.route(tokens, ns, float(next(clock))))
+    assert d.prompt_tokens == 4096
+
+
+@pytest.mark.benchmark(group="edge")
+def test_edge_lookup_4096(benchmark: Any) -> None:
+    edge, tokens, ns = _edge_and_prompt()
+    d = benchmark(lambda: edge.lookup(tokens, ns, 1.0))
+    assert d.prompt_tokens == 4096 and edge.speculative_entries == 0
+
+
 @pytest.mark.benchmark(group="chunk_hash")
 def test_chunk_hash_prefix_keys_4096(benchmark: Any) -> None:
     benchmark.extra_info["criterion"] = "chunk_hash"
