@@ -263,10 +263,9 @@ impl LudoView {
     }
 
     fn set_slot(&mut self, g: &Geometry, bucket: u32, slot: usize, value: u64, fp: u64) {
-        let base = Self::rec_off(g, bucket);
-        write_bits(&mut self.words, base + 8 + SLOTS * g.fp_bits as usize + slot * g.value_bits as usize, g.value_bits as u32, value);
+        self.set_value(g, bucket, slot, value);
         if g.fp_bits > 0 {
-            write_bits(&mut self.words, base + 8 + slot * g.fp_bits as usize, g.fp_bits as u32, fp);
+            write_bits(&mut self.words, Self::rec_off(g, bucket) + 8 + slot * g.fp_bits as usize, g.fp_bits as u32, fp);
         }
     }
 

@@ -215,7 +215,12 @@ impl PyEdgeCore {
         let router = self.router.lock().map_err(|_| poisoned())?.clone_ref(py);
         let w = WorkerArrays { region: &self.w.region, beta: &self.w.beta, wan: &self.w.wan, tq: &tq, belief };
         let params = ScoreParams { gamma: self.p.gamma, lambda: lam, closure: self.p.closure };
-        router.get().route_arrays(py, &ns, tokens, &w, &params, own_region.then_some(0), Some(self.p.tie_ms), true)
+        let mut res = router.get().route_arrays(py, &ns, tokens, &w, &params, own_region.then_some(0), Some(self.p.tie_ms))?;
+        // The commit reads the estimates and beliefs the scores used: the estimates' copy moves
+        // in, the beliefs (the caller's live array) are copied once.
+        res.belief = belief.to_vec();
+        res.tq = tq;
+        Ok(res)
     }
 
     /// The side effects of sending the prompt of `res` to worker `w` (none without `effects`)

@@ -144,10 +144,10 @@ impl PyRouter {
         Ok((win, scratch.matches().to_vec(), scratch.tiers().to_vec(), scratch.scores().to_vec(), scratch.lengths().to_vec(), scratch.keys().to_vec()))
     }
 
-    /// The route of [`PyRouter::route`] from slices read under the GIL (`keep`: keep the queue
-    /// estimates and beliefs in the result, for an `EdgeCore`: see [`PyRouteResult::tq`]).
+    /// The route of [`PyRouter::route`] from slices read under the GIL (its `tq` and `belief`
+    /// left empty: an `EdgeCore` moves in the ones it owns).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn route_arrays(&self, py: Python<'_>, ns: &[u8; 32], tokens: &[u32], w: &WorkerArrays<'_>, params: &ScoreParams, only_region: Option<u32>, tie_ms: Option<f64>, keep: bool) -> PyResult<PyRouteResult> {
+    pub(crate) fn route_arrays(&self, py: Python<'_>, ns: &[u8; 32], tokens: &[u32], w: &WorkerArrays<'_>, params: &ScoreParams, only_region: Option<u32>, tie_ms: Option<f64>) -> PyResult<PyRouteResult> {
         let (win, m, t, s, lengths, keys) = if tokens.len() > DETACH_TOKENS {
             // Hashing a prompt this long takes long enough for other threads to want the GIL:
             // copies (a small cost beside the hashing) and the loop without it.
@@ -165,8 +165,7 @@ impl PyRouter {
             None => Vec::new(),
         };
         let local_match = m.iter().zip(w.region).filter(|&(_, &r)| r == 0).map(|(&x, _)| x).max().unwrap_or(0);
-        let (tq, belief) = if keep { (w.tq.to_vec(), w.belief.to_vec()) } else { (Vec::new(), Vec::new()) };
-        Ok(PyRouteResult { winner: win.winner, score: win.score, matches: m, tiers: t, scores: s, tq, belief, lam: params.lambda, prompt_len: tokens.len(), lengths, keys, near, local_match })
+        Ok(PyRouteResult { winner: win.winner, score: win.score, matches: m, tiers: t, scores: s, tq: Vec::new(), belief: Vec::new(), lam: params.lambda, prompt_len: tokens.len(), lengths, keys, near, local_match })
     }
 
     pub(crate) fn run(&self, ns: &[u8; 32], tokens: &[u32], wa: &WorkerArrays<'_>, params: &ScoreParams, scratch: &mut RouteScratch, only: Option<u32>) -> PyResult<crate::score::RouteWinner> {
@@ -227,7 +226,7 @@ impl PyRouter {
         let tokens = slice_of("tokens", &tok)?;
         let w = WorkerArrays { region: slice_of("region", &reg)?, beta: slice_of("beta", &b)?, wan: slice_of("wan", &wn)?, tq: slice_of("tq", &q)?, belief: slice_of("belief", &bel)? };
         let params = ScoreParams { gamma, lambda: lam, closure };
-        self.route_arrays(py, &ns, tokens, &w, &params, only_region, tie_ms, false)
+        self.route_arrays(py, &ns, tokens, &w, &params, only_region, tie_ms)
     }
 
     /// Number of tables this router reads.
