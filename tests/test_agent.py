@@ -1104,3 +1104,51 @@ def test_array_events_from_an_in_process_engine_key_like_decoded_tuples() -> Non
     assert (keys, digest) == run(as_arrays=False)
     whole = np.concatenate([toks, tail_toks]).tolist()
     assert [keys.get(k, 0) for k in keys_of(whole, lengths)] == [1, 1, 1, 1, 1, 2, 2]  # GPU to 32, then CPU
+
+
+def test_cache_events_feed_the_forest_as_the_event_objects_do() -> None:
+    """The simulator hands an emulated cache's events to the agent as ``CacheEvents`` (Rust
+    values, no object per event): the same batches, keys, stats and state as the same events
+    as :mod:`kvcompass.agent.events` objects, through stores in both media, demotions, evictions
+    (removal runs), and salts served, named by the tenant prefix, and not served."""
+    from kvcompass._core import BlockCache, CacheEvents
+    from kvcompass.engine.cache import PrefixCache, salt_seed
+
+    salts = ("t1", "t2", "kvcompass:t3", "stranger")
+    served = {"t1": kc.Namespace("llama-3.1-8b", "t1"), "t2": kc.Namespace("llama-3.1-8b", "t2")}
+    core = BlockCache(4, 24, 40, False, 3)
+    objects = PrefixCache(4, 24 * 4, 40 * 4, hash_seed=3)  # turns the raw tuples into event objects
+    objects.use_salts(salts)
+    a = agent(LENGTHS, salts=served, tenant_salts=True, block_size=4)
+    b = agent(LENGTHS, salts=served, tenant_salts=True, block_size=4)
+    rng = np.random.default_rng(11)
+    heads = [rng.integers(0, 50_000, size=24, dtype=np.uint32) for _ in range(5)]
+    kinds: set[str] = set()
+    for seq in range(300):
+        tokens = np.concatenate([heads[int(rng.integers(5))][: int(rng.integers(4, 25))], rng.integers(0, 50_000, size=int(rng.integers(0, 13)), dtype=np.uint32)])
+        salt = int(rng.integers(0, len(salts) + 1))
+        seed = salt_seed(salts[salt - 1]) if salt else 0
+        raw = core.place_dram(tokens, seed, float(seq), salt) if rng.random() < 0.25 else core.place_vram(tokens, seed, float(seq), salt, True)
+        kinds.update(("stored" if e[0] else "removed") + str(e[1]) for e in raw)
+        digest = seq.to_bytes(8, "big")
+        out_a = a.on_batch(EngineBatch(seq, float(seq), tuple(objects.events_from_core(raw, token_arrays=True)), digest=digest))
+        out_b = b.on_batch(EngineBatch(seq, float(seq), (), digest=digest, cache_events=CacheEvents(raw, 4), salts=salts))
+        assert [(x.shard, x.seq, x.reset, x.keys.tolist(), x.tiers.tolist()) for x in out_a.batches] == [
+            (x.shard, x.seq, x.reset, x.keys.tolist(), x.tiers.tolist()) for x in out_b.batches
+        ]
+    assert a.digest() == b.digest() and a.held() == b.held() and a.stats == b.stats
+    assert kinds == {"stored1", "stored2", "removed1", "removed2"}
+    assert a.stats.unindexed > 0 and set(a.held().values()) == {kc.Tier.VRAM, kc.Tier.DRAM}  # "stranger" chains unindexed; both tiers held
+
+
+def test_cache_events_of_another_block_size_are_refused_whole() -> None:
+    from kvcompass._core import BlockCache, CacheEvents
+
+    raw = BlockCache(4, 8, 0, False).place_vram(np.arange(16, dtype=np.uint32), 0, 0.0, 0, True)
+    a = agent(LENGTHS, block_size=8)
+    before = a.digest()
+    with pytest.raises(InvalidEventError, match="blocks of 4 tokens; this agent expects 8"):
+        a.on_batch(EngineBatch(0, 0.0, (), digest=b"0", cache_events=CacheEvents(raw, 4)))
+    assert a.digest() == before and a.stats.malformed == 1
+    with pytest.raises(ValueError, match=r"events\[0\]: 16 tokens for 4 blocks of 8"):
+        CacheEvents(raw, 8)

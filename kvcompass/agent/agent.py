@@ -314,6 +314,8 @@ class WorkerAgent:
                 raise InvalidArgumentError(f"salts must map non-empty strings to Namespaces, got {salt!r}: {ns!r}")
             self._salt_roots[salt] = ns.digest
         self._tenant_salts = bool(tenant_salts)
+        self._salts_seen: tuple[str, ...] | None = None
+        self._salt_root_row: tuple[bytes | None, ...] = (None,)
         self._incarnation = incarnation
         # The block forest (blocks, chains, orphans, tombstones, key counts and the keys changed
         # since the last flush) is Rust's: rust/agent_forest.rs, rule for rule the module notes.
@@ -523,6 +525,13 @@ class WorkerAgent:
                             seq=b.seq,
                             index=i,
                         )
+                ce = b.cache_events
+                if ce is not None and len(ce) and ce.block_size != self.block_size:
+                    raise InvalidEventError(
+                        f"seq {b.seq}: cache_events are of blocks of {ce.block_size} tokens; this agent expects {self.block_size}",
+                        seq=b.seq,
+                        index=len(b.events),
+                    )
         except InvalidEventError:
             self._stats.malformed += 1
             raise
@@ -608,7 +617,12 @@ class WorkerAgent:
                 assert isinstance(e, AllBlocksCleared)
                 self._clear()
                 self._stats.clears += 1
-        self._stats.events += len(b.events)
+        n = len(b.events)
+        ce = b.cache_events
+        if ce is not None:
+            self._forest.cache_events(ce, self._cache_salt_roots(b.salts))
+            n += len(ce)
+        self._stats.events += n
         self._stats.applied += 1
         self._last_seq = b.seq
         self._seen[b.seq] = b.digest
@@ -652,6 +666,15 @@ class WorkerAgent:
             if _TENANT_RE.fullmatch(tenant):
                 root = self._salt_roots[salt] = Namespace(self.namespace.model, tenant).digest
         return root
+
+    def _cache_salt_roots(self, salts: tuple[str, ...]) -> tuple[bytes | None, ...]:
+        """The namespace digest of each salt number of a batch's ``cache_events`` (0: none),
+        as :meth:`_salt_root` reads each salt; kept for the last salt tuple seen (a simulated
+        worker's batches all carry one)."""
+        if salts is not self._salts_seen:
+            self._salts_seen = salts
+            self._salt_root_row = (None, *(self._salt_root((s,)) for s in salts))
+        return self._salt_root_row
 
     def _stored(self, e: BlockStored) -> None:
         extra = e.extra_keys

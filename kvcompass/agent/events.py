@@ -172,6 +172,12 @@ class EngineBatch:
     digest: bytes = b""
     skipped: tuple[SkippedEvent, ...] = ()
     """Events of the payload that could not be understood (skipped; the others apply)."""
+    cache_events: _core.CacheEvents | None = None
+    """An in-process emulated cache's events kept as Rust values (the simulator's engine hands
+    them over so, with no Python object per event or block), applied after ``events``."""
+    salts: tuple[str, ...] = ()
+    """The cache salts ``cache_events`` number 1, 2, ... (vLLM's ``cache_salt``, carried as a
+    prompt's first block's extra key)."""
 
 
 # Field layouts (after the tag), in vLLM's order. In map form msgspec always writes the first

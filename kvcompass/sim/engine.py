@@ -31,8 +31,9 @@ float, as when all of it was Python (``tests/data/sim_golden.json`` pins every s
    cache.lookup(tokens)`` and the prefill computes ``cost.prefill_ms(uncached) +
    cost.reload_ms(dram_hit)`` at the worker's own prefill rate (the topology's
    ``beta_ms_per_token``, which the edges score with; ``SimConfig.cost`` gives the rest), in steps it shares with the decode batch (see GPU sharing
-   below). At prefill end ``cache.admit(tokens)``; its KV events are
-   encoded as a vLLM PUB message, handed to the worker's agent, and the key-op batches reach
+   below). At prefill end ``cache.admit(tokens)``; its KV events go to
+   the worker's agent as one engine message (the events kept as Rust values,
+   :class:`~kvcompass._core.CacheEvents`, up to the agent's forest), and the key-op batches reach
    ``plane.ingest`` ``event_delay_ms`` later (agent batching plus the hop to the unit).
 4. Patches: the units' pending patches are flushed to every edge by ``plane.propagate()`` on
    a periodic tick every ``patch_interval_ms`` (default 10 ms, a unit's batching interval).
@@ -104,7 +105,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from kvcompass._core import SimEngine
+from kvcompass._core import CacheEvents, SimEngine
 from kvcompass.agent import WorkerAgent
 from kvcompass.agent.events import EngineBatch, Event
 from kvcompass.discovery.edge import Edge
@@ -263,6 +264,7 @@ class Simulator:
         self._tenant_of = {ns.digest: name for name, ns in self._ns_of.items()}
         # Cache salts by number (0: none) and their chain seeds, the same in every cache.
         self._salt_names = list(namespaces) if self._salted else []
+        self._salt_tuple = tuple(self._salt_names)  # what the caches' salt numbers 1, 2, ... name
         self._salt_id = {name: i + 1 for i, name in enumerate(self._salt_names)}
         self._salt_seed = {name: salt_seed(name) for name in self._salt_names}
         # An ablation scheme runs the plane with its switch flipped (schemes.scheme_params).
@@ -671,9 +673,8 @@ class Simulator:
             raise InvalidArgumentError(f"scheme {self._scheme.name!r} handed request {r.id} to {c.worker!r}, not a worker of {w.spec.region!r}")
         return w2.index, int(c.claimed)
 
-    def _events(self, worker: int, raw: list[tuple[Any, ...]]) -> None:
-        w = self._by_index[worker]
-        self._publish_events(w, w.cache.events_from_core(raw, token_arrays=True))
+    def _events(self, worker: int, events: CacheEvents) -> None:
+        self._publish_events(self._by_index[worker], events)
 
     def _respond(self, worker: int, edge_region: int, claimed: int, reused: int, t: float, vector: npt.NDArray[np.float64] | None) -> None:
         """The first chunk back at the edge: reuse report and, from another region, a queue vector."""
@@ -708,17 +709,20 @@ class Simulator:
                 for again in w.agent.on_rejected(b.shard):
                     self.plane.ingest(again, sender=w.spec.id)
 
-    def _publish_events(self, w: _Worker, events: Sequence[Event]) -> None:
+    def _publish_events(self, w: _Worker, events: CacheEvents) -> None:
         """The worker's KV events: to a scheme that follows them and through its agent."""
+        if not len(events):
+            return
         now = self._eng().now
-        if self._on_kv is not None and events:
-            self._on_kv(w.spec.id, events, now)
-        if w.agent is not None and events:
+        if self._on_kv is not None:
+            self._on_kv(w.spec.id, w.cache.events_from_core(events.raw(), token_arrays=True), now)
+        if w.agent is not None:
             # The events go to the agent as a decoded message (the emulated engine is in this
-            # process); the wire format's round trip is the services' and their tests'.
+            # process), kept in Rust up to the agent's forest; the wire format's round trip is
+            # the services' and their tests'.
             seq = w.engine_seq
             w.engine_seq += 1
-            batches = w.agent.on_batch(EngineBatch(seq, now / 1e3, tuple(events), digest=seq.to_bytes(8, "big"))).batches
+            batches = w.agent.on_batch(EngineBatch(seq, now / 1e3, (), digest=seq.to_bytes(8, "big"), cache_events=events, salts=self._salt_tuple)).batches
             if batches:
                 self._eng().at(now + self.config.event_delay_ms, partial(self._ingest, w, batches))
 
@@ -790,8 +794,7 @@ class Simulator:
         if tier not in (Tier.VRAM, Tier.DRAM):
             raise ValueError(f"copy_in tier must be Tier.VRAM or Tier.DRAM, got {tier!r}")
         sid, seed = (self._salt_id[salt], self._salt_seed[salt]) if salt is not None else (0, 0)
-        raw = self._eng().copy_in(w.index, tokens, int(tier), sid, seed)
-        self._publish_events(w, w.cache.events_from_core(raw, token_arrays=True))
+        self._publish_events(w, self._eng().copy_in(w.index, tokens, int(tier), sid, seed))
 
 
 def simulate(

@@ -6,7 +6,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
+use super::block_cache::PyCacheEvents;
 use crate::agent_forest::{BHash, Forest, Removal, Stored};
+use crate::block_cache::{Event, DRAM, VRAM};
 
 fn bhash(obj: &Bound<'_, PyAny>) -> PyResult<BHash> {
     if let Ok(b) = obj.cast::<PyBytes>() {
@@ -85,6 +87,67 @@ impl PyForest {
             out.extend(bhashes(&hashes)?.into_iter().map(|h| (group, m, h)));
         }
         self.inner.removed(out);
+        Ok(())
+    }
+
+    /// An emulated cache's events (`CacheEvents`), read in place: what `stored` and `removed`
+    /// do for the same events as `kvcompass.agent.events` objects (consecutive removals as one
+    /// run, the cache's medium 1 as "GPU" and 2 as "CPU", group 0, no LoRA), without an object
+    /// per event. A store whose salt number is `s > 0` carries the salt as its first block's
+    /// extra key (vLLM's `cache_salt`), and `roots[s]` is the namespace digest the agent keys
+    /// that salt under (None: not a salt it serves, so the chain is not indexed).
+    fn cache_events(&mut self, events: &Bound<'_, PyCacheEvents>, roots: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ev = events.get();
+        let n = ev.block_size;
+        let medium_name = |m: u8| if m == VRAM { "GPU" } else { "CPU" };
+        let mut run: Vec<Removal> = Vec::new();
+        for e in &ev.events {
+            match e {
+                Event::Stored { medium, hashes, parent, tokens, salt } => {
+                    if !run.is_empty() {
+                        self.inner.removed(std::mem::take(&mut run));
+                    }
+                    let (extra, salt_root) = if *salt == 0 {
+                        (Vec::new(), None)
+                    } else {
+                        let mut extra = vec![false; hashes.len()];
+                        if let Some(x) = extra.first_mut() {
+                            *x = true;
+                        }
+                        (extra, roots.get_item(*salt as usize)?.extract::<Option<[u8; 32]>>()?)
+                    };
+                    // The forest reads tokens as little-endian u32 bytes: on such a host the
+                    // tokens' own memory, elsewhere a packed copy.
+                    let packed: Vec<u8>;
+                    let bytes: &[u8] = if cfg!(target_endian = "little") {
+                        // SAFETY: a u32 slice is readable as 4x as many bytes.
+                        unsafe { std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens.as_slice())) }
+                    } else {
+                        packed = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+                        &packed
+                    };
+                    self.inner.stored(&Stored {
+                        group: 0,
+                        medium: medium_name(*medium),
+                        block_size: n,
+                        tokens: bytes,
+                        lora: false,
+                        parent: parent.map(BHash::Int),
+                        hashes: hashes.iter().map(|&h| BHash::Int(h)).collect(),
+                        extra,
+                        salt_root,
+                    });
+                }
+                Event::Removed { medium, hashes } => {
+                    debug_assert!(*medium == VRAM || *medium == DRAM);
+                    let m = self.inner.medium(medium_name(*medium));
+                    run.extend(hashes.iter().map(|&h| (0, m, BHash::Int(h))));
+                }
+            }
+        }
+        if !run.is_empty() {
+            self.inner.removed(run);
+        }
         Ok(())
     }
 

@@ -6,7 +6,7 @@ use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
-use super::arrays::u32_vec;
+use super::arrays::{u32_vec, u64_vec};
 use super::errors::core_err;
 use crate::block_cache::{BlockCache, Event, DRAM, VRAM};
 use crate::error::CoreError;
@@ -44,6 +44,67 @@ pub(crate) fn events_out<'py>(py: Python<'py>, events: Vec<Event>) -> PyResult<B
         }
     }
     Ok(out)
+}
+
+/// A batch of the emulated cache's events kept as Rust values: the simulator's engine hands one
+/// to its driver at every admit, and a worker agent's forest reads it in place
+/// (`AgentForest.cache_events`), so no Python object is built per event or per block on the way.
+#[pyclass(name = "CacheEvents", module = "kvcompass._core", frozen)]
+pub struct PyCacheEvents {
+    pub(crate) events: Vec<Event>,
+    pub(crate) block_size: u32,
+}
+
+impl PyCacheEvents {
+    pub(crate) fn new_inner(events: Vec<Event>, block_size: u32) -> Self {
+        PyCacheEvents { events, block_size }
+    }
+}
+
+#[pymethods]
+impl PyCacheEvents {
+    /// From the tuples `BlockCache.place_*` returns (see `events_out`), for a cache of
+    /// `block_size` tokens a block.
+    #[new]
+    fn new(raw: &Bound<'_, PyList>, block_size: u32) -> PyResult<Self> {
+        let mut events = Vec::with_capacity(raw.len());
+        for (i, item) in raw.iter().enumerate() {
+            let t = item.cast::<PyTuple>().map_err(|_| pyo3::exceptions::PyValueError::new_err(format!("events[{i}]: expected a tuple")))?;
+            let stored: bool = t.get_item(0)?.extract()?;
+            let medium: u8 = t.get_item(1)?.extract()?;
+            tier_arg(medium)?;
+            let hashes = u64_vec(&format!("events[{i}] hashes"), &t.get_item(2)?)?;
+            if stored {
+                if t.len() != 6 {
+                    return Err(pyo3::exceptions::PyValueError::new_err(format!("events[{i}]: a store is (True, medium, hashes, parent, tokens, salt)")));
+                }
+                let parent: Option<u64> = t.get_item(3)?.extract()?;
+                let tokens = u32_vec(&format!("events[{i}] tokens"), &t.get_item(4)?)?;
+                if tokens.len() != hashes.len() * block_size as usize {
+                    return Err(pyo3::exceptions::PyValueError::new_err(format!("events[{i}]: {} tokens for {} blocks of {block_size}", tokens.len(), hashes.len())));
+                }
+                let salt: u32 = t.get_item(5)?.extract()?;
+                events.push(Event::Stored { medium, hashes, parent, tokens, salt });
+            } else {
+                events.push(Event::Removed { medium, hashes });
+            }
+        }
+        Ok(PyCacheEvents { events, block_size })
+    }
+
+    #[getter]
+    fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    fn __len__(&self) -> usize {
+        self.events.len()
+    }
+
+    /// The events as the tuples `BlockCache.place_*` returns (for `PrefixCache.events_from_core`).
+    fn raw<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        events_out(py, self.events.clone())
+    }
 }
 
 impl PyBlockCache {
@@ -156,5 +217,6 @@ impl PyBlockCache {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyBlockCache>()?;
+    m.add_class::<PyCacheEvents>()?;
     Ok(())
 }

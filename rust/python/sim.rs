@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
 use super::arrays::{f64_vec, u32_vec, u64_vec};
-use super::block_cache::{events_out, PyBlockCache};
+use super::block_cache::{PyBlockCache, PyCacheEvents};
 use super::errors::core_err;
 use super::queues::PyQueueEstimates;
 use crate::block_cache::BlockCache;
@@ -148,7 +148,8 @@ impl PySimEngine {
                     events,
                 } => {
                     slf.borrow_mut().inner.set_context(Some(seq));
-                    let r = d.events.call1((worker, events_out(py, events)?));
+                    let batch = PyCacheEvents::new_inner(events, slf.borrow().inner.block_size() as u32);
+                    let r = d.events.call1((worker, batch));
                     slf.borrow_mut().inner.set_context(None);
                     r?;
                 }
@@ -686,13 +687,13 @@ impl PySimEngine {
         tier: u8,
         salt: u32,
         salt_seed: u64,
-    ) -> PyResult<Bound<'py, PyList>> {
+    ) -> PyResult<Bound<'py, PyCacheEvents>> {
         let tokens = u32_vec("tokens", tokens)?;
         let ev = self
             .inner
             .copy_in(worker, &tokens, tier, salt, salt_seed)
             .map_err(core_err)?;
-        events_out(py, ev)
+        Bound::new(py, PyCacheEvents::new_inner(ev, self.inner.block_size() as u32))
     }
 
     #[allow(clippy::too_many_arguments)]
