@@ -11,7 +11,6 @@ import numpy.typing as npt
 __all__ = [
     "EdgeCore",
     "apply_view_batches",
-    "coalesce_key_ops",
     "NO_KEY",
     "MAX_QUEUE_MS",
     "PATCH_VERSION",
@@ -306,12 +305,6 @@ def apply_view_batches(views: dict[tuple[int, int], LudoView], batches: list[byt
     """Apply ``batches`` in order to the views they name until one does not apply (left
     unapplied with every later one); (applied, snapshots among them)."""
 
-def coalesce_key_ops(
-    keys: npt.NDArray[np.uint64], tiers: npt.NDArray[np.uint8], shard: int, shards: int, owned: npt.NDArray[np.uint64]
-) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint8], int, int, int]:
-    """An agent batch's ops checked and coalesced for one unit: ``(keys, tiers, cleared, bad,
-    at)``; ``bad`` 0 for a batch to apply, else 1 (``keys[at]`` not 63-bit), 2 (another shard's)
-    or 3 (``tiers[at]`` above 2), with nothing coalesced."""
 
 def decode_batch_header(batch: bytes) -> dict[str, int]:
     """Header of an encoded batch (table, shard, epoch, seq, n_ops); raises MalformedPatchError."""
@@ -366,6 +359,21 @@ class LudoTable:
         """Set one worker's 2-bit tier field; returns the key's new value."""
     def apply_field_ops(self, keys: npt.NDArray[np.uint64], fields: npt.NDArray[np.uint32], tiers: npt.NDArray[np.uint8]) -> int:
         """Validate then apply many field ops with the GIL released; returns how many."""
+    def apply_agent_ops(
+        self,
+        keys: npt.NDArray[np.uint64],
+        tiers: npt.NDArray[np.uint8],
+        shard: int,
+        shards: int,
+        owned: npt.NDArray[np.uint64],
+        field: int,
+        max_capacity: int,
+        apply: bool,
+    ) -> tuple[int, int, int, int]:
+        """One agent batch as a maintenance unit takes it: ``(bad, at, ops, cleared)``; ``bad`` 0
+        when good (written if ``apply``), 1 (``keys[at]`` not 63-bit), 2 (another shard's), 3
+        (``tiers[at]`` above 2), 4 (the writes would grow the table to ``at`` keys, past
+        ``max_capacity``; nothing written)."""
     def take_batch(self) -> bytes | None:
         """Close pending edits into the next batch; None when nothing changed."""
     def export_snapshot(self) -> bytes:

@@ -235,6 +235,29 @@ def test_capacity_is_checked_before_anything_changes() -> None:
     assert len(u.table(0)) == 6
 
 
+def test_refusals_come_in_a_fixed_order_and_change_nothing() -> None:
+    """A malformed op is named before the batch's place in its worker's sequence, and a refused
+    or duplicate place before the table's capacity: the error does not depend on which other
+    checks would fail, and no refused batch changes the unit."""
+    u = MaintenanceUnit(SHARD, LAYOUT, epoch=1, capacity=4, max_capacity=6)
+    u.apply(batch("a", 1, [(k, 1) for k in KEYS[:5]]), "a")
+    before = snapshot_of(u)
+    with pytest.raises(E.InvalidTierError):  # out of sequence (3 after 1) too
+        u.apply(batch("a", 3, [(KEYS[5], 1), (KEYS[6], 7)]), "a")
+    with pytest.raises(E.InvalidKeyError):  # a stale incarnation too
+        u.apply(batch("a", 2, [(1 << 63 | KEYS[5], 1)], inc=0), "a")
+    with pytest.raises(E.AgentSequenceError) as seq:  # over capacity too
+        u.apply(batch("a", 3, [(k, 1) for k in KEYS[5:8]]), "a")
+    assert (seq.value.expected, seq.value.got) == (2, 3)
+    assert snapshot_of(u) == before
+    dup = u.apply(batch("a", 1, [(k, 1) for k in KEYS[5:8]]), "a")  # over capacity: a duplicate all the same
+    assert dup.duplicate and dup.applied == 0 and snapshot_of(u) == before
+    with pytest.raises(E.CapacityError):
+        u.apply(batch("a", 2, [(k, 1) for k in KEYS[5:8]]), "a")
+    assert snapshot_of(u) == before
+    assert u.stats.rejected == {"InvalidTierError": 1, "InvalidKeyError": 1, "AgentSequenceError": 1, "CapacityError": 1}
+
+
 # ---- agent sequencing ----------------------------------------------------------------------
 
 

@@ -230,9 +230,6 @@ class MaintenanceUnit:
         # only these, so a unit with nothing new costs a flush nothing (the simulator flushes
         # every unit every few virtual milliseconds).
         self._dirty: set[int] = {t.table_id for t in self._layout.tables}
-        # Per field, a read-only run of that field number, sliced for each batch's fields
-        # (np.full per batch was a tenth of this path).
-        self._field_runs: dict[int, npt.NDArray[np.uint32]] = {}
         self._n = _Counters()
 
     # ---- properties --------------------------------------------------------------------------
@@ -336,41 +333,36 @@ class MaintenanceUnit:
             # a key re-reported at its current tier emits nothing.
             keys = np.concatenate([owned, keys])
             tiers = np.concatenate([np.zeros(len(owned), np.uint8), tiers])
-        # Every op checked, then one op per key (the last wins), removals first: one Rust call.
-        keys, tiers, cleared, bad, at = _core.coalesce_key_ops(np.ascontiguousarray(keys), np.ascontiguousarray(tiers), self._shard, self._layout.shards, owned)
-        if bad:
+        refusal, duplicate = self._sequence(batch)
+        go = refusal is None and not duplicate
+        if go:
+            self._dirty.add(ref.table_id)
+        # Every op checked, then one op per key (the last wins), removals first, and (in
+        # sequence) the capacity checked and the writes made: one Rust call.
+        bad, at, n_applied, cleared = self._tables[ref.table_id].apply_agent_ops(
+            np.ascontiguousarray(keys), np.ascontiguousarray(tiers), self._shard, self._layout.shards, owned, ref.field, self._max_capacity, go
+        )
+        if bad and bad != 4:
             self._refuse_op(bad, int(batch.keys[at - len(owned)] if bad != 3 else batch.tiers[at - len(owned)]))
-        duplicate = self._check_sequence(batch)
+        if refusal is not None:
+            raise refusal
         n_ops = len(batch.keys)
         if duplicate:
             self._n.batches_in += 1
             self._n.ops_in += n_ops
             self._n.duplicates += 1
             return ApplyReport(worker, ref.table_id, batch.incarnation, batch.seq, n_ops, 0, 0, True, batch.reset)
-
-        table = self._tables[ref.table_id]
-        self._check_capacity(table, ref.field, keys, tiers)
-        fields = self._field_run(ref.field, len(keys))
-        self._dirty.add(ref.table_id)
-        table.apply_field_ops(keys, fields, tiers)
-
+        if bad:
+            raise CapacityError(f"batch would grow table {ref.table_id} to {at} keys, beyond {self._max_capacity}", needed=at, max=self._max_capacity)
         self._agents[worker] = (batch.incarnation, batch.seq)
         self._n.batches_in += 1
         self._n.ops_in += n_ops
-        self._n.ops_applied += len(keys)
+        self._n.ops_applied += n_applied
         self._n.resets += int(batch.reset)
-        return ApplyReport(worker, ref.table_id, batch.incarnation, batch.seq, n_ops, len(keys), cleared, False, batch.reset)
-
-    def _field_run(self, fld: int, n: int) -> npt.NDArray[np.uint32]:
-        run = self._field_runs.get(fld)
-        if run is None or len(run) < n:
-            run = np.full(max(n, 256, 2 * (0 if run is None else len(run))), fld, dtype=np.uint32)
-            run.flags.writeable = False
-            self._field_runs[fld] = run
-        return run[:n]
+        return ApplyReport(worker, ref.table_id, batch.incarnation, batch.seq, n_ops, n_applied, cleared, False, batch.reset)
 
     def _refuse_op(self, bad: int, value: int) -> NoReturn:
-        """The precise error for the first op :func:`_core.coalesce_key_ops` found bad (its
+        """The precise error for the first op ``LudoTable.apply_agent_ops`` found bad (its
         key, or its tier for a bad tier)."""
         if bad == 1:
             raise InvalidKeyError(f"key {value:#x} is not a 63-bit key", key=value)
@@ -379,43 +371,28 @@ class MaintenanceUnit:
             raise WrongShardError(f"key {value:#x} belongs to shard {owner}, not {self._shard}", shard=self._shard, got_shard=owner, key=value)
         raise InvalidTierError(f"tier {value} is not 0 (absent), 1 (VRAM) or 2 (DRAM)", tier=value)
 
-    def _check_sequence(self, batch: KeyOpBatch) -> bool:
-        """True for a duplicate; raises unless the batch is the next one (see the module doc)."""
+    def _sequence(self, batch: KeyOpBatch) -> tuple[KVCompassError | None, bool]:
+        """Where the batch falls in its worker's sequence (see the module doc): the refusal to
+        raise, if any (raised once the ops are known to be well formed), and whether it is a
+        duplicate."""
         w, inc, seq = batch.worker, batch.incarnation, batch.seq
         cur = self._agents.get(w)
         if cur is None or inc > cur[0]:
             if seq == 1 or (batch.reset and seq >= 1):
-                return False
-            raise AgentSequenceError(
+                return None, False
+            return AgentSequenceError(
                 f"worker {w!r} incarnation {inc} must open with seq 1 or a reset batch, got seq {seq}", expected=1, got=seq, worker=w, incarnation=inc
-            )
+            ), False
         cur_inc, last = cur
         if inc < cur_inc:
-            raise StaleIncarnationError(f"worker {w!r} sent incarnation {inc}, older than {cur_inc}", expected=cur_inc, got=inc, worker=w)
+            return StaleIncarnationError(f"worker {w!r} sent incarnation {inc}, older than {cur_inc}", expected=cur_inc, got=inc, worker=w), False
         if seq <= last:
-            return True
+            return None, True
         if seq == last + 1 or batch.reset:
-            return False
-        raise AgentSequenceError(
+            return None, False
+        return AgentSequenceError(
             f"worker {w!r} incarnation {inc}: expected seq {last + 1}, got {seq} (re-report with reset)", expected=last + 1, got=seq, worker=w, incarnation=inc
-        )
-
-    def _check_capacity(self, table: LudoTable, fld: int, keys: npt.NDArray[np.uint64], tiers: npt.NDArray[np.uint8]) -> None:
-        # The core reports a capacity failure mid-batch after applying a prefix of it; refuse
-        # such a batch up front instead. Exact only when it matters (near the hard maximum).
-        if len(table) + len(keys) <= self._max_capacity:
-            return
-        keep = ~(3 << (2 * fld))
-        removes = inserts = 0
-        for k, t in zip(keys.tolist(), tiers.tolist(), strict=True):
-            cur = table.get(k) or 0
-            new = (cur & keep) | (t << (2 * fld))
-            removes += cur != 0 and new == 0
-            inserts += cur == 0 and new != 0
-        # Coalescing orders removals first, so the table peaks after them.
-        needed = len(table) - removes + inserts
-        if needed > self._max_capacity:
-            raise CapacityError(f"batch would grow table {table.table} to {needed} keys, beyond {self._max_capacity}", needed=needed, max=self._max_capacity)
+        ), False
 
     def _held(self, table_id: int, fld: int) -> npt.NDArray[np.uint64]:
         keys, values = self._tables[table_id].entries()

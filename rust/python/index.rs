@@ -115,6 +115,71 @@ impl PyLudoTable {
         let t = u8_vec("tiers", tiers)?;
         py.detach(|| self.with_table(|g| g.apply_field_ops(&k, &f, &t)))?.map_err(core_err)
     }
+    /// One agent batch as a maintenance unit takes it (`MaintenanceUnit._apply` holds the
+    /// rules and raises the errors), in one call: every op checked (`crate::key_ops::first_bad`),
+    /// then coalesced against the sorted keys the worker `owned` (a reset), and when `apply`
+    /// (the batch is in sequence and no duplicate), checked against `max_capacity` and written
+    /// into the worker's two-bit `field`. Returns `(bad, at, ops, cleared)`: `bad` 0 when the
+    /// batch is good (then `ops` coalesced ops, `cleared` of them removals of an owned key);
+    /// 1, 2, 3: `keys[at]` is not 63-bit, `keys[at]` belongs to another shard, `tiers[at]` is
+    /// above 2 (nothing checked further); 4: the writes would grow the table to `at` keys, past
+    /// `max_capacity` (nothing written). The GIL is released around a long batch's writes.
+    #[allow(clippy::too_many_arguments)]
+    fn apply_agent_ops(
+        &self,
+        py: Python<'_>,
+        keys: numpy::PyReadonlyArray1<'_, u64>,
+        tiers: numpy::PyReadonlyArray1<'_, u8>,
+        shard: u64,
+        shards: u64,
+        owned: numpy::PyReadonlyArray1<'_, u64>,
+        field: u32,
+        max_capacity: u64,
+        apply: bool,
+    ) -> PyResult<(u8, u64, usize, usize)> {
+        use crate::key_ops::{coalesce, first_bad, BadOp};
+        let (k, t, o) = (keys.as_slice()?, tiers.as_slice()?, owned.as_slice()?);
+        if k.len() != t.len() {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!("{} keys but {} tiers", k.len(), t.len())));
+        }
+        if shards == 0 {
+            return Err(pyo3::exceptions::PyValueError::new_err("shards must be >= 1"));
+        }
+        match first_bad(k, t, shard, shards) {
+            Some(BadOp::Key(i)) => return Ok((1, i as u64, 0, 0)),
+            Some(BadOp::Shard(i)) => return Ok((2, i as u64, 0, 0)),
+            Some(BadOp::Tier(i)) => return Ok((3, i as u64, 0, 0)),
+            None => {}
+        }
+        let (ck, ct, cleared) = coalesce(k, t, o);
+        if !apply {
+            return Ok((0, 0, ck.len(), cleared));
+        }
+        let write = |g: &mut LudoTable| -> crate::error::Result<(u8, u64)> {
+            // The core reports a capacity failure mid-batch after applying a prefix of it: refuse
+            // such a batch up front instead, counted exactly only near the maximum. Removals
+            // come first, so the table peaks after them.
+            if g.len() + ck.len() as u64 > max_capacity {
+                let (shift, keep) = (2 * field, !(3u64 << (2 * field)));
+                let (mut removes, mut inserts) = (0u64, 0u64);
+                for (&key, &tier) in ck.iter().zip(&ct) {
+                    let cur = g.get(key).unwrap_or(0);
+                    let new = (cur & keep) | ((tier as u64) << shift);
+                    removes += u64::from(cur != 0 && new == 0);
+                    inserts += u64::from(cur == 0 && new != 0);
+                }
+                let needed = g.len() - removes + inserts;
+                if needed > max_capacity {
+                    return Ok((4, needed));
+                }
+            }
+            g.apply_field_ops(&ck, &vec![field; ck.len()], &ct)?;
+            Ok((0, 0))
+        };
+        let (bad, at) = if ck.len() > 256 { py.detach(|| self.with_table(write))? } else { self.with_table(write)? }.map_err(core_err)?;
+        Ok((bad, at, ck.len(), cleared))
+    }
+
     /// Close the pending edits into the next sequenced batch; None when nothing changed.
     fn take_batch<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
         Ok(self.w()?.take_batch().map(|b| PyBytes::new(py, &b)))

@@ -189,39 +189,6 @@ fn shard_of(key: u64, shards: u32) -> PyResult<u32> {
     Ok(chunk_hash::shard_of(key, shards))
 }
 
-/// An agent batch's ops checked and coalesced for one unit (``rust/key_ops.rs``): returns
-/// ``(keys, tiers, cleared, bad, at)``, ``bad`` 0 for a batch to apply (1: ``keys[at]`` is not
-/// 63-bit, 2: it belongs to another shard, 3: ``tiers[at]`` is above 2: nothing coalesced).
-#[pyfunction]
-#[allow(clippy::type_complexity)]
-fn coalesce_key_ops<'py>(
-    py: Python<'py>,
-    keys: numpy::PyReadonlyArray1<'py, u64>,
-    tiers: numpy::PyReadonlyArray1<'py, u8>,
-    shard: u64,
-    shards: u64,
-    owned: numpy::PyReadonlyArray1<'py, u64>,
-) -> PyResult<(Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<u8>>, usize, u8, usize)> {
-    use crate::key_ops::{coalesce, first_bad, BadOp};
-    let (k, t, o) = (keys.as_slice()?, tiers.as_slice()?, owned.as_slice()?);
-    if k.len() != t.len() {
-        return Err(pyo3::exceptions::PyValueError::new_err(format!("{} keys but {} tiers", k.len(), t.len())));
-    }
-    if shards == 0 {
-        return Err(pyo3::exceptions::PyValueError::new_err("shards must be >= 1"));
-    }
-    let empty = |py| (Vec::<u64>::new().into_pyarray(py), Vec::<u8>::new().into_pyarray(py));
-    match first_bad(k, t, shard, shards) {
-        Some(BadOp::Key(i)) => Ok((empty(py).0, empty(py).1, 0, 1, i)),
-        Some(BadOp::Shard(i)) => Ok((empty(py).0, empty(py).1, 0, 2, i)),
-        Some(BadOp::Tier(i)) => Ok((empty(py).0, empty(py).1, 0, 3, i)),
-        None => {
-            let (ck, ct, cleared) = coalesce(k, t, o);
-            Ok((ck.into_pyarray(py), ct.into_pyarray(py), cleared, 0, 0))
-        }
-    }
-}
-
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NO_KEY", chunk_hash::NO_KEY)?;
@@ -238,7 +205,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(first_bad_token, m)?)?;
     m.add_function(wrap_pyfunction!(pack_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(token_array, m)?)?;
-    m.add_function(wrap_pyfunction!(coalesce_key_ops, m)?)?;
     index::register(m)?;
     block_cache::register(m)?;
     bpe::register(m)?;
