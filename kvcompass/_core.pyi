@@ -196,6 +196,8 @@ class AgentForest:
     def __len__(self) -> int: ...
     def memory_bytes(self) -> int:
         """Bytes the forest holds on the heap (blocks, side tables, indexes, key counts)."""
+    def memory_breakdown(self) -> dict[str, int]:
+        """``memory_bytes`` by part: blocks, fingerprints, key_counts, children, other."""
     def stats(self) -> list[int]: ...
 
 @final

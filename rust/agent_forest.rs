@@ -334,6 +334,13 @@ impl Forest {
     /// Bytes held on the heap: every table at its capacity (a hash table's slot plus its
     /// control byte) and what the entries own (byte hashes, key lists, child maps).
     pub fn memory_bytes(&self) -> usize {
+        self.memory_breakdown().iter().map(|(_, n)| n).sum()
+    }
+
+    /// [`Forest::memory_bytes`] by part: the block slab (with its free list and byte hashes),
+    /// the fingerprint index, the key counts, the children maps of blocks with several, and
+    /// the other side tables.
+    pub fn memory_breakdown(&self) -> [(&'static str, usize); 5] {
         fn map<K, V>(m: &FxHashMap<K, V>) -> usize {
             m.capacity() * (std::mem::size_of::<(K, V)>() + 1)
         }
@@ -356,14 +363,12 @@ impl Forest {
             + map(&self.more_keys)
             + self.more_keys.values().map(|k| k.len() * 8).sum::<usize>()
             + map(&self.long_tails)
-            + map(&self.many_kids)
-            + self.many_kids.values().map(map).sum::<usize>()
             + map(&self.more_media)
             + self.more_media.values().map(|v| v.capacity() * 2).sum::<usize>()
-            + map(&self.counts)
             + map(&self.step_old)
             + map(&self.medium_ids);
-        slab + self.by_fp.capacity() * BlockTable::<Bid>::SLOT_BYTES + sides
+        let kids = map(&self.many_kids) + self.many_kids.values().map(map).sum::<usize>();
+        [("blocks", slab), ("fingerprints", self.by_fp.capacity() * BlockTable::<Bid>::SLOT_BYTES), ("key_counts", map(&self.counts)), ("children", kids), ("other", sides)]
     }
     pub fn is_empty(&self) -> bool {
         self.blocks.is_empty()

@@ -185,6 +185,11 @@ impl PyForest {
         self.inner.memory_bytes()
     }
 
+    /// `memory_bytes` by part (blocks, fingerprints, key_counts, children, other).
+    fn memory_breakdown(&self) -> std::collections::BTreeMap<&'static str, usize> {
+        self.inner.memory_breakdown().into_iter().collect()
+    }
+
     /// blocks_stored, blocks_removed, orphans, adopted, unindexed, unknown_removals, conflicts,
     /// ambiguous_parents, ambiguous_removals.
     fn stats(&self) -> [u64; 9] {
