@@ -592,6 +592,7 @@ class Simulator:
             handoff=self._handoff if self._hand is not None else None,
             events=self._events,
             respond=self._respond,
+            response=self._response,
             queue=self._queue,
             progress=self._report if progress is not None else None,
         )
@@ -676,20 +677,21 @@ class Simulator:
     def _events(self, worker: int, events: CacheEvents) -> None:
         self._publish_events(self._by_index[worker], events)
 
-    def _respond(self, worker: int, edge_region: int, claimed: int, reused: int, t: float, vector: npt.NDArray[np.float64] | None) -> None:
-        """The first chunk back at the edge: reuse report and, from another region, a queue vector."""
+    def _respond(self, worker: int, edge_region: int, claimed: int, reused: int, t: float) -> None:
+        """The first chunk leaves a worker for another region's edge, and the worker's own region
+        runs an edge: that edge piggybacks its own-region queue vector, read as the chunk leaves;
+        the chunk reaches its edge at ``t``."""
         w = self._by_index[worker]
-        er = self._region_names[edge_region]
-        edge = self.plane.edges[er]
-        region = w.spec.region
-        vec: dict[str, float] | None = None
-        if region != er:
-            if vector is None:
-                src = self.plane.edges[region]
-                vec = src.piggyback_vector(er, self._eng().now / 1e3)  # own-region estimates only
-            else:
-                vec = dict(zip(self._region_workers[region], vector.tolist()))
+        edge = self.plane.edges[self._region_names[edge_region]]
+        vec = self.plane.edges[w.spec.region].piggyback_vector(edge.region, self._eng().now / 1e3)
         self._eng().at(t, partial(self._on_response, edge, w.spec.id, claimed, reused, vec, t / 1e3))
+
+    def _response(self, worker: int, edge_region: int, claimed: int, reused: int, vector: npt.NDArray[np.float64] | None) -> None:
+        """The first chunk reaches its edge now (the engine delivers it): the reuse report and,
+        from a region without an edge, that region's queue vector as it stood when it left."""
+        w = self._by_index[worker]
+        vec = None if vector is None else dict(zip(self._region_workers[w.spec.region], vector.tolist()))
+        self._on_response(self.plane.edges[self._region_names[edge_region]], w.spec.id, claimed, reused, vec, self._eng().now / 1e3)
 
     def _on_response(self, edge: Edge, worker: str, claimed: int, reused: int, vector: dict[str, float] | None, now: float) -> None:
         self._settle(edge)

@@ -160,15 +160,21 @@ impl PySimEngine {
                     claimed,
                     reused,
                     t,
-                    vector,
                 } => {
                     slf.borrow_mut().inner.set_context(Some(seq));
-                    let v = vector.map(|v| v.into_pyarray(py));
-                    let r = d
-                        .respond
-                        .call1((worker, edge_region, claimed, reused, t, v));
+                    let r = d.respond.call1((worker, edge_region, claimed, reused, t));
                     slf.borrow_mut().inner.set_context(None);
                     r?;
+                }
+                Out::Response {
+                    worker,
+                    edge_region,
+                    claimed,
+                    reused,
+                    vector,
+                } => {
+                    let v = vector.map(|v| v.into_vec().into_pyarray(py));
+                    d.response.call1((worker, edge_region, claimed, reused, v))?;
                 }
                 Out::Queue { worker, queued_ms } => {
                     // A worker an edge reads live: straight into that edge's estimates, as
@@ -201,6 +207,7 @@ struct Driver<'py> {
     handoff: Option<Bound<'py, PyAny>>,
     events: Bound<'py, PyAny>,
     respond: Bound<'py, PyAny>,
+    response: Bound<'py, PyAny>,
     queue: Bound<'py, PyAny>,
     progress: Option<Bound<'py, PyAny>>,
 }
@@ -381,7 +388,10 @@ impl PySimEngine {
 
     /// Replay to the end. `driver` has `choose(req, tokens) -> (worker, claimed, delay_ms)`,
     /// `handoff` (None, or `(job, req, tokens, worker, region) -> (worker, claimed) | None`),
-    /// `events(worker, raw_events)`, `respond(worker, edge_region, claimed, reused, t, vector)`,
+    /// `events(worker, cache_events)`, `respond(worker, edge_region, claimed, reused, t)` (a
+    /// response leaving a worker whose region's edge piggybacks its queue vector: the driver
+    /// asks that edge and schedules the delivery), `response(worker, edge_region, claimed,
+    /// reused, vector or None)` (a response reaching its edge now, delivered by the engine),
     /// `queue(worker, queued_ms)` and `progress` (None or `(done) -> None`).
     fn run(slf: &Bound<'_, Self>, driver: &Bound<'_, PyAny>) -> PyResult<()> {
         let py = slf.py();
@@ -397,6 +407,7 @@ impl PySimEngine {
             handoff: optional(driver, "handoff")?,
             events: driver.getattr("events")?,
             respond: driver.getattr("respond")?,
+            response: driver.getattr("response")?,
             queue: driver.getattr("queue")?,
             progress: optional(driver, "progress")?,
         };

@@ -415,9 +415,9 @@ pub enum Out {
         worker: u32,
         events: Vec<Event>,
     },
-    /// The first token leaves `worker` for the edge of `edge_region`, arriving at `t`: the reuse
-    /// report, and for a worker of another region its region's queue vector (`vector`: read
-    /// here when that region runs no edge; else the driver asks that region's edge).
+    /// The first token leaves `worker`, of another region that runs an edge, for the edge of
+    /// `edge_region`, arriving at `t`: the driver asks the worker's own edge for the queue
+    /// vector it piggybacks, and schedules the delivery ([`Out::Response`] otherwise).
     Respond {
         seq: u64,
         worker: u32,
@@ -425,7 +425,16 @@ pub enum Out {
         claimed: i64,
         reused: u64,
         t: f64,
-        vector: Option<Vec<f64>>,
+    },
+    /// The first token from `worker` reaches the edge of `edge_region` now: the reuse report,
+    /// and for a worker of a region without an edge, that region's queue vector as it stood
+    /// when the token left.
+    Response {
+        worker: u32,
+        edge_region: u16,
+        claimed: i64,
+        reused: u64,
+        vector: Option<Box<[f64]>>,
     },
     /// A worker's queued prefill work changed: its region's edge reads it live.
     Queue { worker: u32, queued_ms: f64 },
@@ -442,6 +451,8 @@ enum Ev {
     EndSegment { w: u32, gen: u64 },
     EndMixed { w: u32, job: u32, chunk: u64 },
     Join { w: u32, job: u32 },
+    /// `vector`: an index into `Engine::in_flight_vectors`, or [`NO_VECTOR`].
+    Response { worker: u32, edge_region: u16, claimed: i64, reused: u64, vector: u32 },
     External(u64),
 }
 
@@ -464,6 +475,8 @@ impl Ord for Entry {
 }
 
 const NO_REQ: u32 = u32::MAX;
+/// `Ev::Response` without a queue vector.
+const NO_VECTOR: u32 = u32::MAX;
 
 /// Jobs a queue keeps whole; those behind them are stripped ([`Engine::strip`]).
 const KEEP_AHEAD: usize = 16;
@@ -605,6 +618,9 @@ pub struct Engine {
     heap: BinaryHeap<Entry>,
     seq: u64,
     ctx: Option<(u64, u32)>,
+    /// The queue vectors of responses on their way (`Ev::Response`), and the free slots.
+    in_flight_vectors: Vec<Vec<f64>>,
+    free_vectors: Vec<u32>,
     cur: (f64, u64, u32),
     now: f64,
     rng: Pcg64,
@@ -764,6 +780,8 @@ impl Engine {
             heap: BinaryHeap::new(),
             seq: 0,
             ctx: None,
+            in_flight_vectors: Vec::new(),
+            free_vectors: Vec::new(),
             cur: (0.0, 0, 0),
             now: 0.0,
             rng,
@@ -1038,6 +1056,13 @@ impl Engine {
                 Ev::EndSegment { w, gen } => self.end_segment(w, gen)?,
                 Ev::EndMixed { w, job, chunk } => self.end_mixed(w, job, chunk)?,
                 Ev::Join { w, job } => self.join(w, job)?,
+                Ev::Response { worker, edge_region, claimed, reused, vector } => {
+                    let vector = (vector != NO_VECTOR).then(|| {
+                        self.free_vectors.push(vector);
+                        std::mem::take(&mut self.in_flight_vectors[vector as usize]).into_boxed_slice()
+                    });
+                    self.out.push(Out::Response { worker, edge_region, claimed, reused, vector });
+                }
                 Ev::External(h) => return Ok(Some(Step::External(h))),
             }
         }
@@ -1541,15 +1566,46 @@ impl Engine {
             self.now + j.one_way_ms,
         );
         let seq = self.reserve();
-        self.out.push(Out::Respond {
-            seq,
-            worker: w,
-            edge_region,
-            claimed,
-            reused,
+        if region != edge_region && vector.is_none() {
+            // The worker's own region runs an edge, which piggybacks its queue vector on the
+            // response: the driver asks that edge now and schedules the delivery.
+            self.out.push(Out::Respond {
+                seq,
+                worker: w,
+                edge_region,
+                claimed,
+                reused,
+                t,
+            });
+            return;
+        }
+        // Nothing to ask at this moment: the delivery is the engine's own event, filed where
+        // the driver's reply to a `Respond` would sort (the first thing scheduled under `seq`).
+        let vector = match vector {
+            None => NO_VECTOR,
+            Some(v) => match self.free_vectors.pop() {
+                Some(i) => {
+                    self.in_flight_vectors[i as usize] = v;
+                    i
+                }
+                None => {
+                    self.in_flight_vectors.push(v);
+                    (self.in_flight_vectors.len() - 1) as u32
+                }
+            },
+        };
+        let ctx = self.ctx.replace((seq, 0));
+        self.push(
             t,
-            vector,
-        });
+            Ev::Response {
+                worker: w,
+                edge_region,
+                claimed,
+                reused,
+                vector,
+            },
+        );
+        self.ctx = ctx;
     }
 
     fn decode(&mut self, w: u32, job: u32) -> Result<()> {
