@@ -1152,3 +1152,17 @@ def test_cache_events_of_another_block_size_are_refused_whole() -> None:
     assert a.digest() == before and a.stats.malformed == 1
     with pytest.raises(ValueError, match=r"events\[0\]: 16 tokens for 4 blocks of 8"):
         CacheEvents(raw, 8)
+
+
+def test_the_forest_refuses_a_store_whose_tokens_do_not_fill_its_blocks() -> None:
+    """The forest places a block's tokens by its size (a block's start is where its parent's
+    hashed bytes end), so a store whose tokens are not exactly its blocks' is refused whole."""
+    from kvcompass._core import AgentForest
+
+    f = AgentForest([4, 8], NS.digest)
+    for tokens in (np.arange(3, dtype=np.uint32), np.arange(3, dtype="<u4").tobytes() + b"\x00\x00"):
+        with pytest.raises(ValueError, match=r"tokens: (12|14) bytes for 1 blocks of 4 tokens"):
+            f.stored(0, "GPU", 4, tokens, False, None, [1], None, None)
+    assert len(f) == 0 and f.flush(3, []) == []
+    f.stored(0, "GPU", 4, np.arange(8, dtype=np.uint32), False, None, [1, 2], None, None)
+    assert len(f) == 2 and sorted(k for _, keys, _ in f.flush(3, []) for k in keys.tolist()) == sorted(keys_of(list(range(8)), [4, 8]))

@@ -52,6 +52,15 @@ impl PyForest {
         let parent = parent.map(|p| bhash(&p)).transpose()?;
         let hashes = bhashes(hashes)?;
         let extra = extra.unwrap_or_default();
+        // The forest places each block's tokens by block size: a store must carry exactly
+        // `block_size` tokens a block (the event decoder refuses anything else).
+        let n_bytes = match tokens.cast::<PyBytes>() {
+            Ok(b) => b.as_bytes().len(),
+            Err(_) => 4 * tokens.len()?,
+        };
+        if n_bytes != 4 * hashes.len() * block_size as usize {
+            return Err(PyValueError::new_err(format!("tokens: {n_bytes} bytes for {} blocks of {block_size} tokens (4 bytes a token)", hashes.len())));
+        }
         if let Ok(b) = tokens.cast::<PyBytes>() {
             self.inner.stored(&Stored { group, medium, block_size, tokens: b.as_bytes(), lora, parent, hashes, extra, salt_root });
             return Ok(());
