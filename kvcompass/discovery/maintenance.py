@@ -43,7 +43,6 @@ from typing import NoReturn
 import numpy as np
 import numpy.typing as npt
 
-from kvcompass import _core
 from kvcompass._core import LudoTable
 from kvcompass.discovery.layout import IndexLayout
 from kvcompass.discovery.key_ops import KeyOpBatch
