@@ -202,8 +202,9 @@ pub struct Stored<'a> {
 ///
 /// Blocks live in fixed chunks of [`SLAB_CHUNK`] that are never moved: a forest grows a chunk
 /// at a time, with no copy of what it holds and no freed buffer left behind. (One vector grown
-/// by doubling copied every block at each growth, and its freed buffers stayed in the
-/// allocator's heap: at fleet scale in the simulator a sixth of the process's memory.)
+/// by doubling copied every block at each growth; with blocks aligned to cache lines its
+/// freed buffers also stayed in the allocator's heap, a quarter of the process's memory in a
+/// paper-scale simulation.)
 #[derive(Default)]
 struct Slab {
     chunks: Vec<Box<[Option<Block>]>>,

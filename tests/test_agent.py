@@ -1166,3 +1166,19 @@ def test_the_forest_refuses_a_store_whose_tokens_do_not_fill_its_blocks() -> Non
     assert len(f) == 0 and f.flush(3, []) == []
     f.stored(0, "GPU", 4, np.arange(8, dtype=np.uint32), False, None, [1, 2], None, None)
     assert len(f) == 2 and sorted(k for _, keys, _ in f.flush(3, []) for k in keys.tolist()) == sorted(keys_of(list(range(8)), [4, 8]))
+
+
+def test_cache_events_with_a_salt_the_roots_do_not_name_change_nothing() -> None:
+    from kvcompass._core import AgentForest, BlockCache, CacheEvents
+    from kvcompass.engine.cache import salt_seed
+
+    core = BlockCache(4, 16, 0, False)
+    plain = core.place_vram(np.arange(8, dtype=np.uint32), 0, 0.0, 0, True)
+    salted = core.place_vram(np.arange(100, 108, dtype=np.uint32), salt_seed("t2"), 1.0, 2, True)
+    f = AgentForest([4, 8], NS.digest)
+    for roots, match in (((None, None), "no entry for salt number 2"), ((None, None, b"short"), r"roots\[2\]: expected 32 bytes or None")):
+        with pytest.raises(ValueError, match=match):
+            f.cache_events(CacheEvents(plain + salted, 4), roots)
+        assert len(f) == 0 and f.flush(3, []) == []
+    f.cache_events(CacheEvents(plain + salted, 4), (None, None, kc.Namespace("llama-3.1-8b", "t2").digest))
+    assert len(f) == 4

@@ -108,6 +108,17 @@ impl PyForest {
     fn cache_events(&mut self, events: &Bound<'_, PyCacheEvents>, roots: &Bound<'_, PyAny>) -> PyResult<()> {
         let ev = events.get();
         let n = ev.block_size;
+        // Every salt's root is read before anything changes: a bad `roots` leaves the forest as
+        // it was.
+        let mut salt_roots: Vec<(u32, Option<[u8; 32]>)> = Vec::new();
+        for e in &ev.events {
+            if let Event::Stored { salt, .. } = e {
+                if *salt != 0 && !salt_roots.iter().any(|(s, _)| s == salt) {
+                    let root = roots.get_item(*salt as usize).map_err(|_| PyValueError::new_err(format!("roots: no entry for salt number {salt}")))?;
+                    salt_roots.push((*salt, root.extract::<Option<[u8; 32]>>().map_err(|_| PyValueError::new_err(format!("roots[{salt}]: expected 32 bytes or None")))?));
+                }
+            }
+        }
         let medium_name = |m: u8| if m == VRAM { "GPU" } else { "CPU" };
         let mut run: Vec<Removal> = Vec::new();
         for e in &ev.events {
@@ -123,7 +134,7 @@ impl PyForest {
                         if let Some(x) = extra.first_mut() {
                             *x = true;
                         }
-                        (extra, roots.get_item(*salt as usize)?.extract::<Option<[u8; 32]>>()?)
+                        (extra, salt_roots.iter().find(|(s, _)| s == salt).and_then(|(_, r)| *r))
                     };
                     // The forest reads tokens as little-endian u32 bytes: on such a host the
                     // tokens' own memory, elsewhere a packed copy.
