@@ -307,9 +307,10 @@ class PrefixCache:
     def events_from_core(self, raw: list[tuple[Any, ...]], *, token_arrays: bool = False) -> list[Event]:
         """The core's raw events (``BlockCache.place_*``) as :mod:`kvcompass.agent.events` objects.
         With ``token_arrays`` a stored event's ``token_ids`` and ``block_hashes`` (and a removed
-        event's ``block_hashes``) stay the core's uint32 and uint64 arrays (the simulator hands them straight to an agent's forest: a
-        tuple of thousands of Python ints a prompt, packed back into bytes by the agent, was a
-        twentieth of a KVCompass run, and a Python int per block hash another tenth)."""
+        event's ``block_hashes``) stay the core's uint32 and uint64 arrays (a tuple of thousands
+        of Python ints a prompt was a twentieth of a KVCompass simulation). The simulator's
+        agents take the engine's events without these objects (``kvcompass._core.CacheEvents``);
+        a scheme that follows KV events reads them as objects."""
         return self._events(raw, token_arrays)
 
     def _events(self, raw: list[tuple[Any, ...]], token_arrays: bool = False) -> list[Event]:
