@@ -613,3 +613,65 @@ def test_busy_matrix_is_the_interval_by_interval_sum_float_for_float() -> None:
         want_util, want_totals = reference(intervals, start, end, window)
         got_util, got_totals = _busy(intervals, start, end, window)
         assert np.array_equal(got_util, want_util) and np.array_equal(got_totals, want_totals)
+
+
+def test_a_scheme_that_follows_kv_events_sees_every_cache_as_it_is() -> None:
+    """A scheme may follow the workers' KV events (``on_kv_events``, handed event objects while
+    the agents take the engine's events as Rust values): replaying everything it was handed,
+    stores and removals in both media, gives at the end exactly each worker's cached blocks and
+    their tiers (caches a few prompts deep, so blocks are demoted and evicted throughout)."""
+    import dataclasses
+
+    from kvcompass.agent.events import BlockRemoved, BlockStored
+    from kvcompass.index_types import Tier
+    from kvcompass.sim.engine import SimConfig
+    from kvcompass.sim.schemes import Choice, Fleet
+
+    base = load_topology("testbed-14x3")
+    topo = dataclasses.replace(base, workers=tuple(dataclasses.replace(w, vram_tokens=1024, dram_tokens=1024) for w in base.workers))
+    reqs = synthetic_mixed(120, regions=topo, seed=4, rate=20.0, block_size=topo.block_size)
+
+    class Follower:
+        name = "follower"
+        uses_index = False
+
+        def __init__(self, fleet: Fleet) -> None:
+            self.ids = [w.id for w in fleet.topology.workers]
+            self.n = 0
+            self.held: dict[str, dict[int, set[str]]] = {w: {} for w in self.ids}
+            self.seen = {"stored": 0, "removed": 0}
+
+        def choose(self, request: Request, tokens: Any, now_ms: float) -> Choice:
+            self.n += 1
+            return Choice(self.ids[self.n % len(self.ids)])
+
+        def on_kv_events(self, worker: str, events: Any, now: float) -> None:
+            mine = self.held[worker]
+            for e in events:
+                if isinstance(e, BlockStored):
+                    self.seen["stored"] += 1
+                    for h in e.block_hashes:
+                        mine.setdefault(int(h), set()).add(e.medium or "GPU")
+                else:
+                    assert isinstance(e, BlockRemoved)
+                    self.seen["removed"] += 1
+                    for h in e.block_hashes:
+                        media = mine[int(h)]
+                        media.remove(e.medium or "GPU")
+                        if not media:
+                            del mine[int(h)]
+
+    follower: list[Follower] = []
+
+    def make(fleet: Fleet) -> Follower:
+        follower.append(Follower(fleet))
+        return follower[0]
+
+    sim = Simulator(topo, reqs, make, SimConfig(seed=4))
+    sim.run()
+    f = follower[0]
+    assert f.seen["stored"] > 100 and f.seen["removed"] > 50
+    medium = {Tier.VRAM: "GPU", Tier.DRAM: "CPU"}
+    for w in f.ids:
+        cached = {b.block_hash: {medium[b.tier]} for b in sim._workers[w].cache.blocks()}
+        assert f.held[w] == cached, w
