@@ -501,7 +501,7 @@ impl Forest {
         let x = &self.blocks[&p];
         if x.many_kids {
             self.many_kids[&p].get(h).copied()
-        } else if x.kid != NIL && self.hash_is(x.kid, h) {
+        } else if x.kid != NIL && self.hash_is(x.kid, &self.blocks[&x.kid], h) {
             Some(x.kid)
         } else {
             None
@@ -549,9 +549,8 @@ impl Forest {
         }
     }
 
-    /// Whether block `bid`'s engine hash is `h` (no copy of a bytes hash).
-    fn hash_is(&self, bid: Bid, h: &BHash) -> bool {
-        let x = &self.blocks[&bid];
+    /// Whether block `x` (id `bid`) has engine hash `h` (no copy of a bytes hash).
+    fn hash_is(&self, bid: Bid, x: &Block, h: &BHash) -> bool {
         match h {
             BHash::Int(v) => !x.bytes_hash && x.hash == *v,
             BHash::Bytes(b) => x.bytes_hash && self.byte_hashes.get(&bid).is_some_and(|mine| **mine == ***b),
@@ -574,7 +573,7 @@ impl Forest {
         let mut cur = self.by_fp.get(&fingerprint(group, h)).copied().unwrap_or(NIL);
         while cur != NIL {
             let x = &self.blocks[&cur];
-            if x.group == group && self.hash_is(cur, h) {
+            if x.group == group && self.hash_is(cur, x, h) {
                 out.push(cur);
             }
             cur = x.same;
@@ -586,7 +585,7 @@ impl Forest {
         let mut cur = self.by_fp.get(&fingerprint(group, h)).copied().unwrap_or(NIL);
         while cur != NIL {
             let x = &self.blocks[&cur];
-            if x.group == group && self.hash_is(cur, h) {
+            if x.group == group && self.hash_is(cur, x, h) {
                 return true;
             }
             cur = x.same;

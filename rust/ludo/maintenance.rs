@@ -490,6 +490,13 @@ impl LudoTable {
 
     /// Set one worker's 2-bit tier field of `key` (0 absent, 1 VRAM, 2 DRAM). Creates the key on
     /// its first holder and removes it when its last holder leaves. Returns the new value.
+    /// `value` with worker field `field` set to `tier` (its two bits at `2 * field`).
+    #[inline]
+    pub fn with_field(value: u64, field: u32, tier: u8) -> u64 {
+        let shift = 2 * field;
+        (value & !(3u64 << shift)) | ((tier as u64) << shift)
+    }
+
     pub fn set_field(&mut self, key: u64, field: u32, tier: u8) -> Result<u64> {
         Self::check_key(key)?;
         let fields = self.geo.value_bits as u32 / 2;
@@ -499,12 +506,11 @@ impl LudoTable {
         if tier > 2 {
             return Err(CoreError::InvalidTier(tier));
         }
-        let shift = 2 * field;
         let (b0, b1) = self.warm_slots(key);
         // The common case (the key sits in a bucket) reads and writes its slot once.
         if let Some((b, s)) = self.find_in(key, b0, b1) {
             let cur = self.value(b, s);
-            let new = (cur & !(3u64 << shift)) | ((tier as u64) << shift);
+            let new = Self::with_field(cur, field, tier);
             if new == 0 {
                 self.remove_at(b, s, key);
             } else if new != cur {
@@ -513,7 +519,7 @@ impl LudoTable {
             return Ok(new);
         }
         let cur = self.fallback_get(key).unwrap_or(0);
-        let new = (cur & !(3u64 << shift)) | ((tier as u64) << shift);
+        let new = Self::with_field(cur, field, tier);
         if new != cur {
             self.set(key, new)?;
         }

@@ -10,6 +10,17 @@ use super::block_cache::PyCacheEvents;
 use crate::agent_forest::{BHash, Forest, Removal, Stored};
 use crate::block_cache::{Event, DRAM, VRAM};
 
+/// Tokens as the little-endian u32 bytes the forest hashes: on such a host the tokens' own
+/// memory, elsewhere a packed copy.
+fn le_bytes(tokens: &[u32]) -> std::borrow::Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        // SAFETY: a u32 slice is readable as 4x as many bytes.
+        std::borrow::Cow::Borrowed(unsafe { std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens)) })
+    } else {
+        std::borrow::Cow::Owned(tokens.iter().flat_map(|t| t.to_le_bytes()).collect())
+    }
+}
+
 fn bhash(obj: &Bound<'_, PyAny>) -> PyResult<BHash> {
     if let Ok(b) = obj.cast::<PyBytes>() {
         return Ok(BHash::Bytes(Box::new(b.as_bytes().into())));
@@ -65,24 +76,19 @@ impl PyForest {
             self.inner.stored(&Stored { group, medium, block_size, tokens: b.as_bytes(), lora, parent, hashes, extra, salt_root });
             return Ok(());
         }
-        // A uint32 token array (the simulator hands the emulated engine's array over): read as
-        // the little-endian bytes the forest hashes, without packing a copy on this host.
+        // A uint32 token array (the simulator hands the emulated engine's array over): read in
+        // place when contiguous.
         let a = tokens.cast::<PyArray1<u32>>().map_err(|_| PyValueError::new_err("tokens: expected bytes (little-endian u32) or a 1-D uint32 array"))?;
         let ro = a.try_readonly().map_err(|e| PyValueError::new_err(format!("tokens: {e}")))?;
-        let packed: Vec<u8>;
-        let bytes: &[u8] = match ro.as_slice() {
-            #[cfg(target_endian = "little")]
-            Ok(s) => {
-                // SAFETY: a u32 slice is readable as 4x as many bytes; on a little-endian host
-                // those are exactly the little-endian encoding.
-                unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<u8>(), std::mem::size_of_val(s)) }
-            }
-            _ => {
-                packed = ro.as_array().iter().flat_map(|t| t.to_le_bytes()).collect();
-                &packed
+        let copied: Vec<u32>;
+        let toks: &[u32] = match ro.as_slice() {
+            Ok(s) => s,
+            Err(_) => {
+                copied = ro.as_array().iter().copied().collect();
+                &copied
             }
         };
-        self.inner.stored(&Stored { group, medium, block_size, tokens: bytes, lora, parent, hashes, extra, salt_root });
+        self.inner.stored(&Stored { group, medium, block_size, tokens: &le_bytes(toks), lora, parent, hashes, extra, salt_root });
         Ok(())
     }
 
@@ -136,21 +142,11 @@ impl PyForest {
                         }
                         (extra, salt_roots.iter().find(|(s, _)| s == salt).and_then(|(_, r)| *r))
                     };
-                    // The forest reads tokens as little-endian u32 bytes: on such a host the
-                    // tokens' own memory, elsewhere a packed copy.
-                    let packed: Vec<u8>;
-                    let bytes: &[u8] = if cfg!(target_endian = "little") {
-                        // SAFETY: a u32 slice is readable as 4x as many bytes.
-                        unsafe { std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens.as_slice())) }
-                    } else {
-                        packed = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-                        &packed
-                    };
                     self.inner.stored(&Stored {
                         group: 0,
                         medium: medium_name(*medium),
                         block_size: n,
-                        tokens: bytes,
+                        tokens: &le_bytes(tokens),
                         lora: false,
                         parent: parent.map(BHash::Int),
                         hashes: hashes.iter().map(|&h| BHash::Int(h)).collect(),

@@ -160,11 +160,10 @@ impl PyLudoTable {
             // such a batch up front instead, counted exactly only near the maximum. Removals
             // come first, so the table peaks after them.
             if g.len() + ck.len() as u64 > max_capacity {
-                let (shift, keep) = (2 * field, !(3u64 << (2 * field)));
                 let (mut removes, mut inserts) = (0u64, 0u64);
                 for (&key, &tier) in ck.iter().zip(&ct) {
                     let cur = g.get(key).unwrap_or(0);
-                    let new = (cur & keep) | ((tier as u64) << shift);
+                    let new = LudoTable::with_field(cur, field, tier);
                     removes += u64::from(cur != 0 && new == 0);
                     inserts += u64::from(cur == 0 && new != 0);
                 }
