@@ -14,7 +14,13 @@
 //! tombstones, so a full cache that evicts as much as it stores keeps a table sized for what it
 //! holds). Names are hashes already; a Fibonacci multiply spreads any that are not. The key 0
 //! marks an empty slot, so a record named 0 is kept aside.
+//!
+//! Both arrays are [`HugeBuf`]s: a table of a million prefixes spans tens of megabytes, and on
+//! 4 KiB pages nearly every probe of it also missed the TLB (a page walk the prefetch does not
+//! hide as well as a line fill). Records are [`Plain`] with an all-zero default, so a fresh
+//! table is fresh zero pages, written only where something is stored.
 
+use crate::ludo::mem::{HugeBuf, Plain};
 use crate::ludo::prefetch;
 
 const EMPTY: u64 = 0;
@@ -22,24 +28,24 @@ const FIB: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// See the module notes.
 #[derive(Clone, Debug)]
-pub struct BlockTable<V: Copy + Default> {
-    keys: Vec<u64>,
-    vals: Vec<V>,
+pub struct BlockTable<V: Plain + Default> {
+    keys: HugeBuf<u64>,
+    vals: HugeBuf<V>,
     /// `64 - log2(keys.len())`: the multiply's top bits are the home slot.
     shift: u32,
     len: usize,
     zero: Option<V>,
 }
 
-impl<V: Copy + Default> Default for BlockTable<V> {
+impl<V: Plain + Default> Default for BlockTable<V> {
     fn default() -> Self {
         Self::new()
     }
 }
 
-impl<V: Copy + Default> BlockTable<V> {
+impl<V: Plain + Default> BlockTable<V> {
     pub fn new() -> Self {
-        BlockTable { keys: Vec::new(), vals: Vec::new(), shift: 64, len: 0, zero: None }
+        BlockTable { keys: HugeBuf::filled(0, EMPTY), vals: HugeBuf::filled(0, V::default()), shift: 64, len: 0, zero: None }
     }
 
     #[inline]
@@ -184,25 +190,21 @@ impl<V: Copy + Default> BlockTable<V> {
     }
 
     pub fn clear(&mut self) {
-        self.keys = Vec::new();
-        self.vals = Vec::new();
-        self.shift = 64;
-        self.len = 0;
-        self.zero = None;
+        *self = Self::new();
     }
 
     /// Every `(key, record)`, in no particular order.
     pub fn iter(&self) -> impl Iterator<Item = (u64, &V)> {
-        self.zero.iter().map(|v| (EMPTY, v)).chain(self.keys.iter().zip(&self.vals).filter(|(k, _)| **k != EMPTY).map(|(k, v)| (*k, v)))
+        self.zero.iter().map(|v| (EMPTY, v)).chain(self.keys.iter().zip(self.vals.iter()).filter(|(k, _)| **k != EMPTY).map(|(k, v)| (*k, v)))
     }
 
     fn grow(&mut self) {
         let n = (self.keys.len() * 2).max(16);
-        let keys = std::mem::replace(&mut self.keys, vec![EMPTY; n]);
-        let vals = std::mem::replace(&mut self.vals, vec![V::default(); n]);
+        let keys = std::mem::replace(&mut self.keys, HugeBuf::filled(n, EMPTY));
+        let vals = std::mem::replace(&mut self.vals, HugeBuf::filled(n, V::default()));
         self.shift = 64 - n.trailing_zeros();
         let mask = n - 1;
-        for (k, v) in keys.into_iter().zip(vals).filter(|(k, _)| *k != EMPTY) {
+        for (&k, &v) in keys.iter().zip(vals.iter()).filter(|(k, _)| **k != EMPTY) {
             let mut i = self.home(k);
             while self.keys[i] != EMPTY {
                 i = (i + 1) & mask;
@@ -213,7 +215,7 @@ impl<V: Copy + Default> BlockTable<V> {
     }
 }
 
-impl<V: Copy + Default> std::ops::Index<&u64> for BlockTable<V> {
+impl<V: Plain + Default> std::ops::Index<&u64> for BlockTable<V> {
     type Output = V;
     fn index(&self, key: &u64) -> &V {
         self.get(key).expect("key in the block table")

@@ -22,7 +22,7 @@ const HUGE_PAGE: usize = 2 << 20;
 /// # Safety
 /// Implement only for types made of integers, arrays and structs of them, with no padding
 /// invariants.
-pub(crate) unsafe trait Plain: Copy {}
+pub unsafe trait Plain: Copy {}
 // SAFETY: integers are valid at all-zero.
 unsafe impl Plain for u8 {}
 // SAFETY: integers are valid at all-zero.
@@ -31,8 +31,15 @@ unsafe impl Plain for u32 {}
 unsafe impl Plain for u64 {}
 
 /// A fixed-length array of plain values, on huge pages when large.
+///
+/// `ptr` and `len` describe the values wherever they live (the mapping or the fallback `Vec`,
+/// whose buffer never moves since nothing is ever pushed), so reading one is a plain slice
+/// access with no test of which: the block tables index these on every probe.
 pub(crate) struct HugeBuf<T: Plain> {
-    mapped: Option<(std::ptr::NonNull<T>, usize, usize)>,
+    ptr: std::ptr::NonNull<T>,
+    len: usize,
+    /// `(start, bytes)` of the mapping, when mapped.
+    mapped: Option<(std::ptr::NonNull<T>, usize)>,
     fallback: Vec<T>,
 }
 
@@ -46,7 +53,7 @@ impl<T: Plain> HugeBuf<T> {
     pub(crate) fn filled(n: usize, value: T) -> Self {
         let bytes = n.saturating_mul(std::mem::size_of::<T>());
         if let Some(m) = Self::map(n, bytes) {
-            let mut b = HugeBuf { mapped: Some(m), fallback: Vec::new() };
+            let mut b = Self::on_map(m);
             // Fresh anonymous pages read as zero (a valid T, since T: Plain); only a non-zero
             // fill needs to touch them.
             // SAFETY: T is Plain (no padding), so its bytes can be read.
@@ -56,7 +63,17 @@ impl<T: Plain> HugeBuf<T> {
             }
             return b;
         }
-        HugeBuf { mapped: None, fallback: vec![value; n] }
+        Self::on_vec(vec![value; n])
+    }
+
+    fn on_map((p, n, len): (std::ptr::NonNull<T>, usize, usize)) -> Self {
+        HugeBuf { ptr: p, len: n, mapped: Some((p, len)), fallback: Vec::new() }
+    }
+
+    fn on_vec(mut v: Vec<T>) -> Self {
+        // SAFETY: a Vec's pointer is never null (dangling but aligned when empty).
+        let ptr = unsafe { std::ptr::NonNull::new_unchecked(v.as_mut_ptr()) };
+        HugeBuf { ptr, len: v.len(), mapped: None, fallback: v }
     }
 
     #[cfg(target_os = "linux")]
@@ -83,7 +100,7 @@ impl<T: Plain> HugeBuf<T> {
     /// Bytes this buffer holds.
     pub(crate) fn bytes(&self) -> usize {
         match self.mapped {
-            Some((_, n, _)) => n * std::mem::size_of::<T>(),
+            Some(_) => self.len * std::mem::size_of::<T>(),
             None => self.fallback.capacity() * std::mem::size_of::<T>(),
         }
     }
@@ -91,29 +108,26 @@ impl<T: Plain> HugeBuf<T> {
 
 impl<T: Plain> Deref for HugeBuf<T> {
     type Target = [T];
+    #[inline(always)]
     fn deref(&self) -> &[T] {
-        match self.mapped {
-            // SAFETY: the mapping holds n initialised (zero or filled) values of T for our lifetime.
-            Some((p, n, _)) => unsafe { std::slice::from_raw_parts(p.as_ptr(), n) },
-            None => &self.fallback,
-        }
+        // SAFETY: `ptr` holds `len` initialised (zero or filled) values of T for our lifetime,
+        // in the mapping or in the fallback's buffer, which no method reallocates.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 }
 
 impl<T: Plain> DerefMut for HugeBuf<T> {
+    #[inline(always)]
     fn deref_mut(&mut self) -> &mut [T] {
-        match self.mapped {
-            // SAFETY: as in deref, and &mut self gives exclusive access.
-            Some((p, n, _)) => unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), n) },
-            None => &mut self.fallback,
-        }
+        // SAFETY: as in deref, and &mut self gives exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 }
 
 impl<T: Plain> Drop for HugeBuf<T> {
     fn drop(&mut self) {
         #[cfg(target_os = "linux")]
-        if let Some((p, _, len)) = self.mapped.take() {
+        if let Some((p, len)) = self.mapped.take() {
             // SAFETY: unmapping exactly the mapping this buffer created, once.
             unsafe { libc::munmap(p.as_ptr() as *mut libc::c_void, len) };
         }
@@ -125,11 +139,11 @@ impl<T: Plain> Clone for HugeBuf<T> {
         let bytes = self.len() * std::mem::size_of::<T>();
         match Self::map(self.len(), bytes) {
             Some(m) => {
-                let mut b = HugeBuf { mapped: Some(m), fallback: Vec::new() };
+                let mut b = Self::on_map(m);
                 b.copy_from_slice(self);
                 b
             }
-            None => HugeBuf { mapped: None, fallback: self.to_vec() },
+            None => Self::on_vec(self.to_vec()),
         }
     }
 }

@@ -12,6 +12,7 @@
 //! in reply sorts exactly where it would have in one single-threaded loop.
 
 pub mod busy;
+pub(crate) mod lru_order;
 pub mod engine;
 pub mod rng;
 

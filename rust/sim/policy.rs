@@ -10,6 +10,8 @@
 use crate::block_table::BlockTable;
 use std::collections::VecDeque;
 
+use super::super::lru_order::LruOrder;
+
 use blake2::digest::{Update, VariableOutput};
 use blake2::Blake2bVar;
 
@@ -140,8 +142,7 @@ pub struct History {
     /// Holder lists of prefixes with more than [`HOLDERS_INLINE`] holders, and the free ones.
     spills: Vec<Vec<u32>>,
     free: Vec<u32>,
-    order: VecDeque<(u64, u64)>,
-    clock: u64,
+    order: LruOrder,
     capacity: usize,
 }
 
@@ -153,18 +154,24 @@ const SPILLED: u8 = u8::MAX;
 const AHEAD: usize = 8;
 
 #[derive(Clone, Copy, Debug, Default)]
+#[repr(C)]
 struct HEntry {
+    /// When it was last inserted or touched (its stamp in the history's order).
+    clock: u64,
     inline: [u32; HOLDERS_INLINE],
+    spill: u32,
     /// Holders in `inline`, or [`SPILLED`].
     n: u8,
-    spill: u32,
-    /// When it was last inserted or touched.
-    clock: u64,
+    _pad: [u8; 7],
 }
+
+// SAFETY: integers only, laid out without implicit padding (8 + 12 + 4 + 1 + 7 bytes, `repr(C)`),
+// and all zero is the empty record.
+unsafe impl crate::ludo::mem::Plain for HEntry {}
 
 impl History {
     pub fn new(capacity: usize) -> Self {
-        History { map: BlockTable::new(), spills: Vec::new(), free: Vec::new(), order: VecDeque::new(), clock: 0, capacity }
+        History { map: BlockTable::new(), spills: Vec::new(), free: Vec::new(), order: LruOrder::default(), capacity }
     }
 
     fn holders<'a>(&'a self, e: &'a HEntry) -> &'a [u32] {
@@ -217,8 +224,6 @@ impl History {
             if let Some(&a) = hashes.get(i + AHEAD) {
                 self.map.prefetch(a);
             }
-            self.clock += 1;
-            let c = self.clock;
             let mut e = self.map.get(&h).copied().unwrap_or_default();
             if e.n == SPILLED {
                 let list = &mut self.spills[e.spill as usize];
@@ -245,24 +250,17 @@ impl History {
                     e.n = SPILLED;
                 }
             }
-            e.clock = c;
+            self.order.retire(e.clock);
+            e.clock = self.order.push(h);
             self.map.insert(h, e);
-            self.order.push_back((h, c));
         }
         while self.map.len() > self.capacity {
-            let (h, c) = self.order.pop_front().expect("every entry is in the order queue");
-            if self.map.get(&h).is_some_and(|e| e.clock == c) {
-                if let Some(e) = self.map.remove(&h) {
-                    if e.n == SPILLED {
-                        self.spills[e.spill as usize] = Vec::new();
-                        self.free.push(e.spill);
-                    }
-                }
+            let (h, _) = self.order.pop_oldest().expect("every entry is in the order");
+            let e = self.map.remove(&h).expect("the order's live entries are the map's");
+            if e.n == SPILLED {
+                self.spills[e.spill as usize] = Vec::new();
+                self.free.push(e.spill);
             }
-        }
-        if self.order.len() > 2 * self.map.len() + 1024 {
-            let map = &self.map;
-            compact_order(&mut self.order, map, |e, c| e.clock == c);
         }
     }
 }
@@ -333,6 +331,29 @@ impl KvFeed {
         } else {
             name
         }
+    }
+
+    /// The name worker `w`'s cache gives the block `key` stands for ([`KvFeed::key`] undone).
+    #[inline]
+    fn name(&self, w: usize, key: u64) -> u64 {
+        if self.seeds[w] != 0 {
+            crate::token_ids::mix64(key ^ self.seeds[w])
+        } else {
+            key
+        }
+    }
+
+    /// Leading blocks of `keys` (seed-free) that worker `w` holds as its events say, now: the
+    /// feed's own record of the worker, read under the worker's names, is the exact view.
+    fn overlap(&self, w: usize, keys: &[u64]) -> usize {
+        let t = &self.tracker[w];
+        leading(keys, |&k| t.contains_key(&self.name(w, k)))
+    }
+
+    /// Request the slot [`KvFeed::overlap`] reads first for `key`.
+    #[inline]
+    fn prefetch(&self, w: usize, key: u64) {
+        self.tracker[w].prefetch(self.name(w, key));
     }
 
     /// Worker `w`'s events as key operations; a run whose parent left already is skipped
@@ -492,8 +513,8 @@ impl CoordinatorState {
 }
 
 /// What Dynamo-style routers know (`schemes.Dynamo`): each worker's KV state from its events,
-/// exact and as of the last global broadcast (every `period_ms`), a per-region prefix filter,
-/// and queues sampled per broadcast. A block is keyed by the seed-free chain value its name
+/// exact (the feed's record) and as of the last global broadcast (every `period_ms`), a
+/// per-region prefix filter, and queues sampled per broadcast. A block is keyed by the seed-free chain value its name
 /// stands for (worker-independent: equal keys exactly for equal token prefixes and salt).
 #[derive(Clone, Debug)]
 pub struct DynamoState {
@@ -502,7 +523,6 @@ pub struct DynamoState {
     workers: Vec<u32>,
     beta: Vec<f64>,
     feed: KvFeed,
-    exact: Vec<BlockTable<u8>>,
     stale: Vec<BlockTable<u8>>,
     filter: Vec<BlockTable<u32>>,
     log: Vec<VecDeque<(f64, Vec<(u64, u8)>)>>,
@@ -521,7 +541,6 @@ impl DynamoState {
             workers,
             beta,
             feed: KvFeed::new(seeds),
-            exact: (0..n).map(|_| BlockTable::new()).collect(),
             stale: (0..n).map(|_| BlockTable::new()).collect(),
             filter: (0..regions).map(|_| BlockTable::new()).collect(),
             log: vec![VecDeque::new(); n],
@@ -531,48 +550,25 @@ impl DynamoState {
         }
     }
 
-    /// A worker's KV events (the feed's key operations, then the exact view and the log).
+    /// A worker's KV events: the feed's record (the exact view) and key operations, logged for
+    /// the next broadcast.
     pub fn on_events(&mut self, w: u32, events: &[crate::block_cache::Event], now: f64) {
         let ops = self.feed.ops(w, events);
-        let w = w as usize;
-        apply_ops(&mut self.exact[w], &ops, None);
-        self.log[w].push_back((now, ops));
+        self.log[w as usize].push_back((now, ops));
     }
 
     /// Leading blocks of `chain` in worker `w`'s exact view.
     pub fn exact_blocks(&self, w: u32, chain: &[u64]) -> Result<usize> {
-        let view = self.exact.get(w as usize).ok_or_else(|| CoreError::InvalidArgument(format!("unknown worker index {w}")))?;
-        Ok(Self::overlap(chain, view))
+        if w as usize >= self.beta.len() {
+            return Err(CoreError::InvalidArgument(format!("unknown worker index {w}")));
+        }
+        Ok(self.feed.overlap(w as usize, chain))
     }
 
     /// Leading blocks of `keys` in `view`.
-    fn overlap<V: Copy + Default>(keys: &[u64], view: &BlockTable<V>) -> usize {
+    fn overlap<V: crate::ludo::mem::Plain + Default>(keys: &[u64], view: &BlockTable<V>) -> usize {
         leading(keys, |k| view.contains_key(k))
     }
-}
-
-/// How many entries ahead [`compact_order`] requests the table slots it will read.
-const COMPACT_AHEAD: usize = 32;
-
-/// Drop the stale entries of an LRU order queue: `(key, clock)` stays while `live(record of
-/// key, clock)`, in order. What `VecDeque::retain` with a map probe per entry does, but the
-/// slots are requested `COMPACT_AHEAD` entries before they are read: the queue holds a few
-/// hundred thousand keys in no cache-friendly order, and one dependent miss per entry made
-/// compaction about a fifth of PlanetServe's run.
-fn compact_order<V: Copy + Default>(order: &mut VecDeque<(u64, u64)>, map: &BlockTable<V>, live: impl Fn(&V, u64) -> bool) {
-    let v = order.make_contiguous();
-    let mut kept = 0;
-    for i in 0..v.len() {
-        if let Some(&(a, _)) = v.get(i + COMPACT_AHEAD) {
-            map.prefetch(a);
-        }
-        let (h, c) = v[i];
-        if map.get(&h).is_some_and(|e| live(e, c)) {
-            v[kept] = (h, c);
-            kept += 1;
-        }
-    }
-    order.truncate(kept);
 }
 
 /// Workers whose first probe [`bounded_scores`] requests ahead, in the order it scores them.
@@ -664,32 +660,25 @@ impl SGLangState {
 }
 
 /// A set of blocks in least-recently-used order (Python's dict with pop-and-reinsert): each
-/// touch appends to `order` and renumbers the block, so an `order` entry whose number is not
-/// the block's current one is stale and skipped.
+/// touch stamps the block anew in `order` (its record is its stamp).
 #[derive(Clone, Debug, Default)]
 struct LruBlocks {
     map: BlockTable<u64>,
-    order: VecDeque<(u64, u64)>,
-    clock: u64,
+    order: LruOrder,
 }
 
 impl LruBlocks {
     fn touch(&mut self, h: u64) {
-        self.clock += 1;
-        self.map.insert(h, self.clock);
-        self.order.push_back((h, self.clock));
-        if self.order.len() > 2 * self.map.len() + 1024 {
-            let map = &self.map;
-            compact_order(&mut self.order, map, |&e, c| e == c);
+        let c = self.order.push(h);
+        if let Some(old) = self.map.insert(h, c) {
+            self.order.retire(old);
         }
     }
     /// Drop the least recently used blocks until at most `max` are left.
     fn cut(&mut self, max: usize) {
         while self.map.len() > max {
-            let (h, c) = self.order.pop_front().expect("every block is in the order queue");
-            if self.map.get(&h) == Some(&c) {
-                self.map.remove(&h);
-            }
+            let (h, _) = self.order.pop_oldest().expect("every block is in the order");
+            self.map.remove(&h);
         }
     }
 }
@@ -802,11 +791,11 @@ impl Engine {
             let mut scores = Vec::with_capacity(workers.len());
             if let Some(&k0) = keys.first() {
                 for &w in workers {
-                    s.exact[w as usize].prefetch(k0);
+                    s.feed.prefetch(w as usize, k0);
                 }
             }
             for &w in workers {
-                let m = l.min(DynamoState::overlap(keys, &s.exact[w as usize]) as u64 * block);
+                let m = l.min(s.feed.overlap(w as usize, keys) as u64 * block);
                 scores.push(self.queued(&self.workers[w as usize], now) + self.dispatched_from(w, origin) + s.beta[w as usize] * (l - m) as f64);
                 matches.push(m);
             }
@@ -825,13 +814,18 @@ impl Engine {
             let q = (if x.region == origin { self.queued(x, now) } else { s.queue[w as usize] }) + self.dispatched_from(w, origin);
             bound.push(self.rtt(origin, x.region) + q);
         }
-        let view = |w: u32| if self.workers[w as usize].region == origin { &s.exact[w as usize] } else { &s.stale[w as usize] };
+        // The own region's routers read the exact view, the others the broadcast one.
+        let local = |w: u32| self.workers[w as usize].region == origin;
         // A view's first probe is the prompt's first block.
-        let warm = |i: usize| keys.first().into_iter().for_each(|&k0| view(s.workers[i]).prefetch(k0));
+        let warm = |i: usize| {
+            let w = s.workers[i];
+            keys.first().into_iter().for_each(|&k0| if local(w) { s.feed.prefetch(w as usize, k0) } else { s.stale[w as usize].prefetch(k0) })
+        };
         let mut matches = vec![0u64; n];
         let scores = bounded_scores(&bound, 1.0, warm, |i| {
             let w = s.workers[i];
-            let m = l.min(DynamoState::overlap(keys, view(w)) as u64 * block);
+            let held = if local(w) { s.feed.overlap(w as usize, keys) } else { DynamoState::overlap(keys, &s.stale[w as usize]) };
+            let m = l.min(held as u64 * block);
             matches[i] = m;
             bound[i] + s.beta[w as usize] * (l - m) as f64
         });
@@ -865,8 +859,16 @@ impl Engine {
             }
             // Only a tree that beats the best so far matters (ties keep the first), and a
             // prefix-closed tree beats `best` blocks exactly when it holds block `best`: one
-            // probe for most trees (those holding a shared head the best already has).
+            // probe for most trees (those holding a shared head the best already has). That
+            // probe is requested `AHEAD` trees early (again for the trees in between whenever
+            // the best moves), so the trees' misses overlap instead of coming one by one.
+            let ahead = |from: usize, to: usize, best: i64| {
+                if let Some(&h) = usize::try_from(best).ok().and_then(|b| chain.get(b)) {
+                    s.trees[from.min(s.trees.len())..to.min(s.trees.len())].iter().for_each(|u| u.map.prefetch(h));
+                }
+            };
             for (k, t) in s.trees.iter().enumerate() {
+                ahead(k + AHEAD, k + AHEAD + 1, best);
                 let held = |h: &u64| t.map.contains_key(h);
                 let m = if best < 0 {
                     leading(chain, held) as i64
@@ -878,6 +880,7 @@ impl Engine {
                 if m > best {
                     best_i = k;
                     best = m;
+                    ahead(k + 1, k + 1 + AHEAD, best);
                 }
             }
             let block = self.block_size as i64;
@@ -1108,26 +1111,6 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Compaction keeps exactly the live entries, in order, whatever the queue's wrap-around.
-    #[test]
-    fn compact_order_keeps_the_live_entries_in_order() {
-        let mut g = crate::sim::rng::Pcg64::seeded(9);
-        let mut map: BlockTable<u64> = BlockTable::new();
-        let mut order: VecDeque<(u64, u64)> = VecDeque::new();
-        for c in 1..=5000u64 {
-            let h = 1 + g.next_u64() % 700;
-            map.insert(h, c);
-            order.push_back((h, c));
-            if c % 7 == 0 {
-                order.pop_front(); // a ring whose start moves, so make_contiguous has work to do
-            }
-        }
-        let want: Vec<(u64, u64)> = order.iter().copied().filter(|(h, c)| map.get(h) == Some(c)).collect();
-        compact_order(&mut order, &map, |&e, c| e == c);
-        assert_eq!(order.iter().copied().collect::<Vec<_>>(), want);
-        assert!(want.len() < 700 && want.len() > 100);
-    }
 
     /// The workers within the tie margin of the best, from the bounded scores, are those from
     /// every score, over random bounds and residuals (many near ties), and workers past the
