@@ -16,8 +16,10 @@ use std::collections::VecDeque;
 #[derive(Clone, Debug, Default)]
 pub struct LruOrder {
     queue: VecDeque<(u64, u64)>,
-    /// Bit `c - base` of the words, in order: the entry stamped `c` is live.
-    live: VecDeque<u64>,
+    /// Bit `c - base` of the words, in order: the entry stamped `c` is live. A plain vector
+    /// (indexing a `VecDeque` wraps, on every touch): words before the oldest queued entry are
+    /// dropped in bulk once they are half of it.
+    live: Vec<u64>,
     /// The clock of the first word's bit 0 (a multiple of 64).
     base: u64,
     clock: u64,
@@ -33,7 +35,7 @@ impl LruOrder {
         let c = self.clock;
         let w = ((c - self.base) / 64) as usize;
         if w == self.live.len() {
-            self.live.push_back(0);
+            self.live.push(0);
         }
         self.live[w] |= 1 << ((c - self.base) % 64);
         self.queue.push_back((key, c));
@@ -84,26 +86,27 @@ impl LruOrder {
         self.len
     }
 
-    /// Drop the words wholly before the oldest queued entry.
+    /// Drop the words wholly before the oldest queued entry, once they are half the words.
     fn trim(&mut self) {
         let first = self.queue.front().map_or(self.clock + 1, |&(_, c)| c);
-        while self.base + 64 <= first && !self.live.is_empty() {
-            self.live.pop_front();
-            self.base += 64;
-        }
-        if self.live.is_empty() {
+        let dead = (((first - self.base) / 64) as usize).min(self.live.len());
+        if dead == self.live.len() {
+            self.live.clear();
             self.base = first - first % 64;
+        } else if dead > 0 && 2 * dead >= self.live.len() {
+            self.live.drain(..dead);
+            self.base += 64 * dead as u64;
         }
     }
 
     /// Keep only the live entries, in order.
     fn compact(&mut self) {
+        let (live, base) = (&self.live, self.base);
         let v = self.queue.make_contiguous();
         let mut kept = 0;
         for i in 0..v.len() {
-            let (_, c) = v[i];
-            let i_bit = c - self.base;
-            if self.live[(i_bit / 64) as usize] >> (i_bit % 64) & 1 != 0 {
+            let b = v[i].1 - base;
+            if live[(b / 64) as usize] >> (b % 64) & 1 != 0 {
                 v[kept] = v[i];
                 kept += 1;
             }
