@@ -153,38 +153,73 @@ const SPILLED: u8 = u8::MAX;
 /// requests its slots, for every per-block structure of the baselines.
 const AHEAD: usize = 8;
 
+/// A prefix's record: 16 bytes, so a slot with its key is 24 (it was 40: a table of a million
+/// prefixes is tens of megabytes, zeroed, rehashed and missed in proportion to its bytes).
 #[derive(Clone, Copy, Debug, Default)]
 #[repr(C)]
 struct HEntry {
     /// When it was last inserted or touched (its stamp in the history's order).
     clock: u64,
-    inline: [u32; HOLDERS_INLINE],
-    spill: u32,
-    /// Holders in `inline`, or [`SPILLED`].
+    /// The first holders in routing order (worker indices below `u16::MAX`; a larger one goes
+    /// to the spill list), or, when spilled, the spill list's index in the first two.
+    slots: [u16; HOLDERS_INLINE],
+    /// Holders in `slots`, or [`SPILLED`].
     n: u8,
-    _pad: [u8; 7],
+    _pad: u8,
 }
 
-// SAFETY: integers only, laid out without implicit padding (8 + 12 + 4 + 1 + 7 bytes, `repr(C)`),
-// and all zero is the empty record.
+// SAFETY: integers only, laid out without implicit padding (8 + 6 + 1 + 1 bytes, `repr(C)`), and
+// all zero is the empty record.
 unsafe impl crate::ludo::mem::Plain for HEntry {}
+
+impl HEntry {
+    fn spill(&self) -> usize {
+        self.slots[0] as usize | (self.slots[1] as usize) << 16
+    }
+
+    fn set_spill(&mut self, j: u32) {
+        self.slots = [j as u16, (j >> 16) as u16, 0];
+        self.n = SPILLED;
+    }
+}
+
+/// A prefix's holders as [`History`] hands them out: the inline ones copied out, or its spill
+/// list; [`Holders::as_slice`] reads either in routing order.
+#[derive(Clone, Copy, Debug)]
+enum Holders<'a> {
+    Inline([u32; HOLDERS_INLINE], u8),
+    Spilled(&'a [u32]),
+}
+
+impl Holders<'_> {
+    const NONE: Holders<'static> = Holders::Inline([0; HOLDERS_INLINE], 0);
+
+    fn as_slice(&self) -> &[u32] {
+        match self {
+            Holders::Inline(a, n) => &a[..*n as usize],
+            Holders::Spilled(s) => s,
+        }
+    }
+}
 
 impl History {
     pub fn new(capacity: usize) -> Self {
         History { map: BlockTable::new(), spills: Vec::new(), free: Vec::new(), order: LruOrder::default(), capacity }
     }
 
-    fn holders<'a>(&'a self, e: &'a HEntry) -> &'a [u32] {
+    fn holders(&self, e: &HEntry) -> Holders<'_> {
         if e.n == SPILLED {
-            &self.spills[e.spill as usize]
+            Holders::Spilled(&self.spills[e.spill()])
         } else {
-            &e.inline[..e.n as usize]
+            let mut a = [0u32; HOLDERS_INLINE];
+            a.iter_mut().zip(&e.slots[..e.n as usize]).for_each(|(x, &s)| *x = s as u32);
+            Holders::Inline(a, e.n)
         }
     }
 
     /// `(blocks, holders)` of the longest routed prefix, walked from the root.
-    fn matched(&self, hashes: &[u64]) -> (usize, &[u32]) {
-        let mut best: &[u32] = &[];
+    fn matched(&self, hashes: &[u64]) -> (usize, Holders<'_>) {
+        let mut best = Holders::NONE;
         let mut n = 0;
         for (i, h) in hashes.iter().enumerate() {
             if let Some(&a) = hashes.get(i + AHEAD) {
@@ -202,7 +237,7 @@ impl History {
     }
 
     /// The holders of every routed prefix of `hashes` from the root, one entry per block.
-    fn path(&self, hashes: &[u64]) -> Vec<&[u32]> {
+    fn path(&self, hashes: &[u64]) -> Vec<Holders<'_>> {
         let mut out = Vec::new();
         for (i, h) in hashes.iter().enumerate() {
             if let Some(&a) = hashes.get(i + AHEAD) {
@@ -226,18 +261,18 @@ impl History {
             }
             let mut e = self.map.get(&h).copied().unwrap_or_default();
             if e.n == SPILLED {
-                let list = &mut self.spills[e.spill as usize];
+                let list = &mut self.spills[e.spill()];
                 if !list.contains(&worker) {
                     list.push(worker);
                 }
-            } else if !e.inline[..e.n as usize].contains(&worker) {
-                if (e.n as usize) < HOLDERS_INLINE {
-                    e.inline[e.n as usize] = worker;
+            } else if !e.slots[..e.n as usize].iter().any(|&s| s as u32 == worker) {
+                if (e.n as usize) < HOLDERS_INLINE && worker < u16::MAX as u32 {
+                    e.slots[e.n as usize] = worker as u16;
                     e.n += 1;
                 } else {
-                    let mut list = e.inline.to_vec();
+                    let mut list: Vec<u32> = e.slots[..e.n as usize].iter().map(|&s| s as u32).collect();
                     list.push(worker);
-                    e.spill = match self.free.pop() {
+                    let j = match self.free.pop() {
                         Some(j) => {
                             self.spills[j as usize] = list;
                             j
@@ -247,7 +282,7 @@ impl History {
                             (self.spills.len() - 1) as u32
                         }
                     };
-                    e.n = SPILLED;
+                    e.set_spill(j);
                 }
             }
             self.order.retire(e.clock);
@@ -258,8 +293,8 @@ impl History {
             let (h, _) = self.order.pop_oldest().expect("every entry is in the order");
             let e = self.map.remove(&h).expect("the order's live entries are the map's");
             if e.n == SPILLED {
-                self.spills[e.spill as usize] = Vec::new();
-                self.free.push(e.spill);
+                self.spills[e.spill()] = Vec::new();
+                self.free.push(e.spill() as u32);
             }
         }
     }
@@ -941,7 +976,7 @@ impl Engine {
     /// `schemes._prefix_pick`: the least-loaded of `pool` holding the longest routed prefix.
     fn prefix_pick(&mut self, tree: &History, chain: &[u64], pool: &[u32], origin: u16) -> Option<(u32, i64)> {
         let (n, holders) = tree.matched(chain);
-        let cand: Vec<u32> = pool.iter().copied().filter(|w| holders.contains(w)).collect();
+        let cand: Vec<u32> = pool.iter().copied().filter(|w| holders.as_slice().contains(w)).collect();
         if n == 0 || cand.is_empty() {
             return None;
         }
@@ -956,11 +991,11 @@ impl Engine {
     fn planetserve_pick(&mut self, tree: &History, chain: &[u64], pool: &[u32], origin: u16) -> (u32, i64) {
         let path = tree.path(chain);
         let load = |e: &Engine, w: u32| e.queued(&e.workers[w as usize], e.now) + e.dispatched_from(w, origin);
-        let deepest = path.iter().rposition(|h| h.iter().any(|w| pool.contains(w)));
+        let deepest = path.iter().rposition(|h| h.as_slice().iter().any(|w| pool.contains(w)));
         let Some(depth) = deepest else {
             return (self.least_loaded(pool, Some(origin)), 0);
         };
-        let holders: Vec<u32> = pool.iter().copied().filter(|w| path[depth].contains(w)).collect();
+        let holders: Vec<u32> = pool.iter().copied().filter(|w| path[depth].as_slice().contains(w)).collect();
         let picked = self.least_loaded(&holders, Some(origin));
         if pool.len() < 2 {
             return (picked, ((depth + 1) * self.block_size) as i64);
@@ -974,7 +1009,7 @@ impl Engine {
         }
         let under = loads[((0.8 * n as f64).ceil() as usize).saturating_sub(1)];
         for d in (0..depth).rev() {
-            for &w in path[d] {
+            for &w in path[d].as_slice() {
                 if pool.contains(&w) && load(self, w) < under {
                     return (w, ((d + 1) * self.block_size) as i64);
                 }
@@ -1097,7 +1132,7 @@ impl Engine {
                 let wr = region_of[worker as usize] as usize;
                 if claimed == 0 && Some(worker) != holder {
                     let (n, holders) = trees[wr].matched(chain);
-                    claimed = if holders.contains(&worker) { (n * block) as i64 } else { 0 };
+                    claimed = if holders.as_slice().contains(&worker) { (n * block) as i64 } else { 0 };
                 }
                 pools[region] = local;
                 trees[wr].insert(chain, worker);
@@ -1169,7 +1204,35 @@ mod tests {
         h.insert(&[1], 1); // touch 1: 2 is now the oldest
         h.insert(&[3], 0);
         assert_eq!(h.matched(&[2]).0, 0);
-        assert_eq!(h.matched(&[1]), (1, &[0u32, 1][..]));
+        let (n, holders) = h.matched(&[1]);
+        assert_eq!((n, holders.as_slice()), (1, &[0u32, 1][..]));
         assert_eq!(h.matched(&[3]).0, 1);
+    }
+
+    /// Holders come back in routing order whether they sit inline or spilled (a fourth holder,
+    /// or one whose index does not fit the inline slots), and a spilled prefix's list is freed
+    /// with it and reused.
+    #[test]
+    fn history_keeps_holders_in_routing_order() {
+        let mut h = History::new(3);
+        for w in [5, 2, 9, 7, 2] {
+            h.insert(&[10, 11], w);
+        }
+        assert_eq!(h.matched(&[10, 11]).1.as_slice(), &[5, 2, 9, 7]);
+        assert_eq!(h.path(&[10, 11, 12]).iter().map(|x| x.as_slice().to_vec()).collect::<Vec<_>>(), vec![vec![5, 2, 9, 7]; 2]);
+        h.insert(&[20], 1);
+        h.insert(&[20], 70_000);
+        h.insert(&[20], 3);
+        assert_eq!(h.matched(&[20]).1.as_slice(), &[1, 70_000, 3]);
+        // Capacity 3: inserting two more prefixes evicts 10 and 11 (the oldest), freeing their lists.
+        h.insert(&[30, 31], 4);
+        assert_eq!(h.matched(&[10]).0, 0);
+        assert_eq!(h.free.len(), 2);
+        h.insert(&[31], 8);
+        h.insert(&[31], 9);
+        h.insert(&[31], 6);
+        assert_eq!(h.matched(&[30, 31]).0, 2);
+        assert_eq!(h.path(&[30, 31])[1].as_slice(), &[4, 8, 9, 6]);
+        assert_eq!(h.free.len(), 1, "a freed spill list is reused");
     }
 }
