@@ -15,12 +15,12 @@
 //! holds). Names are hashes already; a Fibonacci multiply spreads any that are not. The key 0
 //! marks an empty slot, so a record named 0 is kept aside.
 //!
-//! Both arrays are [`HugeBuf`]s: a table of a million prefixes spans tens of megabytes, and on
-//! 4 KiB pages nearly every probe of it also missed the TLB (a page walk the prefetch does not
-//! hide as well as a line fill). Records are [`Plain`] with an all-zero default, so a fresh
-//! table is fresh zero pages, written only where something is stored.
+//! Plain vectors, not [`crate::ludo::mem::HugeBuf`]: these tables grow while a run goes on, and
+//! huge pages mapped afresh at every doubling cost more than their TLB misses saved once a
+//! process had run a few simulations (the kernel compacts memory to find each 2 MiB page):
+//! SkyWalker's run in `bench_sim` was about a quarter slower on them, where the Ludo views,
+//! sized once, are a third faster.
 
-use crate::ludo::mem::{HugeBuf, Plain};
 use crate::ludo::prefetch;
 
 const EMPTY: u64 = 0;
@@ -28,24 +28,24 @@ const FIB: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// See the module notes.
 #[derive(Clone, Debug)]
-pub struct BlockTable<V: Plain + Default> {
-    keys: HugeBuf<u64>,
-    vals: HugeBuf<V>,
+pub struct BlockTable<V: Copy + Default> {
+    keys: Vec<u64>,
+    vals: Vec<V>,
     /// `64 - log2(keys.len())`: the multiply's top bits are the home slot.
     shift: u32,
     len: usize,
     zero: Option<V>,
 }
 
-impl<V: Plain + Default> Default for BlockTable<V> {
+impl<V: Copy + Default> Default for BlockTable<V> {
     fn default() -> Self {
         Self::new()
     }
 }
 
-impl<V: Plain + Default> BlockTable<V> {
+impl<V: Copy + Default> BlockTable<V> {
     pub fn new() -> Self {
-        BlockTable { keys: HugeBuf::filled(0, EMPTY), vals: HugeBuf::filled(0, V::default()), shift: 64, len: 0, zero: None }
+        BlockTable { keys: Vec::new(), vals: Vec::new(), shift: 64, len: 0, zero: None }
     }
 
     #[inline]
@@ -200,8 +200,8 @@ impl<V: Plain + Default> BlockTable<V> {
 
     fn grow(&mut self) {
         let n = (self.keys.len() * 2).max(16);
-        let keys = std::mem::replace(&mut self.keys, HugeBuf::filled(n, EMPTY));
-        let vals = std::mem::replace(&mut self.vals, HugeBuf::filled(n, V::default()));
+        let keys = std::mem::replace(&mut self.keys, vec![EMPTY; n]);
+        let vals = std::mem::replace(&mut self.vals, vec![V::default(); n]);
         self.shift = 64 - n.trailing_zeros();
         let mask = n - 1;
         for (&k, &v) in keys.iter().zip(vals.iter()).filter(|(k, _)| **k != EMPTY) {
@@ -215,7 +215,7 @@ impl<V: Plain + Default> BlockTable<V> {
     }
 }
 
-impl<V: Plain + Default> std::ops::Index<&u64> for BlockTable<V> {
+impl<V: Copy + Default> std::ops::Index<&u64> for BlockTable<V> {
     type Output = V;
     fn index(&self, key: &u64) -> &V {
         self.get(key).expect("key in the block table")
@@ -254,6 +254,28 @@ mod tests {
             want.sort_unstable();
             prop_assert_eq!(got, want);
         }
+    }
+
+    /// A table of a million slots (past the caches, as the baselines' histories grow):
+    /// growth, lookups, removals and a clone behave as on small tables.
+    #[test]
+    fn a_large_table_behaves_as_a_small_one() {
+        let mut t: BlockTable<u32> = BlockTable::new();
+        let n = 700_000u64; // 1 M slots: 8 MiB of keys, 4 MiB of records
+        for k in 1..=n {
+            assert_eq!(t.insert(k.wrapping_mul(0x9E37_79B9_7F4A_7C15), k as u32), None);
+        }
+        assert!(t.capacity() >= 1 << 20);
+        for k in (1..=n).step_by(2) {
+            assert_eq!(t.remove(&k.wrapping_mul(0x9E37_79B9_7F4A_7C15)), Some(k as u32));
+        }
+        let c = t.clone();
+        for k in 1..=n {
+            let want = (k % 2 == 0).then_some(k as u32);
+            assert_eq!(t.get(&k.wrapping_mul(0x9E37_79B9_7F4A_7C15)).copied(), want);
+            assert_eq!(c.get(&k.wrapping_mul(0x9E37_79B9_7F4A_7C15)).copied(), want);
+        }
+        assert_eq!((t.len(), c.len(), c.iter().count()), (n as usize / 2, n as usize / 2, n as usize / 2));
     }
 
     #[test]

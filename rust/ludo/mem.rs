@@ -22,7 +22,7 @@ const HUGE_PAGE: usize = 2 << 20;
 /// # Safety
 /// Implement only for types made of integers, arrays and structs of them, with no padding
 /// invariants.
-pub unsafe trait Plain: Copy {}
+pub(crate) unsafe trait Plain: Copy {}
 // SAFETY: integers are valid at all-zero.
 unsafe impl Plain for u8 {}
 // SAFETY: integers are valid at all-zero.

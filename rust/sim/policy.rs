@@ -156,7 +156,6 @@ const AHEAD: usize = 8;
 /// A prefix's record: 16 bytes, so a slot with its key is 24 (it was 40: a table of a million
 /// prefixes is tens of megabytes, zeroed, rehashed and missed in proportion to its bytes).
 #[derive(Clone, Copy, Debug, Default)]
-#[repr(C)]
 struct HEntry {
     /// When it was last inserted or touched (its stamp in the history's order).
     clock: u64,
@@ -165,12 +164,9 @@ struct HEntry {
     slots: [u16; HOLDERS_INLINE],
     /// Holders in `slots`, or [`SPILLED`].
     n: u8,
-    _pad: u8,
 }
 
-// SAFETY: integers only, laid out without implicit padding (8 + 6 + 1 + 1 bytes, `repr(C)`), and
-// all zero is the empty record.
-unsafe impl crate::ludo::mem::Plain for HEntry {}
+const _: () = assert!(std::mem::size_of::<HEntry>() == 16);
 
 impl HEntry {
     fn spill(&self) -> usize {
@@ -601,7 +597,7 @@ impl DynamoState {
     }
 
     /// Leading blocks of `keys` in `view`.
-    fn overlap<V: crate::ludo::mem::Plain + Default>(keys: &[u64], view: &BlockTable<V>) -> usize {
+    fn overlap<V: Copy + Default>(keys: &[u64], view: &BlockTable<V>) -> usize {
         leading(keys, |k| view.contains_key(k))
     }
 }
