@@ -34,7 +34,7 @@ unsafe impl Plain for u64 {}
 ///
 /// `ptr` and `len` describe the values wherever they live (the mapping or the fallback `Vec`,
 /// whose buffer never moves since nothing is ever pushed), so reading one is a plain slice
-/// access with no test of which: the block tables index these on every probe.
+/// access with no test of which: the Ludo tables index these on every probe.
 pub(crate) struct HugeBuf<T: Plain> {
     ptr: std::ptr::NonNull<T>,
     len: usize,
