@@ -86,6 +86,7 @@ import numpy.typing as npt
 from kvcompass import _core
 from kvcompass.discovery.topology import Topology
 from kvcompass.errors import InvalidArgumentError
+from kvcompass.records import fast_init
 
 __all__ = [
     "MOONCAKE_BLOCK_SIZE",
@@ -198,6 +199,7 @@ class TraceBlocks:
         return self.ids
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ChainBlocks:
     """Block ids of a synthetic prompt, stored as runs: run ``(chain, count)`` stands for the ids
@@ -221,6 +223,7 @@ class ChainBlocks:
 BlockSource: TypeAlias = TraceBlocks | ChainBlocks
 
 
+@fast_init  # a paper-scale workload builds half a million
 @dataclass(frozen=True, slots=True, eq=False)
 class Request:
     """One request of a workload. Holds ids, not tokens: :meth:`input_tokens` materialises them.
@@ -789,12 +792,15 @@ class _Prompt:
         boundary (the padding stands for chat-template tokens), so every earlier prompt of a
         session is a token prefix of the later ones."""
         bs = self.block_size
-        p = _Prompt(bs)
-        p.chain = _core.mix_fold(self.chain, (seg,))
-        count = -(-length // bs)
-        p.runs = self.runs + ((p.chain, count),)
+        p = _new_prompt(_Prompt)  # every field set below (a paper-scale workload extends millions)
+        p.block_size = bs
+        p.chain = chain = _core.mix_fold(self.chain, (seg,))
+        p.runs = self.runs + ((chain, -(-length // bs)),)
         p.tokens = -(-self.tokens // bs) * bs + length
         return p
+
+
+_new_prompt = object.__new__
 
 
 @dataclass(slots=True)

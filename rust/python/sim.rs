@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::PyTuple;
 
 use super::arrays::{f64_vec, u32_vec, u64_vec};
 use super::block_cache::{PyBlockCache, PyCacheEvents};
