@@ -65,23 +65,28 @@ class BroadcastSchedule:
     A target is due once Delta has passed since its last broadcast (or at once, the first
     time); a due broadcast is suppressed when a piggybacked vector reached that region within
     the last Delta, and the period restarts either way.
+
+    Per-target times are lists in target order, not dicts by name: a simulated paper-128x16
+    fleet asks each of its 16 edges every 100 ms, and the dict walk was 3 % of the run.
     """
 
-    __slots__ = ("_period", "_next", "_piggy", "_soonest", "suppressed")
+    __slots__ = ("_period", "_names", "_at", "_next", "_piggy", "_soonest", "suppressed")
 
     def __init__(self, targets: Sequence[str], period_s: float) -> None:
         if not (math.isfinite(period_s) and period_s > 0):
             raise ValueError(f"broadcast period {period_s} s must be finite and > 0")
         self._period = float(period_s)
-        self._next = {r: -math.inf for r in targets}
-        self._piggy = {r: -math.inf for r in targets}
+        self._names = list(dict.fromkeys(targets))  # in order, once each
+        self._at = {r: i for i, r in enumerate(self._names)}
+        self._next = [-math.inf] * len(self._names)
+        self._piggy = [-math.inf] * len(self._names)
         self._soonest = -math.inf  # min(_next): before it nothing is due (one comparison a tick)
         self.suppressed = 0
         """Broadcasts skipped because a piggyback made them redundant."""
 
     @property
     def targets(self) -> tuple[str, ...]:
-        return tuple(self._next)
+        return tuple(self._names)
 
     @property
     def next_due(self) -> float:
@@ -90,22 +95,23 @@ class BroadcastSchedule:
 
     def note_piggyback(self, region: str, now: float) -> None:
         """A response carrying this region's vector was sent toward ``region`` at ``now``."""
-        if region not in self._piggy:
-            raise KeyError(region)
-        self._piggy[region] = max(self._piggy[region], now)
+        i = self._at[region]  # KeyError for a region that is not a target
+        self._piggy[i] = max(self._piggy[i], now)
 
     def due(self, now: float) -> list[str]:
         """Targets to broadcast to now (in a stable order); advances their periods."""
         if now + _EPS_S < self._soonest:
             return []
         out: list[str] = []
-        for r, nxt in self._next.items():
-            if now + _EPS_S < nxt:
+        nxt, piggy, names, period = self._next, self._piggy, self._names, self._period
+        late, again = now + _EPS_S, now + period
+        for i, t in enumerate(nxt):
+            if late < t:
                 continue
-            self._next[r] = now + self._period
-            if now - self._piggy[r] < self._period:
+            nxt[i] = again
+            if now - piggy[i] < period:
                 self.suppressed += 1
             else:
-                out.append(r)
-        self._soonest = min(self._next.values(), default=math.inf)
+                out.append(names[i])
+        self._soonest = min(nxt, default=math.inf)
         return out
