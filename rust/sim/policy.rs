@@ -691,24 +691,35 @@ impl SGLangState {
 }
 
 /// A set of blocks in least-recently-used order (Python's dict with pop-and-reinsert): each
-/// touch stamps the block anew in `order` (its record is its stamp).
+/// touch stamps the block with the next clock (its record is its stamp).
+///
+/// No order queue: a tree is cut back only every `interval_ms`, and cutting it to `max` blocks
+/// drops exactly the blocks with the `len - max` smallest stamps (stamps are unique), which a
+/// selection over the table finds. A queue entry per touch (a few hundred a request) and the
+/// memory it took were about a third of SGLang's run; a cut is one pass over the trees that
+/// overflow, once a simulated minute.
 #[derive(Clone, Debug, Default)]
 struct LruBlocks {
     map: BlockTable<u64>,
-    order: LruOrder,
+    clock: u64,
 }
 
 impl LruBlocks {
+    #[inline]
     fn touch(&mut self, h: u64) {
-        let c = self.order.push(h);
-        if let Some(old) = self.map.insert(h, c) {
-            self.order.retire(old);
-        }
+        self.clock += 1;
+        self.map.insert(h, self.clock);
     }
     /// Drop the least recently used blocks until at most `max` are left.
     fn cut(&mut self, max: usize) {
-        while self.map.len() > max {
-            let (h, _) = self.order.pop_oldest().expect("every block is in the order");
+        let n = self.map.len();
+        if n <= max {
+            return;
+        }
+        let mut stamps: Vec<u64> = self.map.iter().map(|(_, &c)| c).collect();
+        let (_, &mut last, _) = stamps.select_nth_unstable(n - max - 1);
+        let doomed: Vec<u64> = self.map.iter().filter(|(_, &c)| c <= last).map(|(h, _)| h).collect();
+        for h in doomed {
             self.map.remove(&h);
         }
     }
@@ -1203,6 +1214,43 @@ mod tests {
         let (n, holders) = h.matched(&[1]);
         assert_eq!((n, holders.as_slice()), (1, &[0u32, 1][..]));
         assert_eq!(h.matched(&[3]).0, 1);
+    }
+
+    /// A tree cut back by stamps keeps exactly what popping its least recently touched
+    /// blocks one by one keeps (Python's dict with pop-and-reinsert), over random touches and
+    /// cuts.
+    #[test]
+    fn lru_blocks_cut_as_an_lru_pops() {
+        let mut g = crate::sim::rng::Pcg64::seeded(5);
+        let mut t = LruBlocks::default();
+        let mut naive: VecDeque<u64> = VecDeque::new(); // oldest first
+        for step in 0..20_000u64 {
+            if step % 997 == 996 {
+                let max = (g.next_u64() % 300) as usize;
+                t.cut(max);
+                while naive.len() > max {
+                    naive.pop_front();
+                }
+                let mut have: Vec<u64> = t.map.iter().map(|(h, _)| h).collect();
+                let mut want: Vec<u64> = naive.iter().copied().collect();
+                have.sort_unstable();
+                want.sort_unstable();
+                assert_eq!(have, want, "after a cut to {max}");
+            } else {
+                let h = 1 + g.next_u64() % 500;
+                t.touch(h);
+                if let Some(i) = naive.iter().position(|&x| x == h) {
+                    naive.remove(i);
+                }
+                naive.push_back(h);
+            }
+            assert_eq!(t.map.len(), naive.len());
+        }
+        let mut have: Vec<u64> = t.map.iter().map(|(h, _)| h).collect();
+        let mut want: Vec<u64> = naive.into_iter().collect();
+        have.sort_unstable();
+        want.sort_unstable();
+        assert_eq!(have, want);
     }
 
     /// Holders come back in routing order whether they sit inline or spilled (a fourth holder,
