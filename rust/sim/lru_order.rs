@@ -28,6 +28,24 @@ pub struct LruOrder {
 }
 
 impl LruOrder {
+    /// The order of `(key, stamp)` pairs stamped by someone else, one a key, with `clock` the
+    /// last stamp handed out (at least every stamp here); later pushes continue from it. For a
+    /// map that kept only its records' stamps until it first had to evict (a history that never
+    /// fills, most runs', never builds a queue).
+    pub fn from_stamps(clock: u64, mut entries: Vec<(u64, u64)>) -> Self {
+        entries.sort_unstable_by_key(|&(_, c)| c);
+        let first = entries.first().map_or(clock + 1, |&(_, c)| c);
+        let base = first - first % 64;
+        let mut live = vec![0u64; ((clock.max(base) - base) / 64 + 1) as usize];
+        for &(_, c) in &entries {
+            debug_assert!(c >= 1 && c <= clock, "a stamp past the clock");
+            live[((c - base) / 64) as usize] |= 1 << ((c - base) % 64);
+        }
+        let len = entries.len();
+        debug_assert!(entries.windows(2).all(|w| w[0].1 < w[1].1), "stamps repeat");
+        LruOrder { queue: entries.into(), live, base, clock, len }
+    }
+
     /// Stamp `key` with the next clock and append it; the clock (the first is 1).
     #[inline]
     pub fn push(&mut self, key: u64) -> u64 {
@@ -171,5 +189,47 @@ mod tests {
         assert_eq!(order.pop_oldest(), Some((7, last)));
         assert_eq!(order.pop_oldest(), None);
         assert_eq!(order.len(), 0);
+    }
+
+    proptest! {
+        // An order built from a map's stamps part-way pops, touches and retires as the order
+        // that was kept all along.
+        #[test]
+        fn an_order_from_stamps_continues_as_one_kept_all_along(ops in proptest::collection::vec((0u8..4, 0u64..40), 0..2000), at in 0usize..2000) {
+            let mut kept = LruOrder::default();
+            let mut stamps: HashMap<u64, u64> = HashMap::new();
+            let mut late: Option<LruOrder> = None;
+            let mut clock = 0u64;
+            for (i, (op, k)) in ops.into_iter().enumerate() {
+                if i == at {
+                    late = Some(LruOrder::from_stamps(clock, stamps.iter().map(|(&k, &c)| (k, c)).collect()));
+                }
+                if op == 0 {
+                    let got = kept.pop_oldest();
+                    if let Some(l) = late.as_mut() {
+                        prop_assert_eq!(l.pop_oldest(), got);
+                    }
+                    if let Some((k, _)) = got {
+                        stamps.remove(&k);
+                    }
+                } else {
+                    if let Some(&old) = stamps.get(&k) {
+                        kept.retire(old);
+                        if let Some(l) = late.as_mut() {
+                            l.retire(old);
+                        }
+                    }
+                    let c = kept.push(k);
+                    if let Some(l) = late.as_mut() {
+                        prop_assert_eq!(l.push(k), c);
+                    }
+                    clock = c;
+                    stamps.insert(k, c);
+                }
+                if let Some(l) = late.as_ref() {
+                    prop_assert_eq!(l.len(), kept.len());
+                }
+            }
+        }
     }
 }

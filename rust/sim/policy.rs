@@ -142,7 +142,10 @@ pub struct History {
     /// Holder lists of prefixes with more than [`HOLDERS_INLINE`] holders, and the free ones.
     spills: Vec<Vec<u32>>,
     free: Vec<u32>,
-    order: LruOrder,
+    /// The recency order, built from the records' stamps when the history first overflows;
+    /// until then a touch only stamps its record (`clock`), with nothing queued.
+    order: Option<LruOrder>,
+    clock: u64,
     capacity: usize,
 }
 
@@ -200,7 +203,7 @@ impl Holders<'_> {
 
 impl History {
     pub fn new(capacity: usize) -> Self {
-        History { map: BlockTable::new(), spills: Vec::new(), free: Vec::new(), order: LruOrder::default(), capacity }
+        History { map: BlockTable::new(), spills: Vec::new(), free: Vec::new(), order: None, clock: 0, capacity }
     }
 
     fn holders(&self, e: &HEntry) -> Holders<'_> {
@@ -281,12 +284,24 @@ impl History {
                     e.set_spill(j);
                 }
             }
-            self.order.retire(e.clock);
-            e.clock = self.order.push(h);
+            e.clock = match self.order.as_mut() {
+                Some(order) => {
+                    order.retire(e.clock);
+                    order.push(h)
+                }
+                None => {
+                    self.clock += 1;
+                    self.clock
+                }
+            };
             self.map.insert(h, e);
         }
+        if self.map.len() > self.capacity && self.order.is_none() {
+            self.order = Some(LruOrder::from_stamps(self.clock, self.map.iter().map(|(h, e)| (h, e.clock)).collect()));
+        }
         while self.map.len() > self.capacity {
-            let (h, _) = self.order.pop_oldest().expect("every entry is in the order");
+            let order = self.order.as_mut().expect("built above");
+            let (h, _) = order.pop_oldest().expect("every entry is in the order");
             let e = self.map.remove(&h).expect("the order's live entries are the map's");
             if e.n == SPILLED {
                 self.spills[e.spill()] = Vec::new();
