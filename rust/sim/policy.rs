@@ -235,19 +235,9 @@ impl History {
         (n, best)
     }
 
-    /// The holders of every routed prefix of `hashes` from the root, one entry per block.
-    fn path(&self, hashes: &[u64]) -> Vec<Holders<'_>> {
-        let mut out = Vec::new();
-        for (i, h) in hashes.iter().enumerate() {
-            if let Some(&a) = hashes.get(i + AHEAD) {
-                self.map.prefetch(a);
-            }
-            match self.map.get(h) {
-                Some(e) if e.n != 0 => out.push(self.holders(e)),
-                _ => break,
-            }
-        }
-        out
+    /// The holders of the routed prefix `h` (none if it is not in the history).
+    fn holders_at(&self, h: &u64) -> Holders<'_> {
+        self.map.get(h).map_or(Holders::NONE, |e| self.holders(e))
     }
 
     fn insert(&mut self, hashes: &[u64], worker: u32) {
@@ -1011,13 +1001,16 @@ impl Engine {
     /// least-loaded worker. Loads are queued plus dispatched prefill (PlanetServe's is a moving
     /// average of latency); `(worker, claimed tokens)`.
     fn planetserve_pick(&mut self, tree: &History, chain: &[u64], pool: &[u32], origin: u16) -> (u32, i64) {
-        let path = tree.path(chain);
+        // The routed prefixes' holders are read where the pick needs them (the deepest first, up
+        // the tree only past the load threshold), not gathered for every matched block.
+        let (matched, _) = tree.matched(chain);
+        let at = |d: usize| tree.holders_at(&chain[d]);
         let load = |e: &Engine, w: u32| e.queued(&e.workers[w as usize], e.now) + e.dispatched_from(w, origin);
-        let deepest = path.iter().rposition(|h| h.as_slice().iter().any(|w| pool.contains(w)));
+        let deepest = (0..matched).rev().find(|&d| at(d).as_slice().iter().any(|w| pool.contains(w)));
         let Some(depth) = deepest else {
             return (self.least_loaded(pool, Some(origin)), 0);
         };
-        let holders: Vec<u32> = pool.iter().copied().filter(|w| path[depth].as_slice().contains(w)).collect();
+        let holders: Vec<u32> = pool.iter().copied().filter(|w| at(depth).as_slice().contains(w)).collect();
         let picked = self.least_loaded(&holders, Some(origin));
         if pool.len() < 2 {
             return (picked, ((depth + 1) * self.block_size) as i64);
@@ -1031,7 +1024,7 @@ impl Engine {
         }
         let under = loads[((0.8 * n as f64).ceil() as usize).saturating_sub(1)];
         for d in (0..depth).rev() {
-            for &w in path[d].as_slice() {
+            for &w in at(d).as_slice() {
                 if pool.contains(&w) && load(self, w) < under {
                     return (w, ((d + 1) * self.block_size) as i64);
                 }
@@ -1278,7 +1271,9 @@ mod tests {
             h.insert(&[10, 11], w);
         }
         assert_eq!(h.matched(&[10, 11]).1.as_slice(), &[5, 2, 9, 7]);
-        assert_eq!(h.path(&[10, 11, 12]).iter().map(|x| x.as_slice().to_vec()).collect::<Vec<_>>(), vec![vec![5, 2, 9, 7]; 2]);
+        assert_eq!(h.matched(&[10, 11, 12]).0, 2);
+        assert_eq!((h.holders_at(&10).as_slice(), h.holders_at(&11).as_slice()), (&[5, 2, 9, 7][..], &[5, 2, 9, 7][..]));
+        assert!(h.holders_at(&12).as_slice().is_empty());
         h.insert(&[20], 1);
         h.insert(&[20], 70_000);
         h.insert(&[20], 3);
@@ -1291,7 +1286,7 @@ mod tests {
         h.insert(&[31], 9);
         h.insert(&[31], 6);
         assert_eq!(h.matched(&[30, 31]).0, 2);
-        assert_eq!(h.path(&[30, 31])[1].as_slice(), &[4, 8, 9, 6]);
+        assert_eq!(h.holders_at(&31).as_slice(), &[4, 8, 9, 6]);
         assert_eq!(h.free.len(), 1, "a freed spill list is reused");
     }
 }
