@@ -1,5 +1,6 @@
-//! The recency order of the baselines' least-recently-used maps (routing histories, SGLang's
-//! per-worker trees): keys in the order they were last inserted or touched, oldest first.
+//! The recency order of the baselines' routing histories, once they evict: keys in the order
+//! they were last inserted or touched, oldest first. (SGLang's trees, cut back only once a
+//! simulated minute, need none: see `LruBlocks`.)
 //!
 //! Each touch stamps its key with the next clock and appends `(key, clock)` to a queue; the
 //! key's earlier entry is left in place, stale. Telling a stale entry from a live one used to
