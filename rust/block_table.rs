@@ -195,7 +195,7 @@ impl<V: Copy + Default> BlockTable<V> {
 
     /// Every `(key, record)`, in no particular order.
     pub fn iter(&self) -> impl Iterator<Item = (u64, &V)> {
-        self.zero.iter().map(|v| (EMPTY, v)).chain(self.keys.iter().zip(self.vals.iter()).filter(|(k, _)| **k != EMPTY).map(|(k, v)| (*k, v)))
+        self.zero.iter().map(|v| (EMPTY, v)).chain(self.keys.iter().zip(&self.vals).filter(|(k, _)| **k != EMPTY).map(|(k, v)| (*k, v)))
     }
 
     fn grow(&mut self) {
@@ -204,7 +204,7 @@ impl<V: Copy + Default> BlockTable<V> {
         let vals = std::mem::replace(&mut self.vals, vec![V::default(); n]);
         self.shift = 64 - n.trailing_zeros();
         let mask = n - 1;
-        for (&k, &v) in keys.iter().zip(vals.iter()).filter(|(k, _)| **k != EMPTY) {
+        for (k, v) in keys.into_iter().zip(vals).filter(|(k, _)| *k != EMPTY) {
             let mut i = self.home(k);
             while self.keys[i] != EMPTY {
                 i = (i + 1) & mask;
