@@ -101,7 +101,7 @@ def _parse_schemes(text: str) -> list[str]:
     return names
 
 
-def _sensitivity(args: argparse.Namespace, topology: Topology, requests: list[Request], base: Summary | None) -> list[dict[str, float | str]]:
+def _sensitivity(args: argparse.Namespace, topology: Topology, requests: Sequence[Request], base: Summary | None) -> list[dict[str, float | str]]:
     """Paper table 4 for kvcompass on ``requests``: printed as a polars table, CSV under --out."""
     import polars as pl
 
@@ -220,7 +220,7 @@ def _simulate(args: argparse.Namespace) -> int:
         raise UsageError(f"--{'think-s' if args.think_s is not None else 'split'} applies to --trace sharegpt only")
     weights = None if args.region_weights is None else _parse_region_weights(args.region_weights, topology)
 
-    def workload(rate: float | None) -> list[Request]:
+    def workload(rate: float | None) -> Sequence[Request]:
         if args.trace == "sharegpt":
             from kvcompass.sim.sharegpt import DEFAULT_THINK_S, sharegpt_chat
 
@@ -256,7 +256,7 @@ def _simulate(args: argparse.Namespace) -> int:
             ties="keep" if args.keep_ties or arrivals == "trace" else "spread",
         )
 
-    own: list[Request] | None = None
+    own: Sequence[Request] | None = None
     if arrivals == "trace":  # one run per scheme at the trace's own times, keyed by its rate
         own = workload(None)
         rates = [_trace_rate(own)]

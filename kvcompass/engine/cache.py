@@ -107,10 +107,25 @@ from kvcompass._core import BlockCache
 from kvcompass.agent.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvcompass.index_types import Tier, as_tokens
 
-__all__ = ["CacheStats", "CachedBlock", "Policy", "PrefixCache", "GPU_MEDIUM", "CPU_MEDIUM", "salt_seed"]
+__all__ = ["CacheStats", "CachedBlock", "DEFAULT_DRAM_TOKENS", "DEFAULT_VRAM_TOKENS", "Policy", "PrefixCache", "GPU_MEDIUM", "CPU_MEDIUM", "salt_seed", "worker_capacities"]
 
 Policy = Literal["lru", "lfu"]
 Tokens = Sequence[int] | npt.NDArray[np.uint32]
+
+# Used when a topology leaves a worker's capacities out (0): the testbed's figures (about 12 GiB
+# of KV at 128 KiB/token in VRAM, 128 GiB of host DRAM; kvcompass/topologies/testbed-14x3.toml).
+DEFAULT_VRAM_TOKENS = 98304
+DEFAULT_DRAM_TOKENS = 1048576
+
+
+def worker_capacities(vram_tokens: int, dram_tokens: int, block_size: int) -> tuple[int, int]:
+    """A worker's VRAM and DRAM capacities in tokens, in whole blocks, as the simulator and the
+    emulated workers size their caches: a capacity left out (0) takes the testbed's figure,
+    except DRAM beside a given VRAM (a worker without offload); at least one block of each."""
+    vram = max(block_size, (vram_tokens or DEFAULT_VRAM_TOKENS) // block_size * block_size)
+    dram = max(block_size, (dram_tokens or DEFAULT_DRAM_TOKENS) // block_size * block_size) if dram_tokens or not vram_tokens else 0
+    return vram, dram
+
 
 GPU_MEDIUM = "GPU"
 """vLLM's medium name for its GPU prefix cache (the agent maps it to VRAM)."""

@@ -90,7 +90,7 @@ from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.errors import DrainingError, InvalidArgumentError
 from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, OpenAIError, chat_tokens, decode_json_object, error_middleware, one_prompt_tokens, prompt_batch, prompt_tokens
 from kvcompass.engine.tokenizer import Tokenizer, load_tokenizer
-from kvcompass.engine.cache import Policy, PrefixCache
+from kvcompass.engine.cache import DEFAULT_DRAM_TOKENS, DEFAULT_VRAM_TOKENS, Policy, PrefixCache, worker_capacities
 from kvcompass.engine.costs import CostModel
 from kvcompass.services.lifecycle import AsyncResource, on_signals
 from kvcompass.services.wire import CACHED_HEADER, LOAD_PATH, QUEUE_MS_HEADER, WORKER_HEADER
@@ -107,10 +107,6 @@ __all__ = [
 
 DEFAULT_MODEL = "llama-3.1-8b"
 """The model the cost model is calibrated for (and the simulator and the edge door default to)."""
-# The testbed's per-worker KV capacities (kvcompass/topologies/testbed-14x3.toml): about 12 GiB of
-# VRAM and 128 GiB of host DRAM at 128 KiB/token.
-DEFAULT_VRAM_TOKENS = 98304
-DEFAULT_DRAM_TOKENS = 1048576
 _END_SEQ = REPLAY_END_SEQ.to_bytes(8, "big", signed=True)
 _MAX_BODY = 64 * 1024 * 1024  # a 128k-token prompt as a JSON list of u32 is ~1.5 MB; room to spare
 # Common words; the ones the tokenizer encodes as one token are the fake output vocabulary.
@@ -187,13 +183,12 @@ class WorkerConfig:
     def from_spec(cls, spec: WorkerSpec, block_size: int, **overrides: Any) -> WorkerConfig:
         """The config of a topology worker: its id, prefill rate and capacities (0 capacities
         take the testbed defaults, as the simulator does); ``overrides`` set any other field."""
-        vram = spec.vram_tokens or DEFAULT_VRAM_TOKENS
-        dram = spec.dram_tokens if spec.dram_tokens or spec.vram_tokens else DEFAULT_DRAM_TOKENS
+        vram, dram = worker_capacities(spec.vram_tokens, spec.dram_tokens, block_size)
         kw: dict[str, Any] = {
             "worker_id": spec.id,
             "block_size": block_size,
-            "vram_tokens": max(block_size, vram // block_size * block_size),
-            "dram_tokens": dram // block_size * block_size,
+            "vram_tokens": vram,
+            "dram_tokens": dram,
             "cost": CostModel(prefill_ms_per_token=spec.beta_ms_per_token),
         }
         kw.update(overrides)

@@ -34,7 +34,7 @@ from kvcompass.discovery.topology import Topology
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.sim.engine import simulate
 from kvcompass.sim.summary import Summary
-from kvcompass.sim.workload import Request
+from kvcompass.sim.requests import Request, RequestTable
 
 __all__ = ["Cell", "run_cells"]
 
@@ -173,7 +173,7 @@ def _run_on_ray(
     try:
         cell = ray.remote(_cell)
         topo_ref = ray.put(topology)
-        refs = {rate: ray.put(list(workloads[rate])) for rate in {r for r, _ in cells}}
+        refs = {rate: ray.put(RequestTable.from_requests(workloads[rate])) for rate in {r for r, _ in cells}}  # columns pickle compactly
         opts = dict(options)
         pending = {cell.remote(topo_ref, refs[rate], opts, scheme): (rate, scheme) for rate, scheme in cells}
         k, total = 0, len(cells)

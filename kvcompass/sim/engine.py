@@ -95,7 +95,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -118,21 +117,21 @@ from kvcompass.discovery.plane import LocalPlane
 from kvcompass.discovery.topology import Topology, load_topology
 from kvcompass.errors import AgentSequenceError, InvalidArgumentError, KVCompassError
 from kvcompass.index_types import Namespace, Tier
-from kvcompass.engine.cache import Policy, PrefixCache, salt_seed
+from kvcompass.engine.cache import DEFAULT_DRAM_TOKENS, DEFAULT_VRAM_TOKENS, Policy, PrefixCache, salt_seed, worker_capacities
 from kvcompass.engine.costs import CostModel
 from kvcompass.sim.summary import RecordTable, Summary, summarize
 from kvcompass.sim.schemes import Choice, Fleet, Scheme, make_scheme, salt_key, scheme_params
-from kvcompass.sim.workload import ChainBlocks, Request, collector_paused
+from kvcompass.sim.requests import Request, RequestTable
+from kvcompass.sim.workload import collector_paused
 
 __all__ = ["DEFAULT_DRAM_TOKENS", "DEFAULT_VRAM_TOKENS", "GPU_SHARING", "GpuSharing", "SimConfig", "Simulator", "simulate"]
 
 GpuSharing = Literal["chunked", "lanes"]
 GPU_SHARING: tuple[GpuSharing, ...] = ("chunked", "lanes")
 
-# Used when a topology leaves a worker's capacities out (0): the testbed's figures (about 12 GiB
-# of KV at 128 KiB/token in VRAM, 128 GiB of host DRAM; kvcompass/topologies/testbed-14x3.toml).
-DEFAULT_VRAM_TOKENS = 98304
-DEFAULT_DRAM_TOKENS = 1048576
+# Requests built for the schemes a chunk of 2**bits at a time, and chunks kept (Simulator._request).
+_ROW_CHUNK_BITS = 10
+_ROW_CHUNKS_KEPT = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,11 +233,6 @@ _SEGMENT_STEPS = 64
 """Most decode steps one event covers (a segment; see the engine's notes)."""
 
 
-def _capacity(tokens: int, block: int, default: int) -> int:
-    n = (tokens or default) // block * block
-    return max(n, block)
-
-
 def _pcg_state(g: np.random.Generator) -> tuple[int, int, bool, int]:
     s = g.bit_generator.state
     if s["bit_generator"] != "PCG64":
@@ -251,11 +245,14 @@ class Simulator:
 
     @collector_paused()  # a fleet's set-up builds an object or more per request, no cycles
     def __init__(self, topology: Topology, requests: Sequence[Request], scheme: str | Callable[[Fleet], Scheme], config: SimConfig = SimConfig()) -> None:
-        namespaces = sorted({r.namespace for r in requests}) or ["public"]
+        # The workload as columns, in arrival order (a Request is built only when a scheme
+        # reads one: a paper-scale run holds no object per request).
+        self._requests = RequestTable.from_requests(requests).by_arrival()
+        self._rows: dict[int, list[Request]] = {}  # see _request
+        namespaces = sorted(self._requests.namespaces_used()) or ["public"]
         self.topology = topology
         self.config = config
         self._cost = config.cost
-        self._requests = sorted(requests, key=operator.attrgetter("arrival_ms", "id"))
         self._ns = Namespace(config.model, namespaces[0])
         # Several namespaces (tenants): each is a vLLM cache salt, so the emulated caches keep
         # tenants apart and the agents key each tenant's chains in its own namespace.
@@ -287,8 +284,7 @@ class Simulator:
         for i, spec in enumerate(topology.workers):
             cache = PrefixCache(
                 block,
-                _capacity(spec.vram_tokens, block, DEFAULT_VRAM_TOKENS),
-                _capacity(spec.dram_tokens, block, DEFAULT_DRAM_TOKENS) if spec.dram_tokens or not spec.vram_tokens else 0,
+                *worker_capacities(spec.vram_tokens, spec.dram_tokens, block),
                 config.policy,
                 hash_seed=i,
                 # Events are built only for someone to read them: the worker's agent or a scheme
@@ -328,36 +324,20 @@ class Simulator:
         self._live_edges = list(self.plane.edges.values())
         self._next_broadcast_s = -math.inf  # the earliest edge's next broadcast (see _tick)
         reqs = self._requests
-        for q in reqs:
-            if q.region not in self._region_index:
-                raise InvalidArgumentError(f"request {q.id} comes from region {q.region!r}, which the topology {topology.name!r} does not have (regions: {', '.join(regions)})")
+        region_of_name = np.array([self._region_index.get(r, -1) for r in reqs.region_names] or [0], dtype=np.int64)
+        region = region_of_name[reqs.region_codes]
+        if np.any(region < 0):
+            k = int(np.flatnonzero(region < 0)[0])
+            raise InvalidArgumentError(
+                f"request {reqs.ids[k]} comes from region {reqs.region_names[reqs.region_codes[k]]!r}, which the topology {topology.name!r} does not have (regions: {', '.join(regions)})"
+            )
+        edge_region = np.array([self._region_index[self._edge_of.get(r, r)] if r in self._region_index else 0 for r in reqs.region_names] or [0], dtype=np.uint32)[reqs.region_codes]
         # Block ids go over as they are held: a synthetic prompt's as its (chain, count) runs (the
         # engine expands them at arrival; 500,000 Mixed prompts' ids would be a gigabyte), a
-        # trace's as its ids.
-        runs = [isinstance(r.blocks, ChainBlocks) for r in reqs]
-        # Runs flattened in one pass (an array per prompt was 5 µs a request: 3 s of a 500,000-
-        # request run's set-up); a trace's ids are arrays already.
-        flat: list[int] = []
-        ids: list[npt.NDArray[np.uint64]] = []
-        lens = np.zeros(len(reqs), dtype=np.uint64)
-        for i, (q, run) in enumerate(zip(reqs, runs)):
-            if run:
-                before = len(flat)
-                for chain, count in q.blocks.runs:  # type: ignore[union-attr]
-                    flat += (chain, count)
-                lens[i] = len(flat) - before
-            else:
-                if flat:
-                    ids.append(np.array(flat, dtype=np.uint64))
-                    flat = []
-                h = q.hash_ids()
-                ids.append(h)
-                lens[i] = len(h)
-        if flat:
-            ids.append(np.array(flat, dtype=np.uint64))
-        offsets = np.zeros(len(reqs) + 1, dtype=np.uint64)
-        np.cumsum(lens, out=offsets[1:])
-        salts = [self.salt(r) for r in reqs]
+        # trace's as its ids. A tenant's salt by namespace (0: none).
+        # (A table may name namespaces none of its rows uses: those get no salt.)
+        ns_salt_id = np.array([self._salt_id.get(ns, 0) for ns in reqs.namespace_names] or [0], dtype=np.uint32)
+        ns_salt_seed = np.array([self._salt_seed.get(ns, 0) for ns in reqs.namespace_names] or [0], dtype=np.uint64)
         cost = config.cost
         faults = np.random.default_rng([config.seed, 0x5EE5])  # faults draw from their own stream
         self._engine = SimEngine(
@@ -380,17 +360,17 @@ class Simulator:
             [x.cache._core for x in self._by_index],
             [x.cache.publish for x in self._by_index],
             [w.region in self.plane.edges for w in topology.workers],
-            np.array([r.arrival_ms for r in reqs], dtype=np.float64),
-            np.array([self._region_index[r.region] for r in reqs], dtype=np.uint32),
-            np.array([self._region_index[self._edge_of.get(r.region, r.region)] for r in reqs], dtype=np.uint32),
-            np.array([r.input_length for r in reqs], dtype=np.uint64),
-            np.array([r.output_length for r in reqs], dtype=np.uint64),
-            np.array([r.block_size for r in reqs], dtype=np.uint32),
-            np.array([0 if s is None else self._salt_id[s] for s in salts], dtype=np.uint32),
-            np.array([0 if s is None else self._salt_seed[s] for s in salts], dtype=np.uint64),
-            np.concatenate(ids).astype(np.uint64, copy=False) if ids else np.zeros(0, dtype=np.uint64),
-            offsets,
-            runs,
+            reqs.arrival_ms,
+            region.astype(np.uint32),
+            edge_region,
+            reqs.input_length.astype(np.uint64),
+            reqs.output_length.astype(np.uint64),
+            reqs.block_size.astype(np.uint32),
+            ns_salt_id[reqs.namespace_codes],
+            ns_salt_seed[reqs.namespace_codes],
+            reqs.flat,
+            reqs.offsets,
+            reqs.runs.tolist(),
             _pcg_state(np.random.default_rng(config.seed)),
             _pcg_state(faults),
             max(1, len(reqs) // 100),
@@ -578,11 +558,12 @@ class Simulator:
         self._progress = progress
         engine = self._eng()
         engine.start()
-        if self._indexed and self._requests:
-            engine.at(self._requests[0].arrival_ms, self._tick)
+        if self._indexed and len(self._requests):
+            first = self._requests.arrival_ms.item(0)
+            engine.at(first, self._tick)
             # Edges read their own region's queues live: every worker starts reported idle
             # (a worker never reported is "unknown", never a migration target).
-            t0 = self._requests[0].arrival_ms / 1e3
+            t0 = first / 1e3
             for edge in self.plane.edges.values():
                 for w in self.topology.workers_in(edge.region):
                     if w.role != "decode" and w.id in edge.workers:
@@ -626,11 +607,11 @@ class Simulator:
         names = regions + workers
         nr = len(regions)
         ri = self._region_index
-        region = np.array([ri[r.region] for r in reqs], dtype=np.int32)
+        region = np.array([ri.get(r, -1) for r in reqs.region_names] or [0], dtype=np.int32)[reqs.region_codes]
         wregion = np.array([ri[x.spec.region] for x in self._by_index], dtype=np.int32)
         w = worker.astype(np.int64)
         cols: dict[str, npt.NDArray[Any]] = {
-            "id": np.array([r.id for r in reqs], dtype=np.int64),
+            "id": reqs.ids.copy(),
             "region": region,
             "worker": (w + nr).astype(np.int32),
             "worker_region": wregion[w],
@@ -638,8 +619,8 @@ class Simulator:
             "ttft_ms": ttft,
             "e2e_ms": e2e,
             "queue_ms": queue,
-            "input_tokens": np.array([r.input_length for r in reqs], dtype=np.int64),
-            "output_tokens": np.array([r.output_length for r in reqs], dtype=np.int64),
+            "input_tokens": reqs.input_length.copy(),
+            "output_tokens": reqs.output_length.copy(),
             "vram_hit": vram.astype(np.int64),
             "dram_hit": dram.astype(np.int64),
             "claimed": claimed.astype(np.int64),
@@ -652,8 +633,21 @@ class Simulator:
         if self._progress is not None:
             self._progress(int(done), len(self._requests))
 
+    def _request(self, i: int) -> Request:
+        """Request ``i`` (in arrival order) as a scheme reads it. Built a chunk at a time, as
+        arrivals reach it (a third of the cost of one at a time), the last few chunks kept for
+        the hand-offs that follow their routes."""
+        c = i >> _ROW_CHUNK_BITS
+        rows = self._rows.get(c)
+        if rows is None:
+            lo = c << _ROW_CHUNK_BITS
+            rows = self._rows[c] = self._requests.rows(lo, min(len(self._requests), lo + (1 << _ROW_CHUNK_BITS)))
+            if len(self._rows) > _ROW_CHUNKS_KEPT:
+                del self._rows[min(self._rows)]
+        return rows[i - (c << _ROW_CHUNK_BITS)]
+
     def _choose(self, req: int, tokens: npt.NDArray[np.uint32]) -> tuple[int, int, float]:
-        choice = self._scheme.choose(self._requests[req], tokens, self._engine.now)  # type: ignore[attr-defined,union-attr]
+        choice = self._scheme.choose(self._request(req), tokens, self._engine.now)  # type: ignore[attr-defined,union-attr]
         w = self._index.get(choice.worker)
         if w is None:
             raise InvalidArgumentError(f"scheme {self._scheme.name!r} chose unknown worker {choice.worker!r}")
@@ -665,7 +659,7 @@ class Simulator:
         there, one in-region way further; the engine moves the in-flight accounting with it."""
         assert self._hand is not None
         w = self._by_index[worker]
-        r = self._requests[req]
+        r = self._request(req)
         c = self._hand(r, tokens, w.spec.id, w.spec.region, self._engine.now)  # type: ignore[union-attr]
         if c is None:
             return None

@@ -53,7 +53,7 @@ from kvcompass.errors import InvalidArgumentError
 from kvcompass.sim.capacity import Capacity, no_reuse_capacity, rates_for_loads
 from kvcompass.sim.sensitivity import SensitivityRow, StructuralRate, structural_false_hit_rate, sweep
 from kvcompass.sim.summary import Summary
-from kvcompass.sim.workload import Request, synthetic_mixed
+from kvcompass.sim.workload import RequestTable, synthetic_mixed
 
 __all__ = ["FIGURES", "REFERENCE_RATE", "Figure", "Row", "image_name", "paper_rows", "reproduce"]
 
@@ -371,7 +371,7 @@ def _note(metric: str, scheme: str, paper: float, ours: float) -> str:
     return head + "; known differences that bear on it: " + "; ".join(causes) + "."
 
 
-def _workload(fig: Figure, topology: Topology, n: int, rate: float, seed: int) -> list[Request]:
+def _workload(fig: Figure, topology: Topology, n: int, rate: float, seed: int) -> RequestTable:
     return synthetic_mixed(n, regions=topology, seed=seed, rate=rate, block_size=topology.block_size, tenants=fig.tenants, private_pools=fig.tenants > 1)
 
 

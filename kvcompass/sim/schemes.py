@@ -58,7 +58,7 @@ from kvcompass.discovery.topology import Topology
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.index_types import Namespace
 from kvcompass.records import fast_init
-from kvcompass.sim.workload import Request
+from kvcompass.sim.requests import Request, RequestTable
 
 __all__ = [
     "SCHEMES",
@@ -180,6 +180,14 @@ class EnginePolicy:
     args: tuple[object, ...]
 
 
+def _served(requests: RequestTable, by_region: Mapping[str, Sequence[str]], scheme: str) -> None:
+    """InvalidArgumentError naming the first request from a region without workers (a scheme
+    that keeps requests in their region cannot serve it)."""
+    for region, first in requests.first_of_region().items():
+        if not by_region.get(region):
+            raise InvalidArgumentError(f"region {region!r} has no workers: {scheme} cannot serve request {first}")
+
+
 def _servers_in(t: Topology, region: str) -> list[WorkerSpec]:
     """The workers of ``region`` a request may be routed to: under prefill-decode
     disaggregation only prefill workers (the decode instance is the simulator's to draw)."""
@@ -222,10 +230,8 @@ class LocalLeastLoaded:
         self._fleet = fleet
         self._by_region = {r: tuple(w.id for w in _servers_in(fleet.topology, r)) for r in fleet.topology.region_names}
 
-    def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
-        for r in requests:
-            if not self._by_region.get(r.region):
-                raise InvalidArgumentError(f"region {r.region!r} has no workers: local-least-loaded cannot serve request {r.id}")
+    def engine_policy(self, requests: RequestTable) -> EnginePolicy:
+        _served(requests, self._by_region, self.name)
         f = self._fleet
         return EnginePolicy("least_loaded", ([[f.worker_index(w) for w in self._by_region[r]] for r in f.topology.region_names], True))
 
@@ -240,7 +246,7 @@ class Oracle:
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
 
-    def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
+    def engine_policy(self, requests: RequestTable) -> EnginePolicy:
         return EnginePolicy("least_loaded", ([[self._fleet.worker_index(w.id) for w in self._fleet.topology.indexed_workers]], False))
 
 
@@ -256,7 +262,7 @@ class RandomDispatch:
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
 
-    def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
+    def engine_policy(self, requests: RequestTable) -> EnginePolicy:
         return EnginePolicy("oblivious", ([self._fleet.worker_index(w.id) for w in self._fleet.topology.indexed_workers], self.round_robin))
 
 
@@ -300,7 +306,7 @@ class SGLangCacheAware:
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
 
-    def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
+    def engine_policy(self, requests: RequestTable) -> EnginePolicy:
         f = self._fleet
         t = f.topology
         return EnginePolicy(
@@ -459,7 +465,7 @@ class ConsistentHash:
         workers = [w.id for w in fleet.topology.indexed_workers]
         self._rings = [_Ring(workers, ("level", i)) for i in range(max(1, len(self._levels)))]
 
-    def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
+    def engine_policy(self, requests: RequestTable) -> EnginePolicy:
         f = self._fleet
         rings = [(r.positions, [f.worker_index(w) for w in r.owners]) for r in self._rings]
         return EnginePolicy("consistent_hash", (list(self._levels), rings))
@@ -512,7 +518,7 @@ class ChordDHT:
         """``x`` in the open ring interval (a, b)."""
         return a < x < b if a < b else (x > a or x < b) if a != b else x != a
 
-    def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
+    def engine_policy(self, requests: RequestTable) -> EnginePolicy:
         f = self._fleet
         return EnginePolicy(
             "chord",
@@ -554,10 +560,8 @@ class PlanetServe:
         self._fleet = fleet
         self._by_region = {r: [w.id for w in _servers_in(fleet.topology, r)] for r in fleet.topology.region_names}
 
-    def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
-        for r in requests:
-            if not self._by_region.get(r.region):
-                raise InvalidArgumentError(f"region {r.region!r} has no workers: planetserve cannot serve request {r.id}")
+    def engine_policy(self, requests: RequestTable) -> EnginePolicy:
+        _served(requests, self._by_region, self.name)
         f = self._fleet
         return EnginePolicy("planetserve", ([[f.worker_index(w) for w in self._by_region[r]] for r in f.topology.region_names], HISTORY_CAPACITY))
 
@@ -596,7 +600,7 @@ class CentralDirectory:
         origins = [r.name for r in t.regions if r.edges > 0] or list(t.region_names)
         self.coordinator = min(t.region_names, key=lambda c: (sum(t.rtt_ms(o, c) for o in origins), t.region_index(c)))
 
-    def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
+    def engine_policy(self, requests: RequestTable) -> EnginePolicy:
         f, p = self._fleet, self._p
         return EnginePolicy(
             "central_directory",
@@ -636,7 +640,7 @@ class SkyWalker:
         self._by_region = {r: [w.id for w in _servers_in(t, r)] for r in t.region_names}
         self._remote = {r: sorted((o for o in t.region_names if o != r and self._by_region[o]), key=lambda o: (t.rtt_ms(r, o), t.region_index(o))) for r in t.region_names}
 
-    def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
+    def engine_policy(self, requests: RequestTable) -> EnginePolicy:
         f, t = self._fleet, self._fleet.topology
         return EnginePolicy(
             "skywalker",
@@ -692,7 +696,7 @@ class Dynamo:
         self._fleet = fleet
         self._period_ms = period_ms
 
-    def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
+    def engine_policy(self, requests: RequestTable) -> EnginePolicy:
         return _dynamo_policy(self._fleet, self._period_ms, global_router=False)
 
 
@@ -717,7 +721,7 @@ class DynamoGlobal:
         self._fleet = fleet
         self._period_ms = period_ms
 
-    def engine_policy(self, requests: Sequence[Request]) -> EnginePolicy:
+    def engine_policy(self, requests: RequestTable) -> EnginePolicy:
         return _dynamo_policy(self._fleet, self._period_ms, global_router=True)
 
 

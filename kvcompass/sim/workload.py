@@ -39,7 +39,8 @@ Memory
     (shared by all tenant copies of the row); a synthetic request keeps a handful of
     ``(chain, blocks)`` runs, from which its ids are derived. ``Request.input_tokens()``
     materialises the tokens on each call (10-15 ns a token here) and keeps nothing, so a workload
-    of a million requests costs its ids, not its tokens.
+    of a million requests costs its ids, not its tokens. The synthetic generator returns a
+    :class:`RequestTable` (columns, no object per request; see :mod:`kvcompass.sim.requests`).
 
 Sessions and regions
     Traces carry no user location. Each root session is assigned a region by a weight vector
@@ -86,7 +87,7 @@ import numpy.typing as npt
 from kvcompass import _core
 from kvcompass.discovery.topology import Topology
 from kvcompass.errors import InvalidArgumentError
-from kvcompass.records import fast_init
+from kvcompass.sim.requests import ChainBlocks, Request, RequestTable, TraceBlocks, expand_blocks
 
 __all__ = [
     "MOONCAKE_BLOCK_SIZE",
@@ -95,6 +96,7 @@ __all__ = [
     "ChainBlocks",
     "MixedConfig",
     "Request",
+    "RequestTable",
     "ReuseStats",
     "TraceBlocks",
     "collector_paused",
@@ -152,130 +154,6 @@ def _mix64_np(x: U64Array) -> U64Array:
     z *= np.uint64(_C2)
     z ^= z >> np.uint64(31)
     return z
-
-
-def _ids_of(hash_ids: Sequence[int] | npt.NDArray[np.integer]) -> U64Array:
-    arr = np.asarray(hash_ids)
-    if arr.ndim != 1:
-        raise InvalidArgumentError(f"hash_ids must be one-dimensional, got shape {arr.shape}")
-    if arr.dtype == np.uint64:
-        return arr
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.uint64)
-    if arr.dtype.kind not in "iu" or int(arr.min()) < 0:
-        raise InvalidArgumentError("hash_ids must be integers in 0..2**63-1")
-    return arr.astype(np.uint64)
-
-
-def expand_blocks(hash_ids: Sequence[int] | npt.NDArray[np.integer], input_length: int, block_size: int) -> U32Array:
-    """The token ids of a prompt given its block ids: ``block_size`` tokens per id, derived from
-    the id alone, cut to ``input_length``. Equal ids give equal tokens in any request, any
-    process. ``InvalidArgumentError`` when ``len(hash_ids) != ceil(input_length / block_size)``."""
-    if block_size < 1:
-        raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
-    ids = _ids_of(hash_ids)
-    if input_length < 0 or ids.size != -(-input_length // block_size):
-        raise InvalidArgumentError(f"{ids.size} hash ids cannot cover input_length {input_length} at block_size {block_size}: need ceil({input_length}/{block_size})")
-    # Token j of a block is mix(mix(id ^ TOKEN_SALT) + j * GOLDEN), its top 32 bits mapped onto
-    # [0, VOCAB) by multiply-shift; computed in Rust (rust/token_ids.rs), one pass, no temporaries.
-    return _core.expand_block_tokens(np.ascontiguousarray(ids, dtype=np.uint64), input_length, block_size)
-
-
-# --------------------------------------------------------------------------------------------
-# Requests
-
-
-@dataclass(frozen=True, slots=True)
-class TraceBlocks:
-    """Block ids read from a trace: one read-only array, shared by every tenant copy of the row."""
-
-    ids: U64Array
-
-    @property
-    def n_blocks(self) -> int:
-        return int(self.ids.size)
-
-    def hash_ids(self) -> U64Array:
-        return self.ids
-
-
-@fast_init
-@dataclass(frozen=True, slots=True)
-class ChainBlocks:
-    """Block ids of a synthetic prompt, stored as runs: run ``(chain, count)`` stands for the ids
-    ``mix(chain + j * golden) mod 2**63`` for ``j = 1..count``. ``chain`` identifies everything
-    before and including the run's segment, so every id stands for its whole prefix, as in the
-    Mooncake traces (the ids form a prefix tree)."""
-
-    runs: tuple[tuple[int, int], ...]
-
-    @property
-    def n_blocks(self) -> int:
-        return sum(count for _, count in self.runs)
-
-    def hash_ids(self) -> U64Array:
-        runs = self.runs
-        chains = np.fromiter((c for c, _ in runs), dtype=np.uint64, count=len(runs))
-        counts = np.fromiter((n for _, n in runs), dtype=np.uint64, count=len(runs))
-        return _core.chain_block_ids(chains, counts)
-
-
-BlockSource: TypeAlias = TraceBlocks | ChainBlocks
-
-
-@fast_init  # a paper-scale workload builds half a million
-@dataclass(frozen=True, slots=True, eq=False)
-class Request:
-    """One request of a workload. Holds ids, not tokens: :meth:`input_tokens` materialises them.
-
-    ``id`` is the position in arrival order (0..N-1 within one workload); ``session`` is the id
-    of the session's root request (``== id`` for a root) and ``parent`` the id of the previous
-    turn (-1 for a root). ``namespace`` is the sharing group, to be passed as the ``tenant`` of
-    :class:`kvcompass.Namespace`; ``tenant`` is the tenant's index. ``kind`` says where the
-    request came from: ``"trace"``, or the synthetic ``"tool"``, ``"docqa"``, ``"coding"``.
-    Equality compares every field and the ids (not object identity).
-    """
-
-    id: int
-    arrival_ms: float
-    region: str
-    tenant: int
-    namespace: str
-    input_length: int
-    output_length: int
-    block_size: int
-    session: int
-    parent: int
-    blocks: BlockSource
-    kind: str = "trace"
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent < 0
-
-    @property
-    def n_blocks(self) -> int:
-        return self.blocks.n_blocks
-
-    def hash_ids(self) -> U64Array:
-        """The request's block ids in the Mooncake sense (``ceil(input_length / block_size)`` of
-        them; equal leading ids mean a shared prefix)."""
-        return self.blocks.hash_ids()
-
-    def input_tokens(self) -> U32Array:
-        """The prompt's token ids (uint32, ``input_length`` of them), computed on every call."""
-        return expand_blocks(self.hash_ids(), self.input_length, self.block_size)
-
-    def _scalars(self) -> tuple[object, ...]:
-        return (self.id, self.arrival_ms, self.region, self.tenant, self.namespace, self.input_length, self.output_length, self.block_size, self.session, self.parent, self.kind)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Request):
-            return NotImplemented
-        return self._scalars() == other._scalars() and bool(np.array_equal(self.hash_ids(), other.hash_ids()))
-
-    def __hash__(self) -> int:
-        return hash(self._scalars())
 
 
 # --------------------------------------------------------------------------------------------
@@ -852,7 +730,7 @@ def synthetic_mixed(
     config: MixedConfig | None = None,
     namespace: str = "public",
     private_pools: bool = False,
-) -> list[Request]:
+) -> RequestTable:
     """``n`` requests of a seeded Mixed-like workload (see :class:`MixedConfig` for every
     parameter and its source).
 
@@ -943,29 +821,42 @@ def synthetic_mixed(
     # Keep the first n in virtual time: a dropped call's later calls are dropped with it.
     drafts.sort(key=lambda d: (d.vtime, d.session, d.turn))
     drafts = drafts[:n]
-    arrival = _poisson_times(n, rate_v, seed).tolist()
+    # Columns, not Request objects: half a million of those were 0.3 GiB (RequestTable).
     id_of: dict[tuple[int, int], int] = {}
-    out_reqs: list[Request] = []
+    session_col = np.zeros(n, dtype=np.int64)
+    parent_col = np.full(n, -1, dtype=np.int64)
+    flat: list[int] = []
+    lens = np.zeros(n, dtype=np.uint64)
     for i, d in enumerate(drafts):
         id_of[(d.session, d.turn)] = i
-        parent = id_of[(d.session, d.turn - 1)] if d.turn else -1
-        out_reqs.append(
-            Request(
-                id=i,
-                arrival_ms=arrival[i],
-                region=names[d.region],
-                tenant=d.tenant,
-                namespace=namespace,
-                input_length=d.prompt.tokens,
-                output_length=d.output,
-                block_size=block_size,
-                session=id_of[(d.session, 0)],
-                parent=parent,
-                blocks=ChainBlocks(d.prompt.runs),
-                kind=_KINDS[d.kind],
-            )
-        )
-    return out_reqs
+        if d.turn:
+            parent_col[i] = id_of[(d.session, d.turn - 1)]
+        session_col[i] = id_of[(d.session, 0)]
+        before = len(flat)
+        for chain, count in d.prompt.runs:
+            flat += (chain, count)
+        lens[i] = len(flat) - before
+    offsets = np.zeros(n + 1, dtype=np.uint64)
+    np.cumsum(lens, out=offsets[1:])
+    return RequestTable(
+        ids=np.arange(n, dtype=np.int64),
+        arrival_ms=_poisson_times(n, rate_v, seed),
+        region_codes=[d.region for d in drafts],
+        region_names=names,
+        tenant=[d.tenant for d in drafts],
+        namespace_codes=np.zeros(n, dtype=np.uint16),
+        namespace_names=(namespace,),
+        input_length=[d.prompt.tokens for d in drafts],
+        output_length=[d.output for d in drafts],
+        block_size=np.full(n, block_size, dtype=np.int64),
+        session=session_col,
+        parent=parent_col,
+        kind_codes=[d.kind for d in drafts],
+        kind_names=_KINDS,
+        runs=np.ones(n, dtype=np.bool_),
+        flat=np.array(flat, dtype=np.uint64),
+        offsets=offsets,
+    )
 
 
 def _lognormal(rng: np.random.Generator, law: tuple[float, int, int], sigma: float) -> int:
