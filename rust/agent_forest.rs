@@ -125,46 +125,60 @@ impl Iterator for KidsIter<'_> {
     }
 }
 
-/// One engine block: 128 bytes, two cache lines, the fields a walk reads (hash, links, flags)
-/// in the first. A forest holds millions of them at fleet scale in the simulator, where their
-/// bytes were most of a run's memory (144 before the hash, the media and the start shrank).
-#[repr(C, align(64))]
+/// One engine block: 112 bytes, the fields a walk reads (hash, links, flags) first. A forest
+/// holds millions of them at fleet scale in the simulator, where their bytes were most of a
+/// run's memory (144 before the hash, the media and the start shrank; 128 with the store clock
+/// and the byte count at 64 bits, the group and the block size at 32, a byte per flag).
+#[repr(C)]
 struct Block {
-    /// The engine's hash when it is an int (`bytes_hash` false); a bytes hash is kept in
-    /// `Forest::byte_hashes` and this is 0.
+    /// The engine's hash when it is an int (not [`Block::bytes_hash`]); a bytes hash is kept
+    /// in `Forest::byte_hashes` and this is 0.
     hash: u64,
-    touched: u64,
-    /// The block's registration key when it has exactly one (`nkeys == 1`; with more, all are
-    /// in `Forest::more_keys`).
+    /// The block's registration key when it has exactly one (`nkeys() == 1`; with more, all
+    /// are in `Forest::more_keys`).
     key: u64,
+    /// The store clock at the block's last store (48 bits, a tick per stored block: never
+    /// reached) above the media holding it: ids below [`INLINE_MEDIA`] as bits (others in
+    /// `Forest::more_media`).
+    touched_media: u64,
     /// The parent ([`NIL`]: a prompt start or an orphan).
     up: Bid,
     /// The lone child ([`NIL`]: none, or several, then `many_kids`).
     kid: Bid,
     /// The next block under the same (group, hash) fingerprint, in storing order ([`NIL`]).
     same: Bid,
-    group: u32,
-    size: u32,
-    /// The media holding the block: ids below [`INLINE_MEDIA`] as bits (others in
-    /// `Forest::more_media`).
-    media: u16,
+    /// Bytes hashed up to the block's end, when keyed (see `cv`).
+    total: u32,
+    /// The engine's KV group and the block's token count (the event decoder holds both below
+    /// 2^16, [`MAX_FIELD`]).
+    group: u16,
+    size: u16,
     own: u8,
     chain: u8,
-    nkeys: u8,
+    /// [`KEYED`], [`LONG_TAIL`], [`MANY_KIDS`], [`MORE_MEDIA`], [`BYTES_HASH`] and the key
+    /// count (0, 1 or 2 for more) in the top bits.
+    flags: u8,
     opaque: bool,
-    keyed: bool,
-    long_tail: bool,
-    many_kids: bool,
-    more_media: bool,
-    bytes_hash: bool,
-    /// The hashing state after the block's last token, when `keyed` (see `Forest::state`):
-    /// bytes hashed (the namespace digest's [`ROOT_BYTES`] and 4 a token, so the block's first
-    /// token sits at `(total - ROOT_BYTES) / 4 - size`), chaining value, the first 32
-    /// uncompressed bytes (all of them unless `long_tail`, then `Forest::long_tails` holds them).
-    total: u64,
+    /// The hashing state after the block's last token, when keyed (see `Forest::state`):
+    /// bytes hashed (`total`: the namespace digest's [`ROOT_BYTES`] and 4 a token, so the
+    /// block's first token sits at `(total - ROOT_BYTES) / 4 - size`), chaining value, the
+    /// first 32 uncompressed bytes (all of them unless long-tailed, then `Forest::long_tails`
+    /// holds them).
     cv: [u32; 8],
     tail: [u8; 32],
 }
+
+const _: () = assert!(std::mem::size_of::<Block>() == 112 && std::mem::size_of::<Option<Block>>() == 112);
+
+/// The largest KV group and block size a forest stores (16 bits in a block).
+pub const MAX_FIELD: u32 = u16::MAX as u32;
+
+const KEYED: u8 = 1;
+const LONG_TAIL: u8 = 2;
+const MANY_KIDS: u8 = 4;
+const MORE_MEDIA: u8 = 8;
+const BYTES_HASH: u8 = 16;
+const NKEYS_SHIFT: u32 = 5;
 
 /// Media ids a block's `media` bits hold.
 const INLINE_MEDIA: u16 = 16;
@@ -175,6 +189,63 @@ impl Block {
     #[inline]
     fn parent(&self) -> Option<Bid> {
         (self.up != NIL).then_some(self.up)
+    }
+    #[inline]
+    fn flag(&self, f: u8) -> bool {
+        self.flags & f != 0
+    }
+    #[inline]
+    fn set_flag(&mut self, f: u8, on: bool) {
+        if on {
+            self.flags |= f;
+        } else {
+            self.flags &= !f;
+        }
+    }
+    #[inline]
+    fn keyed(&self) -> bool {
+        self.flag(KEYED)
+    }
+    #[inline]
+    fn long_tail(&self) -> bool {
+        self.flag(LONG_TAIL)
+    }
+    #[inline]
+    fn many_kids(&self) -> bool {
+        self.flag(MANY_KIDS)
+    }
+    #[inline]
+    fn more_media(&self) -> bool {
+        self.flag(MORE_MEDIA)
+    }
+    #[inline]
+    fn bytes_hash(&self) -> bool {
+        self.flag(BYTES_HASH)
+    }
+    #[inline]
+    fn nkeys(&self) -> u8 {
+        self.flags >> NKEYS_SHIFT
+    }
+    #[inline]
+    fn set_nkeys(&mut self, n: u8) {
+        debug_assert!(n <= 2);
+        self.flags = (self.flags & ((1 << NKEYS_SHIFT) - 1)) | (n << NKEYS_SHIFT);
+    }
+    #[inline]
+    fn media(&self) -> u16 {
+        self.touched_media as u16
+    }
+    #[inline]
+    fn set_media(&mut self, m: u16) {
+        self.touched_media = (self.touched_media & !0xFFFF) | u64::from(m);
+    }
+    #[inline]
+    fn touched(&self) -> u64 {
+        self.touched_media >> 16
+    }
+    #[inline]
+    fn set_touched(&mut self, t: u64) {
+        self.touched_media = (t << 16) | (self.touched_media & 0xFFFF);
     }
 }
 
@@ -445,31 +516,34 @@ impl Forest {
     fn has_medium(&self, bid: Bid, m: u16) -> bool {
         let x = &self.blocks[&bid];
         if m < INLINE_MEDIA {
-            x.media & (1 << m) != 0
+            x.media() & (1 << m) != 0
         } else {
-            x.more_media && self.more_media.get(&bid).is_some_and(|v| v.contains(&m))
+            x.more_media() && self.more_media.get(&bid).is_some_and(|v| v.contains(&m))
         }
     }
 
     fn add_medium(&mut self, bid: Bid, m: u16) {
         if m < INLINE_MEDIA {
-            self.blocks.get_mut(&bid).expect("block").media |= 1 << m;
+            {
+                let x = self.blocks.get_mut(&bid).expect("block");
+                x.set_media(x.media() | 1 << m);
+            }
         } else if !self.has_medium(bid, m) {
             self.more_media.entry(bid).or_default().push(m);
-            self.blocks.get_mut(&bid).expect("block").more_media = true;
+            self.blocks.get_mut(&bid).expect("block").set_flag(MORE_MEDIA, true);
         }
     }
 
     fn drop_medium(&mut self, bid: Bid, m: u16) {
         let x = self.blocks.get_mut(&bid).expect("block");
         if m < INLINE_MEDIA {
-            x.media &= !(1 << m);
-        } else if x.more_media {
+            x.set_media(x.media() & !(1 << m));
+        } else if x.more_media() {
             let v = self.more_media.get_mut(&bid).expect("flagged");
             v.retain(|&y| y != m);
             if v.is_empty() {
                 self.more_media.remove(&bid);
-                x.more_media = false;
+                x.set_flag(MORE_MEDIA, false);
             }
         }
     }
@@ -477,14 +551,14 @@ impl Forest {
     /// Whether any medium holds the block.
     fn held_anywhere(&self, bid: Bid) -> bool {
         let x = &self.blocks[&bid];
-        x.media != 0 || x.more_media
+        x.media() != 0 || x.more_media()
     }
 
     /// The block's media ids, ascending bits first, then the others: no allocation (it
     /// runs on every store and removal).
     fn media_of(&self, bid: Bid) -> impl Iterator<Item = u16> + '_ {
         let x = &self.blocks[&bid];
-        let mut bits = x.media;
+        let mut bits = x.media();
         let low = std::iter::from_fn(move || {
             (bits != 0).then(|| {
                 let i = bits.trailing_zeros() as u16;
@@ -492,14 +566,14 @@ impl Forest {
                 i
             })
         });
-        let more: &[u16] = if x.more_media { &self.more_media[&bid] } else { &[] };
+        let more: &[u16] = if x.more_media() { &self.more_media[&bid] } else { &[] };
         low.chain(more.iter().copied())
     }
 
     /// `p`'s child with hash `h`.
     fn kid_of(&self, p: Bid, h: &BHash) -> Option<Bid> {
         let x = &self.blocks[&p];
-        if x.many_kids {
+        if x.many_kids() {
             self.many_kids[&p].get(h).copied()
         } else if x.kid != NIL && self.hash_is(x.kid, &self.blocks[&x.kid], h) {
             Some(x.kid)
@@ -510,7 +584,7 @@ impl Forest {
 
     fn kids_of(&self, p: Bid) -> KidsIter<'_> {
         let x = &self.blocks[&p];
-        if x.many_kids {
+        if x.many_kids() {
             KidsIter::Many(self.many_kids[&p].values())
         } else {
             KidsIter::One((x.kid != NIL).then_some(x.kid))
@@ -519,18 +593,18 @@ impl Forest {
 
     fn has_kids(&self, p: Bid) -> bool {
         let x = &self.blocks[&p];
-        x.kid != NIL || x.many_kids
+        x.kid != NIL || x.many_kids()
     }
 
     /// Drop `p`'s child `b`, whose hash is `h`.
     fn drop_kid(&mut self, p: Bid, h: &BHash, b: Bid) {
         let x = self.blocks.get_mut(&p).expect("parent");
-        if x.many_kids {
+        if x.many_kids() {
             let m = self.many_kids.get_mut(&p).expect("flagged");
             m.remove(h);
             if m.is_empty() {
                 self.many_kids.remove(&p);
-                x.many_kids = false;
+                x.set_flag(MANY_KIDS, false);
             }
         } else if x.kid == b {
             x.kid = NIL;
@@ -542,7 +616,7 @@ impl Forest {
     /// Block `bid`'s engine hash.
     fn hash_of(&self, bid: Bid) -> BHash {
         let x = &self.blocks[&bid];
-        if x.bytes_hash {
+        if x.bytes_hash() {
             BHash::Bytes(Box::new(self.byte_hashes[&bid].clone()))
         } else {
             BHash::Int(x.hash)
@@ -552,18 +626,18 @@ impl Forest {
     /// Whether block `x` (id `bid`) has engine hash `h` (no copy of a bytes hash).
     fn hash_is(&self, bid: Bid, x: &Block, h: &BHash) -> bool {
         match h {
-            BHash::Int(v) => !x.bytes_hash && x.hash == *v,
-            BHash::Bytes(b) => x.bytes_hash && self.byte_hashes.get(&bid).is_some_and(|mine| **mine == ***b),
+            BHash::Int(v) => !x.bytes_hash() && x.hash == *v,
+            BHash::Bytes(b) => x.bytes_hash() && self.byte_hashes.get(&bid).is_some_and(|mine| **mine == ***b),
         }
     }
 
     /// The fingerprint block `bid` is filed under.
     fn fp_of(&self, bid: Bid) -> u64 {
         let x = &self.blocks[&bid];
-        if x.bytes_hash {
-            fingerprint_bytes(x.group, &self.byte_hashes[&bid])
+        if x.bytes_hash() {
+            fingerprint_bytes(u32::from(x.group), &self.byte_hashes[&bid])
         } else {
-            fingerprint_int(x.group, x.hash)
+            fingerprint_int(u32::from(x.group), x.hash)
         }
     }
 
@@ -573,7 +647,7 @@ impl Forest {
         let mut cur = self.by_fp.get(&fingerprint(group, h)).copied().unwrap_or(NIL);
         while cur != NIL {
             let x = &self.blocks[&cur];
-            if x.group == group && self.hash_is(cur, x, h) {
+            if u32::from(x.group) == group && self.hash_is(cur, x, h) {
                 out.push(cur);
             }
             cur = x.same;
@@ -585,7 +659,7 @@ impl Forest {
         let mut cur = self.by_fp.get(&fingerprint(group, h)).copied().unwrap_or(NIL);
         while cur != NIL {
             let x = &self.blocks[&cur];
-            if x.group == group && self.hash_is(cur, x, h) {
+            if u32::from(x.group) == group && self.hash_is(cur, x, h) {
                 return true;
             }
             cur = x.same;
@@ -634,7 +708,7 @@ impl Forest {
     /// The registration keys inside block `bid`.
     fn keys_of(&self, bid: Bid) -> &[u64] {
         let x = &self.blocks[&bid];
-        match x.nkeys {
+        match x.nkeys() {
             0 => &[],
             1 => std::slice::from_ref(&x.key),
             _ => &self.more_keys[&bid],
@@ -643,8 +717,8 @@ impl Forest {
 
     fn set_keys(&mut self, bid: Bid, keys: Vec<u64>) {
         let x = self.blocks.get_mut(&bid).expect("block");
-        let had_more = x.nkeys > 1;
-        x.nkeys = keys.len().min(2) as u8;
+        let had_more = x.nkeys() > 1;
+        x.set_nkeys(keys.len().min(2) as u8);
         x.key = keys.first().copied().unwrap_or(0);
         if keys.len() > 1 {
             self.more_keys.insert(bid, keys.into_boxed_slice());
@@ -656,11 +730,11 @@ impl Forest {
     /// The hashing state after block `bid`'s last token (None: not keyed).
     fn state(&self, bid: Bid) -> Option<Midstate> {
         let x = &self.blocks[&bid];
-        if !x.keyed {
+        if !x.keyed() {
             return None;
         }
-        let mut m = Midstate { cv: x.cv, buf: [0; 64], total: x.total };
-        if x.long_tail {
+        let mut m = Midstate { cv: x.cv, buf: [0; 64], total: u64::from(x.total) };
+        if x.long_tail() {
             m.buf = self.long_tails[&bid];
         } else {
             m.buf[..32].copy_from_slice(&x.tail);
@@ -670,13 +744,13 @@ impl Forest {
 
     fn set_state(&mut self, bid: Bid, m: Option<&Midstate>) {
         let x = self.blocks.get_mut(&bid).expect("block");
-        let had_long = x.long_tail;
-        x.keyed = m.is_some();
+        let had_long = x.long_tail();
+        x.set_flag(KEYED, m.is_some());
         let long = m.is_some_and(|m| m.pending() > 32);
-        x.long_tail = long;
+        x.set_flag(LONG_TAIL, long);
         if let Some(m) = m {
             x.cv = m.cv;
-            x.total = m.total;
+            x.total = u32::try_from(m.total).expect("under 2^32 bytes hashed: a billion tokens in one prompt");
             x.tail.copy_from_slice(&m.buf[..32]);
             if long {
                 self.long_tails.insert(bid, m.buf);
@@ -757,7 +831,7 @@ impl Forest {
         self.stats.ambiguous_parents += 1;
         let blocks = &self.blocks;
         let mut best = cands[0];
-        let score = |b: Bid| (blocks[&b].media != 0 || blocks[&b].more_media, blocks[&b].touched);
+        let score = |b: Bid| (blocks[&b].media() != 0 || blocks[&b].more_media(), blocks[&b].touched());
         for &c in &cands[1..] {
             if score(c) > score(best) {
                 best = c;
@@ -788,11 +862,11 @@ impl Forest {
             if let Some(bid) = self.child(group, parent, wait.as_ref(), h) {
                 let tick = self.tick;
                 let x = self.blocks.get_mut(&bid).expect("a known block");
-                if x.size != n {
+                if u32::from(x.size) != n {
                     self.stats.conflicts += 1;
                     return; // the rest of the event hangs off a block we cannot place
                 }
-                x.touched = tick;
+                x.set_touched(tick);
                 if !self.has_medium(bid, medium) {
                     self.add_medium(bid, medium);
                     self.set_own(bid);
@@ -821,32 +895,29 @@ impl Forest {
                 opaque = opaque || root.is_none();
             }
             let p_opaque = parent.map(|p| self.blocks[&p].opaque);
-            let x = Block {
+            debug_assert!(group <= MAX_FIELD && n <= MAX_FIELD, "the decoder holds groups and block sizes below 2^16");
+            let mut x = Block {
                 hash: match h {
                     BHash::Int(v) => *v,
                     BHash::Bytes(_) => 0,
                 },
-                touched: self.tick,
                 key: 0,
+                touched_media: 0,
                 up: parent.unwrap_or(NIL),
                 kid: NIL,
                 same: NIL,
-                group,
-                size: n,
-                media: 0,
+                total: 0,
+                group: group as u16,
+                size: n as u16,
                 own: own_new,
                 chain: 0,
-                nkeys: 0,
+                flags: 0,
                 opaque: opaque || p_opaque.unwrap_or(false),
-                keyed: false,
-                long_tail: false,
-                many_kids: false,
-                more_media: false,
-                bytes_hash: matches!(h, BHash::Bytes(_)),
-                total: 0,
                 cv: [0; 8],
                 tail: [0; 32],
             };
+            x.set_touched(self.tick);
+            x.set_flag(BYTES_HASH, matches!(h, BHash::Bytes(_)));
             if let BHash::Bytes(b) = h {
                 self.byte_hashes.insert(bid, (**b).clone());
             }
@@ -872,7 +943,7 @@ impl Forest {
             let lo = (i * n as usize * 4).min(e.tokens.len());
             let hi = ((i + 1) * n as usize * 4).min(e.tokens.len());
             let chunk = &e.tokens[lo..hi];
-            let p_keyed = parent.map(|p| self.blocks[&p].keyed);
+            let p_keyed = parent.map(|p| self.blocks[&p].keyed());
             if x_opaque {
                 self.stats.unindexed += 1;
             } else if wait.is_none() && p_keyed.unwrap_or(true) {
@@ -926,7 +997,7 @@ impl Forest {
                     let px = &self.blocks[&p];
                     // The child starts where the parent's hashed bytes end.
                     let st = self.state(p).expect("a keyed parent");
-                    (((px.total - ROOT_BYTES) / 4) as i64, st)
+                    (((u64::from(px.total) - ROOT_BYTES) / 4) as i64, st)
                 }
             }
         };
@@ -959,7 +1030,7 @@ impl Forest {
     /// Hang block `b` (hash `h`) under `p`, which has no child of that hash.
     fn add_kid(&mut self, p: Bid, h: &BHash, b: Bid) {
         let x = &self.blocks[&p];
-        if x.many_kids {
+        if x.many_kids() {
             self.many_kids.get_mut(&p).expect("flagged").insert(h.clone(), b);
         } else if x.kid == NIL {
             self.blocks.get_mut(&p).expect("parent").kid = b;
@@ -973,7 +1044,7 @@ impl Forest {
             self.many_kids.insert(p, m);
             let x = self.blocks.get_mut(&p).expect("parent");
             x.kid = NIL;
-            x.many_kids = true;
+            x.set_flag(MANY_KIDS, true);
         }
     }
 
@@ -988,7 +1059,7 @@ impl Forest {
 
     fn chain_of(&self, bid: Bid) -> u8 {
         let x = &self.blocks[&bid];
-        if !x.keyed || x.own == 0 {
+        if !x.keyed() || x.own == 0 {
             return 0;
         }
         match x.parent() {
@@ -1017,7 +1088,7 @@ impl Forest {
             }
             // Most blocks carry at most one key, inline: no copy of a key list for them.
             let x = &self.blocks[&cid];
-            let (one, many) = match x.nkeys {
+            let (one, many) = match x.nkeys() {
                 0 => (None, None),
                 1 => (Some([x.key]), None),
                 _ => (None, Some(self.more_keys[&cid].clone())),
@@ -1060,7 +1131,7 @@ impl Forest {
             self.make_opaque(cid);
             return;
         }
-        let group = self.blocks[&cid].group;
+        let group = u32::from(self.blocks[&cid].group);
         let w = self.waits.remove(&cid).expect("an orphan waits");
         self.unlink_orphan(group, &w, &c_hash);
         self.blocks.get_mut(&cid).expect("orphan").up = pid;
@@ -1068,7 +1139,7 @@ impl Forest {
         self.stats.adopted += 1;
         let (p_opaque, p_keyed) = {
             let p = &self.blocks[&pid];
-            (p.opaque, p.keyed)
+            (p.opaque, p.keyed())
         };
         if p_opaque {
             self.make_opaque(cid);
@@ -1107,7 +1178,7 @@ impl Forest {
                     continue;
                 }
                 x.opaque = true;
-                x.keyed
+                x.keyed()
             };
             self.pending.remove(&cid);
             if keyed {
@@ -1126,7 +1197,7 @@ impl Forest {
             let tokens = {
                 let x = &self.blocks[&cid];
                 match self.pending.get(&cid) {
-                    Some(t) if !x.opaque && !x.keyed => t.clone(),
+                    Some(t) if !x.opaque && !x.keyed() => t.clone(),
                     _ => continue,
                 }
             };
@@ -1186,25 +1257,25 @@ impl Forest {
             self.unlink_same(c);
             let h = self.hash_of(c);
             let x = self.blocks.remove(&c).expect("checked");
-            if x.bytes_hash {
+            if x.bytes_hash() {
                 self.byte_hashes.remove(&c);
             }
-            let slot = (x.group, h);
+            let slot = (u32::from(x.group), h);
             self.pending.remove(&c);
             self.salted.remove(&c);
-            if x.nkeys > 1 {
+            if x.nkeys() > 1 {
                 self.more_keys.remove(&c);
             }
-            if x.long_tail {
+            if x.long_tail() {
                 self.long_tails.remove(&c);
             }
-            if x.more_media {
+            if x.more_media() {
                 self.more_media.remove(&c);
             }
             if let Some(p) = x.parent() {
                 self.drop_kid(p, &slot.1, c);
             } else if let Some(w) = self.waits.remove(&c) {
-                self.unlink_orphan(x.group, &w, &slot.1);
+                self.unlink_orphan(u32::from(x.group), &w, &slot.1);
             } else {
                 self.roots.remove(&slot);
             }
@@ -1257,7 +1328,7 @@ impl Forest {
                     cands = leaves;
                 }
                 self.stats.ambiguous_removals += 1;
-                let victim = cands.iter().copied().min_by_key(|c| self.blocks[c].touched).expect("a candidate");
+                let victim = cands.iter().copied().min_by_key(|c| self.blocks[c].touched()).expect("a candidate");
                 self.remove(victim, r.1);
                 let left = todo.items[idx].as_ref().expect("live").1;
                 if left == 1 {
@@ -1293,7 +1364,7 @@ impl Forest {
                     Some(p) => up.extend_from_slice(&names[&p]),
                     None => {
                         up.extend_from_slice(b"root");
-                        up.extend_from_slice(&x.group.to_le_bytes());
+                        up.extend_from_slice(&u32::from(x.group).to_le_bytes());
                         match self.waits.get(&b) {
                             None => up.push(0),
                             Some(w) => {
@@ -1308,7 +1379,7 @@ impl Forest {
             }
             names[&bid]
         };
-        let mut order: Vec<(u64, Bid)> = self.blocks.iter().map(|(b, x)| (x.touched, b)).collect();
+        let mut order: Vec<(u64, Bid)> = self.blocks.iter().map(|(b, x)| (x.touched(), b)).collect();
         order.sort_unstable();
         let rank: FxHashMap<Bid, usize> = order.iter().enumerate().map(|(i, &(_, b))| (b, i)).collect();
         let mut rows: Vec<Vec<u8>> = Vec::with_capacity(self.blocks.len());
@@ -1329,9 +1400,9 @@ impl Forest {
                 }
                 None => row.push(0),
             }
-            row.extend_from_slice(&x.size.to_le_bytes());
+            row.extend_from_slice(&u32::from(x.size).to_le_bytes());
             // The first token's position (-1: never keyed).
-            let start = if x.keyed { ((x.total - ROOT_BYTES) / 4) as i64 - i64::from(x.size) } else { -1 };
+            let start = if x.keyed() { ((u64::from(x.total) - ROOT_BYTES) / 4) as i64 - i64::from(x.size) } else { -1 };
             row.extend_from_slice(&start.to_le_bytes());
             match self.state(bid) {
                 Some(s) => {
@@ -1438,6 +1509,27 @@ mod tests {
     /// 144).
     #[test]
     fn a_block_stays_small() {
-        assert_eq!(std::mem::size_of::<Option<Block>>(), 128);
+        assert_eq!(std::mem::size_of::<Option<Block>>(), 112);
+    }
+
+    #[test]
+    fn packed_fields_keep_their_neighbours() {
+        let mut x = Block { hash: 1, key: 2, touched_media: 0, up: NIL, kid: NIL, same: NIL, total: 0, group: 0, size: 16, own: 0, chain: 0, flags: 0, opaque: false, cv: [0; 8], tail: [0; 32] };
+        x.set_touched((1 << 48) - 1);
+        x.set_media(0xABCD);
+        assert_eq!((x.touched(), x.media()), ((1 << 48) - 1, 0xABCD));
+        x.set_media(1);
+        x.set_touched(7);
+        assert_eq!((x.touched(), x.media()), (7, 1));
+        for f in [KEYED, LONG_TAIL, MANY_KIDS, MORE_MEDIA, BYTES_HASH] {
+            x.set_flag(f, true);
+        }
+        x.set_nkeys(2);
+        assert!(x.keyed() && x.long_tail() && x.many_kids() && x.more_media() && x.bytes_hash());
+        assert_eq!(x.nkeys(), 2);
+        x.set_flag(MANY_KIDS, false);
+        x.set_nkeys(1);
+        assert!(x.keyed() && !x.many_kids() && x.bytes_hash());
+        assert_eq!(x.nkeys(), 1);
     }
 }

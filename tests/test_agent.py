@@ -1164,6 +1164,14 @@ def test_the_forest_refuses_a_store_whose_tokens_do_not_fill_its_blocks() -> Non
         with pytest.raises(ValueError, match=r"tokens: (12|14) bytes for 1 blocks of 4 tokens"):
             f.stored(0, "GPU", 4, tokens, False, None, [1], None, None)
     assert len(f) == 0 and f.flush(3, []) == []
+    # A block keeps its group and size in 16 bits: a larger one is refused, not truncated.
+    for group, size in ((65536, 4), (0, 65536)):
+        with pytest.raises(ValueError, match="a block forest keeps each below 65536"):
+            f.stored(group, "GPU", size, np.arange(size, dtype=np.uint32), False, None, [1], None, None)
+    assert len(f) == 0
+    f.stored(65535, "GPU", 4, np.arange(4, dtype=np.uint32), False, None, [9], None, None)
+    f.removed([(65535, "GPU", [9])])
+    assert len(f) == 0
     f.stored(0, "GPU", 4, np.arange(8, dtype=np.uint32), False, None, [1, 2], None, None)
     assert len(f) == 2 and sorted(k for _, keys, _ in f.flush(3, []) for k in keys.tolist()) == sorted(keys_of(list(range(8)), [4, 8]))
 

@@ -358,13 +358,19 @@ class _FieldError(Exception):
     pass
 
 
+# The agent's block forest keeps a block's KV group and token count in 16 bits each (112 bytes
+# a block: rust/agent_forest.rs); engines use a handful of groups and blocks of 16-1024 tokens.
+MAX_GROUP = 0xFFFF
+MAX_BLOCK_SIZE = 0xFFFF
+
+
 def _stored(f: Mapping[str, object], w: str) -> BlockStored:
     hashes = _hashes(f["block_hashes"], f"{w}.block_hashes")
     parent_raw = f["parent_block_hash"]
     parent = None if parent_raw is None else _hash(parent_raw, f"{w}.parent_block_hash")
     block_size = f["block_size"]
-    if type(block_size) is not int or block_size <= 0:
-        raise _FieldError(f"{w}.block_size must be a positive int, got {_show(block_size)}")
+    if type(block_size) is not int or not 0 < block_size <= MAX_BLOCK_SIZE:
+        raise _FieldError(f"{w}.block_size must be an int in 1..{MAX_BLOCK_SIZE}, got {_show(block_size)}")
     tokens = _tokens(f["token_ids"], f"{w}.token_ids")
     if len(tokens) != block_size * len(hashes):
         raise _FieldError(
@@ -394,7 +400,7 @@ def _stored(f: Mapping[str, object], w: str) -> BlockStored:
         medium=_opt_str(f.get("medium"), f"{w}.medium"),
         lora_name=_opt_str(f.get("lora_name"), f"{w}.lora_name"),
         extra_keys=extra_t,
-        group_idx=_opt_int(f.get("group_idx"), f"{w}.group_idx", nonneg=True),
+        group_idx=_group(f.get("group_idx"), f"{w}.group_idx"),
         kv_cache_spec_kind=_opt_str(f.get("kv_cache_spec_kind"), f"{w}.kv_cache_spec_kind"),
         kv_cache_spec_sliding_window=_opt_int(f.get("kv_cache_spec_sliding_window"), f"{w}.kv_cache_spec_sliding_window", nonneg=True),
         cache_salt=salt,
@@ -420,7 +426,7 @@ def _removed(f: Mapping[str, object], w: str) -> BlockRemoved:
     return BlockRemoved(
         block_hashes=_hashes(f["block_hashes"], f"{w}.block_hashes"),
         medium=_opt_str(f.get("medium"), f"{w}.medium"),
-        group_idx=_opt_int(f.get("group_idx"), f"{w}.group_idx", nonneg=True),
+        group_idx=_group(f.get("group_idx"), f"{w}.group_idx"),
     )
 
 
@@ -463,6 +469,13 @@ def _opt_int(v: object, w: str, nonneg: bool = False) -> int | None:
     if type(v) is not int or (nonneg and v < 0):
         raise _FieldError(f"{w} must be {'a non-negative ' if nonneg else 'an '}int or nil, got {_show(v)}")
     return v
+
+
+def _group(v: object, w: str) -> int | None:
+    g = _opt_int(v, w, nonneg=True)
+    if g is not None and g > MAX_GROUP:
+        raise _FieldError(f"{w} must be at most {MAX_GROUP}, got {g}")
+    return g
 
 
 def _opt_str(v: object, w: str) -> str | None:

@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
 use super::block_cache::PyCacheEvents;
-use crate::agent_forest::{BHash, Forest, Removal, Stored};
+use crate::agent_forest::{BHash, Forest, Removal, Stored, MAX_FIELD};
 use crate::block_cache::{Event, DRAM, VRAM};
 
 /// Tokens as the little-endian u32 bytes the forest hashes: on such a host the tokens' own
@@ -60,6 +60,7 @@ impl PyForest {
     #[pyo3(signature = (group, medium, block_size, tokens, lora, parent, hashes, extra, salt_root))]
     #[allow(clippy::too_many_arguments)]
     fn stored(&mut self, group: u32, medium: &str, block_size: u32, tokens: &Bound<'_, PyAny>, lora: bool, parent: Option<Bound<'_, PyAny>>, hashes: &Bound<'_, PyAny>, extra: Option<Vec<bool>>, salt_root: Option<[u8; 32]>) -> PyResult<()> {
+        check_fields(group, block_size)?;
         let parent = parent.map(|p| bhash(&p)).transpose()?;
         let hashes = bhashes(hashes)?;
         let extra = extra.unwrap_or_default();
@@ -114,6 +115,7 @@ impl PyForest {
     fn cache_events(&mut self, events: &Bound<'_, PyCacheEvents>, roots: &Bound<'_, PyAny>) -> PyResult<()> {
         let ev = events.get();
         let n = ev.block_size;
+        check_fields(0, n)?;
         // Every salt's root is read before anything changes: a bad `roots` leaves the forest as
         // it was.
         let mut salt_roots: Vec<(u32, Option<[u8; 32]>)> = Vec::new();
@@ -216,5 +218,14 @@ impl PyForest {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyForest>()?;
+    Ok(())
+}
+
+/// A block's KV group and token count fit the forest's 16 bits ([`MAX_FIELD`]; the event
+/// decoder refuses larger ones first).
+fn check_fields(group: u32, block_size: u32) -> PyResult<()> {
+    if group > MAX_FIELD || block_size > MAX_FIELD {
+        return Err(PyValueError::new_err(format!("group {group} / block size {block_size}: a block forest keeps each below {}", MAX_FIELD + 1)));
+    }
     Ok(())
 }
