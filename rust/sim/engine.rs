@@ -482,6 +482,8 @@ const NO_VECTOR: u32 = u32::MAX;
 const KEEP_AHEAD: usize = 16;
 
 struct Job {
+    /// Unique in the run (a job's id is reused once it finishes; this is not).
+    serial: u64,
     req: u32,
     tokens: Vec<u32>,
     /// The seed-free block chain of `tokens` (hashed once; every cache names it its own way).
@@ -517,6 +519,7 @@ impl Job {
     #[allow(clippy::too_many_arguments)]
     fn fresh(req: u32, tokens: Vec<u32>, chain: Vec<u64>, worker: u32, (edge_region, origin): (u16, u16), salt: u32, (input_length, output_length): (u64, u64), arrival_ms: f64) -> Self {
         Job {
+            serial: 0,
             req,
             tokens,
             chain,
@@ -576,7 +579,9 @@ struct Worker {
     seg_cut: bool,
     step_end: f64,
     rest_ms: f64,
-    busy_job: Option<u32>,
+    /// The serial of the job whose prefill chunk made the last busy interval (its next chunk
+    /// extends that interval).
+    busy_job: Option<u64>,
     decoded: u64,
 }
 
@@ -615,6 +620,9 @@ pub struct Engine {
     /// tokens here again instead of keeping them).
     prompts: Arc<Prompts>,
     jobs: Vec<Job>,
+    /// Ids of finished jobs, reused by the next ones ([`Engine::new_job`]).
+    free_jobs: Vec<u32>,
+    job_serial: u64,
     heap: BinaryHeap<Entry>,
     seq: u64,
     ctx: Option<(u64, u32)>,
@@ -776,7 +784,9 @@ impl Engine {
             regions,
             workers,
             prompts,
-            jobs: Vec::with_capacity(n_req),
+            jobs: Vec::new(),
+            free_jobs: Vec::new(),
+            job_serial: 0,
             heap: BinaryHeap::new(),
             seq: 0,
             ctx: None,
@@ -1249,11 +1259,10 @@ impl Engine {
         let wr = self.workers[c.worker as usize].region;
         let forward = self.way(r.edge_region, wr);
         let back = self.way(wr, r.edge_region);
-        let job = self.jobs.len() as u32;
         let mut j = Job::fresh(req, tokens, chain, c.worker, (r.edge_region, r.region), r.salt, (r.input_length, r.output_length), self.issued[req as usize]);
         j.claimed = c.claimed;
         j.one_way_ms = back;
-        self.jobs.push(j);
+        let job = self.new_job(j);
         let est = self.estimate_now(c.worker, job)?;
         self.jobs[job as usize].dispatched_ms = est;
         add_dispatched(&mut self.workers[c.worker as usize], r.region, est);
@@ -1334,12 +1343,11 @@ impl Engine {
         if tier != VRAM && tier != DRAM {
             return Err(CoreError::InvalidTier(tier));
         }
-        let job = self.jobs.len() as u32;
         let n = tokens.len() as u64;
         let chain = block_chain(salt_seed, &tokens, self.block_size)?;
         let mut j = Job::fresh(NO_REQ, tokens, chain, w, (region, region), salt, (n, 0), self.now);
         j.migration_tier = tier;
-        self.jobs.push(j);
+        let job = self.new_job(j);
         self.push(t, Ev::Enqueue { w, job });
         Ok(())
     }
@@ -1509,6 +1517,7 @@ impl Engine {
         if j.migration_tier != 0 {
             let ev = place(&mut x.cache, &j.tokens, &chain, j.migration_tier, now, j.salt, x.publish)?;
             self.publish_events(w, ev);
+            self.free_job(job); // a replica has landed: nothing refers to its job again
             return Ok(true);
         }
         x.pending = x.pending.saturating_sub(1); // a routed request's prefill ended
@@ -1772,14 +1781,15 @@ impl Engine {
             } else {
                 0.0
             };
+        let serial = j.serial;
         if compute > 0.0 {
-            if x.busy_job == Some(job) {
+            if x.busy_job == Some(serial) {
                 if let Some(last) = x.busy.last_mut() {
                     last.1 += compute;
                 }
             } else {
                 x.busy.push((now, now + compute));
-                x.busy_job = Some(job);
+                x.busy_job = Some(serial);
             }
         }
         x.stepping = true;
@@ -1838,6 +1848,34 @@ impl Engine {
         self.step(w)
     }
 
+    /// A job's id: a finished one's, else a new one.
+    ///
+    /// Why: a job is some 230 bytes, and keeping every finished one was a tenth of a
+    /// paper-scale run's memory (500,000 of them); only those in flight need room.
+    fn new_job(&mut self, mut j: Job) -> u32 {
+        self.job_serial += 1;
+        j.serial = self.job_serial;
+        match self.free_jobs.pop() {
+            Some(id) => {
+                self.jobs[id as usize] = j;
+                id
+            }
+            None => {
+                self.jobs.push(j);
+                (self.jobs.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Job `job` is finished (its record written, a replica landed): its id is free, and it
+    /// keeps no tokens.
+    fn free_job(&mut self, job: u32) {
+        let j = &mut self.jobs[job as usize];
+        j.tokens = Vec::new();
+        j.chain = Vec::new();
+        self.free_jobs.push(job);
+    }
+
     fn complete(&mut self, job: u32) {
         let now = self.now;
         let j = &mut self.jobs[job as usize];
@@ -1852,8 +1890,7 @@ impl Engine {
         r.vram_hit[i] = j.vram_hit;
         r.dram_hit[i] = j.dram_hit;
         r.claimed[i] = j.claimed;
-        j.tokens = Vec::new(); // a finished request keeps no tokens
-        j.chain = Vec::new();
+        self.free_job(job); // nothing refers to a completed job again
         self.done += 1;
         if self.closed > 0 && self.next_issue < self.prompts.reqs.len() {
             let next = self.next_issue;
