@@ -71,6 +71,12 @@ fn fingerprint(group: u32, h: &BHash) -> u64 {
     }
 }
 
+/// The fingerprint's slot key in [`Forest::by_fp`] (its top bits; 0 is kept aside by the table).
+#[inline]
+fn fp_key(f: u64) -> u32 {
+    (f >> 32) as u32
+}
+
 fn fingerprint_int(group: u32, v: u64) -> u64 {
     mix64(v ^ mix64(u64::from(group)))
 }
@@ -363,8 +369,10 @@ pub struct Forest {
     medium_ids: FxHashMap<String, u16>,
     blocks: Slab,
     roots: FxHashMap<Slot, Bid>,
-    /// (group, hash) fingerprint -> the first block of its chain (see [`Block::same`]).
-    by_fp: BlockTable<Bid>,
+    /// (group, hash) fingerprint's top 32 bits -> the first block of its chain (see
+    /// [`Block::same`]; the chain's blocks are told apart by their own group and hash, so
+    /// 32 bits lose nothing but a rare longer chain, and a slot is 8 bytes, not 12).
+    by_fp: BlockTable<Bid, u32>,
     orphans: FxHashMap<Slot, Vec<(BHash, Bid)>>,
     // Rare per-block facts, kept beside the blocks so every block does not carry room for them:
     /// An orphan's parent hash (a block whose parent was never seen).
@@ -481,7 +489,7 @@ impl Forest {
             + map(&self.step_old)
             + map(&self.medium_ids);
         let kids = map(&self.many_kids) + self.many_kids.values().map(map).sum::<usize>();
-        [("blocks", slab), ("fingerprints", self.by_fp.capacity() * BlockTable::<Bid>::SLOT_BYTES), ("key_counts", map(&self.counts)), ("children", kids), ("other", sides)]
+        [("blocks", slab), ("fingerprints", self.by_fp.capacity() * BlockTable::<Bid, u32>::SLOT_BYTES), ("key_counts", map(&self.counts)), ("children", kids), ("other", sides)]
     }
     pub fn is_empty(&self) -> bool {
         self.blocks.is_empty()
@@ -644,7 +652,7 @@ impl Forest {
     /// The blocks carrying (group, `h`), in storing order.
     fn carrying(&self, group: u32, h: &BHash) -> Vec<Bid> {
         let mut out = Vec::new();
-        let mut cur = self.by_fp.get(&fingerprint(group, h)).copied().unwrap_or(NIL);
+        let mut cur = self.by_fp.get(&fp_key(fingerprint(group, h))).copied().unwrap_or(NIL);
         while cur != NIL {
             let x = &self.blocks[&cur];
             if u32::from(x.group) == group && self.hash_is(cur, x, h) {
@@ -656,7 +664,7 @@ impl Forest {
     }
 
     fn carries(&self, group: u32, h: &BHash) -> bool {
-        let mut cur = self.by_fp.get(&fingerprint(group, h)).copied().unwrap_or(NIL);
+        let mut cur = self.by_fp.get(&fp_key(fingerprint(group, h))).copied().unwrap_or(NIL);
         while cur != NIL {
             let x = &self.blocks[&cur];
             if u32::from(x.group) == group && self.hash_is(cur, x, h) {
@@ -669,7 +677,7 @@ impl Forest {
 
     /// File a new block under its fingerprint, after the blocks already there.
     fn link_same(&mut self, bid: Bid) {
-        let f = self.fp_of(bid);
+        let f = fp_key(self.fp_of(bid));
         let Some(&head) = self.by_fp.get(&f) else {
             self.by_fp.insert(f, bid);
             return;
@@ -687,7 +695,7 @@ impl Forest {
 
     /// Take a block (still in the slab) out of its fingerprint's chain.
     fn unlink_same(&mut self, bid: Bid) {
-        let (f, next) = (self.fp_of(bid), self.blocks[&bid].same);
+        let (f, next) = (fp_key(self.fp_of(bid)), self.blocks[&bid].same);
         let head = *self.by_fp.get(&f).expect("a filed block");
         if head == bid {
             if next == NIL {

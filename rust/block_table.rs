@@ -23,13 +23,33 @@
 
 use crate::ludo::prefetch;
 
-const EMPTY: u64 = 0;
 const FIB: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// A table's key: a name of 64 bits, or of 32 where a record's own fields tell names that share
+/// their bits apart (the agent forest's fingerprint index: 8 bytes a slot, not 12).
+/// 0 marks an empty slot.
+pub trait SlotKey: Copy + Eq + Default + std::fmt::Debug {
+    fn wide(self) -> u64;
+}
+
+impl SlotKey for u64 {
+    #[inline(always)]
+    fn wide(self) -> u64 {
+        self
+    }
+}
+
+impl SlotKey for u32 {
+    #[inline(always)]
+    fn wide(self) -> u64 {
+        u64::from(self)
+    }
+}
 
 /// See the module notes.
 #[derive(Clone, Debug)]
-pub struct BlockTable<V: Copy + Default> {
-    keys: Vec<u64>,
+pub struct BlockTable<V: Copy + Default, K: SlotKey = u64> {
+    keys: Vec<K>,
     vals: Vec<V>,
     /// `64 - log2(keys.len())`: the multiply's top bits are the home slot.
     shift: u32,
@@ -37,20 +57,20 @@ pub struct BlockTable<V: Copy + Default> {
     zero: Option<V>,
 }
 
-impl<V: Copy + Default> Default for BlockTable<V> {
+impl<V: Copy + Default, K: SlotKey> Default for BlockTable<V, K> {
     fn default() -> Self {
         Self::new()
     }
 }
 
-impl<V: Copy + Default> BlockTable<V> {
+impl<V: Copy + Default, K: SlotKey> BlockTable<V, K> {
     pub fn new() -> Self {
         BlockTable { keys: Vec::new(), vals: Vec::new(), shift: 64, len: 0, zero: None }
     }
 
     #[inline]
-    fn home(&self, key: u64) -> usize {
-        (key.wrapping_mul(FIB) >> self.shift) as usize
+    fn home(&self, key: K) -> usize {
+        (key.wide().wrapping_mul(FIB) >> self.shift) as usize
     }
 
     #[inline]
@@ -60,7 +80,7 @@ impl<V: Copy + Default> BlockTable<V> {
 
     /// The slot holding `key` (not 0), if any.
     #[inline]
-    fn find(&self, key: u64) -> Option<usize> {
+    fn find(&self, key: K) -> Option<usize> {
         if self.keys.is_empty() {
             return None;
         }
@@ -71,7 +91,7 @@ impl<V: Copy + Default> BlockTable<V> {
             if k == key {
                 return Some(i);
             }
-            if k == EMPTY {
+            if k == K::default() {
                 return None;
             }
             i = (i + 1) & mask;
@@ -80,7 +100,7 @@ impl<V: Copy + Default> BlockTable<V> {
 
     /// Ask the CPU for `key`'s home slot now, for a lookup a few steps later.
     #[inline(always)]
-    pub fn prefetch(&self, key: u64) {
+    pub fn prefetch(&self, key: K) {
         if !self.keys.is_empty() {
             let i = self.home(key);
             prefetch(&self.keys, i);
@@ -102,31 +122,31 @@ impl<V: Copy + Default> BlockTable<V> {
     }
 
     /// Bytes of one slot (a key and a record).
-    pub const SLOT_BYTES: usize = 8 + std::mem::size_of::<V>();
+    pub const SLOT_BYTES: usize = std::mem::size_of::<K>() + std::mem::size_of::<V>();
 
     #[inline]
-    pub fn get(&self, key: &u64) -> Option<&V> {
-        if *key == EMPTY {
+    pub fn get(&self, key: &K) -> Option<&V> {
+        if *key == K::default() {
             return self.zero.as_ref();
         }
         self.find(*key).map(|i| &self.vals[i])
     }
 
     #[inline]
-    pub fn get_mut(&mut self, key: &u64) -> Option<&mut V> {
-        if *key == EMPTY {
+    pub fn get_mut(&mut self, key: &K) -> Option<&mut V> {
+        if *key == K::default() {
             return self.zero.as_mut();
         }
         self.find(*key).map(move |i| &mut self.vals[i])
     }
 
-    pub fn contains_key(&self, key: &u64) -> bool {
+    pub fn contains_key(&self, key: &K) -> bool {
         self.get(key).is_some()
     }
 
     /// Insert or replace; the previous record, if any.
-    pub fn insert(&mut self, key: u64, val: V) -> Option<V> {
-        if key == EMPTY {
+    pub fn insert(&mut self, key: K, val: V) -> Option<V> {
+        if key == K::default() {
             let old = self.zero.take();
             self.zero = Some(val);
             if old.is_none() {
@@ -144,7 +164,7 @@ impl<V: Copy + Default> BlockTable<V> {
             if k == key {
                 return Some(std::mem::replace(&mut self.vals[i], val));
             }
-            if k == EMPTY {
+            if k == K::default() {
                 self.keys[i] = key;
                 self.vals[i] = val;
                 self.len += 1;
@@ -155,8 +175,8 @@ impl<V: Copy + Default> BlockTable<V> {
     }
 
     /// Remove `key`; its record, if it was there.
-    pub fn remove(&mut self, key: &u64) -> Option<V> {
-        if *key == EMPTY {
+    pub fn remove(&mut self, key: &K) -> Option<V> {
+        if *key == K::default() {
             let old = self.zero.take();
             if old.is_some() {
                 self.len -= 1;
@@ -173,7 +193,7 @@ impl<V: Copy + Default> BlockTable<V> {
         loop {
             j = (j + 1) & mask;
             let k = self.keys[j];
-            if k == EMPTY {
+            if k == K::default() {
                 break;
             }
             let h = self.home(k);
@@ -185,7 +205,7 @@ impl<V: Copy + Default> BlockTable<V> {
                 i = j;
             }
         }
-        self.keys[i] = EMPTY;
+        self.keys[i] = K::default();
         Some(val)
     }
 
@@ -194,19 +214,19 @@ impl<V: Copy + Default> BlockTable<V> {
     }
 
     /// Every `(key, record)`, in no particular order.
-    pub fn iter(&self) -> impl Iterator<Item = (u64, &V)> {
-        self.zero.iter().map(|v| (EMPTY, v)).chain(self.keys.iter().zip(&self.vals).filter(|(k, _)| **k != EMPTY).map(|(k, v)| (*k, v)))
+    pub fn iter(&self) -> impl Iterator<Item = (K, &V)> {
+        self.zero.iter().map(|v| (K::default(), v)).chain(self.keys.iter().zip(&self.vals).filter(|(k, _)| **k != K::default()).map(|(k, v)| (*k, v)))
     }
 
     fn grow(&mut self) {
         let n = (self.keys.len() * 2).max(16);
-        let keys = std::mem::replace(&mut self.keys, vec![EMPTY; n]);
+        let keys = std::mem::replace(&mut self.keys, vec![K::default(); n]);
         let vals = std::mem::replace(&mut self.vals, vec![V::default(); n]);
         self.shift = 64 - n.trailing_zeros();
         let mask = n - 1;
-        for (k, v) in keys.into_iter().zip(vals).filter(|(k, _)| *k != EMPTY) {
+        for (k, v) in keys.into_iter().zip(vals).filter(|(k, _)| *k != K::default()) {
             let mut i = self.home(k);
-            while self.keys[i] != EMPTY {
+            while self.keys[i] != K::default() {
                 i = (i + 1) & mask;
             }
             self.keys[i] = k;
@@ -215,9 +235,9 @@ impl<V: Copy + Default> BlockTable<V> {
     }
 }
 
-impl<V: Copy + Default> std::ops::Index<&u64> for BlockTable<V> {
+impl<V: Copy + Default, K: SlotKey> std::ops::Index<&K> for BlockTable<V, K> {
     type Output = V;
-    fn index(&self, key: &u64) -> &V {
+    fn index(&self, key: &K) -> &V {
         self.get(key).expect("key in the block table")
     }
 }
@@ -253,6 +273,28 @@ mod tests {
             let mut want: Vec<(u64, u32)> = m.into_iter().collect();
             want.sort_unstable();
             prop_assert_eq!(got, want);
+        }
+    }
+
+    proptest! {
+        // The same with 32-bit keys (the forest's fingerprint index), small ones colliding.
+        #[test]
+        fn behaves_as_a_map_with_narrow_keys(ops in proptest::collection::vec((any::<bool>(), 0u32..64, any::<u32>()), 0..400)) {
+            let mut t: BlockTable<u32, u32> = BlockTable::new();
+            let mut m: HashMap<u32, u32> = HashMap::new();
+            for (ins, k, v) in ops {
+                let key = k.wrapping_mul(0x1000_0001);
+                if ins {
+                    prop_assert_eq!(t.insert(key, v), m.insert(key, v));
+                } else {
+                    prop_assert_eq!(t.remove(&key), m.remove(&key));
+                }
+                prop_assert_eq!(t.len(), m.len());
+            }
+            for (k, v) in &m {
+                prop_assert_eq!(t.get(k), Some(v));
+            }
+            prop_assert_eq!(BlockTable::<u32, u32>::SLOT_BYTES, 8);
         }
     }
 
