@@ -159,3 +159,41 @@ def test_table_5_puts_structural_and_end_to_end_false_hits_beside_the_papers(tmp
     assert "# Table 5, reproduced" in (tmp_path / "report.md").read_text()
     assert (tmp_path / "table5.png").stat().st_size > 10_000
 
+
+
+def test_figure_12_chat_runs_the_grid_on_sharegpt_chat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Figure 12's chat columns: the same grid on ShareGPT's multi-turn chat (a small file in
+    the ShareGPT format here), LRU, rates as loads against the chat workload's own capacity,
+    and the paper's chat rows with notes that name the stand-in."""
+    from kvcompass.sim import sharegpt
+
+    records = []
+    for i in range(80):
+        turns: list[dict[str, str]] = []
+        for k in range(1 + i % 4):
+            turns.append({"from": "human", "value": f"conversation {i} question {k}: " + "tell me more about the topic " * (3 + (i * 7 + k) % 11)})
+            turns.append({"from": "gpt", "value": f"answer {k} to {i}: " + "here is a detailed reply " * (2 + (i * 5 + k) % 13)})
+        records.append({"id": f"c{i}_0", "conversations": turns})
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps(records), encoding="utf-8")
+    monkeypatch.setenv(sharegpt.ENV_PATH, str(data))
+    monkeypatch.setenv("KVCOMPASS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(sharegpt, "HOLDOUT_CONVERSATIONS", 20)
+    sharegpt._memo.clear()
+    out = tmp_path / "out"
+    assert main(["reproduce", "--figure", "12-chat", "--quick", "--requests", "200", "--out", str(out)]) == 0
+    assert "figure 12-chat: 9 rows" in capsys.readouterr().out
+    run = json.loads((out / "run.json").read_text())
+    assert run["workload"]["name"] == "chat" and run["workload"]["eviction"] == "lru" and run["workload"]["tenants"] == 1
+    for p, v in run["rates"].items():
+        assert float(v["rate"]) == pytest.approx(float(p) / REFERENCE_RATE * run["capacity"]["req_per_s"], rel=1e-3)
+    rows = json.loads((out / "report.json").read_text())
+    assert {(r["metric"], r["scheme"]) for r in rows} == {(p["metric"], p["scheme"]) for p in paper_rows("12-chat")}
+    for r in rows:
+        assert r["ours"] > 0 and r["note"].startswith(("agrees", "disagrees"))
+        if r["note"].startswith("disagrees"):
+            assert "ShareGPT" in r["note"] and "Mixed-like" not in r["note"]
+    md = (out / "report.md").read_text()
+    assert "ShareGPT's multi-turn chat" in md and "Absent:" not in md and "synthetic Mixed" not in md
+    assert (out / "figure12-chat.png").stat().st_size > 10_000
+    sharegpt._memo.clear()

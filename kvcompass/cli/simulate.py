@@ -394,9 +394,10 @@ def add_parsers(sub: Any) -> None:
         help="run one of the paper's figures' grids and write the paper's numbers beside ours (report.md, report.json, the figure)",
         description="Reproducible here: figures 11 and 13 (the three-continent testbed), 12 and 14 (64 workers), 15 (the ablations, "
         "closed loop), 16 (128 workers), 17 (the North-American testbed) and 18 (prefill-decode disaggregation), on Mixed, and "
-        "table 4 (fault sensitivity: --figure table4), table 5 (false hits: --figure table5). Absent so far: the WildChat/LMSYS columns.",
+        "table 4 (fault sensitivity: --figure table4), table 5 (false hits: --figure table5); figure 12's chat columns on ShareGPT chat, "
+        "the nearest stand-in for WildChat and LMSYS (--figure 12-chat, needs kvcompass[traces]). Absent: the WildChat/LMSYS columns of the other figures.",
     )
-    rep.add_argument("--figure", required=True, metavar="N", help="the paper's figure: 11 to 18, table4 or table5")
+    rep.add_argument("--figure", required=True, metavar="N", help="the paper's figure: 11 to 18, 12-chat, table4 or table5")
     rep.add_argument("--quick", action="store_true", help="fewer rates and requests (fits in 10 minutes on 2 cores)")
     rep.add_argument("--jobs", type=int, default=1, metavar="N", help="run up to N simulations side by side in worker processes (default 1)")
     rep.add_argument("--ray", default=None, metavar="ADDRESS|local", help=_RAY_HELP)

@@ -27,8 +27,8 @@ and recomputed prefill tokens, from the same runs); figure 15, the ablations' cl
 throughput on that testbed; figure 17, figure 11 on the North-American testbed; and figure 18,
 TTFT under prefill-decode disaggregation against the stock stack's dispatchers (one tenant, so
 every request draws on one pool of hot prefixes: our stand-in for the paper's "hot-skew
-Mixed"). The paper's WildChat and LMSYS columns are not in the figures (their nearest stand-in
-here, ShareGPT chat, is ``kvcompass simulate --trace sharegpt``); table 4 (``--figure table4``)
+Mixed"). The paper's WildChat and LMSYS columns of figure 12 are ``--figure 12-chat`` on their
+nearest stand-in here, ShareGPT's multi-turn chat (``kvcompass[traces]``); table 4 (``--figure table4``)
 reruns KVCompass with one fault knob set at a time; table 5 (``--figure table5``) puts the
 structural false-hit rate of never-inserted keys by table load beside the paper's, with a Mixed
 run's end-to-end rate. ``--ray`` runs a grid on Ray.
@@ -53,7 +53,8 @@ from kvcompass.errors import InvalidArgumentError
 from kvcompass.sim.capacity import Capacity, no_reuse_capacity, rates_for_loads
 from kvcompass.sim.sensitivity import SensitivityRow, StructuralRate, structural_false_hit_rate, sweep
 from kvcompass.sim.summary import Summary
-from kvcompass.sim.workload import RequestTable, synthetic_mixed
+from kvcompass.sim.requests import Request
+from kvcompass.sim.workload import synthetic_mixed
 
 __all__ = ["FIGURES", "REFERENCE_RATE", "Figure", "Row", "image_name", "paper_rows", "reproduce"]
 
@@ -78,6 +79,7 @@ AGREE = 1.5
 # disagreement's sentence names (not proven causes: each is an open item of issue 14).
 KNOWN_DIFFERENCES: dict[str, str] = {
     "*": "our Mixed is a synthetic Mixed-like generator (mean prompt about 5,000 tokens), not the paper's ToolBench/LooGLE/APPS traces",
+    "*chat": "our chat is ShareGPT's multi-turn conversations (each turn the conversation so far; Poisson arrivals with think times), not WildChat or LMSYS, and the paper's chat figures are ranges over all three workloads where it gives no per-workload number",
     "central-directory": "our Central Directory decides on state one WAN way old, plus its own dispatches, and pays no compute for its lookup; the paper does not say how fresh its coordinator's state was",
     "chord": "our Chord runs ceil(log2 N) virtual nodes per worker (the Chord paper's rule; the paper does not say how many it ran) and pays O(log N) WAN hops per lookup",
     "consistent-hash": "our rings place 64 virtual nodes per worker (the paper does not say how many it used)",
@@ -88,6 +90,11 @@ KNOWN_DIFFERENCES: dict[str, str] = {
     "kvcompass-tier-blind": "our DRAM reload costs 0.005 ms/token (PCIe 4.0, about 14x cheaper than recomputing at 0.07-0.085), so pricing a DRAM hit like a VRAM hit changes few choices; the paper does not give its reload cost",
     "kvcompass-no-migration": "our edges start few migrations in these runs (a fraction of a percent of the requests), so removing them changes little; the paper does not say how often it migrated",
 }
+
+
+def _everyone(workload: str) -> str:
+    """The :data:`KNOWN_DIFFERENCES` key that bears on every row of a workload's figure."""
+    return "*chat" if workload == "chat" else "*"
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +122,9 @@ class Figure:
     draw: str = "curves"
     """The layout: ``curves`` (P99 vs rate, boxes, throughput), ``heatmap``, ``ablation``,
     ``reuse`` (reused and recomputed tokens) or ``cdf`` (TTFT CDF)."""
+    workload: str = "mixed"
+    """``mixed`` (the Mixed-like generator with :attr:`tenants` tenants) or ``chat`` (ShareGPT
+    multi-turn chat, the evaluation split: :mod:`kvcompass.sim.sharegpt`, one namespace)."""
 
 
 _SCHEMES = ("kvcompass", "oracle", *BASELINES)
@@ -141,6 +151,26 @@ FIGURES: dict[str, Figure] = {
         draw="heatmap",
     ),
 }
+
+FIGURES["12-chat"] = Figure(
+    "12-chat",
+    "P99 TTFT vs. arrival rate, TTFT and E2E distributions at 2750 req/s, and throughput (ShareGPT chat for the paper's WildChat and LMSYS columns, 64 workers in 8 regions)",
+    "paper-64x8",
+    _SCHEMES,
+    paper_rates=(500.0, 1500.0, 2750.0, 3000.0, 4500.0, 6000.0),
+    quick_rates=(1500.0, 2750.0, 3000.0, 6000.0),
+    requests=100_000,
+    quick_requests=12_000,
+    tenants=1,
+    eviction="lru",
+    workload="chat",
+)
+"""The chat columns of figure 12. The paper's WildChat and LMSYS are not available offline; the
+nearest real workload here is ShareGPT's multi-turn chat (``kvcompass[traces]``; each turn's
+prompt is the conversation so far), LRU as the paper uses for chat. The paper's rates are loads
+against this workload's own no-reuse capacity, as for Mixed (its 3000 req/s is load 1.0). The
+paper's rows that apply: Dynamo's P99 TTFT at 2750 req/s on WildChat, and the ranges it gives
+over all three workloads (which one workload's value should fall within)."""
 
 FIGURES["16"] = Figure(
     "16",
@@ -336,7 +366,7 @@ def _structural_note(r: StructuralRate, paper: float, with_fp: StructuralRate | 
     return f"{head}: ours {100 * r.rate:.1f} % at {r.load:.0%} load, the paper's {100 * paper:.1f} %{tail}{fp}."
 
 
-def _note(metric: str, scheme: str, paper: float, ours: float) -> str:
+def _note(metric: str, scheme: str, paper: float, ours: float, workload: str = "mixed") -> str:
     """One sentence on the row: agreement, or the disagreement with its direction, size and the
     known differences that bear on it."""
     ratio = ours / paper
@@ -357,7 +387,7 @@ def _note(metric: str, scheme: str, paper: float, ours: float) -> str:
         return f"agrees: ours is within {AGREE}x of the paper's ({ratio:.2f}x)."
     if metric == "ablation_throughput":
         head = f"disagrees: without this mechanism our KVCompass keeps {ours:.3f} of its throughput (it costs {100 * (1 - ours):.1f} %), the paper's kept {paper:.2f}"
-        causes = [KNOWN_DIFFERENCES[k] for k in (scheme, "*") if k in KNOWN_DIFFERENCES]
+        causes = [KNOWN_DIFFERENCES[k] for k in (scheme, _everyone(workload)) if k in KNOWN_DIFFERENCES]
         return head + "; known differences that bear on it: " + "; ".join(causes) + "."
     if metric.startswith(("p99_ttft_ratio", "p50_ttft_ratio", "p99_e2e_ratio", "throughput_ratio", "reused_tokens_ratio")):
         side = "smaller" if ratio < 1 else "larger"
@@ -367,12 +397,24 @@ def _note(metric: str, scheme: str, paper: float, ours: float) -> str:
             head = f"disagrees: here KVCompass loses to {scheme} ({ours:.2f}x, the paper reports {paper:.2f}x in its favour)"
     else:
         head = f"disagrees: ours is {ratio:.2f}x the paper's ({ours:.3g} vs {paper:.3g})"
-    causes = [KNOWN_DIFFERENCES[k] for k in (scheme, "*") if k in KNOWN_DIFFERENCES]
+    causes = [KNOWN_DIFFERENCES[k] for k in (scheme, _everyone(workload)) if k in KNOWN_DIFFERENCES]
     return head + "; known differences that bear on it: " + "; ".join(causes) + "."
 
 
-def _workload(fig: Figure, topology: Topology, n: int, rate: float, seed: int) -> RequestTable:
+def _workload(fig: Figure, topology: Topology, n: int, rate: float, seed: int) -> Sequence[Request]:
+    if fig.workload == "chat":
+        from kvcompass.sim.sharegpt import sharegpt_chat
+
+        return sharegpt_chat(n, regions=topology, seed=seed, rate=rate, block_size=topology.block_size, split="evaluation")
     return synthetic_mixed(n, regions=topology, seed=seed, rate=rate, block_size=topology.block_size, tenants=fig.tenants, private_pools=fig.tenants > 1)
+
+
+def _workload_name(fig: Figure) -> str:
+    if fig.workload == "chat":
+        return "ShareGPT's multi-turn chat (the evaluation split, one namespace)"
+    if fig.tenants == 1:
+        return "the synthetic Mixed workload, one tenant"
+    return f"the synthetic Mixed workload, {fig.tenants} tenants with private prompt pools"
 
 
 def reproduce(
@@ -403,7 +445,7 @@ def reproduce(
     rates = rates_for_loads(capacity, loads)
     rate_of = dict(zip(paper_rates, rates))
     say(
-        f"figure {figure}: {fig.topology}, Mixed with {fig.tenants} tenant{'s' if fig.tenants != 1 else ''}, {n} requests a run, no-reuse capacity {capacity.req_per_s:.1f} req/s; "
+        f"figure {figure}: {fig.topology}, {_workload_name(fig)}, {n} requests a run, no-reuse capacity {capacity.req_per_s:.1f} req/s; "
         + ", ".join(f"paper {p:g} req/s = load {l:.3f} = {r} req/s" for p, l, r in zip(paper_rates, loads, rates))
     )
     workloads = {rate: _workload(fig, topology, n, float(rate), seed) for rate in rates}
@@ -448,7 +490,7 @@ def reproduce(
             note = _structural_note(r, paper, structural_fp)
         else:
             ours = _sensitivity_metric(p["metric"], at["kvcompass"], sensitivity) if "@" in p["metric"] else _metric(p["metric"], p["scheme"], at)
-            note = _note(p["metric"], p["scheme"], paper, ours)
+            note = _note(p["metric"], p["scheme"], paper, ours, fig.workload)
         rows.append(Row(figure, p["metric"], p["scheme"], paper_rate / reference, rate, paper_rate, paper, ours, ours / paper if paper else math.inf, note))
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -458,7 +500,7 @@ def reproduce(
         "figure": figure,
         "quick": quick,
         "topology": fig.topology,
-        "workload": {"name": "mixed", "tenants": fig.tenants, "private_pools": fig.tenants > 1, "requests_per_run": n, "seed": seed, "eviction": fig.eviction},
+        "workload": {"name": fig.workload, "tenants": fig.tenants, "private_pools": fig.tenants > 1, "requests_per_run": n, "seed": seed, "eviction": fig.eviction},
         "closed_loop": closed,
         "capacity": {k: v for k, v in capacity.as_dict().items() if k != "per_worker"},
         "reference_rate": fig.reference_rate,
@@ -513,7 +555,7 @@ def _markdown(
         "",
         f"{fig.title}.",
         "",
-        f"- Topology `{fig.topology}`; the synthetic Mixed workload, {fig.tenants} tenants with private prompt pools, {n} requests a run, "
+        f"- Topology `{fig.topology}`; {_workload_name(fig)}, {n} requests a run, "
         f"{fig.eviction.upper()} eviction; {len(results)} schemes x {len(rate_of)} rates in {wall:.0f} s.",
         f"- No-reuse capacity (lambda_0) of this workload on this topology: {capacity.req_per_s:.1f} req/s "
         f"(mean prompt {capacity.mean_input_tokens:.0f} tokens, output {capacity.mean_output_tokens:.0f}).",
@@ -533,7 +575,15 @@ def _markdown(
             )
         ),
         f"- {agree} of {len(rows)} rows agree within {AGREE}x; every other row says how it disagrees.",
-        "- Absent: the paper's WildChat and LMSYS columns (their nearest stand-in here is `kvcompass simulate --trace sharegpt`, not yet part of the figure)." if fig.number not in ("15", "18") else None,
+        (
+            "- The workload is ShareGPT's multi-turn chat, the nearest real stand-in here for the paper's WildChat and LMSYS (neither is available offline); where the paper gives a range over its three workloads, the row compares against the range's end."
+            if fig.workload == "chat"
+            else "- Absent: the paper's WildChat and LMSYS columns (their nearest stand-in here, ShareGPT chat, is `--figure 12-chat`)."
+            if fig.number == "12"
+            else "- Absent: the paper's WildChat and LMSYS columns (their nearest stand-in here is `kvcompass simulate --trace sharegpt`)."
+            if fig.number not in ("15", "18")
+            else None
+        ),
         f"- The paper measured figure {fig.number} on its real-machine testbed; ours is the simulator on the same topology." if fig.reference_rate is None or fig.closed_loop_per_worker else None,
         "",
         "| metric | scheme | paper rate (load) | paper | ours | ours / paper | note |",
