@@ -13,8 +13,37 @@ import numpy as np
 import numpy.typing as npt
 
 import kvcompass as kc
+from kvcompass.sim.requests import ChainBlocks, Request
+from kvcompass.sim.workload import MixedConfig
 
 M64 = (1 << 64) - 1
+
+
+# A Mixed workload of short prompts and outputs, so a few hundred requests run in a fraction of
+# a second (the simulator's and the schemes' tests, the golden runs).
+SMALL = MixedConfig(
+    system_prompt=(32, 96),
+    toolsets=4,
+    tool_preamble=(200, 600),
+    tool_calls_max=4,
+    tool_query=(10, 50),
+    tool_observation=(50.0, 10, 200),
+    tool_output=(20.0, 4, 60),
+    documents=8,
+    document=(400, 1200),
+    question=(10, 40),
+    answer=(20.0, 4, 60),
+    problems=20,
+    problem=(100.0, 32, 400),
+    instruction=(10, 40),
+    code=(30.0, 4, 80),
+)
+
+
+def chain_request(i: int, arrival_ms: float, region: str, chain: int, length: int, output: int = 1) -> Request:
+    """A root request of ``length`` tokens in 16-token blocks, one run of chain ``chain``."""
+    blocks = ChainBlocks(((chain, -(-length // 16)),))
+    return Request(i, arrival_ms, region, 0, "public", length, output, 16, i, -1, blocks)
 
 
 def mix64(x: int) -> int:

@@ -17,28 +17,11 @@ from kvcompass import _core
 from kvcompass.sim.engine import Simulator, simulate
 from kvcompass.sim.summary import Summary, busy_matrix
 from kvcompass.sim.schemes import SCHEMES
-from kvcompass.sim.workload import ChainBlocks, MixedConfig, Request, synthetic_mixed
+from kvcompass.sim.workload import ChainBlocks, Request, synthetic_mixed
+
+from _support import SMALL, chain_request
 
 EXCERPT = Path(__file__).resolve().parent / "data" / "conversation_excerpt.jsonl"
-
-# Short prompts and outputs so a few hundred requests run in a fraction of a second.
-SMALL = MixedConfig(
-    system_prompt=(32, 96),
-    toolsets=4,
-    tool_preamble=(200, 600),
-    tool_calls_max=4,
-    tool_query=(10, 50),
-    tool_observation=(50.0, 10, 200),
-    tool_output=(20.0, 4, 60),
-    documents=8,
-    document=(400, 1200),
-    question=(10, 40),
-    answer=(20.0, 4, 60),
-    problems=20,
-    problem=(100.0, 32, 400),
-    instruction=(10, 40),
-    code=(30.0, 4, 80),
-)
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +32,6 @@ def testbed() -> Topology:
 @pytest.fixture(scope="module")
 def mixed(testbed: Topology) -> list[Request]:
     return synthetic_mixed(300, regions=testbed, seed=1, rate=20.0, config=SMALL)
-
-
-def _request(i: int, arrival_ms: float, region: str, chain: int, length: int, output: int = 1) -> Request:
-    blocks = ChainBlocks(((chain, -(-length // 16)),))
-    return Request(i, arrival_ms, region, 0, "public", length, output, 16, i, -1, blocks)
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
@@ -102,7 +80,7 @@ def _repeats(testbed: Topology) -> tuple[list[Request], dict[str, Summary]]:
     prompts = [(1000 + p, int(rng.integers(300, 900))) for p in range(40)]
     order = [p for p in range(len(prompts)) for _ in range(5)]
     rng.shuffle(order)
-    reqs = [_request(i, 50.0 * i, regions[int(rng.integers(len(regions)))], *prompts[p], output=8) for i, p in enumerate(order)]
+    reqs = [chain_request(i, 50.0 * i, regions[int(rng.integers(len(regions)))], *prompts[p], output=8) for i, p in enumerate(order)]
     return reqs, {name: simulate(testbed, reqs, name, seed=1) for name in ("kvcompass", "local-least-loaded")}
 
 
@@ -138,7 +116,7 @@ def test_one_worker_under_poisson_arrivals_queues_as_md1() -> None:
     service = cost.prefill_ms(length)
     rng = np.random.default_rng(11)
     arrivals = np.cumsum(rng.exponential(service / rho, size=n))
-    reqs = [_request(i, float(t), "a", 10_000 + i, length) for i, t in enumerate(arrivals)]
+    reqs = [chain_request(i, float(t), "a", 10_000 + i, length) for i, t in enumerate(arrivals)]
     s = simulate(topo, reqs, "local-least-loaded", seed=0, cost=cost)
     assert s.reused_tokens == 0  # distinct prompts: the service time is fixed
     wq = rho * service / (2 * (1 - rho))  # Pollaczek-Khinchine for deterministic service
@@ -153,11 +131,11 @@ def test_busy_matrix_splits_intervals_across_windows() -> None:
 
 def test_refusals(testbed: Topology) -> None:
     with pytest.raises(InvalidArgumentError, match="unknown scheme"):
-        simulate(testbed, [_request(0, 0.0, "us", 1, 64)], "no-such-scheme")
+        simulate(testbed, [chain_request(0, 0.0, "us", 1, 64)], "no-such-scheme")
     with pytest.raises(InvalidArgumentError, match="gpu_sharing"):
-        simulate(testbed, [_request(0, 0.0, "us", 1, 64)], gpu_sharing="shared")  # type: ignore[arg-type]
+        simulate(testbed, [chain_request(0, 0.0, "us", 1, 64)], gpu_sharing="shared")  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="max_batched_tokens"):
-        simulate(testbed, [_request(0, 0.0, "us", 1, 64)], max_batched_tokens=0)
+        simulate(testbed, [chain_request(0, 0.0, "us", 1, 64)], max_batched_tokens=0)
 
 
 def test_the_ticks_live_poll_writes_each_busy_workers_queue_at_its_edge(testbed: Topology, mixed: list[Request]) -> None:
@@ -279,7 +257,7 @@ def test_dispatched_work_is_visible_until_the_request_reaches_its_worker(testbed
             return Choice("asia-0")
 
     # Two us requests at one instant and a third after the first two reached asia-0.
-    reqs = [_request(0, 0.0, "us", 1, 2048), _request(1, 0.0, "us", 2, 2048), _request(2, 500.0, "us", 3, 2048)]
+    reqs = [chain_request(0, 0.0, "us", 1, 2048), chain_request(1, 0.0, "us", 2, 2048), chain_request(2, 500.0, "us", 3, 2048)]
     simulate(testbed, reqs, ToAsia, seed=0)
     cost = CostModel().prefill_ms(2048)
     assert seen[0][1:] == (0.0, 0.0)
@@ -311,8 +289,8 @@ def test_migrations_are_carried_out_and_land_in_the_target_cache(testbed: Topolo
     # A long preamble is cached in us first; then eu requests for it (saving 4096 * 0.085 ms of
     # prefill, above the 93 ms RTT) cross to the us holder: local misses make it hot in eu, and
     # an eu worker idle since the start gets a replica (recompute: the holder is remote).
-    reqs = [_request(i, 100.0 * i, "us", 7, 4096, output=2) for i in range(3)]
-    reqs += [_request(3 + i, 1500.0 + 50.0 * i, "eu", 7, 4096 + 16 * (i % 5), output=2) for i in range(40)]
+    reqs = [chain_request(i, 100.0 * i, "us", 7, 4096, output=2) for i in range(3)]
+    reqs += [chain_request(3 + i, 1500.0 + 50.0 * i, "eu", 7, 4096 + 16 * (i % 5), output=2) for i in range(40)]
     sim = Simulator(testbed, reqs, "kvcompass")
     sim.run()
     assert sum(sim.migrations.values()) == len(sim.migration_log) > 0
@@ -356,7 +334,7 @@ def test_handoff_by_the_destination_edge_moves_a_request_forwarded_onto_a_worker
             return Choice("eu-0")
 
     # eu's own 60k-token prompt lands on eu-0 first; 10 ms later us forwards a short one there.
-    reqs = [_request(0, 0.0, "eu", 1, 60000), _request(1, 10.0, "us", 2, 512)]
+    reqs = [chain_request(0, 0.0, "eu", 1, 60000), chain_request(1, 10.0, "us", 2, 512)]
     sim = Simulator(testbed, reqs, AllToEu0)
     s = sim.run()
     by_id = {r.id: r for r in s.records}
@@ -440,7 +418,7 @@ def test_chunked_sharing_stalls_the_batch_for_a_prompt_and_slows_the_prompt_by_t
     (2048-token steps), the prompt runs in three steps next to that sequence's decode, and the
     sequence's tokens wait for the prompt's compute; on separate lanes neither notices."""
     topo, cost = _one_worker(), CostModel()
-    reqs = [_request(0, 0.0, "a", 1, 16, output=400), _request(1, 50.0, "a", 2, 4096)]
+    reqs = [chain_request(0, 0.0, "a", 1, 16, output=400), chain_request(1, 50.0, "a", 2, 4096)]
     runs = {mode: {r.id: r for r in simulate(topo, reqs, "oracle", gpu_sharing=mode, cost=cost).records} for mode in ("lanes", "chunked")}
     lanes, chunked = runs["lanes"], runs["chunked"]
     assert lanes[1].ttft_ms == pytest.approx(2.0 + cost.prefill_ms(4096))
@@ -460,8 +438,8 @@ def test_chunked_sharing_queues_count_the_decode_batch() -> None:
     from kvcompass.sim.engine import SimConfig, Simulator
 
     topo = _one_worker()
-    reqs = [_request(i, 0.0, "a", 1 + i, 16, output=300) for i in range(8)]
-    reqs += [_request(8, 200.0, "a", 100, 6000), _request(9, 200.0, "a", 101, 6000)]
+    reqs = [chain_request(i, 0.0, "a", 1 + i, 16, output=300) for i in range(8)]
+    reqs += [chain_request(8, 200.0, "a", 100, 6000), chain_request(9, 200.0, "a", 101, 6000)]
     seen: dict[str, float] = {}
     for mode in ("lanes", "chunked"):
         sim = Simulator(topo, reqs, "oracle", SimConfig(gpu_sharing=mode))
@@ -523,7 +501,7 @@ def test_prefill_is_charged_at_the_topologys_beta(gpu_sharing: str) -> None:
         ],
     }
     topo = topology_from_dict(raw)
-    reqs = [_request(0, 0.0, "a", 1, 3000), _request(1, 0.0, "b", 2, 1600)]
+    reqs = [chain_request(0, 0.0, "a", 1, 3000), chain_request(1, 0.0, "b", 2, 1600)]
     s = simulate(topo, reqs, "local-least-loaded", seed=1, gpu_sharing=gpu_sharing)  # type: ignore[arg-type]
     by_id = {r.id: r for r in s.records}
     assert by_id[0].worker == "wa" and by_id[1].worker == "wb"
@@ -558,7 +536,7 @@ def test_the_runs_generator_continues_numpys_pcg64_stream(testbed: Topology) -> 
     integers and floats in the same order (the engine's own draws share that one stream)."""
     from kvcompass.sim.engine import SimConfig, Simulator
 
-    sim = Simulator(testbed, [_request(0, 0.0, "us", 1, 64)], "oracle", SimConfig(seed=11))
+    sim = Simulator(testbed, [chain_request(0, 0.0, "us", 1, 64)], "oracle", SimConfig(seed=11))
     ref = np.random.default_rng(11)
     for n in (2, 3, 7, 1000, 2**40, 5):
         assert sim.rng().integers(n) == int(ref.integers(n))
@@ -572,7 +550,7 @@ def test_a_summary_reports_the_caches_churn() -> None:
 
     roomy = _one_worker()
     tight = dc.replace(roomy, workers=tuple(dc.replace(w, vram_tokens=512, dram_tokens=512) for w in roomy.workers))
-    reqs = [_request(i, 100.0 * i, "a", 10 + i, 400, output=2) for i in range(8)]
+    reqs = [chain_request(i, 100.0 * i, "a", 10 + i, 400, output=2) for i in range(8)]
     a = simulate(roomy, reqs, "oracle", seed=1)
     b = simulate(tight, reqs, "oracle", seed=1)
     assert a.demoted_blocks == a.evicted_blocks == 0

@@ -15,25 +15,9 @@ from kvcompass.errors import InvalidArgumentError
 from kvcompass.engine.costs import CostModel
 from kvcompass.sim.engine import SimConfig, Simulator, simulate
 from kvcompass.sim.schemes import SCHEMES, CentralDirectory, ChordDHT, ConsistentHash, Dynamo, Fleet, Scheme, scheme_params
-from kvcompass.sim.workload import ChainBlocks, MixedConfig, Request, synthetic_mixed
+from kvcompass.sim.workload import ChainBlocks, Request, synthetic_mixed
 
-SMALL = MixedConfig(
-    system_prompt=(32, 96),
-    toolsets=4,
-    tool_preamble=(200, 600),
-    tool_calls_max=4,
-    tool_query=(10, 50),
-    tool_observation=(50.0, 10, 200),
-    tool_output=(20.0, 4, 60),
-    documents=8,
-    document=(400, 1200),
-    question=(10, 40),
-    answer=(20.0, 4, 60),
-    problems=20,
-    problem=(100.0, 32, 400),
-    instruction=(10, 40),
-    code=(30.0, 4, 80),
-)
+from _support import SMALL, chain_request
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +30,8 @@ def mixed(testbed: Topology) -> list[Request]:
     return synthetic_mixed(150, regions=testbed, seed=2, rate=40.0, config=SMALL)
 
 
-def _request(i: int, arrival_ms: float, region: str, chain: int, length: int, output: int = 1) -> Request:
-    blocks = ChainBlocks(((chain, -(-length // 16)),))
-    return Request(i, arrival_ms, region, 0, "public", length, output, 16, i, -1, blocks)
-
-
 def _scheme(topo: Topology, factory: Any, requests: list[Request] | None = None) -> tuple[Simulator, Scheme]:
-    sim = Simulator(topo, requests or [_request(0, 0.0, topo.region_names[0], 1, 64)], factory)
+    sim = Simulator(topo, requests or [chain_request(0, 0.0, topo.region_names[0], 1, 64)], factory)
     return sim, sim._scheme
 
 
@@ -75,16 +54,16 @@ def test_ablations_build_the_plane_with_their_switch(testbed: Topology) -> None:
     assert scheme_params("kvcompass-no-load", EdgeParams()).load_aware is False
     assert scheme_params("kvcompass-tier-blind", EdgeParams()).tier_aware is False
     assert scheme_params("kvcompass-no-fingerprint", EdgeParams()).fingerprints is False
-    sim = Simulator(testbed, [_request(0, 0.0, "us", 1, 64)], "kvcompass-no-xregion")
+    sim = Simulator(testbed, [chain_request(0, 0.0, "us", 1, 64)], "kvcompass-no-xregion")
     assert all(not e.params.cross_region for e in sim.plane.edges.values())
-    sim = Simulator(testbed, [_request(0, 0.0, "us", 1, 64)], "kvcompass-no-fingerprint")
+    sim = Simulator(testbed, [chain_request(0, 0.0, "us", 1, 64)], "kvcompass-no-fingerprint")
     assert sim.plane.layout.fp_bits == 0
 
 
 def test_no_load_ablation_piles_onto_the_holder_where_kvcompass_spreads(testbed: Topology) -> None:
     # One long prompt repeated in a burst from one region: load-aware KVCompass spreads the
     # repeats once the holder's queue grows; without load awareness every repeat goes to the holder.
-    reqs = [_request(0, 0.0, "us", 7, 4000, output=2)] + [_request(i, 200.0 + 0.5 * i, "us", 7, 4000, output=2) for i in range(1, 40)]
+    reqs = [chain_request(0, 0.0, "us", 7, 4000, output=2)] + [chain_request(i, 200.0 + 0.5 * i, "us", 7, 4000, output=2) for i in range(1, 40)]
     full = simulate(testbed, reqs, "kvcompass", seed=1)
     noload = simulate(testbed, reqs, "kvcompass-no-load", seed=1)
     assert len({r.worker for r in noload.records[1:]}) < len({r.worker for r in full.records[1:]})
@@ -96,11 +75,11 @@ def test_no_xregion_ablation_never_leaves_the_region(testbed: Topology, mixed: l
 
 
 def test_consistent_hash_sends_a_prefix_to_one_worker_whatever_the_load(testbed: Topology) -> None:
-    reqs = [_request(i, 0.1 * i, testbed.region_names[i % 3], 5, 3000) for i in range(30)]
+    reqs = [chain_request(i, 0.1 * i, testbed.region_names[i % 3], 5, 3000) for i in range(30)]
     s = simulate(testbed, reqs, "consistent-hash", seed=0)
     assert len({r.worker for r in s.records}) == 1
     assert max(r.queue_ms for r in s.records) > 0  # queued behind each other with 13 workers idle
-    other = simulate(testbed, [_request(0, 0.0, "us", 6, 3000)], "consistent-hash")
+    other = simulate(testbed, [chain_request(0, 0.0, "us", 6, 3000)], "consistent-hash")
     assert all(r.claimed == 0 for r in s.records) and other.records[0].worker in {w.id for w in testbed.workers}
 
 
@@ -131,9 +110,9 @@ def test_chord_lookup_delay_grows_with_hops() -> None:
     hops_sorted = sorted(seen)
     assert hops_sorted[-1] >= 2
     # the TTFT of a chord request includes its lookup
-    summary = simulate(topo, [_request(0, 0.0, "r0", 3, 640)], "chord")
+    summary = simulate(topo, [chain_request(0, 0.0, "r0", 3, 640)], "chord")
     rec = summary.records[0]
-    req = _request(0, 0.0, "r0", 3, 640)
+    req = chain_request(0, 0.0, "r0", 3, 640)
     sim, chord = _scheme(topo, ChordDHT, [req])
     assert isinstance(chord, ChordDHT)
     worker, _, delay = chord.lookup("r0", reference_level_key(sim, req.input_tokens())[1])
@@ -183,7 +162,7 @@ def test_consistent_hash_places_by_the_reference_key(testbed: Topology, length: 
     short-prompt path included), and a tenant's salt changes the key."""
     from kvcompass.sim.schemes import _Ring
 
-    req = _request(0, 0.0, "us", 40 + length, length)
+    req = chain_request(0, 0.0, "us", 40 + length, length)
     sim, ch = _scheme(testbed, ConsistentHash, [req])
     assert isinstance(ch, ConsistentHash)
     level, key = reference_level_key(sim, req.input_tokens())
@@ -213,15 +192,15 @@ def test_central_directory_ttft_includes_the_coordinator_rtt(testbed: Topology) 
     coord = s.coordinator
     far = next(r for r in testbed.region_names if r != coord)
     for region in (coord, far):
-        out = simulate(testbed, [_request(0, 0.0, region, 9, 320)], "central-directory")
+        out = simulate(testbed, [chain_request(0, 0.0, region, 9, 320)], "central-directory")
         rec = out.records[0]
         assert rec.worker_region == region  # idle fleet: the nearest worker wins
-        served = simulate(testbed, [_request(0, 0.0, region, 9, 320)], "local-least-loaded").records[0]
+        served = simulate(testbed, [chain_request(0, 0.0, region, 9, 320)], "local-least-loaded").records[0]
         assert rec.ttft_ms == pytest.approx(served.ttft_ms + testbed.rtt_ms(region, coord))
 
 
 def test_central_directory_finds_the_exact_holder(testbed: Topology) -> None:
-    reqs = [_request(0, 0.0, "us", 11, 2000, output=2), _request(1, 2000.0, "us", 11, 2000)]
+    reqs = [chain_request(0, 0.0, "us", 11, 2000, output=2), chain_request(1, 2000.0, "us", 11, 2000)]
     s = simulate(testbed, reqs, "central-directory", seed=0)
     a, b = s.records
     assert b.worker == a.worker and b.claimed == b.reused == 2000 - 2000 % 16
@@ -234,7 +213,7 @@ def test_planetserve_leaves_a_holder_loaded_past_the_80th_percentile() -> None:
     # and recomputes; from then on both hold the prompt and share the burst. Without the
     # threshold the holder took all 30.
     topo = _uniform(1, 8, rtt=10.0, local=1.0)
-    reqs = [_request(i, float(i), "r0", 7, 4000) for i in range(30)]
+    reqs = [chain_request(i, float(i), "r0", 7, 4000) for i in range(30)]
     s = simulate(topo, reqs, "planetserve")
     served = Counter(r.worker for r in s.records)
     assert len(served) == 2 and sorted(served.values()) == [15, 15]
@@ -252,12 +231,12 @@ def test_central_directory_sees_a_cache_one_wan_way_late(testbed: Topology) -> N
     assert isinstance(s, CentralDirectory)
     coord = s.coordinator
     far = max((r for r in testbed.region_names if r != coord), key=lambda r: testbed.rtt_ms(r, coord))
-    first = simulate(testbed, [_request(0, 0.0, far, 21, 16000)], "central-directory").records[0]
+    first = simulate(testbed, [chain_request(0, 0.0, far, 21, 16000)], "central-directory").records[0]
     stored = first.ttft_ms - testbed.rtt_ms(far, far) / 2  # prefill end: the blocks' events leave
     seen = stored + testbed.rtt_ms(far, coord) / 2 - testbed.rtt_ms(coord, coord) / 2  # arrival time from which the decision sees them
 
     def follow_up(at: float) -> Any:
-        reqs = [_request(0, 0.0, far, 21, 16000), _request(1, at, coord, 21, 16000)]
+        reqs = [chain_request(0, 0.0, far, 21, 16000), chain_request(1, at, coord, 21, 16000)]
         return simulate(testbed, reqs, "central-directory").records[1]
 
     late, early = follow_up(seen + 2.0), follow_up(seen - 2.0)
@@ -267,7 +246,7 @@ def test_central_directory_sees_a_cache_one_wan_way_late(testbed: Topology) -> N
 
 def test_skywalker_stays_local_while_local_queues_are_empty(testbed: Topology) -> None:
     # Sparse arrivals: no pending queue ever forms, so every request is served in its region.
-    reqs = [_request(i, 500.0 * i, testbed.region_names[i % 3], 100 + i % 4, 800) for i in range(24)]
+    reqs = [chain_request(i, 500.0 * i, testbed.region_names[i % 3], 100 + i % 4, 800) for i in range(24)]
     s = simulate(testbed, reqs, "skywalker", seed=0)
     assert all(r.worker_region == r.region for r in s.records)
     # a repeated prefix goes back to its holder while it is free
@@ -277,7 +256,7 @@ def test_skywalker_stays_local_while_local_queues_are_empty(testbed: Topology) -
 def test_skywalker_pushes_only_when_every_local_queue_is_busy() -> None:
     topo = _uniform(2, 2, rtt=100.0, local=1.0)
     # A burst at r0: both r0 workers get a pending queue, then requests spill to r1.
-    reqs = [_request(i, 2.0 * i, "r0", 200 + i, 4000) for i in range(12)]
+    reqs = [chain_request(i, 2.0 * i, "r0", 200 + i, 4000) for i in range(12)]
     s = simulate(topo, reqs, "skywalker", seed=0)
     by_id = sorted(s.records, key=lambda r: r.id)
     assert [r.worker_region for r in by_id[:4]] == ["r0"] * 4
@@ -285,7 +264,7 @@ def test_skywalker_pushes_only_when_every_local_queue_is_busy() -> None:
 
 
 def test_planetserve_routes_to_the_prefix_holder(testbed: Topology) -> None:
-    reqs = [_request(0, 0.0, "eu", 21, 1500, output=2), _request(1, 1000.0, "eu", 21, 1500)]
+    reqs = [chain_request(0, 0.0, "eu", 21, 1500, output=2), chain_request(1, 1000.0, "eu", 21, 1500)]
     a, b = simulate(testbed, reqs, "planetserve", seed=0).records
     assert a.worker == b.worker and b.claimed > 0 and b.reused == b.claimed
 
@@ -294,7 +273,7 @@ def test_a_factory_scheme_is_accepted(testbed: Topology) -> None:
     def factory(fleet: Fleet) -> Scheme:
         return ConsistentHash(fleet)
 
-    s = simulate(testbed, [_request(0, 0.0, "us", 1, 64)], factory)
+    s = simulate(testbed, [chain_request(0, 0.0, "us", 1, 64)], factory)
     assert s.requests == 1
 
 
@@ -314,15 +293,15 @@ def test_dynamo_follows_the_workers_kv_events_exactly(testbed: Topology, mixed: 
 @pytest.mark.parametrize("scheme", ["dynamo", "dynamo-global"])
 def test_dynamo_sees_a_remote_holder_only_after_the_next_broadcast(scheme: str) -> None:
     topo = _uniform(2, 2, rtt=200.0, local=1.0)
-    first = _request(0, 0.0, "r1", 31, 8000)
+    first = chain_request(0, 0.0, "r1", 31, 8000)
     end = simulate(topo, [first], scheme).records[0].ttft_ms - 0.5  # the holder's prefill end
     period = 100.0
     boundary = (end // period + 1) * period
     if boundary - end < 2.0:  # keep the first repeat inside the holder's epoch
-        first = _request(0, 5.0, "r1", 31, 8000)
+        first = chain_request(0, 5.0, "r1", 31, 8000)
         end += 5.0
         boundary = (end // period + 1) * period
-    reqs = [first, _request(1, end + 1.0, "r0", 31, 8000), _request(2, boundary + 1.0, "r0", 31, 8000)]
+    reqs = [first, chain_request(1, end + 1.0, "r0", 31, 8000), chain_request(2, boundary + 1.0, "r0", 31, 8000)]
     a, b, c = sorted(simulate(topo, reqs, scheme, seed=0).records, key=lambda r: r.id)
     assert a.worker_region == "r1"
     assert b.worker_region == "r0" and b.claimed == 0  # the broadcast has not told r0 yet
@@ -362,7 +341,7 @@ def test_chord_runs_log_n_virtual_nodes_per_worker_and_they_spread_the_keys() ->
 
 def test_round_robin_takes_every_worker_in_turn() -> None:
     topo = _uniform(2, 2, rtt=40.0, local=1.0)
-    reqs = [_request(i, 10.0 * i, "r0", 40 + i, 320) for i in range(9)]
+    reqs = [chain_request(i, 10.0 * i, "r0", 40 + i, 320) for i in range(9)]
     s = simulate(topo, reqs, "round-robin")
     order = [w.id for w in topo.indexed_workers]
     assert [r.worker for r in s.records] == [order[i % 4] for i in range(9)]
@@ -379,7 +358,7 @@ def test_random_dispatch_splits_poisson_arrivals_into_md1_queues() -> None:
     service = cost.prefill_base_ms + topo.workers[0].beta_ms_per_token * length  # at the topology's beta
     rng = np.random.default_rng(5)
     arrivals = np.cumsum(rng.exponential(service / (4 * rho), size=n))
-    reqs = [_request(i, float(t), "r0", 50_000 + i, length) for i, t in enumerate(arrivals)]
+    reqs = [chain_request(i, float(t), "r0", 50_000 + i, length) for i, t in enumerate(arrivals)]
     s = simulate(topo, reqs, "random", seed=1, cost=cost, gpu_sharing="lanes")
     wq = rho * service / (2 * (1 - rho))
     assert s.mean_queue_ms == pytest.approx(wq, rel=0.15)
@@ -393,7 +372,7 @@ def test_sglang_cache_aware_follows_its_tree_until_the_load_is_imbalanced(testbe
     (its tree matches more than half); a new prompt goes to the smallest tree; once the loads
     differ by more than 32 requests, the least-loaded worker wins whatever the trees say."""
     # Spaced out: no queues, so the tree decides.
-    spaced = [_request(i, 2000.0 * i, "us", 9 if i % 2 == 0 else 10 + i, 2000) for i in range(12)]
+    spaced = [chain_request(i, 2000.0 * i, "us", 9 if i % 2 == 0 else 10 + i, 2000) for i in range(12)]
     s = simulate(testbed, spaced, "sglang-cache-aware", seed=1)
     by_id = {r.id: r for r in s.records}
     repeats = [by_id[i] for i in range(0, 12, 2)]
@@ -403,7 +382,7 @@ def test_sglang_cache_aware_follows_its_tree_until_the_load_is_imbalanced(testbe
     fresh = [by_id[i] for i in range(1, 12, 2)]
     assert len({r.worker for r in fresh} | {repeats[0].worker}) == 1 + len(fresh)  # each to an empty tree
     # A burst of one long prompt: the holder's queue grows past 32 and the rest spread.
-    burst = [_request(i, 0.01 * i, "us", 3, 6000, output=2) for i in range(120)]
+    burst = [chain_request(i, 0.01 * i, "us", 3, 6000, output=2) for i in range(120)]
     b = simulate(testbed, burst, "sglang-cache-aware", seed=1)
     counts = Counter(r.worker for r in b.records)
     top = counts.most_common(1)[0][1]
