@@ -71,6 +71,9 @@ fn fingerprint(group: u32, h: &BHash) -> u64 {
     }
 }
 
+/// Blocks ahead of a store's walk whose fingerprint slots are prefetched.
+const FP_AHEAD: usize = 8;
+
 /// The fingerprint's slot key in [`Forest::by_fp`] (its top bits; 0 is kept aside by the table).
 #[inline]
 fn fp_key(f: u64) -> u32 {
@@ -865,7 +868,16 @@ impl Forest {
         let n = e.block_size;
         let (mut parent, mut wait) = self.parent_of(group, e.parent.as_ref(), e.hashes.first());
         let own_new = self.own_of(std::iter::once(medium));
+        // A new block files itself under its fingerprint: a slot of a table of millions that no
+        // CPU cache holds, and most of a store's time went waiting for it. The hashes are known
+        // up front, so the slots a few blocks ahead are asked for early and the misses overlap.
+        for h in e.hashes.iter().take(FP_AHEAD) {
+            self.by_fp.prefetch(fp_key(fingerprint(group, h)));
+        }
         for (i, h) in e.hashes.iter().enumerate() {
+            if let Some(next) = e.hashes.get(i + FP_AHEAD) {
+                self.by_fp.prefetch(fp_key(fingerprint(group, next)));
+            }
             self.tick += 1;
             if let Some(bid) = self.child(group, parent, wait.as_ref(), h) {
                 let tick = self.tick;
