@@ -1134,11 +1134,14 @@ impl Forest {
     fn count(&mut self, keys: &[u64], tier: u8, delta: i64) {
         let i = (tier - 1) as usize;
         for &k in keys {
-            let cur = self.counts.get(&k).map_or(0, tier_of);
-            self.step_old.entry(k).or_insert(cur);
+            // One probe of the counts for the old tier and the change (an absent key's [0, 0]
+            // is tier 0, as its absence was).
             let c = self.counts.entry(k).or_insert([0, 0]);
+            let cur = tier_of(c);
             c[i] += delta;
-            if c[0] == 0 && c[1] == 0 {
+            let gone = c[0] == 0 && c[1] == 0;
+            self.step_old.entry(k).or_insert(cur);
+            if gone {
                 self.counts.remove(&k);
             }
         }
@@ -1309,9 +1312,20 @@ impl Forest {
         for r in run {
             todo.add(r);
         }
+        // Each removal starts at its hash's fingerprint slot: asked for a few removals ahead,
+        // as a store's are (see `stored`).
+        let ahead = |f: &Self, todo: &Todo, idx: usize| {
+            if let Some(Some(((group, _, h), _))) = todo.items.get(idx) {
+                f.by_fp.prefetch(fp_key(fingerprint(*group, h)));
+            }
+        };
+        for idx in 0..FP_AHEAD {
+            ahead(self, &todo, idx);
+        }
         while !todo.is_empty() {
             let mut progress = false;
             for idx in 0..todo.items.len() {
+                ahead(self, &todo, idx + FP_AHEAD);
                 let Some((r, n)) = todo.items[idx].clone() else { continue };
                 let mut n = n;
                 let medium = r.1;
