@@ -248,52 +248,41 @@ mod tests {
     use proptest::prelude::*;
     use std::collections::HashMap;
 
-    proptest! {
-        // Against std's map: any sequence of inserts and removes (small keys so they collide and
-        // wrap; 0 included) leaves the same contents, and every key stays findable.
-        #[test]
-        fn behaves_as_a_map(ops in proptest::collection::vec((any::<bool>(), 0u64..64, any::<u32>()), 0..400)) {
-            let mut t: BlockTable<u32> = BlockTable::new();
-            let mut m: HashMap<u64, u32> = HashMap::new();
-            for (ins, k, v) in ops {
-                // Small keys multiplied out so several share a home slot.
-                let key = if k == 0 { 0 } else { k.wrapping_mul(0x1000_0000_0000_0001) };
-                if ins {
-                    prop_assert_eq!(t.insert(key, v), m.insert(key, v));
-                } else {
-                    prop_assert_eq!(t.remove(&key), m.remove(&key));
-                }
-                prop_assert_eq!(t.len(), m.len());
+    /// Any sequence of inserts (true) and removes of `keys` leaves `t` holding what std's map
+    /// does, every key findable and listed once.
+    fn check_as_map<K: SlotKey + std::hash::Hash + Ord>(ops: Vec<(bool, K, u32)>) -> Result<(), TestCaseError> {
+        let mut t: BlockTable<u32, K> = BlockTable::new();
+        let mut m: HashMap<K, u32> = HashMap::new();
+        for (ins, key, v) in ops {
+            if ins {
+                prop_assert_eq!(t.insert(key, v), m.insert(key, v));
+            } else {
+                prop_assert_eq!(t.remove(&key), m.remove(&key));
             }
-            for (k, v) in &m {
-                prop_assert_eq!(t.get(k), Some(v));
-            }
-            let mut got: Vec<(u64, u32)> = t.iter().map(|(k, v)| (k, *v)).collect();
-            got.sort_unstable();
-            let mut want: Vec<(u64, u32)> = m.into_iter().collect();
-            want.sort_unstable();
-            prop_assert_eq!(got, want);
+            prop_assert_eq!(t.len(), m.len());
         }
+        for (k, v) in &m {
+            prop_assert_eq!(t.get(k), Some(v));
+        }
+        let mut got: Vec<(K, u32)> = t.iter().map(|(k, v)| (k, *v)).collect();
+        got.sort_unstable();
+        let mut want: Vec<(K, u32)> = m.into_iter().collect();
+        want.sort_unstable();
+        prop_assert_eq!(got, want);
+        Ok(())
     }
 
     proptest! {
-        // The same with 32-bit keys (the forest's fingerprint index), small ones colliding.
+        // Small keys (0 included) multiplied out so several share a home slot and runs wrap.
+        #[test]
+        fn behaves_as_a_map(ops in proptest::collection::vec((any::<bool>(), 0u64..64, any::<u32>()), 0..400)) {
+            check_as_map(ops.into_iter().map(|(i, k, v)| (i, k.wrapping_mul(0x1000_0000_0000_0001), v)).collect())?;
+        }
+
+        // The same with 32-bit keys (the forest's fingerprint index): 8-byte slots.
         #[test]
         fn behaves_as_a_map_with_narrow_keys(ops in proptest::collection::vec((any::<bool>(), 0u32..64, any::<u32>()), 0..400)) {
-            let mut t: BlockTable<u32, u32> = BlockTable::new();
-            let mut m: HashMap<u32, u32> = HashMap::new();
-            for (ins, k, v) in ops {
-                let key = k.wrapping_mul(0x1000_0001);
-                if ins {
-                    prop_assert_eq!(t.insert(key, v), m.insert(key, v));
-                } else {
-                    prop_assert_eq!(t.remove(&key), m.remove(&key));
-                }
-                prop_assert_eq!(t.len(), m.len());
-            }
-            for (k, v) in &m {
-                prop_assert_eq!(t.get(k), Some(v));
-            }
+            check_as_map(ops.into_iter().map(|(i, k, v)| (i, k.wrapping_mul(0x1000_0001), v)).collect())?;
             prop_assert_eq!(BlockTable::<u32, u32>::SLOT_BYTES, 8);
         }
     }

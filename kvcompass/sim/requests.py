@@ -439,25 +439,12 @@ class RequestTable(Sequence[Request]):
         np.cumsum(lens, out=offsets[1:])
         # Each new position p of row k reads flat[starts[k] + p - offsets[k]].
         gather = np.arange(int(offsets[-1]), dtype=np.int64) + np.repeat(starts - offsets[:-1].astype(np.int64), lens)
-        return RequestTable(
-            ids=self.ids[idx],
-            arrival_ms=self.arrival_ms[idx],
-            region_codes=self.region_codes[idx],
-            region_names=self.region_names,
-            tenant=self.tenant[idx],
-            namespace_codes=self.namespace_codes[idx],
-            namespace_names=self.namespace_names,
-            input_length=self.input_length[idx],
-            output_length=self.output_length[idx],
-            block_size=self.block_size[idx],
-            session=self.session[idx],
-            parent=self.parent[idx],
-            kind_codes=self.kind_codes[idx],
-            kind_names=self.kind_names,
-            runs=self.runs[idx],
-            flat=self.flat[gather],
-            offsets=offsets,
-        )
+        cols: dict[str, Any] = {k: getattr(self, k) for k in self.__slots__}
+        for k in self.__slots__:
+            if not k.endswith("_names") and k not in ("flat", "offsets"):
+                cols[k] = cols[k][idx]  # a column of one value a row
+        cols.update(flat=self.flat[gather], offsets=offsets)
+        return RequestTable(**cols)
 
     def by_arrival(self) -> RequestTable:
         """The rows ordered by (arrival, id), ties kept in table order (this table when it is
