@@ -72,7 +72,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-import aiohttp
 import numpy as np
 import numpy.typing as npt
 from aiohttp import web
@@ -97,6 +96,7 @@ from kvcompass.services.openai_api import (
     prompt_tokens,
 )
 from kvcompass.services.lifecycle import AsyncResource, bind_socket
+from kvcompass.services.upstream import UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamResponse
 from kvcompass.services.wire import (
     HANDOFF_HEADER,
     MIGRATION_HEADER,
@@ -408,7 +408,7 @@ class FrontDoor:
         self._namespaces: OrderedDict[tuple[str, str], Namespace] = OrderedDict()
         self._models = {m: i for i, m in enumerate(config.models)}
         self._created = int(time.time())
-        self._session: aiohttp.ClientSession | None = None
+        self._session: UpstreamPool | None = None
         self.draining = False
         self.stale_shards: Callable[[], Mapping[int, float]] | None = None
         """Shard -> seconds its subscription has not been current (the edge's syncer sets it;
@@ -458,10 +458,9 @@ class FrontDoor:
     async def _session_ctx(self, app: web.Application) -> AsyncIterator[None]:
         # upstream_ssl verifies https:// workers (and presents the door's certificate to those
         # that require one); plain http:// workers are unaffected.
-        conn = aiohttp.TCPConnector(limit=self.config.max_upstream_connections, keepalive_timeout=30, ssl=self._upstream_ssl if self._upstream_ssl is not None else True)
-        # total=None: a stream may legitimately run for minutes; the head and read limits bound stalls.
-        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s, sock_read=self.config.read_timeout_s)
-        self._session = aiohttp.ClientSession(connector=conn, timeout=timeout, auto_decompress=False)
+        # No total deadline: a stream may legitimately run for minutes; the head and read limits bound stalls.
+        cfg = self.config
+        self._session = UpstreamPool(limit=cfg.max_upstream_connections, connect_timeout_s=cfg.connect_timeout_s, read_timeout_s=cfg.read_timeout_s, keepalive_s=30.0, ssl=self._upstream_ssl)
         poller = asyncio.create_task(self._migration_loop()) if self.config.migration_poll_s > 0 else None
         try:
             yield
@@ -526,12 +525,15 @@ class FrontDoor:
                 body["cache_salt"] = TENANT_SALT_PREFIX + tenant
             headers = {"Content-Type": "application/json", NAMESPACE_HEADER: tenant, MIGRATION_HEADER: action.kind}
             try:
-                async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
+                r = await session.post(url + "/v1/completions", json.dumps(body).encode(), headers)
+                try:
                     await r.read()
-                    if r.status != 200:
-                        outcome = "failed"
-                        row["error"] = f"http {r.status}"
-            except (aiohttp.ClientError, TimeoutError) as e:
+                finally:
+                    r.close() if not r.at_eof() else r.release()
+                if r.status != 200:
+                    outcome = "failed"
+                    row["error"] = f"http {r.status}"
+            except (UpstreamError, TimeoutError) as e:
                 outcome = "failed"
                 row["error"] = type(e).__name__
         row["outcome"] = outcome
@@ -954,12 +956,12 @@ class FrontDoor:
             await asyncio.sleep(delay)
         try:
             async with asyncio.timeout(self.config.head_timeout_s):
-                up = await session.post(url, data=prep.raw, headers=headers)
+                up = await session.post(url, prep.raw, headers)
         except TimeoutError as e:
             raise _WorkerFailed("timeout", f"{choice.worker}: no response head: {e!r}") from None
-        except aiohttp.ClientConnectorError as e:
+        except UpstreamConnectError as e:
             raise _WorkerFailed("connect", f"{choice.worker}: {e}") from None
-        except aiohttp.ClientError as e:
+        except UpstreamError as e:
             raise _WorkerFailed("disconnect", f"{choice.worker}: {e!r}") from None
         try:
             if up.status >= 500:
@@ -975,11 +977,11 @@ class FrontDoor:
                 return await self._relay_stream(request, prep, choice, up, fb, delay)
             try:
                 data = await up.read()
-            except (aiohttp.ClientError, TimeoutError) as e:
+            except (UpstreamError, TimeoutError) as e:
                 raise _WorkerFailed("disconnect", f"{choice.worker}: body lost: {e!r}") from None
         finally:
             # A connection whose body was not read to the end cannot be reused.
-            if up.content.at_eof():
+            if up.at_eof():
                 up.release()
             else:
                 up.close()
@@ -994,7 +996,7 @@ class FrontDoor:
         return web.Response(body=data, status=up.status, headers=headers)
 
     async def _relay_stream(
-        self, request: web.Request, prep: _Prepared, choice: _Choice, up: aiohttp.ClientResponse, fb: _Feedback, delay: float
+        self, request: web.Request, prep: _Prepared, choice: _Choice, up: UpstreamResponse, fb: _Feedback, delay: float
     ) -> web.StreamResponse:
         if delay:
             await asyncio.sleep(delay)
@@ -1016,7 +1018,7 @@ class FrontDoor:
         first = True
         try:
             try:
-                async for data in up.content.iter_any():
+                async for data in up.iter_chunks():
                     buf += data
                     while True:
                         cut = _event_end(buf)
@@ -1029,7 +1031,7 @@ class FrontDoor:
                             if first:
                                 first = False
                                 self._timed(choice, prep, first=True)
-            except (aiohttp.ClientError, TimeoutError) as e:
+            except (UpstreamError, TimeoutError) as e:
                 self.mark_dead(choice.worker, "midstream")
                 err = error_body(502, f"worker {choice.worker} failed mid-stream: {e!r}", code="upstream_error")
                 await write(b"data: " + json.dumps(err).encode() + b"\n\n")
@@ -1165,7 +1167,7 @@ class FrontDoor:
 
     # -- learning --------------------------------------------------------------------------------
 
-    def _header_feedback(self, up: aiohttp.ClientResponse) -> _Feedback:
+    def _header_feedback(self, up: UpstreamResponse) -> _Feedback:
         fb = _Feedback()
         q = up.headers.get(QUEUE_MS_HEADER)
         if q is not None:

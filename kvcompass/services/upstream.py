@@ -1,0 +1,377 @@
+"""The door's HTTP/1.1 client toward workers and peer doors: keep-alive connections per host,
+responses parsed by ``httptools`` (llhttp, the parser uvicorn uses).
+
+Why not aiohttp's client: in front of an instant backend on this project's 2-core host a bare
+aiohttp proxy (its server and its client, no routing) spent 0.15-0.19 ms of CPU a request,
+and the same aiohttp server with this client 0.072-0.078 ms (``docs/services.md``, nineteenth
+session): the client's request and response objects, tracing hooks, cookie and timeout
+machinery were half of the door's CPU. The door needs far less: POST a body it already holds,
+read a head, then a body whole or as it streams, on connections it reuses.
+
+What it keeps of a client's duties: a total connection limit (0 = none), a connect deadline,
+a per-read deadline, keep-alive with an idle limit, TLS for ``https://`` hosts, flow control (a
+stream the door relays slower than the worker writes pauses the socket), and one retry on a
+fresh connection when a reused one turns out closed before any byte of the answer arrived
+(the worker closed an idle connection as the request went out; nothing was processed).
+Header values with CR or LF are refused (no request smuggling through forwarded headers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import ssl as _ssl
+import time
+from collections.abc import AsyncIterator, Mapping
+from urllib.parse import urlsplit
+
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+
+__all__ = ["UpstreamConnectError", "UpstreamDisconnected", "UpstreamError", "UpstreamPool", "UpstreamResponse"]
+
+_HIGH_WATER = 256 * 1024  # buffered body bytes at which the socket stops being read
+
+
+class UpstreamError(Exception):
+    """A worker (or peer door) could not be asked, or its answer did not arrive whole."""
+
+
+class UpstreamConnectError(UpstreamError):
+    """No connection could be opened (refused, unreachable, TLS failure)."""
+
+
+class UpstreamDisconnected(UpstreamError):
+    """The connection closed, or the answer was not HTTP, before the answer was complete."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _target(url: str) -> tuple[str, int, bool, bytes, bytes]:
+    """(host, port, tls, request target, Host header) of ``url``; the door's URLs are a few
+    per worker, so each is parsed once."""
+    u = urlsplit(url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError(f"upstream URL must be http(s)://host[:port]/path, got {url!r}")
+    tls = u.scheme == "https"
+    port = u.port or (443 if tls else 80)
+    path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+    return u.hostname, port, tls, path.encode("latin-1"), u.netloc.encode("latin-1")
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection; at most one exchange at a time."""
+
+    __slots__ = ("transport", "parser", "resp", "closed", "idle_since", "key", "reused")
+
+    def __init__(self, key: tuple[str, int, bool]) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.resp: UpstreamResponse | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self.key = key
+        self.reused = False
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport subclass
+
+    def data_received(self, data: bytes) -> None:
+        r = self.resp
+        if r is None:  # bytes nobody asked for: the connection cannot be trusted any more
+            self.abort()
+            return
+        r._got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            r._fail(UpstreamDisconnected("the worker switched protocols"))
+            self.abort()
+        except httptools.HttpParserError as e:
+            r._fail(UpstreamDisconnected(f"the answer is not HTTP/1.1: {e}"))
+            self.abort()
+
+    def eof_received(self) -> bool | None:
+        # A close-delimited body ends here (no Content-Length, no chunking).
+        try:
+            self.parser.feed_data(b"")
+        except httptools.HttpParserError:
+            pass
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        r = self.resp
+        if r is not None and not r._done:
+            r._fail(UpstreamDisconnected(f"the connection closed before the answer was complete{f': {exc!r}' if exc else ''}"))
+
+    def pause_writing(self) -> None:  # the request bodies are small; nothing to pause
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # -- httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.resp is not None
+        self.resp._raw_headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        r = self.resp
+        assert r is not None
+        r.status = self.parser.get_status_code()
+        if r.status < 200:  # 1xx: the real head follows (httptools parses it as a new message)
+            r._raw_headers.clear()
+            return
+        r.headers = CIMultiDictProxy(CIMultiDict(r._raw_headers))
+        r.keep_alive = bool(self.parser.should_keep_alive())
+        r._head_done()
+
+    def on_body(self, body: bytes) -> None:
+        r = self.resp
+        assert r is not None
+        r._feed(body)
+
+    def on_message_complete(self) -> None:
+        r = self.resp
+        if r is not None and r.status >= 200:
+            r._finish()
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class UpstreamResponse:
+    """An answer whose head has arrived; the body is read with :meth:`read` or
+    :meth:`iter_chunks` (chunked transfer coding already removed). :meth:`release` (or
+    :meth:`close`) must follow; a connection goes back to the pool only once its answer was
+    read to the end and both sides keep it alive."""
+
+    __slots__ = ("status", "headers", "keep_alive", "_raw_headers", "_chunks", "_buffered", "_done", "_error", "_waiter", "_conn", "_pool", "_released", "_got_bytes", "_read_timeout", "_paused", "_head_waiter")
+
+    def __init__(self, conn: _Conn, pool: UpstreamPool, read_timeout: float | None) -> None:
+        self.status = 0
+        self.headers: CIMultiDictProxy[str] = _NO_HEADERS
+        self.keep_alive = False
+        self._raw_headers: list[tuple[str, str]] = []
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._done = False
+        self._error: UpstreamError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._conn = conn
+        self._pool = pool
+        self._released = False
+        self._got_bytes = False
+        self._read_timeout = read_timeout
+        self._paused = False
+        self._head_waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    # -- fed by the connection
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _head_done(self) -> None:
+        if not self._head_waiter.done():
+            self._head_waiter.set_result(None)
+
+    def _feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > _HIGH_WATER and not self._paused and self._conn.transport is not None:
+            self._paused = True
+            self._conn.transport.pause_reading()
+        self._wake()
+
+    def _finish(self) -> None:
+        self._done = True
+        self._wake()
+
+    def _fail(self, e: UpstreamError) -> None:
+        if self._done:
+            return
+        self._error = e
+        self._done = True
+        if not self._head_waiter.done():
+            self._head_waiter.set_exception(e)
+        self._wake()
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(self._read_timeout):
+                await self._waiter
+        finally:
+            self._waiter = None
+
+    def _take(self) -> bytes:
+        data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
+        if self._paused and self._conn.transport is not None and not self._conn.closed:
+            self._paused = False
+            self._conn.transport.resume_reading()
+        return data
+
+    # -- the caller's side
+    def at_eof(self) -> bool:
+        """The whole answer arrived and was handed out."""
+        return self._done and self._error is None and not self._chunks
+
+    async def read(self) -> bytes:
+        """The rest of the body, whole. Raises :class:`UpstreamDisconnected` or TimeoutError
+        (no byte for the read deadline)."""
+        while not self._done:
+            await self._wait()
+        if self._error is not None:
+            raise self._error
+        return self._take()
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives, in the pieces the socket delivered them."""
+        while True:
+            if self._chunks:
+                yield self._take()
+                continue
+            if self._done:
+                if self._error is not None:
+                    raise self._error
+                return
+            await self._wait()
+
+    def release(self) -> None:
+        """Done with the answer: its connection is reused if it can be, closed otherwise."""
+        if self._released:
+            return
+        self._released = True
+        conn = self._conn
+        conn.resp = None
+        if self.at_eof() and self.keep_alive and not conn.closed:
+            self._pool._put(conn)
+        else:
+            conn.abort()
+        self._pool._free_slot()
+
+    def close(self) -> None:
+        """Done with the answer, whatever is left of it: the connection is closed."""
+        if not self._released:
+            self._conn.abort()
+        self.release()
+
+
+_NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+
+
+class UpstreamPool:
+    """Keep-alive connections per (host, port, TLS), shared by every request of one door."""
+
+    def __init__(self, *, limit: int = 0, connect_timeout_s: float | None = None, read_timeout_s: float | None = None, keepalive_s: float = 30.0, ssl: _ssl.SSLContext | None = None) -> None:
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        self._free: dict[tuple[str, int, bool], list[_Conn]] = {}
+        self._slots = asyncio.Semaphore(limit) if limit else None
+        self._connect_timeout = connect_timeout_s
+        self._read_timeout = read_timeout_s
+        self._keepalive = keepalive_s
+        self._ssl = ssl
+        self._closed = False
+
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
+        """POST ``body`` to ``url`` with ``headers`` (Host and Content-Length are added); returns
+        once the answer's head arrived. Raises :class:`UpstreamConnectError`,
+        :class:`UpstreamDisconnected`, TimeoutError (connect deadline; the caller bounds the
+        wait for the head) or ValueError (a header with CR or LF, a URL that is not http(s))."""
+        if self._closed:
+            raise UpstreamConnectError("the upstream pool is closed")
+        host, port, tls, path, hosthdr = _target(url)
+        block = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
+        if block.count("\n") != len(headers) or block.count("\r") != len(headers):
+            raise ValueError("a header name or value holds CR or LF")
+        head = b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n%s\r\n" % (path, hosthdr, len(body), block.encode("latin-1"))
+        if self._slots is not None:
+            await self._slots.acquire()
+        try:
+            key = (host, port, tls)
+            conn = self._take(key)
+            if conn is not None:
+                try:
+                    return await self._exchange(conn, head, body)
+                except UpstreamDisconnected:
+                    if conn.resp is not None and conn.resp._got_bytes:
+                        raise
+                    # A reused connection the worker had closed: once more on a fresh one.
+            return await self._exchange(await self._connect(key), head, body)
+        except BaseException:
+            self._free_slot()
+            raise
+
+    async def close(self) -> None:
+        """Close every idle connection; answers in flight keep theirs until released."""
+        self._closed = True
+        for conns in self._free.values():
+            for c in conns:
+                c.abort()
+        self._free.clear()
+
+    # -- internals
+    def _take(self, key: tuple[str, int, bool]) -> _Conn | None:
+        free = self._free.get(key)
+        now = time.monotonic()
+        while free:
+            c = free.pop()
+            if not c.closed and now - c.idle_since < self._keepalive:
+                c.reused = True
+                return c
+            c.abort()
+        return None
+
+    def _put(self, conn: _Conn) -> None:
+        if self._closed:
+            conn.abort()
+            return
+        conn.idle_since = time.monotonic()
+        self._free.setdefault(conn.key, []).append(conn)
+
+    def _free_slot(self) -> None:
+        if self._slots is not None:
+            self._slots.release()
+
+    async def _connect(self, key: tuple[str, int, bool]) -> _Conn:
+        host, port, tls = key
+        ctx = (self._ssl or _default_tls()) if tls else None
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                _, conn = await loop.create_connection(lambda: _Conn(key), host, port, ssl=ctx, server_hostname=host if ctx is not None else None)
+        except TimeoutError:
+            raise TimeoutError(f"connecting to {host}:{port} took longer than {self._connect_timeout} s") from None
+        except (OSError, _ssl.SSLError) as e:
+            raise UpstreamConnectError(f"cannot connect to {host}:{port}: {e}") from None
+        return conn
+
+    async def _exchange(self, conn: _Conn, head: bytes, body: bytes) -> UpstreamResponse:
+        resp = UpstreamResponse(conn, self, self._read_timeout)
+        conn.resp = resp
+        assert conn.transport is not None
+        if conn.closed:
+            resp._fail(UpstreamDisconnected("the connection was closed"))
+        else:
+            conn.transport.write(head + body if len(body) < 65536 else head)
+            if len(body) >= 65536:
+                conn.transport.write(body)
+        try:
+            await resp._head_waiter
+        except BaseException:
+            conn.resp = resp  # keep for the caller's retry check (bytes arrived or not)
+            conn.abort()
+            raise
+        return resp
+
+
+@functools.lru_cache(maxsize=1)
+def _default_tls() -> _ssl.SSLContext:
+    return _ssl.create_default_context()

@@ -1,0 +1,316 @@
+"""The door's upstream client (``services/upstream.py``) against real loopback servers, under
+both event loops the services run on: it reuses keep-alive connections, relays chunked and
+streamed bodies piece by piece, says which failure happened (no connection, connection lost
+mid-answer, no byte in time), honours its connection limit, retries once on a reused connection
+the server had closed, and refuses header injection and non-HTTP URLs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import pytest
+from aiohttp import web
+
+from kvcompass.services.upstream import UpstreamConnectError, UpstreamDisconnected, UpstreamPool
+
+T = TypeVar("T")
+
+_LOOPS = ["asyncio"]
+try:
+    import uvloop
+
+    _LOOPS.append("uvloop")
+except ImportError:  # pragma: no cover - uvloop is a runtime dependency where it builds
+    uvloop = None  # type: ignore[assignment]
+
+
+@pytest.fixture(params=_LOOPS)
+def run(request: pytest.FixtureRequest) -> Callable[[Coroutine[Any, Any, T]], T]:
+    factory = uvloop.new_event_loop if request.param == "uvloop" else None
+
+    def _run(coro: Coroutine[Any, Any, T]) -> T:
+        with asyncio.Runner(loop_factory=factory) as r:
+            return r.run(asyncio.wait_for(coro, 15))
+
+    return _run
+
+
+async def _aiohttp_server(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def _raw_server(handler: Handler) -> tuple[asyncio.Server, str]:
+    """A socket-level server, for answers aiohttp's server would not give (cut bodies, stalls)."""
+    async def owned(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await handler(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client went away first: what some tests do on purpose
+        finally:
+            writer.close()
+
+    srv = await asyncio.start_server(owned, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    return srv, f"http://127.0.0.1:{port}"
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return head + await reader.readexactly(length)
+
+
+def test_keep_alive_reuses_one_connection_and_sends_headers_and_body(run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
+    peers: list[Any] = []
+    seen: list[tuple[str, bytes]] = []
+
+    async def echo(request: web.Request) -> web.Response:
+        peers.append(request.transport.get_extra_info("peername") if request.transport else None)
+        seen.append((request.headers["X-Tenant"], await request.read()))
+        return web.Response(body=b"ok:" + await request.read(), headers={"X-Queue-Ms": "3.5"})
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", echo)
+        runner, base = await _aiohttp_server(app)
+        pool = UpstreamPool()
+        try:
+            for i in range(5):
+                r = await pool.post(base + "/v1/completions", b"body%d" % i, {"X-Tenant": "acme", "Content-Type": "application/json"})
+                assert r.status == 200 and r.headers["x-queue-ms"] == "3.5"
+                assert await r.read() == b"ok:body%d" % i
+                assert r.at_eof()
+                r.release()
+        finally:
+            await pool.close()
+            await runner.cleanup()
+        assert seen == [("acme", b"body%d" % i) for i in range(5)]
+        assert len(set(peers)) == 1, f"five requests used {len(set(peers))} connections"
+
+    run(main())
+
+
+def test_chunked_stream_arrives_piece_by_piece_before_the_end(run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
+    gate = asyncio.Event()
+
+    async def sse(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)  # chunked: no Content-Length
+        await resp.write(b"data: 1\n\n")
+        await gate.wait()
+        await resp.write(b"data: 2\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post("/s", sse)
+        runner, base = await _aiohttp_server(app)
+        pool = UpstreamPool(read_timeout_s=5)
+        try:
+            r = await pool.post(base + "/s", b"{}", {})
+            assert r.headers["content-type"] == "text/event-stream"
+            got: list[bytes] = []
+            async for piece in r.iter_chunks():
+                got.append(piece)
+                if piece == b"data: 1\n\n":
+                    assert not r.at_eof()
+                    gate.set()  # the second event exists only after the first was relayed
+            assert b"".join(got) == b"data: 1\n\ndata: 2\n\n" and got[0] == b"data: 1\n\n"
+            assert r.at_eof()
+            r.release()
+        finally:
+            await pool.close()
+            await runner.cleanup()
+
+    run(main())
+
+
+def test_connection_refused_is_a_connect_error(run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
+    async def main() -> None:
+        async def nothing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            pass
+
+        srv, base = await _raw_server(nothing)
+        srv.close()
+        await srv.wait_closed()  # the port is now closed
+        pool = UpstreamPool(limit=1, connect_timeout_s=2)
+        with pytest.raises(UpstreamConnectError, match="cannot connect"):
+            await pool.post(base + "/x", b"", {})
+        with pytest.raises(UpstreamConnectError):  # the failed attempt gave its slot back
+            await asyncio.wait_for(pool.post(base + "/x", b"", {}), 2)
+        await pool.close()
+
+    run(main())
+
+
+def test_a_body_cut_short_is_a_disconnect_and_the_connection_is_not_reused(run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly-ten-b")
+        await writer.drain()
+        writer.close()
+
+    async def main() -> None:
+        srv, base = await _raw_server(cut)
+        pool = UpstreamPool()
+        try:
+            r = await pool.post(base + "/x", b"q", {})
+            assert r.status == 200
+            with pytest.raises(UpstreamDisconnected, match="before the answer was complete"):
+                await r.read()
+            assert not r.at_eof()
+            r.close()
+            assert not pool._free.get(("127.0.0.1", int(base.rsplit(":", 1)[1]), False))
+        finally:
+            await pool.close()
+            srv.close()
+            await srv.wait_closed()
+
+    run(main())
+
+
+def test_garbage_instead_of_http_is_a_disconnect(run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
+    async def junk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+        await writer.drain()
+
+    async def main() -> None:
+        srv, base = await _raw_server(junk)
+        pool = UpstreamPool()
+        try:
+            with pytest.raises(UpstreamDisconnected, match="not HTTP"):
+                await pool.post(base + "/x", b"", {})
+        finally:
+            await pool.close()
+            srv.close()
+            await srv.wait_closed()
+
+    run(main())
+
+
+def test_a_stalled_body_times_out_per_read(run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
+    release = asyncio.Event()
+
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        await writer.drain()
+        await release.wait()
+        writer.close()
+
+    async def main() -> None:
+        srv, base = await _raw_server(stall)
+        pool = UpstreamPool(read_timeout_s=0.2)
+        try:
+            r = await pool.post(base + "/x", b"", {})
+            with pytest.raises(TimeoutError):
+                await r.read()
+            r.close()
+        finally:
+            release.set()
+            await pool.close()
+            srv.close()
+            await srv.wait_closed()
+
+    run(main())
+
+
+def test_the_connection_limit_is_honoured(run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
+    active = 0
+    peak = 0
+
+    async def slow(request: web.Request) -> web.Response:
+        nonlocal active, peak
+        active += 1
+        peak = max(peak, active)
+        await asyncio.sleep(0.02)
+        active -= 1
+        return web.Response(body=b"x")
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post("/x", slow)
+        runner, base = await _aiohttp_server(app)
+        pool = UpstreamPool(limit=2)
+
+        async def one() -> bytes:
+            r = await pool.post(base + "/x", b"", {})
+            try:
+                return await r.read()
+            finally:
+                r.release()
+
+        try:
+            assert await asyncio.gather(*[one() for _ in range(8)]) == [b"x"] * 8
+        finally:
+            await pool.close()
+            await runner.cleanup()
+        assert peak == 2
+
+    run(main())
+
+
+def test_a_reused_connection_the_server_closed_is_retried_once_on_a_fresh_one(run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
+    served = 0
+
+    async def one_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Answers one request keep-alive, then closes the idle connection without a word.
+        nonlocal served
+        await _read_request(reader)
+        served += 1
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.transport.abort()
+
+    async def main() -> None:
+        srv, base = await _raw_server(one_then_close)
+        pool = UpstreamPool()
+        try:
+            r = await pool.post(base + "/x", b"", {})
+            assert await r.read() == b"ok"
+            r.release()
+            await asyncio.sleep(0.2)  # the server has closed the pooled connection by now
+            r = await pool.post(base + "/x", b"", {})
+            assert await r.read() == b"ok"
+            r.release()
+        finally:
+            await pool.close()
+            srv.close()
+            await srv.wait_closed()
+        assert served == 2
+
+    run(main())
+
+
+def test_header_injection_and_bad_urls_are_refused(run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
+    async def main() -> None:
+        pool = UpstreamPool()
+        with pytest.raises(ValueError, match="CR or LF"):
+            await pool.post("http://127.0.0.1:1/x", b"", {"X-Tenant": "a\r\nX-Admin: 1"})
+        with pytest.raises(ValueError, match="CR or LF"):
+            await pool.post("http://127.0.0.1:1/x", b"", {"X-Tenant": "a\nb"})
+        with pytest.raises(ValueError, match="http"):
+            await pool.post("ftp://127.0.0.1/x", b"", {})
+        await pool.close()
+        with pytest.raises(UpstreamConnectError, match="closed"):
+            await pool.post("http://127.0.0.1:1/x", b"", {})
+        with pytest.raises(ValueError):
+            UpstreamPool(limit=-1)
+
+    run(main())
