@@ -83,7 +83,7 @@ from typing import Any
 import numpy as np
 
 from _provenance import git_info, meets
-from kvcompass.services.lifecycle import stop_process
+from kvcompass.services.lifecycle import loop_factory, stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -788,7 +788,8 @@ def main(argv: list[str] | None = None) -> int:
         "door_concurrency": args.door_concurrency,
         "door_rps_seconds": args.door_rps_seconds,
         "worker": "EmulatedWorker(time_scale=0), every edge worker id mapped to it (overhead); canned replay of its replies (edge_req_per_s)",
-        "event_loop": "asyncio (uvloop not used)",
+        # The services (these children) run on lifecycle's choice; this driver on the standard loop.
+        "event_loop": f"services: {'uvloop' if loop_factory() is not None else 'asyncio'}; load driver: asyncio",
     }
     res["method"] = {
         "ingest_ops_per_s": "steady key ops / wall time from first send to last ack, 4 concurrent IngestClients into one unit process",
