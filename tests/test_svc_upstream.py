@@ -183,6 +183,33 @@ def test_a_body_cut_short_is_a_disconnect_and_the_connection_is_not_reused(run: 
     run(main())
 
 
+def test_a_close_delimited_body_ends_at_the_close(run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
+    # No Content-Length, no chunking: the body is whatever comes before the server closes
+    # (HTTP/1.0-style servers and some proxies answer so); the connection is not reused.
+    async def until_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nhello ")
+        await writer.drain()
+        await asyncio.sleep(0.02)
+        writer.write(b"world")
+
+    async def main() -> None:
+        srv, base = await _raw_server(until_close)
+        pool = UpstreamPool(read_timeout_s=5)
+        try:
+            r = await pool.post(base + "/x", b"", {})
+            assert r.status == 200 and not r.keep_alive
+            assert await r.read() == b"hello world" and r.at_eof()
+            r.release()
+            assert not any(pool._free.values())
+        finally:
+            await pool.close()
+            srv.close()
+            await srv.wait_closed()
+
+    run(main())
+
+
 def test_garbage_instead_of_http_is_a_disconnect(run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
     async def junk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _read_request(reader)

@@ -92,11 +92,11 @@ class _Conn(asyncio.Protocol):
             self.abort()
 
     def eof_received(self) -> bool | None:
-        # A close-delimited body ends here (no Content-Length, no chunking).
-        try:
-            self.parser.feed_data(b"")
-        except httptools.HttpParserError:
-            pass
+        # A close-delimited body (no Content-Length, no chunking: HTTP/1.0-style servers) ends
+        # here; llhttp cannot know it ended (httptools exposes no finish), so the head says so.
+        r = self.resp
+        if r is not None and r._until_eof and not r._done:
+            r._finish()
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -123,8 +123,9 @@ class _Conn(asyncio.Protocol):
         if r.status < 200:  # 1xx: the real head follows (httptools parses it as a new message)
             r._raw_headers.clear()
             return
-        r.headers = CIMultiDictProxy(CIMultiDict(r._raw_headers))
+        r.headers = h = CIMultiDictProxy(CIMultiDict(r._raw_headers))
         r.keep_alive = bool(self.parser.should_keep_alive())
+        r._until_eof = "content-length" not in h and "transfer-encoding" not in h and r.status not in (204, 304)
         r._head_done()
 
     def on_body(self, body: bytes) -> None:
@@ -149,7 +150,7 @@ class UpstreamResponse:
     :meth:`close`) must follow; a connection goes back to the pool only once its answer was
     read to the end and both sides keep it alive."""
 
-    __slots__ = ("status", "headers", "keep_alive", "_raw_headers", "_chunks", "_buffered", "_done", "_error", "_waiter", "_conn", "_pool", "_released", "_got_bytes", "_read_timeout", "_paused", "_head_waiter")
+    __slots__ = ("status", "headers", "keep_alive", "_raw_headers", "_chunks", "_buffered", "_done", "_error", "_waiter", "_conn", "_pool", "_released", "_got_bytes", "_read_timeout", "_paused", "_head_waiter", "_until_eof")
 
     def __init__(self, conn: _Conn, pool: UpstreamPool, read_timeout: float | None) -> None:
         self.status = 0
@@ -167,6 +168,7 @@ class UpstreamResponse:
         self._got_bytes = False
         self._read_timeout = read_timeout
         self._paused = False
+        self._until_eof = False
         self._head_waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     # -- fed by the connection
