@@ -124,15 +124,15 @@ def test_the_probed_endpoints_exist() -> None:
     # liveness path 200 regardless).
     import asyncio
 
-    from aiohttp.test_utils import TestClient, TestServer
+    import aiohttp
     from prometheus_client import CollectorRegistry
 
     from kvcompass.discovery.plane import LocalPlane
     from kvcompass.services.http_door import make_app
-    from kvcompass.services.metrics import metrics_app
+    from kvcompass.services.metrics import MetricsServer, metrics_app
 
     def paths(app: Any) -> set[str]:
-        return {r.resource.canonical for r in app.router.routes() if r.resource is not None}
+        return set(app.paths)
 
     assert {"/healthz", "/metrics"} <= paths(metrics_app(CollectorRegistry(), lambda: False))
     topo = load_topology("testbed-14x3")
@@ -140,7 +140,9 @@ def test_the_probed_endpoints_exist() -> None:
     assert "/health" in paths(make_app(edge, {}, None))
 
     async def probe() -> tuple[int, int]:
-        async with TestClient(TestServer(metrics_app(CollectorRegistry(), lambda: False))) as c:
-            return (await c.get("/healthz")).status, (await c.get("/metrics")).status
+        async with MetricsServer(CollectorRegistry(), lambda: False) as m, aiohttp.ClientSession() as c:
+            base = f"http://127.0.0.1:{await m.start()}"
+            async with c.get(base + "/healthz") as a, c.get(base + "/metrics") as b:
+                return a.status, b.status
 
     assert asyncio.run(probe()) == (503, 200)

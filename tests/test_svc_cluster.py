@@ -569,7 +569,16 @@ def test_every_metric_the_grafana_dashboard_queries_is_exported(cluster: Cluster
     exported: set[str] = set()
     for t in targets:
         (hp,) = t["targets"]
-        st, body = _get(f"http://{hp}/metrics")
+        # A worker an earlier test killed is back on its ports within about a second (the
+        # supervisor restarts it); this test is about names, so it waits for it.
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                st, body = _get(f"http://{hp}/metrics")
+                break
+            except urllib.error.URLError:
+                assert time.monotonic() < deadline, hp
+                time.sleep(0.1)
         assert st == 200, hp
         for line in body.decode().splitlines():
             if line.startswith("# TYPE "):  # declared, samples or not (a labelled counter may have none yet)

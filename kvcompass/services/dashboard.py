@@ -24,7 +24,7 @@ import time
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from aiohttp import web
+from kvcompass.services.http_server import Request, Response, json_response
 
 if TYPE_CHECKING:
     from kvcompass.discovery.edge import Edge
@@ -49,15 +49,15 @@ class Dashboard:
         self.stale_shards: Callable[[], Mapping[int, float]] | None = None
         self._page = resources.files("kvcompass").joinpath("data/dashboard.html").read_bytes()
 
-    def routes(self) -> list[tuple[str, Callable[[web.Request], Any]]]:
+    def routes(self) -> list[tuple[str, Callable[[Request], Any]]]:
         """``(path, handler)`` pairs for the metrics listener."""
         return [("/dashboard", self.page), ("/dashboard/data", self.data_handler)]
 
-    async def page(self, _: web.Request) -> web.Response:
-        return web.Response(body=self._page, content_type="text/html", charset="utf-8", headers={"Cache-Control": "no-store"})
+    async def page(self, _: Request) -> Response:
+        return Response(body=self._page, content_type="text/html; charset=utf-8", headers={"Cache-Control": "no-store"})
 
-    async def data_handler(self, _: web.Request) -> web.Response:
-        return web.json_response(self.data(), headers={"Cache-Control": "no-store"})
+    async def data_handler(self, _: Request) -> Response:
+        return json_response(self.data(), headers={"Cache-Control": "no-store"})
 
     def data(self) -> dict[str, Any]:
         e, door = self.edge, self.door

@@ -82,17 +82,17 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 import zmq.asyncio
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvcompass.agent.events import REPLAY_END_SEQ, Event, encode_batch
 from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.errors import DrainingError, InvalidArgumentError
-from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, OpenAIError, chat_tokens, decode_json_object, error_middleware, one_prompt_tokens, prompt_batch, prompt_tokens
+from kvcompass.services.http_server import App, HttpServer, Request, Response, StreamResponse
+from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, OpenAIError, chat_tokens, decode_json_object, one_prompt_tokens, prompt_batch, prompt_tokens
 from kvcompass.engine.tokenizer import Tokenizer, load_tokenizer
 from kvcompass.engine.cache import DEFAULT_DRAM_TOKENS, DEFAULT_VRAM_TOKENS, Policy, PrefixCache, worker_capacities
 from kvcompass.engine.costs import CostModel
-from kvcompass.services.lifecycle import AsyncResource, on_signals
+from kvcompass.services.lifecycle import AsyncResource, bind_socket, on_signals
 from kvcompass.services.wire import CACHED_HEADER, LOAD_PATH, QUEUE_MS_HEADER, WORKER_HEADER
 
 __all__ = [
@@ -248,8 +248,8 @@ MAX_PROMPTS = 256
 """The most prompts one completions request may list (the door's default too)."""
 
 
-def _json(obj: object, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
-    return web.Response(body=json.dumps(obj, separators=(",", ":")).encode(), status=status, content_type="application/json", headers=headers)
+def _json(obj: object, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(body=json.dumps(obj, separators=(",", ":")).encode(), status=status, content_type="application/json", headers=headers)
 
 
 class EmulatedWorker(AsyncResource):
@@ -283,7 +283,7 @@ class EmulatedWorker(AsyncResource):
         self._draining = False
         self._started = False
         self._tasks: list[asyncio.Task[None]] = []
-        self._runner: web.AppRunner | None = None
+        self._server: HttpServer | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._pub: zmq.asyncio.Socket | None = None
         self._router: zmq.asyncio.Socket | None = None
@@ -322,22 +322,17 @@ class EmulatedWorker(AsyncResource):
             self._router.setsockopt(zmq.SNDHWM, self.config.replay_buffer + 16)  # a whole ring fits in one reply
             self._router.setsockopt(zmq.LINGER, 0)
             self.replay_endpoint = _bind(self._router, replay, host)
-            app = web.Application(client_max_size=_MAX_BODY, middlewares=[error_middleware(_MAX_BODY, self._observe)])
-            app.router.add_post("/v1/completions", self._completions)
-            app.router.add_post("/v1/chat/completions", self._chat)
-            app.router.add_get("/v1/models", self._models)
-            app.router.add_get("/health", self._health)
-            app.router.add_get("/metrics", self._metrics_handler)
-            app.router.add_get(LOAD_PATH, self._load)
-            self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
-            await self._runner.setup()
-            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-            sock.setblocking(False)
+            app = App(max_body_bytes=_MAX_BODY, observe=self._observe)
+            app.add_post("/v1/completions", self._completions)
+            app.add_post("/v1/chat/completions", self._chat)
+            app.add_get("/v1/models", self._models)
+            app.add_get("/health", self._health)
+            app.add_get("/metrics", self._metrics_handler)
+            app.add_get(LOAD_PATH, self._load)
+            sock = bind_socket(host, port)
             self.port = sock.getsockname()[1]
-            site = web.SockSite(self._runner, sock, ssl_context=ssl_context)
-            await site.start()
+            self._server = HttpServer(app, sock, ssl_context=ssl_context)
+            await self._server.start()
             shown = f"[{host}]" if ":" in host else host
             self.http_url = f"{'https' if ssl_context is not None else 'http'}://{shown}:{self.port}"
             self._tasks = [asyncio.create_task(self._prefill_loop()), asyncio.create_task(self._replay_loop()), asyncio.create_task(self._subscription_loop())]
@@ -362,9 +357,10 @@ class EmulatedWorker(AsyncResource):
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks = []
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._server is not None:
+            await self._server.close(timeout_s=1.0)
+            self._server.sock.close()
+            self._server = None
         for s in (self._pub, self._router):
             if s is not None:
                 s.close(linger=0)
@@ -593,34 +589,34 @@ class EmulatedWorker(AsyncResource):
 
     # ---- HTTP -------------------------------------------------------------------------------
 
-    def _observe(self, request: web.Request, resp: web.StreamResponse, err: OpenAIError | None) -> None:
+    def _observe(self, request: Request, resp: StreamResponse, err: OpenAIError | None) -> None:
         """Refusals counted (the OpenAI error middleware's hook)."""
         if err is not None:
             self.stats.rejected += 1
             self._metrics.reject(err.status)
 
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(status=503 if self._draining else 200)
+    async def _health(self, request: Request) -> Response:
+        return Response(status=503 if self._draining else 200)
 
-    async def _metrics_handler(self, request: web.Request) -> web.Response:
+    async def _metrics_handler(self, request: Request) -> Response:
         self._metrics.update_load()
-        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def _load(self, request: web.Request) -> web.Response:
+    async def _load(self, request: Request) -> Response:
         return _json({"worker": self.config.worker_id, "queue_ms": self.queue_ms(), "waiting": self.waiting, "running": self.running})
 
-    async def _models(self, request: web.Request) -> web.Response:
+    async def _models(self, request: Request) -> Response:
         c = self.config
         card = {"id": c.model, "object": "model", "created": self._created, "owned_by": "kvcompass", "root": c.model, "parent": None, "max_model_len": c.max_model_len}
         return _json({"object": "list", "data": [card]})
 
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
+    async def _completions(self, request: Request) -> StreamResponse:
         return await self._serve(request, chat=False)
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
+    async def _chat(self, request: Request) -> StreamResponse:
         return await self._serve(request, chat=True)
 
-    async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+    async def _serve(self, request: Request, *, chat: bool) -> StreamResponse:
         if self._draining:
             raise OpenAIError.of(DrainingError("the worker is shutting down; retry on another worker"))
         self._inflight += 1
@@ -656,7 +652,7 @@ class EmulatedWorker(AsyncResource):
             if not self._inflight:
                 self._idle.set()
 
-    async def _whole(self, req: _Request, headers: dict[str, str], usage: dict[str, Any]) -> web.Response:
+    async def _whole(self, req: _Request, headers: dict[str, str], usage: dict[str, Any]) -> Response:
         async def one(i: int) -> str:
             texts: list[str] = []
             async with contextlib.aclosing(self._decode(req.prompt_of(i), req.max_tokens, i % req.n)) as gen:
@@ -676,8 +672,8 @@ class EmulatedWorker(AsyncResource):
             body = {"id": f"cmpl-{req.request_id}", "object": "text_completion", "created": created, "model": self.config.model, "choices": choices, "usage": usage}
         return _json(body, headers=headers)
 
-    async def _stream(self, request: web.Request, req: _Request, headers: dict[str, str], usage: dict[str, Any]) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
+    async def _stream(self, request: Request, req: _Request, headers: dict[str, str], usage: dict[str, Any]) -> StreamResponse:
+        resp = StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
         await resp.prepare(request)
         created = int(time.time())
         if req.chat:
@@ -735,7 +731,7 @@ class EmulatedWorker(AsyncResource):
 
     # ---- request parsing ----------------------------------------------------------------------
 
-    async def _parse(self, request: web.Request, chat: bool) -> _Request:
+    async def _parse(self, request: Request, chat: bool) -> _Request:
         raw = await request.read()
         body = decode_json_object(raw, request.headers.get("Content-Type"))
         model = body.get("model")

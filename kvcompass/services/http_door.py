@@ -1,7 +1,7 @@
 """The edge's OpenAI-compatible HTTP front door: tokenize, route with the edge's index, proxy to
 the chosen worker (streaming), and feed what the response reports back into the edge.
 
-An aiohttp application around one :class:`~kvcompass.discovery.edge.Edge`. The edge stays
+An application (:mod:`kvcompass.services.http_server`) around one :class:`~kvcompass.discovery.edge.Edge`. The edge stays
 sans-I/O; this module owns the sockets, the clock and the retries.
 
 **A request's life.**
@@ -68,13 +68,12 @@ import socket
 import ssl
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvcompass import _core
@@ -83,14 +82,14 @@ from kvcompass.discovery.migration import MigrationAction
 from kvcompass.errors import DrainingError, InvalidArgumentError, KVCompassError, MessageTooLargeError, NotAllowedError, RateLimitedError, UnauthenticatedError
 from kvcompass.index_types import Namespace
 from kvcompass.services.api_keys import ANY_TENANT, ApiKey, KeyStore
-from kvcompass.services.conn_guard import ConnGuard, GuardedSite
+from kvcompass.services.conn_guard import ConnGuard
+from kvcompass.services.http_server import App, HttpServer, Request, Response, StreamResponse, json_response
 from kvcompass.services.openai_api import (
     INLINE_TOKENIZE_CHARS,
     OpenAIError,
     chat_tokens,
     decode_json_object,
     error_body,
-    error_middleware,
     one_prompt_tokens,
     prompt_batch,
     prompt_tokens,
@@ -129,8 +128,8 @@ def valid_tenant(name: str) -> bool:
     return _TENANT_RE.fullmatch(name) is not None
 
 
-_KEY_SLOT: web.RequestKey[ApiKey | None] = web.RequestKey("kvcompass_api_key")
-"""Where a request keeps the grants of its API key once looked up (aiohttp request storage)."""
+_KEY_SLOT = "kvcompass_api_key"
+"""Where a request keeps the grants of its API key once looked up (the request's storage)."""
 
 FailureReason = Literal["connect", "timeout", "status_5xx", "disconnect", "midstream"]
 
@@ -409,6 +408,7 @@ class FrontDoor:
         self._models = {m: i for i, m in enumerate(config.models)}
         self._created = int(time.time())
         self._session: UpstreamPool | None = None
+        self._poller: asyncio.Task[None] | None = None
         self.draining = False
         self.stale_shards: Callable[[], Mapping[int, float]] | None = None
         """Shard -> seconds its subscription has not been current (the edge's syncer sets it;
@@ -455,19 +455,23 @@ class FrontDoor:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    async def _session_ctx(self, app: web.Application) -> AsyncIterator[None]:
+    async def start(self) -> None:
+        """The upstream pool and the migration poller (the server's start hook)."""
         # upstream_ssl verifies https:// workers (and presents the door's certificate to those
         # that require one); plain http:// workers are unaffected.
         # No total deadline: a stream may legitimately run for minutes; the head and read limits bound stalls.
         cfg = self.config
         self._session = UpstreamPool(limit=cfg.max_upstream_connections, connect_timeout_s=cfg.connect_timeout_s, read_timeout_s=cfg.read_timeout_s, keepalive_s=30.0, ssl=self._upstream_ssl)
-        poller = asyncio.create_task(self._migration_loop()) if self.config.migration_poll_s > 0 else None
-        try:
-            yield
-        finally:
-            for t in [*([poller] if poller is not None else []), *self._migrating]:
-                t.cancel()
-            await asyncio.gather(*([poller] if poller is not None else []), *self._migrating, return_exceptions=True)
+        self._poller = asyncio.create_task(self._migration_loop()) if self.config.migration_poll_s > 0 else None
+
+    async def stop(self) -> None:
+        """The server's stop hook: the poller and migrations cancelled, the pool closed."""
+        tasks = [*([self._poller] if self._poller is not None else []), *self._migrating]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._poller = None
+        if self._session is not None:
             await self._session.close()
             self._session = None
 
@@ -569,16 +573,16 @@ class FrontDoor:
 
     # -- middleware and small endpoints ----------------------------------------------------------
 
-    def _observe(self, request: web.Request, resp: web.StreamResponse, err: OpenAIError | None) -> None:
+    def _observe(self, request: Request, resp: StreamResponse, err: OpenAIError | None) -> None:
         """Every request counted by its endpoint and final status (the OpenAI error middleware's
         hook)."""
         self.metrics.requests.labels(_ENDPOINTS.get(request.path, "other"), str(resp.status)).inc()
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: Request) -> Response:
         data = [{"id": m, "object": "model", "created": self._created, "owned_by": "kvcompass"} for m in self.config.models]
-        return web.json_response({"object": "list", "data": data})
+        return json_response({"object": "list", "data": data})
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, request: Request) -> Response:
         """Readiness with the reason when not ready: draining, a view behind its writer, or a
         shard whose subscription has been down past ``stale_grace_s`` (its views may be behind
         without the edge knowing; the door still routes on what it has)."""
@@ -598,9 +602,9 @@ class FrontDoor:
             body["status"] = "behind"
         elif any(v > self.config.stale_grace_s for v in stale.values()):
             body["status"] = "stale"
-        return web.json_response(body, status=200 if body["status"] == "ok" else 503)
+        return json_response(body, status=200 if body["status"] == "ok" else 503)
 
-    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+    async def metrics_endpoint(self, request: Request) -> Response:
         m, e = self.metrics, self.edge
         dead = self.dead_workers()
         for w in e.workers:
@@ -608,17 +612,17 @@ class FrontDoor:
             m.queue.labels(w).set(e.queue_estimate(w))
             m.dead.labels(w).set(1.0 if w in dead else 0.0)
         m.healthy.set(1.0 if e.healthy else 0.0)
-        return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # -- completions -----------------------------------------------------------------------------
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def completions(self, request: Request) -> StreamResponse:
         return await self._serve(request, chat=False)
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+    async def chat_completions(self, request: Request) -> StreamResponse:
         return await self._serve(request, chat=True)
 
-    def _client_of(self, request: web.Request) -> str | None:
+    def _client_of(self, request: Request) -> str | None:
         """Who a request counts against for the per-client cap: its API key's hash, else its
         peer address; None for another region's door handing a request over (its any-tenant
         peer key): hand-offs from a whole region must not queue behind one client's cap."""
@@ -630,7 +634,7 @@ class FrontDoor:
                 return None if ANY_TENANT in key.tenants else "key:" + key.name
         return "addr:" + (request.remote or "?")
 
-    async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+    async def _serve(self, request: Request, *, chat: bool) -> StreamResponse:
         if self.draining:
             raise OpenAIError.of(DrainingError("this edge is shutting down; retry on another"))
         client = self._client_of(request)
@@ -650,7 +654,7 @@ class FrontDoor:
             else:
                 del self._per_client[client]
 
-    async def _serve_counted(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+    async def _serve_counted(self, request: Request, *, chat: bool) -> StreamResponse:
         self._inflight += 1
         self._idle.clear()
         self.metrics.inflight.inc()
@@ -670,7 +674,7 @@ class FrontDoor:
             if self._inflight == 0:
                 self._idle.set()
 
-    async def _prepare(self, request: web.Request, *, chat: bool) -> list[_Prepared]:
+    async def _prepare(self, request: Request, *, chat: bool) -> list[_Prepared]:
         """The request validated and ready to route: one :class:`_Prepared`, or one per prompt
         of a batched completions request (each routed and forwarded on its own)."""
         cfg = self.config
@@ -678,16 +682,15 @@ class FrontDoor:
             raise OpenAIError.of(MessageTooLargeError(f"request body exceeds {cfg.max_body_bytes} bytes", limit=cfg.max_body_bytes))
         key = self._authenticate(request)
         try:
-            if request.content.is_eof():
+            if request.complete:
                 # The whole body came with the head (most requests): nothing to wait for, so no
                 # deadline to arm (a timer per request was a few percent of the door's CPU).
                 raw = await request.read()
             else:
-                # asyncio.timeout, not wait_for: no task of its own per request.
+                # asyncio.timeout, not wait_for: no task of its own per request. Past
+                # max_body_bytes read() raises MessageTooLargeError (413 through the table).
                 async with asyncio.timeout(cfg.body_timeout_s):
                     raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise OpenAIError.of(MessageTooLargeError(f"request body exceeds {cfg.max_body_bytes} bytes", limit=cfg.max_body_bytes)) from None
         except TimeoutError:
             raise OpenAIError(408, f"the request body did not arrive within {cfg.body_timeout_s:g} s", code="request_timeout", headers={"Connection": "close"}) from None
         body = decode_json_object(raw, request.headers.get("Content-Type"))
@@ -784,7 +787,7 @@ class FrontDoor:
             for i, (r, t) in enumerate(zip(raws, token_lists))
         ]
 
-    def _authenticate(self, request: web.Request) -> ApiKey | None:
+    def _authenticate(self, request: Request) -> ApiKey | None:
         """The request's key (None: the door is open), checked before its body is read, so an
         unauthenticated caller learns nothing about parsing (401, or 429 past the key's rate)."""
         store = self.config.api_keys
@@ -874,7 +877,7 @@ class FrontDoor:
         self.metrics.handoffs.labels("moved" if d.worker != prep.handoff else "kept").inc()
         return _Choice(d.worker, d.region, d.expected_match, d)
 
-    async def _proxy(self, request: web.Request, prep: _Prepared) -> web.StreamResponse:
+    async def _proxy(self, request: Request, prep: _Prepared) -> StreamResponse:
         tried: set[str] = set()
         last: _WorkerFailed | None = None
         for attempt in range(self.config.max_attempts):
@@ -906,7 +909,7 @@ class FrontDoor:
             return 0.0
         return max(0.0, float(self._wan(self.edge.region, region))) / 1e3
 
-    def _reply_headers(self, request: web.Request, choice: _Choice) -> dict[str, str]:
+    def _reply_headers(self, request: Request, choice: _Choice) -> dict[str, str]:
         h: dict[str, str] = {}
         if self.config.expose_worker:
             h[WORKER_HEADER] = choice.worker
@@ -918,7 +921,7 @@ class FrontDoor:
                 pass  # not a region this edge exchanges queues with
         return h
 
-    async def _forward(self, request: web.Request, prep: _Prepared, choice: _Choice) -> web.StreamResponse:
+    async def _forward(self, request: Request, prep: _Prepared, choice: _Choice) -> StreamResponse:
         """Through the chosen worker's region's door when it has one (a hand-off), else straight
         to the worker. A peer door that fails before answering is skipped for
         ``dead_cooldown_s`` and the worker is tried directly when its URL is known: a hand-off
@@ -939,7 +942,7 @@ class FrontDoor:
             raise _WorkerFailed("connect", f"{choice.worker}: reachable only through the door of {region!r}, which is not answering")
         return await self._forward_via(request, prep, choice, None)
 
-    async def _forward_via(self, request: web.Request, prep: _Prepared, choice: _Choice, peer: str | None) -> web.StreamResponse:
+    async def _forward_via(self, request: Request, prep: _Prepared, choice: _Choice, peer: str | None) -> StreamResponse:
         session = self._session
         if session is None:
             raise OpenAIError.of(DrainingError("the door is not running"))
@@ -993,18 +996,18 @@ class FrontDoor:
             self._timed(choice, prep, first=True, last=True)
         headers = self._reply_headers(request, choice)
         headers["Content-Type"] = ctype or "application/json"
-        return web.Response(body=data, status=up.status, headers=headers)
+        return Response(body=data, status=up.status, headers=headers)
 
     async def _relay_stream(
-        self, request: web.Request, prep: _Prepared, choice: _Choice, up: UpstreamResponse, fb: _Feedback, delay: float
-    ) -> web.StreamResponse:
+        self, request: Request, prep: _Prepared, choice: _Choice, up: UpstreamResponse, fb: _Feedback, delay: float
+    ) -> StreamResponse:
         if delay:
             await asyncio.sleep(delay)
         headers = self._reply_headers(request, choice)
         headers.update({"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         sink = prep.sink
         if sink is None:
-            resp = web.StreamResponse(status=200, headers=headers)
+            resp = StreamResponse(status=200, headers=headers)
             await resp.prepare(request)
             write: Callable[[bytes], Awaitable[None]] = resp.write
             end: Callable[[], Awaitable[None]] = resp.write_eof
@@ -1048,7 +1051,7 @@ class FrontDoor:
             pass  # the client went away; the upstream response is closed by the caller
         return resp
 
-    async def _proxy_batch(self, request: web.Request, preps: Sequence[_Prepared]) -> web.StreamResponse:
+    async def _proxy_batch(self, request: Request, preps: Sequence[_Prepared]) -> StreamResponse:
         """A batched completions request: every prompt routed and forwarded on its own, side by
         side, and their answers merged into one response as OpenAI numbers them (prompt i's
         choice j is choice ``i * n + j``; usage summed, cached tokens included). Streams are
@@ -1059,7 +1062,7 @@ class FrontDoor:
             for prep in preps:
                 prep.sink = sink
             got = await asyncio.gather(*(self._proxy(request, prep) for prep in preps), return_exceptions=True)
-            failed = [(i, g) for i, g in enumerate(got) if isinstance(g, BaseException) or not isinstance(g, web.StreamResponse) or not g.prepared]
+            failed = [(i, g) for i, g in enumerate(got) if isinstance(g, BaseException) or not isinstance(g, StreamResponse) or not g.prepared]
             if sink.resp is None:
                 for _, g in failed:
                     if isinstance(g, BaseException):
@@ -1069,7 +1072,7 @@ class FrontDoor:
             for i, g in failed:
                 if isinstance(g, OpenAIError):
                     err = error_body(g.status, f"prompt[{i}]: {g.message}", g.param, g.code)
-                elif isinstance(g, web.Response) and isinstance(g.body, bytes):
+                elif isinstance(g, Response) and isinstance(g.body, bytes):
                     err = _error_of(g.status, g.body, i)
                 else:
                     err = error_body(502, f"prompt[{i}]: {g!r}", code="upstream_error")
@@ -1078,11 +1081,11 @@ class FrontDoor:
             return sink.resp
         got = await asyncio.gather(*(self._proxy(request, prep) for prep in preps), return_exceptions=True)
         bodies: list[dict[str, Any]] = []
-        first: web.Response | None = None
+        first: Response | None = None
         for g in got:
             if isinstance(g, BaseException):
                 raise g
-            if not isinstance(g, web.Response) or not isinstance(g.body, bytes):
+            if not isinstance(g, Response) or not isinstance(g.body, bytes):
                 raise OpenAIError(502, "a prompt of the batch got no complete answer", code="upstream_error")
             if not 200 <= g.status < 300:
                 return g  # the first prompt that failed, as its worker answered
@@ -1108,8 +1111,8 @@ class FrontDoor:
             merged["usage"] = usage
         headers = {k: v for k, v in first.headers.items() if k.lower() != "content-length"}
         if self.config.expose_worker:
-            headers[WORKER_HEADER] = ",".join(g.headers.get(WORKER_HEADER, "") for g in got if isinstance(g, web.Response))
-        return web.Response(body=json.dumps(merged).encode(), status=200, headers=headers)
+            headers[WORKER_HEADER] = ",".join(g.headers.get(WORKER_HEADER, "") for g in got if isinstance(g, Response))
+        return Response(body=json.dumps(merged).encode(), status=200, headers=headers)
 
     def _timed(self, choice: _Choice, prep: _Prepared, *, first: bool = False, last: bool = False) -> None:
         """Time to first token (histogram, and the route's dashboard row) and to the last byte
@@ -1220,19 +1223,19 @@ class _BatchStream:
     and its id made the first one's, usage-only chunks summed into one sent at the end when
     the client asked for it, one ``[DONE]``."""
 
-    def __init__(self, request: web.Request, parts: int, client_usage: bool) -> None:
+    def __init__(self, request: Request, parts: int, client_usage: bool) -> None:
         self._request = request
         self._left = parts
         self._client_usage = client_usage
         self._usage: list[Any] = []
         self._head: dict[str, Any] | None = None
         self._lock = asyncio.Lock()
-        self.resp: web.StreamResponse | None = None
+        self.resp: StreamResponse | None = None
 
-    async def prepare(self, headers: Mapping[str, str]) -> web.StreamResponse:
+    async def prepare(self, headers: Mapping[str, str]) -> StreamResponse:
         async with self._lock:
             if self.resp is None:
-                resp = web.StreamResponse(status=200, headers={k: v for k, v in headers.items() if k != WORKER_HEADER})
+                resp = StreamResponse(status=200, headers={k: v for k, v in headers.items() if k != WORKER_HEADER})
                 await resp.prepare(self._request)
                 self.resp = resp
             return self.resp
@@ -1327,8 +1330,8 @@ _ENDPOINTS = {
     "/metrics": "metrics",
 }
 
-FRONT_DOOR: web.AppKey[FrontDoor] = web.AppKey("kvcompass_front_door", FrontDoor)
-"""Where :func:`make_app` keeps its :class:`FrontDoor` (``app[FRONT_DOOR]``)."""
+FRONT_DOOR = "kvcompass_front_door"
+"""Where :func:`make_app` keeps its :class:`FrontDoor` (``app.state[FRONT_DOOR]``)."""
 
 
 # -- helpers -------------------------------------------------------------------------------------------
@@ -1422,8 +1425,8 @@ def make_app(
     registry: CollectorRegistry | None = None,
     upstream_ssl: ssl.SSLContext | None = None,
     peers: Mapping[str, str] | None = None,
-) -> web.Application:
-    """The door as an aiohttp application.
+) -> App:
+    """The door as an application of :mod:`kvcompass.services.http_server`.
 
     ``workers``: worker id -> base URL (``http://host:port``; the door appends the request's
     path). Edge workers missing from it are never forwarded to. ``tokenizer``: an object, or a
@@ -1440,34 +1443,25 @@ def make_app(
         edge, workers, _resolve_tokenizer(tokenizer), config, regions=regions, wan_one_way_ms=wan_one_way_ms, clock=clock, registry=registry,
         upstream_ssl=upstream_ssl, peers=peers,
     )
-    guard = door.conn_guard
-
-    @web.middleware
-    async def head_deadline(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        guard.mark(request)  # this head arrived whole: its deadline is off
-        try:
-            return await handler(request)
-        finally:
-            guard.done(request)  # the next head's deadline starts with its first byte
-
-    app = web.Application(middlewares=[head_deadline, error_middleware(config.max_body_bytes, door._observe)], client_max_size=config.max_body_bytes)
-    app[FRONT_DOOR] = door
-    app.cleanup_ctx.append(door._session_ctx)
-    app.router.add_post("/v1/completions", door.completions)
-    app.router.add_post("/v1/chat/completions", door.chat_completions)
-    app.router.add_get("/v1/models", door.models)
-    app.router.add_get("/health", door.health)
-    app.router.add_get("/metrics", door.metrics_endpoint)
+    app = App(max_body_bytes=config.max_body_bytes, observe=door._observe)
+    app.state[FRONT_DOOR] = door
+    app.on_startup.append(door.start)
+    app.on_cleanup.append(door.stop)
+    app.add_post("/v1/completions", door.completions)
+    app.add_post("/v1/chat/completions", door.chat_completions)
+    app.add_get("/v1/models", door.models)
+    app.add_get("/health", door.health)
+    app.add_get("/metrics", door.metrics_endpoint)
     return app
 
 
 class DoorServer(AsyncResource):
     """A running door: its listening socket, and :meth:`stop` to drain and close it."""
 
-    def __init__(self, app: web.Application, runner: web.AppRunner, sock: socket.socket, *, tls: bool = False) -> None:
+    def __init__(self, app: App, server: HttpServer, sock: socket.socket, *, tls: bool = False) -> None:
         self.app = app
         self.tls = tls
-        self._runner = runner
+        self._server = server
         self._sock = sock
         host, port = sock.getsockname()[:2]
         self.host: str = host
@@ -1476,7 +1470,8 @@ class DoorServer(AsyncResource):
 
     @property
     def door(self) -> FrontDoor:
-        return self.app[FRONT_DOOR]
+        door: FrontDoor = self.app.state[FRONT_DOOR]
+        return door
 
     @property
     def url(self) -> str:
@@ -1494,7 +1489,8 @@ class DoorServer(AsyncResource):
         grace = door.config.drain_grace_s if grace_s is None else grace_s
         await door.wait_idle(grace)
         try:
-            await self._runner.cleanup()
+            # Whatever is still running when the grace period ended is cut off after 1 s more.
+            await self._server.close(timeout_s=1.0)
         finally:
             self._sock.close()
 
@@ -1532,13 +1528,10 @@ async def serve_door(
     )
     if sock is None:
         sock = bind_socket(host, port, reuse_port=reuse_port)
-    # Whatever is still running when the grace period ended is cut off after 1 s more.
-    runner = web.AppRunner(app, shutdown_timeout=1.0, access_log=None)
-    await runner.setup()
+    server = HttpServer(app, sock, guard=app.state[FRONT_DOOR].conn_guard, ssl_context=ssl_context)
     try:
-        await GuardedSite(runner, sock, app[FRONT_DOOR].conn_guard, ssl_context=ssl_context).start()
+        await server.start()
     except BaseException:
-        await runner.cleanup()
         sock.close()
         raise
-    return DoorServer(app, runner, sock, tls=ssl_context is not None)
+    return DoorServer(app, server, sock, tls=ssl_context is not None)

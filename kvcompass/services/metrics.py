@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Sequence
 from typing import Callable
 
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvcompass.services.http_server import App, HttpServer, Request, Response, StreamResponse, json_response
 from kvcompass.services.lifecycle import AsyncResource, bind_socket
 
 __all__ = ["MetricsServer", "ServiceMetrics", "metrics_app"]
@@ -79,26 +79,26 @@ class ServiceMetrics:
         return generate_latest(self.registry)
 
 
-Route = tuple[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]
+Route = tuple[str, Callable[[Request], Awaitable[StreamResponse]]]
 """An extra ``GET`` route of the metrics listener: ``(path, handler)``."""
 
 
-def metrics_app(registry: CollectorRegistry, ready: Callable[[], bool], routes: Sequence[Route] = ()) -> web.Application:
+def metrics_app(registry: CollectorRegistry, ready: Callable[[], bool], routes: Sequence[Route] = ()) -> App:
     """``GET /metrics`` (Prometheus text) and ``GET /healthz`` (200 while ``ready()``, else 503,
     so load balancers and ``kvcompass up`` can poll it without speaking gRPC)."""
 
-    async def metrics(_: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    async def metrics(_: Request) -> Response:
+        return Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def healthz(_: web.Request) -> web.Response:
+    async def healthz(_: Request) -> Response:
         ok = ready()
-        return web.json_response({"status": "SERVING" if ok else "NOT_SERVING"}, status=200 if ok else 503)
+        return json_response({"status": "SERVING" if ok else "NOT_SERVING"}, status=200 if ok else 503)
 
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/healthz", healthz)
+    app = App()
+    app.add_get("/metrics", metrics)
+    app.add_get("/healthz", healthz)
     for path, handler in routes:
-        app.router.add_get(path, handler)
+        app.add_get(path, handler)
     return app
 
 
@@ -107,28 +107,27 @@ class MetricsServer(AsyncResource):
 
     def __init__(self, registry: CollectorRegistry, ready: Callable[[], bool], routes: Sequence[Route] = ()) -> None:
         self._app = metrics_app(registry, ready, routes)
-        self._runner: web.AppRunner | None = None
+        self._server: HttpServer | None = None
         self.port = 0
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve on ``host:port`` (0: any free port); returns the bound port."""
         sock = bind_socket(host, port)
         self.port = int(sock.getsockname()[1])
-        runner = web.AppRunner(self._app, access_log=None)
+        server = HttpServer(self._app, sock)
         try:
-            await runner.setup()
-            await web.SockSite(runner, sock).start()
+            await server.start()
         except BaseException:
             sock.close()
-            await runner.cleanup()
             raise
-        self._runner = runner
+        self._server = server
         return self.port
 
     async def close(self) -> None:
-        if self._runner is not None:
-            runner, self._runner = self._runner, None
-            await runner.cleanup()
+        if self._server is not None:
+            server, self._server = self._server, None
+            await server.close()
+            server.sock.close()
 
 
 

@@ -1,6 +1,7 @@
 """The OpenAI HTTP surface both the door and the emulated worker serve, written once: the error
-class and its body, the middleware that gives every error (aiohttp's own 404, 405 and 413
-included) that body, the request body's decoding, and a prompt's or chat's tokens.
+class and its body (:class:`kvcompass.services.http_server.App` answers every refusal with it,
+the server's own 404, 405 and 413 included), the request body's decoding, and a prompt's or
+chat's tokens.
 
 Why a module of its own: the two surfaces had each grown their own reading, error class, error
 body and middleware, and their rules had drifted (a body one refused the other served; one
@@ -20,7 +21,6 @@ from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
-from aiohttp import web
 
 from kvcompass import _core
 from kvcompass.errors import KVCompassError
@@ -33,8 +33,6 @@ __all__ = [
     "chat_tokens",
     "decode_json_object",
     "error_body",
-    "error_middleware",
-    "error_response",
     "one_prompt_tokens",
     "prompt_batch",
     "prompt_tokens",
@@ -49,7 +47,6 @@ tokenizers release the GIL), so one long prompt does not stall every other reque
 
 
 Tokenize = Callable[[], Any]
-Observe = Callable[[web.Request, web.StreamResponse, "OpenAIError | None"], None]
 
 
 class OpenAIError(Exception):
@@ -88,45 +85,6 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     """``{"error": {"message", "type", "param", "code"}}``, OpenAI's shape."""
     t = kind or ("invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": t, "param": param, "code": code}}
-
-
-def error_response(e: OpenAIError) -> web.Response:
-    resp = web.json_response(error_body(e.status, e.message, e.param, e.code, e.kind), status=e.status)
-    resp.headers.update(e.headers)
-    return resp
-
-
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-
-
-def error_middleware(max_body_bytes: int, observe: Observe | None = None) -> Any:
-    """An aiohttp middleware: an :class:`OpenAIError` a handler raises, and aiohttp's own HTTP
-    errors, leave as OpenAI's error body. ``observe(request, response, error)`` sees every
-    response (``error`` is the refusal, None otherwise), for counting."""
-
-    @web.middleware
-    async def errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        err: OpenAIError | None = None
-        try:
-            resp = await handler(request)
-        except OpenAIError as e:
-            err = e
-            resp = error_response(e)
-        except KVCompassError as e:  # a refusal the handler did not word itself: the HTTP table's
-            err = OpenAIError.of(e)
-            resp = error_response(err)
-        except web.HTTPException as e:
-            if e.status < 400:
-                raise
-            msg = f"request body exceeds {max_body_bytes} bytes" if e.status == 413 else f"{e.reason}: {request.method} {request.path}"
-            resp = error_response(OpenAIError(e.status, msg, None, _HTTP_CODES.get(e.status)))
-            if "Allow" in e.headers:
-                resp.headers["Allow"] = e.headers["Allow"]
-        if observe is not None:
-            observe(request, resp, err)
-        return resp
-
-    return errors
 
 
 def _is_json(content_type: str) -> bool:

@@ -1,0 +1,697 @@
+"""The HTTP/1.1 server of the OpenAI surface (the door and the emulated worker): an asyncio
+protocol around ``httptools`` (llhttp, the parser uvicorn and the door's upstream client use),
+a route table, and request and response objects shaped like the few parts of aiohttp's the
+handlers use.
+
+Why not aiohttp's server (or uvicorn): measured on this project's 2-core host with ``wrk`` (32
+connections, a 900-byte POST answered with a fixed JSON body), CPU a request was 67-70 µs for
+an aiohttp ``Application``, 53-54 µs for aiohttp's low-level ``Server``, 43-46 µs for uvicorn
+with a bare ASGI callable, and 11 µs for an ``httptools`` protocol (docs/services.md, the
+twenty-first session). In front of an instant backend the door's whole budget is about 0.2 ms
+a request, so the server alone was a third of it. What a front door needs of a server is
+small and is all here:
+
+* keep-alive and pipelining (requests on a connection answered in order), ``Connection:
+  close`` and HTTP/1.0, ``Expect: 100-continue``, HEAD for GET routes;
+* a handler started once a head is whole; its body read with :meth:`Request.read` (bounded by
+  ``max_body_bytes``: :class:`~kvcompass.errors.MessageTooLargeError`), so a handler refuses a
+  request (401, 413) before the body arrives;
+* responses whole (``Content-Length``) or streamed (chunked; flow control: a writer waits while
+  the client's socket is full), a ``Date`` header, CR/LF refused in header values;
+* the limits a client-facing listener needs (:class:`~kvcompass.services.conn_guard.ConnGuard`):
+  at most N connections per client address (over it: ``503`` and close), a deadline for every
+  request head from its first byte (slowloris), heads at most ``max_head_bytes`` (``431``),
+  malformed requests answered ``400`` and closed, and an idle keep-alive limit;
+* a handler's :class:`~kvcompass.services.openai_api.OpenAIError` (or a
+  :class:`~kvcompass.errors.KVCompassError`, through the one HTTP table) answered with OpenAI's
+  error body, as are the server's own 404/405/413; anything else is a logged 500;
+* :meth:`HttpServer.close`: stop accepting, let handlers in flight finish (up to a timeout),
+  then close every connection.
+
+A handler is not cancelled when its client disconnects (aiohttp's default as well): it notices
+when it writes (``ConnectionResetError``), so the door's relay closes the upstream stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import http
+import json
+import logging
+import socket
+import ssl
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import Any
+
+import httptools
+
+from kvcompass.errors import KVCompassError, MessageTooLargeError
+from kvcompass.services.conn_guard import ConnGuard
+from kvcompass.services.openai_api import OpenAIError, error_body
+
+__all__ = ["App", "Headers", "HttpServer", "Request", "Response", "StreamResponse", "json_response"]
+
+_log = logging.getLogger("kvcompass.http")
+
+Handler = Callable[["Request"], Awaitable["StreamResponse"]]
+Observe = Callable[["Request", "StreamResponse", "OpenAIError | None"], None]
+
+_REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
+_REFUSED = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\nRetry-After: 1\r\n\r\n"
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_PIPELINE_DEPTH = 16  # heads queued on one connection before its socket stops being read
+_BODY_DISCARD_S = 10.0  # how long the rest of a refused request's body may take to arrive
+_HIGH_WATER = 1024 * 1024  # body bytes buffered ahead of a handler before the socket pauses
+
+
+class Headers(Mapping[str, str]):
+    """A request's headers by lower-cased name (repeated fields joined with ``", "``);
+    lookups ignore case."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, d: dict[str, str] | None = None) -> None:
+        self._d: dict[str, str] = d if d is not None else {}
+
+    def __getitem__(self, name: str) -> str:
+        return self._d[name.lower()]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self._d.get(name.lower(), default)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.lower() in self._d
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __repr__(self) -> str:
+        return f"Headers({self._d!r})"
+
+
+class Request:
+    """One request: ``method``, ``path`` (without the query), ``query_string``, ``headers``,
+    ``remote`` (the client's address), ``content_length`` (None when chunked), and the body
+    through :meth:`read`. Handlers may keep per-request values in it (``request[key]``)."""
+
+    __slots__ = ("method", "path", "query_string", "headers", "remote", "content_length", "keep_alive", "_stream", "_chunks", "_size", "_complete", "_waiter", "_error", "_conn", "_store")
+
+    def __init__(self, conn: _Connection, method: str, path: str, query: str, headers: Headers) -> None:
+        self._conn = conn
+        self.method = method
+        self.path = path
+        self.query_string = query
+        self.headers = headers
+        self.remote = conn.remote
+        cl = headers._d.get("content-length")
+        self.content_length: int | None = int(cl) if cl is not None and cl.isdigit() else None
+        self.keep_alive = True
+        self._stream: StreamResponse | None = None
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._complete = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: BaseException | None = None
+        self._store: dict[Any, Any] | None = None
+
+    @property
+    def complete(self) -> bool:
+        """The whole body has arrived (most requests: it came with the head)."""
+        return self._complete
+
+    async def read(self) -> bytes:
+        """The whole body. :class:`~kvcompass.errors.MessageTooLargeError` past the server's
+        ``max_body_bytes``; ``ConnectionResetError`` when the client went away first."""
+        while not self._complete and self._error is None:
+            if self._waiter is None:
+                self._waiter = asyncio.get_running_loop().create_future()
+            self._conn.resume()
+            await self._waiter
+            self._waiter = None
+        if self._error is not None:
+            raise self._error
+        if len(self._chunks) != 1:
+            self._chunks = [b"".join(self._chunks)]
+        return self._chunks[0]
+
+    def _feed(self, data: bytes) -> None:
+        self._size += len(data)
+        if self._size > self._conn.server.max_body_bytes:
+            if self._error is None:
+                limit = self._conn.server.max_body_bytes
+                self._fail(MessageTooLargeError(f"request body exceeds {limit} bytes", limit=limit))
+            return
+        if self._error is None:
+            self._chunks.append(data)
+
+    def _finish(self) -> None:
+        self._complete = True
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+        self._chunks = []
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def __getitem__(self, key: Any) -> Any:
+        if self._store is None:
+            raise KeyError(key)
+        return self._store[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if self._store is None:
+            self._store = {}
+        self._store[key] = value
+
+    def __contains__(self, key: Any) -> bool:
+        return self._store is not None and key in self._store
+
+
+def _head(status: int, headers: Mapping[str, str], extra: bytes) -> bytearray:
+    out = bytearray(b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown")))
+    for k, v in headers.items():
+        if "\r" in v or "\n" in v or "\r" in k or "\n" in k:
+            raise ValueError(f"header {k!r} holds CR or LF")
+        out += f"{k}: {v}\r\n".encode("latin-1")
+    out += extra
+    return out
+
+
+class StreamResponse:
+    """A response written as it is produced (chunked): :meth:`prepare` sends the head,
+    :meth:`write` each part, :meth:`write_eof` the end."""
+
+    __slots__ = ("status", "headers", "prepared", "_conn", "_request", "_chunked", "_ended")
+
+    def __init__(self, *, status: int = 200, headers: Mapping[str, str] | None = None) -> None:
+        self.status = status
+        self.headers: dict[str, str] = dict(headers or {})
+        self.prepared = False
+        self._conn: _Connection | None = None
+        self._request: Request | None = None
+        self._chunked = True
+        self._ended = False
+
+    async def prepare(self, request: Request) -> StreamResponse:
+        if self.prepared:
+            return self
+        conn = request._conn
+        # HTTP/1.0 cannot take chunks: the body ends where the connection does.
+        chunked = request.method != "HEAD" and not conn.http10
+        extra = b"Date: %s\r\n" % conn.server.date()
+        extra += b"Transfer-Encoding: chunked\r\n" if chunked else b""
+        extra += conn.connection_header(request, self.headers, stream=True)
+        head = _head(self.status, self.headers, extra)  # ValueError before anything is sent
+        self._conn, self._request, self._chunked = conn, request, chunked
+        self.prepared = True
+        request._stream = self
+        conn.write(bytes(head))
+        return self
+
+    async def write(self, data: bytes) -> None:
+        conn = self._conn
+        if conn is None or self._ended:
+            raise RuntimeError("write before prepare() or after write_eof()")
+        if conn.lost or (conn.transport is not None and conn.transport.is_closing()):
+            # is_closing: a send failed (the peer reset it) and connection_lost is only
+            # scheduled; a handler writing without pause would not see it before its end.
+            raise ConnectionResetError("the client closed the connection")
+        if not data or (self._request is not None and self._request.method == "HEAD"):
+            return
+        conn.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
+        await conn.drain()
+
+    async def write_eof(self) -> None:
+        if self._ended or self._conn is None:
+            return
+        self._ended = True
+        if self._chunked and not self._conn.lost:
+            self._conn.write(b"0\r\n\r\n")
+
+
+class Response(StreamResponse):
+    """A whole response (``Content-Length``)."""
+
+    __slots__ = ("body",)
+
+    def __init__(self, *, body: bytes = b"", status: int = 200, headers: Mapping[str, str] | None = None, content_type: str | None = None) -> None:
+        super().__init__(status=status, headers=headers)
+        self.body = body
+        if content_type is not None:
+            self.headers["Content-Type"] = content_type
+
+    def _send(self, request: Request) -> None:
+        conn = request._conn
+        self._conn, self._request = conn, request
+        self.prepared = self._ended = True
+        body = b"" if request.method == "HEAD" else self.body
+        extra = b"Content-Length: %d\r\nDate: %s\r\n" % (len(self.body), conn.server.date())
+        extra += conn.connection_header(request, self.headers, stream=False)
+        head = _head(self.status, self.headers, extra)
+        head += body
+        conn.write(bytes(head))
+
+
+def json_response(obj: Any, *, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(body=json.dumps(obj).encode(), status=status, headers={**(headers or {}), "Content-Type": "application/json"})
+
+
+def error_response(e: OpenAIError) -> Response:
+    """OpenAI's error body for ``e``, with its extra headers."""
+    return Response(body=json.dumps(error_body(e.status, e.message, e.param, e.code, e.kind)).encode(), status=e.status, headers={"Content-Type": "application/json", **e.headers})
+
+
+class App:
+    """The route table (path -> method -> handler), the hook that sees every response
+    (``observe(request, response, error)``; ``error`` is the refusal or None), and the
+    application's start and stop hooks (:meth:`HttpServer.start` runs them)."""
+
+    def __init__(self, *, max_body_bytes: int = 1 << 20, observe: Observe | None = None) -> None:
+        self.max_body_bytes = max_body_bytes
+        self.observe = observe
+        self.routes: dict[str, dict[str, Handler]] = {}
+        self.on_startup: list[Callable[[], Awaitable[None]]] = []
+        self.on_cleanup: list[Callable[[], Awaitable[None]]] = []
+        self.state: dict[str, Any] = {}
+
+    def add_post(self, path: str, handler: Handler) -> None:
+        self.routes.setdefault(path, {})["POST"] = handler
+
+    def add_get(self, path: str, handler: Handler) -> None:
+        self.routes.setdefault(path, {})["GET"] = handler
+
+    @property
+    def paths(self) -> list[str]:
+        return sorted(self.routes)
+
+    async def handle(self, request: Request) -> StreamResponse:
+        """The route's handler with refusals turned into OpenAI's error body, and a handler's
+        failure into a logged 500 (``ConnectionResetError`` once the client is gone passes)."""
+        err: OpenAIError | None = None
+        methods = self.routes.get(request.path)
+        handler = None if methods is None else methods.get(request.method) or (methods.get("GET") if request.method == "HEAD" else None)
+        if methods is None or handler is None:
+            # Not a refusal of a request the app serves: answered, observed with no error.
+            if methods is None:
+                miss = OpenAIError(404, f"Not Found: {request.method} {request.path}", None, "not_found")
+            else:
+                allow = ",".join(sorted({*methods, *(["HEAD"] if "GET" in methods else [])}))
+                miss = OpenAIError(405, f"Method Not Allowed: {request.method} {request.path}", None, "method_not_allowed", headers={"Allow": allow})
+            resp = error_response(miss)
+            if self.observe is not None:
+                self.observe(request, resp, None)
+            return resp
+        try:
+            resp = await handler(request)
+        except OpenAIError as e:
+            err = e
+            resp = error_response(e)
+        except KVCompassError as e:  # a refusal the handler did not word itself: the HTTP table's
+            err = OpenAIError.of(e)
+            resp = error_response(err)
+        except Exception as e:
+            if isinstance(e, ConnectionResetError) and request._conn.lost:
+                raise
+            _log.exception("handler of %s %s failed", request.method, request.path)
+            err = OpenAIError(500, "internal error: the handler failed", code="internal_error")
+            resp = error_response(err)
+        if self.observe is not None:
+            self.observe(request, resp, err)
+        return resp
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parses heads and bodies, runs one handler at a time, in order."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.remote: str | None = None
+        self.lost = False
+        self.http10 = False
+        self._addr: str | None = None
+        self._url = b""
+        self._hdrs: dict[str, str] = {}
+        self._head_bytes = 0
+        self._in_head = True
+        self._current: Request | None = None  # the request whose body is being parsed
+        self._queue: deque[Request] = deque()
+        self._task: asyncio.Task[None] | None = None
+        self._paused_reading = False
+        self._write_paused = False
+        self._drain: asyncio.Future[None] | None = None
+        self._head_timer: asyncio.TimerHandle | None = None
+        self.idle_since: float | None = time.monotonic()
+        self._close_after = False
+        self._rejected = False
+        self._too_big = False
+        self._head_size = 0
+
+    # -- transport events -----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport subclasses
+        srv = self.server
+        peer = transport.get_extra_info("peername")
+        addr = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else "?"
+        self.remote = addr
+        g = srv.guard
+        if g is not None:
+            if g.open[addr] >= g.max_per_address:
+                g.refused += 1
+                transport.write(_REFUSED)
+                transport.close()
+                self.lost = True
+                return
+            g.open[addr] += 1
+            self._addr = addr
+        srv.connections.add(self)
+        self._arm_head()  # the first head's deadline runs from the connection
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._addr is not None and self.server.guard is not None:
+            open_ = self.server.guard.open
+            open_[self._addr] -= 1
+            if open_[self._addr] <= 0:
+                del open_[self._addr]
+            self._addr = None
+        self.lost = True
+        self.server.connections.discard(self)
+        self._disarm_head()
+        gone = ConnectionResetError("the client closed the connection")
+        if self._current is not None and not self._current._complete:
+            self._current._fail(gone)
+        for r in self._queue:
+            if not r._complete:
+                r._fail(gone)
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_exception(gone)
+
+    def data_received(self, data: bytes) -> None:
+        if self._rejected:
+            return
+        self.idle_since = None
+        if self._in_head:
+            self._head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._reject(400, "protocol upgrades are not served here")
+            return
+        except httptools.HttpParserError as e:
+            self._reject(400, f"malformed HTTP request: {e}")
+            return
+        if self._too_big:
+            self._reject(431, f"the request head exceeds {self.server.max_head_bytes} bytes")
+            return
+        if self._in_head and self.transport is not None and not self.lost:
+            if self._head_bytes > self.server.max_head_bytes:
+                self._reject(431, f"the request head exceeds {self.server.max_head_bytes} bytes")
+                return
+            if self._head_timer is None and self._head_bytes:
+                self._arm_head()  # a head begun and not whole: its deadline runs from now
+
+    def eof_received(self) -> bool | None:
+        if self._current is not None and not self._current._complete:
+            self._current._fail(ConnectionResetError("the client stopped sending before the body was whole"))
+        if self._task is not None or self._queue:
+            self._close_after = True
+            return True  # the client is done sending: answer what it asked, then close
+        return None  # close our side as well
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    # -- parser callbacks ---------------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._hdrs = {}
+        self._head_size = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._head_size += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_size += len(name) + len(value) + 4
+        k = name.decode("latin-1").lower()
+        v = value.decode("latin-1")
+        old = self._hdrs.get(k)
+        self._hdrs[k] = v if old is None else f"{old}, {v}"
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_bytes = 0
+        self._disarm_head()
+        if self._head_size > self.server.max_head_bytes:
+            self._too_big = True  # answered once feed_data returns
+            return
+        p = self.parser
+        self.http10 = p.get_http_version() == "1.0"
+        url = self._url.decode("latin-1")
+        path, _, query = url.partition("?")
+        req = Request(self, p.get_method().decode("latin-1"), path, query, Headers(self._hdrs))
+        req.keep_alive = p.should_keep_alive()
+        self._current = req
+        if self._hdrs.get("expect", "").lower() == "100-continue" and self.transport is not None:
+            self.transport.write(_CONTINUE)
+        self._queue.append(req)
+        if self._task is None:
+            self._task = self.server.loop.create_task(self._run())
+            self.server.tasks.add(self._task)
+        elif len(self._queue) >= _PIPELINE_DEPTH:
+            self.pause()
+
+    def on_body(self, body: bytes) -> None:
+        req = self._current
+        if req is not None and not self._too_big:
+            req._feed(body)
+            if req._size > _HIGH_WATER and self._queue and self._queue[0] is not req:
+                self.pause()  # a pipelined body piling up behind a running handler
+
+    def on_message_complete(self) -> None:
+        req = self._current
+        self._in_head = True
+        self._current = None
+        if req is not None:
+            req._finish()
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        app = self.server.app
+        try:
+            while self._queue and not self.lost:
+                req = self._queue[0]
+                try:
+                    resp = await app.handle(req)
+                except ConnectionResetError:
+                    break  # the client went away mid-answer: nobody to tell
+                if self.lost:
+                    break
+                if req._stream is not None and resp is not req._stream:
+                    self._close()  # a stream began and failed: its end cannot be told but by closing
+                    break
+                if not isinstance(resp, Response) and not resp.prepared:
+                    resp = error_response(OpenAIError(500, "internal error: the handler produced no response", code="internal_error"))
+                if isinstance(resp, Response) and not resp.prepared:
+                    try:
+                        resp._send(req)
+                    except ValueError:
+                        _log.exception("the response of %s %s cannot be sent", req.method, req.path)
+                        error_response(OpenAIError(500, "internal error: the response could not be sent", code="internal_error"))._send(req)
+                else:
+                    await resp.write_eof()
+                self._queue.popleft()
+                if not req._complete and not self._close_after and not self.server.closing:
+                    # Answered before its body was whole (a 401 on the head): the body's length
+                    # is known and bounded, so its rest is read and dropped and the connection
+                    # stays (clients that send the body after the head keep their connection).
+                    try:
+                        async with asyncio.timeout(_BODY_DISCARD_S):
+                            await req.read()
+                    except (TimeoutError, KVCompassError, ConnectionResetError):
+                        self._close()
+                        break
+                if self._close_after or not req._complete or self.server.closing:
+                    # An unread body of unknown or excessive length leaves the stream unsynchronised.
+                    self._close()
+                    break
+                if self._paused_reading and len(self._queue) < _PIPELINE_DEPTH // 2:
+                    self.resume()
+        finally:
+            task, self._task = self._task, None
+            if task is not None:
+                self.server.tasks.discard(task)
+            if not self._queue:
+                self.idle_since = time.monotonic()
+                if self._in_head and self._head_bytes == 0:
+                    self._disarm_head()  # idle: the keep-alive limit's business, not the head deadline's
+
+    def connection_header(self, request: Request, headers: Mapping[str, str], *, stream: bool) -> bytes:
+        """The response's ``Connection`` line; remembers whether the connection closes once
+        this response is sent (an HTTP/1.0 stream ends only by closing)."""
+        # An unread body (a refusal before it arrived) cannot be told from a next request
+        # unless its length is known and bounded: then it is read and dropped after the answer.
+        unread = not request._complete and (request.content_length is None or request.content_length > self.server.max_body_bytes or request._error is not None)
+        if not request.keep_alive or unread or self.server.closing or (stream and self.http10) or headers.get("Connection", "").lower() == "close":
+            self._close_after = True
+        if self._close_after:
+            return b"Connection: close\r\n\r\n"
+        return b"Connection: keep-alive\r\n\r\n" if self.http10 else b"\r\n"
+
+    # -- writing and flow ---------------------------------------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.lost and not self.transport.is_closing():
+            self.transport.write(data)
+
+    async def drain(self) -> None:
+        if self._write_paused and not self.lost:
+            if self._drain is None or self._drain.done():
+                self._drain = self.server.loop.create_future()
+            await self._drain
+
+    def pause(self) -> None:
+        if not self._paused_reading and self.transport is not None and not self.lost:
+            self._paused_reading = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused_reading and self.transport is not None and not self.lost:
+            self._paused_reading = False
+            self.transport.resume_reading()
+
+    def _close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def _reject(self, status: int, message: str) -> None:
+        """A request that cannot be parsed or is too big to: answered, then closed."""
+        if self.transport is None or self.lost:
+            return
+        if self._task is None and not self._queue:
+            body = json.dumps(error_body(status, message)).encode()
+            self.transport.write(bytes(_head(status, {"Content-Type": "application/json"}, b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body))) + body)
+        self._rejected = True  # nothing more is read from it
+        self._close()
+
+    # -- the head deadline --------------------------------------------------------------------------
+
+    def _arm_head(self) -> None:
+        g = self.server.guard
+        if g is not None and self._head_timer is None and not self.lost:
+            self._head_timer = self.server.loop.call_later(g.header_timeout_s, self._head_expired)
+
+    def _disarm_head(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        if self._in_head and not self.lost and self.transport is not None and self.server.guard is not None:
+            self.server.guard.timed_out += 1
+            self.transport.abort()  # no lingering: the client sent nothing worth a reply
+
+
+class HttpServer:
+    """``app`` served on a bound, listening socket (TLS with ``ssl_context``); ``guard``
+    limits connections per address and bounds heads in time. ``keepalive_s``: an idle
+    kept-alive connection is closed after this long (75 s, aiohttp's and nginx's default)."""
+
+    def __init__(
+        self, app: App, sock: socket.socket, *, guard: ConnGuard | None = None, ssl_context: ssl.SSLContext | None = None, keepalive_s: float = 75.0, max_head_bytes: int = 64 * 1024,
+    ) -> None:
+        self.app = app
+        self.sock = sock
+        self.guard = guard
+        self.ssl_context = ssl_context
+        self.keepalive_s = keepalive_s
+        self.max_head_bytes = max_head_bytes
+        self.max_body_bytes = app.max_body_bytes
+        self.connections: set[_Connection] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.closing = False
+        self._server: asyncio.Server | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self._date = b""
+        self._date_at = -1
+        self.loop = asyncio.get_event_loop()
+
+    def date(self) -> bytes:
+        now = int(time.time())
+        if now != self._date_at:
+            self._date_at = now
+            self._date = email.utils.formatdate(now, usegmt=True).encode()
+        return self._date
+
+    async def start(self) -> None:
+        """Run the app's start hooks, then accept connections."""
+        self.loop = asyncio.get_running_loop()
+        for hook in self.app.on_startup:
+            await hook()
+        try:
+            self._server = await self.loop.create_server(lambda: _Connection(self), sock=self.sock, ssl=self.ssl_context)
+        except BaseException:
+            await self._cleanup()
+            raise
+        self._sweeper = self.loop.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """Close kept-alive connections idle past ``keepalive_s`` (checked once a second: one
+        timer for the server instead of one per request)."""
+        while True:
+            await asyncio.sleep(min(1.0, self.keepalive_s))
+            cutoff = time.monotonic() - self.keepalive_s
+            for c in [c for c in self.connections if c.idle_since is not None and c.idle_since < cutoff]:
+                c._close()
+
+    async def close(self, timeout_s: float = 1.0) -> None:
+        """Stop accepting; idle connections close now, busy ones once their handler ends (up to
+        ``timeout_s``, then they are cancelled and closed); then the app's stop hooks."""
+        if self.closing:
+            return
+        self.closing = True
+        if self._server is not None:
+            self._server.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for c in list(self.connections):
+            if c._task is None:
+                c._close()
+        if self.tasks:
+            _, pending = await asyncio.wait(set(self.tasks), timeout=timeout_s)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
+        for c in list(self.connections):
+            if c.transport is not None:
+                c.transport.abort()
+        if self._server is not None:
+            # Last: from Python 3.12 on, wait_closed waits for every connection to be gone.
+            await self._server.wait_closed()
+        await self._cleanup()
+
+    async def _cleanup(self) -> None:
+        for hook in self.app.on_cleanup:
+            try:
+                await hook()
+            except Exception:
+                _log.exception("a cleanup hook failed")

@@ -1,0 +1,358 @@
+"""The OpenAI surface's HTTP/1.1 server (kvcompass.services.http_server) on raw sockets: what a
+client of any make may send it, on asyncio's loop and on uvloop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from kvcompass.errors import InvalidArgumentError
+from kvcompass.services.conn_guard import ConnGuard
+from kvcompass.services.http_server import App, HttpServer, Request, Response, StreamResponse, json_response
+from kvcompass.services.lifecycle import bind_socket
+from kvcompass.services.openai_api import OpenAIError
+
+LOOPS = ["asyncio", "uvloop"]
+
+
+def run(loop: str, coro: Callable[[], Awaitable[None]]) -> None:
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        uvloop.run(asyncio.wait_for(coro(), 30))
+    else:
+        asyncio.run(asyncio.wait_for(coro(), 30))
+
+
+class State:
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.stream_error: BaseException | None = None
+        self.stream_ended = asyncio.Event()
+        self.seen: list[tuple[str, str]] = []
+
+
+def make_app(state: State, max_body: int = 1000) -> App:
+    app = App(max_body_bytes=max_body, observe=lambda req, resp, err: state.seen.append((req.path, str(resp.status))))
+
+    async def echo(req: Request) -> Response:
+        body = await req.read()
+        return json_response({"len": len(body), "q": req.query_string, "ct": req.headers.get("content-type"), "x": req.headers.get("X-Many")})
+
+    async def slow(req: Request) -> Response:
+        await state.gate.wait()
+        return Response(body=b"slow", headers={"Content-Type": "text/plain"})
+
+    async def stream(req: Request) -> StreamResponse:
+        resp = StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(req)
+        try:
+            for i in range(1000):
+                await resp.write(b"data: %d\n\n" % i)
+                if i >= 2:
+                    await state.gate.wait()
+            await resp.write_eof()
+        except ConnectionResetError as e:
+            state.stream_error = e
+        finally:
+            state.stream_ended.set()
+        return resp
+
+    async def broken(req: Request) -> Response:
+        raise RuntimeError("a bug")
+
+    async def bad_header(req: Request) -> Response:
+        return Response(body=b"", headers={"X-Evil": "a\r\nSet-Cookie: x"})
+
+    async def refuse(req: Request) -> Response:
+        raise InvalidArgumentError("nope")
+
+    async def unread(req: Request) -> Response:
+        raise OpenAIError(401, "no key")
+
+    async def health(req: Request) -> Response:
+        return json_response({"ok": True})
+
+    app.add_post("/echo", echo)
+    app.add_get("/slow", slow)
+    app.add_get("/stream", stream)
+    app.add_get("/broken", broken)
+    app.add_get("/bad-header", bad_header)
+    app.add_post("/refuse", refuse)
+    app.add_post("/unread", unread)
+    app.add_get("/health", health)
+    return app
+
+
+_OPEN: list[asyncio.StreamWriter] = []
+
+
+async def connect(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    _OPEN.append(w)
+    return r, w
+
+
+def close_all() -> None:
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+@asynccontextmanager
+async def serving(state: State, **kw: Any) -> AsyncIterator[tuple[HttpServer, int]]:
+    sock = bind_socket("127.0.0.1", 0)
+    max_body = kw.pop("max_body", 1000)
+    server = HttpServer(make_app(state, max_body), sock, **kw)
+    await server.start()
+    try:
+        yield server, sock.getsockname()[1]
+    finally:
+        close_all()
+        await server.close(timeout_s=1.0)
+        sock.close()
+        await asyncio.sleep(0)
+
+
+async def read_response(r: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.lower(): v for k, _, v in (ln.partition(": ") for ln in lines[1:] if ln)}
+    if "content-length" in headers:
+        body = await r.readexactly(int(headers["content-length"]))
+    elif headers.get("transfer-encoding") == "chunked":
+        body = b""
+        while True:
+            size = int((await r.readuntil(b"\r\n")).strip(), 16)
+            chunk = await r.readexactly(size + 2)
+            if size == 0:
+                break
+            body += chunk[:-2]
+    else:
+        body = await asyncio.wait_for(r.read(), 5)
+    return status, headers, body
+
+
+def post(path: str, body: bytes, extra: str = "") -> bytes:
+    return f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_keep_alive_and_pipelined_requests_are_answered_in_order_on_one_connection(loop: str) -> None:
+    async def go() -> None:
+        state = State()
+        async with serving(state) as (_, port):
+            r, w = await connect(port)
+            # Two requests in one write (pipelined), a slow one first: answers keep their order.
+            state.gate.clear()
+            w.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n" + post("/echo?a=1", b'{"k": 1}', "X-Many: a\r\nX-many: b\r\n"))
+            await w.drain()
+            await asyncio.sleep(0.05)
+            state.gate.set()
+            s1, h1, b1 = await read_response(r)
+            s2, h2, b2 = await read_response(r)
+            assert (s1, b1) == (200, b"slow") and "date" in h1
+            assert s2 == 200 and json.loads(b2) == {"len": 8, "q": "a=1", "ct": "application/json", "x": "a, b"}
+            # The same connection serves a third.
+            w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await read_response(r))[0] == 200
+            w.close()
+            assert state.seen == [("/slow", "200"), ("/echo", "200"), ("/health", "200")]
+
+    run(loop, go)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_http10_expect_continue_head_and_connection_close(loop: str) -> None:
+    async def go() -> None:
+        state = State()
+        async with serving(state) as (_, port):
+            # HTTP/1.0 without keep-alive: answered, then closed.
+            r, w = await connect(port)
+            w.write(b"GET /health HTTP/1.0\r\n\r\n")
+            status, h, body = await read_response(r)
+            assert status == 200 and h["connection"] == "close" and json.loads(body) == {"ok": True}
+            assert await asyncio.wait_for(r.read(), 5) == b""
+            # An HTTP/1.0 stream has no chunks: its end is the close.
+            r, w = await connect(port)
+            w.write(b"GET /stream HTTP/1.0\r\n\r\n")
+            state.gate.clear()
+            head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+            assert b"Transfer-Encoding" not in head and b"Connection: close" in head
+            assert (await asyncio.wait_for(r.readuntil(b"data: 2\n\n"), 5)).startswith(b"data: 0\n\n")
+            state.gate.set()
+            rest = await asyncio.wait_for(r.read(), 5)
+            assert rest.endswith(b"data: 999\n\n")
+            # Expect: 100-continue (curl's habit for bodies over 1 KiB): told to go on, then answered.
+            r, w = await connect(port)
+            w.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n")
+            assert await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5) == b"HTTP/1.1 100 Continue\r\n\r\n"
+            w.write(b"{}")
+            assert (await read_response(r))[0] == 200
+            # HEAD of a GET route: its head, no body; then Connection: close is honoured.
+            w.write(b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 200") and b"Content-Length: 12" in head
+            w.write(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            status, h, _ = await read_response(r)
+            assert status == 200 and h["connection"] == "close"
+            assert await asyncio.wait_for(r.read(), 5) == b""
+
+    run(loop, go)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_refusals_get_openai_error_bodies_and_the_connection_stays_usable(loop: str) -> None:
+    async def go() -> None:
+        state = State()
+        async with serving(state) as (_, port):
+            r, w = await connect(port)
+            cases = [
+                (b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n", 404, "not_found"),
+                (b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", 405, "method_not_allowed"),
+                (post("/refuse", b"{}"), 400, None),
+                (b"GET /broken HTTP/1.1\r\nHost: x\r\n\r\n", 500, "internal_error"),
+                (b"GET /bad-header HTTP/1.1\r\nHost: x\r\n\r\n", 500, "internal_error"),
+            ]
+            for raw, want, code in cases:
+                w.write(raw)
+                status, h, body = await read_response(r)
+                err = json.loads(body)["error"]
+                assert status == want and set(err) == {"message", "type", "param", "code"}, (raw, status, body)
+                if code is not None:
+                    assert err["code"] == code
+                if want == 405:
+                    assert h["allow"] == "GET,HEAD"
+            assert b"Set-Cookie" not in body
+            w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await read_response(r))[0] == 200
+            assert ("/broken", "500") in state.seen and ("/nope", "404") in state.seen
+
+    run(loop, go)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_malformed_oversized_and_unread_requests_are_answered_and_closed(loop: str) -> None:
+    async def go() -> None:
+        state = State()
+        async with serving(state, max_body=100, max_head_bytes=2048) as (_, port):
+            for raw, want in (
+                (b"NOT HTTP AT ALL\r\n\r\n", 400),
+                (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 4096 + b"\r\n\r\n", 431),
+                (post("/echo", b"x" * 200), 413),  # a body past max_body_bytes
+                (b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + b"c8\r\n" + b"x" * 200 + b"\r\n0\r\n\r\n", 413),
+            ):
+                r, w = await connect(port)
+                w.write(raw)
+                status, _, body = await read_response(r)
+                assert status == want, (raw[:40], status, body)
+                assert json.loads(body)["error"]["message"]
+                if want != 413:
+                    assert await asyncio.wait_for(r.read(), 5) == b""
+                w.close()
+            # A refusal before the body arrived, its length known and within the limit: answered,
+            # the rest of the body read and dropped, and the connection serves the next request.
+            r, w = await connect(port)
+            w.write(b"POST /unread HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n" + b"x" * 10)
+            status, h, _ = await read_response(r)
+            assert status == 401 and h.get("connection") != "close"
+            w.write(b"y" * 40 + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            status, h, body = await read_response(r)
+            assert status == 200 and json.loads(body) == {"ok": True}
+            # Past the limit, or of unknown length (chunked): the rest cannot be told from a next
+            # request, so the connection closes after the answer.
+            for head in (b"Content-Length: 5000", b"Transfer-Encoding: chunked"):
+                r, w = await connect(port)
+                w.write(b"POST /unread HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n\r\n" + (b"x" * 10 if b"5000" in head else b"a\r\n0123456789\r\n"))
+                status, h, _ = await read_response(r)
+                assert status == 401 and h["connection"] == "close", head
+                assert await asyncio.wait_for(r.read(), 5) == b""
+
+    run(loop, go)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_stream_is_chunked_flow_controlled_and_its_handler_learns_the_client_left(loop: str) -> None:
+    async def go() -> None:
+        state = State()
+        async with serving(state) as (_, port):
+            r, w = await connect(port)
+            w.write(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            status, h, body = await read_response(r)
+            assert status == 200 and h["transfer-encoding"] == "chunked" and body.count(b"data: ") == 1000
+            # Gone mid-stream: the handler's next write raises ConnectionResetError.
+            state.gate.clear()
+            state.stream_ended.clear()
+            w.write(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.wait_for(r.readuntil(b"data: 2\n\n\r\n"), 5)
+            w.transport.abort()
+            await asyncio.sleep(0.05)
+            state.gate.set()
+            await asyncio.wait_for(state.stream_ended.wait(), 5)
+            assert isinstance(state.stream_error, ConnectionResetError)
+
+    run(loop, go)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_close_lets_handlers_in_flight_finish_and_idle_keep_alive_connections_expire(loop: str) -> None:
+    async def go() -> None:
+        state = State()
+        sock = bind_socket("127.0.0.1", 0)
+        port = sock.getsockname()[1]
+        server = HttpServer(make_app(state), sock, keepalive_s=0.3)
+        await server.start()
+        # An idle kept-alive connection is closed past keepalive_s.
+        r, w = await connect(port)
+        w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await read_response(r))[0] == 200
+        assert await asyncio.wait_for(r.read(), 5) == b""
+        # close(): the slow request in flight is answered (Connection: close), then all closes.
+        state.gate.clear()
+        r, w = await connect(port)
+        w.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.sleep(0.05)
+        closing = asyncio.ensure_future(server.close(timeout_s=5.0))
+        await asyncio.sleep(0.05)
+        state.gate.set()
+        status, h, body = await read_response(r)
+        assert (status, body, h["connection"]) == (200, b"slow", "close")
+        await closing
+        sock.close()
+        with pytest.raises(OSError):
+            await connect(port)
+        close_all()
+        await asyncio.sleep(0)
+
+    run(loop, go)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_guard_caps_connections_per_address_and_cuts_a_trickled_head(loop: str) -> None:
+    async def go() -> None:
+        state = State()
+        guard = ConnGuard(3, 0.3)
+        async with serving(state, guard=guard) as (_, port):
+            conns = [await connect(port) for _ in range(3)]
+            r, w = await connect(port)
+            assert (await asyncio.wait_for(r.read(), 5)).startswith(b"HTTP/1.1 503")
+            assert guard.refused == 1
+            # The three that sent nothing are cut at the head deadline.
+            for r, w in conns:
+                assert await asyncio.wait_for(r.read(), 5) == b""
+            assert guard.timed_out == 3 and not guard.open
+            # A served connection idles past the deadline unharmed; a second head trickled is cut.
+            r, w = await connect(port)
+            w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await read_response(r))[0] == 200
+            await asyncio.sleep(0.5)
+            w.write(b"GET /health HTTP/1.1\r\n")
+            assert await asyncio.wait_for(r.read(), 5) == b""
+            assert guard.timed_out == 4
+
+    run(loop, go)
