@@ -221,10 +221,11 @@ def child_door(spec: dict[str, Any]) -> None:
     workers = {w: spec["worker_url"] for w in edge.workers}
 
     async def main() -> None:
-        from aiohttp import web
+        from prometheus_client import CollectorRegistry
 
         from kvcompass.services.dashboard import Dashboard
         from kvcompass.services.lifecycle import on_signals
+        from kvcompass.services.metrics import MetricsServer
 
         stop = asyncio.Event()
         with on_signals(stop.set, (signal.SIGTERM,)):
@@ -232,17 +233,12 @@ def child_door(spec: dict[str, Any]) -> None:
             # The operators' page, on a listener of its own as an edge process serves it.
             dash = Dashboard(edge)
             dash.door = door.door
-            app = web.Application()
-            for path, handler in dash.routes():
-                app.router.add_get(path, handler)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            _ready({"url": door.url, "dashboard": f"http://127.0.0.1:{runner.addresses[0][1]}/dashboard"})
+            listener = MetricsServer(CollectorRegistry(), lambda: True, dash.routes())
+            port = await listener.start("127.0.0.1", 0)
+            _ready({"url": door.url, "dashboard": f"http://127.0.0.1:{port}/dashboard"})
             await stop.wait()
             await door.stop(grace_s=1.0)
-            await runner.cleanup()
+            await listener.close()
 
     _run(main(), spec.get("profile"))
 
