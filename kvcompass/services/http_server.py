@@ -3,12 +3,11 @@ protocol around ``httptools`` (llhttp, the parser uvicorn and the door's upstrea
 a route table, and request and response objects shaped like the few parts of aiohttp's the
 handlers use.
 
-Why not aiohttp's server (or uvicorn): measured on this project's 2-core host with ``wrk`` (32
-connections, a 900-byte POST answered with a fixed JSON body), CPU a request was 67-70 µs for
-an aiohttp ``Application``, 53-54 µs for aiohttp's low-level ``Server``, 43-46 µs for uvicorn
-with a bare ASGI callable, and 11 µs for an ``httptools`` protocol (docs/services.md, the
-twenty-first session). In front of an instant backend the door's whole budget is about 0.2 ms
-a request, so the server alone was a third of it. What a front door needs of a server is
+Why not aiohttp's server: in front of an instant backend the door's whole budget is about
+0.2 ms of CPU a request (issue 15: within 1.5x of sglang-router's), and aiohttp's request
+parsing, handler chain and response writing were the largest share of the door's profile once
+its client was replaced (docs/services.md, twentieth session). With this server the door spends
+0.13-0.20 ms a request (docs/services.md, twenty-second session). What a front door needs of a server is
 small and is all here:
 
 * keep-alive and pipelining (requests on a connection answered in order), ``Connection:
