@@ -246,6 +246,11 @@ def test_malformed_oversized_and_unread_requests_are_answered_and_closed(loop: s
                 (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 4096 + b"\r\n\r\n", 431),
                 (post("/echo", b"x" * 200), 413),  # a body past max_body_bytes
                 (b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + b"c8\r\n" + b"x" * 200 + b"\r\n0\r\n\r\n", 413),
+                # Malformed after a whole head (the handler is already reading the body): its
+                # read fails and it answers 400, then the connection closes.
+                (b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n", 400),
+                (b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\nabc", 400),
+                (b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400),
             ):
                 r, w = await connect(port)
                 w.write(raw)
@@ -255,6 +260,13 @@ def test_malformed_oversized_and_unread_requests_are_answered_and_closed(loop: s
                 if want != 413:
                     assert await asyncio.wait_for(r.read(), 5) == b""
                 w.close()
+            # Garbage behind a pipelined request: the request is answered first, then the 400.
+            r, w = await connect(port)
+            w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nNOT HTTP AT ALL\r\n\r\n")
+            assert (await read_response(r))[0] == 200
+            status, h, body = await read_response(r)
+            assert status == 400 and h["connection"] == "close" and json.loads(body)["error"]["message"]
+            assert await asyncio.wait_for(r.read(), 5) == b""
             # A refusal before the body arrived, its length known and within the limit: answered,
             # the rest of the body read and dropped, and the connection serves the next request.
             r, w = await connect(port)

@@ -47,7 +47,7 @@ from typing import Any
 
 import httptools
 
-from kvcompass.errors import KVCompassError, MessageTooLargeError
+from kvcompass.errors import InvalidArgumentError, KVCompassError, MessageTooLargeError
 from kvcompass.services.conn_guard import ConnGuard
 from kvcompass.services.openai_api import OpenAIError, error_body
 
@@ -352,6 +352,7 @@ class _Connection(asyncio.Protocol):
         self.idle_since: float | None = time.monotonic()
         self._close_after = False
         self._rejected = False
+        self._late_reject: tuple[int, str] | None = None
         self._too_big = False
         self._head_size = 0
 
@@ -527,9 +528,14 @@ class _Connection(asyncio.Protocol):
                     except (TimeoutError, KVCompassError, ConnectionResetError):
                         self._close()
                         break
+                if self._rejected and self._queue:
+                    continue  # requests in hand before a malformed one are answered first
                 if self._close_after or not req._complete or self.server.closing:
                     # An unread body of unknown or excessive length leaves the stream unsynchronised.
-                    self._close()
+                    if self._rejected:
+                        self._send_reject()
+                    else:
+                        self._close()
                     break
                 if self._paused_reading and len(self._queue) < _PIPELINE_DEPTH // 2:
                     self.resume()
@@ -581,13 +587,33 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def _reject(self, status: int, message: str) -> None:
-        """A request that cannot be parsed or is too big to: answered, then closed."""
+        """A request that cannot be parsed or is too big to: answered, then closed. Nothing more
+        is read from the connection. With requests in hand (a malformed body after a whole head,
+        or bytes that cannot be a request behind pipelined ones), those are answered first, in
+        order: a body that broke fails its handler's read with a 400 (the handler answers it
+        through the HTTP table), and what cannot be a request is answered once they are done."""
         if self.transport is None or self.lost:
             return
+        self._rejected = True
+        self.pause()
+        cur = self._current
+        if cur is not None and not cur._complete and cur._error is None:
+            cur._fail(InvalidArgumentError(message))  # the handler's read raises; 400 through the table
+            self._current = None
+        elif cur is None or cur._complete:
+            self._late_reject = (status, message)
         if self._task is None and not self._queue:
+            self._send_reject()
+            return
+        self._close_after = True
+
+    def _send_reject(self) -> None:
+        """Answer the rejection kept for after the requests in hand, if any, and close."""
+        if self._late_reject is not None and self.transport is not None and not self.lost:
+            status, message = self._late_reject
             body = json.dumps(error_body(status, message)).encode()
             self.transport.write(bytes(_head(status, {"Content-Type": "application/json"}, b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body))) + body)
-        self._rejected = True  # nothing more is read from it
+        self._late_reject = None
         self._close()
 
     # -- the head deadline --------------------------------------------------------------------------
