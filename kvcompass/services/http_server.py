@@ -517,6 +517,14 @@ class _Connection(asyncio.Protocol):
                         error_response(OpenAIError(500, "internal error: the response could not be sent", code="internal_error"))._send(req)
                 else:
                     await resp.write_eof()
+                if self._write_paused:
+                    # A client that sends requests and does not read the answers: the next is
+                    # not served until these leave (with the pipeline's bound on queued heads,
+                    # that bounds what such a client can make the server hold).
+                    try:
+                        await self.drain()
+                    except ConnectionResetError:
+                        break
                 self._queue.popleft()
                 if not req._complete and not self._close_after and not self.server.closing:
                     # Answered before its body was whole (a 401 on the head): the body's length
