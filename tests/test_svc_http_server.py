@@ -194,6 +194,11 @@ def test_http10_expect_continue_head_and_connection_close(loop: str) -> None:
             assert await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5) == b"HTTP/1.1 100 Continue\r\n\r\n"
             w.write(b"{}")
             assert (await read_response(r))[0] == 200
+            # A handler that refuses on the head does not invite the body: no 100, its answer.
+            r2, w2 = await connect(port)
+            w2.write(b"POST /unread HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\nExpect: 100-continue\r\n\r\n")
+            status, h, _ = await read_response(r2)
+            assert status == 401 and h["connection"] == "close"
             # HEAD of a GET route: its head, no body; then Connection: close is honoured.
             w.write(b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n")
             head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)

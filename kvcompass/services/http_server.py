@@ -11,7 +11,8 @@ its client was replaced (docs/services.md, twentieth session). With this server 
 small and is all here:
 
 * keep-alive and pipelining (requests on a connection answered in order), ``Connection:
-  close`` and HTTP/1.0, ``Expect: 100-continue``, HEAD for GET routes;
+  close`` and HTTP/1.0, ``Expect: 100-continue`` (answered when the handler reads the body),
+  HEAD for GET routes;
 * a handler started once a head is whole; its body read with :meth:`Request.read` (bounded by
   ``max_body_bytes``: :class:`~kvcompass.errors.MessageTooLargeError`), so a handler refuses a
   request (401, 413) before the body arrives;
@@ -99,7 +100,7 @@ class Request:
     ``remote`` (the client's address), ``content_length`` (None when chunked), and the body
     through :meth:`read`. Handlers may keep per-request values in it (``request[key]``)."""
 
-    __slots__ = ("method", "path", "query_string", "headers", "remote", "content_length", "keep_alive", "_stream", "_chunks", "_size", "_complete", "_waiter", "_error", "_conn", "_store")
+    __slots__ = ("method", "path", "query_string", "headers", "remote", "content_length", "keep_alive", "_stream", "_chunks", "_size", "_complete", "_waiter", "_error", "_conn", "_store", "_continue")
 
     def __init__(self, conn: _Connection, method: str, path: str, query: str, headers: Headers) -> None:
         self._conn = conn
@@ -118,6 +119,7 @@ class Request:
         self._waiter: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
         self._store: dict[Any, Any] | None = None
+        self._continue = False
 
     @property
     def complete(self) -> bool:
@@ -127,6 +129,10 @@ class Request:
     async def read(self) -> bytes:
         """The whole body. :class:`~kvcompass.errors.MessageTooLargeError` past the server's
         ``max_body_bytes``; ``ConnectionResetError`` when the client went away first."""
+        if self._continue:
+            self._continue = False
+            if not self._complete and self._error is None:
+                self._conn.write(_CONTINUE)
         while not self._complete and self._error is None:
             if self._waiter is None:
                 self._waiter = asyncio.get_running_loop().create_future()
@@ -468,8 +474,9 @@ class _Connection(asyncio.Protocol):
         req = Request(self, p.get_method().decode("latin-1"), path, query, Headers(self._hdrs))
         req.keep_alive = p.should_keep_alive()
         self._current = req
-        if self._hdrs.get("expect", "").lower() == "100-continue" and self.transport is not None:
-            self.transport.write(_CONTINUE)
+        # Expect: 100-continue is answered when the handler first reads the body, so a request
+        # refused on its head (401, 413 by its length) is not invited to send it.
+        req._continue = self._hdrs.get("expect", "").lower() == "100-continue"
         self._queue.append(req)
         if self._task is None:
             self._task = self.server.loop.create_task(self._run())
