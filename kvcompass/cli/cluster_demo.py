@@ -104,13 +104,15 @@ async def _run_mode(args: argparse.Namespace, mode: str, plans: Sequence[Any], o
 async def _hold(state: Mapping[str, Any], mode: str) -> None:
     """Keep the cluster up for a look at its dashboards until SIGINT/SIGTERM."""
     stop = asyncio.Event()
-    print(f"[{mode}] holding the cluster (Ctrl-C stops it); dashboards:", flush=True)
-    for r, e in state["edges"].items():
-        print(f"  {r}: {e.get('dashboard')}", flush=True)
-    keys = state.get("api_keys") or {}
-    if keys:
-        print(f"  doors need Authorization: Bearer {next(iter(keys.values()))} (state file: api_keys)", flush=True)
+    # The handlers go in before the prompt: a Ctrl-C that follows the prompt at once must stop
+    # the hold, not interrupt the process (a test's SIGINT right after the last line did).
     with on_signals(stop.set):
+        print(f"[{mode}] holding the cluster (Ctrl-C stops it); dashboards:", flush=True)
+        for r, e in state["edges"].items():
+            print(f"  {r}: {e.get('dashboard')}", flush=True)
+        keys = state.get("api_keys") or {}
+        if keys:
+            print(f"  doors need Authorization: Bearer {next(iter(keys.values()))} (state file: api_keys)", flush=True)
         await stop.wait()
 
 
