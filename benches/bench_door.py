@@ -19,7 +19,10 @@ Set-up, the same for both routers:
 
 * **Backend.** This process serves ``--ports`` loopback ports (14: the testbed's workers) with
   an instant OpenAI completion (a fixed body) and 404 on the model-info paths, which keeps
-  sglang-router from trying to fetch a tokenizer from a model hub (../shared/PEERS.md).
+  sglang-router from trying to fetch a tokenizer from a model hub (../shared/PEERS.md). It and
+  the load below run on the package's own HTTP server and keep-alive client
+  (``services/http_server.py``, ``services/upstream.py``), not aiohttp's, so this process takes
+  less of the two cores from the routers (``driver_cpu_ms_per_req`` says how much).
 * **Ours.** ``serve_door`` over the testbed's ``us`` edge in a child process (bench_service's
   door child: a ``LocalPlane`` edge whose index holds the prompts for ``us-3``; the built-in
   tokenizer). It does what a door does: tokenizes the text, routes it (hash, lookup, score),
@@ -42,7 +45,7 @@ import asyncio
 import contextlib
 import datetime as _dt
 import json
-import logging
+import os
 import socket
 import subprocess
 import sys
@@ -55,7 +58,7 @@ import numpy as np
 
 from _provenance import git_info, meets
 from kvcompass.services.lifecycle import stop_process
-from bench_service import DOOR_HOLDER, DOOR_REGION, MODEL, TOPOLOGY, Child, closed_loop, cpu_model, log, pct, post_once, proc_cpu_s, rnd
+from bench_service import DOOR_HOLDER, DOOR_REGION, MODEL, TOPOLOGY, Child, cpu_model, log, pct, proc_cpu_s, rnd
 
 REPO = Path(__file__).resolve().parent.parent
 PEER_VENV = REPO / "benches" / ".peers" / "sglang-router"
@@ -70,44 +73,96 @@ def _prompts(n: int, words: int, seed: int) -> list[str]:
     return [shared + " " + " ".join(rng.choice(_WORDS, size=words).tolist()) + f" [{i}]" for i in range(n)]
 
 
-async def _backend(ports: int) -> tuple[Any, list[str]]:
-    from aiohttp import web
+class _Backend:
+    """The instant backend on ``ports`` loopback ports, served by the package's own HTTP server
+    (lighter than aiohttp's), so that the routers under test, not the backend, hold most of the
+    host's two cores."""
 
-    reply = json.dumps(
-        {
-            "id": "cmpl-bench",
-            "object": "text_completion",
-            "created": 0,
-            "model": MODEL,
-            "choices": [{"index": 0, "text": " ok", "finish_reason": "length", "logprobs": None}],
-            "usage": {"prompt_tokens": 64, "completion_tokens": 1, "total_tokens": 65, "prompt_tokens_details": {"cached_tokens": 0}},
-        }
-    ).encode()
+    def __init__(self) -> None:
+        self.servers: list[Any] = []
+        self.urls: list[str] = []
 
-    async def completion(request: web.Request) -> web.Response:
-        await request.read()
-        return web.Response(body=reply, content_type="application/json")
+    async def start(self, ports: int) -> list[str]:
+        from kvcompass.services.http_server import App, HttpServer, Request, Response, json_response
+        from kvcompass.services.lifecycle import bind_socket
 
-    async def ok(_: web.Request) -> web.Response:
-        return web.Response(text="ok")
+        reply = json.dumps(
+            {
+                "id": "cmpl-bench",
+                "object": "text_completion",
+                "created": 0,
+                "model": MODEL,
+                "choices": [{"index": 0, "text": " ok", "finish_reason": "length", "logprobs": None}],
+                "usage": {"prompt_tokens": 64, "completion_tokens": 1, "total_tokens": 65, "prompt_tokens_details": {"cached_tokens": 0}},
+            }
+        ).encode()
 
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+        async def completion(request: Request) -> Response:
+            await request.read()
+            return Response(body=reply, content_type="application/json")
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completion)
-    app.router.add_post("/generate", completion)
-    app.router.add_get("/health", ok)
-    app.router.add_get("/health_generate", ok)
-    app.router.add_get("/v1/models", models)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    urls = []
-    for _ in range(ports):
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")  # type: ignore[union-attr]
-    return runner, urls
+        async def ok(_: Request) -> Response:
+            return Response(body=b"ok", content_type="text/plain")
+
+        async def models(_: Request) -> Response:
+            return json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+        # 404 on the model-info paths (not routed) keeps sglang-router from fetching a tokenizer.
+        app = App(max_body_bytes=1 << 22)
+        app.add_post("/v1/completions", completion)
+        app.add_post("/generate", completion)
+        app.add_get("/health", ok)
+        app.add_get("/health_generate", ok)
+        app.add_get("/v1/models", models)
+        for _ in range(ports):
+            sock = bind_socket("127.0.0.1", 0)
+            server = HttpServer(app, sock)
+            await server.start()
+            self.servers.append(server)
+            self.urls.append(f"http://127.0.0.1:{sock.getsockname()[1]}")
+        return self.urls
+
+    async def close(self) -> None:
+        for server in self.servers:
+            await server.close()
+            server.sock.close()
+
+
+async def _post_once(pool: Any, url: str, body: bytes) -> float:
+    """One POST through ``pool`` (the package's keep-alive client); its latency in ms."""
+    t = time.perf_counter()
+    r = await pool.post(url, body, _JSON)
+    data = await r.read()
+    r.release()
+    if r.status != 200:
+        raise RuntimeError(f"{url} answered {r.status}: {data[:200]!r}")
+    return (time.perf_counter() - t) * 1e3
+
+
+async def _closed_loop(pool: Any, url: str, bodies: list[bytes], concurrency: int, seconds: float) -> tuple[int, float]:
+    """``concurrency`` lanes posting ``bodies`` in turn, back to back, for ``seconds``;
+    (requests completed, wall seconds)."""
+    stop_at = time.perf_counter() + seconds
+    count = 0
+
+    async def lane(j: int) -> None:
+        nonlocal count
+        k = j
+        while time.perf_counter() < stop_at:
+            r = await pool.post(url, bodies[k % len(bodies)], _JSON)
+            data = await r.read()
+            r.release()
+            if r.status != 200:
+                raise RuntimeError(f"{url} answered {r.status} under load: {data[:200]!r}")
+            count += 1
+            k += 1
+
+    t = time.perf_counter()
+    await asyncio.gather(*(lane(j) for j in range(concurrency)))
+    return count, time.perf_counter() - t
+
+
+_JSON = {"Content-Type": "application/json"}
 
 
 def _peer_python(args: argparse.Namespace) -> str:
@@ -162,20 +217,25 @@ async def _measure(s: Any, name: str, router_url: str, direct_url: str, pids: li
     for i in range(args.warmup + args.pairs):
         body = bodies[i % len(bodies)]
         first, second = (through_u, direct_u) if i % 2 else (direct_u, through_u)
-        a = await post_once(s, first, body)
-        b = await post_once(s, second, body)
+        a = await _post_once(s, first, body)
+        b = await _post_once(s, second, body)
         through, direct = (a, b) if i % 2 else (b, a)
         if i >= args.warmup:
             p_lat.append(through)
             d_lat.append(direct)
     res[f"{name}_added_p50_ms"] = rnd(pct(p_lat, 50) - pct(d_lat, 50))
     res[f"{name}_added_p99_ms"] = rnd(pct(p_lat, 99) - pct(d_lat, 99))
-    await closed_loop(s, through_u, bodies, args.concurrency, 0.5)  # open the connections
+    await _closed_loop(s, through_u, bodies, args.concurrency, 0.5)  # open the connections
     c0 = [proc_cpu_s(p) for p in pids]
-    n, dt = await closed_loop(s, through_u, bodies, args.concurrency, args.seconds)
+    d0 = proc_cpu_s(os.getpid())
+    n, dt = await _closed_loop(s, through_u, bodies, args.concurrency, args.seconds)
     c1 = [proc_cpu_s(p) for p in pids]
+    d1 = proc_cpu_s(os.getpid())
     res[f"{name}_req_per_s"] = rnd(n / dt, 1)
     res[f"{name}_requests"] = n
+    if d0 is not None and d1 is not None and n:
+        # This process: the load and the backend together (it answers each request once).
+        res[f"{name}_driver_cpu_ms_per_req"] = rnd((d1 - d0) * 1e3 / n, 4)
     if None not in c0 and None not in c1 and n:
         used = [b - a for a, b in zip(c0, c1)]  # type: ignore[operator]
         res[f"{name}_cpu_ms_per_req"] = rnd(sum(used) * 1e3 / n, 4)
@@ -187,9 +247,8 @@ async def _measure(s: Any, name: str, router_url: str, direct_url: str, pids: li
 
 
 async def run(args: argparse.Namespace, res: dict[str, Any]) -> None:
-    import aiohttp
-
     from kvcompass.engine.tokenizer import load_tokenizer
+    from kvcompass.services.upstream import UpstreamPool
 
     texts = _prompts(args.prompts, args.words, args.seed)
     tok = load_tokenizer(None)
@@ -202,13 +261,11 @@ async def run(args: argparse.Namespace, res: dict[str, Any]) -> None:
     res["tokenize_ms_per_prompt"] = rnd((time.perf_counter() - t0) * 1e3 / (20 * len(texts)), 4)
     res["prompt_tokens_mean"] = rnd(float(np.mean([len(tok.encode(t)) for t in texts])), 1)
     bodies = [json.dumps({"model": MODEL, "prompt": t, "max_tokens": 1}).encode() for t in texts]
-    # sglang-router probes each worker for gRPC (an HTTP/2 preface) before it settles on HTTP:
-    # aiohttp refuses the preface, as it should; its log line about it is noise here.
-    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
-    runner, urls = await _backend(args.ports)
-    conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    backend = _Backend()
+    urls = await backend.start(args.ports)
+    s = UpstreamPool(keepalive_s=60.0)
     try:
-        async with aiohttp.ClientSession(connector=conn) as s:
+        if True:
             spec = {"topology": TOPOLOGY, "region": DOOR_REGION, "holder": DOOR_HOLDER, "prompts": [tok.encode(t).tolist() for t in texts], "worker_url": urls[0]}
             door = Child("door", spec)
             try:
@@ -251,7 +308,8 @@ async def run(args: argparse.Namespace, res: dict[str, Any]) -> None:
             finally:
                 stop_process(peer, 10)
     finally:
-        await runner.cleanup()
+        await s.close()
+        await backend.close()
     if res.get("ours_cpu_ms_per_req") and res.get("peer_cpu_ms_per_req"):
         res["cpu_ratio"] = rnd(res["ours_cpu_ms_per_req"] / res["peer_cpu_ms_per_req"])
 
