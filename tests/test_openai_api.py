@@ -43,6 +43,11 @@ async def door_and_worker() -> AsyncIterator[tuple[str, EmulatedWorker]]:
 CASES: list[tuple[str, Any, bytes | None]] = [
     ("/v1/completions", None, b"{not json"),
     ("/v1/completions", None, b"[" * 50_000),
+    # Strict JSON: NaN, Infinity and lone surrogates are not JSON (the standard library's reader
+    # took them, and a NaN in a field the door does not check went on to the worker).
+    ("/v1/completions", None, b'{"prompt": "hi", "logit_bias": {"1": NaN}}'),
+    ("/v1/completions", None, b'{"prompt": "hi", "seed": Infinity}'),
+    ("/v1/completions", None, b'{"prompt": "\\ud800"}'),
     ("/v1/completions", [1, 2], None),
     ("/v1/completions", {}, None),
     ("/v1/completions", {"prompt": None}, None),

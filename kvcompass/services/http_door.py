@@ -91,6 +91,7 @@ from kvcompass.services.openai_api import (
     decode_json_object,
     error_body,
     one_prompt_tokens,
+    parse_json,
     prompt_batch,
     prompt_tokens,
 )
@@ -1135,7 +1136,7 @@ class FrontDoor:
         if payload is None or payload.strip() == b"[DONE]":
             return event
         try:
-            obj = json.loads(payload)
+            obj = parse_json(payload)
         except ValueError:
             return event
         if not isinstance(obj, dict):
@@ -1156,7 +1157,7 @@ class FrontDoor:
 
     def _usage_reused(self, data: bytes) -> int | None:
         try:
-            obj = json.loads(data)
+            obj = parse_json(data)
         except ValueError:
             self.metrics.bad_feedback.labels("body").inc()
             return None
@@ -1256,7 +1257,7 @@ class _BatchStream:
         if payload.strip() == b"[DONE]":
             return None  # one at the end
         try:
-            obj = json.loads(payload)
+            obj = parse_json(payload)
         except ValueError:
             return event
         if not isinstance(obj, dict) or "error" in obj:
