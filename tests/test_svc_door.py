@@ -94,6 +94,8 @@ class Fleet:
     """When set, a stream pauses after its first event until the gate opens."""
     cut: set[str] = field(default_factory=set)
     """Workers that drop the connection after a stream's first event."""
+    pad: dict[str, int] = field(default_factory=dict)
+    """Characters of padding a worker's whole answer carries (``"pad"``: a large answer)."""
     calls: list[tuple[str, dict[str, Any], dict[str, str]]] = field(default_factory=list)
 
     def served(self) -> list[str]:
@@ -120,6 +122,8 @@ class Fleet:
         if not body.get("stream"):
             choices = [{"index": j, "text": "hi", "finish_reason": "stop"} for j in range(n)]
             out = {"id": f"cmpl-{wid}", "object": "text_completion", "model": body.get("model"), "choices": choices, "usage": usage}
+            if wid in self.pad:
+                out["pad"] = "x" * self.pad[wid]
             return web.json_response(out, headers=headers)
         resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -1065,3 +1069,24 @@ def test_memoized_metric_children_are_prometheus_own_per_label_values() -> None:
     assert metric(text, "x_requests_total", endpoint="completions", status="200") == 2.0
     assert metric(text, "x_requests_total", endpoint="completions", status="404") == 1.0
     assert metric(text, "x_requests_total", endpoint="chat.completions", status="200") == 3.0
+
+
+def test_a_large_whole_answer_is_relayed_and_one_past_the_limit_is_a_502_that_says_so() -> None:
+    # Found by reading the upstream client: an answer over 256 KB (the socket pauses there) was
+    # only read on once handed out, after its end, so the door waited for the read deadline.
+    plane = make_plane()
+    tokens = prompt_ids(5, 64)
+
+    async def main() -> None:
+        fleet = Fleet(pad={w: 3 << 20 for w in plane.edges["us"].workers})
+        async with rig(plane, fleet, config=DoorConfig(read_timeout_s=5.0)) as r:
+            status, _, body = await complete(r.client, {"prompt": tokens.tolist(), "max_tokens": 2})
+            assert status == 200 and len(body["pad"]) == 3 << 20
+        fleet = Fleet(pad={w: 3 << 20 for w in plane.edges["us"].workers})
+        async with rig(plane, fleet, config=DoorConfig(read_timeout_s=5.0, max_response_bytes=1 << 20)) as r:
+            status, _, body = await complete(r.client, {"prompt": tokens.tolist(), "max_tokens": 2})
+            assert status == 502 and body["error"]["code"] == "upstream_too_large", body
+            assert "exceeds 1048576 bytes" in body["error"]["message"]
+            assert len(fleet.calls) == 1  # not the worker's fault to be repeated elsewhere
+
+    run(main())

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import pytest
 from aiohttp import web
 
-from kvcompass.services.upstream import UpstreamConnectError, UpstreamDisconnected, UpstreamPool
+from kvcompass.services.upstream import UpstreamConnectError, UpstreamDisconnected, UpstreamPool, UpstreamTooLarge
 
 T = TypeVar("T")
 
@@ -339,5 +339,59 @@ def test_header_injection_and_bad_urls_are_refused(run: Callable[[Coroutine[Any,
             await pool.post("http://127.0.0.1:1/x", b"", {})
         with pytest.raises(ValueError):
             UpstreamPool(limit=-1)
+
+    run(main())
+
+
+def test_a_whole_body_larger_than_the_read_buffer_arrives(run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
+    # Found by reading the code: the socket stops being read past 256 KB buffered, and a whole
+    # read only resumed it when it handed the bytes out, after the end: an answer over 256 KB
+    # (a completion with n > 1 and logprobs, say) waited for the read deadline and failed.
+    big = bytes(range(256)) * (3 * 1024 * 1024 // 256)
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big) + big)
+        await writer.drain()
+        await _read_request(reader)  # the connection is reused for the next one
+
+    async def main() -> None:
+        srv, base = await _raw_server(answer)
+        pool = UpstreamPool(read_timeout_s=5.0)
+        try:
+            r = await pool.post(base + "/x", b"q", {})
+            assert await r.read() == big and r.at_eof()
+            r.release()
+            # A limit on what one answer may hold: past it, an error that says so.
+            r = await pool.post(base + "/x", b"q", {})
+            with pytest.raises(UpstreamTooLarge, match="exceeds 1048576 bytes"):
+                await r.read(limit=1 << 20)
+            r.close()
+        finally:
+            await pool.close()
+            srv.close()
+            await srv.wait_closed()
+
+    run(main())
+
+
+def test_an_endless_answer_head_is_refused(run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
+    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        for i in range(10_000):
+            writer.write(b"X-Pad-%d: %s\r\n" % (i, b"y" * 100))
+            await writer.drain()
+
+    async def main() -> None:
+        srv, base = await _raw_server(endless)
+        pool = UpstreamPool(read_timeout_s=5.0)
+        try:
+            with pytest.raises(UpstreamDisconnected, match="head exceeds"):
+                await pool.post(base + "/x", b"q", {})
+        finally:
+            await pool.close()
+            srv.close()
+            await srv.wait_closed()
 
     run(main())

@@ -96,7 +96,7 @@ from kvcompass.services.openai_api import (
     prompt_tokens,
 )
 from kvcompass.services.lifecycle import AsyncResource, bind_socket
-from kvcompass.services.upstream import UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamResponse
+from kvcompass.services.upstream import UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTooLarge
 from kvcompass.services.wire import (
     HANDOFF_HEADER,
     MIGRATION_HEADER,
@@ -157,6 +157,10 @@ class DoorConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     max_batch_prompts: int = 256
     """Prompts one ``/v1/completions`` request may list (each is routed on its own)."""
+    max_response_bytes: int = 64 * 1024 * 1024
+    """The most a worker's whole (not streamed) answer may hold; past it the client gets a 502
+    that says so, not a door holding whatever a broken worker sends. Streams are relayed piece
+    by piece and not bounded."""
     max_attempts: int = 3
     """Workers tried per request (the first choice included)."""
     dead_cooldown_s: float = 10.0
@@ -210,7 +214,7 @@ class DoorConfig:
             raise ValueError(f"models must be non-empty names, got {self.models!r}")
         if not _TENANT_RE.fullmatch(self.default_tenant):
             raise ValueError(f"default_tenant {self.default_tenant!r} is not a valid tenant name")
-        for name in ("max_prompt_tokens", "max_body_bytes", "max_attempts", "max_inflight_per_client", "max_connections_per_address", "max_migrations_inflight"):
+        for name in ("max_prompt_tokens", "max_body_bytes", "max_response_bytes", "max_attempts", "max_inflight_per_client", "max_connections_per_address", "max_migrations_inflight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("dead_cooldown_s", "connect_timeout_s", "head_timeout_s", "read_timeout_s", "drain_grace_s", "stale_grace_s", "body_timeout_s", "migration_poll_s"):
@@ -980,7 +984,10 @@ class FrontDoor:
             if prep.stream and up.status == 200 and ctype.startswith("text/event-stream"):
                 return await self._relay_stream(request, prep, choice, up, fb, delay)
             try:
-                data = await up.read()
+                data = await up.read(limit=self.config.max_response_bytes)
+            except UpstreamTooLarge as e:
+                # Not the worker's health, and not for another worker to repeat: said as it is.
+                raise OpenAIError(502, f"{choice.worker}: {e}; this edge relays at most {self.config.max_response_bytes} bytes of a whole answer", code="upstream_too_large") from None
             except (UpstreamError, TimeoutError) as e:
                 raise _WorkerFailed("disconnect", f"{choice.worker}: body lost: {e!r}") from None
         finally:

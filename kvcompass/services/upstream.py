@@ -28,9 +28,10 @@ from urllib.parse import urlsplit
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
-__all__ = ["UpstreamConnectError", "UpstreamDisconnected", "UpstreamError", "UpstreamPool", "UpstreamResponse"]
+__all__ = ["UpstreamConnectError", "UpstreamDisconnected", "UpstreamError", "UpstreamPool", "UpstreamResponse", "UpstreamTooLarge"]
 
 _HIGH_WATER = 256 * 1024  # buffered body bytes at which the socket stops being read
+_MAX_HEAD = 64 * 1024  # bytes of an answer's head (status line and headers) before it is refused
 
 
 class UpstreamError(Exception):
@@ -43,6 +44,10 @@ class UpstreamConnectError(UpstreamError):
 
 class UpstreamDisconnected(UpstreamError):
     """The connection closed, or the answer was not HTTP, before the answer was complete."""
+
+
+class UpstreamTooLarge(UpstreamError):
+    """A whole answer was larger than the reader's limit (the connection is then closed)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -61,7 +66,7 @@ def _target(url: str) -> tuple[str, int, bool, bytes, bytes]:
 class _Conn(asyncio.Protocol):
     """One keep-alive connection; at most one exchange at a time."""
 
-    __slots__ = ("transport", "parser", "resp", "closed", "idle_since", "key", "reused")
+    __slots__ = ("transport", "parser", "resp", "closed", "idle_since", "key", "reused", "head_bytes")
 
     def __init__(self, key: tuple[str, int, bool]) -> None:
         self.transport: asyncio.Transport | None = None
@@ -71,6 +76,7 @@ class _Conn(asyncio.Protocol):
         self.idle_since = 0.0
         self.key = key
         self.reused = False
+        self.head_bytes = 0
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -113,12 +119,23 @@ class _Conn(asyncio.Protocol):
 
     # -- httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
-        assert self.resp is not None
-        self.resp._raw_headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        r = self.resp
+        assert r is not None
+        self.head_bytes += len(name) + len(value) + 4
+        if self.head_bytes > _MAX_HEAD:
+            # A head that does not end (a broken or hostile worker): refused, not collected.
+            if not r._done:
+                r._fail(UpstreamDisconnected(f"the answer's head exceeds {_MAX_HEAD} bytes"))
+                self.abort()
+            return
+        r._raw_headers.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
         r = self.resp
         assert r is not None
+        self.head_bytes = 0
+        if r._done:
+            return  # refused while its head arrived
         r.status = self.parser.get_status_code()
         if r.status < 200:  # 1xx: the real head follows (httptools parses it as a new message)
             r._raw_headers.clear()
@@ -224,14 +241,28 @@ class UpstreamResponse:
         """The whole answer arrived and was handed out."""
         return self._done and self._error is None and not self._chunks
 
-    async def read(self) -> bytes:
-        """The rest of the body, whole. Raises :class:`UpstreamDisconnected` or TimeoutError
-        (no byte for the read deadline)."""
-        while not self._done:
+    async def read(self, limit: int | None = None) -> bytes:
+        """The rest of the body, whole. Raises :class:`UpstreamDisconnected`, TimeoutError (no
+        byte for the read deadline) or, past ``limit`` bytes, :class:`UpstreamTooLarge`.
+
+        The pieces are taken as they come, so the socket, paused past a quarter MiB buffered,
+        is read on (waiting for the end with it paused would wait for the read deadline)."""
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            if self._chunks:
+                data = self._take()
+                size += len(data)
+                if limit is not None and size > limit:
+                    raise UpstreamTooLarge(f"the answer's body exceeds {limit} bytes")
+                parts.append(data)
+                continue
+            if self._done:
+                break
             await self._wait()
         if self._error is not None:
             raise self._error
-        return self._take()
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives, in the pieces the socket delivered them."""
