@@ -94,6 +94,8 @@ class Fleet:
     """When set, a stream pauses after its first event until the gate opens."""
     cut: set[str] = field(default_factory=set)
     """Workers that drop the connection after a stream's first event."""
+    endless: set[str] = field(default_factory=set)
+    """Workers whose stream, after its first event, sends bytes that never end an event."""
     pad: dict[str, int] = field(default_factory=dict)
     """Characters of padding a worker's whole answer carries (``"pad"``: a large answer)."""
     calls: list[tuple[str, dict[str, Any], dict[str, str]]] = field(default_factory=list)
@@ -135,6 +137,10 @@ class Fleet:
             await resp.write(sse(chunk))
             if i == 0 and self.gate is not None:
                 await self.gate.wait()
+            if i == 0 and wid in self.endless:
+                for _ in range(64):
+                    await resp.write(b"data: " + b"x" * (128 * 1024))
+                return resp
             if i == 0 and wid in self.cut:
                 assert request.transport is not None
                 request.transport.close()  # a FIN mid-body (an RST could discard the event in flight)
@@ -1088,5 +1094,25 @@ def test_a_large_whole_answer_is_relayed_and_one_past_the_limit_is_a_502_that_sa
             assert status == 502 and body["error"]["code"] == "upstream_too_large", body
             assert "exceeds 1048576 bytes" in body["error"]["message"]
             assert len(fleet.calls) == 1  # not the worker's fault to be repeated elsewhere
+
+    run(main())
+
+
+def test_a_stream_whose_event_never_ends_is_cut_with_an_error_event() -> None:
+    # A worker that streams bytes without ever ending an event had the door keep all of them.
+    plane = make_plane()
+    tokens = prompt_ids(6, 64)
+
+    async def main() -> None:
+        fleet = Fleet(endless=set(plane.edges["us"].workers))
+        async with rig(plane, fleet) as r:
+            async with r.client.post("/v1/completions", json={"prompt": tokens.tolist(), "max_tokens": 4, "stream": True}) as resp:
+                assert resp.status == 200
+                raw = await resp.read()
+            events = sse_events(raw)
+            assert events[0].startswith(b"data: {")
+            err = json.loads(events[-1][len(b"data: "):])["error"]
+            assert err["code"] == "upstream_error" and "exceeds 4194304 bytes" in err["message"], err
+            assert len(raw) < 1 << 20  # the endless event was not relayed
 
     run(main())

@@ -96,7 +96,7 @@ from kvcompass.services.openai_api import (
     prompt_tokens,
 )
 from kvcompass.services.lifecycle import AsyncResource, bind_socket
-from kvcompass.services.upstream import UpstreamConnectError, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTooLarge
+from kvcompass.services.upstream import UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTooLarge
 from kvcompass.services.wire import (
     HANDOFF_HEADER,
     MIGRATION_HEADER,
@@ -1034,6 +1034,10 @@ class FrontDoor:
                     while True:
                         cut = _event_end(buf)
                         if cut < 0:
+                            if len(buf) > MAX_SSE_EVENT_BYTES:
+                                # A worker that never ends an event would have the door hold
+                                # all it sends: a broken stream, said as one.
+                                raise UpstreamDisconnected(f"an event of the stream exceeds {MAX_SSE_EVENT_BYTES} bytes")
                             break
                         event, buf = buf[:cut], buf[cut:]
                         out = self._stream_event(event, prep, fb)
@@ -1389,6 +1393,11 @@ def _parse_vector(text: str) -> dict[str, float] | None:
             return None
         out[str(k)] = float(v)
     return out
+
+
+MAX_SSE_EVENT_BYTES = 4 * 1024 * 1024
+"""The largest server-sent event the door relays (a completion chunk is a few KB, with
+log-probabilities tens)."""
 
 
 def _event_end(buf: bytes) -> int:
