@@ -267,6 +267,8 @@ async def run(args: argparse.Namespace, res: dict[str, Any]) -> None:
     try:
         if True:
             spec = {"topology": TOPOLOGY, "region": DOOR_REGION, "holder": DOOR_HOLDER, "prompts": [tok.encode(t).tolist() for t in texts], "worker_url": urls[0]}
+            if args.pin is not None:
+                spec["cpu"] = args.pin[1]
             door = Child("door", spec)
             try:
                 await _measure(s, "ours", door.wait_ready()["url"], urls[0], [door.pid], bodies, args, res)
@@ -297,6 +299,11 @@ async def run(args: argparse.Namespace, res: dict[str, Any]) -> None:
                 # In threads: the backend these wait on answers on this process's event loop.
                 python = await asyncio.to_thread(_peer_python, args)
                 peer, peer_url = await asyncio.to_thread(_start_peer, python, urls)
+                if args.pin is not None:
+                    # Every thread of the peer on the routers' CPU, as the doors are.
+                    for tid in os.listdir(f"/proc/{peer.pid}/task"):
+                        with contextlib.suppress(OSError):
+                            os.sched_setaffinity(int(tid), {args.pin[1]})
             except (RuntimeError, OSError, subprocess.SubprocessError) as e:
                 res["peer_error"] = str(e)
                 log(f"peer unavailable: {e}")
@@ -323,7 +330,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ports", type=int, default=14, help="backend ports, one per worker (default 14, the testbed's)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--doors", default="1,2", help="door process counts to measure on one SO_REUSEPORT port, comma list ('' skips; default 1,2)")
+    ap.add_argument("--pin", action="store_true",
+                    help="this process (backend and load) on one CPU, every router process and thread on another: "
+                         "the routers do not compete with the driver, and N doors share one CPU (their own cost of being N)")
     args = ap.parse_args(argv)
+    if args.pin:
+        avail = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if len(avail) < 2:
+            ap.error("--pin needs two CPUs")
+        args.pin = (avail[0], avail[1])
+        os.sched_setaffinity(0, {avail[0]})
+    else:
+        args.pin = None
     try:
         args.doors = [int(x) for x in args.doors.split(",") if x.strip()]
     except ValueError:
@@ -334,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     args.pairs = 400 if args.quick else 2000
     args.warmup = 50
     args.seconds = 4.0 if args.quick else 15.0
-    res: dict[str, Any] = {"mode": "quick" if args.quick else "full", "concurrency": args.concurrency, "backend_ports": args.ports, "prompt_words": args.words}
+    res: dict[str, Any] = {"mode": "quick" if args.quick else "full", "concurrency": args.concurrency, "backend_ports": args.ports, "prompt_words": args.words, "pinned": args.pin}
     asyncio.run(run(args, res))
     res["targets"] = TARGETS
     res["meets"] = meets(res, TARGETS)
