@@ -248,7 +248,7 @@ impl History {
             if let Some(&a) = hashes.get(i + AHEAD) {
                 self.map.prefetch(a);
             }
-            let mut e = self.map.get(&h).copied().unwrap_or_default();
+            let e = self.map.entry_or_default(h);
             if e.n == SPILLED {
                 let list = &mut self.spills[e.spill()];
                 if !list.contains(&worker) {
@@ -284,7 +284,6 @@ impl History {
                     self.clock
                 }
             };
-            self.map.insert(h, e);
         }
         if self.map.len() > self.capacity && self.order.is_none() {
             self.order = Some(LruOrder::from_stamps(self.clock, self.map.iter().map(|(h, e)| (h, e.clock)).collect()));
