@@ -8,6 +8,8 @@
 
 /// 2**64 / phi, SplitMix64's increment.
 pub const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+use std::mem::MaybeUninit;
+
 const C1: u64 = 0xBF58_476D_1CE4_E5B9;
 const C2: u64 = 0x94D0_49BB_1331_11EB;
 /// Mixed into a block id before it seeds that block's tokens ("kvc" "token").
@@ -29,25 +31,34 @@ pub fn mix64(x: u64) -> u64 {
 /// The first `input_length` token ids of the blocks `ids` (`block_size` tokens each). The
 /// caller checks that the ids cover the length.
 pub fn expand_blocks(ids: &[u64], input_length: usize, block_size: usize) -> Vec<u32> {
-    let mut out = vec![0u32; input_length.min(ids.len().saturating_mul(block_size))];
+    let n = input_length.min(ids.len().saturating_mul(block_size));
+    // Written in place, not zeroed first: `vec![0; n]` was a calloc and a memset of every
+    // prompt's tokens before the loop below wrote each of them again.
+    let mut out: Vec<u32> = Vec::with_capacity(n);
+    let spare = &mut out.spare_capacity_mut()[..n];
     // A Mixed prompt is ~5,000 tokens, each three 64-bit multiplies: a quarter of a baseline
     // scheme's run. The loop vectorises, and with AVX-512 (native 64-bit lane multiplies) or
     // AVX2 it runs several tokens a step; the CPU is asked at run time, since the wheel is built
     // for any x86-64. Integer arithmetic only: every variant gives the same tokens.
     #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512dq") && std::arch::is_x86_feature_detected!("avx512vl") {
-            // SAFETY: the features the function is compiled for were detected on this CPU.
-            unsafe { expand_avx512(ids, block_size, &mut out) };
-            return out;
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: as above.
-            unsafe { expand_avx2(ids, block_size, &mut out) };
-            return out;
-        }
+    let done = if std::arch::is_x86_feature_detected!("avx512dq") && std::arch::is_x86_feature_detected!("avx512vl") {
+        // SAFETY: the features the function is compiled for were detected on this CPU.
+        unsafe { expand_avx512(ids, block_size, spare) };
+        true
+    } else if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: as above.
+        unsafe { expand_avx2(ids, block_size, spare) };
+        true
+    } else {
+        false
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = false;
+    if !done {
+        expand_into(ids, block_size, spare);
     }
-    expand_into(ids, block_size, &mut out);
+    // SAFETY: expand_into wrote every one of the n elements.
+    unsafe { out.set_len(n) };
     out
 }
 
@@ -55,7 +66,7 @@ pub fn expand_blocks(ids: &[u64], input_length: usize, block_size: usize) -> Vec
 /// The CPU must have AVX-512 F, DQ and VL and AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2")]
-unsafe fn expand_avx512(ids: &[u64], block_size: usize, out: &mut [u32]) {
+unsafe fn expand_avx512(ids: &[u64], block_size: usize, out: &mut [MaybeUninit<u32>]) {
     expand_into(ids, block_size, out)
 }
 
@@ -63,7 +74,7 @@ unsafe fn expand_avx512(ids: &[u64], block_size: usize, out: &mut [u32]) {
 /// The CPU must have AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn expand_avx2(ids: &[u64], block_size: usize, out: &mut [u32]) {
+unsafe fn expand_avx2(ids: &[u64], block_size: usize, out: &mut [MaybeUninit<u32>]) {
     expand_into(ids, block_size, out)
 }
 
@@ -72,9 +83,9 @@ unsafe fn expand_avx2(ids: &[u64], block_size: usize, out: &mut [u32]) {
 /// two 8-lane vectors, and mixing them is a chain of dependent 64-bit multiplies (~15 cycles
 /// each), so a loop per block waits on latency; the flat pass has hundreds of independent lanes
 /// and runs at the multiplier's throughput (3-4x faster on a 5,000-token prompt). `out` must not
-/// be longer than `ids.len() * block_size`.
+/// be longer than `ids.len() * block_size`; every element of it is written.
 #[inline(always)]
-fn expand_into(ids: &[u64], block_size: usize, out: &mut [u32]) {
+fn expand_into(ids: &[u64], block_size: usize, out: &mut [MaybeUninit<u32>]) {
     const TILE: usize = 512;
     let bs = block_size.max(1);
     let mut pre = [0u64; TILE];
@@ -95,7 +106,7 @@ fn expand_into(ids: &[u64], block_size: usize, out: &mut [u32]) {
         for (t, &p) in out[pos..end].iter_mut().zip(&pre[..end - pos]) {
             let z = mix64(p);
             // Multiply-shift maps the top 32 bits onto [0, VOCAB) without a division.
-            *t = (((z >> 32) * VOCAB) >> 32) as u32;
+            t.write((((z >> 32) * VOCAB) >> 32) as u32);
         }
         pos = end;
     }
@@ -134,6 +145,16 @@ mod tests {
         }
     }
 
+    /// `n` elements written by `f` into fresh, unzeroed room (checked afterwards against a
+    /// reference: an element `f` missed would differ from it, or read as garbage).
+    fn written(n: usize, f: impl FnOnce(&mut [MaybeUninit<u32>])) -> Vec<u32> {
+        let mut v: Vec<u32> = Vec::with_capacity(n);
+        f(&mut v.spare_capacity_mut()[..n]);
+        // SAFETY: every variant writes all of `out` (what the comparison checks).
+        unsafe { v.set_len(n) };
+        v
+    }
+
     #[test]
     fn every_variant_gives_the_same_tokens() {
         let ids: Vec<u64> = (0..97u64).map(|i| mix64(i) & MAX_ID).collect();
@@ -142,15 +163,13 @@ mod tests {
             for len in [0usize, 1, bs * 40 + 1, 511, 513, 1025, ids.len() * bs] {
                 let mut scalar = vec![0u32; len.min(ids.len() * bs)];
                 reference(&ids, bs, &mut scalar);
-                let mut tiled = vec![0u32; scalar.len()];
-                expand_into(&ids, bs, &mut tiled);
+                let tiled = written(scalar.len(), |out| expand_into(&ids, bs, out));
                 assert_eq!(tiled, scalar, "block size {bs}, length {len}");
                 assert_eq!(expand_blocks(&ids, len, bs), scalar);
                 #[cfg(target_arch = "x86_64")]
                 {
                     if std::arch::is_x86_feature_detected!("avx2") {
-                        let mut v = vec![0u32; scalar.len()];
-                        unsafe { expand_avx2(&ids, bs, &mut v) };
+                        let v = written(scalar.len(), |out| unsafe { expand_avx2(&ids, bs, out) });
                         assert_eq!(v, scalar);
                     }
                 }
