@@ -58,7 +58,7 @@ import numpy as np
 
 from _provenance import git_info, meets
 from kvcompass.services.lifecycle import stop_process
-from bench_service import DOOR_HOLDER, DOOR_REGION, MODEL, TOPOLOGY, Child, cpu_model, log, pct, proc_cpu_s, rnd
+from bench_service import DOOR_HOLDER, DOOR_REGION, MODEL, TOPOLOGY, Child, Post, closed_loop, cpu_model, log, pct, post_once, proc_cpu_s, rnd
 
 REPO = Path(__file__).resolve().parent.parent
 PEER_VENV = REPO / "benches" / ".peers" / "sglang-router"
@@ -128,38 +128,16 @@ class _Backend:
             server.sock.close()
 
 
-async def _post_once(pool: Any, url: str, body: bytes) -> float:
-    """One POST through ``pool`` (the package's keep-alive client); its latency in ms."""
-    t = time.perf_counter()
-    r = await pool.post(url, body, _JSON)
-    data = await r.read()
-    r.release()
-    if r.status != 200:
-        raise RuntimeError(f"{url} answered {r.status}: {data[:200]!r}")
-    return (time.perf_counter() - t) * 1e3
+def _pool_post(pool: Any) -> Post:
+    """bench_service's :data:`Post` on the package's keep-alive client."""
 
+    async def post(url: str, body: bytes) -> tuple[int, bytes]:
+        r = await pool.post(url, body, _JSON)
+        data = await r.read()
+        r.release()
+        return r.status, data
 
-async def _closed_loop(pool: Any, url: str, bodies: list[bytes], concurrency: int, seconds: float) -> tuple[int, float]:
-    """``concurrency`` lanes posting ``bodies`` in turn, back to back, for ``seconds``;
-    (requests completed, wall seconds)."""
-    stop_at = time.perf_counter() + seconds
-    count = 0
-
-    async def lane(j: int) -> None:
-        nonlocal count
-        k = j
-        while time.perf_counter() < stop_at:
-            r = await pool.post(url, bodies[k % len(bodies)], _JSON)
-            data = await r.read()
-            r.release()
-            if r.status != 200:
-                raise RuntimeError(f"{url} answered {r.status} under load: {data[:200]!r}")
-            count += 1
-            k += 1
-
-    t = time.perf_counter()
-    await asyncio.gather(*(lane(j) for j in range(concurrency)))
-    return count, time.perf_counter() - t
+    return post
 
 
 _JSON = {"Content-Type": "application/json"}
@@ -209,7 +187,7 @@ def _start_peer(python: str, urls: list[str]) -> tuple[subprocess.Popen[bytes], 
     raise RuntimeError("sglang-router did not answer within 60 s")
 
 
-async def _measure(s: Any, name: str, router_url: str, direct_url: str, pids: list[int], bodies: list[bytes], args: argparse.Namespace, res: dict[str, Any]) -> None:
+async def _measure(s: Post, name: str, router_url: str, direct_url: str, pids: list[int], bodies: list[bytes], args: argparse.Namespace, res: dict[str, Any]) -> None:
     """Added latency at one connection, then a closed loop: requests per second, and the
     router's CPU per request (every process in ``pids`` together) and each process's share."""
     through_u, direct_u = router_url + "/v1/completions", direct_url + "/v1/completions"
@@ -217,18 +195,18 @@ async def _measure(s: Any, name: str, router_url: str, direct_url: str, pids: li
     for i in range(args.warmup + args.pairs):
         body = bodies[i % len(bodies)]
         first, second = (through_u, direct_u) if i % 2 else (direct_u, through_u)
-        a = await _post_once(s, first, body)
-        b = await _post_once(s, second, body)
+        a = await post_once(s, first, body)
+        b = await post_once(s, second, body)
         through, direct = (a, b) if i % 2 else (b, a)
         if i >= args.warmup:
             p_lat.append(through)
             d_lat.append(direct)
     res[f"{name}_added_p50_ms"] = rnd(pct(p_lat, 50) - pct(d_lat, 50))
     res[f"{name}_added_p99_ms"] = rnd(pct(p_lat, 99) - pct(d_lat, 99))
-    await _closed_loop(s, through_u, bodies, args.concurrency, 0.5)  # open the connections
+    await closed_loop(s, through_u, bodies, args.concurrency, 0.5)  # open the connections
     c0 = [proc_cpu_s(p) for p in pids]
     d0 = proc_cpu_s(os.getpid())
-    n, dt = await _closed_loop(s, through_u, bodies, args.concurrency, args.seconds)
+    n, dt = await closed_loop(s, through_u, bodies, args.concurrency, args.seconds)
     c1 = [proc_cpu_s(p) for p in pids]
     d1 = proc_cpu_s(os.getpid())
     res[f"{name}_req_per_s"] = rnd(n / dt, 1)
@@ -263,7 +241,8 @@ async def run(args: argparse.Namespace, res: dict[str, Any]) -> None:
     bodies = [json.dumps({"model": MODEL, "prompt": t, "max_tokens": 1}).encode() for t in texts]
     backend = _Backend()
     urls = await backend.start(args.ports)
-    s = UpstreamPool(keepalive_s=60.0)
+    pool = UpstreamPool(keepalive_s=60.0)
+    s = _pool_post(pool)
     try:
         if True:
             spec = {"topology": TOPOLOGY, "region": DOOR_REGION, "holder": DOOR_HOLDER, "prompts": [tok.encode(t).tolist() for t in texts], "worker_url": urls[0]}
@@ -315,7 +294,7 @@ async def run(args: argparse.Namespace, res: dict[str, Any]) -> None:
             finally:
                 stop_process(peer, 10)
     finally:
-        await s.close()
+        await pool.close()
         await backend.close()
     if res.get("ours_cpu_ms_per_req") and res.get("peer_cpu_ms_per_req"):
         res["cpu_ratio"] = rnd(res["ours_cpu_ms_per_req"] / res["peer_cpu_ms_per_req"])

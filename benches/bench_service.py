@@ -78,6 +78,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -500,17 +501,31 @@ async def _unit_digest(addr: str, table: int) -> bytes:
 JSON = {"Content-Type": "application/json"}
 
 
-async def post_once(s: Any, url: str, body: bytes) -> float:
-    """One POST of ``body`` on session ``s``; its latency in ms (an error unless 200)."""
+Post = Callable[[str, bytes], Awaitable[tuple[int, bytes]]]
+"""One POST of a body to a URL on some client: (status, body). The loads below take one, so the
+same loop drives an aiohttp session here and the package's own client in bench_door."""
+
+
+def aiohttp_post(s: Any) -> Post:
+    """:data:`Post` on aiohttp session ``s``."""
+
+    async def post(url: str, body: bytes) -> tuple[int, bytes]:
+        async with s.post(url, data=body, headers=JSON) as r:
+            return r.status, await r.read()
+
+    return post
+
+
+async def post_once(post: Post, url: str, body: bytes) -> float:
+    """One POST of ``body``; its latency in ms (an error unless 200)."""
     t = time.perf_counter()
-    async with s.post(url, data=body, headers=JSON) as r:
-        data = await r.read()
-        if r.status != 200:
-            raise RuntimeError(f"{url} answered {r.status}: {data[:200]!r}")
+    status, data = await post(url, body)
+    if status != 200:
+        raise RuntimeError(f"{url} answered {status}: {data[:200]!r}")
     return (time.perf_counter() - t) * 1e3
 
 
-async def closed_loop(s: Any, url: str, bodies: list[bytes], concurrency: int, seconds: float) -> tuple[int, float]:
+async def closed_loop(post: Post, url: str, bodies: list[bytes], concurrency: int, seconds: float) -> tuple[int, float]:
     """Closed loop: ``concurrency`` lanes posting ``bodies`` in turn, back to back, for
     ``seconds``; (requests completed, wall seconds)."""
     stop_at = time.perf_counter() + seconds
@@ -520,10 +535,9 @@ async def closed_loop(s: Any, url: str, bodies: list[bytes], concurrency: int, s
         nonlocal count
         k = j
         while time.perf_counter() < stop_at:
-            async with s.post(url, data=bodies[k % len(bodies)], headers=JSON) as r:
-                await r.read()
-                if r.status != 200:
-                    raise RuntimeError(f"{url} answered {r.status} under load")
+            status, data = await post(url, bodies[k % len(bodies)])
+            if status != 200:
+                raise RuntimeError(f"{url} answered {status} under load: {data[:200]!r}")
             count += 1
             k += 1
 
@@ -563,11 +577,13 @@ async def bench_door(door_cpu: int | None, args: argparse.Namespace, prompts: li
     conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
     async with aiohttp.ClientSession(connector=conn) as s:
 
+        post = aiohttp_post(s)
+
         async def once(url: str, body: bytes) -> float:
-            return await post_once(s, url, body)
+            return await post_once(post, url, body)
 
         async def load(url: str, seconds: float) -> tuple[int, float]:
-            return await closed_loop(s, url, bodies, args.door_concurrency, seconds)
+            return await closed_loop(post, url, bodies, args.door_concurrency, seconds)
 
         async def door_load(door: Child, url: str, seconds: float) -> tuple[int, float, float | None]:
             await load(url, 0.5)  # open the connections, warm up

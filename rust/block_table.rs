@@ -154,24 +154,9 @@ impl<V: Copy + Default, K: SlotKey> BlockTable<V, K> {
             }
             return old;
         }
-        if (self.len + 1) * 4 > self.keys.len() * 3 {
-            self.grow();
-        }
-        let mask = self.mask();
-        let mut i = self.home(key);
-        loop {
-            let k = self.keys[i];
-            if k == key {
-                return Some(std::mem::replace(&mut self.vals[i], val));
-            }
-            if k == K::default() {
-                self.keys[i] = key;
-                self.vals[i] = val;
-                self.len += 1;
-                return None;
-            }
-            i = (i + 1) & mask;
-        }
+        let (i, was) = self.claim(key);
+        let old = std::mem::replace(&mut self.vals[i], val);
+        was.then_some(old)
     }
 
     /// The record of `key`, a `V::default()` put in first when it is absent: one probe where a
@@ -185,6 +170,13 @@ impl<V: Copy + Default, K: SlotKey> BlockTable<V, K> {
             }
             return self.zero.as_mut().expect("just set");
         }
+        let (i, _) = self.claim(key);
+        &mut self.vals[i]
+    }
+
+    /// The slot of `key` (not 0), taken for it with a default record when it is absent (the
+    /// table grown first if one more key would pass three quarters), and whether it was there.
+    fn claim(&mut self, key: K) -> (usize, bool) {
         if (self.len + 1) * 4 > self.keys.len() * 3 {
             self.grow();
         }
@@ -193,13 +185,13 @@ impl<V: Copy + Default, K: SlotKey> BlockTable<V, K> {
         loop {
             let k = self.keys[i];
             if k == key {
-                return &mut self.vals[i];
+                return (i, true);
             }
             if k == K::default() {
                 self.keys[i] = key;
                 self.vals[i] = V::default();
                 self.len += 1;
-                return &mut self.vals[i];
+                return (i, false);
             }
             i = (i + 1) & mask;
         }
