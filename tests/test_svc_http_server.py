@@ -371,6 +371,14 @@ def test_guard_caps_connections_per_address_and_cuts_a_trickled_head(loop: str) 
             w.write(b"GET /health HTTP/1.1\r\n")
             assert await asyncio.wait_for(r.read(), 5) == b""
             assert guard.timed_out == 4
+            # The next head begun in the very packet that ended a body, then nothing: the head
+            # deadline holds (it used to wait for the next packet, leaving the keep-alive limit).
+            r, w = await connect(port)
+            w.write(post("/echo", b"{}") + b"GET /health HTTP/1.1\r\nHo")
+            assert (await read_response(r))[0] == 200
+            t0 = asyncio.get_running_loop().time()
+            assert await asyncio.wait_for(r.read(), 5) == b""
+            assert asyncio.get_running_loop().time() - t0 < 2.0 and guard.timed_out == 5
 
     run(loop, go)
 

@@ -347,6 +347,7 @@ class _Connection(asyncio.Protocol):
         self._url = b""
         self._hdrs: dict[str, str] = {}
         self._head_bytes = 0
+        self._head_started = False
         self._in_head = True
         self._current: Request | None = None  # the request whose body is being parsed
         self._queue: deque[Request] = deque()
@@ -423,7 +424,7 @@ class _Connection(asyncio.Protocol):
             if self._head_bytes > self.server.max_head_bytes:
                 self._reject(431, f"the request head exceeds {self.server.max_head_bytes} bytes")
                 return
-            if self._head_timer is None and self._head_bytes:
+            if self._head_timer is None and self._head_started:
                 self._arm_head()  # a head begun and not whole: its deadline runs from now
 
     def eof_received(self) -> bool | None:
@@ -445,6 +446,9 @@ class _Connection(asyncio.Protocol):
     # -- parser callbacks ---------------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        # A head's first byte, also when it came in the packet that ended the last body (a
+        # client that stops there is held to the head deadline, not to the keep-alive limit).
+        self._head_started = True
         self._url = b""
         self._hdrs = {}
         self._head_size = 0
@@ -462,6 +466,7 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._head_started = False
         self._head_bytes = 0
         self._disarm_head()
         if self._head_size > self.server.max_head_bytes:
@@ -560,7 +565,7 @@ class _Connection(asyncio.Protocol):
                 self.server.tasks.discard(task)
             if not self._queue:
                 self.idle_since = time.monotonic()
-                if self._in_head and self._head_bytes == 0:
+                if self._in_head and not self._head_started:
                     self._disarm_head()  # idle: the keep-alive limit's business, not the head deadline's
 
     def connection_header(self, request: Request, headers: Mapping[str, str], *, stream: bool) -> bytes:
