@@ -78,6 +78,10 @@ def make_app(state: State, max_body: int = 1000) -> App:
     async def health(req: Request) -> Response:
         return json_response({"ok": True})
 
+    async def framed(req: Request) -> Response:
+        # A handler naming the framing itself: the server's own lines win, no duplicates.
+        return Response(body=b"abc", headers={"content-length": "99", "Transfer-Encoding": "chunked", "connection": "close", "Date": "never"})
+
     app.add_post("/echo", echo)
     app.add_get("/slow", slow)
     app.add_get("/stream", stream)
@@ -86,6 +90,7 @@ def make_app(state: State, max_body: int = 1000) -> App:
     app.add_post("/refuse", refuse)
     app.add_post("/unread", unread)
     app.add_get("/health", health)
+    app.add_get("/framed", framed)
     return app
 
 
@@ -199,6 +204,13 @@ def test_http10_expect_continue_head_and_connection_close(loop: str) -> None:
             w2.write(b"POST /unread HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\nExpect: 100-continue\r\n\r\n")
             status, h, _ = await read_response(r2)
             assert status == 401 and h["connection"] == "close"
+            # A handler's own framing headers are dropped; its Connection: close still closes.
+            r3, w3 = await connect(port)
+            w3.write(b"GET /framed HTTP/1.1\r\nHost: x\r\n\r\n")
+            head = (await asyncio.wait_for(r3.readuntil(b"\r\n\r\n"), 5)).lower()
+            assert head.count(b"content-length:") == 1 and b"content-length: 3\r\n" in head and b"transfer-encoding" not in head
+            assert head.count(b"connection:") == 1 and b"connection: close" in head and head.count(b"date:") == 1 and b"never" not in head
+            assert await asyncio.wait_for(r3.read(), 5) == b"abc"
             # HEAD of a GET route: its head, no body; then Connection: close is honoured.
             w.write(b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n")
             head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)

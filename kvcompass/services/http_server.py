@@ -180,11 +180,19 @@ class Request:
         return self._store is not None and key in self._store
 
 
+_FRAMING = frozenset({"connection", "content-length", "transfer-encoding", "date"})
+"""Headers the server writes itself: a handler's own are dropped, so the framing a client reads
+is the one the server keeps (a handler's ``Connection: close`` still closes, through
+:meth:`_Connection.connection_header`)."""
+
+
 def _head(status: int, headers: Mapping[str, str], extra: bytes) -> bytearray:
     out = bytearray(b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown")))
     for k, v in headers.items():
         if "\r" in v or "\n" in v or "\r" in k or "\n" in k:
             raise ValueError(f"header {k!r} holds CR or LF")
+        if k.lower() in _FRAMING:
+            continue
         out += f"{k}: {v}\r\n".encode("latin-1")
     out += extra
     return out
@@ -574,7 +582,7 @@ class _Connection(asyncio.Protocol):
         # An unread body (a refusal before it arrived) cannot be told from a next request
         # unless its length is known and bounded: then it is read and dropped after the answer.
         unread = not request._complete and (request.content_length is None or request.content_length > self.server.max_body_bytes or request._error is not None)
-        if not request.keep_alive or unread or self.server.closing or (stream and self.http10) or headers.get("Connection", "").lower() == "close":
+        if not request.keep_alive or unread or self.server.closing or (stream and self.http10) or (headers.get("Connection") or headers.get("connection") or "").lower() == "close":
             self._close_after = True
         if self._close_after:
             return b"Connection: close\r\n\r\n"
