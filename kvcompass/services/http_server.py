@@ -233,9 +233,7 @@ class StreamResponse:
         conn = self._conn
         if conn is None or self._ended:
             raise RuntimeError("write before prepare() or after write_eof()")
-        if conn.lost or (conn.transport is not None and conn.transport.is_closing()):
-            # is_closing: a send failed (the peer reset it) and connection_lost is only
-            # scheduled; a handler writing without pause would not see it before its end.
+        if conn.gone:
             raise ConnectionResetError("the client closed the connection")
         if not data or (self._request is not None and self._request.method == "HEAD"):
             return
@@ -331,8 +329,8 @@ class App:
             err = OpenAIError.of(e)
             resp = error_response(err)
         except Exception as e:
-            if isinstance(e, ConnectionResetError) and request._conn.lost:
-                raise
+            if isinstance(e, ConnectionResetError) and request._conn.gone:
+                raise  # the client left; nobody to answer and nothing to log
             _log.exception("handler of %s %s failed", request.method, request.path)
             err = OpenAIError(500, "internal error: the handler failed", code="internal_error")
             resp = error_response(err)
@@ -589,6 +587,13 @@ class _Connection(asyncio.Protocol):
         return b"Connection: keep-alive\r\n\r\n" if self.http10 else b"\r\n"
 
     # -- writing and flow ---------------------------------------------------------------------------
+
+    @property
+    def gone(self) -> bool:
+        """The client left: the connection was lost, or a send failed (the peer reset it) and
+        ``connection_lost`` is only scheduled (a handler writing without pause would not see
+        that before its end)."""
+        return self.lost or (self.transport is not None and self.transport.is_closing())
 
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.lost and not self.transport.is_closing():
