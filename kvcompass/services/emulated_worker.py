@@ -68,12 +68,11 @@ import asyncio
 import contextlib
 import json
 import signal
-import socket
 import ssl
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from hashlib import blake2b
 from typing import Any
@@ -87,7 +86,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from kvcompass.agent.events import REPLAY_END_SEQ, Event, encode_batch
 from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.errors import DrainingError, InvalidArgumentError
-from kvcompass.services.http_server import App, HttpServer, Request, Response, StreamResponse
+from kvcompass.services.http_server import App, HttpServer, Request, Response, StreamResponse, json_response
 from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, OpenAIError, chat_tokens, decode_json_object, one_prompt_tokens, prompt_batch, prompt_tokens
 from kvcompass.engine.tokenizer import Tokenizer, load_tokenizer
 from kvcompass.engine.cache import DEFAULT_DRAM_TOKENS, DEFAULT_VRAM_TOKENS, Policy, PrefixCache, worker_capacities
@@ -246,10 +245,6 @@ MAX_N = 64
 decode batch)."""
 MAX_PROMPTS = 256
 """The most prompts one completions request may list (the door's default too)."""
-
-
-def _json(obj: object, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
-    return Response(body=json.dumps(obj, separators=(",", ":")).encode(), status=status, content_type="application/json", headers=headers)
 
 
 class EmulatedWorker(AsyncResource):
@@ -603,12 +598,12 @@ class EmulatedWorker(AsyncResource):
         return Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _load(self, request: Request) -> Response:
-        return _json({"worker": self.config.worker_id, "queue_ms": self.queue_ms(), "waiting": self.waiting, "running": self.running})
+        return json_response({"worker": self.config.worker_id, "queue_ms": self.queue_ms(), "waiting": self.waiting, "running": self.running})
 
     async def _models(self, request: Request) -> Response:
         c = self.config
         card = {"id": c.model, "object": "model", "created": self._created, "owned_by": "kvcompass", "root": c.model, "parent": None, "max_model_len": c.max_model_len}
-        return _json({"object": "list", "data": [card]})
+        return json_response({"object": "list", "data": [card]})
 
     async def _completions(self, request: Request) -> StreamResponse:
         return await self._serve(request, chat=False)
@@ -670,7 +665,7 @@ class EmulatedWorker(AsyncResource):
         else:
             choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": "length", "stop_reason": None} for i, t in enumerate(outs)]
             body = {"id": f"cmpl-{req.request_id}", "object": "text_completion", "created": created, "model": self.config.model, "choices": choices, "usage": usage}
-        return _json(body, headers=headers)
+        return json_response(body, headers=headers)
 
     async def _stream(self, request: Request, req: _Request, headers: dict[str, str], usage: dict[str, Any]) -> StreamResponse:
         resp = StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})

@@ -182,20 +182,24 @@ class Request:
 
 _FRAMING = frozenset({"connection", "content-length", "transfer-encoding", "date"})
 """Headers the server writes itself: a handler's own are dropped, so the framing a client reads
-is the one the server keeps (a handler's ``Connection: close`` still closes, through
-:meth:`_Connection.connection_header`)."""
+is the one the server keeps (a handler's ``Connection: close``, in any case, still closes:
+:func:`_head` reports it to :meth:`_Connection.connection_header`)."""
 
 
-def _head(status: int, headers: Mapping[str, str], extra: bytes) -> bytearray:
+def _head(status: int, headers: Mapping[str, str]) -> tuple[bytearray, bool]:
+    """The status line and a handler's headers (framing ones dropped), and whether the handler
+    asked for ``Connection: close``, read in the same pass. ValueError on CR or LF."""
     out = bytearray(b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown")))
+    close = False
     for k, v in headers.items():
         if "\r" in v or "\n" in v or "\r" in k or "\n" in k:
             raise ValueError(f"header {k!r} holds CR or LF")
-        if k.lower() in _FRAMING:
+        lk = k.lower()
+        if lk in _FRAMING:
+            close = close or (lk == "connection" and v.lower() == "close")
             continue
         out += f"{k}: {v}\r\n".encode("latin-1")
-    out += extra
-    return out
+    return out, close
 
 
 class StreamResponse:
@@ -219,10 +223,11 @@ class StreamResponse:
         conn = request._conn
         # HTTP/1.0 cannot take chunks: the body ends where the connection does.
         chunked = request.method != "HEAD" and not conn.http10
-        extra = b"Date: %s\r\n" % conn.server.date()
-        extra += b"Transfer-Encoding: chunked\r\n" if chunked else b""
-        extra += conn.connection_header(request, self.headers, stream=True)
-        head = _head(self.status, self.headers, extra)  # ValueError before anything is sent
+        head, close = _head(self.status, self.headers)  # ValueError before anything is sent
+        head += b"Date: %s\r\n" % conn.server.date()
+        if chunked:
+            head += b"Transfer-Encoding: chunked\r\n"
+        head += conn.connection_header(request, close, stream=True)
         self._conn, self._request, self._chunked = conn, request, chunked
         self.prepared = True
         request._stream = self
@@ -264,9 +269,9 @@ class Response(StreamResponse):
         self._conn, self._request = conn, request
         self.prepared = self._ended = True
         body = b"" if request.method == "HEAD" else self.body
-        extra = b"Content-Length: %d\r\nDate: %s\r\n" % (len(self.body), conn.server.date())
-        extra += conn.connection_header(request, self.headers, stream=False)
-        head = _head(self.status, self.headers, extra)
+        head, close = _head(self.status, self.headers)
+        head += b"Content-Length: %d\r\nDate: %s\r\n" % (len(self.body), conn.server.date())
+        head += conn.connection_header(request, close, stream=False)
         head += body
         conn.write(bytes(head))
 
@@ -277,7 +282,7 @@ def json_response(obj: Any, *, status: int = 200, headers: Mapping[str, str] | N
 
 def error_response(e: OpenAIError) -> Response:
     """OpenAI's error body for ``e``, with its extra headers."""
-    return Response(body=json.dumps(error_body(e.status, e.message, e.param, e.code, e.kind)).encode(), status=e.status, headers={"Content-Type": "application/json", **e.headers})
+    return json_response(error_body(e.status, e.message, e.param, e.code, e.kind), status=e.status, headers=e.headers)
 
 
 class App:
@@ -574,13 +579,13 @@ class _Connection(asyncio.Protocol):
                 if self._in_head and not self._head_started:
                     self._disarm_head()  # idle: the keep-alive limit's business, not the head deadline's
 
-    def connection_header(self, request: Request, headers: Mapping[str, str], *, stream: bool) -> bytes:
+    def connection_header(self, request: Request, close: bool, *, stream: bool) -> bytes:
         """The response's ``Connection`` line; remembers whether the connection closes once
         this response is sent (an HTTP/1.0 stream ends only by closing)."""
         # An unread body (a refusal before it arrived) cannot be told from a next request
         # unless its length is known and bounded: then it is read and dropped after the answer.
         unread = not request._complete and (request.content_length is None or request.content_length > self.server.max_body_bytes or request._error is not None)
-        if not request.keep_alive or unread or self.server.closing or (stream and self.http10) or (headers.get("Connection") or headers.get("connection") or "").lower() == "close":
+        if not request.keep_alive or unread or self.server.closing or (stream and self.http10) or close:
             self._close_after = True
         if self._close_after:
             return b"Connection: close\r\n\r\n"
@@ -645,7 +650,8 @@ class _Connection(asyncio.Protocol):
         if self._late_reject is not None and self.transport is not None and not self.lost:
             status, message = self._late_reject
             body = json.dumps(error_body(status, message)).encode()
-            self.transport.write(bytes(_head(status, {"Content-Type": "application/json"}, b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body))) + body)
+            head = _head(status, {"Content-Type": "application/json"})[0]
+            self.transport.write(bytes(head + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)) + body)
         self._late_reject = None
         self._close()
 
