@@ -1058,25 +1058,6 @@ def test_two_doors_serve_one_port_each_with_its_own_edge() -> None:
     run(go())
 
 
-def test_memoized_metric_children_are_prometheus_own_per_label_values() -> None:
-    from prometheus_client import CollectorRegistry, Counter, generate_latest
-
-    from kvcompass.services.http_door import _Children
-
-    reg = CollectorRegistry()
-    c = _Children(Counter("x_requests", "x", ["endpoint", "status"], registry=reg))
-    c.labels("completions", "200").inc()
-    c.labels("completions", "200").inc()
-    c.labels("completions", "404").inc()
-    c.labels("chat.completions", "200").inc(3)
-    assert c.labels("completions", "200") is c.labels("completions", "200")
-    assert c.labels("completions", "200") is not c.labels("completions", "404")
-    text = generate_latest(reg).decode()
-    assert metric(text, "x_requests_total", endpoint="completions", status="200") == 2.0
-    assert metric(text, "x_requests_total", endpoint="completions", status="404") == 1.0
-    assert metric(text, "x_requests_total", endpoint="chat.completions", status="200") == 3.0
-
-
 def test_a_large_whole_answer_is_relayed_and_one_past_the_limit_is_a_502_that_says_so() -> None:
     # Found by reading the upstream client: an answer over 256 KB (the socket pauses there) was
     # only read on once handed out, after its end, so the door waited for the read deadline.

@@ -395,3 +395,55 @@ def test_an_endless_answer_head_is_refused(run: Callable[[Coroutine[Any, Any, An
             await srv.wait_closed()
 
     run(main())
+
+
+def test_the_head_deadline_counts_from_the_call_and_ends_only_a_late_answer(run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
+    # The door's deadline for a worker's answer head is a timer of the pool's exchange (it was
+    # an asyncio.timeout around the call). A head that never comes is a TimeoutError at the
+    # deadline and its connection is dropped; a head in time cancels the timer, so a body read
+    # after the deadline has passed is not cut by it; a wait for a connection slot counts too.
+    release = asyncio.Event()
+    served = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        while True:
+            req = await _read_request(reader)
+            served += 1
+            if b"/silent" in req:
+                await release.wait()
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.25)  # the body after the head deadline has passed
+            writer.write(b"abc")
+            await writer.drain()
+
+    async def main() -> None:
+        srv, base = await _raw_server(handler)
+        pool = UpstreamPool(limit=1)
+        loop = asyncio.get_running_loop()
+        try:
+            t0 = loop.time()
+            with pytest.raises(TimeoutError, match="no answer head within 0.15 s"):
+                await pool.post(base + "/silent", b"", {}, head_timeout=0.15)
+            assert 0.14 <= loop.time() - t0 < 1.0
+            assert pool._free == {} or all(not c for c in pool._free.values())  # not kept for reuse
+
+            r = await pool.post(base + "/x", b"", {}, head_timeout=0.1)
+            assert await r.read() == b"abc"  # read 0.25 s in, past the head deadline
+            r.release()
+
+            # The one slot is held: the wait for it is part of the deadline, said as such.
+            held = await pool.post(base + "/x", b"", {}, head_timeout=1.0)
+            with pytest.raises(TimeoutError, match="no connection slot"):
+                await pool.post(base + "/x", b"", {}, head_timeout=0.05)
+            assert await held.read() == b"abc"
+            held.release()
+        finally:
+            release.set()
+            await pool.close()
+            srv.close()
+            await srv.wait_closed()
+
+    run(main())

@@ -81,7 +81,7 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 import zmq.asyncio
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvcompass.agent.events import REPLAY_END_SEQ, Event, encode_batch
 from kvcompass.discovery.layout import WorkerSpec
@@ -92,6 +92,7 @@ from kvcompass.engine.tokenizer import Tokenizer, load_tokenizer
 from kvcompass.engine.cache import DEFAULT_DRAM_TOKENS, DEFAULT_VRAM_TOKENS, Policy, PrefixCache, worker_capacities
 from kvcompass.engine.costs import CostModel
 from kvcompass.services.lifecycle import AsyncResource, bind_socket, on_signals
+from kvcompass.services.loop_metrics import Counter, Gauge, Histogram
 from kvcompass.services.wire import CACHED_HEADER, LOAD_PATH, QUEUE_MS_HEADER, WORKER_HEADER
 
 __all__ = [
@@ -809,7 +810,9 @@ def _bind(sock: zmq.asyncio.Socket, endpoint: str | None, host: str) -> str:
 
 
 class _Metrics:
-    """The worker's Prometheus series (one registry per worker, so many can share a process)."""
+    """The worker's Prometheus series (one registry per worker, so many can share a process),
+    updated per request and per decode step from the worker's loop: hence
+    :mod:`kvcompass.services.loop_metrics`' lock-free ones."""
 
     def __init__(self, registry: CollectorRegistry, worker: EmulatedWorker) -> None:
         self._w = worker

@@ -74,7 +74,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvcompass import _core
 from kvcompass.discovery.edge import Decision, Edge
@@ -96,6 +96,7 @@ from kvcompass.services.openai_api import (
     prompt_tokens,
 )
 from kvcompass.services.lifecycle import AsyncResource, bind_socket
+from kvcompass.services.loop_metrics import Counter, Gauge, Histogram
 from kvcompass.services.upstream import UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTooLarge
 from kvcompass.services.wire import (
     HANDOFF_HEADER,
@@ -123,6 +124,7 @@ _TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}")
 _REGION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _NAMESPACE_CACHE = 4096
 _log = logging.getLogger("kvcompass.door")
+
 
 def valid_tenant(name: str) -> bool:
     """Whether ``name`` may name a tenant (the ``x-kvcompass-namespace`` header's syntax)."""
@@ -231,41 +233,22 @@ class DoorConfig:
 # -- metrics -----------------------------------------------------------------------------------------
 
 
-class _Children:
-    """``metric.labels(*values)`` memoized by the values: prometheus_client validates, converts
-    and locks on every call, and a proxied request asks five labelled metrics for a child (a
-    few percent of the door's CPU). The children are prometheus_client's own, so the registry
-    and what it exposes are unchanged."""
-
-    __slots__ = ("_metric", "_children")
-
-    def __init__(self, metric: Any) -> None:
-        self._metric = metric
-        self._children: dict[tuple[str, ...], Any] = {}
-
-    def labels(self, *values: str) -> Any:
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = self._metric.labels(*values)
-        return child
-
-
 class _Metrics:
     """Every metric in one registry of its own, so several doors (tests, ``kvcompass up``) can
-    share a process without colliding in prometheus_client's global registry."""
+    share a process without colliding in prometheus_client's global registry. The metrics are
+    :mod:`kvcompass.services.loop_metrics`' (no lock, no validation per update: about ten
+    updates a proxied request), exposed as prometheus_client's own would be."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         p = "kvcompass_door_"
-        self.requests = _Children(Counter(p + "requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=registry))
-        self.request_seconds = _Children(
-            Histogram(
-                p + "request_seconds",
-                "Wall time of a completion request, to the last byte relayed",
-                ["endpoint"],
-                buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-                registry=registry,
-            )
+        self.requests = Counter(p + "requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=registry)
+        self.request_seconds = Histogram(
+            p + "request_seconds",
+            "Wall time of a completion request, to the last byte relayed",
+            ["endpoint"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=registry,
         )
         # Edge.route is a microsecond call: buckets from 5 us to 10 ms.
         self.route_seconds = Histogram(
@@ -274,18 +257,18 @@ class _Metrics:
             buckets=(5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2),
             registry=registry,
         )
-        self.ttft_seconds = _Children(
-            Histogram(
-                p + "ttft_seconds",
-                "Time to first token as the client sees it from the door: to the first streamed event, or to the whole response when not streaming",
-                ["stream"],
-                buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-                registry=registry,
-            )
+        self.ttft_seconds = Histogram(
+            p + "ttft_seconds",
+            "Time to first token as the client sees it from the door: to the first streamed event, or to the whole response when not streaming",
+            ["stream"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=registry,
         )
-        self.routes = _Children(Counter(p + "routes", "Requests routed, by the chosen worker's region", ["worker_region"], registry=registry))
+        self.routes = Counter(p + "routes", "Requests routed, by the chosen worker's region", ["worker_region"], registry=registry)
         self.refused_connections = Gauge(p + "refused_connections", "Connections refused because their client address held max_connections_per_address (since start)", registry=registry)
-        self.header_timeouts = Gauge(p + "header_timeouts", "Connections closed because a request head was not whole within header_timeout_s of the connection or of its first byte (since start)", registry=registry)
+        self.header_timeouts = Gauge(
+            p + "header_timeouts", "Connections closed because a request head was not whole within header_timeout_s of the connection or of its first byte (since start)", registry=registry
+        )
         # The process's prefix memo (rust/prefix_memo.rs), read at scrape time: how much of the
         # routes' prompt hashing it saved.
         self.prefix_memo_hits = Gauge(p + "prefix_memo_hits", "Plan lengths routes found in the process's prefix memo instead of hashing them (since start)", registry=registry)
@@ -314,7 +297,7 @@ class _Metrics:
         self.dead = Gauge(p + "worker_dead", "1 while the worker is excluded after a failure", ["worker"], registry=registry)
         self.healthy = Gauge(p + "edge_healthy", "1 while every view of the edge is current", registry=registry)
         self.inflight = Gauge(p + "inflight_requests", "Completion requests in progress", registry=registry)
-        self.tenant_requests = _Children(Counter(p + "tenant_requests", "Completion requests admitted, by tenant (the API key's)", ["tenant"], registry=registry))
+        self.tenant_requests = Counter(p + "tenant_requests", "Completion requests admitted, by tenant (the API key's)", ["tenant"], registry=registry)
         self.auth_refusals = Counter(p + "auth_refusals", "Completion requests refused before their body was read, by reason", ["reason"], registry=registry)
 
 
@@ -371,8 +354,6 @@ class _WorkerFailed(Exception):
         super().__init__(detail)
         self.reason: FailureReason = reason
         self.detail = detail
-
-
 
 
 class FrontDoor:
@@ -753,9 +734,7 @@ class FrontDoor:
                 raise OpenAIError(400, f"the prompt has {len(tokens)} tokens; this edge accepts at most {cfg.max_prompt_tokens}", param, "context_length_exceeded")
 
         if "cache_salt" in body:
-            raise OpenAIError(
-                400, f"cache_salt is set by the edge from the tenant in {NAMESPACE_HEADER}; send that header instead", "cache_salt", "cache_salt_not_allowed"
-            )
+            raise OpenAIError(400, f"cache_salt is set by the edge from the tenant in {NAMESPACE_HEADER}; send that header instead", "cache_salt", "cache_salt_not_allowed")
         extra: dict[str, Any] = {}
         if stream and (not client_usage or batch is not None):
             # The usage chunk is where a stream reports cached_tokens; ask for it, strip it later
@@ -787,10 +766,7 @@ class FrontDoor:
         if handoff is not None:
             raise OpenAIError(400, f"a batched request cannot carry {HANDOFF_HEADER} (the door splits batches before any hand-off)", HANDOFF_HEADER, "invalid_handoff")
         n = body.get("n") or 1
-        return [
-            _Prepared(request.path, r, t, ns, stream, True, headers, None, batch_index=i * n, client_usage_asked=client_usage)
-            for i, (r, t) in enumerate(zip(raws, token_lists))
-        ]
+        return [_Prepared(request.path, r, t, ns, stream, True, headers, None, batch_index=i * n, client_usage_asked=client_usage) for i, (r, t) in enumerate(zip(raws, token_lists))]
 
     def _authenticate(self, request: Request) -> ApiKey | None:
         """The request's key (None: the door is open), checked before its body is read, so an
@@ -963,8 +939,7 @@ class FrontDoor:
         if delay:
             await asyncio.sleep(delay)
         try:
-            async with asyncio.timeout(self.config.head_timeout_s):
-                up = await session.post(url, prep.raw, headers)
+            up = await session.post(url, prep.raw, headers, head_timeout=self.config.head_timeout_s)
         except TimeoutError as e:
             raise _WorkerFailed("timeout", f"{choice.worker}: no response head: {e!r}") from None
         except UpstreamConnectError as e:
@@ -1006,9 +981,7 @@ class FrontDoor:
         headers["Content-Type"] = ctype or "application/json"
         return Response(body=data, status=up.status, headers=headers)
 
-    async def _relay_stream(
-        self, request: Request, prep: _Prepared, choice: _Choice, up: UpstreamResponse, fb: _Feedback, delay: float
-    ) -> StreamResponse:
+    async def _relay_stream(self, request: Request, prep: _Prepared, choice: _Choice, up: UpstreamResponse, fb: _Feedback, delay: float) -> StreamResponse:
         if delay:
             await asyncio.sleep(delay)
         headers = self._reply_headers(request, choice)
@@ -1457,8 +1430,16 @@ def make_app(
     :meth:`FrontDoor.set_peers` once they are known).
     """
     door = FrontDoor(
-        edge, workers, _resolve_tokenizer(tokenizer), config, regions=regions, wan_one_way_ms=wan_one_way_ms, clock=clock, registry=registry,
-        upstream_ssl=upstream_ssl, peers=peers,
+        edge,
+        workers,
+        _resolve_tokenizer(tokenizer),
+        config,
+        regions=regions,
+        wan_one_way_ms=wan_one_way_ms,
+        clock=clock,
+        registry=registry,
+        upstream_ssl=upstream_ssl,
+        peers=peers,
     )
     app = App(max_body_bytes=config.max_body_bytes, observe=door._observe)
     app.state[FRONT_DOOR] = door
@@ -1540,7 +1521,15 @@ async def serve_door(
     :meth:`TLSConfig.server_context <kvcompass.services.tls.TLSConfig.server_context>` for
     ``"http"``) serves HTTPS; ``upstream_ssl`` is passed to :func:`make_app`."""
     app = make_app(
-        edge, workers, tokenizer, config=config, regions=regions, wan_one_way_ms=wan_one_way_ms, clock=clock, registry=registry, upstream_ssl=upstream_ssl,
+        edge,
+        workers,
+        tokenizer,
+        config=config,
+        regions=regions,
+        wan_one_way_ms=wan_one_way_ms,
+        clock=clock,
+        registry=registry,
+        upstream_ssl=upstream_ssl,
         peers=peers,
     )
     if sock is None:
