@@ -11,8 +11,11 @@ Progress goes to stderr; the last line of stdout is one JSON object: ``ours_cpu_
 ``ours_added_p50_ms``/``p99`` and ``peer_added_p50_ms``/``p99``, ``tokenize_ms_per_prompt`` (what
 the built-in tokenizer costs per prompt, measured in the driver: our door pays it, the peer's
 character tree does not), ``doors_cpu_ms_per_req`` / ``doors_req_per_s`` / ``doors_cpu_share`` by door process count (N
-doors on one ``SO_REUSEPORT`` port, each its own edge: CPU per request should stay flat as N
-grows, with the load shared), the targets and whether each is met. When the peer cannot be installed or started the line says why (``peer_error``) and
+doors on one ``SO_REUSEPORT`` port, each its own edge, at saturation), ``doors_rate_*`` by N (the
+same N doors at a fixed ``--door-rate`` per door, open loop: CPU per request, the rate served,
+each door's share, how far the driver's starts lagged) and ``doors_rate_cpu_growth`` (CPU per
+request with the most doors over one door at that fixed rate: "flat" is 1.0, the target 1.1),
+the targets and whether each is met. When the peer cannot be installed or started the line says why (``peer_error``) and
 the peer's figures and the ratio are absent, never guessed.
 
 Set-up, the same for both routers:
@@ -58,11 +61,11 @@ import numpy as np
 
 from _provenance import git_info, meets
 from kvcompass.services.lifecycle import stop_process
-from bench_service import DOOR_HOLDER, DOOR_REGION, MODEL, TOPOLOGY, Child, Post, closed_loop, cpu_model, log, pct, post_once, proc_cpu_s, rnd
+from bench_service import DOOR_HOLDER, DOOR_REGION, MODEL, TOPOLOGY, Child, Post, closed_loop, cpu_model, log, open_loop, pct, post_once, proc_cpu_s, rnd
 
 REPO = Path(__file__).resolve().parent.parent
 PEER_VENV = REPO / "benches" / ".peers" / "sglang-router"
-TARGETS = {"cpu_ratio": {"max": 1.5}, "ours_added_p99_ms": {"max": 1.0}}
+TARGETS = {"cpu_ratio": {"max": 1.5}, "ours_added_p99_ms": {"max": 1.0}, "doors_rate_cpu_growth": {"max": 1.1}}
 _WORDS = ("the request reaches the nearest edge which looks up every table of the index and forwards it to the worker "
           "holding the longest prefix unless its queue is longer than the prefill it saves").split()
 
@@ -224,6 +227,32 @@ async def _measure(s: Post, name: str, router_url: str, direct_url: str, pids: l
         f"{n / dt:,.0f} req/s at {args.concurrency} connections, {res.get(f'{name}_cpu_ms_per_req')} ms CPU a request")
 
 
+async def _measure_rate(url: str, pids: list[int], bodies: list[bytes], rate: float, args: argparse.Namespace) -> dict[str, Any]:
+    """An open loop at ``rate`` requests a second through ``url`` from ``--concurrency``
+    clients of their own (so as many connections, spread over the doors of a shared port as
+    the closed loop's are): the routers' CPU per request (every process in ``pids``), what was
+    served and whether the driver kept the rate."""
+    from kvcompass.services.upstream import UpstreamPool
+
+    u = url + "/v1/completions"
+    pools = [UpstreamPool(keepalive_s=60.0) for _ in range(args.concurrency)]
+    posts = [_pool_post(p) for p in pools]
+    try:
+        await open_loop(posts, u, bodies, rate, 0.5)  # open the connections at this rate
+        c0 = [proc_cpu_s(p) for p in pids]
+        n, dt, lag = await open_loop(posts, u, bodies, rate, args.seconds)
+        c1 = [proc_cpu_s(p) for p in pids]
+    finally:
+        for p in pools:
+            await p.close()
+    out: dict[str, Any] = {"req_per_s": rnd(n / dt, 1), "lag_ms": rnd(lag)}
+    if None not in c0 and None not in c1 and n:
+        used = [b - a for a, b in zip(c0, c1)]  # type: ignore[operator]
+        out["cpu_ms_per_req"] = rnd(sum(used) * 1e3 / n, 4)
+        out["cpu_share"] = [rnd(x / sum(used), 3) for x in used] if len(used) > 1 and sum(used) > 0 else None
+    return out
+
+
 async def run(args: argparse.Namespace, res: dict[str, Any]) -> None:
     from kvcompass.engine.tokenizer import load_tokenizer
     from kvcompass.services.upstream import UpstreamPool
@@ -268,6 +297,13 @@ async def run(args: argparse.Namespace, res: dict[str, Any]) -> None:
                     res.setdefault("doors_cpu_ms_per_req", {})[str(n)] = part.get("doors_cpu_ms_per_req")
                     res.setdefault("doors_req_per_s", {})[str(n)] = part.get("doors_req_per_s")
                     res.setdefault("doors_cpu_share", {})[str(n)] = part.get("doors_cpu_share")
+                    if args.door_rate > 0:
+                        # The same load per door whatever N (weak scaling): what being one of N
+                        # costs a door, apart from how full a loop turn is at saturation.
+                        r = await _measure_rate(url, [d.pid for d in doors], bodies, args.door_rate * n, args)
+                        log(f"doors at {args.door_rate * n:,.0f} req/s ({args.door_rate:,.0f} a door): {r}")
+                        for k, v in r.items():
+                            res.setdefault(f"doors_rate_{k}", {})[str(n)] = v
                 finally:
                     for d in doors:
                         d.stop()
@@ -296,6 +332,9 @@ async def run(args: argparse.Namespace, res: dict[str, Any]) -> None:
     finally:
         await pool.close()
         await backend.close()
+    rc = res.get("doors_rate_cpu_ms_per_req", {})
+    if rc.get("1") and rc.get(str(max(args.doors, default=1))) and max(args.doors, default=1) > 1:
+        res["doors_rate_cpu_growth"] = rnd(rc[str(max(args.doors))] / rc["1"])
     if res.get("ours_cpu_ms_per_req") and res.get("peer_cpu_ms_per_req"):
         res["cpu_ratio"] = rnd(res["ours_cpu_ms_per_req"] / res["peer_cpu_ms_per_req"])
 
@@ -309,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ports", type=int, default=14, help="backend ports, one per worker (default 14, the testbed's)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--doors", default="1,2", help="door process counts to measure on one SO_REUSEPORT port, comma list ('' skips; default 1,2)")
+    ap.add_argument("--door-rate", type=float, default=1000.0,
+                    help="requests a second per door of the fixed-rate phase run for each --doors count (N doors get N times it; 0 skips)")
     ap.add_argument("--pin", action="store_true",
                     help="this process (backend and load) on one CPU, every router process and thread on another: "
                          "the routers do not compete with the driver, and N doors share one CPU (their own cost of being N)")

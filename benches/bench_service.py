@@ -546,14 +546,57 @@ async def closed_loop(post: Post, url: str, bodies: list[bytes], concurrency: in
     return count, time.perf_counter() - t
 
 
+async def open_loop(posts: list[Post], url: str, bodies: list[bytes], rate: float, seconds: float) -> tuple[int, float, float]:
+    """Open loop: requests started at ``rate`` a second for ``seconds`` whatever the answers
+    (each millisecond, every request due by then), ``bodies`` in turn, request ``i`` through
+    ``posts[i % len(posts)]`` (clients of their own, so that the requests keep as many
+    connections busy as there are clients: one pool would reuse its one or two idle
+    connections, and every request would reach one server of a shared port); (requests completed,
+    wall seconds from the first start to the last answer, the largest lag of a start behind
+    its schedule in ms, which says whether this process kept the rate)."""
+    loop = asyncio.get_running_loop()
+    n = int(rate * seconds)
+    tasks: set[asyncio.Task[None]] = set()
+    done = 0
+    lag = 0.0
+
+    async def one(post: Post, body: bytes) -> None:
+        nonlocal done
+        status, data = await post(url, body)
+        if status != 200:
+            raise RuntimeError(f"{url} answered {status} under load: {data[:200]!r}")
+        done += 1
+
+    t0 = loop.time()
+    i = 0
+    while i < n:
+        due = min(n, int((loop.time() - t0) * rate) + 1)
+        if due > i + 1:
+            lag = max(lag, (loop.time() - t0 - (i + 1) / rate) * 1e3)
+        while i < due:
+            t = loop.create_task(one(posts[i % len(posts)], bodies[i % len(bodies)]))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+            i += 1
+        await asyncio.sleep(0.001)
+    if tasks:
+        await asyncio.gather(*tasks)
+    return done, loop.time() - t0, lag
+
+
 async def _canned_worker(replies: dict[bytes, tuple[bytes, dict[str, str]]]) -> tuple[Any, str]:
     """An aiohttp app answering each known body with the emulated worker's recorded reply
     (body and x-kvcompass headers): an upstream that costs next to nothing, so the door is the
     bottleneck of the throughput figure."""
     from aiohttp import web
 
+    # A body it did not record (the door's edge replicating a hot prefix onto an idle worker,
+    # which its migration policy does under this load) gets the first recorded answer: a worker
+    # would answer it, and a 500 from here would make the door count the worker as failing.
+    fallback = next(iter(replies.values()))
+
     async def handle(request: web.Request) -> web.Response:
-        body, headers = replies[await request.read()]
+        body, headers = replies.get(await request.read(), fallback)
         return web.Response(body=body, headers=headers)
 
     app = web.Application()
