@@ -249,6 +249,40 @@ def test_agent_batch_through_grpc_reaches_the_edge_view_byte_for_byte(world: Wor
     run(go())
 
 
+def test_a_batch_after_a_quiet_spell_is_flushed_at_once_and_a_burst_once_an_interval(world: World) -> None:
+    """The flush loop's leading edge: with a 0.4 s interval, a batch applied when the last
+    flush is older than that reaches the edge at once (on a fixed tick it waited up to the
+    interval: twice under 0.1 s would be luck of one in sixteen), and one applied right after
+    a flush waits for the rest of the interval, so a stream of batches is still closed into
+    one patch an interval."""
+
+    async def go() -> None:
+        units = world.units()
+        services = [MaintenanceService(u, MaintenanceConfig(flush_interval_s=0.4, heartbeat_interval_s=30.0)) for u in units]
+        edge = world.edge("us")
+        asia = world.agent("asia-0")
+        loop = asyncio.get_running_loop()
+        async with in_memory(services) as chans, EdgeSync(edge, chans) as sync:
+            await sync.wait_ready(5)
+            async with IngestClient("asia-0", chans, asia.on_rejected) as client:
+
+                async def lag(seed: int, seq: int) -> float:
+                    t0 = loop.time()
+                    assert (await client.send(cache(asia, prompt(seed), 1000 * (seq + 1), seq=seq))).applied > 0
+                    await sync.wait_for(lambda: converged(edge, units), 5)
+                    return loop.time() - t0
+
+                lone = []
+                for seq in range(2):
+                    await asyncio.sleep(0.9)  # quiet for longer than the interval since the last flush
+                    lone.append(await lag(31 + seq, seq))
+                burst = await lag(40, 2)  # right after the second lone batch's flush
+            assert max(lone) < 0.1, f"a lone batch waited {lone} s for its flush"
+            assert 0.2 < burst < 1.5, f"a batch right after a flush went out after {burst:.3f} s, not at the interval"
+
+    run(go())
+
+
 def test_edge_resumes_from_the_replay_log_after_a_disconnect(world: World) -> None:
     async def go() -> None:
         units = world.units()
