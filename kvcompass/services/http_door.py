@@ -125,7 +125,6 @@ _REGION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _NAMESPACE_CACHE = 4096
 _log = logging.getLogger("kvcompass.door")
 
-
 def valid_tenant(name: str) -> bool:
     """Whether ``name`` may name a tenant (the ``x-kvcompass-namespace`` header's syntax)."""
     return _TENANT_RE.fullmatch(name) is not None
@@ -266,9 +265,7 @@ class _Metrics:
         )
         self.routes = Counter(p + "routes", "Requests routed, by the chosen worker's region", ["worker_region"], registry=registry)
         self.refused_connections = Gauge(p + "refused_connections", "Connections refused because their client address held max_connections_per_address (since start)", registry=registry)
-        self.header_timeouts = Gauge(
-            p + "header_timeouts", "Connections closed because a request head was not whole within header_timeout_s of the connection or of its first byte (since start)", registry=registry
-        )
+        self.header_timeouts = Gauge(p + "header_timeouts", "Connections closed because a request head was not whole within header_timeout_s of the connection or of its first byte (since start)", registry=registry)
         # The process's prefix memo (rust/prefix_memo.rs), read at scrape time: how much of the
         # routes' prompt hashing it saved.
         self.prefix_memo_hits = Gauge(p + "prefix_memo_hits", "Plan lengths routes found in the process's prefix memo instead of hashing them (since start)", registry=registry)
@@ -354,6 +351,8 @@ class _WorkerFailed(Exception):
         super().__init__(detail)
         self.reason: FailureReason = reason
         self.detail = detail
+
+
 
 
 class FrontDoor:
@@ -734,7 +733,9 @@ class FrontDoor:
                 raise OpenAIError(400, f"the prompt has {len(tokens)} tokens; this edge accepts at most {cfg.max_prompt_tokens}", param, "context_length_exceeded")
 
         if "cache_salt" in body:
-            raise OpenAIError(400, f"cache_salt is set by the edge from the tenant in {NAMESPACE_HEADER}; send that header instead", "cache_salt", "cache_salt_not_allowed")
+            raise OpenAIError(
+                400, f"cache_salt is set by the edge from the tenant in {NAMESPACE_HEADER}; send that header instead", "cache_salt", "cache_salt_not_allowed"
+            )
         extra: dict[str, Any] = {}
         if stream and (not client_usage or batch is not None):
             # The usage chunk is where a stream reports cached_tokens; ask for it, strip it later
@@ -766,7 +767,10 @@ class FrontDoor:
         if handoff is not None:
             raise OpenAIError(400, f"a batched request cannot carry {HANDOFF_HEADER} (the door splits batches before any hand-off)", HANDOFF_HEADER, "invalid_handoff")
         n = body.get("n") or 1
-        return [_Prepared(request.path, r, t, ns, stream, True, headers, None, batch_index=i * n, client_usage_asked=client_usage) for i, (r, t) in enumerate(zip(raws, token_lists))]
+        return [
+            _Prepared(request.path, r, t, ns, stream, True, headers, None, batch_index=i * n, client_usage_asked=client_usage)
+            for i, (r, t) in enumerate(zip(raws, token_lists))
+        ]
 
     def _authenticate(self, request: Request) -> ApiKey | None:
         """The request's key (None: the door is open), checked before its body is read, so an
@@ -981,7 +985,9 @@ class FrontDoor:
         headers["Content-Type"] = ctype or "application/json"
         return Response(body=data, status=up.status, headers=headers)
 
-    async def _relay_stream(self, request: Request, prep: _Prepared, choice: _Choice, up: UpstreamResponse, fb: _Feedback, delay: float) -> StreamResponse:
+    async def _relay_stream(
+        self, request: Request, prep: _Prepared, choice: _Choice, up: UpstreamResponse, fb: _Feedback, delay: float
+    ) -> StreamResponse:
         if delay:
             await asyncio.sleep(delay)
         headers = self._reply_headers(request, choice)
@@ -1430,16 +1436,8 @@ def make_app(
     :meth:`FrontDoor.set_peers` once they are known).
     """
     door = FrontDoor(
-        edge,
-        workers,
-        _resolve_tokenizer(tokenizer),
-        config,
-        regions=regions,
-        wan_one_way_ms=wan_one_way_ms,
-        clock=clock,
-        registry=registry,
-        upstream_ssl=upstream_ssl,
-        peers=peers,
+        edge, workers, _resolve_tokenizer(tokenizer), config, regions=regions, wan_one_way_ms=wan_one_way_ms, clock=clock, registry=registry,
+        upstream_ssl=upstream_ssl, peers=peers,
     )
     app = App(max_body_bytes=config.max_body_bytes, observe=door._observe)
     app.state[FRONT_DOOR] = door
@@ -1521,15 +1519,7 @@ async def serve_door(
     :meth:`TLSConfig.server_context <kvcompass.services.tls.TLSConfig.server_context>` for
     ``"http"``) serves HTTPS; ``upstream_ssl`` is passed to :func:`make_app`."""
     app = make_app(
-        edge,
-        workers,
-        tokenizer,
-        config=config,
-        regions=regions,
-        wan_one_way_ms=wan_one_way_ms,
-        clock=clock,
-        registry=registry,
-        upstream_ssl=upstream_ssl,
+        edge, workers, tokenizer, config=config, regions=regions, wan_one_way_ms=wan_one_way_ms, clock=clock, registry=registry, upstream_ssl=upstream_ssl,
         peers=peers,
     )
     if sock is None:
