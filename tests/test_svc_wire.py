@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +52,7 @@ from kvcompass.index_types import Namespace, Tier
 from kvcompass.services.edge_service import EdgeServer, EdgeService, QueueBroadcaster
 from kvcompass.services.edge_sync import EdgeSync
 from kvcompass.errors import IngestRejectedError
-from kvcompass.services.ingest_client import IngestClient
+from kvcompass.services.ingest_client import IngestClient, encode_key_ops
 from kvcompass.services.maintenance_service import (
     MaintenanceConfig,
     MaintenanceServer,
@@ -279,6 +281,86 @@ def test_a_batch_after_a_quiet_spell_is_flushed_at_once_and_a_burst_once_an_inte
                 burst = await lag(40, 2)  # right after the second lone batch's flush
             assert max(lone) < 0.1, f"a lone batch waited {lone} s for its flush"
             assert 0.2 < burst < 1.5, f"a batch right after a flush went out after {burst:.3f} s, not at the interval"
+
+    run(go())
+
+
+def test_an_ingest_cancelled_during_its_threaded_apply_holds_the_unit_until_the_thread_ends(world: World) -> None:
+    """A dropped connection cancels an ingest whose batch is being applied in a worker thread;
+    the thread cannot be stopped. Its edits reach the subscribers as soon as it ends (the flush
+    loop is woken then, not at the next heartbeat), and nothing touches the unit meanwhile: a
+    flush asked for while the thread runs waits for it and carries its edits. (Found in review:
+    the cancellation also cancelled the future the unit's other users wait on.)"""
+
+    async def go() -> None:
+        units = world.units()
+        asia = world.agent("asia-0")
+        batch = next(b for b in cache(asia, prompt(51), 1000, seq=0) if b.shard == units[0].shard)
+        unit = units[0]
+        real = unit.apply
+        inside = threading.Event()
+        ended: list[float] = []
+
+        def slow(b: KeyOpBatch, w: str) -> Any:
+            inside.set()
+            time.sleep(0.2)
+            try:
+                return real(b, w)
+            finally:
+                ended.append(time.monotonic())
+
+        unit.apply = slow  # type: ignore[method-assign]
+        svc = MaintenanceService(unit, MaintenanceConfig(flush_interval_s=0.002, heartbeat_interval_s=5.0, offload_ops=1))
+        await svc.start()
+        try:
+            before = {t.table_id: svc.published(t.table_id) for t in unit.layout.tables}
+            handler = asyncio.create_task(svc._ingest_one(encode_key_ops(batch), "asia-0"))
+            while not inside.is_set():
+                await asyncio.sleep(0.001)
+            handler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await handler
+            flushed = await svc.flush_now()  # waits for the thread: the unit is not free before
+            assert ended, "a flush ran while the threaded apply was still writing"
+            assert flushed, "the flush that waited for the thread did not carry its edits"
+            assert any(svc.published(t.table_id) != before[t.table_id] for t in unit.layout.tables)
+        finally:
+            await svc.stop()
+
+    run(go())
+
+
+def test_a_cancelled_threaded_apply_wakes_the_flush_loop_when_it_ends(world: World) -> None:
+    async def go() -> None:
+        units = world.units()
+        asia = world.agent("asia-0")
+        unit = units[0]
+        batch = next(b for b in cache(asia, prompt(52), 1000, seq=0) if b.shard == unit.shard)
+        real = unit.apply
+        ended: list[float] = []
+
+        def slow(b: KeyOpBatch, w: str) -> Any:
+            time.sleep(0.1)
+            try:
+                return real(b, w)
+            finally:
+                ended.append(time.monotonic())
+
+        unit.apply = slow  # type: ignore[method-assign]
+        svc = MaintenanceService(unit, MaintenanceConfig(flush_interval_s=0.002, heartbeat_interval_s=5.0, offload_ops=1))
+        await svc.start()
+        try:
+            before = {t.table_id: svc.published(t.table_id) for t in unit.layout.tables}
+            handler = asyncio.create_task(svc._ingest_one(encode_key_ops(batch), "asia-0"))
+            await asyncio.sleep(0.02)
+            handler.cancel()
+            deadline = time.monotonic() + 3.0
+            while all(svc.published(t.table_id) == before[t.table_id] for t in unit.layout.tables):
+                assert time.monotonic() < deadline, "the edits waited for the heartbeat"
+                await asyncio.sleep(0.002)
+            assert ended and time.monotonic() - ended[0] < 1.0, "the patch went out long after the thread ended"
+        finally:
+            await svc.stop()
 
     run(go())
 

@@ -32,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Callable, Mapping, TypeVar
 
 import numpy as np
@@ -319,6 +320,26 @@ class MaintenanceService(MaintenanceBase):
         if self._cfg.state_path is not None:
             await self.persist_now()
 
+    def _applied_off_loop(self, fut: asyncio.Future[ApplyReport]) -> None:
+        """A threaded apply ended: the flush loop has edits to close. Its outcome is read here
+        so that one whose handler was cancelled (nobody left to read it) logs no "exception
+        never retrieved"; the handler, when there is one, reads it again through the shield."""
+        self._edits.set()
+        if not fut.cancelled():
+            fut.exception()
+
+    @contextlib.asynccontextmanager
+    async def _unit_held(self) -> AsyncIterator[None]:
+        """The lock, with the unit free of any apply still running in a worker thread: an ingest
+        cancelled while its batch was applied off the loop (a dropped connection) releases the
+        lock, but its thread cannot be stopped, and nothing else may touch the unit until it
+        ends."""
+        async with self._lock:
+            fut = self._applying
+            if fut is not None and not fut.done():
+                await asyncio.wait([fut])
+            yield
+
     async def _flush_loop(self) -> None:
         """Flush at the leading edge: as soon as a batch has been applied and
         ``flush_interval_s`` has passed since the last flush, else at the end of that interval;
@@ -358,7 +379,7 @@ class MaintenanceService(MaintenanceBase):
     async def flush_now(self) -> list[PatchBatch]:
         """Close pending edits and fan the batches out (the flush loop calls this; tests call it
         to step deterministically)."""
-        async with self._lock:
+        async with self._unit_held():
             batches = self._unit.flush()
             if batches:
                 now_ns = time.time_ns()
@@ -376,7 +397,7 @@ class MaintenanceService(MaintenanceBase):
         w = self._writer
         if w is None:
             return
-        async with self._lock:
+        async with self._unit_held():
             data = self._unit.to_bytes()
             gen = w.take()
             self._dirty = False
@@ -500,13 +521,18 @@ class MaintenanceService(MaintenanceBase):
         ack = IngestAck(shard=msg.shard, seq=msg.seq)
         try:
             batch = decode_key_ops(msg, self._cfg.max_batch_ops)
-            async with self._lock:
+            async with self._unit_held():
                 self._check_budget(batch, worker)
                 if len(batch.keys) >= self._cfg.offload_ops:
                     # Kept so a drain can wait for it: cancelling this handler (a dropped
                     # connection) releases the lock but cannot stop the thread.
                     fut = self._applying = asyncio.ensure_future(asyncio.to_thread(self._unit.apply, batch, worker))
-                    rep = await fut
+                    # The flush loop learns of the edits when the thread ends, even if this
+                    # handler is cancelled before it does. Shielded: cancelling the handler must
+                    # not cancel this future too, or it would be done (and the unit look free)
+                    # while the thread still writes.
+                    fut.add_done_callback(self._applied_off_loop)
+                    rep = await asyncio.shield(fut)
                 else:
                     rep = self._unit.apply(batch, worker)
                 self._edits.set()
@@ -538,7 +564,7 @@ class MaintenanceService(MaintenanceBase):
                 raise grpc_error(WrongTableError(f"no table ({p.table}, {p.shard}) on the unit of shard {shard}", table=p.table, shard=shard, got_table=p.table, got_shard=p.shard))
             want[p.table] = (p.epoch, p.seq)
         sub = _Subscriber(req.subscriber or str(stream.peer), asyncio.Queue(self._cfg.subscriber_queue))
-        async with self._lock:
+        async with self._unit_held():
             # Computed and registered under the lock, with no await in between: every batch
             # the flush loop emits from here on reaches the queue, and every earlier one is in
             # the catch-up (a batch both places is dropped by the view as stale).
@@ -574,7 +600,7 @@ class MaintenanceService(MaintenanceBase):
             raise grpc_error(WrongShardError(f"this unit serves shard {shard}, not {snapshot_request.shard}", shard=shard, got_shard=snapshot_request.shard, key=None))
         tables = list(snapshot_request.tables) or [t.table_id for t in self._unit.layout.tables]
         try:
-            async with self._lock:
+            async with self._unit_held():
                 datas = [self._unit.snapshot(t) for t in tables]
         except KVCompassError as e:
             raise grpc_error(e) from None
