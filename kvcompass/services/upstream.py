@@ -50,27 +50,6 @@ class UpstreamTooLarge(UpstreamError):
     """A whole answer was larger than the reader's limit (the connection is then closed)."""
 
 
-_BLOCKS: dict[tuple[tuple[str, str], ...], bytes] = {}
-_BLOCKS_KEPT = 1024
-
-
-def _header_block(headers: Mapping[str, str]) -> bytes:
-    """The request head's lines for ``headers``, checked once per distinct set: a door sends a
-    handful of sets (content type, tenant, forwarded headers), and building and checking the
-    block was a few per cent of its CPU a request. ValueError for a CR or LF in a name or value
-    (header injection). A set beyond the first :data:`_BLOCKS_KEPT` is built every time."""
-    key = tuple(headers.items())
-    block = _BLOCKS.get(key)
-    if block is None:
-        text = "".join([f"{k}: {v}\r\n" for k, v in key])
-        if text.count("\n") != len(key) or text.count("\r") != len(key):
-            raise ValueError("a header name or value holds CR or LF")
-        block = text.encode("latin-1")
-        if len(_BLOCKS) < _BLOCKS_KEPT:
-            _BLOCKS[key] = block
-    return block
-
-
 @functools.lru_cache(maxsize=4096)
 def _target(url: str) -> tuple[str, int, bool, bytes, bytes]:
     """(host, port, tls, request target, Host header) of ``url``; the door's URLs are a few
@@ -353,7 +332,10 @@ class UpstreamPool:
         if self._closed:
             raise UpstreamConnectError("the upstream pool is closed")
         host, port, tls, path, hosthdr = _target(url)
-        head = b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n%s\r\n" % (path, hosthdr, len(body), _header_block(headers))
+        block = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
+        if block.count("\n") != len(headers) or block.count("\r") != len(headers):
+            raise ValueError("a header name or value holds CR or LF")
+        head = b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n%s\r\n" % (path, hosthdr, len(body), block.encode("latin-1"))
         deadline = None if head_timeout is None else asyncio.get_running_loop().time() + head_timeout
         if self._slots is not None:
             if deadline is None or not self._slots.locked():
