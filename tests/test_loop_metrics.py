@@ -18,6 +18,10 @@ def _build(mod: ModuleType, reg: CollectorRegistry) -> None:
     c.labels("a", "200").inc(2)
     c.labels("b", 404).inc()  # a non-string label value, converted
     c.labels(endpoint="c", status="500").inc(0.5)
+    # Equal values that print differently are different series, as str() makes them.
+    c.labels(1, 1.0).inc()
+    c.labels(True, 1).inc()
+    c.labels(1.0, True).inc()
     mod.Counter("y_total", "a name given with _total", registry=reg).inc(5)
     g = mod.Gauge("z_inflight", "up and down", registry=reg)
     g.inc()
@@ -51,6 +55,19 @@ def test_the_exposition_is_prometheus_clients_own_but_for_creation_times() -> No
     assert ours.get_sample_value("f_gauge") == 7.0
 
 
+def test_the_created_series_follow_prometheus_clients_switch() -> None:
+    pc.disable_created_metrics()
+    try:
+        native, ours = CollectorRegistry(), CollectorRegistry()
+        _build(pc, native)
+        _build(lm, ours)
+        a, b = generate_latest(native).decode(), generate_latest(ours).decode()
+        assert "_created" not in b and a == b
+    finally:
+        pc.enable_created_metrics()
+    assert "_created" in generate_latest(ours).decode()
+
+
 def test_a_child_is_made_once_per_label_values() -> None:
     c = lm.Counter("x", "x", ["status"], registry=CollectorRegistry())
     assert c.labels("200") is c.labels("200") is c.labels(200) is c.labels(status="200")
@@ -69,8 +86,15 @@ def test_misuse_is_refused_as_prometheus_client_refuses_it() -> None:
         c.labels(a="1", c="2")
     with pytest.raises(ValueError, match="non-negative"):
         c.labels("1", "2").inc(-1)
+    g = lm.Gauge("g", "g", registry=reg)
     with pytest.raises(ValueError, match="no labels"):
-        lm.Gauge("g", "g", registry=reg).labels("x")
+        g.labels("x")
+    with pytest.raises(ValueError, match="no labels"):
+        g.labels()
+    with pytest.raises(ValueError, match="update a child from labels"):
+        c.inc()
+    with pytest.raises(ValueError, match="update a child from labels"):
+        lm.Histogram("h_labelled", "x", ["ep"], registry=reg).observe(1.0)
     with pytest.raises(ValueError, match="invalid metric name"):
         lm.Counter("bad-name", "x", registry=reg)
     with pytest.raises(ValueError, match="invalid label name"):

@@ -24,6 +24,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
+import prometheus_client.metrics as _native
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.utils import floatToGoString
@@ -34,6 +35,12 @@ _NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 # prometheus_client's default histogram buckets.
 DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, math.inf)
+
+
+def _with_created() -> bool:
+    """Whether ``_created`` samples are exposed: prometheus_client's own switch
+    (``PROMETHEUS_DISABLE_CREATED_SERIES``, ``disable_created_metrics()``), read at each scrape."""
+    return bool(getattr(_native, "_use_created", True))
 
 
 class _CounterChild:
@@ -105,29 +112,23 @@ class _Family(Generic[C]):
         self._name = name
         self._doc = documentation
         self._labelnames = tuple(labelnames)
-        self._children: dict[tuple[Any, ...], C] = {}
-        # Children in creation order, each once (the memo may hold a child under two keys).
-        self._listed: list[tuple[tuple[str, ...], C]] = []
+        # Children by their label values as strings, in creation order. An unlabelled metric's
+        # one child is not in it, so labels() on it finds nothing and says so.
+        self._children: dict[tuple[str, ...], C] = {}
         self._only: C | None = None
         if not self._labelnames:
-            self._only = self._child(())
+            self._only = self._new()
         registry.register(self)
 
     def _new(self) -> C:
         raise NotImplementedError
 
-    def _child(self, key: tuple[str, ...]) -> C:
-        c = self._children.get(key)
-        if c is None:
-            c = self._children[key] = self._new()
-            self._listed.append((key, c))
-        return c
-
     def labels(self, *values: Any, **named: Any) -> C:
         """The child for these label values (positional in the metric's label order, or all by
-        name), made on first use and the same object after."""
+        name; converted with ``str`` as prometheus_client does, so ``labels(200)`` and
+        ``labels("200")`` are one series), made on first use and the same object after."""
         if not named:
-            c = self._children.get(values)
+            c = self._children.get(values)  # a hit only for values given as strings
             if c is not None:
                 return c
         if not self._labelnames:
@@ -139,9 +140,16 @@ class _Family(Generic[C]):
         if len(values) != len(self._labelnames):
             raise ValueError(f"metric {self._name!r} takes {len(self._labelnames)} label values, got {len(values)}")
         key = tuple(str(v) for v in values)
-        c = self._child(key)
-        if not named:
-            self._children[values] = c  # also under the values as given (e.g. an int status)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = self._new()
+        return c
+
+    def _one(self) -> C:
+        """The child of an unlabelled metric (ValueError for a labelled one, as prometheus_client)."""
+        c = self._only
+        if c is None:
+            raise ValueError(f"metric {self._name!r} has labels {list(self._labelnames)}: update a child from labels()")
         return c
 
     def _samples(self, m: Metric, labels: dict[str, str], c: C) -> None:
@@ -155,7 +163,9 @@ class _Family(Generic[C]):
 
     def collect(self) -> Iterator[Metric]:
         m = self._family()
-        for key, c in self._listed:
+        if self._only is not None:
+            self._samples(m, {}, self._only)
+        for key, c in self._children.items():
             self._samples(m, dict(zip(self._labelnames, key)), c)
         yield m
 
@@ -173,12 +183,12 @@ class Counter(_Family[_CounterChild]):
         return _CounterChild()
 
     def inc(self, amount: float = 1) -> None:
-        assert self._only is not None, "a labelled metric is updated through labels()"
-        self._only.inc(amount)
+        self._one().inc(amount)
 
     def _samples(self, m: Metric, labels: dict[str, str], c: _CounterChild) -> None:
         m.add_sample(self._name + "_total", labels, c.value)
-        m.add_sample(self._name + "_created", labels, c.created)
+        if _with_created():
+            m.add_sample(self._name + "_created", labels, c.created)
 
 
 class Gauge(_Family[_GaugeChild]):
@@ -188,10 +198,6 @@ class Gauge(_Family[_GaugeChild]):
 
     def _new(self) -> _GaugeChild:
         return _GaugeChild()
-
-    def _one(self) -> _GaugeChild:
-        assert self._only is not None, "a labelled metric is updated through labels()"
-        return self._only
 
     def inc(self, amount: float = 1) -> None:
         self._one().value += amount
@@ -231,8 +237,7 @@ class Histogram(_Family[_HistogramChild]):
         return _HistogramChild(self._bounds)
 
     def observe(self, amount: float) -> None:
-        assert self._only is not None, "a labelled metric is updated through labels()"
-        self._only.observe(amount)
+        self._one().observe(amount)
 
     def _samples(self, m: Metric, labels: dict[str, str], c: _HistogramChild) -> None:
         acc = 0
@@ -241,4 +246,5 @@ class Histogram(_Family[_HistogramChild]):
             m.add_sample(self._name + "_bucket", {**labels, "le": floatToGoString(bound)}, acc)
         m.add_sample(self._name + "_count", labels, acc)
         m.add_sample(self._name + "_sum", labels, c.sum)
-        m.add_sample(self._name + "_created", labels, c.created)
+        if _with_created():
+            m.add_sample(self._name + "_created", labels, c.created)
