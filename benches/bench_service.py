@@ -551,12 +551,14 @@ async def open_loop(posts: list[Post], url: str, bodies: list[bytes], rate: floa
     (each millisecond, every request due by then), ``bodies`` in turn, request ``i`` through
     ``posts[i % len(posts)]`` (clients of their own, so that the requests keep as many
     connections busy as there are clients: one pool would reuse its one or two idle
-    connections, and every request would reach one server of a shared port); (requests completed,
+    connections, and every request would reach one server of a shared port); the first failure
+    (a status other than 200, a lost connection) is raised once the requests in flight end; (requests completed,
     wall seconds from the first start to the last answer, the largest lag of a start behind
     its schedule in ms, which says whether this process kept the rate)."""
     loop = asyncio.get_running_loop()
     n = int(rate * seconds)
     tasks: set[asyncio.Task[None]] = set()
+    failures: list[BaseException] = []
     done = 0
     lag = 0.0
 
@@ -567,20 +569,27 @@ async def open_loop(posts: list[Post], url: str, bodies: list[bytes], rate: floa
             raise RuntimeError(f"{url} answered {status} under load: {data[:200]!r}")
         done += 1
 
+    def finished(t: asyncio.Task[None]) -> None:
+        tasks.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            failures.append(t.exception())  # type: ignore[arg-type]
+
     t0 = loop.time()
     i = 0
-    while i < n:
+    while i < n and not failures:
         due = min(n, int((loop.time() - t0) * rate) + 1)
         if due > i + 1:
             lag = max(lag, (loop.time() - t0 - (i + 1) / rate) * 1e3)
         while i < due:
             t = loop.create_task(one(posts[i % len(posts)], bodies[i % len(bodies)]))
             tasks.add(t)
-            t.add_done_callback(tasks.discard)
+            t.add_done_callback(finished)
             i += 1
         await asyncio.sleep(0.001)
     if tasks:
-        await asyncio.gather(*tasks)
+        await asyncio.wait(list(tasks))
+    if failures:
+        raise failures[0]
     return done, loop.time() - t0, lag
 
 
