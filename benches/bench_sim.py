@@ -2,7 +2,9 @@
 
 Prints progress to stderr and one JSON object as the last line of stdout:
 ``{"requests_per_s": {SCHEME: r}, "events_per_request": {SCHEME: e}, "requests": n,
-"target_requests_per_s": {SCHEME: t}, "meets": {SCHEME: bool}, ...}``. Each scheme's figure is
+"target_requests_per_s": {SCHEME: t}, "meets": {SCHEME: bool}, "host_speed": {...}, ...}``
+(``host_speed``: a fixed Python loop's ns an iteration and the host's dependent-load latency,
+before and after the timed runs, to tell a slow host from a slow build). Each scheme's figure is
 its ``Simulator.run`` alone (building the fleet, the plane and the workload is not timed). The
 workload is the seeded Mixed-like generator (agent, document and coding prompts, about 5,000
 tokens on average) at a loaded rate. Targets (issue 13): 10,000 req/s for the KVCompass
@@ -32,6 +34,23 @@ from _provenance import git_info
 
 TARGET = 50_000.0
 TARGET_KVCOMPASS = 10_000.0
+
+
+def _host_speed() -> dict[str, float]:
+    """Two readings of how fast this host runs right now, taken before and after the timed
+    runs: a fixed pure-Python loop (ns an iteration: the interpreter's share of a KVCompass run)
+    and a dependent load over 64 MiB (ns: the memory-bound share of every scheme's per-block
+    tables). Why: the same build measured 5,400 and 11,500 kvcompass req/s on two days; the
+    bars are absolute, but a reader comparing runs across days needs to know which host ran."""
+    from kvcompass import _core
+
+    n = 2_000_000
+    t0 = time.perf_counter()
+    x = 0
+    for i in range(n):
+        x += i & 7
+    loop_ns = (time.perf_counter() - t0) / n * 1e9
+    return {"python_loop_ns": round(loop_ns, 2), "mem_latency_ns_64mib": round(float(_core.bench_mem_latency_ns(64)), 1)}
 
 
 def _target(scheme: str) -> float:
@@ -84,6 +103,7 @@ def main() -> int:
     requests = synthetic_mixed(n, regions=topo, seed=args.seed, rate=args.rate, block_size=topo.block_size)
     rates: dict[str, float] = {}
     events: dict[str, float] = {}
+    host_before = _host_speed()
     for name in schemes:
         sim = Simulator(topo, requests, name, SimConfig(seed=args.seed))
         t0 = time.perf_counter()
@@ -113,6 +133,7 @@ def main() -> int:
         forests[label] = sum(a.memory_bytes for a in sim.agents.values()) / 2**20
         peaks[label] = py_peak + caches[label] + forests[label]
         del sim
+    host_after = _host_speed()
     growth_kb = (peaks["full"] - peaks["half"]) * 1024 / max(1, m - m // 2) if m else 0.0
     if m:
         print(
@@ -136,6 +157,7 @@ def main() -> int:
         "forest_mb": {k: round(v, 2) for k, v in forests.items()},
         "heap_growth_kb_per_request": round(growth_kb, 3),
         "cache_scale": args.cache_scale,
+        "host_speed": {"before": host_before, "after": host_after},
         "mode": "quick" if args.quick else "full",
         "git_commit": git_info()[0],
         "git_dirty": git_info()[1],
