@@ -628,6 +628,63 @@ async def http_status(url: str) -> tuple[int, str]:
         return r.status, await r.text()
 
 
+def test_a_failed_state_write_is_counted_and_retried_and_publishing_goes_on(world: World, tmp_path: Path) -> None:
+    """Found in review: one failed write of the state file (here its directory removed; a full
+    disk alike) ended the flush loop, silently: no batch was published or heartbeat sent again
+    while ingest went on acknowledging. Now the failure is counted and logged, the loop goes on,
+    and the write succeeds once the directory is back."""
+
+    async def go() -> None:
+        import shutil
+
+        state_dir = tmp_path / "state"
+        state_dir.mkdir()
+        unit = world.units()[0]
+        asia = world.agent("asia-0")
+        svc = MaintenanceService(unit, MaintenanceConfig(flush_interval_s=0.001, heartbeat_interval_s=0.02, state_path=state_dir / "unit.state", persist_interval_s=0.02))
+        await svc.start()
+        try:
+            def batch(seed: int, seq: int) -> Any:
+                return next(b for b in cache(asia, prompt(seed), 1000 * (seq + 1), seq=seq) if b.shard == unit.shard)
+
+            assert (await svc._ingest_one(encode_key_ops(batch(61, 0)), "asia-0")).applied > 0
+            for _ in range(200):
+                if svc.counts.persisted:
+                    break
+                await asyncio.sleep(0.01)
+            assert svc.counts.persisted
+            shutil.rmtree(state_dir)
+            assert (await svc._ingest_one(encode_key_ops(batch(62, 1)), "asia-0")).applied > 0
+            for _ in range(200):
+                if svc.counts.persist_failures:
+                    break
+                await asyncio.sleep(0.01)
+            assert svc.counts.persist_failures > 0
+            assert svc._task is not None and not svc._task.done(), "the flush loop ended"
+            before = {t.table_id: svc.published(t.table_id) for t in unit.layout.tables}
+            assert (await svc._ingest_one(encode_key_ops(batch(63, 2)), "asia-0")).applied > 0
+            for _ in range(200):
+                if any(svc.published(t.table_id) != before[t.table_id] for t in unit.layout.tables):
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("nothing was published after the failed write")
+            assert sample(svc.metrics.registry, "kvcompass_state_write_failures_total", role="maintenance") > 0
+            state_dir.mkdir()
+            done = svc.counts.persisted
+            for _ in range(300):
+                if svc.counts.persisted > done:
+                    break
+                await asyncio.sleep(0.01)
+            assert svc.counts.persisted > done, "the write was not retried once the directory was back"
+            restored = MaintenanceUnit.from_bytes((state_dir / "unit.state").read_bytes(), world.layout, 2, capacity=256)
+            assert np.array_equal(restored.held("asia-0"), unit.held("asia-0")) and len(unit.held("asia-0")) > 0
+        finally:
+            await svc.stop()
+
+    run(go())
+
+
 def test_a_restarted_unit_is_recovered_from_disk_and_the_edge_follows_with_health(world: World, tmp_path: Path) -> None:
     async def go() -> None:
         state = str(tmp_path / "shard0.state")

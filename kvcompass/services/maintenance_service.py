@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import os
 import ssl
 import struct
@@ -86,6 +87,7 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+_log = logging.getLogger("kvcompass.maintenance")
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +206,7 @@ class _Subscriber:
 @dataclass
 class _Counts:
     acks: int = 0
+    persist_failures: int = 0
     subscriptions: int = 0
     cut: int = 0
     flushes: int = 0
@@ -366,15 +369,22 @@ class MaintenanceService(MaintenanceBase):
             if wait > 0:
                 await asyncio.sleep(wait)
             self._edits.clear()
-            await self.flush_now()
-            now = last = loop.time()
-            if now - self._last_heartbeat >= cfg.heartbeat_interval_s:
-                self._last_heartbeat = now
-                self._fanout(SubscribeEvent(heartbeat=self._heartbeat()))
-                self._update_gauges()
-            if cfg.state_path is not None and self._dirty and now - self._last_persist >= cfg.persist_interval_s:
-                self._last_persist = now
-                await self.persist_now()
+            try:
+                await self.flush_now()
+                now = last = loop.time()
+                if now - self._last_heartbeat >= cfg.heartbeat_interval_s:
+                    self._last_heartbeat = now
+                    self._fanout(SubscribeEvent(heartbeat=self._heartbeat()))
+                    self._update_gauges()
+                if cfg.state_path is not None and self._dirty and now - self._last_persist >= cfg.persist_interval_s:
+                    self._last_persist = now
+                    await self.persist_now()
+            except Exception:
+                # Nothing may end this loop but a stop: without it no batch is published and no
+                # heartbeat sent while ingest goes on acknowledging. Said, then tried again.
+                _log.exception("maintenance unit of shard %d: flush loop step failed; retrying", self._unit.shard)
+                last = loop.time()
+                await asyncio.sleep(cfg.heartbeat_interval_s)
 
     async def flush_now(self) -> list[PatchBatch]:
         """Close pending edits and fan the batches out (the flush loop calls this; tests call it
@@ -392,17 +402,28 @@ class MaintenanceService(MaintenanceBase):
             self.counts.flushes += 1
         return batches
 
-    async def persist_now(self) -> None:
-        """Write the unit's state to ``state_path`` (atomically, off the event loop)."""
+    async def persist_now(self) -> bool:
+        """Write the unit's state to ``state_path`` (atomically, off the event loop); False when
+        the write failed (a full disk, a directory gone, permissions): the unit keeps serving,
+        counts and logs the failure and writes again at the next interval, since stopping would
+        lose more than a state file one interval old."""
         w = self._writer
         if w is None:
-            return
+            return True
         async with self._unit_held():
             data = self._unit.to_bytes()
             gen = w.take()
             self._dirty = False
-        if await asyncio.to_thread(w.write, gen, data):
-            self.counts.persisted += 1
+        try:
+            if await asyncio.to_thread(w.write, gen, data):
+                self.counts.persisted += 1
+        except OSError as e:
+            self._dirty = True
+            self.counts.persist_failures += 1
+            self.metrics.state_write_failures.inc()
+            _log.error("maintenance unit of shard %d: cannot write its state to %s: %s (retrying every %g s)", self._unit.shard, w.path, e, self._cfg.persist_interval_s)
+            return False
+        return True
 
     def _heartbeat(self) -> list[Position]:
         s = self._unit.shard

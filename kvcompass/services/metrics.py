@@ -61,6 +61,9 @@ class ServiceMetrics:
         self.queue_capacity = Gauge("kvcompass_queue_capacity", "Bound of each kind of bounded queue", ["role", "queue"], registry=r)
         self.queue_depth = Gauge("kvcompass_queue_depth", "Fullest queue of each kind at the last sample", ["role", "queue"], registry=r)
         # both sides
+        self.state_write_failures = Counter(
+            "kvcompass_state_write_failures", "Writes of the unit's state file that failed (it keeps serving and retries at the next interval)", ["role"], registry=r
+        ).labels(**lbl)
         self.rpc_errors = Counter("kvcompass_rpc_errors", "RPCs ended with a non-OK gRPC status (malformed requests included), by status", ["role", "status"], registry=r)
 
     def rpc_error(self, status: str) -> None:
