@@ -9,6 +9,7 @@ reproduce msgspec's bytes exactly.
 from __future__ import annotations
 
 import array
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -336,6 +337,9 @@ BAD_EVENTS: list[tuple[str, bytes, str]] = [
     ("extra_keys length", stored_with(extra_keys=[None]), ".extra_keys has 1 entries for 2 blocks"),
     ("extra_keys map", stored_with(extra_keys={"a": 1}), ".extra_keys must be an array or nil, got dict"),
     ("extra_keys entry", stored_with(extra_keys=[None, 3]), ".extra_keys[1] must be an array or nil, got int"),
+    # Found in review: nested a thousand deep (msgpack decodes it) it raised RecursionError, which
+    # ended the agent runner instead of skipping the event.
+    ("extra_keys nested deep", stored_with(extra_keys=[None, functools.reduce(lambda x, _: [x], range(1000), ["salt"])]), ".extra_keys[1] nests arrays deeper than 8"),
     ("group_idx negative", stored_with(group_idx=-1), ".group_idx must be a non-negative int or nil, got -1"),
     ("group_idx past 16 bits", stored_with(group_idx=65536), ".group_idx must be at most 65535, got 65536"),
     ("spec kind int", stored_with(kv_cache_spec_kind=3), ".kv_cache_spec_kind must be a string or nil"),

@@ -387,7 +387,7 @@ def _stored(f: Mapping[str, object], w: str) -> BlockStored:
         for i, e in enumerate(extra):
             if e is not None and not isinstance(e, list):
                 raise _FieldError(f"{w}.extra_keys[{i}] must be an array or nil, got {_kind(e)}")
-        extra_t = tuple(_freeze(e) for e in extra)
+        extra_t = tuple(_freeze(e, f"{w}.extra_keys[{i}]") for i, e in enumerate(extra))
     if salt is not None and parent is None and hashes and (extra_t is None or extra_t[0] is None):
         # A prompt's first blocks: the salt goes where vLLM puts it (see BlockStored).
         extra_t = ((salt,), *((None,) * (len(hashes) - 1) if extra_t is None else extra_t[1:]))
@@ -484,8 +484,20 @@ def _opt_str(v: object, w: str) -> str | None:
     raise _FieldError(f"{w} must be a string or nil, got {_kind(v)}")
 
 
-def _freeze(v: object) -> object:
-    return tuple(_freeze(x) for x in v) if isinstance(v, list) else v
+_EXTRA_DEPTH = 8
+"""How deep a block's extra keys may nest (vLLM's are a flat tuple of LoRA name, multi-modal
+hashes and cache salt, with the hashes as pairs): deeper is malformed, and without a bound a
+payload nested a thousand arrays deep (msgpack decodes it) raised RecursionError, which ended
+the agent runner instead of skipping the event."""
+
+
+def _freeze(v: object, where: str, depth: int = 0) -> object:
+    """``v`` with its arrays as tuples (hashable, to key a block's extra keys)."""
+    if not isinstance(v, list):
+        return v
+    if depth >= _EXTRA_DEPTH:
+        raise _FieldError(f"{where} nests arrays deeper than {_EXTRA_DEPTH}")
+    return tuple(_freeze(x, where, depth + 1) for x in v)
 
 
 def _kind(v: object) -> str:
