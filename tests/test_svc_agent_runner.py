@@ -424,6 +424,32 @@ def test_run_reads_until_cancelled() -> None:
     run(main())
 
 
+def test_a_sink_error_in_a_heartbeat_ends_the_runner_with_it() -> None:
+    """Found in review: a sink error during a heartbeat (the units unreachable past the ingest
+    client's retries) ended the heartbeat task alone; the runner looked alive, wait() never
+    returned and no heartbeat was sent again. Now it ends the runner with that error, as the
+    same error does when the read loop meets it, in both the start/wait and the run forms."""
+
+    async def main() -> None:
+        async def failing(_: Sequence[KeyOpBatch]) -> None:
+            raise ConnectionError("maintenance unit unreachable")
+
+        async with fake_engine() as eng:
+            runner = AgentRunner(new_agent(), failing, eng.events, eng.replay, heartbeat_s=0.05)
+            await runner.start()
+            with pytest.raises(ConnectionError, match="unreachable"):
+                await asyncio.wait_for(runner.wait(), 5)
+            assert not runner.running
+            with pytest.raises(ConnectionError):
+                await runner.stop()
+
+            runner = AgentRunner(new_agent(), failing, eng.events, eng.replay, heartbeat_s=0.05)
+            with pytest.raises(ConnectionError, match="unreachable"):
+                await asyncio.wait_for(runner.run(), 5)
+
+    run(main())
+
+
 def test_runner_arguments_are_checked() -> None:
     async def noop(_: Sequence[KeyOpBatch]) -> None:
         return None

@@ -150,6 +150,9 @@ class AgentRunner:
         self.heartbeat_s = None if heartbeat_s is None else float(heartbeat_s)
         self._last_sent = 0.0
         self._hb: asyncio.Task[None] | None = None
+        # What ended the heartbeats, if a sink error did: the runner then ends with it.
+        self._fatal: BaseException | None = None
+        self._reader: asyncio.Task[object] | None = None
         self._monitor: zmq.asyncio.Socket | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -190,7 +193,8 @@ class AgentRunner:
         self._start_heartbeats()
 
     async def stop(self) -> None:
-        """Stop reading and close the sockets. Re-raises the error that ended the loop, if any."""
+        """Stop reading and close the sockets. Re-raises the error that ended the loop (or the
+        heartbeats), if any."""
         task, self._task = self._task, None
         await self._stop_heartbeats()
         try:
@@ -201,19 +205,33 @@ class AgentRunner:
                     await task
         finally:
             self._close()
+        if self._fatal is not None:
+            raise self._fatal
 
     async def wait(self) -> None:
-        """Until the loop ends (only by an error, or by :meth:`stop`); re-raises its error."""
+        """Until the loop ends (only by an error, or by :meth:`stop`); re-raises its error,
+        or the sink error that ended the heartbeats."""
         if self._task is not None:
-            await asyncio.shield(self._task)
+            try:
+                await asyncio.shield(self._task)
+            except asyncio.CancelledError:
+                if self._fatal is not None and self._task.cancelled():
+                    raise self._fatal from None
+                raise
 
     async def run(self) -> None:
         """Connect and read until cancelled (or a fatal sink error, which is raised)."""
         self._open()
+        self._reader = asyncio.current_task()
         self._start_heartbeats()
         try:
             await self._loop()
+        except asyncio.CancelledError:
+            if self._fatal is not None:
+                raise self._fatal from None
+            raise
         finally:
+            self._reader = None
             await self._stop_heartbeats()
             self._close()
 
@@ -343,12 +361,26 @@ class AgentRunner:
         if self.heartbeat_s is not None and self._hb is None:
             self._last_sent = asyncio.get_running_loop().time()
             self._hb = asyncio.create_task(self._heartbeats(self.heartbeat_s))
+            self._hb.add_done_callback(self._heartbeats_ended)
+
+    def _heartbeats_ended(self, hb: asyncio.Task[None]) -> None:
+        """A sink error ended the heartbeats: it ends the runner too, as the same error ends it
+        when the read loop meets it. Found in review: the heartbeat task died alone, so an agent
+        whose engine was quiet never sent another heartbeat while it looked alive."""
+        if hb.cancelled() or hb.exception() is None:
+            return
+        self._fatal = hb.exception()
+        _log.error("worker %s: a heartbeat's send failed: %r; stopping", self.agent.worker_id, self._fatal)
+        for t in (self._task, self._reader):
+            if t is not None and not t.done():
+                t.cancel()
 
     async def _stop_heartbeats(self) -> None:
         hb, self._hb = self._hb, None
         if hb is not None:
             hb.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            # A sink error that ended them is kept in _fatal (raised by stop, wait and run).
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await hb
 
     async def _heartbeats(self, period: float) -> None:
