@@ -365,6 +365,30 @@ def test_a_cancelled_threaded_apply_wakes_the_flush_loop_when_it_ends(world: Wor
     run(go())
 
 
+def test_a_drain_delivers_its_last_flush_before_ending_the_subscriptions(world: World) -> None:
+    """Found in review: a drain flushed what was pending and then emptied every subscriber's
+    queue with the end marker, so the last flush, acknowledged to the agent, never reached the
+    edges. Now the end marker goes behind it."""
+
+    async def go() -> None:
+        units = world.units()
+        services = [MaintenanceService(u, MaintenanceConfig(flush_interval_s=5.0, heartbeat_interval_s=0.02)) for u in units]
+        edge = world.edge("us")
+        asia = world.agent("asia-0")
+        async with in_memory(services) as chans, EdgeSync(edge, chans) as sync:
+            await sync.wait_ready(5)
+            async with IngestClient("asia-0", chans, asia.on_rejected) as client:
+                assert (await client.send(cache(asia, prompt(71), 1000, seq=0))).applied > 0
+            # The flush interval (5 s) has not passed: the edits are pending when the drain starts.
+            assert not converged(edge, units)
+            for svc in services:
+                await svc.begin_drain()
+                await svc.finish_drain()
+            await sync.wait_for(lambda: converged(edge, units), 5)
+
+    run(go())
+
+
 def test_edge_resumes_from_the_replay_log_after_a_disconnect(world: World) -> None:
     async def go() -> None:
         units = world.units()

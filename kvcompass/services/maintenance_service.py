@@ -490,12 +490,21 @@ class MaintenanceService(MaintenanceBase):
                 self._end(sub, cut=True)
 
     def _end(self, sub: _Subscriber, *, cut: bool) -> None:
-        """Wake the subscriber's stream with the end marker (dropping what it had not taken:
-        it resumes from its own position, which the log or a snapshot covers)."""
+        """Wake the subscriber's stream with the end marker. A drain (``cut`` False) puts it
+        behind what the stream has not sent yet, the unit's last flush among it (found in
+        review: it was dropped, so edges stayed behind batches the unit had acknowledged); a cut,
+        or a drain whose queue is full, drops that: the subscriber resumes from its own
+        position, which the log or a snapshot covers."""
         if cut:
             sub.cut = True
             self.counts.cut += 1
             self.metrics.subscribers_cut.inc()
+        else:
+            try:
+                sub.queue.put_nowait(None)
+                return
+            except asyncio.QueueFull:
+                pass
         while not sub.queue.empty():
             sub.queue.get_nowait()
         sub.queue.put_nowait(None)
