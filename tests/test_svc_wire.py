@@ -389,6 +389,58 @@ def test_a_drain_delivers_its_last_flush_before_ending_the_subscriptions(world: 
     run(go())
 
 
+def test_a_silent_unit_is_noticed_and_subscribed_again(world: World) -> None:
+    """Found in review: a unit that goes silent without ending its stream (its host dead, its
+    network dropping packets, its flush loop hung) was never noticed: the edge's views froze
+    while it reported ready. Here one unit's flush loop is stopped (no heartbeat, no batch), a
+    batch is applied to it, and the edge, after ``silence_s`` with nothing, subscribes again and
+    gets the batch in the catch-up."""
+
+    async def go() -> None:
+        units = world.units()
+        services = [MaintenanceService(u, FAST) for u in units]
+        edge = world.edge("us")
+        asia = world.agent("asia-0")
+        async with in_memory(services) as chans, EdgeSync(edge, chans, silence_s=0.3) as sync:
+            await sync.wait_ready(5)
+            for svc in services:
+                assert svc._task is not None
+                svc._task.cancel()  # every unit hangs: no flush, no heartbeat, streams open
+            async with IngestClient("asia-0", chans, asia.on_rejected) as client:
+                assert (await client.send(cache(asia, prompt(81), 1000, seq=0))).applied > 0
+            await sync.wait_for(lambda: sync.silences > 0 and converged(edge, units), 5)
+
+    run(go())
+
+
+def test_a_follower_that_meets_an_unexpected_error_keeps_trying_and_says_the_shard_is_stale(world: World) -> None:
+    """Found in review: an error other than a transport one (here a heartbeat naming a table
+    this edge's layout lacks, as a unit on another layout would send) ended the shard's
+    follower: the shard stayed reported live and was never synced again, and close() raised it."""
+
+    async def go() -> None:
+        from kvcompass._proto.kvcompass.v1 import Position
+
+        units = world.units()
+        services = [MaintenanceService(u, FAST) for u in units]
+        bad = services[0]
+        orig = bad._heartbeat
+        bad._heartbeat = lambda: [*orig(), Position(table=len(world.layout.tables), shard=bad.unit.shard, epoch=1, seq=0)]  # type: ignore[method-assign]
+        edge = world.edge("us")
+        async with in_memory(services) as chans:
+            sync = EdgeSync(edge, chans, backoff_s=(0.02, 0.1))
+            await sync.start()
+            try:
+                await asyncio.sleep(0.5)
+                assert all(not t.done() for t in sync._tasks), "a follower ended"
+                assert not sync.ready and bad.unit.shard in sync.stale_shards()
+                assert sync.reconnects > 0
+            finally:
+                await sync.close()  # raises nothing
+
+    run(go())
+
+
 def test_edge_resumes_from_the_replay_log_after_a_disconnect(world: World) -> None:
     async def go() -> None:
         units = world.units()

@@ -9,7 +9,10 @@ positions -- because the unit answers a subscription with exactly what those pos
 * a batch is refused as a gap or an epoch change (``PatchOutcome`` gap/snapshot_needed),
 * a heartbeat shows the writer ahead of a view (a lost *last* batch),
 * the edge still lists a pending resync for the shard,
-* the stream ends or fails (then after a backoff: the unit may be restarting).
+* the stream ends or fails (then after a backoff: the unit may be restarting),
+* nothing (no batch, no heartbeat) arrives on it for ``silence_s``: a unit whose host died or
+  whose network drops packets ends no stream, and without this deadline the edge's views froze
+  while it reported ready (found in review). A unit heartbeats every 0.25 s by default.
 
 Readiness (:attr:`EdgeSync.ready`, grpclib Health via :attr:`EdgeSync.health`, the metrics
 ``/healthz``) is ``Edge.healthy`` *and* every shard's subscription caught up: a view whose
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import ssl
 import time
 from typing import Callable, Mapping
@@ -40,6 +44,7 @@ from kvcompass.services.lifecycle import AsyncResource
 __all__ = ["EdgeSync"]
 
 _TRANSPORT_ERRORS = (GRPCError, StreamTerminatedError, OSError, asyncio.TimeoutError)
+_log = logging.getLogger("kvcompass.edge_sync")
 
 
 class _Resubscribe(Exception):
@@ -62,12 +67,17 @@ class EdgeSync(AsyncResource):
         rpc_timeout_s: float = 10.0,
         ssl_context: ssl.SSLContext | None = None,
         view_budget_bytes: int | None = None,
+        silence_s: float = 5.0,
     ) -> None:
         self.edge = edge
         self.name = name if name is not None else f"edge-{edge.region}"
         self.metrics = metrics if metrics is not None else ServiceMetrics("edge")
         self.health = health if health is not None else ServiceStatus()
         self._backoff = backoff_s
+        if not silence_s > 0:
+            raise InvalidArgumentError(f"silence_s must be > 0, got {silence_s}")
+        self._silence_s = silence_s
+        self.silences = 0  # subscriptions ended because nothing arrived for silence_s
         self._timeout = rpc_timeout_s
         # A replica cannot refuse its writer's patches without diverging: the budget is
         # enforced by the maintenance units (MaintenanceConfig.view_budget_bytes) and only
@@ -175,6 +185,14 @@ class EdgeSync(AsyncResource):
                 failures += 1
                 self.reconnects += 1
                 self.metrics.reconnects.inc()
+            except Exception:
+                # Nothing may end a follower but close(): a dead one left the shard reported
+                # live and never synced again (found in review: a heartbeat naming a table this
+                # edge's layout lacks raised here). Said, then tried again after a backoff.
+                _log.exception("%s: following shard %d failed; subscribing again", self.name, shard)
+                failures += 1
+                self.reconnects += 1
+                self.metrics.reconnects.inc()
             self._set_live(shard, False)
             self._update()
             # A repair that does not take (the same refusal again and again) backs off like a
@@ -206,7 +224,17 @@ class EdgeSync(AsyncResource):
             await stream.send_message(req, end=True)
             self.subscriptions += 1
             try:
-                async for ev in stream:
+                while True:
+                    try:
+                        async with asyncio.timeout(self._silence_s):
+                            ev = await stream.recv_message()
+                    except TimeoutError:
+                        self.silences += 1
+                        _log.warning("%s: nothing from the unit of shard %d for %g s; subscribing again", self.name, shard, self._silence_s)
+                        await stream.cancel()
+                        raise
+                    if ev is None:
+                        break
                     self._on_event(shard, ev)
             except _Resubscribe:
                 await stream.cancel()
