@@ -417,6 +417,33 @@ def test_redelivery_is_ignored_and_other_bytes_under_an_old_seq_are_a_restart() 
     assert sink.keys == dict.fromkeys(keys_of(T[:4], LENGTHS), 1)
 
 
+def test_messages_queued_from_before_a_repair_past_them_are_stale_not_a_restart() -> None:
+    """Found in review: an agent far behind its socket's queue when a gap opened repaired it
+    with a replay or resync that took it to the engine's newest seq; every message still queued
+    behind (a seq older than the digest window) was then taken for an engine restart: a new
+    incarnation, everything withdrawn and re-reported, once per queued message. Their batch
+    timestamps are older than the newest applied, which a restarted engine's are not: they are
+    dropped as stale. A restart (new bytes, a newer timestamp) is still one."""
+    window, ring, n = 8, 8, 60
+    msgs = [msg(s, BlockStored((s + 1,), s or None, tuple(T[(4 * s) % 16 : (4 * s) % 16 + 4]), 4)) for s in range(n)]
+    a, sink = agent(LENGTHS, window=window), Sink(3)
+    for s in range(5):
+        sink.apply(a.on_message(msgs[s]))
+    out = a.on_message(msgs[20])  # 5..19 were lost at the socket; 21.. wait in its queue
+    assert out.replay == ReplayRequest(5)
+    sink.apply(out)
+    for s in range(n - ring, n):  # the engine's ring holds only the newest
+        sink.apply(a.on_replay(encode_replay(s, msgs[s][2])))
+    sink.apply(a.on_replay(encode_replay_end()))
+    assert a.last_seq == n - 1 and a.incarnation == 1
+    held = dict(sink.keys)
+    for s in range(21, 30):  # the queued ones, older than the window and than what was applied
+        sink.apply(a.on_message(msgs[s]))
+    assert a.stats.stale == 9 and a.stats.restarts == 0 and a.incarnation == 1 and sink.keys == held
+    out = a.on_message(msg(3, BlockStored((900,), None, (7, 7, 7, 7), 4), ts=1e6))  # a restarted engine
+    assert a.stats.restarts == 1 and a.incarnation == 2 and out.replay == ReplayRequest(0)
+
+
 def test_restart_seen_after_its_first_messages_asks_for_them() -> None:
     a, sink = agent(LENGTHS), Sink(3)
     for s in range(4):

@@ -94,8 +94,13 @@ replay from 0 and gets the engine's whole history if the ring still holds it):
   ``forget=True`` the agent instead drops everything it knew before the gap).
 * ``seq <= last`` (or a seq already buffered): the agent remembers a digest of the payload of
   each of the last ``window`` applied messages. The same bytes again are a re-delivery
-  (ignored, counted; replayed messages are only ever taken as re-deliveries); other bytes, or
-  a seq too old to remember, mean the engine restarted: a new incarnation (bumped
+  (ignored, counted; replayed messages are only ever taken as re-deliveries). A seq too old
+  to remember whose batch timestamp is older than the newest applied one is a message that
+  waited in the socket's queue while a replay or resync moved past it: dropped, counted as
+  ``stale`` (an agent far behind its queue when a gap was repaired used to take each such
+  message for an engine restart, withdrawing and re-reporting everything thousands of times).
+  Other bytes under a remembered seq, or an old seq with a timestamp no older than the newest
+  applied, mean the engine restarted: a new incarnation (bumped
   ``incarnation``, per-shard seqs back to 1, state cleared, ``reset`` batches for every shard)
   that then takes the message as its first, asking for a replay from 0 when it is not seq 0.
   An engine that restarts and publishes past ``last`` before the agent hears from it is
@@ -124,6 +129,7 @@ orphan whose adoption would close a cycle.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -239,6 +245,7 @@ class AgentStats:
     malformed: int = 0  # InvalidEventError raised
     events_skipped: int = 0  # events of applied messages that could not be understood (skipped, the rest applied)
     duplicates: int = 0  # re-delivered messages ignored
+    stale: int = 0  # messages older than the digest window and than the newest applied one, dropped
     gaps: int = 0  # gaps opened
     replay_requests: int = 0
     resyncs: int = 0  # full re-reports after an unfilled gap
@@ -325,6 +332,7 @@ class WorkerAgent:
         self._reset_pending: set[int] = set(range(shards))
         self._last_seq = -1
         self._seen: dict[int, bytes] = {}
+        self._newest_ts = -math.inf  # the latest batch timestamp applied in this incarnation
         self._seen_order: deque[int] = deque()
         self._buffer: dict[int, EngineBatch] = {}
         self._replay_from: int | None = None
@@ -355,6 +363,9 @@ class WorkerAgent:
             known = self._seen.get(b.seq) if b.seq <= self._last_seq else self._buffer[b.seq].digest
             if known == b.digest:
                 self._stats.duplicates += 1
+                return AgentOutput()
+            if known is None and b.seq <= self._last_seq and b.ts < self._newest_ts:
+                self._stats.stale += 1  # queued from before a repair that moved past it
                 return AgentOutput()
             self._new_incarnation()
         return self._accept(b, live=True)
@@ -579,6 +590,7 @@ class WorkerAgent:
         self._next_seq = [1] * self.shards
         self._reset_pending = set(range(self.shards))
         self._last_seq = -1
+        self._newest_ts = -math.inf
         self._seen.clear()
         self._seen_order.clear()
         self._buffer.clear()
@@ -625,6 +637,8 @@ class WorkerAgent:
         self._stats.events += n
         self._stats.applied += 1
         self._last_seq = b.seq
+        if b.ts > self._newest_ts:
+            self._newest_ts = b.ts
         self._seen[b.seq] = b.digest
         self._seen_order.append(b.seq)
         while len(self._seen_order) > self.window:
