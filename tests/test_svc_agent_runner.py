@@ -546,6 +546,62 @@ def test_an_engine_that_goes_away_loses_its_claims_at_once() -> None:
     run(main())
 
 
+def test_what_a_gone_engine_left_queued_is_not_claimed_after_its_withdrawal() -> None:
+    """Found in review: an engine that published a burst and died while the runner was busy with
+    a slow sink had its claims withdrawn first, then the messages still queued were read as a new
+    engine's stream with a gap; the replay asked of the dead engine timed out and the resync
+    claimed their blocks again, for good. Now they are discarded with the withdrawal."""
+    import zmq
+    import zmq.asyncio
+
+    from kvcompass.agent import BlockStored, WorkerAgent, encode_batch
+    from kvcompass.index_types import Namespace
+    from kvcompass.services.agent_runner import AgentRunner
+
+    held: dict[int, int] = {}
+
+    async def slow_sink(batches: Sequence[KeyOpBatch]) -> None:
+        await asyncio.sleep(0.3)  # a slow maintenance unit
+        for b in batches:
+            if b.reset:
+                held.clear()
+            for k, t in zip(b.keys.tolist(), b.tiers.tolist()):
+                if t:
+                    held[k] = t
+                else:
+                    held.pop(k, None)
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        pub = ctx.socket(zmq.PUB)
+        pub.bind("tcp://127.0.0.1:0")
+        ep = pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        agent = WorkerAgent("w0", Namespace("m", "t"), [4], 1)
+        runner = AgentRunner(agent, slow_sink, ep, "tcp://127.0.0.1:1", replay_timeout_s=0.3, ctx=ctx)
+        await runner.start()
+        try:
+            await asyncio.sleep(0.3)
+            for s in range(4):
+                await pub.send_multipart(encode_batch([BlockStored((100 + s,), None, (s, s, s, s), 4)], s))
+            await asyncio.sleep(0.05)
+            pub.close(linger=0)  # the engine dies with messages still queued at the runner
+            for _ in range(60):
+                if runner.stats.engine_gone and not held and agent.last_seq == -1:
+                    await asyncio.sleep(0.1)
+                    if not held:
+                        break
+                await asyncio.sleep(0.05)
+            assert runner.stats.engine_gone == 1
+            await asyncio.sleep(1.0)  # long enough for a replay to time out and a resync to claim
+            assert held == {}, f"the gone engine's blocks were claimed again: {held}"
+            assert runner.stats.dropped_after_gone > 0
+        finally:
+            await runner.stop()
+            ctx.term()
+
+    run(main())
+
+
 def test_on_engine_gone_withdraws_everything_under_a_new_incarnation() -> None:
     agent = new_agent()
     out = agent.on_message([b"", (0).to_bytes(8, "big"), _payload_of_single_prompt(prompt(2))])

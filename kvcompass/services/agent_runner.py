@@ -101,6 +101,7 @@ class RunnerStats:
     rejections: int = 0  # AgentSequenceError from the sink, answered with on_rejected
     heartbeats: int = 0  # rounds of empty batches sent after heartbeat_s of silence
     engine_gone: int = 0  # disconnections from the engine's publisher, each withdrawing every claim
+    dropped_after_gone: int = 0  # messages the gone engine had sent that were taken only after it went: discarded
     events_skipped: int = 0  # events the agent could not understand (logged, the latest 256 each by index; the rest of its message applied)
 
 
@@ -150,6 +151,7 @@ class AgentRunner:
         self.heartbeat_s = None if heartbeat_s is None else float(heartbeat_s)
         self._last_sent = 0.0
         self._hb: asyncio.Task[None] | None = None
+        self._gone = 0  # engine disconnections seen: a message read before one is handled after it
         # What ended the heartbeats, if a sink error did: the runner then ends with it.
         self._fatal: BaseException | None = None
         self._reader: asyncio.Task[object] | None = None
@@ -257,8 +259,28 @@ class AgentRunner:
                 continue
             async with self._lock:
                 self.stats.engine_gone += 1
-                _log.warning("worker %s: the engine's event stream disconnected: withdrawing its claims", self.agent.worker_id)
+                self._gone += 1
+                dropped = self._drop_queued()
+                _log.warning("worker %s: the engine's event stream disconnected: withdrawing its claims (%d queued messages of it discarded)", self.agent.worker_id, dropped)
                 await self._send(self.agent.on_engine_gone())
+
+    def _drop_queued(self) -> int:
+        """Discard what the gone engine left queued in the SUB socket. Found in review: those
+        messages, read after the withdrawal, looked like a new engine's stream with a gap; the
+        replay asked of the dead engine timed out, and the resync claimed their blocks again,
+        for an engine that no longer existed (heartbeats then kept the claims alive). A
+        restarted engine cannot have published yet: it connects anew, after this."""
+        sub = self._sub
+        n = 0
+        while sub is not None:
+            f = asyncio.ensure_future(sub.recv_multipart(flags=zmq.NOBLOCK))  # resolved at once: a message, or zmq.Again
+            if not f.done() or f.exception() is not None:
+                if not f.done():
+                    f.cancel()
+                break
+            n += 1
+        self.stats.dropped_after_gone += n
+        return n
 
     async def _loop(self) -> None:
         assert self._sub is not None
@@ -282,9 +304,15 @@ class AgentRunner:
         while True:
             frames = await sub.recv_multipart()
             self.stats.messages += 1
+            gone = self._gone
             # The agent numbers batches as it makes them, so making and sending them is one
             # critical section (resend_full_report takes the same lock).
             async with self._lock:
+                if gone != self._gone:
+                    # Read before the engine went away, its turn after the withdrawal: it speaks
+                    # for a cache that is gone (see _drop_queued).
+                    self.stats.dropped_after_gone += 1
+                    continue
                 out = self._decoded(lambda: self.agent.on_message(frames), "KV-event message")
                 if out is not None:
                     await self._handle(out)
