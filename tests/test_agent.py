@@ -444,6 +444,27 @@ def test_messages_queued_from_before_a_repair_past_them_are_stale_not_a_restart(
     assert a.stats.restarts == 1 and a.incarnation == 2 and out.replay == ReplayRequest(0)
 
 
+def test_media_past_the_limit_are_skipped_and_cannot_alias_the_gpu() -> None:
+    """Found in review: every medium name got a permanent 16-bit id, so after 65,536 made-up
+    names the next one's id was GPU's and a removal on it withdrew GPU copies (and the names'
+    table grew without bound). An agent now tracks at most MAX_MEDIA names; an event naming
+    one more is skipped, logged and counted like a malformed one."""
+    from kvcompass.agent.agent import MAX_MEDIA
+
+    a, sink = agent(LENGTHS), Sink(3)
+    sink.apply(a.on_message(msg(0, BlockStored((1,), None, tuple(T[:4]), 4))))  # GPU
+    held = dict(sink.keys)
+    junk = [BlockRemoved((999,), medium=f"X{i}") for i in range(MAX_MEDIA + 10)]
+    sink.apply(a.on_message(msg(1, *junk)))
+    skipped = a.take_skipped()
+    assert len(skipped) == 11 and a.stats.events_skipped == 11  # GPU and MAX_MEDIA - 1 of them fit
+    assert all("distinct media" in sk.reason for _, sk in skipped) and skipped[0][1].index == MAX_MEDIA - 1
+    sink.apply(a.on_message(msg(2, BlockRemoved((1,), medium="ONE-MORE"))))
+    assert sink.keys == held and a.stats.events_skipped == 12
+    sink.apply(a.on_message(msg(3, BlockRemoved((1,)))))  # GPU is still GPU
+    assert sink.keys == {}
+
+
 def test_restart_seen_after_its_first_messages_asks_for_them() -> None:
     a, sink = agent(LENGTHS), Sink(3)
     for s in range(4):

@@ -197,6 +197,10 @@ namespace; a salt without the prefix never names a namespace."""
 _TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}")
 
 
+MAX_MEDIA = 256
+"""Distinct medium names an agent tracks (see ``WorkerAgent._medium_known``)."""
+
+
 def medium_tier(medium: str | None) -> Tier:
     """The tier a storage medium maps to: GPU (or none given) VRAM, ``CPU*`` DRAM, else ABSENT."""
     m = _medium_name(medium)
@@ -332,6 +336,7 @@ class WorkerAgent:
         self._reset_pending: set[int] = set(range(shards))
         self._last_seq = -1
         self._seen: dict[int, bytes] = {}
+        self._media: set[str] = set()  # medium names given to the forest (never more than MAX_MEDIA)
         self._newest_ts = -math.inf  # the latest batch timestamp applied in this incarnation
         self._seen_order: deque[int] = deque()
         self._buffer: dict[int, EngineBatch] = {}
@@ -617,13 +622,16 @@ class WorkerAgent:
         while i < len(events):
             e = events[i]
             i += 1
+            if isinstance(e, (BlockStored, BlockRemoved)) and not self._medium_known(e, b, i - 1):
+                continue
             if isinstance(e, BlockStored):
                 self._stored(e)
             elif isinstance(e, BlockRemoved):
                 run = [self._removal(e)]
                 while i < len(events) and isinstance(nxt := events[i], BlockRemoved):
-                    run.append(self._removal(nxt))
                     i += 1
+                    if self._medium_known(nxt, b, i - 1):
+                        run.append(self._removal(nxt))
                 self._forest.removed(run)
             else:
                 assert isinstance(e, AllBlocksCleared)
@@ -705,6 +713,28 @@ class WorkerAgent:
             None if extra is None else [k is not None for k in extra],
             self._salt_root(extra[0]) if extra is not None and extra and extra[0] is not None else None,
         )
+
+    def _medium_known(self, e: BlockStored | BlockRemoved, b: EngineBatch, at: int) -> bool:
+        """Whether ``e``'s medium is one the agent tracks, or may become one: at most
+        :data:`MAX_MEDIA` distinct names (engines name a handful: GPU, CPU, a disk or a remote
+        store). One past them is skipped like a malformed event. Found in review: every name
+        got a permanent 16-bit id in the forest, so 65,536 made-up names wrapped an id round to
+        GPU's, and a removal on the next one withdrew GPU copies."""
+        name = _medium_name(e.medium)
+        if name in self._media:
+            return True
+        if len(self._media) < MAX_MEDIA:
+            self._media.add(name)
+            return True
+        # The event's index in its payload: decoded events skip the ones decoding skipped.
+        index = at
+        for j in sorted(x.index for x in b.skipped):
+            if j <= index:
+                index += 1
+        why = SkippedEvent(index, f"seq {b.seq}: events[{index}] names medium {name[:64]!r}, one more than the {MAX_MEDIA} distinct media an agent tracks")
+        self._stats.events_skipped += 1
+        self._skips.append((b.seq, why))
+        return False
 
     @staticmethod
     def _removal(e: BlockRemoved) -> _Removal:
