@@ -441,6 +441,53 @@ def test_a_follower_that_meets_an_unexpected_error_keeps_trying_and_says_the_sha
     run(go())
 
 
+def test_an_ingest_with_no_acknowledgement_is_a_lost_stream(world: World) -> None:
+    """Found in review: a unit that stops answering without ending the stream (a dead host, a
+    network dropping packets) left send() waiting forever, and the agent runner with it. Now an
+    acknowledgement that does not come within ack_timeout_s is a lost stream: reconnect, then
+    ConnectionError after max_attempts."""
+
+    async def go() -> None:
+        units = world.units()
+        services = [MaintenanceService(u, FAST) for u in units]
+
+        async def never(msg: Any, worker: str) -> Any:
+            await asyncio.sleep(3600)
+
+        for svc in services:
+            svc._ingest_one = never  # type: ignore[method-assign]
+        asia = world.agent("asia-0")
+        loop = asyncio.get_running_loop()
+        async with in_memory(services) as chans:
+            async with IngestClient("asia-0", chans, asia.on_rejected, ack_timeout_s=0.2, max_attempts=2, backoff_s=(0.01, 0.02)) as client:
+                t0 = loop.time()
+                with pytest.raises(ConnectionError, match="no acknowledgement within 0.2 s"):
+                    await client.send(cache(asia, prompt(91), 1000, seq=0))
+                assert loop.time() - t0 < 3.0 and client.reconnects >= 1
+
+    run(go())
+
+
+def test_a_refusal_with_nothing_to_re_report_is_raised_not_dropped(world: World) -> None:
+    """Found in review: when ``on_rejected`` gave nothing for the refused shard, the refused
+    batch and those queued behind it were dropped while send() returned normally."""
+
+    async def go() -> None:
+        units = world.units()
+        services = [MaintenanceService(u, FAST) for u in units]
+        asia = world.agent("asia-0")
+        first = cache(asia, prompt(92), 1000, seq=0)
+        cache(asia, prompt(93), 2000, seq=1)  # made and never sent: the units will see a gap
+        third = cache(asia, prompt(94), 3000, seq=2)
+        async with in_memory(services) as chans:
+            async with IngestClient("asia-0", chans, lambda shard: ()) as client:
+                await client.send(first)
+                with pytest.raises(IngestRejectedError, match="no re-report"):
+                    await client.send(third)
+
+    run(go())
+
+
 def test_edge_resumes_from_the_replay_log_after_a_disconnect(world: World) -> None:
     async def go() -> None:
         units = world.units()

@@ -216,9 +216,16 @@ class IngestClient(AsyncResource):
         max_attempts: int = 20,
         max_resets: int = 4,
         ssl_context: ssl.SSLContext | None = None,
+        ack_timeout_s: float = 10.0,
     ) -> None:
         if window < 1 or max_attempts < 1 or max_resets < 0:
             raise ValueError("window and max_attempts must be >= 1 and max_resets >= 0")
+        if not ack_timeout_s > 0:
+            raise ValueError(f"ack_timeout_s must be > 0, got {ack_timeout_s}")
+        # An acknowledgement that does not come within this is a lost stream: a unit whose host
+        # died or whose network drops packets ends no stream, and send() waited forever (found
+        # in review; the agent runner stops reading engine events while it waits).
+        self._ack_timeout = ack_timeout_s
         self.worker = worker
         self._on_rejected = on_rejected
         self._window = window
@@ -272,7 +279,11 @@ class IngestClient(AsyncResource):
                             b = todo.popleft()
                             inflight.append(b)
                             await u.send(encode_key_ops(b))
-                        ack = await u.recv()
+                        try:
+                            async with asyncio.timeout(self._ack_timeout):
+                                ack = await u.recv()
+                        except TimeoutError:
+                            raise _Lost(f"no acknowledgement within {self._ack_timeout:g} s") from None
                     except _Lost as e:
                         await u.drop()
                         failures += 1
@@ -316,8 +327,12 @@ class IngestClient(AsyncResource):
                         fresh = list(self._on_rejected(u.shard))
                         mine = [x for x in fresh if x.shard == u.shard]
                         extra += [x for x in fresh if x.shard != u.shard]
+                        if not mine:
+                            # Nothing to re-report the shard with: the refused batch and those
+                            # behind it would be dropped while send() returned (found in review).
+                            raise _rejected(u.shard, b.seq, status, ack.reason, f"{ack.message} (and no re-report of shard {u.shard} was given to repair it)")
                         todo = deque(mine)
-                        reset_floor = min((x.seq for x in mine), default=reset_floor)
+                        reset_floor = min(x.seq for x in mine)
                         continue
                     raise _rejected(u.shard, b.seq, status, ack.reason, ack.message)
             except BaseException:
