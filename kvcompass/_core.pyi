@@ -184,6 +184,11 @@ class AgentForest:
         extra: list[bool] | None,
         salt_root: bytes | None,
     ) -> None: ...
+    def copied(self, group: int, medium: str, hashes: Sequence[int | bytes] | npt.NDArray[np.uint64]) -> int:
+        """Blocks named by hash alone copied to ``medium`` (a token-less, parent-less store, as
+        vLLM's offloading connector reports): each held block gains the medium; returns how many
+        hashes could not be placed (unknown, or carried by several blocks)."""
+        ...
     def removed(self, run: list[tuple[int, str, Sequence[int | bytes] | npt.NDArray[np.uint64]]]) -> None: ...
     def cache_events(self, events: CacheEvents, roots: Sequence[bytes | None]) -> None:
         """An emulated cache's events, as ``stored`` and ``removed`` would take them; ``roots[s]``

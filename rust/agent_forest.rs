@@ -861,6 +861,32 @@ impl Forest {
         self.roots.get(&(group, h.clone())).copied()
     }
 
+    /// A store that names blocks by hash alone, with no tokens and no parent: vLLM's offloading
+    /// connector (0.11 on) reports the blocks it copied to host memory so. Each named block
+    /// the forest holds once gains `medium` (and the store clock's touch a re-store gives); a
+    /// hash it does not hold, or holds more than once (content hashes), cannot be placed
+    /// without tokens and is left out, never guessed (under-claiming is the safe side).
+    /// Returns how many were left out.
+    pub fn copied(&mut self, group: u32, medium: &str, hashes: &[BHash]) -> u64 {
+        let m = self.medium(medium);
+        let mut left_out = 0;
+        for h in hashes {
+            let found = self.carrying(group, h);
+            let [bid] = found[..] else {
+                left_out += 1;
+                continue;
+            };
+            self.tick += 1;
+            let tick = self.tick;
+            self.blocks.get_mut(&bid).expect("a carried block").set_touched(tick);
+            if !self.has_medium(bid, m) {
+                self.add_medium(bid, m);
+                self.set_own(bid);
+            }
+        }
+        left_out
+    }
+
     /// A BlockStored event.
     pub fn stored(&mut self, e: &Stored<'_>) {
         let group = e.group;

@@ -465,6 +465,26 @@ def test_media_past_the_limit_are_skipped_and_cannot_alias_the_gpu() -> None:
     assert sink.keys == {}
 
 
+def test_a_token_less_copy_adds_a_medium_to_known_blocks_as_vllms_offloading_connector_sends_it() -> None:
+    """Found in review: vLLM's offloading connector (0.11 on) reports its CPU copies as
+    ``BlockStored(hashes, parent=None, token_ids=[], block_size=n or 0, medium="CPU")``; the
+    agent skipped them, so an offloaded prefix was withdrawn when its GPU copy went. Now the
+    copy adds CPU to the blocks it names; a hash it cannot place is counted, never guessed."""
+    a, sink = agent(LENGTHS), Sink(3)
+    sink.apply(a.on_message(msg(0, BlockStored((11, 12), None, tuple(T[:8]), 4))))  # GPU
+    keys = keys_of(T[:8], LENGTHS)
+    assert tiers(sink, T[:8], LENGTHS) == [1] * len(keys)
+    sink.apply(a.on_message(msg(1, BlockStored((11, 12), None, (), 4, medium="CPU"))))
+    sink.apply(a.on_message(msg(2, BlockStored((11, 12), None, (), 0, medium="CPU"))))  # later releases: 0
+    assert a.take_skipped() == [] and a.stats.unplaced_copies == 0
+    sink.apply(a.on_message(msg(3, BlockRemoved((11, 12)))))  # the GPU copy goes; the CPU one stays
+    assert tiers(sink, T[:8], LENGTHS) == [2] * len(keys)
+    sink.apply(a.on_message(msg(4, BlockRemoved((11, 12), "CPU"))))
+    assert sink.keys == {}
+    sink.apply(a.on_message(msg(5, BlockStored((77,), None, (), 0, medium="CPU"))))  # never stored: cannot be placed
+    assert sink.keys == {} and a.stats.unplaced_copies == 1 and a.take_skipped() == []
+
+
 def test_restart_seen_after_its_first_messages_asks_for_them() -> None:
     a, sink = agent(LENGTHS), Sink(3)
     for s in range(4):

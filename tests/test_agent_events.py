@@ -325,6 +325,9 @@ BAD_EVENTS: list[tuple[str, bytes, str]] = [
     ("block_size float", stored_with(block_size=2.0), ".block_size must be an int in 1..65535, got float"),
     ("block_size past 16 bits", stored_with(block_size=65536), ".block_size must be an int in 1..65535, got 65536"),
     ("token count", stored_with(token_ids=[1, 2, 3]), "has 3 tokens; 2 blocks of 2 need 4"),
+    # No tokens is a copy only without a parent (vLLM's offloading connector's form).
+    ("no tokens under a parent", stored_with(token_ids=[], parent_block_hash=9), "has 0 tokens; 2 blocks of 2 need 4"),
+    ("copy with a negative size", stored_with(token_ids=[], block_size=-1), ".block_size must be an int"),
     ("token negative", stored_with(token_ids=[1, -1, 2, 3]), ".token_ids[1] is -1; token ids are 0..2**32-1"),
     ("token too big", stored_with(token_ids=[1, 2, 3, 2**32]), ".token_ids[3] is 4294967296"),
     ("token float", stored_with(token_ids=[1, 2.0, 3, 4]), ".token_ids[1] must be an int token id, got float"),
@@ -369,6 +372,14 @@ def test_an_event_that_cannot_be_understood_is_skipped_precisely(payload: bytes,
     events = raw["events"] if isinstance(raw, dict) else raw[1]
     assert len(b.events) == len(events) - 1
     assert ev.decode_payload(payload).skipped[0].index == skipped.index
+
+
+def test_a_token_less_parent_less_store_is_a_copy_of_any_block_size() -> None:
+    for size in (0, 2, 16):
+        b = ev.decode_message(pub(stored_with(token_ids=[], block_size=size, medium="CPU"), seq=3))
+        e = b.events[1]
+        assert isinstance(e, BlockStored) and not b.skipped
+        assert (tuple(e.block_hashes), len(e.token_ids), e.block_size, e.medium) == ((1, 2), 0, size, "CPU")
 
 
 def test_content_hash_repeats_are_not_malformed() -> None:

@@ -250,6 +250,7 @@ class AgentStats:
     events_skipped: int = 0  # events of applied messages that could not be understood (skipped, the rest applied)
     duplicates: int = 0  # re-delivered messages ignored
     stale: int = 0  # messages older than the digest window and than the newest applied one, dropped
+    unplaced_copies: int = 0  # blocks a token-less copy named that the agent could not place (unknown or ambiguous hash)
     gaps: int = 0  # gaps opened
     replay_requests: int = 0
     resyncs: int = 0  # full re-reports after an unfilled gap
@@ -701,6 +702,10 @@ class WorkerAgent:
     def _stored(self, e: BlockStored) -> None:
         extra = e.extra_keys
         t = e.token_ids
+        if len(t) == 0 and e.parent_block_hash is None and len(e.block_hashes):
+            # A copy of known blocks to another medium (see BlockStored): vLLM's CPU offload.
+            self._stats.unplaced_copies += self._forest.copied(e.group_idx or 0, _medium_name(e.medium), e.block_hashes)
+            return
         self._forest.stored(
             e.group_idx or 0,
             _medium_name(e.medium),

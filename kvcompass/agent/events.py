@@ -101,6 +101,12 @@ class BlockStored:
     agent keys the chain in the tenant's namespace exactly as for vLLM (a continuation event
     inherits its chain's namespace through its parent).
 
+    With no ``token_ids`` and no ``parent_block_hash`` (and any block size, 0 included) it is a
+    *copy*: the blocks named by ``block_hashes``, already known from an earlier store, are now
+    also on ``medium``. vLLM's offloading connector reports its CPU copies so; the agent adds
+    the medium to the blocks it holds and leaves out hashes it cannot place (counted in
+    ``AgentStats.unplaced_copies``), since without tokens nothing new can be keyed.
+
     ``token_ids`` is a tuple as decoded from an engine, or a uint32 array where the emulated
     engine hands its own tokens to an agent in the same process (the simulator); likewise
     ``block_hashes`` may be the emulated engine's uint64 array (no Python int per block).
@@ -369,10 +375,14 @@ def _stored(f: Mapping[str, object], w: str) -> BlockStored:
     parent_raw = f["parent_block_hash"]
     parent = None if parent_raw is None else _hash(parent_raw, f"{w}.parent_block_hash")
     block_size = f["block_size"]
-    if type(block_size) is not int or not 0 < block_size <= MAX_BLOCK_SIZE:
-        raise _FieldError(f"{w}.block_size must be an int in 1..{MAX_BLOCK_SIZE}, got {_show(block_size)}")
     tokens = _tokens(f["token_ids"], f"{w}.token_ids")
-    if len(tokens) != block_size * len(hashes):
+    # vLLM's offloading connector (0.11 on) reports a copy to host memory with no tokens and no
+    # parent, its block size 0 or the offloaded one: a copy of blocks named by hash (see
+    # BlockStored), so only the hashes and the medium matter.
+    copy = not tokens and parent is None and len(hashes) > 0
+    if type(block_size) is not int or not (0 if copy else 1) <= block_size <= MAX_BLOCK_SIZE:
+        raise _FieldError(f"{w}.block_size must be an int in 1..{MAX_BLOCK_SIZE}, got {_show(block_size)}")
+    if not copy and len(tokens) != block_size * len(hashes):
         raise _FieldError(
             f"{w}.token_ids has {len(tokens)} tokens; {len(hashes)} blocks of {block_size} need {block_size * len(hashes)}"
         )

@@ -93,6 +93,13 @@ impl PyForest {
         Ok(())
     }
 
+    /// Blocks named by hash alone copied to `medium` (a token-less, parent-less store); returns
+    /// how many could not be placed (see `Forest::copied`).
+    fn copied(&mut self, group: u32, medium: &str, hashes: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let hashes = bhashes(hashes)?;
+        Ok(self.inner.copied(group, medium, &hashes))
+    }
+
     /// A run of removal events: `(group, medium, hashes)` each, the hashes of one event (a
     /// sequence), taken in order as one run.
     fn removed(&mut self, run: &Bound<'_, PyList>) -> PyResult<()> {
