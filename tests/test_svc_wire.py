@@ -285,6 +285,27 @@ def test_a_batch_after_a_quiet_spell_is_flushed_at_once_and_a_burst_once_an_inte
     run(go())
 
 
+def _slow_threaded_unit(world: World, seed: int, delay_s: float) -> tuple[MaintenanceService, KeyOpBatch, threading.Event, list[float]]:
+    """A service whose unit applies every batch in a worker thread, ``delay_s`` slowly: the
+    batch to send it, an event set when the thread starts applying and the times it ended."""
+    unit = world.units()[0]
+    batch = next(b for b in cache(world.agent("asia-0"), prompt(seed), 1000, seq=0) if b.shard == unit.shard)
+    real = unit.apply
+    inside = threading.Event()
+    ended: list[float] = []
+
+    def slow(b: KeyOpBatch, w: str) -> Any:
+        inside.set()
+        time.sleep(delay_s)
+        try:
+            return real(b, w)
+        finally:
+            ended.append(time.monotonic())
+
+    unit.apply = slow  # type: ignore[method-assign]
+    return MaintenanceService(unit, MaintenanceConfig(flush_interval_s=0.002, heartbeat_interval_s=5.0, offload_ops=1)), batch, inside, ended
+
+
 def test_an_ingest_cancelled_during_its_threaded_apply_holds_the_unit_until_the_thread_ends(world: World) -> None:
     """A dropped connection cancels an ingest whose batch is being applied in a worker thread;
     the thread cannot be stopped. Its edits reach the subscribers as soon as it ends (the flush
@@ -293,27 +314,10 @@ def test_an_ingest_cancelled_during_its_threaded_apply_holds_the_unit_until_the_
     the cancellation also cancelled the future the unit's other users wait on.)"""
 
     async def go() -> None:
-        units = world.units()
-        asia = world.agent("asia-0")
-        batch = next(b for b in cache(asia, prompt(51), 1000, seq=0) if b.shard == units[0].shard)
-        unit = units[0]
-        real = unit.apply
-        inside = threading.Event()
-        ended: list[float] = []
-
-        def slow(b: KeyOpBatch, w: str) -> Any:
-            inside.set()
-            time.sleep(0.2)
-            try:
-                return real(b, w)
-            finally:
-                ended.append(time.monotonic())
-
-        unit.apply = slow  # type: ignore[method-assign]
-        svc = MaintenanceService(unit, MaintenanceConfig(flush_interval_s=0.002, heartbeat_interval_s=5.0, offload_ops=1))
+        svc, batch, inside, ended = _slow_threaded_unit(world, 51, 0.2)
         await svc.start()
         try:
-            before = {t.table_id: svc.published(t.table_id) for t in unit.layout.tables}
+            before = {t.table_id: svc.published(t.table_id) for t in svc.unit.layout.tables}
             handler = asyncio.create_task(svc._ingest_one(encode_key_ops(batch), "asia-0"))
             while not inside.is_set():
                 await asyncio.sleep(0.001)
@@ -323,7 +327,7 @@ def test_an_ingest_cancelled_during_its_threaded_apply_holds_the_unit_until_the_
             flushed = await svc.flush_now()  # waits for the thread: the unit is not free before
             assert ended, "a flush ran while the threaded apply was still writing"
             assert flushed, "the flush that waited for the thread did not carry its edits"
-            assert any(svc.published(t.table_id) != before[t.table_id] for t in unit.layout.tables)
+            assert any(svc.published(t.table_id) != before[t.table_id] for t in svc.unit.layout.tables)
         finally:
             await svc.stop()
 
@@ -332,30 +336,15 @@ def test_an_ingest_cancelled_during_its_threaded_apply_holds_the_unit_until_the_
 
 def test_a_cancelled_threaded_apply_wakes_the_flush_loop_when_it_ends(world: World) -> None:
     async def go() -> None:
-        units = world.units()
-        asia = world.agent("asia-0")
-        unit = units[0]
-        batch = next(b for b in cache(asia, prompt(52), 1000, seq=0) if b.shard == unit.shard)
-        real = unit.apply
-        ended: list[float] = []
-
-        def slow(b: KeyOpBatch, w: str) -> Any:
-            time.sleep(0.1)
-            try:
-                return real(b, w)
-            finally:
-                ended.append(time.monotonic())
-
-        unit.apply = slow  # type: ignore[method-assign]
-        svc = MaintenanceService(unit, MaintenanceConfig(flush_interval_s=0.002, heartbeat_interval_s=5.0, offload_ops=1))
+        svc, batch, _, ended = _slow_threaded_unit(world, 52, 0.1)
         await svc.start()
         try:
-            before = {t.table_id: svc.published(t.table_id) for t in unit.layout.tables}
+            before = {t.table_id: svc.published(t.table_id) for t in svc.unit.layout.tables}
             handler = asyncio.create_task(svc._ingest_one(encode_key_ops(batch), "asia-0"))
             await asyncio.sleep(0.02)
             handler.cancel()
             deadline = time.monotonic() + 3.0
-            while all(svc.published(t.table_id) == before[t.table_id] for t in unit.layout.tables):
+            while all(svc.published(t.table_id) == before[t.table_id] for t in svc.unit.layout.tables):
                 assert time.monotonic() < deadline, "the edits waited for the heartbeat"
                 await asyncio.sleep(0.002)
             assert ended and time.monotonic() - ended[0] < 1.0, "the patch went out long after the thread ended"
