@@ -57,12 +57,12 @@ def make_plane() -> LocalPlane:
     return LocalPlane(load_topology("testbed-14x3"), seed=3)
 
 
-def cache_prefix(plane: LocalPlane, worker: str, tokens: npt.NDArray[np.uint32]) -> None:
+def cache_prefix(plane: LocalPlane, worker: str, tokens: npt.NDArray[np.uint32], ns: Namespace = NS) -> None:
     """``worker`` serves ``tokens`` once: its prefix cache admits them, the KV events go through
     its agent to the maintenance units, and the patches reach every edge (the simulator's flow)."""
     region = next(w.region for w in plane.topology.workers if w.id == worker)
     cache = PrefixCache(BLOCK, 98304)
-    agent = WorkerAgent(worker, NS, plane.plan.registration(region), plane.layout.shards, block_size=BLOCK)
+    agent = WorkerAgent(worker, ns, plane.plan.registration(region), plane.layout.shards, block_size=BLOCK)
     events = cache.admit(tokens, 0.0)
     out = agent.on_message(encode_batch(events, 0))
     assert out.batches
@@ -634,6 +634,36 @@ def test_a_peer_door_hands_off_a_request_to_a_less_loaded_worker_of_its_region()
                     assert status == 200 and headers["x-kvcompass-worker"].startswith("us-")
                     async with client.get("/metrics") as r:
                         assert metric(await r.text(), "kvcompass_door_peer_failures_total") == 1
+            finally:
+                await us_door.stop(grace_s=1.0)
+                await eu_door.stop(grace_s=1.0)
+
+    run(go())
+
+
+def test_a_tenants_request_is_handed_to_a_peer_door_with_its_salt() -> None:
+    """Found in review: the origin door puts the tenant's cache_salt in the body it hands to the
+    peer door, and the peer door refused any body with a cache_salt: every hand-off of a tenant
+    other than the default was a 400. The salt the door would set itself passes; another is
+    still refused."""
+    plane = make_plane()
+    ids = prompt_ids(7, 8192)
+    cache_prefix(plane, "eu-0", ids, Namespace(MODEL, "acme"))
+    fleet = Fleet(cached={"eu-0": 8192, "eu-1": 0})
+    us, eu = plane.edges["us"], plane.edges["eu"]
+
+    async def go() -> None:
+        async with fleet_server(fleet) as base:
+            eu_door = await serve_door(eu, {w: f"{base}/w/{w}" for w in eu.workers if w.startswith("eu-")}, ByteTokenizer())
+            us_door = await serve_door(us, {}, ByteTokenizer(), peers={"eu": eu_door.url})
+            try:
+                async with aiohttp.ClientSession(us_door.url) as client:
+                    status, headers, body = await complete(client, {"model": MODEL, "prompt": ids.tolist(), "max_tokens": 4}, **{"x-kvcompass-namespace": "acme"})
+                    assert status == 200, body
+                    assert headers["x-kvcompass-worker"] == "eu-0" and fleet.calls[-1][1]["cache_salt"] == "kvcompass:acme"
+                async with aiohttp.ClientSession(eu_door.url) as client:
+                    status, _, body = await complete(client, {"prompt": ids.tolist(), "cache_salt": "kvcompass:other"}, **{"x-kvcompass-namespace": "acme"})
+                    assert status == 400 and body["error"]["code"] == "cache_salt_not_allowed"
             finally:
                 await us_door.stop(grace_s=1.0)
                 await eu_door.stop(grace_s=1.0)

@@ -732,7 +732,11 @@ class FrontDoor:
                 param = "messages" if chat else ("prompt" if batch is None else f"prompt[{i}]")
                 raise OpenAIError(400, f"the prompt has {len(tokens)} tokens; this edge accepts at most {cfg.max_prompt_tokens}", param, "context_length_exceeded")
 
-        if "cache_salt" in body:
+        if "cache_salt" in body and body["cache_salt"] != (TENANT_SALT_PREFIX + tenant if tenant != cfg.default_tenant else None):
+            # Only the salt this door would set itself for the request's tenant passes: another
+            # region's door hands a tenant's request over with it already in the body (found in
+            # review: every such hand-off was refused 400), and any other value would let a
+            # client pick a tenant's salt its key does not grant.
             raise OpenAIError(
                 400, f"cache_salt is set by the edge from the tenant in {NAMESPACE_HEADER}; send that header instead", "cache_salt", "cache_salt_not_allowed"
             )
