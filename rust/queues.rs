@@ -175,8 +175,12 @@ impl QueueState {
             q.pop_front();
             self.pend[u] -= x;
         }
-        if q.is_empty() {
-            self.pend[u] = 0.0; // no float residue once nothing is open
+        if q.is_empty() || self.pend[u] < 0.0 {
+            // No float residue once nothing is open, and none below zero while something is:
+            // a charge far smaller than the running total is lost to rounding when added and
+            // then subtracted whole, which left a worker's estimate at -6e-14 and every route
+            // refusing it until the last open charge expired (found in review).
+            self.pend[u] = 0.0;
         }
         self.tq[u] = self.obs[u] + self.pend[u];
         self.version += 1;

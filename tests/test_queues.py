@@ -380,3 +380,19 @@ def test_minimum_is_the_smallest_estimate_with_charges() -> None:
     q.expire(10.0)  # the charge's TTL ran out
     assert q.minimum() == 3.0 == float(q.values.min())
     assert _core.QueueEstimates(0, 0.5, 1.0, 2.0).minimum() == float("inf")
+
+
+def test_settling_charges_never_leaves_an_estimate_below_zero() -> None:
+    """Found in review: a charge far smaller than the running total is lost to rounding when
+    added and then subtracted whole when a reading settles it; with another charge still open
+    the pending work read -6e-14, the estimate went negative, and every route refused the
+    estimates until the last open charge expired."""
+    from kvcompass.discovery.queues import QueueEstimates
+
+    tiny = 1.9e-14
+    q = QueueEstimates(1, 0.5, 1.0, 2.0)
+    q.charge(0, 1000.0, 0.0)
+    q.charge(0, tiny, 0.1)
+    q.charge(0, tiny, 0.2)
+    q.set_live(0, 0.0, 0.3, 0.15)  # settles the first two; the third stays open
+    assert q.pending(0) >= 0.0 and q[0] >= 0.0 and q.minimum() >= 0.0
