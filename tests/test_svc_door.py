@@ -671,6 +671,28 @@ def test_a_tenants_request_is_handed_to_a_peer_door_with_its_salt() -> None:
     run(go())
 
 
+def test_a_queue_reading_out_of_range_is_bad_feedback_not_a_failed_answer() -> None:
+    """Found in review: a worker reporting a queue past MAX_QUEUE_MS (24 h) had the edge refuse
+    the reading with ValueError after the answer arrived: a complete answer became a 500, a
+    stream ended without its last chunk. It is malformed feedback: counted and ignored."""
+    plane = make_plane()
+    ids = prompt_ids(1, 512)
+    cache_prefix(plane, "us-5", ids)
+    fleet = Fleet(queue_ms={"us-5": 1e9})
+
+    async def go() -> None:
+        async with rig(plane, fleet) as t:
+            status, _, body = await complete(t.client, {"prompt": ids.tolist(), "max_tokens": 2})
+            assert status == 200, body
+            async with t.client.post("/v1/completions", json={"prompt": ids.tolist(), "stream": True}) as r:
+                assert r.status == 200
+                assert (await r.read()).endswith(b"data: [DONE]\n\n")
+            async with t.client.get("/metrics") as r:
+                assert metric(await r.text(), "kvcompass_door_bad_feedback_total", kind="queue_ms") >= 2
+
+    run(go())
+
+
 def test_without_handoff_a_door_forwards_to_the_remote_worker_itself() -> None:
     from kvcompass.discovery.params import EdgeParams
     from kvcompass.discovery.plane import build_edge

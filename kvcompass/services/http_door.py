@@ -79,6 +79,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from kvcompass import _core
 from kvcompass.discovery.edge import Decision, Edge
 from kvcompass.discovery.migration import MigrationAction
+from kvcompass.discovery.queues import MAX_QUEUE_MS
 from kvcompass.errors import DrainingError, InvalidArgumentError, KVCompassError, MessageTooLargeError, NotAllowedError, RateLimitedError, UnauthenticatedError
 from kvcompass.index_types import Namespace
 from kvcompass.services.api_keys import ANY_TENANT, ApiKey, KeyStore
@@ -1173,9 +1174,11 @@ class FrontDoor:
                 v = float(q)
             except ValueError:
                 v = math.nan
-            if math.isfinite(v) and v >= 0:
+            if math.isfinite(v) and 0 <= v <= MAX_QUEUE_MS:
                 fb.queue_ms = v
             else:
+                # Above MAX_QUEUE_MS the edge refuses the reading (ValueError), which turned a
+                # worker's complete answer into a 500, or a cut stream (found in review).
                 self.metrics.bad_feedback.labels("queue_ms").inc()
         vec = up.headers.get(QUEUE_VECTOR_HEADER)
         if vec is not None:
