@@ -693,6 +693,31 @@ def test_a_queue_reading_out_of_range_is_bad_feedback_not_a_failed_answer() -> N
     run(go())
 
 
+def test_tenant_series_are_bounded_and_count_admitted_requests_only() -> None:
+    """Found in review: every tenant name a client sent (an open door takes any) was a new
+    metric series for the process's life, counted even for requests refused as malformed."""
+    from kvcompass.services.http_door import _TENANT_SERIES
+
+    plane = make_plane()
+    ids = prompt_ids(1, 64)
+
+    async def go() -> None:
+        async with rig(plane, Fleet()) as t:
+            status, _, _ = await complete(t.client, {"max_tokens": 2}, **{"x-kvcompass-namespace": "no-prompt"})
+            assert status == 400
+            for i in range(_TENANT_SERIES + 20):
+                status, _, body = await complete(t.client, {"prompt": ids.tolist(), "max_tokens": 1}, **{"x-kvcompass-namespace": f"t{i}"})
+                assert status == 200, body
+            async with t.client.get("/metrics") as r:
+                text = await r.text()
+            assert metric(text, "kvcompass_door_tenant_requests_total", tenant="no-prompt") == 0
+            assert metric(text, "kvcompass_door_tenant_requests_total", tenant="t0") == 1
+            assert metric(text, "kvcompass_door_tenant_requests_total", tenant="(other)") == 20
+            assert text.count("kvcompass_door_tenant_requests_total{") == _TENANT_SERIES + 1
+
+    run(go())
+
+
 def test_without_handoff_a_door_forwards_to_the_remote_worker_itself() -> None:
     from kvcompass.discovery.params import EdgeParams
     from kvcompass.discovery.plane import build_edge

@@ -124,6 +124,8 @@ __all__ = [
 _TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}")
 _REGION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _NAMESPACE_CACHE = 4096
+_TENANT_SERIES = 256  # tenant names with a request-count series of their own
+_OTHER_TENANTS = "(other)"  # the series of the rest (not a valid tenant name: no clash)
 _log = logging.getLogger("kvcompass.door")
 
 def valid_tenant(name: str) -> bool:
@@ -391,6 +393,7 @@ class FrontDoor:
         self._dead: dict[str, float] = {}
         self._unreachable = frozenset(known - set(self.urls))
         self._namespaces: OrderedDict[tuple[str, str], Namespace] = OrderedDict()
+        self._tenant_series: set[str] = set()
         self._models = {m: i for i, m in enumerate(config.models)}
         self._created = int(time.time())
         self._session: UpstreamPool | None = None
@@ -717,7 +720,6 @@ class FrontDoor:
                 self.metrics.auth_refusals.labels("model").inc()
                 raise OpenAIError.of(NotAllowedError(f"this API key may not use the model {model!r}", code="model_not_allowed"), "model")
             tenant = granted
-        self.metrics.tenant_requests.labels(tenant).inc()
 
         batch = None if chat else prompt_batch(body, cfg.max_batch_prompts)
         token_lists: list[npt.NDArray[np.uint32]] = []
@@ -766,11 +768,19 @@ class FrontDoor:
         handoff = request.headers.get(HANDOFF_HEADER)
         if handoff is not None and self._region_of.get(handoff) != self.edge.region:
             raise OpenAIError(400, f"header {HANDOFF_HEADER} must name a worker of this edge's region {self.edge.region!r}, got {handoff!r}", HANDOFF_HEADER, "invalid_handoff")
+        if batch is not None and handoff is not None:
+            raise OpenAIError(400, f"a batched request cannot carry {HANDOFF_HEADER} (the door splits batches before any hand-off)", HANDOFF_HEADER, "invalid_handoff")
         ns = self._namespace(model, tenant)
+        # Counted once admitted, under at most _TENANT_SERIES tenant names (the rest as
+        # "other"): a client of an open door names any tenant it likes, and every name was a
+        # new series, kept for the process's life (found in review).
+        if tenant in self._tenant_series or len(self._tenant_series) < _TENANT_SERIES:
+            self._tenant_series.add(tenant)
+            self.metrics.tenant_requests.labels(tenant).inc()
+        else:
+            self.metrics.tenant_requests.labels(_OTHER_TENANTS).inc()
         if batch is None:
             return [_Prepared(request.path, raws[0], token_lists[0], ns, stream, client_usage, headers, handoff)]
-        if handoff is not None:
-            raise OpenAIError(400, f"a batched request cannot carry {HANDOFF_HEADER} (the door splits batches before any hand-off)", HANDOFF_HEADER, "invalid_handoff")
         n = body.get("n") or 1
         return [
             _Prepared(request.path, r, t, ns, stream, True, headers, None, batch_index=i * n, client_usage_asked=client_usage)
