@@ -4,6 +4,7 @@ client of any make may send it, on asyncio's loop and on uvloop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -206,6 +207,16 @@ def test_http10_expect_continue_head_and_connection_close(loop: str) -> None:
             w2.write(b"POST /unread HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\nExpect: 100-continue\r\n\r\n")
             status, h, _ = await read_response(r2)
             assert status == 401 and h["connection"] == "close"
+            # Found in review: with a body within bounds the connection stayed to read and drop
+            # it, and that read sent the invitation after the answer: a stray 100 before the next
+            # response. A body the client was never invited to send is not waited for: closed.
+            r2, w2 = await connect(port)
+            w2.write(b"POST /unread HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\nExpect: 100-continue\r\n\r\n")
+            status, h, _ = await read_response(r2)
+            assert status == 401 and h["connection"] == "close"
+            with contextlib.suppress(ConnectionError):
+                w2.write(b"x" * 500 + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert b"100 Continue" not in await asyncio.wait_for(r2.read(), 5)
             # A handler's own framing headers are dropped; its Connection: close still closes.
             r3, w3 = await connect(port)
             w3.write(b"GET /framed HTTP/1.1\r\nHost: x\r\n\r\n")

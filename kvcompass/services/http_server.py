@@ -584,7 +584,12 @@ class _Connection(asyncio.Protocol):
         this response is sent (an HTTP/1.0 stream ends only by closing)."""
         # An unread body (a refusal before it arrived) cannot be told from a next request
         # unless its length is known and bounded: then it is read and dropped after the answer.
-        unread = not request._complete and (request.content_length is None or request.content_length > self.server.max_body_bytes or request._error is not None)
+        # Nor when the client asked to be invited (Expect: 100-continue) and never was: it may
+        # never send the body, and inviting it after the answer put a stray 100 before the next
+        # response (found in review). The connection closes after the answer instead.
+        unread = not request._complete and (
+            request.content_length is None or request.content_length > self.server.max_body_bytes or request._error is not None or request._continue
+        )
         if not request.keep_alive or unread or self.server.closing or (stream and self.http10) or close:
             self._close_after = True
         if self._close_after:
