@@ -444,3 +444,26 @@ def test_a_client_that_pipelines_and_does_not_read_cannot_make_the_server_buffer
             sock.close()
 
     run(loop, go)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_body_cut_short_by_a_half_close_is_a_400_not_a_handler_failure(loop: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Found in review: a client that stopped sending (a half-close) before its body was whole
+    had the handler's read raise ConnectionResetError, taken for a handler's bug: a 500 and a
+    logged traceback. The client can still read: it gets a 400 that says why."""
+
+    async def go() -> None:
+        state = State()
+        async with serving(state) as (_, port):
+            r, w = await connect(port)
+            w.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"a\":")
+            await w.drain()
+            await asyncio.sleep(0.05)
+            w.write_eof()
+            status, h, body = await read_response(r)
+            assert status == 400 and b"stopped sending" in body and h["connection"] == "close"
+            w.close()
+
+    with caplog.at_level("ERROR"):
+        run(loop, go)
+    assert not [rec for rec in caplog.records if rec.levelname == "ERROR"]

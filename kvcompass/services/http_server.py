@@ -440,7 +440,9 @@ class _Connection(asyncio.Protocol):
 
     def eof_received(self) -> bool | None:
         if self._current is not None and not self._current._complete:
-            self._current._fail(ConnectionResetError("the client stopped sending before the body was whole"))
+            # A half-close: the client can still read its answer, a 400 (found in review: as a
+            # ConnectionResetError it was taken for a handler's bug, a 500 and a traceback).
+            self._current._fail(InvalidArgumentError("the client stopped sending before the body was whole"))
         if self._task is not None or self._queue:
             self._close_after = True
             return True  # the client is done sending: answer what it asked, then close
