@@ -603,3 +603,19 @@ def test_edge_core_refuses_inconsistent_wiring() -> None:
         core(workers | {"fields": [(0, 0), (1, 0)]}, params)
     with pytest.raises(KeyError, match="tau_ms"):
         core(workers, {k: v for k, v in params.items() if k != "tau_ms"})
+
+
+def test_a_false_claim_reported_long_after_the_last_route_is_not_forgiven_by_the_next() -> None:
+    """Found in review: beliefs relaxed toward 1 over the whole time since the last route, so a
+    report arriving long after it had its effect undone by the next route on a quiet edge:
+    three false claims at t=120 s left 0.512, the route 10 ms later scored with 0.878."""
+    from kvcompass.discovery.params import EdgeParams
+
+    fleet = Fleet({"A": 2})
+    edge = fleet.edge("A", {"A": [256, 512, 1024, 2048]}, {"A": 2.0}, EdgeParams(tie_ms=0.0))
+    edge.route(prompt(1), NS, 0.0)
+    for _ in range(3):
+        edge.on_response("a0", 2048, 0, None, 120.0)
+    after = edge.belief("a0")
+    edge.route(prompt(2), NS, 120.01)
+    assert after < 0.6 and edge.belief("a0") == pytest.approx(after, abs=0.01)

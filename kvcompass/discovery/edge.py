@@ -810,6 +810,10 @@ class Edge:
         if queue_vector and not self._local[i]:
             self._fold_vector(self._worker_region[i], queue_vector, now)
         self._n.responses += 1
+        # Relaxed to now first: otherwise the next route's relaxation covered the time before
+        # this report too, and on a quiet edge a false claim reported long after the last route
+        # was mostly undone by the next (found in review).
+        self._belief_now(now)
         self._belief.observe(i, claimed, reused)
 
     def on_broadcast(self, region: str, vector: Mapping[str, float], now: float) -> None:
