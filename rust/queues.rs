@@ -144,6 +144,11 @@ impl QueueState {
             self.order.push_back((now, u));
             self.pend[u] += work_ms;
             self.tq[u] += work_ms;
+            // Work this edge just sent means the worker's estimate is not zero: its idle clock
+            // stops, and restarts at the next reading of an empty queue (found in review: a
+            // worker this edge had just loaded still counted as persistently idle for
+            // migration, against the paper's rule that the estimate stayed at zero).
+            self.idle_since[u] = f64::NAN;
             self.version += 1;
         }
         Ok(())

@@ -82,6 +82,7 @@ class ReferenceEstimates:
             self._order.append((now, index))
             self._pend[index] += x
             self._tq[index] += x
+            self._idle_since[index] = math.nan
             self.version += 1
 
     def expire(self, now: float) -> None:

@@ -220,3 +220,31 @@ def test_hot_families_lists_what_is_hot_now_for_the_dashboard() -> None:
     assert d["hot"] == [{"family": f"{FAMILY:016x}", "misses": 3, "age_s": 0.1}]
     assert edge.hot_families(2.45) == []  # the first miss left the 1 s window
     assert Dashboard(edge, clock=lambda: 5.0).data()["hot"] == []
+
+
+def test_a_worker_this_edge_just_loaded_is_not_persistently_idle() -> None:
+    """Found in review: the idle clock looked at the sampled estimate alone, so a worker this
+    edge had just sent work (its open charges, which the score counts) still qualified as a
+    migration target. A charge now stops the clock."""
+    from kvcompass.discovery.params import EdgeParams
+
+    fleet = remote_scenario()
+    edge = fleet.edge(params=EdgeParams(wan_fraction=0.5, tie_ms=0.0), queues={"a0": 0.0, "a1": 5000.0})
+    edge.on_broadcast("B", {"b0": 500.0}, 1.0)
+    rng = np.random.default_rng(5)
+    for k in range(2):  # unrelated work goes to a0 (a1 is busy)
+        assert edge.route(rng.integers(0, 100_000, 2048, dtype=np.uint32), NS, 1.0 + 0.01 * k).worker == "a0"
+    for i, now in enumerate([1.05, 1.1, 1.15]):
+        edge.route(sibling(i), NS, now)
+    assert edge.queue_estimate("a0") > 0 and not edge.persistently_idle("a0", 1.15)
+    assert edge.migration_actions(1.15) == []
+
+
+def test_migration_does_not_target_an_excluded_worker() -> None:
+    """Found in review: a worker whose last reading was zero stays idle after it dies, and a
+    door's dead workers could not be kept out of migration targets."""
+    fleet = remote_scenario()
+    edge = fleet.edge(queues={"a0": 0.0, "a1": 500.0})  # a0 read idle at t=0, then silence
+    for i, now in enumerate([3600.0, 3600.3, 3600.6]):
+        edge.route(sibling(i), NS, now)
+    assert all(a.target != "a0" for a in edge.migration_actions(3600.6, exclude={"a0"}))

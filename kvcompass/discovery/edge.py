@@ -952,10 +952,15 @@ class Edge:
         """Whether ``worker``'s estimate has been at zero for ``idle_window_s``."""
         return self._queues.persistently_idle(self.worker_index(worker), now, self._params.idle_window_s)
 
-    def migration_actions(self, now: float) -> list[MigrationAction]:
+    def migration_actions(self, now: float, exclude: Collection[str] = ()) -> list[MigrationAction]:
         """Actions for the families that turned hot since the last call, each toward a
-        persistently idle own-region worker; none without one, none with migration off."""
+        persistently idle own-region worker not in ``exclude`` (a door's dead workers: an idle
+        estimate is the last reading, and a worker that died idle stays so; found in review);
+        none without one, none with migration off."""
         if not self._params.migration or not self._planner.pending:
             return []  # nothing triggered since the last call: no idle scan needed
         idle = self._queues.idle_among(self._local_idx_arr, now, self._params.idle_window_s)
+        if exclude:
+            out = {self.worker_index(w) for w in exclude if w in self._index}
+            idle = [i for i in idle if i not in out]
         return self._planner.resolve(now, idle)

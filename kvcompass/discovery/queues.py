@@ -25,7 +25,8 @@
   vector), or ``charge_ttl_s`` at most, whichever comes first.
 * Idleness: per worker, the time since the estimate last went to (about) zero; a worker is
   *persistently idle* once it has stayed there for a window. Only such a worker may receive a
-  migrated replica.
+  migrated replica. A charge stops the clock (the estimate, charges included, is no longer
+  zero); the next reading of an empty queue starts it again.
 
 :class:`BroadcastSchedule` decides, per target region, when this region's vector is due: every
 Delta, unless a piggybacked vector already went to that region within the last Delta.

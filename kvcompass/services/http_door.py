@@ -473,7 +473,7 @@ class FrontDoor:
             if self.draining:
                 continue
             try:
-                actions = self.edge.migration_actions(self._clock())
+                actions = self.edge.migration_actions(self._clock(), exclude=self.dead_workers())
             except KVCompassError as e:
                 _log.warning("migration actions failed: %s", e)
                 continue
