@@ -248,3 +248,16 @@ def test_migration_does_not_target_an_excluded_worker() -> None:
     for i, now in enumerate([3600.0, 3600.3, 3600.6]):
         edge.route(sibling(i), NS, now)
     assert all(a.target != "a0" for a in edge.migration_actions(3600.6, exclude={"a0"}))
+
+
+def test_no_copy_comes_from_an_excluded_source() -> None:
+    """Found in review: a copy's source (the local holder) was taken even when the door had
+    excluded it as dead; the copy fails and the family's cooldown starts for nothing."""
+    fleet = Fleet({"A": 3, "B": 1})
+    for i in range(4):
+        fleet.hold("a0", sibling(i), PLAN["A"])
+        fleet.hold("b0", sibling(i), PLAN["B"])
+    edge = fleet.edge(queues={"a0": 300.0, "a1": 0.0, "a2": 400.0})
+    for i, now in enumerate([1.0, 1.2, 1.4]):
+        edge.route(sibling(i), NS, now)
+    assert edge.migration_actions(1.4, exclude={"a0"}) == []

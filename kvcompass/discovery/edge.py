@@ -955,12 +955,13 @@ class Edge:
     def migration_actions(self, now: float, exclude: Collection[str] = ()) -> list[MigrationAction]:
         """Actions for the families that turned hot since the last call, each toward a
         persistently idle own-region worker not in ``exclude`` (a door's dead workers: an idle
-        estimate is the last reading, and a worker that died idle stays so; found in review);
-        none without one, none with migration off."""
+        estimate is the last reading, and a worker that died idle stays so; found in review),
+        and no copy from a source in ``exclude``; none without one, none with migration off."""
         if not self._params.migration or not self._planner.pending:
             return []  # nothing triggered since the last call: no idle scan needed
         idle = self._queues.idle_among(self._local_idx_arr, now, self._params.idle_window_s)
+        out: set[int] = set()
         if exclude:
             out = {self.worker_index(w) for w in exclude if w in self._index}
             idle = [i for i in idle if i not in out]
-        return self._planner.resolve(now, idle)
+        return self._planner.resolve(now, idle, out)

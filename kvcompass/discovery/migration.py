@@ -25,7 +25,7 @@ visible through the target's own KV events like any other insert.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Collection, Literal, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -157,15 +157,20 @@ class MigrationPlanner:
         """Triggers waiting for :meth:`resolve`."""
         return len(self._pending)
 
-    def resolve(self, now: float, idle: Sequence[int]) -> list[MigrationAction]:
+    def resolve(self, now: float, idle: Sequence[int], unavailable: Collection[int] = ()) -> list[MigrationAction]:
         """Turn pending triggers into actions toward persistently idle workers ``idle`` (own-region
-        indices); triggers with no eligible target are dropped (the next hot miss re-triggers)."""
+        indices); triggers with no eligible target are dropped (the next hot miss re-triggers),
+        and so is a copy whose source is ``unavailable`` (a door's dead worker: the copy would
+        fail and its family's cooldown would start for nothing)."""
         out: list[MigrationAction] = []
         if len(self._quiet_until) > 1024:
             self._quiet_until = {f: t for f, t in self._quiet_until.items() if t > now}
         pending, self._pending = self._pending, {}
         for fam, p in pending.items():
             if now - p.at > self._max_age or self.cooling(fam, now):
+                continue
+            if p.trigger.kind == "copy" and p.trigger.source in unavailable:
+                self.no_target += 1
                 continue
             cand = [i for i in idle if i != p.trigger.source and i not in p.trigger.holders]
             if not cand:
