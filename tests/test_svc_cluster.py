@@ -8,6 +8,7 @@ OpenAI-shaped; every process serves metrics and health; SIGTERM drains and exits
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -643,6 +644,10 @@ def test_a_killed_process_is_restarted_on_its_ports(cluster: Cluster) -> None:
     st, headers, _ = _post(door + "/v1/completions", {"model": MODEL, "prompt": _prompt(9, 64), "max_tokens": 2})
     assert st == 200 and headers["x-kvcompass-worker"]
     assert b"restarted edge-a" in cluster.log.read_bytes()
+    # The restart appends to the process's log (found in review: it truncated it, losing what
+    # the dead process had said about its end).
+    edge_log = (Path(cluster.state["run_dir"]) / "logs" / "edge-a.log").read_bytes()
+    assert edge_log.count(b"kvcompass up: starting edge-a") == 2
 
 
 
@@ -654,6 +659,42 @@ def test_sigterm_stops_the_whole_cluster(cluster: Cluster) -> None:
     assert time.monotonic() - t0 < 20
     assert not [p for p in pids if _alive(p)]
 
+
+
+def test_up_stops_with_the_process_that_started_it(tmp_path: Path) -> None:
+    """Found in review: `kvcompass up` started by another process (cluster-demo) did not watch
+    it, so a cluster-demo killed or SIGTERMed left the whole cluster running in a session of
+    its own. Here a parent starts up with KVCOMPASS_PARENT_PID naming itself and is killed."""
+    topo = tmp_path / "tiny.toml"
+    topo.write_text(TOPOLOGY)
+    state_file = tmp_path / "state.json"
+    up = _cmd("up", "--topology", str(topo), "--state-file", str(state_file), "--run-dir", str(tmp_path / "run"), "--time-scale", "0.02", "--drain-grace", "2")
+    parent_code = (
+        "import os, subprocess, sys, time\n"
+        "env = dict(os.environ, KVCOMPASS_PARENT_PID=str(os.getpid()))\n"
+        f"p = subprocess.Popen({up!r}, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    assert parent.stdout is not None
+    up_pid = int(parent.stdout.readline())
+    try:
+        deadline = time.monotonic() + 60
+        while not state_file.exists():
+            assert time.monotonic() < deadline, "cluster not up in 60 s"
+            time.sleep(0.1)
+        pids = list(json.loads(state_file.read_text())["pids"].values())
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 30
+        while _alive(up_pid) or [p for p in pids if _alive(p)]:
+            assert time.monotonic() < deadline, "kvcompass up outlived the process that started it"
+            time.sleep(0.2)
+    finally:
+        _reap(parent)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(up_pid, signal.SIGKILL)
 
 
 def test_cluster_demo_hold_keeps_the_cluster_up_and_prints_its_dashboards(tmp_path: Path) -> None:

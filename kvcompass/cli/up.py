@@ -24,8 +24,8 @@ def add_parsers(sub: Any) -> None:
     u.add_argument("--workers-per-region", type=int, default=None, metavar="K", help="start at most K workers of each region")
     u.add_argument("--max-workers", type=int, default=None, metavar="N", help="start at most N workers (spread over regions)")
     u.add_argument("--run-dir", default=None, metavar="DIR", help="logs, state and peer files (default: a temporary directory)")
-    u.add_argument("--startup-timeout", type=float, default=120.0, metavar="S")
-    u.add_argument("--drain-grace", type=float, default=15.0, metavar="S")
+    u.add_argument("--startup-timeout", type=_positive, default=120.0, metavar="S", help="seconds every process may take to say it is ready (> 0)")
+    u.add_argument("--drain-grace", type=_not_negative, default=15.0, metavar="S", help="seconds a stopping process may drain (>= 0)")
     u.add_argument("--no-auth", action="store_true", help="no per-worker credentials (any agent may claim any worker)")
     u.add_argument("--tls", action="store_true", help="mutual TLS on every hop with a CA made for this run (in RUN_DIR/secrets/pki)")
     u.add_argument("--open", action="store_true", help="doors without API keys: any client acts as any tenant it names (local experiments only)")
@@ -34,6 +34,23 @@ def add_parsers(sub: Any) -> None:
     u.add_argument("--tenants", default="", metavar="T1,T2,...", help="tenants besides the default one to make API keys for (all keys go to the state file's api_keys)")
 
     u.set_defaults(func=up_main)
+
+
+def _positive(text: str) -> float:
+    """argparse type: a finite number > 0 (found in review: a negative value was accepted and
+    only refused by each process it was handed to, which the supervisor then killed)."""
+    v = float(text)
+    if not (v > 0 and v < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return v
+
+
+def _not_negative(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    v = float(text)
+    if not (v >= 0 and v < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return v
 
 
 def _tenants(text: str) -> tuple[str, ...]:

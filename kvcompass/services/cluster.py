@@ -38,6 +38,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import ssl
 import sys
@@ -51,7 +52,7 @@ from typing import IO, Any
 import aiohttp
 
 from kvcompass.errors import UsageError
-from kvcompass.services.lifecycle import env_for_child, on_signals, stop_process_async
+from kvcompass.services.lifecycle import env_for_child, stop_on_signals, stop_process_async
 
 __all__ = ["Child", "ClusterConfig", "pick_workers", "run_cluster"]
 
@@ -245,7 +246,11 @@ class Cluster:
     async def spawn(self, name: str, role: str, argv: list[str], base: list[str] | None = None) -> Child:
         c = Child(name, role, argv, self.run_dir / "logs" / f"{name}.log", base=list(argv if base is None else base))
         c.log.parent.mkdir(parents=True, exist_ok=True)
-        c._logf = open(c.log, "wb")  # noqa: SIM115 - closed in _reap
+        # Appended to, with a line per start: a restart used to truncate the log, losing the
+        # crash that caused it (found in review). Closed by _retire (or stop).
+        c._logf = open(c.log, "ab")  # noqa: SIM115
+        c._logf.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} kvcompass up: starting {name}\n".encode())
+        c._logf.flush()
         c.proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=c._logf, env=env_for_child(), start_new_session=True
         )
@@ -290,8 +295,21 @@ class Cluster:
             self._supervising.add(task)
             task.add_done_callback(self._supervising.discard)
 
+    async def _retire(self, c: Child) -> None:
+        """A child that has ended: its log file closed and its entry dropped (found in review: a
+        file descriptor and an entry were kept per restart until the cluster stopped)."""
+        if c._drain is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(asyncio.shield(c._drain), 1.0)
+        if c._logf is not None:
+            c._logf.close()
+            c._logf = None
+        with contextlib.suppress(ValueError):
+            self.children.remove(c)
+
     async def _supervise(self, dead: Child) -> None:
         """Start ``dead`` again, on its ports, with backoff, within its restart budget."""
+        await self._retire(dead)
         times = self._restart_times.setdefault(dead.name, [])
         timeout = self.cfg.startup_timeout_s
         while not self.stopping:
@@ -320,6 +338,7 @@ class Cluster:
                     with contextlib.suppress(ProcessLookupError):
                         new.proc.kill()
                     await new.proc.wait()
+                await self._retire(new)
                 continue
             self.restarts[dead.name] = self.restarts.get(dead.name, 0) + 1
             assert new.proc is not None
@@ -333,7 +352,9 @@ class Cluster:
             return
         # Only processes that are up: a restart still starting keeps its predecessor's entry.
         live = {c.name: c.proc.pid for c in self.children if c.proc is not None and c.proc.returncode is None and c.ready}
-        self.state["pids"] = {**self.state.get("pids", {}), **live}
+        # A child left down has no pid to list (a script killing the listed pids could hit a
+        # reused one; found in review).
+        self.state["pids"] = {k: v for k, v in {**self.state.get("pids", {}), **live}.items() if k not in self.given_up}
         self.state["restarts"] = dict(self.restarts)
         self.state["left_down"] = list(self.given_up)
         if self.state_file is not None:
@@ -542,7 +563,10 @@ def format_endpoints(state: dict[str, Any]) -> str:
 async def run_cluster(cfg: ClusterConfig, stop: asyncio.Event | None = None) -> int:
     """Start the cluster, run until SIGINT/SIGTERM (or ``stop``), then stop it."""
     stop = stop if stop is not None else asyncio.Event()
-    with on_signals(stop.set):
+    # stop_on_signals also watches KVCOMPASS_PARENT_PID: `kvcompass up` started by another
+    # process (cluster-demo) stops with it, killed or not (found in review: a cluster-demo
+    # killed or SIGTERMed left its whole cluster running, in a session of its own).
+    async with stop_on_signals(stop):
         return await _run_cluster(cfg, stop)
 
 
@@ -551,7 +575,12 @@ async def _run_cluster(cfg: ClusterConfig, stop: asyncio.Event) -> int:
     own_dir = cfg.run_dir is None
     run_dir = Path(tempfile.mkdtemp(prefix="kvcompass-up-")) if cfg.run_dir is None else Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(cfg, run_dir)
+    try:
+        cluster = Cluster(cfg, run_dir)
+    except BaseException:
+        if own_dir:  # a bad topology or option: no temporary directory left behind
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     code = 0
     try:
         starting = loop.create_task(cluster.start())
@@ -580,7 +609,5 @@ async def _run_cluster(cfg: ClusterConfig, stop: asyncio.Event) -> int:
     finally:
         rc = await cluster.stop()
         if own_dir and code == 0 and rc == 0:
-            import shutil
-
             shutil.rmtree(run_dir, ignore_errors=True)
     return code or rc

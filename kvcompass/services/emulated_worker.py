@@ -801,10 +801,16 @@ class EmulatedWorker(AsyncResource):
         return _Request(chat, prompts, max_tokens, stream, include_usage, rid, salt, n)
 
 def _bind(sock: zmq.asyncio.Socket, endpoint: str | None, host: str) -> str:
-    if endpoint is None:
-        port = sock.bind_to_random_port(f"tcp://{host}")
-        return f"tcp://{host}:{port}"
-    sock.bind(endpoint)
+    """Bind ``sock`` (a random port on ``host`` without ``endpoint``). A ZMQ error is an
+    OSError naming the endpoint, which the command line answers in one line (found in review:
+    ZMQError is no OSError, and a port in use ended ``kvcompass worker`` with a traceback)."""
+    try:
+        if endpoint is None:
+            port = sock.bind_to_random_port(f"tcp://{host}")
+            return f"tcp://{host}:{port}"
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        raise OSError(e.errno, f"cannot bind the KV-event socket to {endpoint or f'tcp://{host}:*'}: {e}") from None
     last = sock.getsockopt(zmq.LAST_ENDPOINT)
     return last.decode() if isinstance(last, bytes) else str(last)
 
