@@ -132,18 +132,22 @@ def test_migration_ablation_emits_nothing() -> None:
     assert edge.migration_actions(1.2) == []
 
 
-def test_local_holder_losing_to_load_is_copied_within_the_region() -> None:
+def _local_holder_losing_to_load() -> Edge:
+    """a0 holds everything but is busy; a1 idle; a2 busy. b0 wins (50 ms) over a0 (301 ms), and
+    a0 would have won without its queue (1 ms): it lost to load, three times by t=1.4."""
     fleet = Fleet({"A": 3, "B": 1})
     for i in range(4):
         fleet.hold("a0", sibling(i), PLAN["A"])
         fleet.hold("b0", sibling(i), PLAN["B"])
-    # a0 holds everything but is busy; a1 idle; a2 busy. b0 wins (50 ms) over a0 (301 ms), and
-    # a0 would have won without its queue (1 ms): it lost to load.
     edge = fleet.edge(queues={"a0": 300.0, "a1": 0.0, "a2": 400.0})
     for i, now in enumerate([1.0, 1.2, 1.4]):
         d = edge.route(sibling(i), NS, now)
         assert (d.worker, d.local_match) == ("b0", 2048)
-    (a,) = edge.migration_actions(1.4)
+    return edge
+
+
+def test_local_holder_losing_to_load_is_copied_within_the_region() -> None:
+    (a,) = _local_holder_losing_to_load().migration_actions(1.4)
     assert (a.kind, a.source, a.target, a.length, a.target_tier) == ("copy", "a0", "a1", 2048, Tier.DRAM)
 
 
@@ -253,11 +257,4 @@ def test_migration_does_not_target_an_excluded_worker() -> None:
 def test_no_copy_comes_from_an_excluded_source() -> None:
     """Found in review: a copy's source (the local holder) was taken even when the door had
     excluded it as dead; the copy fails and the family's cooldown starts for nothing."""
-    fleet = Fleet({"A": 3, "B": 1})
-    for i in range(4):
-        fleet.hold("a0", sibling(i), PLAN["A"])
-        fleet.hold("b0", sibling(i), PLAN["B"])
-    edge = fleet.edge(queues={"a0": 300.0, "a1": 0.0, "a2": 400.0})
-    for i, now in enumerate([1.0, 1.2, 1.4]):
-        edge.route(sibling(i), NS, now)
-    assert edge.migration_actions(1.4, exclude={"a0"}) == []
+    assert _local_holder_losing_to_load().migration_actions(1.4, exclude={"a0"}) == []
