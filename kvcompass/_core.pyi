@@ -365,7 +365,9 @@ class LudoTable:
     def set_field(self, key: int, field: int, tier: int) -> int:
         """Set one worker's 2-bit tier field; returns the key's new value."""
     def apply_field_ops(self, keys: npt.NDArray[np.uint64], fields: npt.NDArray[np.uint32], tiers: npt.NDArray[np.uint8]) -> int:
-        """Validate then apply many field ops with the GIL released; returns how many."""
+        """Validate then apply many field ops with the GIL released; returns how many. A batch
+        that would take the table past its maximum at any point is refused whole
+        (CapacityError), nothing applied."""
     def apply_agent_ops(
         self,
         keys: npt.NDArray[np.uint64],

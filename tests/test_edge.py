@@ -619,3 +619,15 @@ def test_a_false_claim_reported_long_after_the_last_route_is_not_forgiven_by_the
     after = edge.belief("a0")
     edge.route(prompt(2), NS, 120.01)
     assert after < 0.6 and edge.belief("a0") == pytest.approx(after, abs=0.01)
+
+
+def test_a_draw_outside_zero_one_is_a_clear_error_not_a_panic() -> None:
+    """Found in review: EdgeCore.route indexed the near-best candidates with a draw of 1.0 past
+    their end (a PanicException); the edge's own generator never returns 1.0, a caller's may."""
+    from kvcompass.discovery.layout import IndexLayout, TableSpec, WorkerSpec
+
+    layout = IndexLayout((TableSpec(0, "A", ("a0", "a1")),), shards=1, fp_bits=8)
+    edge = Edge("A", layout, [WorkerSpec("a0", "A"), WorkerSpec("a1", "A")], {"A": [256]}, {"A": 2.0})
+    edge._draw = lambda: 1.0  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match=r"draw\(\) must return a number in \[0, 1\)"):
+        edge.route(list(range(10)), b"n" * 32, 1.0)

@@ -418,18 +418,15 @@ def test_capacity_error_at_the_hard_maximum() -> None:
     t.verify()
 
 
-def test_apply_field_ops_capacity_failure_keeps_the_applied_prefix_consistent() -> None:
-    # Documented in the core: growth cannot be validated up front, so ops before the failing
-    # one stay applied and are emitted; the table and its followers stay consistent.
+def test_apply_field_ops_capacity_failure_applies_nothing() -> None:
+    # A batch that would pass the maximum is refused whole (it used to apply a prefix and emit
+    # it; found in review): the table and its followers are as they were.
     t = kc.LudoTable(capacity=4, max_capacity=8)
     v = follower(t)
     keys = unique_keys(7, 40)
     with pytest.raises(E.CapacityError):
         t.apply_field_ops(keys, np.zeros(40, np.uint32), np.ones(40, np.uint8))
-    n = len(t)
-    assert 0 < n < 40
-    assert all(t.get(int(k)) == 1 for k in keys[:n])
-    assert all(t.get(int(k)) is None for k in keys[n:])
+    assert len(t) == 0 and all(t.get(int(k)) is None for k in keys)
     flush(t, v)
     assert v.state_bytes() == t.view_state()
     t.verify()
@@ -1294,3 +1291,29 @@ def test_memory_latency_probe_measures_and_refuses_nonsense() -> None:
         _core.bench_mem_latency_ns(4, 0)
     with pytest.raises(ValueError):
         _core.bench_mem_latency_ns(1 << 40)
+
+
+def test_field_ops_past_the_maximum_are_refused_before_any_applies() -> None:
+    """Found in review: a batch of field ops that would take the table past its maximum failed
+    mid-batch with what came before applied (and then shipped in the next patch)."""
+    t = kc.LudoTable(capacity=4, max_capacity=4, value_bits=32)
+    t.take_batch()
+    before = t.digest()
+    with pytest.raises(E.CapacityError):
+        t.apply_field_ops(np.arange(1, 11, dtype=np.uint64), np.zeros(10, np.uint32), np.ones(10, np.uint8))
+    assert len(t) == 0 and t.digest() == before and t.pending_ops == 0
+    # A batch whose removals make room first fits: the peak, not the count of inserts, decides.
+    t.apply_field_ops(np.arange(1, 5, dtype=np.uint64), np.zeros(4, np.uint32), np.ones(4, np.uint8))
+    t.apply_field_ops(np.array([1, 2, 5, 6], np.uint64), np.zeros(4, np.uint32), np.array([0, 0, 1, 1], np.uint8))
+    assert len(t) == 4
+
+
+def test_agent_ops_with_an_out_of_range_field_are_an_invalid_field() -> None:
+    """Found in review: near the maximum, an out-of-range field was reported as a capacity
+    failure (a shift past the value's bits in the capacity check)."""
+    t = kc.LudoTable(capacity=4, max_capacity=8, value_bits=32)
+    for i in range(1, 9):
+        t.set_field(i, 0, 1)
+    for field in (16, 40, 2**31):
+        with pytest.raises(E.InvalidFieldError):
+            t.apply_agent_ops(np.array([100], np.uint64), np.array([1], np.uint8), 0, 1, np.zeros(0, np.uint64), field, 8, True)

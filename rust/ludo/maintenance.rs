@@ -543,8 +543,15 @@ impl LudoTable {
                 return Err(CoreError::InvalidTier(tiers[i]));
             }
         }
-        // Growth cannot be validated up front without simulating the batch; a capacity failure
-        // mid-batch is reported and what was applied before it stays applied (and is emitted).
+        // A batch that would take the table past its maximum is refused before any op applies
+        // (found in review: it used to fail mid-batch with what came before applied and
+        // emitted). Only a batch that could reach the maximum is simulated.
+        if self.len() + keys.len() as u64 > self.cfg.max_capacity {
+            let peak = self.peak_len(keys, fields, tiers);
+            if peak > self.cfg.max_capacity {
+                return Err(CoreError::Capacity { needed: peak, max: self.cfg.max_capacity });
+            }
+        }
         // Pipeline the memory traffic: warm the lines op i+AHEAD will touch while op i runs,
         // so a batch costs about one cache miss per op in throughput instead of in latency.
         const AHEAD: usize = 8;
@@ -558,6 +565,26 @@ impl LudoTable {
             self.set_field(keys[i], fields[i], tiers[i])?;
         }
         Ok(keys.len())
+    }
+
+    /// The most keys the table would hold at any point while applying these field ops in
+    /// order (checked inputs): a key enters when its value goes from 0 to non-zero, leaves when
+    /// it goes back to 0.
+    pub fn peak_len(&self, keys: &[u64], fields: &[u32], tiers: &[u8]) -> u64 {
+        let mut vals: std::collections::HashMap<u64, u64> = std::collections::HashMap::with_capacity(keys.len());
+        let (mut n, mut peak) = (self.len(), self.len());
+        for i in 0..keys.len() {
+            let cur = *vals.entry(keys[i]).or_insert_with(|| self.get(keys[i]).unwrap_or(0));
+            let new = Self::with_field(cur, fields[i], tiers[i]);
+            if cur == 0 && new != 0 {
+                n += 1;
+                peak = peak.max(n);
+            } else if cur != 0 && new == 0 {
+                n -= 1;
+            }
+            vals.insert(keys[i], new);
+        }
+        peak
     }
 
     // ---- insertion internals ----------------------------------------------------------------

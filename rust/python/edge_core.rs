@@ -357,6 +357,10 @@ impl PyEdgeCore {
             1 => res.near[0] as usize,
             _ => {
                 let u: f64 = draw.call0()?.extract()?;
+                if !(0.0..1.0).contains(&u) {
+                    // Found in review: a draw of 1.0 indexed past the candidates (a panic).
+                    return Err(PyValueError::new_err(format!("EdgeCore.route: draw() must return a number in [0, 1), got {u}")));
+                }
                 res.near[(u * n as f64) as usize] as usize
             }
         };

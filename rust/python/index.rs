@@ -145,6 +145,12 @@ impl PyLudoTable {
         if shards == 0 {
             return Err(pyo3::exceptions::PyValueError::new_err("shards must be >= 1"));
         }
+        // The field first: a shift past the value's bits in the capacity check below reported an
+        // out-of-range field as a capacity failure (found in review).
+        let fields = self.with_table(|g| u32::from(g.value_bits()) / 2)?;
+        if field >= fields {
+            return Err(core_err(crate::error::CoreError::InvalidField { field, fields }));
+        }
         match first_bad(k, t, shard, shards) {
             Some(BadOp::Key(i)) => return Ok((1, i as u64, 0, 0)),
             Some(BadOp::Shard(i)) => return Ok((2, i as u64, 0, 0)),
@@ -156,23 +162,18 @@ impl PyLudoTable {
             return Ok((0, 0, ck.len(), cleared));
         }
         let write = |g: &mut LudoTable| -> crate::error::Result<(u8, u64)> {
-            // The core reports a capacity failure mid-batch after applying a prefix of it: refuse
-            // such a batch up front instead, counted exactly only near the maximum. Removals
-            // come first, so the table peaks after them.
+            // The caller's maximum (a unit's budget, at most the table's own) is checked here,
+            // with the core's own count of the batch's peak, only near it; the core refuses past
+            // the table's maximum before applying anything too. Removals come first, so the
+            // table peaks after them.
+            let fields = vec![field; ck.len()];
             if g.len() + ck.len() as u64 > max_capacity {
-                let (mut removes, mut inserts) = (0u64, 0u64);
-                for (&key, &tier) in ck.iter().zip(&ct) {
-                    let cur = g.get(key).unwrap_or(0);
-                    let new = LudoTable::with_field(cur, field, tier);
-                    removes += u64::from(cur != 0 && new == 0);
-                    inserts += u64::from(cur == 0 && new != 0);
-                }
-                let needed = g.len() - removes + inserts;
+                let needed = g.peak_len(&ck, &fields, &ct);
                 if needed > max_capacity {
                     return Ok((4, needed));
                 }
             }
-            g.apply_field_ops(&ck, &vec![field; ck.len()], &ct)?;
+            g.apply_field_ops(&ck, &fields, &ct)?;
             Ok((0, 0))
         };
         let (bad, at) = if ck.len() > 256 { py.detach(|| self.with_table(write))? } else { self.with_table(write)? }.map_err(core_err)?;
