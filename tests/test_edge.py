@@ -13,6 +13,7 @@ term were missing or wrong.
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -631,3 +632,14 @@ def test_a_draw_outside_zero_one_is_a_clear_error_not_a_panic() -> None:
     edge._draw = lambda: 1.0  # type: ignore[method-assign]
     with pytest.raises(ValueError, match=r"draw\(\) must return a number in \[0, 1\)"):
         edge.route(list(range(10)), b"n" * 32, 1.0)
+
+
+def test_a_non_finite_time_is_refused_before_it_leaves_anything_behind() -> None:
+    """Found in review: one route with now=NaN left speculative entries and a dispatch charge
+    that never expired (false claims and a busy-looking worker for good)."""
+    fleet = Fleet({"A": 2})
+    edge = fleet.edge("A", {"A": [256, 512]}, {"A": 2.0})
+    for bad in (math.nan, math.inf):
+        with pytest.raises(InvalidArgumentError, match="finite"):
+            edge.route(prompt(1), NS, bad)
+    assert edge.speculative_entries == 0

@@ -219,6 +219,13 @@ class _Behind:
     """A position (epoch, seq) the writer is known to have reached: repaired once the view is there."""
 
 
+def _check_now(now: float) -> None:
+    """A route's time must be finite: a NaN made speculative entries and dispatch charges that
+    never expire (found in review), false claims and a busy-looking worker for good."""
+    if not math.isfinite(now):
+        raise InvalidArgumentError(f"now must be a finite time in seconds, got {now!r}")
+
+
 def _prompt(tokens: npt.NDArray[np.uint32] | Sequence[int], namespace: Namespace | bytes) -> tuple[npt.NDArray[np.uint32], bytes]:
     """A prompt as the core takes it: a uint32 array and its namespace's digest."""
     return as_tokens(tokens), namespace.digest if isinstance(namespace, Namespace) else bytes(namespace)
@@ -667,6 +674,7 @@ class Edge:
         return self._route(tokens, namespace, now, exclude, effects=False)
 
     def _route(self, tokens: npt.NDArray[np.uint32] | Sequence[int], namespace: Namespace | bytes, now: float, exclude: Collection[str], *, effects: bool) -> Decision:
+        _check_now(now)
         toks, ns = _prompt(tokens, namespace)
         belief = self._belief_now(now)
         if self._all_eligible and not exclude:
@@ -717,6 +725,7 @@ class Edge:
         if not self._local_l[i]:
             raise InvalidArgumentError(f"handoff of {worker!r}: a worker of region {self._worker_region[i]!r}, not of this edge's region {self._region!r}")
         p = self._params
+        _check_now(now)
         toks, ns = _prompt(tokens, namespace)
         # Only own-region workers may take it: their tables alone are read (region 0 is ours).
         res = self._core.score(toks, ns, now, self._belief_now(now), True)
