@@ -17,6 +17,7 @@ threads, keep prometheus_client's classes (:mod:`kvcompass.services.metrics`).
 
 from __future__ import annotations
 
+import abc
 import math
 import re
 import time
@@ -98,7 +99,7 @@ class _HistogramChild:
 C = TypeVar("C", _CounterChild, _GaugeChild, _HistogramChild)
 
 
-class _Family(Generic[C]):
+class _Family(abc.ABC, Generic[C]):
     """A metric and its children by label values, registered in ``registry`` as a collector."""
 
     _type = ""
@@ -120,8 +121,9 @@ class _Family(Generic[C]):
             self._only = self._new()
         registry.register(self)
 
+    @abc.abstractmethod
     def _new(self) -> C:
-        raise NotImplementedError
+        """A fresh child (its value zero)."""
 
     def labels(self, *values: Any, **named: Any) -> C:
         """The child for these label values (positional in the metric's label order, or all by
@@ -152,8 +154,9 @@ class _Family(Generic[C]):
             raise ValueError(f"metric {self._name!r} has labels {list(self._labelnames)}: update a child from labels()")
         return c
 
+    @abc.abstractmethod
     def _samples(self, m: Metric, labels: dict[str, str], c: C) -> None:
-        raise NotImplementedError
+        """Add child ``c``'s samples under ``labels`` to ``m``."""
 
     def _family(self) -> Metric:
         return Metric(self._name, self._doc, self._type)
