@@ -7,7 +7,8 @@ the server had closed, and refuses header injection and non-HTTP URLs."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import pytest
@@ -62,6 +63,20 @@ async def _raw_server(handler: Handler) -> tuple[asyncio.Server, str]:
     srv = await asyncio.start_server(owned, "127.0.0.1", 0)
     port = srv.sockets[0].getsockname()[1]
     return srv, f"http://127.0.0.1:{port}"
+
+
+@asynccontextmanager
+async def _raw_pool(handler: Handler, **pool_kw: Any) -> AsyncIterator[tuple[UpstreamPool, str]]:
+    """A raw server running ``handler`` and a pool to it: ``(pool, base URL)``, both closed on
+    exit, the pool first."""
+    srv, base = await _raw_server(handler)
+    pool = UpstreamPool(**pool_kw)
+    try:
+        yield pool, base
+    finally:
+        await pool.close()
+        srv.close()
+        await srv.wait_closed()
 
 
 async def _read_request(reader: asyncio.StreamReader) -> bytes:
@@ -165,9 +180,7 @@ def test_a_body_cut_short_is_a_disconnect_and_the_connection_is_not_reused(run: 
         writer.close()
 
     async def main() -> None:
-        srv, base = await _raw_server(cut)
-        pool = UpstreamPool()
-        try:
+        async with _raw_pool(cut) as (pool, base):
             r = await pool.post(base + "/x", b"q", {})
             assert r.status == 200
             with pytest.raises(UpstreamDisconnected, match="before the answer was complete"):
@@ -175,10 +188,6 @@ def test_a_body_cut_short_is_a_disconnect_and_the_connection_is_not_reused(run: 
             assert not r.at_eof()
             r.close()
             assert not pool._free.get(("127.0.0.1", int(base.rsplit(":", 1)[1]), False))
-        finally:
-            await pool.close()
-            srv.close()
-            await srv.wait_closed()
 
     run(main())
 
@@ -194,18 +203,12 @@ def test_a_close_delimited_body_ends_at_the_close(run: Callable[[Coroutine[Any, 
         writer.write(b"world")
 
     async def main() -> None:
-        srv, base = await _raw_server(until_close)
-        pool = UpstreamPool(read_timeout_s=5)
-        try:
+        async with _raw_pool(until_close, read_timeout_s=5) as (pool, base):
             r = await pool.post(base + "/x", b"", {})
             assert r.status == 200 and not r.keep_alive
             assert await r.read() == b"hello world" and r.at_eof()
             r.release()
             assert not any(pool._free.values())
-        finally:
-            await pool.close()
-            srv.close()
-            await srv.wait_closed()
 
     run(main())
 
@@ -217,15 +220,9 @@ def test_garbage_instead_of_http_is_a_disconnect(run: Callable[[Coroutine[Any, A
         await writer.drain()
 
     async def main() -> None:
-        srv, base = await _raw_server(junk)
-        pool = UpstreamPool()
-        try:
+        async with _raw_pool(junk) as (pool, base):
             with pytest.raises(UpstreamDisconnected, match="not HTTP"):
                 await pool.post(base + "/x", b"", {})
-        finally:
-            await pool.close()
-            srv.close()
-            await srv.wait_closed()
 
     run(main())
 
@@ -241,18 +238,14 @@ def test_a_stalled_body_times_out_per_read(run: Callable[[Coroutine[Any, Any, An
         writer.close()
 
     async def main() -> None:
-        srv, base = await _raw_server(stall)
-        pool = UpstreamPool(read_timeout_s=0.2)
-        try:
-            r = await pool.post(base + "/x", b"", {})
-            with pytest.raises(TimeoutError):
-                await r.read()
-            r.close()
-        finally:
-            release.set()
-            await pool.close()
-            srv.close()
-            await srv.wait_closed()
+        async with _raw_pool(stall, read_timeout_s=0.2) as (pool, base):
+            try:
+                r = await pool.post(base + "/x", b"", {})
+                with pytest.raises(TimeoutError):
+                    await r.read()
+                r.close()
+            finally:
+                release.set()
 
     run(main())
 
@@ -306,9 +299,7 @@ def test_a_reused_connection_the_server_closed_is_retried_once_on_a_fresh_one(ru
         writer.transport.abort()
 
     async def main() -> None:
-        srv, base = await _raw_server(one_then_close)
-        pool = UpstreamPool()
-        try:
+        async with _raw_pool(one_then_close) as (pool, base):
             r = await pool.post(base + "/x", b"", {})
             assert await r.read() == b"ok"
             r.release()
@@ -316,10 +307,6 @@ def test_a_reused_connection_the_server_closed_is_retried_once_on_a_fresh_one(ru
             r = await pool.post(base + "/x", b"", {})
             assert await r.read() == b"ok"
             r.release()
-        finally:
-            await pool.close()
-            srv.close()
-            await srv.wait_closed()
         assert served == 2
 
     run(main())
@@ -356,9 +343,7 @@ def test_a_whole_body_larger_than_the_read_buffer_arrives(run: Callable[[Corouti
         await _read_request(reader)  # the connection is reused for the next one
 
     async def main() -> None:
-        srv, base = await _raw_server(answer)
-        pool = UpstreamPool(read_timeout_s=5.0)
-        try:
+        async with _raw_pool(answer, read_timeout_s=5.0) as (pool, base):
             r = await pool.post(base + "/x", b"q", {})
             assert await r.read() == big and r.at_eof()
             r.release()
@@ -367,10 +352,6 @@ def test_a_whole_body_larger_than_the_read_buffer_arrives(run: Callable[[Corouti
             with pytest.raises(UpstreamTooLarge, match="exceeds 1048576 bytes"):
                 await r.read(limit=1 << 20)
             r.close()
-        finally:
-            await pool.close()
-            srv.close()
-            await srv.wait_closed()
 
     run(main())
 
@@ -384,15 +365,9 @@ def test_an_endless_answer_head_is_refused(run: Callable[[Coroutine[Any, Any, An
             await writer.drain()
 
     async def main() -> None:
-        srv, base = await _raw_server(endless)
-        pool = UpstreamPool(read_timeout_s=5.0)
-        try:
+        async with _raw_pool(endless, read_timeout_s=5.0) as (pool, base):
             with pytest.raises(UpstreamDisconnected, match="head exceeds"):
                 await pool.post(base + "/x", b"q", {})
-        finally:
-            await pool.close()
-            srv.close()
-            await srv.wait_closed()
 
     run(main())
 
@@ -420,30 +395,26 @@ def test_the_head_deadline_counts_from_the_call_and_ends_only_a_late_answer(run:
             await writer.drain()
 
     async def main() -> None:
-        srv, base = await _raw_server(handler)
-        pool = UpstreamPool(limit=1)
         loop = asyncio.get_running_loop()
-        try:
-            t0 = loop.time()
-            with pytest.raises(TimeoutError, match="no answer head within 0.15 s"):
-                await pool.post(base + "/silent", b"", {}, head_timeout=0.15)
-            assert 0.14 <= loop.time() - t0 < 1.0
-            assert pool._free == {} or all(not c for c in pool._free.values())  # not kept for reuse
+        async with _raw_pool(handler, limit=1) as (pool, base):
+            try:
+                t0 = loop.time()
+                with pytest.raises(TimeoutError, match="no answer head within 0.15 s"):
+                    await pool.post(base + "/silent", b"", {}, head_timeout=0.15)
+                assert 0.14 <= loop.time() - t0 < 1.0
+                assert pool._free == {} or all(not c for c in pool._free.values())  # not kept for reuse
 
-            r = await pool.post(base + "/x", b"", {}, head_timeout=0.1)
-            assert await r.read() == b"abc"  # read 0.25 s in, past the head deadline
-            r.release()
+                r = await pool.post(base + "/x", b"", {}, head_timeout=0.1)
+                assert await r.read() == b"abc"  # read 0.25 s in, past the head deadline
+                r.release()
 
-            # The one slot is held: the wait for it is part of the deadline, said as such.
-            held = await pool.post(base + "/x", b"", {}, head_timeout=1.0)
-            with pytest.raises(TimeoutError, match="no connection slot"):
-                await pool.post(base + "/x", b"", {}, head_timeout=0.05)
-            assert await held.read() == b"abc"
-            held.release()
-        finally:
-            release.set()
-            await pool.close()
-            srv.close()
-            await srv.wait_closed()
+                # The one slot is held: the wait for it is part of the deadline, said as such.
+                held = await pool.post(base + "/x", b"", {}, head_timeout=1.0)
+                with pytest.raises(TimeoutError, match="no connection slot"):
+                    await pool.post(base + "/x", b"", {}, head_timeout=0.05)
+                assert await held.read() == b"abc"
+                held.release()
+            finally:
+                release.set()
 
     run(main())
