@@ -735,7 +735,10 @@ class FrontDoor:
                 param = "messages" if chat else ("prompt" if batch is None else f"prompt[{i}]")
                 raise OpenAIError(400, f"the prompt has {len(tokens)} tokens; this edge accepts at most {cfg.max_prompt_tokens}", param, "context_length_exceeded")
 
-        if "cache_salt" in body and body["cache_salt"] != (TENANT_SALT_PREFIX + tenant if tenant != cfg.default_tenant else None):
+        # The engine keeps tenants' KV apart by salt (no cross-tenant reuse, no timing side
+        # channel); the worker's agent keys salted chains in the tenant's namespace.
+        salt = TENANT_SALT_PREFIX + tenant if tenant != cfg.default_tenant else None
+        if "cache_salt" in body and body["cache_salt"] != salt:
             # Only the salt this door would set itself for the request's tenant passes: another
             # region's door hands a tenant's request over with it already in the body (found in
             # review: every such hand-off was refused 400), and any other value would let a
@@ -748,10 +751,8 @@ class FrontDoor:
             # The usage chunk is where a stream reports cached_tokens; ask for it, strip it later
             # (a batch's streams always report it: the door sums them into one).
             extra["stream_options"] = {**(opts or {}), "include_usage": True}
-        if tenant != cfg.default_tenant:
-            # The engine keeps tenants' KV apart by salt (no cross-tenant reuse, no timing side
-            # channel); the worker's agent keys salted chains in the tenant's namespace.
-            extra["cache_salt"] = TENANT_SALT_PREFIX + tenant
+        if salt is not None:
+            extra["cache_salt"] = salt
         if batch is not None:
             raws = [json.dumps({**body, **extra, "prompt": p}).encode() for p in batch]
         elif extra:
