@@ -247,11 +247,15 @@ def child_door(spec: dict[str, Any]) -> None:
 class Child:
     """A child process of this script; :meth:`start` waits for its READY line."""
 
-    def __init__(self, kind: str, spec: dict[str, Any]) -> None:
+    def __init__(self, kind: str, spec: dict[str, Any], repo: Path | None = None) -> None:
+        """``repo``: another checkout whose bench script and package the child runs (its code
+        first on the path; benches/door_ab.py compares two builds so); default this one."""
         self.kind = kind
+        root = REPO if repo is None else repo.resolve()
+        env = None if repo is None else dict(os.environ, PYTHONPATH=str(root))
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--child", kind, json.dumps(spec)],
-            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=REPO,
+            [sys.executable, str(root / "benches" / "bench_service.py"), "--child", kind, json.dumps(spec)],
+            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=root, env=env,
         )
         self.info: dict[str, Any] = {}
 

@@ -20,31 +20,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 from _provenance import git_info
 from bench_door import _Backend, _pool_post, _prompts
-from bench_service import DOOR_HOLDER, DOOR_REGION, MODEL, TOPOLOGY, pct, post_once, rnd
+from bench_service import DOOR_HOLDER, DOOR_REGION, MODEL, TOPOLOGY, Child, pct, post_once, rnd
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _start(repo: Path, spec: dict[str, Any]) -> tuple[subprocess.Popen[str], str]:
-    """bench_service's door child of the checkout ``repo``, its code first on the path."""
-    env = dict(os.environ, PYTHONPATH=str(repo))
-    p = subprocess.Popen(
-        [sys.executable, str(repo / "benches" / "bench_service.py"), "--child", "door", json.dumps(spec)],
-        stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=repo, env=env,
-    )
-    assert p.stdout is not None
-    for line in p.stdout:
-        if line.startswith("READY "):
-            return p, json.loads(line[6:])["url"]
-    raise RuntimeError(f"the door of {repo} exited before it was ready (code {p.wait()})")
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -59,12 +41,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     pool = UpstreamPool(keepalive_s=60.0)
     post = _pool_post(pool)
     spec = {"topology": TOPOLOGY, "region": DOOR_REGION, "holder": DOOR_HOLDER, "prompts": [tok.encode(t).tolist() for t in texts], "worker_url": urls[0]}
-    procs: list[subprocess.Popen[str]] = []
+    doors: list[Child] = []
     try:
-        pa, ua = await asyncio.to_thread(_start, args.base.resolve(), spec)
-        procs.append(pa)
-        pb, ub = await asyncio.to_thread(_start, REPO, spec)
-        procs.append(pb)
+        doors.append(Child("door", spec, repo=args.base))
+        ua = (await asyncio.to_thread(doors[-1].wait_ready))["url"]
+        doors.append(Child("door", spec))
+        ub = (await asyncio.to_thread(doors[-1].wait_ready))["url"]
         paths = [("direct", urls[0]), ("a", ua), ("b", ub)]
         lat: dict[str, list[float]] = {name: [] for name, _ in paths}
         for i in range(args.warmup + args.pairs):
@@ -74,9 +56,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 if i >= args.warmup:
                     lat[name].append(ms)
     finally:
-        for p in procs:
-            p.terminate()
-            p.wait(10)
+        for door in doors:
+            door.stop(10)
         await pool.close()
         await backend.close()
     out: dict[str, Any] = {"pairs": args.pairs, "base": str(args.base)}
