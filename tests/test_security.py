@@ -892,3 +892,211 @@ def test_queue_reports_past_a_day_are_refused() -> None:
             edge.set_local_queue("us-0", bad, 1.0)
     edge.on_broadcast("eu", {"eu-0": 86_400_000.0}, 1.0)
     assert edge.queue_estimate("eu-0") == 86_400_000.0
+
+
+def test_only_the_deployments_doors_may_report_queue_vectors_with_outcomes() -> None:
+    # Review, twenty-fourth session: a tenant's key reported one real outcome with a queue
+    # vector setting every eu worker to a day, and every other tenant's routing left eu.
+    from kvcompass.services.api_keys import ANY_TENANT, ApiKey, KeyStore
+
+    async def go() -> None:
+        keys = KeyStore.of({"k-t": ApiKey("t", (NS.tenant,)), "k-door": ApiKey("door", (ANY_TENANT,))})
+        async with edge_stub(keys=keys, models=(NS.model,)) as (edge, stub):
+            for w in edge.workers:  # the own region busy: routes go to another region's worker
+                if w.startswith("us-"):
+                    edge.set_local_queue(w, 1e6, 1.0)
+            for key in ("k-t", "k-door"):
+                md = {"authorization": f"Bearer {key}"}
+                r = await stub.route(RouteRequest(tokens=np.arange(300, dtype="<u4").tobytes(), namespace=NS.digest), metadata=md)
+                assert r.region != "us"
+                vec = {w: 86_400_000.0 for w in edge.workers if w.startswith(r.region + "-")}
+                before = {w: edge.queue_estimate(w) for w in vec}
+                assert max(before.values()) < 86_400_000.0
+                if key == "k-t":
+                    with pytest.raises(GRPCError) as ei:
+                        await stub.report_outcome(OutcomeRequest(worker=r.worker, reused_tokens=0, route_id=r.route_id, queue_vector=vec), metadata=md)
+                    assert ei.value.status is Status.PERMISSION_DENIED and "queue_vector" in (ei.value.message or "")
+                    assert {w: edge.queue_estimate(w) for w in vec} == before and edge.stats.responses == 0
+                    # Without the vector the tenant's outcome counts as before.
+                    await stub.report_outcome(OutcomeRequest(worker=r.worker, reused_tokens=0, route_id=r.route_id), metadata=md)
+                    assert edge.stats.responses == 1
+                else:  # the doors' own key (any tenant) carries vectors, as the doors do
+                    await stub.report_outcome(OutcomeRequest(worker=r.worker, reused_tokens=0, route_id=r.route_id, queue_vector=vec), metadata=md)
+                    assert all(edge.queue_estimate(w) >= 86_400_000.0 for w in vec)
+
+    run(go())
+
+
+def test_an_any_tenant_key_limited_to_models_routes_in_no_namespace_over_grpc() -> None:
+    # Review: such a key routed in every model's namespace (a digest does not say its model).
+    from kvcompass.services.api_keys import ANY_TENANT, ApiKey, KeyStore
+
+    async def go() -> None:
+        keys = KeyStore.of({"k-any": ApiKey("any", (ANY_TENANT,)), "k-any-m": ApiKey("anym", (ANY_TENANT,), ("other-model",))})
+        async with edge_stub(keys=keys, models=(NS.model,)) as (edge, stub):
+            req = RouteRequest(tokens=np.arange(300, dtype="<u4").tobytes(), namespace=NS.digest, lookup_only=True)
+            assert (await stub.route(req, metadata={"authorization": "Bearer k-any"})).worker
+            with pytest.raises(GRPCError) as ei:
+                await stub.route(req, metadata={"authorization": "Bearer k-any-m"})
+            assert ei.value.status is Status.PERMISSION_DENIED
+
+    run(go())
+
+
+def test_an_edge_with_keys_and_no_peer_token_keeps_its_queue_exchange_closed() -> None:
+    # Review: keys on Route and ReportOutcome left ExchangeQueues open to anyone.
+    from kvcompass.services.api_keys import ApiKey, KeyStore
+
+    async def go() -> None:
+        keys = KeyStore.of({"k": ApiKey("t", (NS.tenant,))})
+        async with edge_stub(keys=keys, models=(NS.model,)) as (edge, stub):
+            with pytest.raises(GRPCError) as ei:
+                await stub.exchange_queues(QueueVector(region="eu", queues={"eu-0": 777.0}))
+            assert ei.value.status is Status.UNAUTHENTICATED and "--peer-key-file" in (ei.value.message or "")
+            assert edge.queue_estimate("eu-0") == 0.0
+        async with edge_stub() as (edge, stub):  # an open edge stays open
+            await stub.exchange_queues(QueueVector(region="eu", queues={"eu-0": 7.0}))
+            assert edge.queue_estimate("eu-0") == 7.0
+
+    run(go())
+
+
+def test_queue_vectors_from_unknown_regions_are_refused_and_kept_nowhere() -> None:
+    # Review: each made-up region name kept a vector layout (2 KB a call, without bound).
+    plane = LocalPlane(load_topology("testbed-14x3"), seed=3)
+    edge = plane.edges["us"]
+    for i in range(50):
+        with pytest.raises(InvalidArgumentError, match="unknown region"):
+            edge.on_broadcast(f"mars-{i}", {"eu-0": 1.0}, 1.0)
+    assert len(edge._vector_ids) == 0
+    edge.on_broadcast("eu", {"eu-0": 3.0}, 1.0)
+    assert edge.queue_estimate("eu-0") == 3.0
+
+
+def test_one_callers_unreported_routes_evict_its_own_not_another_tenants() -> None:
+    # Review: 65,536 routes of one key made every other tenant's outcome NOT_FOUND.
+    async def go() -> None:
+        plane = LocalPlane(load_topology("testbed-14x3"), seed=3)
+        svc = EdgeService(plane.edges["us"], clock=lambda: 1.0, open_routes=50)
+        req = RouteRequest(tokens=np.arange(300, dtype="<u4").tobytes(), namespace=NS.digest)
+        victim = await svc._route(req, "victim")
+        for _ in range(200):
+            await svc._route(req, "flood")
+        assert svc.open_routes == 50
+        ok = await svc._outcome(OutcomeRequest(worker=victim.worker, reused_tokens=0, route_id=victim.route_id), "victim")
+        assert ok.belief > 0
+        assert svc.open_routes == 49 and "victim" not in svc._open_by
+
+    run(go())
+
+
+def test_empty_truncated_and_silent_calls_are_invalid_argument_not_unknown_or_held() -> None:
+    # Review: an empty or cut message answered UNKNOWN (a failed assert), and a call that sent
+    # its headers alone held its handler forever, on any server of the plane.
+    import struct
+
+    from grpclib.encoding.proto import ProtoCodec
+
+    from kvcompass._proto.kvcompass.v1 import RouteResponse
+
+    from kvcompass.services.wire import ROUTE_PATH
+
+    async def go() -> None:
+        plane = LocalPlane(load_topology("testbed-14x3"), seed=3)
+        svc = EdgeService(plane.edges["us"], clock=lambda: 1.0)
+        async with EdgeServer(svc) as server:
+            host, port = (await server.start("127.0.0.1", 0)).rsplit(":", 1)
+            ch = Channel(host, int(port), codec=ProtoCodec())
+            try:
+                good = bytes(RouteRequest(tokens=np.arange(10, dtype="<u4").tobytes(), namespace=NS.digest))
+                for raw in (None, b"\x00\x00", struct.pack(">?I", False, len(good)) + good[:5]):
+                    with pytest.raises(GRPCError) as ei:
+                        async with ch.request(ROUTE_PATH, Cardinality.STREAM_UNARY, RouteRequest, RouteResponse, timeout=5) as st:
+                            if raw is None:  # the request stream ends with no message
+                                await st.send_request(end=True)
+                            else:
+                                await st.send_request()
+                                await st._stream.send_data(raw, end_stream=True)
+                            await st.recv_message()
+                    assert ei.value.status is Status.INVALID_ARGUMENT, (raw, ei.value.message)
+            finally:
+                ch.close()
+            assert sample(server.metrics.registry, "kvcompass_rpc_errors_total", role="edge", status="UNKNOWN") in (None, 0.0)
+
+    run(go())
+
+
+def test_a_call_that_never_sends_its_request_is_refused_after_the_deadline() -> None:
+    from kvcompass._proto.kvcompass.v1 import RouteResponse
+    from kvcompass.services import grpc_lifecycle
+    from kvcompass.services.wire import ROUTE_PATH
+
+    async def go() -> None:
+        plane = LocalPlane(load_topology("testbed-14x3"), seed=3)
+        svc = EdgeService(plane.edges["us"], clock=lambda: 1.0)
+        server = grpc_lifecycle.DrainingServer([svc], request_timeout_s=0.2)
+        await server.start("127.0.0.1", 0)
+        port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        ch = Channel("127.0.0.1", port)
+        try:
+            with pytest.raises(GRPCError) as ei:
+                async with ch.request(ROUTE_PATH, Cardinality.STREAM_UNARY, RouteRequest, RouteResponse, timeout=5) as st:
+                    await st.send_request()  # headers, then nothing
+                    await st.recv_message()
+            assert ei.value.status is Status.INVALID_ARGUMENT and "within" in (ei.value.message or "")
+        finally:
+            ch.close()
+            await server.shut()
+
+    run(go())
+
+
+def test_a_keys_file_burst_below_one_request_is_refused(tmp_path: Path) -> None:
+    # Review: a burst of 0.5 was accepted and then refused every request for good, each with a
+    # Retry-After that never came true.
+    import hashlib
+    import json
+
+    from kvcompass.services.api_keys import KeyStore
+
+    def keys_file(burst: float) -> Path:
+        p = tmp_path / f"keys-{burst}.json"
+        p.write_text(json.dumps({"keys": [{"name": "k", "sha256": hashlib.sha256(b"secret").hexdigest(), "tenants": ["t"], "rate_per_s": 2.0, "burst": burst}]}))
+        return p
+
+    with pytest.raises(InvalidArgumentError, match="'burst' must be a number >= 1"):
+        KeyStore.load(keys_file(0.5))
+    store = KeyStore.load(keys_file(1.0))
+    key = store.authenticate("Bearer secret")
+    assert key is not None and store.admit(key, 0.0) == 0.0
+
+
+def test_a_peer_edges_undecodable_answer_counts_as_a_failure_and_broadcasts_go_on() -> None:
+    # Review: one answer the client could not decode (KeyError from betterproto) ended the
+    # broadcast loop for good, and close() then raised past closing the channels.
+    async def go() -> None:
+        plane = LocalPlane(load_topology("testbed-14x3"), seed=3)
+        us = plane.edges["us"]
+        bc = QueueBroadcaster(us, {"eu": "127.0.0.1:9", "asia": "127.0.0.1:9"}, clock=lambda: 10.0)
+        calls: list[str] = []
+
+        async def bad(*a: Any, **kw: Any) -> QueueVector:
+            calls.append("x")
+            raise KeyError("map")
+
+        for stub in bc._stubs.values():
+            stub.exchange_queues = bad  # type: ignore[method-assign]
+        closed: list[bool] = []
+        bc._channels.close = lambda: closed.append(True)  # type: ignore[method-assign]
+        await bc.start()
+        try:
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if bc.failed >= 2:
+                    break
+            assert bc.failed >= 2 and calls and bc._task is not None and not bc._task.done()
+        finally:
+            await bc.close()
+        assert closed == [True]
+
+    run(go())

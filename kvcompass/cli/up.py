@@ -72,10 +72,10 @@ def up_main(args: argparse.Namespace) -> int:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    for name in ("key_rate", "key_burst"):
-        v = getattr(args, name)
-        if v is not None and not (math.isfinite(v) and v > 0):
-            raise UsageError(f"--{name.replace('_', '-')} must be a number > 0, got {v}")
+    if args.key_rate is not None and not (math.isfinite(args.key_rate) and args.key_rate > 0):
+        raise UsageError(f"--key-rate must be a number > 0, got {args.key_rate}")
+    if args.key_burst is not None and not (math.isfinite(args.key_burst) and args.key_burst >= 1):
+        raise UsageError(f"--key-burst must be a number >= 1 (a request), got {args.key_burst}")
     if args.key_burst is not None and args.key_rate is None:
         raise UsageError("--key-burst needs --key-rate")
     if args.open and args.key_rate is not None:

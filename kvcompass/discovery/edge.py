@@ -333,7 +333,8 @@ class Edge:
         # their settle lags)
         self._vector_ids: dict[str, tuple[tuple[str, ...], npt.NDArray[np.int64], int, npt.NDArray[np.int64] | None, npt.NDArray[np.float64]]] = {}
         self._belief = CacheBelief(n, params.belief_weight, params.belief_initial)
-        others = sorted({r for r in rtt_ms if r != region} | {r for r in regions if r != region})
+        self._known_regions = frozenset(rtt_ms) | frozenset(regions)
+        others = sorted({r for r in self._known_regions if r != region})
         self._broadcast = BroadcastSchedule(others, params.broadcast_period_s)
         self._hotness = HotnessTracker(params.hot_misses, params.hot_window_s)
         self._planner = MigrationPlanner(self._ids, self._worker_region, params.migration_cooldown_s, params.hot_window_s, self._rng)
@@ -826,9 +827,13 @@ class Edge:
         self._belief.observe(i, claimed, reused)
 
     def on_broadcast(self, region: str, vector: Mapping[str, float], now: float) -> None:
-        """A periodic queue vector from ``region`` (our own region's is ignored: it is read live)."""
+        """A periodic queue vector from ``region`` (our own region's is ignored: it is read live).
+        A region this edge does not know is refused: each region's vector layout is kept, so
+        made-up names grew the edge without bound (found in review)."""
         if region == self._region:
             return
+        if region not in self._known_regions:
+            raise InvalidArgumentError(f"queue vector from unknown region {region!r}")
         self._fold_vector(region, vector, now)
 
     def _fold_vector(self, region: str, vector: Mapping[str, float], now: float) -> None:

@@ -163,9 +163,11 @@ def _parse(doc: Any, where: str) -> dict[str, ApiKey]:
         if models is not None and (not isinstance(models, list) or not all(isinstance(m, str) for m in models)):
             raise InvalidArgumentError(f"{at}: 'models' must be a list of model names")
         rate, burst = e.get("rate_per_s"), e.get("burst")
-        for label, v in (("rate_per_s", rate), ("burst", burst)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
-                raise InvalidArgumentError(f"{at}: '{label}' must be a number > 0")
+        # A burst below one request never holds a whole request: every one would be refused,
+        # each with a Retry-After that never comes true (found in review).
+        for label, v, least in (("rate_per_s", rate, 0.0), ("burst", burst, 1.0)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0 or v < least):
+                raise InvalidArgumentError(f"{at}: '{label}' must be a number " + ("> 0" if least == 0 else f">= {least:g}"))
         names.add(name)
         out[digest] = ApiKey(name, tuple(tenants), None if models is None else tuple(models), None if rate is None else float(rate), None if burst is None else float(burst))
     return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import math
 import secrets
 import ssl
@@ -48,12 +49,15 @@ from kvcompass.services.api_keys import ANY_TENANT, ApiKey, KeyStore
 from kvcompass.services.grpc_lifecycle import DrainingServer, OwnedChannels
 from kvcompass.services.lifecycle import AsyncResource, hostport
 from kvcompass.services.metrics import MetricsServer, Route, ServiceMetrics
+from kvcompass.services.codec import recv_request
 from kvcompass.services.status import grpc_error
 from kvcompass.services.wire import EXCHANGE_PATH, OUTCOME_PATH, PEER_TOKEN_HEADER, ROUTE_PATH
 
 __all__ = ["Clock", "EdgeServer", "EdgeService", "QueueBroadcaster"]
 
 Clock = Callable[[], float]
+
+_log = logging.getLogger(__name__)
 
 MAX_PROMPT_TOKENS = 1 << 21
 OPEN_ROUTES = 1 << 16
@@ -95,8 +99,12 @@ class EdgeService(EdgeBase):
         if open_routes < 1:
             raise ValueError(f"open_routes must be >= 1, got {open_routes}")
         # The routes this edge decided whose outcome has not been reported: route id ->
-        # (worker, claimed tokens, prompt tokens), oldest first, at most open_routes of them.
-        self._open: OrderedDict[int, tuple[str, int, int, str | None]] = OrderedDict()
+        # (worker, claimed tokens, prompt tokens, caller), at most open_routes of them; and
+        # each caller's, oldest first. Past the limit the caller holding the most loses its
+        # oldest: one key routing without reporting forgets its own routes, not every other
+        # tenant's (found in review: one global order let any key evict the rest).
+        self._open: dict[int, tuple[str, int, int, str | None]] = {}
+        self._open_by: dict[str | None, OrderedDict[int, None]] = {}
         self._open_max = open_routes
 
     def __mapping__(self) -> dict[str, Handler]:
@@ -124,10 +132,12 @@ class EdgeService(EdgeBase):
 
     def _allowed(self, key: ApiKey, namespace: bytes) -> bool:
         """Whether ``key`` may act in ``namespace`` (a digest of one of its models and tenants;
-        any for an any-tenant key)."""
+        any for an any-tenant key with no model list). An any-tenant key limited to models may
+        act in none: a namespace is a digest of model and tenant, so which model it names cannot
+        be read off it (found in review: such a key routed in every model's namespace)."""
         if key not in self._namespaces:
             if ANY_TENANT in key.tenants:
-                self._namespaces[key] = None
+                self._namespaces[key] = None if key.models is None else frozenset()
             else:
                 models = key.models if key.models is not None else self._models
                 self._namespaces[key] = frozenset(namespace_digest(m, t) for m in models for t in key.tenants)
@@ -136,25 +146,32 @@ class EdgeService(EdgeBase):
 
     async def _rpc_route(self, stream: Stream[RouteRequest, RouteResponse]) -> None:
         key = self._caller(stream)  # type: ignore[arg-type]
-        request = await stream.recv_message()
-        assert request is not None
+        request = await recv_request(stream, RouteRequest)
         if key is not None and not self._allowed(key, bytes(request.namespace)):
             raise grpc_error(NotAllowedError("this API key may not route in that namespace (not one of its tenants' and models')", code="namespace_not_allowed"))
         await stream.send_message(await self._route(request, None if key is None else key.name))
 
     async def _rpc_outcome(self, stream: Stream[OutcomeRequest, OutcomeResponse]) -> None:
         key = self._caller(stream)  # type: ignore[arg-type]
-        request = await stream.recv_message()
-        assert request is not None
+        request = await recv_request(stream, OutcomeRequest)
+        # A queue vector moves every tenant's estimates of a whole region, so only the
+        # deployment's own doors (an any-tenant key) may send one with an outcome (found in
+        # review: any tenant's key could set a remote region's queues to a day).
+        if key is not None and request.queue_vector and ANY_TENANT not in key.tenants:
+            raise grpc_error(NotAllowedError("queue_vector: only the deployment's doors (an any-tenant key) may report queue estimates; send the outcome without it", code="queue_vector_not_allowed"))
         await stream.send_message(await self._outcome(request, None if key is None else key.name))
 
     async def _rpc_exchange(self, stream: Stream[QueueVector, QueueVector]) -> None:
+        if self._peer_token is None and self._keys is not None:
+            # Keys on Route and ReportOutcome but none on the exchange would leave the one call
+            # that moves every tenant's estimates open (found in review): an edge with keys
+            # exchanges queues only with peers holding the deployment's peer token.
+            raise grpc_error(UnauthenticatedError("ExchangeQueues is closed on an edge with API keys and no peer token: start the edges with --peer-key-file"))
         if self._peer_token is not None:
             got = stream.metadata.get(PEER_TOKEN_HEADER) if stream.metadata is not None else None
             if not isinstance(got, str) or not hmac.compare_digest(got.encode(), self._peer_token.encode()):
                 raise grpc_error(UnauthenticatedError(f"ExchangeQueues is for this deployment's edges: bad or missing {PEER_TOKEN_HEADER}"))
-        request = await stream.recv_message()
-        assert request is not None
+        request = await recv_request(stream, QueueVector)
         await stream.send_message(await self.exchange_queues(request))
 
     def message_limits(self) -> dict[type, int]:
@@ -191,8 +208,10 @@ class EdgeService(EdgeBase):
         if not route_request.lookup_only:
             route_id = secrets.randbits(63) + 1
             self._open[route_id] = (d.worker, d.expected_match, d.prompt_tokens, caller)
-            while len(self._open) > self._open_max:
-                self._open.popitem(last=False)
+            self._open_by.setdefault(caller, OrderedDict())[route_id] = None
+            if len(self._open) > self._open_max:
+                heaviest = max(self._open_by, key=lambda c: len(self._open_by[c]))
+                self._forget(self._open_by[heaviest].popitem(last=False)[0])
         return RouteResponse(
             route_id=route_id,
             worker=d.worker,
@@ -229,12 +248,25 @@ class EdgeService(EdgeBase):
         worker, claimed, prompt_tokens, _ = issued
         if r.reused_tokens > prompt_tokens:
             raise _bad(f"reused_tokens {r.reused_tokens} exceeds the route's prompt of {prompt_tokens} tokens")
-        del self._open[r.route_id]
+        self._forget(r.route_id)
         try:
             self.edge.on_response(worker, claimed, r.reused_tokens, dict(r.queue_vector) or None, self._clock())
             return OutcomeResponse(belief=self.edge.belief(worker))
         except KVCompassError as e:
             raise grpc_error(e) from None
+
+    def _forget(self, route_id: int) -> None:
+        """Close an open route (reported, or evicted past the limit)."""
+        caller = self._open.pop(route_id)[3]
+        mine = self._open_by[caller]
+        mine.pop(route_id, None)
+        if not mine:
+            del self._open_by[caller]
+
+    @property
+    def open_routes(self) -> int:
+        """Routes whose outcome this edge still accepts."""
+        return len(self._open)
 
     async def exchange_queues(self, queue_vector: QueueVector) -> QueueVector:
         edge, now = self.edge, self._clock()
@@ -295,6 +327,14 @@ class QueueBroadcaster:
                 ok += 1
             elif isinstance(a, (GRPCError, StreamTerminatedError, OSError, asyncio.TimeoutError)):
                 self.failed += 1  # the peer is down or slow: the next Delta tries again
+            elif isinstance(a, asyncio.CancelledError):
+                raise a
+            elif isinstance(a, Exception):
+                # An answer the client could not decode (a peer of another version, a broken
+                # one) is that peer's failure: one of them used to end the broadcasts to every
+                # region for good (found in review).
+                self.failed += 1
+                _log.warning("queue exchange: bad answer from a peer edge: %s: %s", type(a).__name__, a)
             elif isinstance(a, BaseException):
                 raise a
         self.sent += ok
@@ -310,12 +350,14 @@ class QueueBroadcaster:
             self._task = asyncio.get_running_loop().create_task(self._run(), name=f"queues-{self.edge.region}")
 
     async def close(self) -> None:
-        if self._task is not None:
-            task, self._task = self._task, None
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._channels.close()
+        try:
+            if self._task is not None:
+                task, self._task = self._task, None
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        finally:
+            self._channels.close()
 
 
 class EdgeServer(AsyncResource):

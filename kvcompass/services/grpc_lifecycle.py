@@ -4,21 +4,24 @@ on the same port), and the channels a service opened itself, closed when it clos
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from grpclib.client import Channel
-from grpclib.const import Status
+from grpclib.const import Cardinality, Handler, Status
 from grpclib.events import SendTrailingMetadata, listen
 from grpclib.protocol import H2Protocol
 from grpclib.server import Server
 
-from kvcompass.services.codec import StrictProtoCodec, install_receive_limit
+from kvcompass.errors import InvalidArgumentError
+from kvcompass.services.codec import REQUEST_TIMEOUT_S, StrictProtoCodec, install_receive_limit
 from kvcompass.services.lifecycle import hostport
 from kvcompass.services.lifecycle import bind_socket
 from kvcompass.services.metrics import ServiceMetrics
+from kvcompass.services.status import grpc_error
 from kvcompass.services.tls import grpc_channel
 
 __all__ = ["DrainingServer", "OwnedChannels"]
@@ -35,9 +38,17 @@ class DrainingServer(Server):
     RESOURCE_EXHAUSTED before it is read (:mod:`kvcompass.services.codec`).
     """
 
-    def __init__(self, handlers: Sequence[Any], metrics: ServiceMetrics | None = None, limits: Mapping[type, int] | None = None) -> None:
+    def __init__(self, handlers: Sequence[Any], metrics: ServiceMetrics | None = None, limits: Mapping[type, int] | None = None, *, request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         install_receive_limit()
         super().__init__(handlers, codec=StrictProtoCodec(limits))
+        # Every call with one request message (ours, betterproto's generated ones, grpclib's
+        # Health) waits for it at most request_timeout_s: a client sending headers alone held a
+        # handler forever, as many as it opened calls (found in review). Streams of requests
+        # (an agent's Ingest) may rest between messages and are left as they are.
+        self._mapping = {
+            path: Handler(_request_deadline(h.func, request_timeout_s), h.cardinality, h.request_type, h.reply_type) if h.cardinality in (Cardinality.UNARY_UNARY, Cardinality.UNARY_STREAM) else h
+            for path, h in self._mapping.items()
+        }
         self._protocols: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
         if metrics is not None:
             m = metrics
@@ -80,6 +91,26 @@ class DrainingServer(Server):
         self.close()
         self.close_connections()
         await self.wait_closed()
+
+
+def _request_deadline(func: Callable[[Any], Awaitable[None]], timeout_s: float = REQUEST_TIMEOUT_S) -> Callable[[Any], Awaitable[None]]:
+    """``func`` with its stream's first ``recv_message`` bounded by ``timeout_s``
+    (INVALID_ARGUMENT past it)."""
+
+    async def handler(stream: Any) -> None:
+        recv = stream.recv_message
+
+        async def first() -> Any:
+            stream.recv_message = recv
+            try:
+                return await asyncio.wait_for(recv(), timeout_s)
+            except asyncio.TimeoutError:
+                raise grpc_error(InvalidArgumentError(f"no request message within {timeout_s:g} s of the call's headers")) from None
+
+        stream.recv_message = first
+        await func(stream)
+
+    return handler
 
 
 class OwnedChannels:

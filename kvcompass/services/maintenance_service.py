@@ -70,6 +70,7 @@ from kvcompass.errors import (
     WrongShardError,
     WrongTableError,
 )
+from kvcompass.services.codec import recv_request
 from kvcompass.services.grpc_lifecycle import DrainingServer
 from kvcompass.services.lifecycle import AsyncResource, hostport, on_signals
 from kvcompass.services.metrics import MetricsServer, ServiceMetrics, export_states
@@ -582,9 +583,7 @@ class MaintenanceService(MaintenanceBase):
 
     async def _rpc_subscribe(self, stream: Stream[SubscribeRequest, SubscribeEvent]) -> None:
         self._refuse_if_draining()
-        req = await stream.recv_message()
-        if req is None:  # pragma: no cover - grpclib always delivers the unary request
-            raise grpc_error(InvalidArgumentError("no request"))
+        req = await recv_request(stream, SubscribeRequest)
         shard = self._unit.shard
         if req.shard != shard:
             raise grpc_error(WrongShardError(f"this unit serves shard {shard}, not {req.shard}", shard=shard, got_shard=req.shard, key=None))
