@@ -114,6 +114,10 @@ def test_long_texts_are_tokenized_off_the_event_loop() -> None:
         chat = await chat_tokens({"messages": [{"role": "user", "content": "x" * 11}]}, template, 10)
         assert short.dtype == np.uint32 and len(short) == 2 and len(long) == 11 and list(chat) == [2]
         assert seen[0] == main_thread and seen[1] != main_thread and seen[2] != main_thread
+        # Text inside content parts counts too (review: a 4 MB text part ran on the loop).
+        await chat_tokens({"messages": [{"role": "user", "content": [{"type": "text", "text": "x" * 11}]}]}, template, 10)
+        await chat_tokens({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}, template, 10)  # 9 characters with the role and type
+        assert seen[3] != main_thread and seen[4] == main_thread
 
     asyncio.run(main())
     assert INLINE_TOKENIZE_CHARS == WorkerConfig().inline_tokenize_chars

@@ -35,6 +35,9 @@ def add_parsers(sub: Any) -> None:
     g.add_argument("--model", default="llama-3.1-8b")
     g.add_argument("--api-key", default=None, metavar="KEY",
                    help="the doors' API key (default: $KVCOMPASS_API_KEY, else the default tenant's key in --state-file)")
+    g.add_argument("--region", default=None, metavar="NAME",
+                   help="with --edge: the edge's region (default: asked of its /health), so hit rates split local from cross-region")
+    g.add_argument("--timeout", type=float, default=600.0, metavar="S", help="seconds a request may take in all (default 600)")
     g.add_argument("--no-progress", action="store_true")
     tls_args(g, client_only=True)
 
@@ -46,20 +49,32 @@ def loadgen_main(args: argparse.Namespace) -> int:
 
     if not (math.isfinite(args.rate) and args.rate > 0):
         raise UsageError(f"--rate must be > 0 req/s, got {args.rate}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.region is not None and args.edge is None:
+        raise UsageError("--region names the region of --edge; a state file names every edge's")
     for name in ("max_requests", "max_tokens", "block_size"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     worker_regions: dict[str, str] = {}
     api_key = args.api_key or os.environ.get("KVCOMPASS_API_KEY") or None
+    from kvcompass.services.tls import TLSConfig
+
+    tls = TLSConfig(getattr(args, "tls_cert", None), getattr(args, "tls_key", None), getattr(args, "tls_ca", None))
+    ssl_context = tls.client_or_none("http")
     if args.state_file is not None:
-        state = json.loads(Path(args.state_file).read_text())
-        edges = {str(r): str(e["http"]) for r, e in state["edges"].items()}
-        worker_regions = {str(w): str(d["region"]) for w, d in state.get("workers", {}).items()}
+        try:
+            state = json.loads(Path(args.state_file).read_text())
+            edges = {str(r): str(e["http"]) for r, e in state["edges"].items()}
+            worker_regions = {str(w): str(d["region"]) for w, d in state.get("workers", {}).items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UsageError(f"--state-file {args.state_file}: not a kvcompass up state file ({type(e).__name__}: {e})") from None
         if api_key is None:
             api_key = default_api_key(state)
     else:
-        edges = {"default": str(args.edge)}
+        region = args.region if args.region is not None else asyncio.run(_edge_region(str(args.edge), ssl_context))
+        edges = {region: str(args.edge)}
     topology = None
     if args.topology is not None:
         from kvcompass.discovery.topology import load_topology
@@ -71,11 +86,27 @@ def loadgen_main(args: argparse.Namespace) -> int:
         args.trace, list(edges), rate=args.rate, block_size=args.block_size, max_requests=args.max_requests,
         topology=topology, seed=args.seed, max_tokens=args.max_tokens, model=args.model, arrivals=args.arrivals,
     )
-    from kvcompass.services.tls import TLSConfig
-
-    tls = TLSConfig(getattr(args, "tls_cert", None), getattr(args, "tls_key", None), getattr(args, "tls_ca", None))
-    records = asyncio.run(replay(plans, edges, worker_regions=worker_regions, progress=not args.no_progress, ssl_context=tls.client_or_none("http"), api_key=api_key))
+    records = asyncio.run(replay(plans, edges, worker_regions=worker_regions, progress=not args.no_progress, ssl_context=ssl_context, api_key=api_key, timeout_s=args.timeout))
     if args.out is not None:
         write_records(args.out, records)
-    print(json.dumps(summarize(records)))
-    return 0
+    summary = summarize(records)
+    print(json.dumps(summary))
+    # A run in which no request succeeded is a failure a script must see (it exited 0).
+    return 1 if records and summary["ok"] == 0 else 0
+
+
+async def _edge_region(url: str, ssl_context: Any) -> str:
+    """The region an edge's door names on ``/health`` (whatever its status: a draining or
+    not-ready door still says where it is)."""
+    import aiohttp
+
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            async with http.get(url.rstrip("/") + "/health", ssl=ssl_context if ssl_context is not None else True) as resp:
+                body = await resp.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
+        raise UsageError(f"--edge {url}: could not read its region from /health ({type(e).__name__}: {e}); give it with --region") from None
+    region = body.get("region") if isinstance(body, dict) else None
+    if not isinstance(region, str) or not region:
+        raise UsageError(f"--edge {url}: its /health names no region; give it with --region")
+    return region

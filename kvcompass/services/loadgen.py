@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
+import re
 import ssl
 import sys
 import time
@@ -105,33 +105,46 @@ async def _one(http: aiohttp.ClientSession, url: str, p: LoadPlan, worker_region
             rec["worker"] = w
             rec["worker_region"] = worker_regions.get(w) if w else None
             if resp.status != 200:
-                text = await resp.text()
+                # An error body need not be UTF-8 (a proxy's own page): one that is not used to
+                # end the whole replay with every record lost (found in review).
+                text = (await resp.read()).decode("utf-8", errors="replace")
                 try:
                     rec["error"] = json.loads(text)["error"]["message"]
                 except (ValueError, KeyError, TypeError):
                     rec["error"] = text[:200]
                 return rec
             buf = b""
+            finished = False
             async for chunk in resp.content.iter_any():
                 buf += chunk
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    _event(event, rec, t0)
-            if buf.strip():
+                # Events end at a blank line, CRLF or LF (CRLF is sse-starlette's: split on LF
+                # alone, a CRLF stream was one event at its end and TTFT read as E2E; review).
+                while not finished and (m := _EVENT_END.search(buf)) is not None:
+                    event, buf = buf[: m.start()], buf[m.end() :]
+                    finished = _event(event, rec, t0)
+                if finished:  # [DONE]: the answer is whole even if the server keeps the stream open
+                    break
+            if not finished and buf.strip():
                 _event(buf, rec, t0)
             rec["e2e_ms"] = (time.perf_counter() - t0) * 1e3
     except (aiohttp.ClientError, TimeoutError, OSError) as e:
         rec["error"] = f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - one request's surprise is its record's error, not the replay's end
+        rec["error"] = f"{type(e).__name__}: {e}"
     return rec
 
 
-def _event(event: bytes, rec: dict[str, Any], t0: float) -> None:
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+
+
+def _event(event: bytes, rec: dict[str, Any], t0: float) -> bool:
+    """Fold one server-sent event into ``rec``; True at ``[DONE]``."""
     for line in event.split(b"\n"):
         if not line.startswith(b"data:"):
             continue
         data = line[5:].strip()
         if data == b"[DONE]":
-            return
+            return True
         try:
             obj = json.loads(data)
         except ValueError:
@@ -150,6 +163,7 @@ def _event(event: bytes, rec: dict[str, Any], t0: float) -> None:
             details = usage.get("prompt_tokens_details")
             if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
                 rec["cached_tokens"] = details["cached_tokens"]
+    return False
 
 
 async def replay(
@@ -221,17 +235,21 @@ async def replay(
     return list(records)
 
 
-def _pct(xs: Sequence[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if xs else math.nan
+def _pct(xs: Sequence[float], q: float) -> float | None:
+    """None (JSON null) with no sample: NaN is not JSON, and strict parsers refuse the line."""
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if xs else None
 
 
 def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The main job's figures over successful requests (latencies in wall ms)."""
+    """The main job's figures over successful requests (latencies in wall ms). Reused tokens
+    count every request's ``cached_tokens``; the local and cross-region shares only those whose
+    serving worker's region is known (found in review: a single edge's run counted none)."""
     ok = [r for r in records if r["status"] == 200 and r["error"] is None and r["ttft_ms"] is not None]
     ttft = [float(r["ttft_ms"]) for r in ok]
     e2e = [float(r["e2e_ms"]) for r in ok]
     prompt = sum(int(r["prompt_tokens"]) for r in ok)
-    local = sum(int(r["cached_tokens"] or 0) for r in ok if r["worker_region"] == r["region"])
+    reused = sum(int(r["cached_tokens"] or 0) for r in ok)
+    local = sum(int(r["cached_tokens"] or 0) for r in ok if r["worker_region"] is not None and r["worker_region"] == r["region"])
     cross = sum(int(r["cached_tokens"] or 0) for r in ok if r["worker_region"] is not None and r["worker_region"] != r["region"])
     return {
         "requests": len(records),
@@ -242,7 +260,7 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "e2e_p50_ms": _pct(e2e, 50),
         "e2e_p99_ms": _pct(e2e, 99),
         "prompt_tokens": prompt,
-        "reused_tokens": local + cross,
+        "reused_tokens": reused,
         "local_hit_rate": local / prompt if prompt else 0.0,
         "xregion_hit_rate": cross / prompt if prompt else 0.0,
         "xregion_requests": sum(1 for r in ok if r["worker_region"] is not None and r["worker_region"] != r["region"]),

@@ -197,6 +197,22 @@ async def one_prompt_tokens(p: Any, encode: Callable[[str], Any], inline_chars: 
     raise OpenAIError(400, f"{param} must be a string or a list of token ids, got {type(p).__name__}", param, "invalid_type")
 
 
+def _text_chars(obj: Any) -> int:
+    """Characters of every string in a decoded JSON value: what a chat template may render
+    (text inside content parts too; found in review: a 4 MB text part counted as nothing and
+    was tokenized on the event loop, stalling every other request for seconds)."""
+    n, stack = 0, [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            n += len(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return n
+
+
 async def chat_tokens(body: dict[str, Any], apply_chat_template: Callable[[list[dict[str, Any]]], Any], inline_chars: int = INLINE_TOKENIZE_CHARS) -> npt.NDArray[np.uint32]:
     """The tokens of a chat request's ``messages`` under the model's chat template; each
     message an object with a string ``role`` and a string, list-of-parts or null ``content``."""
@@ -215,5 +231,5 @@ async def chat_tokens(body: dict[str, Any], apply_chat_template: Callable[[list[
         c = m.get("content")
         if c is not None and not isinstance(c, (str, list)):
             raise OpenAIError(400, f"messages[{i}].content must be a string, a list of parts or null", f"messages[{i}].content", "invalid_type")
-    size = sum(len(m["content"]) for m in msgs if isinstance(m.get("content"), str))
+    size = _text_chars(msgs)
     return await _run(lambda: apply_chat_template(msgs), size, inline_chars, "messages", "apply the chat template", "invalid_messages")
