@@ -10,6 +10,7 @@ import io
 import json
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -151,3 +152,33 @@ def test_processes_smoke() -> None:
     assert all(r["converge_ms_from_ready"] is not None for r in out["restarts"])
     # Served, but not by their own region's door: counted apart from the others (issue 19).
     assert 0 <= out["served_by_another_region"] <= out["door_failovers"]
+
+
+def test_sigterm_stops_process_chaos_through_its_cleanup(tmp_path: Path) -> None:
+    # Review: a SIGTERM skipped the cleanup and left the run directory (its API keys and peer
+    # key included) in the temporary folder.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "kvcompass", "chaos", "--processes", "--ops", "100000", "--max-workers", "3"], env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 90
+        for line in proc.stderr:
+            if b"cluster up" in line:
+                break
+            assert time.monotonic() < deadline
+        assert list(tmp_path.glob("kvcompass-chaos-*"))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+    assert list(tmp_path.glob("kvcompass-chaos-*")) == []

@@ -520,9 +520,9 @@ def test_models_metrics_and_health_respond() -> None:
                 status, _, _ = await complete(t.client, {"prompt": long_prompt})
                 assert status == 200
                 m2 = await t.metrics()
-                seen.append((metric(m2, "kvcompass_door_prefix_memo_hits"), metric(m2, "kvcompass_door_prefix_memo_misses")))
+                seen.append((metric(m2, "kvcompass_door_prefix_memo_hits_total"), metric(m2, "kvcompass_door_prefix_memo_misses_total")))
             (h1, m1), (h2, m2_) = seen
-            assert m1 > metric(m, "kvcompass_door_prefix_memo_misses") and h2 > h1 and m2_ == m1
+            assert m1 > metric(m, "kvcompass_door_prefix_memo_misses_total") and h2 > h1 and m2_ == m1
             assert metric(m, "kvcompass_door_edge_healthy") == 1.0
             for w in edge.workers:
                 assert metric(m, "kvcompass_door_worker_belief", worker=w) == 1.0
@@ -905,7 +905,7 @@ def test_slowloris_connections_are_closed_and_capped_per_address() -> None:
             held.release()
             async with t.client.get("/metrics") as m:
                 text = await m.text()
-            assert "kvcompass_door_header_timeouts" in text and "kvcompass_door_refused_connections" in text
+            assert "# TYPE kvcompass_door_header_timeouts_total counter" in text and "kvcompass_door_refused_connections_total" in text
             # A kept-alive connection: a whole request is served, then the connection may idle
             # past the deadline (no bytes: the keep-alive timeout's business), but a second head
             # trickled from its first byte on is cut at the deadline.
@@ -1174,3 +1174,14 @@ def test_a_stream_whose_event_never_ends_is_cut_with_an_error_event() -> None:
             assert len(raw) < 1 << 20  # the endless event was not relayed
 
     run(main())
+
+
+def test_the_dashboards_percentiles_are_nearest_rank() -> None:
+    # Review: int(q * n) was one rank high whenever q * n was whole (P50 of [1, 100] read 100).
+    from kvcompass.services.dashboard import _pct
+
+    assert _pct([], 0.5) is None
+    assert _pct([100.0, 1.0], 0.5) == 1.0
+    xs = [float(i) for i in range(1, 101)]
+    assert _pct(xs, 0.99) == 99.0 and _pct(xs, 0.5) == 50.0 and _pct(xs, 1.0) == 100.0
+    assert _pct(xs, 0.0) == 1.0 and _pct([7.0], 0.99) == 7.0

@@ -320,4 +320,30 @@ class ProcessChaos:
 
 
 def run_processes(cfg: ProcessChaosConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    return asyncio.run(ProcessChaos(cfg, progress).run())
+    """Run the process chaos; SIGTERM stops it as Ctrl-C does, through the cleanup that stops
+    the cluster and removes its run directory (found in review: a SIGTERM left the directory,
+    API keys and peer key included, in the temporary folder), then exits 143."""
+    import signal
+
+    from kvcompass.services.lifecycle import on_signals
+
+    terminated = False
+
+    async def main() -> dict[str, Any]:
+        task = asyncio.current_task()
+        assert task is not None
+
+        def stop() -> None:
+            nonlocal terminated
+            terminated = True
+            task.cancel()
+
+        with on_signals(stop, (signal.SIGTERM,)):
+            return await ProcessChaos(cfg, progress).run()
+
+    try:
+        return asyncio.run(main())
+    except asyncio.CancelledError:
+        if terminated:
+            raise SystemExit(128 + signal.SIGTERM) from None
+        raise

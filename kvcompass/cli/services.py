@@ -495,13 +495,13 @@ async def _wait_peers(path: str, edge: Any, region: str, stop: asyncio.Event, ss
 
 
 async def _agent(args: argparse.Namespace) -> int:
-    from prometheus_client import CollectorRegistry, Counter, Gauge
+    from prometheus_client import CollectorRegistry, Counter
 
     from kvcompass.discovery.key_ops import KeyOpBatch
     from kvcompass.index_types import Namespace
     from kvcompass.services.agent_runner import AgentRunner, agent_for_worker
     from kvcompass.services.ingest_client import IngestClient
-    from kvcompass.services.metrics import MetricsServer
+    from kvcompass.services.metrics import MetricsServer, export_counter
 
     topo = _load(args.topology)
     _check_port("--metrics-port", args.metrics_port)
@@ -521,7 +521,7 @@ async def _agent(args: argparse.Namespace) -> int:
         ops.inc(sum(len(b.keys) for b in bs if isinstance(b, KeyOpBatch)))
 
     runner = AgentRunner(agent, sink, args.events, args.replay, heartbeat_s=args.heartbeat_s if args.heartbeat_s > 0 else None)
-    for name, fn in (
+    for name, fn in (  # running totals: counters (``_total``), read when scraped
         ("kvcompass_agent_engine_messages", lambda: runner.stats.messages),
         ("kvcompass_agent_malformed_messages", lambda: runner.stats.malformed),
         ("kvcompass_agent_replays", lambda: runner.stats.replays),
@@ -529,7 +529,7 @@ async def _agent(args: argparse.Namespace) -> int:
         ("kvcompass_agent_skipped_events", lambda: runner.stats.events_skipped),
         ("kvcompass_agent_engine_disconnects", lambda: runner.stats.engine_gone),
     ):
-        Gauge(name, name.removeprefix("kvcompass_agent_").replace("_", " "), ["worker"], registry=reg).labels(args.worker).set_function(fn)
+        export_counter(reg, name, name.removeprefix("kvcompass_agent_").replace("_", " "), fn, {"worker": args.worker})
     metrics = MetricsServer(reg, lambda: runner.running)
     stop = asyncio.Event()
     code = 0

@@ -20,6 +20,8 @@ services compute migration actions but do not carry them out; the simulator does
 
 from __future__ import annotations
 
+import math
+
 import time
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -103,10 +105,12 @@ class Dashboard:
 
 
 def _pct(xs: list[float], q: float) -> float | None:
+    """The nearest-rank ``q`` quantile: the smallest value with at least ``q`` of the samples
+    at or below it (``int(q * n)`` was one rank high whenever ``q * n`` was whole; review)."""
     if not xs:
         return None
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    return xs[max(0, math.ceil(q * len(xs)) - 1)]
 
 
 def _latency(routes: list[dict[str, Any]]) -> dict[str, float | int | None]:

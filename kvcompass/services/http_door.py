@@ -98,6 +98,7 @@ from kvcompass.services.openai_api import (
 )
 from kvcompass.services.lifecycle import AsyncResource, bind_socket
 from kvcompass.services.loop_metrics import Counter, Gauge, Histogram
+from kvcompass.services.metrics import export_counter
 from kvcompass.services.upstream import UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTooLarge
 from kvcompass.services.wire import (
     HANDOFF_HEADER,
@@ -267,14 +268,11 @@ class _Metrics:
             registry=registry,
         )
         self.routes = Counter(p + "routes", "Requests routed, by the chosen worker's region", ["worker_region"], registry=registry)
-        self.refused_connections = Gauge(p + "refused_connections", "Connections refused because their client address held max_connections_per_address (since start)", registry=registry)
-        self.header_timeouts = Gauge(p + "header_timeouts", "Connections closed because a request head was not whole within header_timeout_s of the connection or of its first byte (since start)", registry=registry)
-        # The process's prefix memo (rust/prefix_memo.rs), read at scrape time: how much of the
-        # routes' prompt hashing it saved.
-        self.prefix_memo_hits = Gauge(p + "prefix_memo_hits", "Plan lengths routes found in the process's prefix memo instead of hashing them (since start)", registry=registry)
-        self.prefix_memo_hits.set_function(lambda: _core.prefix_memo_stats()[0])
-        self.prefix_memo_misses = Gauge(p + "prefix_memo_misses", "Plan lengths routes hashed with SHA-256 and filed in the prefix memo (since start)", registry=registry)
-        self.prefix_memo_misses.set_function(lambda: _core.prefix_memo_stats()[1])
+        # Running totals read when scraped, exported as counters (``_total``): the connection
+        # guard's refusals and header timeouts (set by the door, which owns the guard) and the
+        # process's prefix memo (rust/prefix_memo.rs), how much of the routes' hashing it saved.
+        export_counter(registry, p + "prefix_memo_hits", "Plan lengths routes found in the process's prefix memo instead of hashing them", lambda: _core.prefix_memo_stats()[0])
+        export_counter(registry, p + "prefix_memo_misses", "Plan lengths routes hashed with SHA-256 and filed in the prefix memo", lambda: _core.prefix_memo_stats()[1])
         self.peer_failures = Counter(p + "peer_failures", "Hand-offs a peer door failed to answer (the worker was then tried directly when its URL is known)", registry=registry)
         self.peer_doors = Gauge(p + "peer_doors", "Other regions' doors this door hands requests to", registry=registry)
         self.migrations = Counter(
@@ -404,15 +402,15 @@ class FrontDoor:
         :meth:`health` reports them and turns not-ready past ``stale_grace_s``)."""
         self._inflight = 0
         self.recent_routes: deque[dict[str, Any]] = deque(maxlen=200)
+        """The latest routing decisions, for the dashboard (kvcompass.services.dashboard)."""
         self.recent_migrations: deque[dict[str, Any]] = deque(maxlen=50)
         """The last migrations carried out (the dashboard's table)."""
         self._names: dict[bytes, tuple[str, str]] = {}  # namespace digest -> (model, tenant)
         self._migrating: set[asyncio.Task[None]] = set()
         self.conn_guard = ConnGuard(config.max_connections_per_address, config.header_timeout_s)
         g = self.conn_guard
-        self.metrics.refused_connections.set_function(lambda: g.refused)
-        self.metrics.header_timeouts.set_function(lambda: g.timed_out)
-        """The latest routing decisions, for the dashboard (kvcompass.services.dashboard)."""
+        export_counter(self.metrics.registry, "kvcompass_door_refused_connections", "Connections refused because their client address held max_connections_per_address", lambda: g.refused)
+        export_counter(self.metrics.registry, "kvcompass_door_header_timeouts", "Connections closed because a request head was not whole within header_timeout_s of the connection or of its first byte", lambda: g.timed_out)
         self._per_client: dict[str, int] = {}
         self._idle = asyncio.Event()
         self._idle.set()

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from kvcompass.services.http_server import App, HttpServer, Request, Response, StreamResponse, json_response
 from kvcompass.services.lifecycle import AsyncResource, bind_socket
 
-__all__ = ["MetricsServer", "ServiceMetrics", "metrics_app"]
+__all__ = ["MetricsServer", "ServiceMetrics", "export_counter", "metrics_app"]
 
 # Patch lag on loopback is sub-millisecond; across regions it is a WAN RTT plus the flush period.
 _LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -155,3 +155,25 @@ def export_states(registry: CollectorRegistry, role: str, states: Callable[[], l
             return [g]
 
     registry.register(_States())
+
+
+def export_counter(registry: CollectorRegistry, name: str, documentation: str, value: Callable[[], float], labels: dict[str, str] | None = None) -> None:
+    """Export a running total kept elsewhere (a guard's or a runner's count since start) as the
+    counter ``name_total``, read when scraped. Such totals used to be gauges with
+    ``set_function``, on which ``rate()`` and ``increase()`` mishandle restarts (review)."""
+    from prometheus_client.core import CounterMetricFamily
+    from prometheus_client.registry import Collector
+
+    keys = list(labels or {})
+    values = [str(v) for v in (labels or {}).values()]
+
+    class _Total(Collector):
+        def collect(self) -> list[CounterMetricFamily]:
+            c = CounterMetricFamily(name, documentation, labels=keys)
+            c.add_metric(values, float(value()))
+            return [c]
+
+        def describe(self) -> list[CounterMetricFamily]:
+            return [CounterMetricFamily(name, documentation, labels=keys)]
+
+    registry.register(_Total())
