@@ -646,3 +646,32 @@ def test_the_north_american_testbed_is_the_papers_appendix_b() -> None:
     to_calgary = [t.rtt_ms(a, "calgary") / 2 for a in east]
     assert min(to_calgary) == pytest.approx(20.6, abs=0.05) and max(to_calgary) == pytest.approx(25.8, abs=0.05)
     assert all(w.beta_ms_per_token == 0.085 for w in t.workers)
+
+
+def test_half_disaggregated_layouts_are_refused_at_load() -> None:
+    # Review: prefill workers with no decode pool, or 'both' beside 'decode', loaded and then
+    # failed mid-run (an empty min(), a role error).
+    d = base()
+    for w in d["workers"]:
+        w["role"] = "prefill"
+    assert "prefill workers but no 'decode' worker" in error_of(d)
+    d = base()
+    d["workers"][2]["role"] = "decode"
+    assert error_of(d).startswith("worker 'w1' has role 'both' beside prefill/decode workers")
+    d = base()
+    d["workers"][0]["role"], d["workers"][1]["role"], d["workers"][2]["role"] = "prefill", "prefill", "decode"
+    assert topology_from_dict(d).disaggregated
+
+
+def test_a_region_with_an_edge_and_no_workers_simulates_with_kvcompass() -> None:
+    # Review: its requests' answers carry queue vectors toward an edge the worker regions'
+    # edges did not know ("unknown region" mid-run).
+    from kvcompass.sim.engine import simulate
+    from kvcompass.sim.workload import synthetic_mixed
+
+    d = base()
+    d["regions"]["c"] = {"edges": 1}
+    d["rtt_ms"] = {"a": {"a": 1, "b": 80, "c": 120}, "b": {"a": 80, "b": 1, "c": 90}, "c": {"a": 120, "b": 90, "c": 1}}
+    t = topology_from_dict(d)
+    s = simulate(t, synthetic_mixed(60, rate=5.0, seed=2, regions=["c"]), "kvcompass")
+    assert s.requests == 60

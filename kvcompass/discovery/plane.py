@@ -48,7 +48,11 @@ def wire_edge(plan: LevelPlan, layout: IndexLayout, region: str, params: EdgePar
     by_id = {w.id: w for w in plan.topology.workers}
     workers = [by_id[w] for w in layout.workers]
     targets = list(dict.fromkeys([region, *(t.region for t in layout.tables)]))
-    return Edge(region, layout, workers, {r: plan.lengths(region, r) for r in targets}, {r: plan.rtt_ms(region, r) for r in targets}, params, seed=seed)
+    # RTTs toward every edge region too: an edge whose region has no workers still receives
+    # queue vectors, piggybacked on its requests' answers (found in review: such a topology
+    # loaded, then KVCompass stopped at "unknown region" mid-run).
+    peers = list(dict.fromkeys([*targets, *plan.edge_regions]))
+    return Edge(region, layout, workers, {r: plan.lengths(region, r) for r in targets}, {r: plan.rtt_ms(region, r) for r in peers}, params, seed=seed)
 
 
 def build_edge(topology: Topology, region: str, routing: str = "kvcompass", seed: int = 0, handoff: bool = True) -> Edge:

@@ -371,6 +371,16 @@ def _validate(t: Topology) -> dict[str, RegionSpec]:
         raise TopologyError("no region has an edge, so nothing would query the index")
     if all(w.role == "decode" for w in t.workers):
         raise TopologyError("no worker can prefill: every worker has role 'decode'")
+    # Prefill-decode disaggregation is all or nothing: one prefill pool handing off to decode
+    # pools. A half layout loaded, then failed mid-run with an empty min() or a role error
+    # (found in review).
+    roles = {w.role for w in t.workers}
+    if roles != {"both"}:
+        if "both" in roles:
+            mixed = next(w.id for w in t.workers if w.role == "both")
+            raise TopologyError(f"worker {mixed!r} has role 'both' beside prefill/decode workers: a disaggregated topology has 'prefill' and 'decode' workers only")
+        if "decode" not in roles:
+            raise TopologyError("prefill workers but no 'decode' worker: a disaggregated topology needs both pools (or give every worker role 'both')")
     return regions
 
 
