@@ -99,6 +99,12 @@ def test_all_schemes_means_every_registered_one(capsys: pytest.CaptureFixture[st
         {"--rates": "0"},
         {"--max-requests": "0"},
         {"--tenants": "0"},
+        # Review, twenty-fourth session: these were tracebacks or mid-run failures.
+        {"--patch-delay-ms": "inf"},
+        {"--seed": str(2**64)},
+        {"--max-batched-tokens": "99999999999999999999"},
+        {"--closed-loop": "99999999999999999999"},
+        {"--tenants": "70000"},
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(change: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -380,3 +386,29 @@ def test_closed_loop_keeps_n_requests_outstanding_and_measures_sustained_through
     assert j["closed_loop"] == 8 and j["eviction"] == "lru" and j["results"]["oracle"]["2"]["requests"] == 60
     assert main([*argv, "--closed-loop", "-1"]) == 2
     assert "--closed-loop" in capsys.readouterr().err
+
+
+def test_out_is_checked_before_any_run_and_old_outputs_go(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Review: a file at --out failed the command after every run; a rerun into the same folder
+    # kept the earlier run's ablation plot and sensitivity table beside the new results.
+    argv = ["simulate", "--topology", "testbed-14x3", "--trace", "mixed", "--max-requests", "30", "--rates", "8", "--schemes", "oracle"]
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert main([*argv, "--out", str(afile)]) == 2
+    cap = capsys.readouterr()
+    assert "is not a directory" in cap.err and "oracle at" not in cap.err  # refused before running
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "ablations.png").write_bytes(b"old")
+    (out / "sensitivity.csv").write_text("old")
+    (out / "notes.txt").write_text("mine")
+    assert main([*argv, "--out", str(out)]) == 0
+    assert not (out / "ablations.png").exists() and not (out / "sensitivity.csv").exists()
+    assert (out / "notes.txt").read_text() == "mine" and (out / "summary.csv").exists()
+
+
+def test_a_run_spanning_too_many_windows_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    # Review: --rates 1e-300 ended in numpy's "Maximum allowed size exceeded".
+    assert main(["simulate", "--topology", "testbed-14x3", "--trace", "mixed", "--max-requests", "10", "--rates", "1e-300", "--schemes", "oracle"]) == 2
+    err = capsys.readouterr().err
+    assert "kvcompass simulate: error: the run spans" in err and "Traceback" not in err

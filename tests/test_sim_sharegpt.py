@@ -209,3 +209,11 @@ def test_the_packaged_dataset_reads_whole(cache: Path) -> None:
     assert stats.truncated == 1
     assert len(convs) > 9000 and sum(1 for c in convs if c.messages) > 0.95 * len(convs)
     assert max(c.turns for c in convs) > 20
+
+
+def test_a_message_whose_from_is_not_a_string_ends_the_valid_prefix(tmp_path: Path) -> None:
+    # Review: {"from": ["human"]} raised TypeError (unhashable) out of the reader.
+    records = [{"id": "a_0", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}, {"from": ["human"], "value": "x"}]}]
+    path = _write(tmp_path / "s.json", records, tail="\n]\n")
+    (conv,) = list(read_conversations(path))
+    assert conv.messages == (("user", "q"), ("assistant", "a"))

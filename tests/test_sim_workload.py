@@ -149,8 +149,10 @@ BAD_LINES: list[tuple[str, Any, str | None, str]] = [
     ("length as string", row(5, "20", [1, 2]), "input_length", "integer"),  # type: ignore[arg-type]
     ("length as float", row(5, 20.0, [1, 2]), "input_length", "integer"),  # type: ignore[arg-type]
     ("length as bool", row(5, True, [1]), "input_length", "integer"),
-    ("zero input", row(5, 0, []), "input_length", ">= 1"),
-    ("negative output", row(5, 20, [1, 2], n_out=-1), "output_length", ">= 0"),
+    ("zero input", row(5, 0, []), "input_length", "[1, "),
+    ("negative output", row(5, 20, [1, 2], n_out=-1), "output_length", "[0, "),
+    ("output past any model", row(5, 20, [1, 2], n_out=5_000_000_000), "output_length", "16777215"),  # review: 5.8 TiB asked
+    ("output past 64 bits", row(5, 20, [1, 2], n_out=2**64), "output_length", "16777215"),
     ("too few ids", row(5, 20, [1]), "hash_ids", "ceil"),
     ("too many ids", row(5, 20, [1, 2, 3]), "hash_ids", "ceil"),
     ("ids not a list", row(5, 20, "1,2"), "hash_ids", "list"),  # type: ignore[arg-type]

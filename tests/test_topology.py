@@ -315,6 +315,7 @@ def test_toml_file_with_counts_defaults_and_own_matrix(tmp_path: Path) -> None:
         [worker_defaults]
         beta_ms_per_token = 0.2
         vram_tokens = 1000
+        role = "prefill"
 
         [[workers]]
         region = "x"
@@ -324,7 +325,7 @@ def test_toml_file_with_counts_defaults_and_own_matrix(tmp_path: Path) -> None:
         [[workers]]
         id = "solo"
         region = "y"
-        role = "prefill"
+        role = "decode"
         beta_ms_per_token = 0.1
         dram_tokens = 5
         """
@@ -334,10 +335,10 @@ def test_toml_file_with_counts_defaults_and_own_matrix(tmp_path: Path) -> None:
     assert (t.block_size, t.levels, t.shards) == (32, 4, 2)
     assert t.rtt.source == str(tmp_path / "m.csv")
     assert t.workers == (
-        WorkerSpec("x-0", "x", "both", 0.2, 1000, 0, "10.0.0.0:7000"),
-        WorkerSpec("x-1", "x", "both", 0.2, 1000, 0, "10.0.0.1:7000"),
-        WorkerSpec("x-2", "x", "both", 0.2, 1000, 0, "10.0.0.2:7000"),
-        WorkerSpec("solo", "y", "prefill", 0.1, 1000, 5, ""),
+        WorkerSpec("x-0", "x", "prefill", 0.2, 1000, 0, "10.0.0.0:7000"),
+        WorkerSpec("x-1", "x", "prefill", 0.2, 1000, 0, "10.0.0.1:7000"),
+        WorkerSpec("x-2", "x", "prefill", 0.2, 1000, 0, "10.0.0.2:7000"),
+        WorkerSpec("solo", "y", "decode", 0.1, 1000, 5, ""),
     )
     assert load_topology(p) == t
 

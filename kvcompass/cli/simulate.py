@@ -108,7 +108,10 @@ def _sensitivity(args: argparse.Namespace, topology: Topology, requests: Sequenc
     from kvcompass.sim.engine import simulate
     from kvcompass.sim.sensitivity import DEFAULT_SWEEPS, sweep
 
-    total = sum(len(v) for v in DEFAULT_SWEEPS.values())
+    # The runs that will happen: a zero value reuses the fault-free run (``base``, or the first
+    # zero simulated), so the counter ends at its total (it stopped at 9/12; review).
+    values = [v for vs in DEFAULT_SWEEPS.values() for v in vs]
+    total = sum(v != 0 for v in values) + (base is None and any(v == 0 for v in values))
     done = [0]
 
     def run(**knob: float) -> Summary:
@@ -138,6 +141,7 @@ def _sensitivity(args: argparse.Namespace, topology: Topology, requests: Sequenc
     if args.out is not None:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         frame.write_csv(Path(args.out) / "sensitivity.csv")
+        print(f"wrote {Path(args.out) / 'sensitivity.csv'}")
     return rows
 
 
@@ -164,6 +168,28 @@ def _eviction(args: argparse.Namespace) -> Literal["lru", "lfu"]:
     return "lfu" if args.trace == "mixed" else "lru"
 
 
+def _simulate_outputs() -> tuple[str, ...]:
+    """Every file ``simulate --out`` may write."""
+    from kvcompass.sim.report import ABLATION_FIGURE, FIGURES
+
+    return ("summary.csv", "summary.parquet", "requests.csv", "requests.parquet", "sensitivity.csv", "run.json", *FIGURES, ABLATION_FIGURE)
+
+
+def _prepare_out(path: str, outputs: Sequence[str]) -> None:
+    """Check ``--out`` before any run (found in review: a file there failed the command only
+    after every run, losing them all) and clear what an earlier run wrote there, so no figure of
+    another run (an ablation plot, a sensitivity table) sits beside this one's."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {path}: exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name in outputs:
+            (out / name).unlink(missing_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {path}: {e.strerror or e}") from None
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from kvcompass.sim.cells import run_cells
     from kvcompass.sim.workload import MOONCAKE_BLOCK_SIZE, RateMode, load_trace, resolve_trace, synthetic_mixed
@@ -187,14 +213,20 @@ def _simulate(args: argparse.Namespace) -> int:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    if args.seed < 0:
-        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    if not 0 <= args.seed < 2**64:
+        raise UsageError(f"--seed must be in [0, 2^64), got {args.seed}")
+    # Bounds of the engine's own integers, so a huge value is an error line, not an overflow's
+    # traceback (found in review).
+    for name, most in (("tenants", 65_535), ("max_batched_tokens", 2**32 - 1), ("closed_loop", 2**32 - 1), ("max_requests", 2**32 - 1)):
+        v = getattr(args, name)
+        if v is not None and v > most:
+            raise UsageError(f"--{name.replace('_', '-')} must be at most {most}, got {v}")
     for name in ("wan_jitter", "patch_loss"):
         v = getattr(args, name)
         if not 0 <= v <= 100 or (name == "patch_loss" and v == 100):
             raise UsageError(f"--{name.replace('_', '-')} must be a percentage in [0, 100{')' if name == 'patch_loss' else ']'}, got {v}")
-    if not args.patch_delay_ms >= 0:
-        raise UsageError(f"--patch-delay-ms must be >= 0, got {args.patch_delay_ms}")
+    if not (args.patch_delay_ms >= 0 and math.isfinite(args.patch_delay_ms)):
+        raise UsageError(f"--patch-delay-ms must be a finite number >= 0, got {args.patch_delay_ms}")
     if args.jobs < 1:
         raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
     if args.ray is not None and args.jobs != 1:
@@ -205,6 +237,8 @@ def _simulate(args: argparse.Namespace) -> int:
         raise UsageError(f"--closed-loop must be >= 1 outstanding requests (or 0, open loop), got {args.closed_loop}")
     if args.closed_loop and (args.sensitivity or args.false_hits):
         raise UsageError("--sensitivity and --false-hits run open loop; leave out --closed-loop")
+    if args.out is not None:
+        _prepare_out(args.out, _simulate_outputs())
     faults = {"wan_jitter": args.wan_jitter / 100, "patch_loss": args.patch_loss / 100, "patch_delay_ms": args.patch_delay_ms}
     topology = load_topology(args.topology, rtt_path=args.rtt_matrix)
     generated = args.trace in GENERATED_WORKLOADS
@@ -375,6 +409,7 @@ def _reproduce_main(args: argparse.Namespace) -> int:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
     if args.ray is not None and args.jobs != 1:
         raise UsageError("give --jobs (processes here) or --ray (a Ray cluster), not both")
+    _prepare_out(args.out, ())
     rows = reproduce(args.figure, args.out, quick=args.quick, jobs=args.jobs, seed=args.seed, requests=args.requests, ray=args.ray)
     agree = sum(1 for r in rows if r.note.startswith("agrees"))
     print(f"figure {args.figure}: {len(rows)} rows, {agree} agree with the paper; wrote {args.out}/report.md, report.json, run.json, {image_name(args.figure)}")
@@ -510,7 +545,7 @@ def add_parsers(sub: Any) -> None:
     sim.add_argument(
         "--sensitivity",
         action="store_true",
-        help="also rerun kvcompass at the first rate with WAN jitter 25/50/100 %%, patch loss 10/20/30 %% and delay 100/300 ms (paper table 4)",
+        help="also rerun kvcompass at the first rate with WAN jitter 25/50/100 %%, patch loss 10/20/30 %% and delay 100/200/300 ms (paper table 4)",
     )
     sim.add_argument("--false-hits", action="store_true", help="also report structural false-hit rates at 95 %% load (fp 0/8/16) beside each run's end-to-end rate (paper table 5)")
     sim.set_defaults(func=_simulate)

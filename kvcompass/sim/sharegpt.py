@@ -165,7 +165,8 @@ def _messages(index: int, record: object) -> list[object]:
 def _valid_prefix(index: int, cid: str, raw: list[object]) -> Conversation:
     out: list[tuple[str, str]] = []
     for m in raw:
-        role = _ROLES.get(m.get("from")) if isinstance(m, dict) else None  # type: ignore[arg-type]
+        who = m.get("from") if isinstance(m, dict) else None
+        role = _ROLES.get(who) if isinstance(who, str) else None  # a list there is malformed, not a crash (review)
         text = m.get("value") if isinstance(m, dict) else None
         if role is None or not isinstance(text, str):
             break

@@ -38,6 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcompass import _core
+from kvcompass.errors import InvalidArgumentError
 
 __all__ = ["RecordTable", "RequestRecord", "Summary", "busy_matrix", "summarize"]
 
@@ -198,6 +199,10 @@ def busy_matrix(intervals: Sequence[Sequence[tuple[float, float]] | npt.NDArray[
     return _busy(intervals, start_ms, end_ms, window_ms)[0]
 
 
+MAX_WINDOWS = 10_000_000
+"""The most utilisation windows a run's summary keeps a worker."""
+
+
 def _busy(
     intervals: Sequence[Sequence[tuple[float, float]] | npt.NDArray[np.float64]], start_ms: float, end_ms: float, window_ms: float
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
@@ -205,7 +210,12 @@ def _busy(
     ``busy_windows``: the sums interval by interval, window by window)."""
     if not window_ms > 0:
         raise ValueError(f"window_ms must be > 0, got {window_ms}")
-    n = max(1, int(np.ceil((end_ms - start_ms) / window_ms)))
+    span = (end_ms - start_ms) / window_ms
+    if not span <= MAX_WINDOWS:
+        # A rate of 1e-300 req/s or a year of decode would ask for a matrix of that many
+        # windows a worker (found in review: "Maximum allowed size exceeded").
+        raise InvalidArgumentError(f"the run spans {(end_ms - start_ms) / 1e3:.3g} s of simulated time, {span:.3g} windows of {window_ms:g} ms: at most {MAX_WINDOWS:,} (raise the rate or the window)")
+    n = max(1, int(np.ceil(span)))
     edges = np.asarray(start_ms + window_ms * np.arange(n + 1), dtype=np.float64)
     edges[-1] = max(end_ms, edges[-2] + 1e-9)
     width = np.diff(edges)

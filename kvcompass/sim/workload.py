@@ -122,6 +122,11 @@ RateMode: TypeAlias = Literal["trace", "rescale", "poisson"]
 
 # The Mooncake FAST'25 traces hash 512-token blocks (../shared/data/traces/README.md).
 MOONCAKE_BLOCK_SIZE = 512
+
+MAX_TRACE_TOKENS = (1 << 24) - 1
+"""The longest prompt or output a trace line may give (16.8M tokens, past every model's
+context): a bigger one is a corrupt line, refused by name rather than overflowing the engine's
+integers or spanning years of simulated decode (found in review)."""
 # Names find_trace resolves out of the box (the files in ../shared/data/traces/).
 TRACE_NAMES = ("conversation", "synthetic")
 # Token ids stay below Llama-3's 128,000 ordinary tokens (its 256 special ids come after them).
@@ -328,11 +333,11 @@ def _read_trace(path: Path, block_size: int, max_requests: int | None) -> _Rows:
             if rows.timestamps and ts < prev_ts:
                 raise _trace_error(path, line, "timestamp", f"{raw_ts} is earlier than the previous request's {prev_ts:g}: timestamps must be non-decreasing (sort the file)")
             n_in = obj["input_length"]
-            if not _is_int(n_in) or n_in < 1:
-                raise _trace_error(path, line, "input_length", f"expected an integer >= 1, got {n_in!r}")
+            if not _is_int(n_in) or not 1 <= n_in <= MAX_TRACE_TOKENS:
+                raise _trace_error(path, line, "input_length", f"expected an integer in [1, {MAX_TRACE_TOKENS}], got {n_in!r}")
             n_out = obj["output_length"]
-            if not _is_int(n_out) or n_out < 0:
-                raise _trace_error(path, line, "output_length", f"expected an integer >= 0, got {n_out!r}")
+            if not _is_int(n_out) or not 0 <= n_out <= MAX_TRACE_TOKENS:
+                raise _trace_error(path, line, "output_length", f"expected an integer in [0, {MAX_TRACE_TOKENS}], got {n_out!r}")
             ids = _parse_ids(path, line, obj["hash_ids"])
             need = -(-n_in // block_size)
             if ids.size != need:
