@@ -114,9 +114,9 @@ def test_options_shape_the_plan() -> None:
 
 def test_region_beta_is_the_mean_over_indexed_workers() -> None:
     workers = [
-        {"id": "a0", "region": "a", "beta_ms_per_token": 0.1},
-        {"id": "b0", "region": "b", "beta_ms_per_token": 0.1},
-        {"id": "b1", "region": "b", "beta_ms_per_token": 0.3},
+        {"id": "a0", "region": "a", "beta_ms_per_token": 0.1, "role": "prefill"},
+        {"id": "b0", "region": "b", "beta_ms_per_token": 0.1, "role": "prefill"},
+        {"id": "b1", "region": "b", "beta_ms_per_token": 0.3, "role": "prefill"},
         {"id": "b2", "region": "b", "beta_ms_per_token": 9.0, "role": "decode"},  # not indexed
     ]
     p = plan_of(workers=workers)

@@ -7,6 +7,7 @@ the server had closed, and refuses header injection and non-HTTP URLs."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -416,5 +417,76 @@ def test_the_head_deadline_counts_from_the_call_and_ends_only_a_late_answer(run:
                 held.release()
             finally:
                 release.set()
+
+    run(main())
+
+
+def test_one_endless_header_value_is_refused_at_the_head_limit(run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
+    # Review: the limit was checked per header, after a value ended; httptools grew one endless
+    # value by copying it, taking the door's memory and loop until the head deadline.
+    sent = [0]
+
+    async def endless_value(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nX-Big: ")
+        while True:
+            writer.write(b"a" * 65536)
+            sent[0] += 65536
+            await writer.drain()
+
+    async def main() -> None:
+        async with _raw_pool(endless_value, read_timeout_s=5.0) as (pool, base):
+            t0 = time.monotonic()
+            with pytest.raises(UpstreamDisconnected, match="head exceeds"):
+                await pool.post(base + "/x", b"q", {}, head_timeout=30)
+            assert time.monotonic() - t0 < 5 and sent[0] < 64 << 20
+
+    run(main())
+
+
+def test_a_second_answer_to_one_request_is_never_read_into_any_answer(run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
+    # Review: bytes after a whole answer went into it (two answers relayed merged), or, on the
+    # reused connection, into the next request's: another client's answer.
+    def answer(body: bytes) -> bytes:
+        return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+    conns = [0]
+
+    async def twice(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conns[0] += 1
+        await _read_request(reader)
+        writer.write(answer(b"first") + b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\n")
+        await writer.drain()
+        await _read_request(reader)
+        writer.write(b"SECRET" + answer(b"second"))
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async def main() -> None:
+        async with _raw_pool(twice, read_timeout_s=5) as (pool, base):
+            r = await pool.post(base + "/x", b"1", {})
+            assert await r.read() == b"first"
+            r.release()
+            r2 = await pool.post(base + "/x", b"2", {})
+            assert await r2.read() == b"first"  # a fresh connection's first answer, not the stray
+            r2.release()
+            assert conns[0] == 2
+
+    run(main())
+
+
+def test_a_body_without_length_or_final_chunking_runs_to_the_close(run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
+    # Review: "Transfer-Encoding: gzip" alone (close-delimited, RFC 9112 6.3) was read as a cut
+    # answer, and the door marked a healthy worker dead.
+    async def gzip_te(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nokbody")
+        await writer.drain()
+
+    async def main() -> None:
+        async with _raw_pool(gzip_te, read_timeout_s=5) as (pool, base):
+            r = await pool.post(base + "/x", b"", {})
+            assert await r.read() == b"okbody" and r.at_eof() and not r.keep_alive
+            r.release()
 
     run(main())

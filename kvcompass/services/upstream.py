@@ -89,6 +89,24 @@ class _Conn(asyncio.Protocol):
             return
         r._got_bytes = True
         try:
+            if not r._head_waiter.done():
+                # The head is bounded by the bytes that carry it: httptools collects a header
+                # value until it ends (growing it by copying), so a limit checked per header let
+                # one endless value take the door's memory and loop (found in review). Only the
+                # bytes up to the limit are parsed while the head is incomplete.
+                room = _MAX_HEAD - self.head_bytes
+                if len(data) > room:
+                    self.parser.feed_data(data[:room])
+                    self.head_bytes = _MAX_HEAD
+                    if not r._head_waiter.done():
+                        r._fail(UpstreamDisconnected(f"the answer's head exceeds {_MAX_HEAD} bytes"))
+                        self.abort()
+                        return
+                    data = data[room:]
+                    if self.closed:
+                        return
+                else:
+                    self.head_bytes += len(data)
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             r._fail(UpstreamDisconnected("the worker switched protocols"))
@@ -118,37 +136,43 @@ class _Conn(asyncio.Protocol):
         pass
 
     # -- httptools callbacks
+    def on_message_begin(self) -> None:
+        r = self.resp
+        if r is not None and r._done:
+            # A second answer on one request (a confused worker or a proxy before it): it would
+            # otherwise be read into this answer, or into the next request's on a reused
+            # connection, another client's (found in review). The answer already whole stands;
+            # the connection is not trusted again.
+            self.abort()
+
     def on_header(self, name: bytes, value: bytes) -> None:
         r = self.resp
         assert r is not None
-        self.head_bytes += len(name) + len(value) + 4
-        if self.head_bytes > _MAX_HEAD:
-            # A head that does not end (a broken or hostile worker): refused, not collected.
-            if not r._done:
-                r._fail(UpstreamDisconnected(f"the answer's head exceeds {_MAX_HEAD} bytes"))
-                self.abort()
+        if r._done:
             return
         r._raw_headers.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
         r = self.resp
         assert r is not None
-        self.head_bytes = 0
         if r._done:
-            return  # refused while its head arrived
+            return  # refused while its head arrived, or a stray answer after it
         r.status = self.parser.get_status_code()
         if r.status < 200:  # 1xx: the real head follows (httptools parses it as a new message)
             r._raw_headers.clear()
             return
         r.headers = h = CIMultiDictProxy(CIMultiDict(r._raw_headers))
         r.keep_alive = bool(self.parser.should_keep_alive())
-        r._until_eof = "content-length" not in h and "transfer-encoding" not in h and r.status not in (204, 304)
+        # Without a length and without chunking last, the body runs to the close (RFC 9112 6.3;
+        # "Transfer-Encoding: gzip" alone is close-delimited too, and was taken for broken).
+        r._until_eof = "content-length" not in h and not h.get("transfer-encoding", "").lower().rstrip().endswith("chunked") and r.status not in (204, 304)
         r._head_done()
 
     def on_body(self, body: bytes) -> None:
         r = self.resp
         assert r is not None
-        r._feed(body)
+        if not r._done:
+            r._feed(body)
 
     def on_message_complete(self) -> None:
         r = self.resp
@@ -412,6 +436,7 @@ class UpstreamPool:
     async def _exchange(self, conn: _Conn, head: bytes, body: bytes, deadline: float | None = None, seconds: float | None = None) -> UpstreamResponse:
         resp = UpstreamResponse(conn, self, self._read_timeout)
         conn.resp = resp
+        conn.head_bytes = 0
         assert conn.transport is not None
         if conn.closed:
             resp._fail(UpstreamDisconnected("the connection was closed"))
