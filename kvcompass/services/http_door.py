@@ -99,7 +99,7 @@ from kvcompass.services.openai_api import (
 from kvcompass.services.lifecycle import AsyncResource, bind_socket
 from kvcompass.services.loop_metrics import Counter, Gauge, Histogram
 from kvcompass.services.metrics import export_counter
-from kvcompass.services.upstream import UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTooLarge
+from kvcompass.services.upstream import UpstreamBusy, UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTooLarge
 from kvcompass.services.wire import (
     HANDOFF_HEADER,
     MIGRATION_HEADER,
@@ -174,6 +174,9 @@ class DoorConfig:
     """Until the worker's response head; a long prefill queue is legitimate, so generous."""
     read_timeout_s: float = 600.0
     """Between two reads of the worker's body (a stalled stream)."""
+    client_write_timeout_s: float = 60.0
+    """How long a write to a client that reads nothing may wait; the connection is then cut
+    (and with it the worker's answer it was holding)."""
     drain_grace_s: float = 30.0
     inline_tokenize_chars: int = INLINE_TOKENIZE_CHARS
     """Texts up to this many characters are tokenized on the event loop (tens of microseconds);
@@ -226,8 +229,10 @@ class DoorConfig:
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {v}")
-        if not (math.isfinite(self.header_timeout_s) and self.header_timeout_s > 0):
-            raise ValueError(f"header_timeout_s must be finite and > 0, got {self.header_timeout_s}")
+        for name in ("header_timeout_s", "client_write_timeout_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be finite and > 0, got {v}")
 
 
 # -- errors ------------------------------------------------------------------------------------------
@@ -516,9 +521,11 @@ class FrontDoor:
                 body["cache_salt"] = TENANT_SALT_PREFIX + tenant
             headers = {"Content-Type": "application/json", NAMESPACE_HEADER: tenant, MIGRATION_HEADER: action.kind}
             try:
-                r = await session.post(url + "/v1/completions", json.dumps(body).encode(), headers)
+                # The requests' own deadlines and answer limit: without them a target that never
+                # answered held one of the few migration slots for good (found in review).
+                r = await session.post(url + "/v1/completions", json.dumps(body).encode(), headers, head_timeout=self.config.head_timeout_s)
                 try:
-                    await r.read()
+                    await r.read(limit=self.config.max_response_bytes)
                 finally:
                     r.close() if not r.at_eof() else r.release()
                 if r.status != 200:
@@ -958,6 +965,11 @@ class FrontDoor:
             await asyncio.sleep(delay)
         try:
             up = await session.post(url, prep.raw, headers, head_timeout=self.config.head_timeout_s)
+        except UpstreamBusy as e:
+            # The door's own connection limit, shared by every worker: not this worker's fault
+            # (found in review: each such wait marked a healthy worker dead), and no other
+            # worker would be reached sooner.
+            raise OpenAIError(503, f"the door's upstream connections are all busy: {e}", code="busy") from None
         except TimeoutError as e:
             raise _WorkerFailed("timeout", f"{choice.worker}: no response head: {e!r}") from None
         except UpstreamConnectError as e:
@@ -1499,10 +1511,12 @@ class DoorServer(AsyncResource):
         door = self.door
         door.draining = True
         grace = door.config.drain_grace_s if grace_s is None else grace_s
+        t0 = time.monotonic()
         await door.wait_idle(grace)
         try:
-            # Whatever is still running when the grace period ended is cut off after 1 s more.
-            await self._server.close(timeout_s=1.0)
+            # Handlers end before their last bytes have left: what remains of the grace lets
+            # those reach slow readers (at least 1 s more for whatever still runs).
+            await self._server.close(timeout_s=max(1.0, grace - (time.monotonic() - t0)))
         finally:
             self._sock.close()
 
@@ -1540,7 +1554,7 @@ async def serve_door(
     )
     if sock is None:
         sock = bind_socket(host, port, reuse_port=reuse_port)
-    server = HttpServer(app, sock, guard=app.state[FRONT_DOOR].conn_guard, ssl_context=ssl_context)
+    server = HttpServer(app, sock, guard=app.state[FRONT_DOOR].conn_guard, ssl_context=ssl_context, write_timeout_s=config.client_write_timeout_s)
     try:
         await server.start()
     except BaseException:

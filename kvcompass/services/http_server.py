@@ -615,7 +615,18 @@ class _Connection(asyncio.Protocol):
         if self._write_paused and not self.lost:
             if self._drain is None or self._drain.done():
                 self._drain = self.server.loop.create_future()
-            await self._drain
+            limit = self.server.write_timeout_s
+            if limit is None:
+                await self._drain
+                return
+            try:
+                await asyncio.wait_for(self._drain, limit)
+            except asyncio.TimeoutError:
+                # A client that stops reading held its handler, and a door's worker connection
+                # behind it, for as long as it kept the socket open (found in review).
+                if self.transport is not None:
+                    self.transport.abort()
+                raise ConnectionResetError(f"the client read nothing for {limit:g} s") from None
 
     def pause(self) -> None:
         if not self._paused_reading and self.transport is not None and not self.lost:
@@ -684,16 +695,20 @@ class _Connection(asyncio.Protocol):
 class HttpServer:
     """``app`` served on a bound, listening socket (TLS with ``ssl_context``); ``guard``
     limits connections per address and bounds heads in time. ``keepalive_s``: an idle
-    kept-alive connection is closed after this long (75 s, aiohttp's and nginx's default)."""
+    kept-alive connection is closed after this long (75 s, aiohttp's and nginx's default).
+    ``write_timeout_s``: a response write waits this long at most for a client that does not
+    read (the connection is then cut; None: no limit)."""
 
     def __init__(
         self, app: App, sock: socket.socket, *, guard: ConnGuard | None = None, ssl_context: ssl.SSLContext | None = None, keepalive_s: float = 75.0, max_head_bytes: int = 64 * 1024,
+        write_timeout_s: float | None = 60.0,
     ) -> None:
         self.app = app
         self.sock = sock
         self.guard = guard
         self.ssl_context = ssl_context
         self.keepalive_s = keepalive_s
+        self.write_timeout_s = write_timeout_s
         self.max_head_bytes = max_head_bytes
         self.max_body_bytes = app.max_body_bytes
         self.connections: set[_Connection] = set()
@@ -735,7 +750,11 @@ class HttpServer:
 
     async def close(self, timeout_s: float = 1.0) -> None:
         """Stop accepting; idle connections close now, busy ones once their handler ends (up to
-        ``timeout_s``, then they are cancelled and closed); then the app's stop hooks."""
+        ``timeout_s``, then they are cancelled); what they wrote is flushed within the same
+        ``timeout_s`` before the rest is cut (found in review: answers still in the send buffer
+        were aborted a second after the handlers ended, well inside a drain's grace); then the
+        app's stop hooks."""
+        deadline = self.loop.time() + timeout_s
         if self.closing:
             return
         self.closing = True
@@ -752,6 +771,10 @@ class HttpServer:
                 t.cancel()
             if pending:
                 await asyncio.wait(pending, timeout=1.0)
+        for c in list(self.connections):
+            c._close()  # a graceful close: the transport flushes what it holds, then closes
+        while self.connections and self.loop.time() < deadline:
+            await asyncio.sleep(0.05)
         for c in list(self.connections):
             if c.transport is not None:
                 c.transport.abort()

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
-__all__ = ["UpstreamConnectError", "UpstreamDisconnected", "UpstreamError", "UpstreamPool", "UpstreamResponse", "UpstreamTooLarge"]
+__all__ = ["UpstreamBusy", "UpstreamConnectError", "UpstreamDisconnected", "UpstreamError", "UpstreamPool", "UpstreamResponse", "UpstreamTooLarge"]
 
 _HIGH_WATER = 256 * 1024  # buffered body bytes at which the socket stops being read
 _MAX_HEAD = 64 * 1024  # bytes of an answer's head (status line and headers) before it is refused
@@ -44,6 +44,11 @@ class UpstreamConnectError(UpstreamError):
 
 class UpstreamDisconnected(UpstreamError):
     """The connection closed, or the answer was not HTTP, before the answer was complete."""
+
+
+class UpstreamBusy(UpstreamError):
+    """No connection slot of the pool's limit came free before the head deadline: the pool is
+    busy (its limit is for every worker at once), which says nothing of the worker asked."""
 
 
 class UpstreamTooLarge(UpstreamError):
@@ -347,7 +352,8 @@ class UpstreamPool:
         once the answer's head arrived. Raises :class:`UpstreamConnectError`,
         :class:`UpstreamDisconnected`, TimeoutError (the connect deadline, or ``head_timeout``
         seconds from this call without a whole head: waiting for a slot, connecting and the
-        answer all count) or ValueError (a header with CR or LF, a URL that is not http(s)).
+        answer all count), :class:`UpstreamBusy` (no slot of ``limit`` in that time) or
+        ValueError (a header with CR or LF, a URL that is not http(s)).
 
         Why the head deadline is here and not an ``asyncio.timeout`` around the call: it is one
         timer handle on the exchange, cancelled when the head arrives, where the context manager
@@ -369,7 +375,7 @@ class UpstreamPool:
                     async with asyncio.timeout_at(deadline):
                         await self._slots.acquire()
                 except TimeoutError:
-                    raise TimeoutError(f"no connection slot to {host}:{port} within {head_timeout} s") from None
+                    raise UpstreamBusy(f"no connection slot to {host}:{port} within {head_timeout} s") from None
         try:
             key = (host, port, tls)
             conn = self._take(key)
