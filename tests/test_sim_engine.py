@@ -653,3 +653,29 @@ def test_a_scheme_that_follows_kv_events_sees_every_cache_as_it_is() -> None:
     for w in f.ids:
         cached = {b.block_hash: {medium[b.tier]} for b in sim._workers[w].cache.blocks()}
         assert f.held[w] == cached, w
+
+
+def test_wan_jitter_reaches_the_central_directorys_lookup() -> None:
+    # Review, twenty-fourth session: the coordinator round trip (like Chord's hops and the
+    # prefill-decode wire) kept its static time under --wan-jitter, which "every WAN traversal"
+    # promised to jitter. Here the client and its worker share region a (no WAN), the
+    # coordinator sits in b, 100 ms away: TTFT minus prefill is the lookup alone.
+    from kvcompass.discovery.topology import topology_from_dict
+    from kvcompass.sim.engine import SimConfig, Simulator
+    from kvcompass.sim.requests import Request, TraceBlocks
+
+    t = topology_from_dict({
+        "name": "cd-jitter", "block_size": 16, "levels": 4, "own_region_min": 256,
+        "rtt_ms": {"a": {"a": 0.0, "b": 100.0, "c": 100.0}, "b": {"a": 100.0, "b": 0.0, "c": 10.0}, "c": {"a": 100.0, "b": 10.0, "c": 0.0}},
+        "regions": {"a": {}, "b": {}, "c": {}},
+        "workers": [{"id": "a-0", "region": "a", "beta_ms_per_token": 0.1}],
+    })  # fmt: skip
+    reqs = [Request(i, i * 1000.0, "a", 0, "public", 160, 1, 16, i, -1, TraceBlocks(np.arange(10 * i + 1, 10 * i + 11, dtype=np.uint64))) for i in range(60)]
+
+    def lookups(jitter: float) -> np.ndarray:
+        s = Simulator(t, reqs, "central-directory", SimConfig(wan_jitter=jitter, seed=1)).run()
+        return np.array([r.ttft_ms for r in s.records]) - 160 * 0.1
+
+    assert np.allclose(lookups(0.0), 100.0)
+    jittered = lookups(1.0)
+    assert jittered.min() < 60.0 and jittered.max() > 140.0 and (jittered >= 0).all()

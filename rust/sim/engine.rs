@@ -1640,7 +1640,7 @@ impl Engine {
         let wire = if dr == region {
             0.0
         } else {
-            self.cfg.rtt[region as usize * self.regions + dr as usize] / 2.0
+            self.way(region, dr) // jittered as every WAN traversal is (found in review)
         };
         let edge_region = self.jobs[job as usize].edge_region;
         let back = self.way(dr, edge_region);

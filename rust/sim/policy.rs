@@ -948,15 +948,22 @@ impl Engine {
         Choice { worker: s.workers[i], claimed: matched, delay_ms: 0.0 }
     }
 
-    /// Chord's recursive lookup of `key` from region `origin`: `(owner node, hops, delay_ms)`.
+    /// Chord's recursive lookup of `key` from region `origin`: `(owner node, hops, delay_ms)`,
+    /// each leg at its static one-way time.
     pub(super) fn chord_route(&self, b: &Baseline, origin: u16, key: u64) -> (usize, u32, f64) {
-        let Baseline::Chord { ids, regions, fingers, entry, .. } = b else { return (0, 0, 0.0) };
+        let (owner, hops, legs) = self.chord_path(b, origin, key);
+        (owner, hops, legs.iter().map(|&(a, c)| self.rtt(a, c) / 2.0).sum())
+    }
+
+    /// [`Self::chord_route`]'s owner, hops and the legs the lookup travels, region to region.
+    pub(super) fn chord_path(&self, b: &Baseline, origin: u16, key: u64) -> (usize, u32, Vec<(u16, u16)>) {
+        let Baseline::Chord { ids, regions, fingers, entry, .. } = b else { return (0, 0, Vec::new()) };
         let n = ids.len();
         let entry = match entry[origin as usize] {
             Some(e) => e as usize,
             None => (0..n).min_by(|&i, &j| self.rtt(origin, regions[i]).partial_cmp(&self.rtt(origin, regions[j])).unwrap_or(std::cmp::Ordering::Equal).then(i.cmp(&j))).unwrap_or(0),
         };
-        let mut delay = self.rtt(origin, regions[entry]) / 2.0;
+        let mut legs = vec![(origin, regions[entry])];
         let mut cur = entry;
         let mut hops = 0;
         let owner;
@@ -976,12 +983,12 @@ impl Engine {
             if nxt == cur {
                 nxt = succ;
             }
-            delay += self.rtt(regions[cur], regions[nxt]) / 2.0;
+            legs.push((regions[cur], regions[nxt]));
             cur = nxt;
             hops += 1;
         }
-        delay += self.rtt(regions[cur], origin) / 2.0;
-        (owner, hops, delay)
+        legs.push((regions[cur], origin));
+        (owner, hops, legs)
     }
 
     /// `schemes._prefix_pick`: the least-loaded of `pool` holding the longest routed prefix.
@@ -1049,7 +1056,10 @@ impl Engine {
             }
             Baseline::Chord { levels, .. } => {
                 let (_, key) = level_key(levels, r.input_length, |n| prompts.prefix_sum(req, n, block, chain, &mut self.sum_memo), tokens, &self.salts, r.salt);
-                let (owner, _, delay) = self.chord_route(b, r.region, key);
+                // Every leg of the lookup is a WAN traversal, jittered as the others are (found
+                // in review: Chord's hops kept the static times under --wan-jitter).
+                let (owner, _, legs) = self.chord_path(b, r.region, key);
+                let delay: f64 = legs.iter().map(|&(a, c)| self.way(a, c)).sum();
                 let Baseline::Chord { nodes, .. } = &*b else { unreachable!("matched above") };
                 done(nodes[owner], 0, delay)
             }
@@ -1058,8 +1068,11 @@ impl Engine {
                 // sent one way before that has reached the coordinator (clamped to now: the
                 // engine cannot look ahead, so a worker nearer the coordinator than the request
                 // is seen as of now, a little fresher than it could be).
-                let delay = self.rtt(r.region, c.coordinator);
-                let decide = self.now + delay / 2.0;
+                // The lookup's two WAN legs, jittered as every traversal is (review); both at the
+                // request-to-coordinator time, as the static round trip was.
+                let there = self.way(r.region, c.coordinator);
+                let delay = there + self.way(r.region, c.coordinator);
+                let decide = self.now + there;
                 let l = r.input_length;
                 let block = self.block_size as u64;
                 let mut q = Vec::with_capacity(c.workers.len());
