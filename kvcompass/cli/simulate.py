@@ -241,6 +241,10 @@ def _simulate(args: argparse.Namespace) -> int:
         _prepare_out(args.out, _simulate_outputs())
     faults = {"wan_jitter": args.wan_jitter / 100, "patch_loss": args.patch_loss / 100, "patch_delay_ms": args.patch_delay_ms}
     topology = load_topology(args.topology, rtt_path=args.rtt_matrix)
+    edgeless = [r.name for r in topology.regions if r.edges == 0]
+    if edgeless:
+        # A stated limit of the model (docs/simulator.md, "What the model leaves out").
+        print(f"note: region(s) {', '.join(edgeless)} run no edge: their requests start at their nearest edge's clock, so the leg from the client to that edge and back is not charged", file=sys.stderr)
     generated = args.trace in GENERATED_WORKLOADS
     trace_path = None if generated else resolve_trace(args.trace)
     arrivals: RateMode = args.arrivals or ("poisson" if generated else "rescale")
