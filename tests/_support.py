@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -132,3 +133,14 @@ def table_state(t: kc.LudoTable) -> tuple[object, ...]:
 
 def view_state(v: kc.LudoView) -> tuple[object, ...]:
     return (v.digest(), v.state_bytes(), v.epoch, v.seq, v.initialised, v.fallback_len)
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte: deterministic, dependency-free, and enough to key prefixes (the
+    doors' tokenizer in the service tests)."""
+
+    def encode(self, text: str) -> npt.NDArray[np.uint32]:
+        return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint32)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> npt.NDArray[np.uint32]:
+        return self.encode("".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages) + "<assistant>")

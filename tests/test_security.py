@@ -36,6 +36,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from _support import ByteTokenizer
 from kvcompass._proto.kvcompass.v1 import EdgeStub, IngestAck, KeyOps, MaintenanceStub, OutcomeRequest, QueueVector, RouteRequest, SnapshotRequest, SubscribeRequest
 from kvcompass.agent import BlockStored, WorkerAgent, encode_batch
 from kvcompass.discovery.edge import Edge
@@ -329,14 +330,6 @@ def test_plaintext_and_tls_mismatches_fail_fast_and_clearly(world: World, pki: P
 
 
 # ---- TLS on the HTTP door and the door's upstream ------------------------------------------------------------
-
-
-class ByteTokenizer:
-    def encode(self, text: str) -> npt.NDArray[np.uint32]:
-        return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint32)
-
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> npt.NDArray[np.uint32]:
-        return self.encode("".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages))
 
 
 def plane_cache(plane: LocalPlane, worker: str, tokens: npt.NDArray[np.uint32], ns: Namespace) -> None:

@@ -21,7 +21,7 @@ import numpy.typing as npt
 import pytest
 from aiohttp import web
 
-from _support import frame
+from _support import ByteTokenizer, frame
 from kvcompass.agent import WorkerAgent, encode_batch
 from kvcompass.discovery.plane import LocalPlane
 from kvcompass.discovery.topology import load_topology
@@ -38,16 +38,6 @@ T = TypeVar("T")
 def run(coro: Coroutine[Any, Any, T]) -> T:
     """Every test's event loop, with a hard limit so a hang fails instead of stalling the suite."""
     return asyncio.run(asyncio.wait_for(coro, 15))
-
-
-class ByteTokenizer:
-    """One token per UTF-8 byte: deterministic, dependency-free, and enough to key prefixes."""
-
-    def encode(self, text: str) -> npt.NDArray[np.uint32]:
-        return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint32)
-
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> npt.NDArray[np.uint32]:
-        return self.encode("".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages) + "<assistant>")
 
 
 # -- the index side ---------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from _support import ByteTokenizer
 from kvcompass.discovery.migration import MigrationAction
 from kvcompass.discovery.plane import LocalPlane
 from kvcompass.discovery.topology import load_topology
@@ -23,14 +24,6 @@ from kvcompass.index_types import Namespace, Tier
 from kvcompass.services.http_door import DoorConfig, DoorServer, serve_door
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-class ByteTokenizer:
-    def encode(self, text: str) -> Any:
-        return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint32)
-
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> Any:
-        return self.encode("".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages))
 
 
 async def read_request(reader: asyncio.StreamReader) -> dict[str, Any]:

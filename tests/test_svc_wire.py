@@ -324,9 +324,11 @@ def test_an_ingest_cancelled_during_its_threaded_apply_holds_the_unit_until_the_
             handler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await handler
-            flushed = await svc.flush_now()  # waits for the thread: the unit is not free before
+            await svc.flush_now()  # waits for the thread: the unit is not free before
             assert ended, "a flush ran while the threaded apply was still writing"
-            assert flushed, "the flush that waited for the thread did not carry its edits"
+            # Its edits went out, in this flush or in the flush loop's (woken when the thread
+            # ended, it may reach the unit first: this test asserted the former and failed two
+            # runs in five since flushes went to the leading edge).
             assert any(svc.published(t.table_id) != before[t.table_id] for t in svc.unit.layout.tables)
         finally:
             await svc.stop()
