@@ -387,3 +387,45 @@ def test_sglang_cache_aware_follows_its_tree_until_the_load_is_imbalanced(testbe
     counts = Counter(r.worker for r in b.records)
     top = counts.most_common(1)[0][1]
     assert 33 <= top < 120 and len(counts) > 1
+
+
+def _regions(workers: dict[str, int], cross_rtt: dict[tuple[str, str], float] | float) -> Topology:
+    names = list(workers)
+
+    def rtt(a: str, b: str) -> float:
+        if a == b:
+            return 1.0
+        return cross_rtt if isinstance(cross_rtt, float) else cross_rtt.get((a, b), cross_rtt.get((b, a), 0.0))
+
+    return topology_from_dict({
+        "name": "t", "rtt_ms": {a: {b: rtt(a, b) for b in names} for a in names}, "regions": {a: {} for a in names},
+        "workers": [{"id": f"{a}-w{j}", "region": a, "beta_ms_per_token": 0.085} for a in names for j in range(workers[a])],
+    })  # fmt: skip
+
+
+def test_dynamo_globals_region_router_counts_every_origins_work_on_the_way() -> None:
+    # Review, twenty-fourth session: the chosen region's router counted only the current
+    # origin's dispatched work, so requests of two regions 0.1 ms apart shared a worker (and
+    # queued 91 ms) half the time while the other sat idle.
+    t = _regions({"r0": 0, "r1": 0, "r2": 2}, {("r0", "r1"): 10.0, ("r0", "r2"): 40.0, ("r1", "r2"): 40.0})
+    reqs = []
+    for k in range(100):
+        reqs.append(chain_request(2 * k, 1000.0 * k, "r0", 100 + 2 * k, 2000))
+        reqs.append(chain_request(2 * k + 1, 1000.0 * k + 0.1, "r1", 101 + 2 * k, 2000))
+    recs = sorted(simulate(t, reqs, "dynamo-global", seed=0).records, key=lambda r: r.id)
+    assert sum(a.worker == b.worker for a, b in zip(recs[0::2], recs[1::2])) == 0
+
+
+def test_skywalker_pushes_only_to_replicas_with_nothing_outstanding() -> None:
+    # Review: a remote replica looked free until the first push to it landed (one WAN way),
+    # so a burst pushed 24 of 28 requests onto replicas already sent one.
+    t = _regions({"r0": 1, "r1": 4}, 200.0)
+    reqs = [chain_request(i, 5.0 * i, "r0", 1000 + i, 4000) for i in range(40)]
+    recs = sorted(simulate(t, reqs, "skywalker", seed=0).records, key=lambda r: r.id)
+    landing: dict[str, list[float]] = {}
+    overlapping = 0
+    for r in recs:
+        if r.worker.startswith("r1-"):
+            overlapping += any(at > r.arrival_ms for at in landing.get(r.worker, []))
+            landing.setdefault(r.worker, []).append(r.arrival_ms + 100.0)
+    assert landing and overlapping == 0

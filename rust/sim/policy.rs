@@ -842,7 +842,12 @@ impl Engine {
             }
             for &w in workers {
                 let m = l.min(s.feed.overlap(w as usize, keys) as u64 * block);
-                scores.push(self.queued(&self.workers[w as usize], now) + self.dispatched_from(w, origin) + s.beta[w as usize] * (l - m) as f64);
+                // The chosen region's router routes every request entering its region, whatever
+                // its origin, so it counts all the work it sent that has not arrived (found in
+                // review: only the current origin's, so two regions' requests 0.1 ms apart
+                // landed on one worker half the time).
+                let sent: f64 = self.workers[w as usize].dispatched.iter().map(|&(_, v)| v).sum();
+                scores.push(self.queued(&self.workers[w as usize], now) + sent + s.beta[w as usize] * (l - m) as f64);
                 matches.push(m);
             }
             let i = self.pick(&scores, 1.0);
@@ -1125,7 +1130,14 @@ impl Engine {
                 // Taken out for the call and put back (remote regions are never this one).
                 let local = std::mem::take(&mut pools[region]);
                 let picked = if local.is_empty() { None } else { self.prefix_pick(&trees[region], chain, &local, r.region) };
-                let waiting = |e: &Engine, w: u32| e.workers[w as usize].waiting.len();
+                // A replica's pending queue counts what the balancer sent that is still on the
+                // WAN, as SkyWalker's own count of its outstanding requests does (found in review:
+                // a remote replica looked free until the first push landed, one WAN way later,
+                // and took a burst of pushes).
+                let waiting = |e: &Engine, w: u32| {
+                    let x = &e.workers[w as usize];
+                    x.pending.saturating_sub(x.current.is_some() as u32)
+                };
                 let free: Vec<u32> = local.iter().copied().filter(|&w| waiting(self, w) == 0).collect();
                 let mut worker: Option<u32> = None;
                 let mut claimed = 0i64;
