@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from _provenance import git_info, meets
+from _provenance import core_build, git_info, meets
 from kvcompass.services.lifecycle import stop_process
 from bench_service import DOOR_HOLDER, DOOR_REGION, MODEL, TOPOLOGY, Child, Post, closed_loop, cpu_model, log, open_loop, pct, post_once, proc_cpu_s, rnd
 
@@ -378,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     res["meets"] = meets(res, TARGETS)
     res["cpu"] = cpu_model()
     res["git_commit"], res["git_dirty"] = git_info()
+    res["core_build"] = core_build()
     res["date"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     print(json.dumps(res))
     return 0

@@ -83,7 +83,7 @@ from typing import Any
 
 import numpy as np
 
-from _provenance import git_info, meets
+from _provenance import core_build, git_info, meets
 from kvcompass.services.lifecycle import loop_factory, stop_process
 
 REPO = Path(__file__).resolve().parent.parent
@@ -882,6 +882,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
         "git_commit": commit,
         "git_dirty": dirty,
+        "core_build": core_build(),
         "python": platform.python_version(),
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),

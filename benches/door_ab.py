@@ -79,6 +79,9 @@ def main() -> int:
         ap.error(f"--base {args.base} is not a checkout of this project (no kvcompass/ in it)")
     res = asyncio.run(run(args))
     res["git_commit"], res["git_dirty"] = git_info()
+    # Door A's own checkout (found in review: only its path was kept, so a result could not be
+    # traced to its baseline).
+    res["base_git_commit"], res["base_git_dirty"] = git_info(args.base)
     print(json.dumps(res))
     return 0
 

@@ -51,6 +51,7 @@ __all__ = [
     "bench_route_ns",
     "bench_sha256_ns",
     "bench_mem_latency_ns",
+    "bench_timer_ns",
 ]
 
 NO_KEY: int
@@ -644,6 +645,9 @@ def bench_route_ns(
 
 def bench_sha256_ns(tokens: npt.NDArray[np.uint32], n: int) -> npt.NDArray[np.float64]:
     """Per-call ns of a plain SHA-256 of the tokens' bytes."""
+
+def bench_timer_ns(n: int = 100000) -> float:
+    """Median ns of an empty timer pair: what each per-op sample of the probes above carries."""
 
 def bench_mem_latency_ns(mib: int = 64, steps: int = 2000000, seed: int = 1) -> float:
     """ns per dependent load over ``mib`` MiB (a pointer chase on huge pages when large): the

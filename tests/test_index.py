@@ -1293,6 +1293,16 @@ def test_memory_latency_probe_measures_and_refuses_nonsense() -> None:
         _core.bench_mem_latency_ns(1 << 40)
 
 
+def test_timer_probe_measures_and_refuses_nonsense() -> None:
+    """The timer-pair cost bench_core takes off its per-op figures."""
+    from kvcompass import _core
+
+    ns = _core.bench_timer_ns(1000)
+    assert 0.0 <= ns < 100_000.0
+    with pytest.raises(ValueError):
+        _core.bench_timer_ns(0)
+
+
 def test_field_ops_past_the_maximum_are_refused_before_any_applies() -> None:
     """Found in review: a batch of field ops that would take the table past its maximum failed
     mid-batch with what came before applied (and then shipped in the next patch)."""

@@ -155,7 +155,29 @@ fn bench_mem_latency_ns(py: Python<'_>, mib: usize, steps: usize, seed: u64) -> 
     Ok(py.detach(|| crate::ludo::mem::dependent_load_ns(mib << 20, steps, seed)))
 }
 
+/// Median ns of an empty `Instant::now()` pair: what a per-op timer adds to each sample, for
+/// the script to take off the per-op figures it reports.
+#[pyfunction]
+#[pyo3(signature = (n=100_000))]
+fn bench_timer_ns(py: Python<'_>, n: usize) -> PyResult<f64> {
+    if n == 0 {
+        return Err(PyValueError::new_err("n must be >= 1"));
+    }
+    Ok(py.detach(|| {
+        let mut v: Vec<f64> = (0..n)
+            .map(|_| {
+                let a = Instant::now();
+                let b = black_box(Instant::now());
+                (b - a).as_nanos() as f64
+            })
+            .collect();
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[n / 2]
+    }))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(bench_timer_ns, m)?)?;
     m.add_function(wrap_pyfunction!(bench_mem_latency_ns, m)?)?;
     m.add_function(wrap_pyfunction!(bench_lookup_ns, m)?)?;
     m.add_function(wrap_pyfunction!(bench_remove_insert_ns, m)?)?;
