@@ -429,3 +429,17 @@ def test_skywalker_pushes_only_to_replicas_with_nothing_outstanding() -> None:
             overlapping += any(at > r.arrival_ms for at in landing.get(r.worker, []))
             landing.setdefault(r.worker, []).append(r.arrival_ms + 100.0)
     assert landing and overlapping == 0
+
+
+def test_a_dynamo_router_keeps_its_landed_remote_requests_until_the_next_sample() -> None:
+    # Review: a router's own request to a remote worker vanished from its view once it landed
+    # (the in-flight term ends there) until the next broadcast sampled the queue, so a second
+    # request 30 ms later went to the same busy worker half the time.
+    t = _regions({"r0": 0, "r2": 2}, 40.0)
+    reqs = []
+    for k in range(100):
+        at = 1000.0 * k + 5.0  # just after a broadcast instant
+        reqs.append(chain_request(2 * k, at, "r0", 100 + 2 * k, 2000))
+        reqs.append(chain_request(2 * k + 1, at + 30.0, "r0", 101 + 2 * k, 2000))
+    recs = sorted(simulate(t, reqs, "dynamo", seed=0).records, key=lambda r: r.id)
+    assert sum(a.worker == b.worker for a, b in zip(recs[0::2], recs[1::2])) == 0

@@ -1385,6 +1385,9 @@ impl Engine {
         };
         if dispatched != 0.0 {
             sub_dispatched(&mut self.workers[w as usize], origin, dispatched);
+            if let Policy::Baseline(Baseline::Dynamo(st)) = &mut self.policy {
+                st.note_landed(w, origin, dispatched);
+            }
         }
         let est = self.estimate_now(w, job)?;
         self.jobs[job as usize].estimate_ms = est;

@@ -562,12 +562,31 @@ pub struct DynamoState {
     filter: Vec<BlockTable<u32>>,
     log: Vec<VecDeque<(f64, Vec<(u64, u8)>)>>,
     queue: Vec<f64>,
+    /// Per worker, by origin region: the work routed there that has landed since `queue` was
+    /// sampled. A router tracks the sequences it routed until it hears of them: without this,
+    /// its own request vanished from its view between landing and the next sample (found in
+    /// review; the Central Directory keeps what it sent the same way).
+    landed: Vec<Vec<(u16, f64)>>,
     epoch: f64,
     /// Dynamo-global: the regions with workers, their mean beta and their workers.
     global: Option<(Vec<u16>, Vec<f64>, Vec<Vec<u32>>)>,
 }
 
 impl DynamoState {
+    /// Work of `ms` from `origin` reached worker `w` (index in the engine's workers).
+    pub fn note_landed(&mut self, w: u32, origin: u16, ms: f64) {
+        if let Some(l) = self.landed.get_mut(w as usize) {
+            match l.iter_mut().find(|(r, _)| *r == origin) {
+                Some((_, v)) => *v += ms,
+                None => l.push((origin, ms)),
+            }
+        }
+    }
+
+    fn landed_from(&self, w: u32, origin: u16) -> f64 {
+        self.landed.get(w as usize).and_then(|l| l.iter().find(|(r, _)| *r == origin)).map_or(0.0, |(_, v)| *v)
+    }
+
     /// `workers`: the indexed workers; `beta`, `seeds`: per worker (all); `regions` count.
     pub fn new(period_ms: f64, workers: Vec<u32>, beta: Vec<f64>, seeds: Vec<u64>, regions: usize, global: Option<(Vec<u16>, Vec<f64>, Vec<Vec<u32>>)>) -> Self {
         let n = beta.len();
@@ -580,6 +599,7 @@ impl DynamoState {
             filter: (0..regions).map(|_| BlockTable::new()).collect(),
             log: vec![VecDeque::new(); n],
             queue: vec![0.0; n],
+            landed: vec![Vec::new(); n],
             epoch: -1.0,
             global,
         }
@@ -796,6 +816,9 @@ impl Engine {
                 apply_ops(&mut s.stale[wi], &ops, Some(&mut s.filter[region]));
             }
             s.queue[wi] = self.queued(&self.workers[wi], self.now);
+            if let Some(l) = s.landed.get_mut(wi) {
+                l.clear();
+            }
         }
         s.epoch = epoch;
     }
@@ -827,7 +850,7 @@ impl Engine {
                 }
             }
             for (k, &r) in regions.iter().enumerate() {
-                let load = by_region[k].iter().map(|&w| s.queue[w as usize] + self.dispatched_from(w, origin)).fold(f64::INFINITY, f64::min);
+                let load = by_region[k].iter().map(|&w| s.queue[w as usize] + self.dispatched_from(w, origin) + s.landed_from(w, origin)).fold(f64::INFINITY, f64::min);
                 let m = l.min(DynamoState::overlap(keys, &s.filter[r as usize]) as u64 * block);
                 rs.push(self.rtt(origin, r) + load + rbeta[k] * (l - m) as f64);
             }
@@ -862,7 +885,7 @@ impl Engine {
         let mut bound = Vec::with_capacity(n);
         for &w in &s.workers {
             let x = &self.workers[w as usize];
-            let q = (if x.region == origin { self.queued(x, now) } else { s.queue[w as usize] }) + self.dispatched_from(w, origin);
+            let q = (if x.region == origin { self.queued(x, now) } else { s.queue[w as usize] + s.landed_from(w, origin) }) + self.dispatched_from(w, origin);
             bound.push(self.rtt(origin, x.region) + q);
         }
         // The own region's routers read the exact view, the others the broadcast one.
