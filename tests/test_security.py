@@ -1093,3 +1093,43 @@ def test_a_peer_edges_undecodable_answer_counts_as_a_failure_and_broadcasts_go_o
         assert closed == [True]
 
     run(go())
+
+
+def test_grpc_listeners_cap_connections_per_address() -> None:
+    # Review: the door capped connections per client address and the gRPC listeners did not.
+    # Loopback is exempt by default (a `kvcompass up` cluster connects from 127.0.0.1); here
+    # it is counted so the cap can be seen.
+    from grpclib.health.v1.health_grpc import HealthStub
+    from grpclib.health.v1.health_pb2 import HealthCheckRequest
+
+    from kvcompass.services.grpc_lifecycle import DrainingServer, _is_loopback
+
+    assert _is_loopback("127.0.0.1") and _is_loopback("::1") and _is_loopback("::ffff:127.0.0.1") and not _is_loopback("10.0.0.1")
+
+    async def go() -> None:
+        plane = LocalPlane(load_topology("testbed-14x3"), seed=3)
+        from grpclib.health.service import Health
+
+        server = DrainingServer([EdgeService(plane.edges["us"]), Health()], max_connections_per_address=2, cap_loopback=True)
+        await server.start("127.0.0.1", 0)
+        port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        chans = [Channel("127.0.0.1", port) for _ in range(3)]
+        try:
+            for ch in chans[:2]:
+                await HealthStub(ch).Check(HealthCheckRequest(), timeout=5)
+            with pytest.raises((StreamTerminatedError, ConnectionError, OSError, asyncio.TimeoutError, GRPCError)):
+                await HealthStub(chans[2]).Check(HealthCheckRequest(), timeout=5)
+            assert server.refused_connections >= 1
+            chans[0].close()
+            await asyncio.sleep(0.2)
+            again = Channel("127.0.0.1", port)
+            try:
+                await HealthStub(again).Check(HealthCheckRequest(), timeout=5)
+            finally:
+                again.close()
+        finally:
+            for ch in chans:
+                ch.close()
+            await server.shut()
+
+    run(go())

@@ -5,6 +5,7 @@ on the same port), and the channels a service opened itself, closed when it clos
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import ssl
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -27,6 +28,20 @@ from kvcompass.services.tls import grpc_channel
 __all__ = ["DrainingServer", "OwnedChannels"]
 
 
+MAX_CONNECTIONS_PER_ADDRESS = 1024
+"""Connections one client address may hold to a gRPC listener (loopback exempt)."""
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        addr = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped.is_loopback
+    return addr.is_loopback
+
+
 class DrainingServer(Server):
     """A grpclib Server that can also close its accepted connections.
 
@@ -38,9 +53,27 @@ class DrainingServer(Server):
     RESOURCE_EXHAUSTED before it is read (:mod:`kvcompass.services.codec`).
     """
 
-    def __init__(self, handlers: Sequence[Any], metrics: ServiceMetrics | None = None, limits: Mapping[type, int] | None = None, *, request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        handlers: Sequence[Any],
+        metrics: ServiceMetrics | None = None,
+        limits: Mapping[type, int] | None = None,
+        *,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+        max_connections_per_address: int | None = MAX_CONNECTIONS_PER_ADDRESS,
+        cap_loopback: bool = False,
+    ) -> None:
         install_receive_limit()
         super().__init__(handlers, codec=StrictProtoCodec(limits))
+        if max_connections_per_address is not None and max_connections_per_address < 1:
+            raise ValueError(f"max_connections_per_address must be >= 1 or None, got {max_connections_per_address}")
+        # Connections held per client address (found in review: the door had a cap and the gRPC
+        # listeners none, so one address could hold any number of them). Loopback is exempt by
+        # default: a `kvcompass up` cluster connects every process from 127.0.0.1.
+        self._cap = max_connections_per_address
+        self._cap_loopback = cap_loopback
+        self._open: dict[str, int] = {}
+        self.refused_connections = 0
         # Every call with one request message (ours, betterproto's generated ones, grpclib's
         # Health) waits for it at most request_timeout_s: a client sending headers alone held a
         # handler forever, as many as it opened calls (found in review). Streams of requests
@@ -78,7 +111,50 @@ class DrainingServer(Server):
     def _protocol_factory(self) -> H2Protocol:
         proto = super()._protocol_factory()
         self._protocols.add(proto)
+        if self._cap is not None:
+            self._guard(proto)
         return proto
+
+    def _guard(self, proto: H2Protocol) -> None:
+        """Count ``proto``'s connection against its address, refusing it (closed at once) past
+        the cap."""
+        made, lost, received = proto.connection_made, proto.connection_lost, proto.data_received
+        state: dict[str, Any] = {}
+
+        def connection_made(transport: Any) -> None:
+            peer = transport.get_extra_info("peername")
+            host = str(peer[0]) if isinstance(peer, tuple) and peer else None
+            counted = host is not None and (self._cap_loopback or not _is_loopback(host))
+            if counted:
+                assert host is not None and self._cap is not None
+                if self._open.get(host, 0) >= self._cap:
+                    self.refused_connections += 1
+                    state["refused"] = True
+                    transport.abort()
+                    return
+                self._open[host] = self._open.get(host, 0) + 1
+                state["host"] = host
+            made(transport)
+
+        def connection_lost(exc: Exception | None) -> None:
+            if state.get("refused"):
+                return
+            host = state.pop("host", None)
+            if host is not None:
+                left = self._open.get(host, 1) - 1
+                if left > 0:
+                    self._open[host] = left
+                else:
+                    self._open.pop(host, None)
+            lost(exc)
+
+        def data_received(data: bytes) -> None:
+            if not state.get("refused"):
+                received(data)
+
+        proto.connection_made = connection_made  # type: ignore[method-assign]
+        proto.connection_lost = connection_lost  # type: ignore[method-assign]
+        proto.data_received = data_received  # type: ignore[method-assign]
 
     def close_connections(self) -> None:
         for proto in list(self._protocols):
