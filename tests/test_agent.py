@@ -439,7 +439,10 @@ def test_messages_queued_from_before_a_repair_past_them_are_stale_not_a_restart(
     held = dict(sink.keys)
     for s in range(21, 30):  # the queued ones, older than the window and than what was applied
         sink.apply(a.on_message(msgs[s]))
-    assert a.stats.stale == 9 and a.stats.restarts == 0 and a.incarnation == 1 and sink.keys == held
+    # Ten stale: the nine queued ones, and live seq 20, buffered when the gap opened and
+    # dropped when the replay jumped past it (applied after seq 59 it would claim blocks the
+    # lost span may have removed).
+    assert a.stats.stale == 10 and a.stats.restarts == 0 and a.incarnation == 1 and sink.keys == held
     out = a.on_message(msg(3, BlockStored((900,), None, (7, 7, 7, 7), 4), ts=1e6))  # a restarted engine
     assert a.stats.restarts == 1 and a.incarnation == 2 and out.replay == ReplayRequest(0)
 
@@ -506,14 +509,17 @@ def test_agent_started_mid_stream_asks_from_zero_then_resyncs() -> None:
     assert out.replay == ReplayRequest(0)
     assert [(b.reset, len(b.keys)) for b in out.batches] == [(True, 0)] * 3  # a new agent clears its worker early
     sink.apply(out)
-    # the ring starts at 5: not enough
-    sink.apply(a.on_replay(encode_replay(5, msg(5, BlockStored((6,), None, tuple(T[4:8]), 4))[2])))
-    sink.apply(a.on_replay(encode_replay(6, msg(6, BlockRemoved((6,)))[2])))
-    assert sink.keys == {} and a.buffered == 3
-    out = a.on_replay(encode_replay_end())
+    # The ring starts at 5: seqs 0-4 are gone. The first reply past the gap resyncs from there
+    # (every shard re-reported) and the rest of the replay and the queued live message follow
+    # in order (review, twenty-fourth session: buffering replies filled the buffer on a
+    # long-running engine, and the resync it forced dropped the rest of the replay).
+    out = a.on_replay(encode_replay(5, msg(5, BlockStored((6,), None, tuple(T[4:8]), 4))[2]))
     sink.apply(out)
+    assert a.stats.resyncs == 1 and all(b.reset for b in out.batches) and {b.shard for b in out.batches} == {0, 1, 2}
+    sink.apply(a.on_replay(encode_replay(6, msg(6, BlockRemoved((6,)))[2])))
+    assert a.last_seq == 7 and a.buffered == 0  # the queued live message drained behind seq 6
+    sink.apply(a.on_replay(encode_replay_end()))
     assert a.stats.resyncs == 1 and a.last_seq == 7 and a.buffered == 0
-    assert all(b.reset for b in out.batches) and {b.shard for b in out.batches} == {0, 1, 2}
     assert sink.keys == dict.fromkeys(keys_of(T[:4], LENGTHS), 1)
     sink.apply(a.on_message(msg(8, BlockRemoved((8,)))))
     assert sink.keys == {}
@@ -1258,3 +1264,28 @@ def test_cache_events_with_a_salt_the_roots_do_not_name_change_nothing() -> None
         assert len(f) == 0 and f.flush(3, []) == []
     f.cache_events(CacheEvents(plain + salted, 4), (None, None, kc.Namespace("llama-3.1-8b", "t2").digest))
     assert len(f) == 4
+
+
+def test_joining_a_long_running_engine_replays_the_whole_ring_in_order() -> None:
+    """Review, twenty-fourth session: an agent joining an engine whose ring had moved far past
+    seq 0 buffered every reply, overflowed its buffer, resynced to the live seq and dropped the
+    rest of the replay as duplicates: a block stored early in the ring and evicted late stayed
+    claimed."""
+    a, sink = agent(LENGTHS, max_buffered=16), Sink(3)
+    ring, live = range(100, 200), 200
+
+    def payload(seq: int) -> bytes:
+        if seq == 110:
+            return msg(seq, BlockStored((777,), None, tuple(T[:4]), 4))[2]
+        if seq == 190:
+            return msg(seq, BlockRemoved((777,)))[2]
+        return msg(seq)[2]
+
+    out = a.on_message(msg(live))
+    assert out.replay == ReplayRequest(0)
+    sink.apply(out)
+    for s in ring:
+        sink.apply(a.on_replay(encode_replay(s, payload(s))))
+    sink.apply(a.on_replay(encode_replay_end()))
+    assert a.last_seq == live and a.stats.resyncs == 1 and a.stats.duplicates == 0
+    assert sink.keys == {}  # stored at 110, evicted at 190: not claimed

@@ -560,6 +560,20 @@ class WorkerAgent:
         if b.seq == expected:
             self._apply(b)
             self._drain()
+        elif not live:
+            # A replay reply past the gap: the engine's ring no longer holds [expected, b.seq).
+            # Buffering it filled the buffer on a long-running engine, whose resync then jumped
+            # past the rest of the replay, dropped as duplicates: removals in it never reached
+            # the index (found in review). The history before b.seq is gone either way: resync
+            # from here (every shard re-reported) and take the rest of the replay in order.
+            self._stats.resyncs += 1
+            self._reset_pending = set(range(self.shards))
+            for s in [s for s in self._buffer if s < b.seq]:  # live ones from inside the lost span:
+                del self._buffer[s]  # applied after it they would claim what it may have removed
+                self._stats.stale += 1
+            self._last_seq = b.seq - 1
+            self._apply(b)
+            self._drain()
         else:  # b.seq > expected: callers filtered older ones
             if not self._buffer:
                 self._stats.gaps += 1
