@@ -129,6 +129,7 @@ orphan whose adoption would close a cycle.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import re
 from collections import deque
@@ -139,6 +140,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcompass import _core
+
+_log = logging.getLogger(__name__)
 from kvcompass.agent.events import (
     AllBlocksCleared,
     BlockHash,
@@ -251,6 +254,7 @@ class AgentStats:
     duplicates: int = 0  # re-delivered messages ignored
     stale: int = 0  # messages older than the digest window and than the newest applied one, dropped
     unplaced_copies: int = 0  # blocks a token-less copy named that the agent could not place (unknown or ambiguous hash)
+    other_groups: int = 0  # stores of a KV cache group other than 0: a hybrid model, whose claims may be stale (docs/engines.md)
     gaps: int = 0  # gaps opened
     replay_requests: int = 0
     resyncs: int = 0  # full re-reports after an unfilled gap
@@ -714,6 +718,13 @@ class WorkerAgent:
         return self._salt_root_row
 
     def _stored(self, e: BlockStored) -> None:
+        if e.group_idx:
+            # A hybrid model: a prefix counts as held while any group holds it, where vLLM
+            # needs every group (docs/engines.md, "Known gaps"). Said once, counted always.
+            if not self._stats.other_groups:
+                _log.warning("worker %s: the engine publishes KV cache group %d besides group 0; "
+                             "claims of a hybrid model can outlive a group's eviction (docs/engines.md, Known gaps)", self.worker_id, e.group_idx)
+            self._stats.other_groups += 1
         extra = e.extra_keys
         t = e.token_ids
         if len(t) == 0 and e.parent_block_hash is None and len(e.block_hashes):
