@@ -136,7 +136,7 @@ class DrainingServer(Server):
                 state["host"] = host
             made(transport)
 
-        def connection_lost(exc: Exception | None) -> None:
+        def connection_lost(exc: BaseException | None) -> None:
             if state.get("refused"):
                 return
             host = state.pop("host", None)
