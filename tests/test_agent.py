@@ -1303,3 +1303,17 @@ def test_a_hybrid_models_other_kv_groups_are_counted_and_said_once(caplog: pytes
             a.on_message(encode_batch([BlockStored((11 + 10 * seq,), None, tuple(T[:4]), 4, group_idx=g) for g in (0, 1)], seq, float(seq)))
     assert a.stats.other_groups == 3
     assert sum("KV cache group 1" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_new_agents_first_heartbeat_is_its_reset() -> None:
+    """Review, twenty-fourth session: an agent restarted with its engine (both empty) sent
+    heartbeats that opened each shard's sequence without a reset, so the dead engine's claims
+    stayed at the units until the new engine published something."""
+    a = agent(LENGTHS)
+    hb = a.heartbeat()
+    assert [b.reset for b in hb] == [True] * 3 and [b.seq for b in hb] == [1, 1, 1]
+    sink = Sink(3)
+    sink.keys = {k: 1 for k in range(30)}  # what the unit held for the dead incarnation
+    sink.apply(hb)
+    assert sink.keys == {}
+    assert [b.reset for b in a.heartbeat()] == [False] * 3  # one reset per incarnation

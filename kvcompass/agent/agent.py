@@ -450,7 +450,13 @@ class WorkerAgent:
         between two saves) has lost this agent's sequence; it refuses the next batch, and the
         ``on_rejected`` reset that answers makes it exact again. A busy agent gets there with its
         next real batch; a quiet one would leave the unit stale indefinitely, so agent drivers
-        send these every few seconds of silence."""
+        send these every few seconds of silence.
+
+        Shards still owed their incarnation's opening reset get it here (found in review: a new
+        agent's first heartbeat opened each sequence without one, so a dead engine's claims
+        stayed until the new engine published something)."""
+        if self._reset_pending:
+            return self._flush()
         out = []
         empty_k, empty_t = np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint8)
         for s in range(self.shards):
