@@ -968,3 +968,42 @@ def test_the_syncer_reports_a_shard_whose_subscription_is_down(world: World) -> 
                 assert sync.stale_shards()[0] >= 0.0
 
     run(go())
+
+
+def test_an_edge_follows_a_unit_restarted_at_a_lower_epoch(world: World) -> None:
+    """Review, twenty-fourth session: a unit restarted without a state file after its clock
+    stepped back has a lower epoch; its edge's views, of the higher one, counted as current,
+    dropped its catch-up snapshots as stale and stayed behind while reporting ready."""
+
+    async def go() -> None:
+        one = load_unit(world.layout, 0, epoch=5000)
+        srv = MaintenanceServer(MaintenanceService(one, FAST))
+        ends = await srv.start()
+        port = int(ends.grpc.rsplit(":", 1)[1])
+        edge = world.edge("us")
+        for other in world.units()[1:]:
+            for t in world.layout.tables:
+                edge.bootstrap(t.table_id, other.shard, other.snapshot(t.table_id))
+        a = world.agent("us-2")
+        sync = EdgeSync(edge, {0: ends.grpc}, backoff_s=(0.01, 0.05))
+        client = IngestClient("us-2", {0: ends.grpc}, a.on_rejected, backoff_s=(0.01, 0.05))
+        await sync.start()
+        try:
+            await sync.wait_ready(5)
+            await client.send([b for b in cache(a, prompt(1), 1, seq=0) if b.shard == 0])
+            await sync.wait_for(lambda: converged(edge, [one]), 5)
+            await srv.close()
+            await sync.wait_for(lambda: not sync.ready, 5)
+            two = load_unit(world.layout, 0, epoch=4000)
+            srv = MaintenanceServer(MaintenanceService(two, FAST))
+            await srv.start(port=port)
+            await client.send([b for b in cache(a, prompt(2), 5000, seq=1) if b.shard == 0])  # re-reported through a reset
+            await sync.wait_ready(5)
+            await sync.wait_for(lambda: converged(edge, [two]), 5)
+            assert {edge.view(t.table_id, 0).epoch for t in world.layout.tables} == {4000}
+        finally:
+            await client.close()
+            await sync.close()
+            await srv.close()
+
+    run(go())

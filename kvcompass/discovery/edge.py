@@ -582,9 +582,13 @@ class Edge:
         v = self.view(table, shard)
         if not v.initialised:
             target_kind: ResyncKind = "snapshot"
-        elif (v.epoch, v.seq) >= (epoch, seq):
+        elif epoch == v.epoch and v.seq >= seq:
             return None
         else:
+            # Another epoch, lower included: the writer restarted (a lower one after its clock
+            # stepped back without a state file); its word is the current state, and a view of
+            # a higher epoch is not "ahead" of it (found in review: such a view stayed stale
+            # while the edge reported ready).
             target_kind = "replay" if epoch == v.epoch else "snapshot"
         base = _Header(table, shard, epoch, seq)
         return self._fell_behind((table, shard), target_kind, (epoch, seq), base, "writer is ahead").resync

@@ -33,9 +33,10 @@ from grpclib.const import Cardinality
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.health.check import ServiceStatus
 
+from kvcompass import _core
 from kvcompass._proto.kvcompass.v1 import MaintenanceStub, Position, SnapshotRequest, SubscribeEvent, SubscribeRequest
 from kvcompass.discovery.edge import Edge
-from kvcompass.errors import InvalidArgumentError
+from kvcompass.errors import InvalidArgumentError, KVCompassError
 from kvcompass.services.wire import SUBSCRIBE_PATH
 from kvcompass.services.metrics import ServiceMetrics, export_states
 from kvcompass.services.grpc_lifecycle import OwnedChannels
@@ -240,6 +241,17 @@ class EdgeSync(AsyncResource):
                 await stream.cancel()
                 raise
 
+    def _adopt_other_epoch(self, data: bytes) -> bool:
+        try:
+            h = _core.decode_batch_header(data)
+            v = self.edge.view(h["table"], h["shard"])
+            if not v.initialised or h["epoch"] == v.epoch:
+                return False
+            self.edge.bootstrap(h["table"], h["shard"], data)
+            return True
+        except (KVCompassError, ValueError):
+            return False  # not a snapshot: the heartbeat's position check asks for one
+
     def _on_event(self, shard: int, ev: SubscribeEvent) -> None:
         edge, m = self.edge, self.metrics
         broken = False
@@ -250,7 +262,13 @@ class EdgeSync(AsyncResource):
                 m.patches_in.inc()
                 if p.emitted_unix_ns:
                     m.patch_lag.observe(max(0.0, (now_ns - p.emitted_unix_ns) / 1e9))
-            elif out.status != "stale":
+            elif out.status == "stale":
+                # A snapshot of another epoch on the current stream is the writer's state after
+                # a restart to a lower epoch (its clock stepped back): the view takes it whole.
+                # (A delta or same-epoch snapshot that is stale is a duplicate: dropped.)
+                if self._adopt_other_epoch(p.data):
+                    m.patches_in.inc()
+            else:
                 m.refused(out.status)
                 if out.status in ("gap", "snapshot_needed"):
                     m.gaps.inc()
