@@ -435,8 +435,8 @@ def test_a_follower_that_meets_an_unexpected_error_keeps_trying_and_says_the_sha
 def test_an_ingest_with_no_acknowledgement_is_a_lost_stream(world: World) -> None:
     """Found in review: a unit that stops answering without ending the stream (a dead host, a
     network dropping packets) left send() waiting forever, and the agent runner with it. Now an
-    acknowledgement that does not come within ack_timeout_s is a lost stream: reconnect, then
-    ConnectionError after max_attempts."""
+    acknowledgement that does not come within ack_timeout_s is a lost stream: reconnect, then,
+    after max_attempts, the unit is reported unreachable."""
 
     async def go() -> None:
         units = world.units()
@@ -452,8 +452,9 @@ def test_an_ingest_with_no_acknowledgement_is_a_lost_stream(world: World) -> Non
         async with in_memory(services) as chans:
             async with IngestClient("asia-0", chans, asia.on_rejected, ack_timeout_s=0.2, max_attempts=2, backoff_s=(0.01, 0.02)) as client:
                 t0 = loop.time()
-                with pytest.raises(ConnectionError, match="no acknowledgement within 0.2 s"):
-                    await client.send(cache(asia, prompt(91), 1000, seq=0))
+                report = await client.send(cache(asia, prompt(91), 1000, seq=0))
+                assert report.unreachable and report.batches == 0
+                assert "no acknowledgement within 0.2 s" in (client.last_unreachable or "")
                 assert loop.time() - t0 < 3.0 and client.reconnects >= 1
 
     run(go())
@@ -623,8 +624,7 @@ def test_a_forged_worker_is_denied_and_changes_nothing(world: World) -> None:
                     await client.send([batch])
             assert rej.value.status is Status.UNAUTHENTICATED
             async with IngestClient("eu-1", {1: "127.0.0.1:1"}, lambda s: (), max_attempts=2, backoff_s=(0.001, 0.001)) as client:
-                with pytest.raises(ConnectionError):
-                    await client.send([batch])
+                assert (await client.send([batch])).unreachable == (1,)
             await svc.flush_now()
             assert unit.digest() == digest
             reg = svc.metrics.registry
@@ -1006,4 +1006,40 @@ def test_an_edge_follows_a_unit_restarted_at_a_lower_epoch(world: World) -> None
             await sync.close()
             await srv.close()
 
+    run(go())
+
+
+def test_one_unit_down_does_not_stop_the_others_and_is_re_reported_on_its_return(world: World) -> None:
+    """Review, twenty-fourth session: a unit left down made every send fail after its retries,
+    which ended the agent runner (and, supervised, restarted it over and over), so no shard's
+    index moved. Now the other units get their batches, the down one is skipped for
+    ``down_retry_s``, and the first send after that re-reports its shard in full."""
+
+    async def go() -> None:
+        units = world.units()
+        services = [MaintenanceService(u, FAST) for u in units]
+        asia = world.agent("asia-0")
+        async with in_memory(services) as chans:
+            dead = 1
+            live_chans = dict(chans)
+            real = live_chans[dead]
+            live_chans[dead] = "127.0.0.1:1"  # nothing listens there
+            async with IngestClient("asia-0", live_chans, asia.on_rejected, max_attempts=2, backoff_s=(0.001, 0.002), down_retry_s=0.3) as client:
+                first = cache(asia, prompt(93), 1000, seq=0)
+                assert {b.shard for b in first} >= {0, dead}
+                report = await client.send(first)
+                assert report.unreachable == (dead,) and report.batches >= 1
+                t0 = asyncio.get_running_loop().time()
+                report = await client.send(asia.heartbeat())  # a batch for every shard
+                assert report.unreachable == (dead,) and asyncio.get_running_loop().time() - t0 < 0.2  # skipped, not retried
+                for svc in services:
+                    await svc.flush_now()
+                others = [u for u in units if u.shard != dead]
+                assert all(len(u.held("asia-0")) for u in others) and not len(units[dead].held("asia-0"))
+                client._units[dead] = type(client._units[dead])(dead, real, {"x-kvcompass-worker": "asia-0"})  # the unit is back
+                await asyncio.sleep(0.35)
+                report = await client.send(asia.heartbeat())
+                assert report.unreachable == () and report.batches >= 1
+                await services[dead].flush_now()
+                assert len(units[dead].held("asia-0")) > 0  # re-reported in full
     run(go())

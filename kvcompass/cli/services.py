@@ -515,10 +515,14 @@ async def _agent(args: argparse.Namespace) -> int:
     batches = Counter("kvcompass_agent_sent_batches", "Key-op batches acknowledged by maintenance units", ["worker"], registry=reg).labels(args.worker)
     ops = Counter("kvcompass_agent_sent_key_ops", "Key ops acknowledged by maintenance units", ["worker"], registry=reg).labels(args.worker)
 
+    unreachable = Counter("kvcompass_agent_unreachable_shard_sends", "Sends that left a shard out because its maintenance unit was unreachable (re-reported once it is back)", ["worker"], registry=reg).labels(args.worker)
+
     async def sink(bs: Any) -> None:
-        await client.send(bs)
-        batches.inc(len(bs))
-        ops.inc(sum(len(b.keys) for b in bs if isinstance(b, KeyOpBatch)))
+        report = await client.send(bs)
+        batches.inc(report.batches)
+        ops.inc(sum(len(b.keys) for b in bs if isinstance(b, KeyOpBatch) and b.shard not in report.unreachable))
+        if report.unreachable:
+            unreachable.inc(len(report.unreachable))
 
     runner = AgentRunner(agent, sink, args.events, args.replay, heartbeat_s=args.heartbeat_s if args.heartbeat_s > 0 else None)
     for name, fn in (  # running totals: counters (``_total``), read when scraped

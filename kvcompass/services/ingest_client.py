@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Mapping, NoReturn, Sequence
@@ -43,6 +45,8 @@ from kvcompass.services.status import error_class, error_from
 from kvcompass.services.wire import INGEST_PATH, TOKEN_HEADER, WORKER_HEADER
 from kvcompass.services.grpc_lifecycle import OwnedChannels
 from kvcompass.services.lifecycle import AsyncResource
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["IngestClient", "SendReport", "encode_key_ops"]
 
@@ -77,6 +81,9 @@ class SendReport:
     resets: int
     """How many times a unit's sequence error was repaired by a reset re-report."""
     reconnects: int
+    unreachable: tuple[int, ...] = ()
+    """Shards whose unit could not be reached: their batches wait for a re-report once it is
+    back (see :class:`IngestClient`)."""
 
 
 def encode_key_ops(b: KeyOpBatch) -> KeyOps:
@@ -202,6 +209,11 @@ class IngestClient(AsyncResource):
     Memory is bounded: at most ``window`` batches per unit are sent and not yet acknowledged,
     and :meth:`send` returns only once all of its batches are, so a caller that awaits it (the
     agent runner does) stops reading engine events while a unit is slow.
+
+    A unit unreachable after ``max_attempts`` does not stop the others: its shard is left out
+    of sends for ``down_retry_s`` (its batches dropped, the shard marked owed), and the first
+    send after that re-reports the shard in full (``on_rejected``) before anything else. One
+    unit left down used to end every agent's runner, over and over (found in review).
     """
 
     def __init__(
@@ -217,11 +229,19 @@ class IngestClient(AsyncResource):
         max_resets: int = 4,
         ssl_context: ssl.SSLContext | None = None,
         ack_timeout_s: float = 10.0,
+        down_retry_s: float = 5.0,
     ) -> None:
         if window < 1 or max_attempts < 1 or max_resets < 0:
             raise ValueError("window and max_attempts must be >= 1 and max_resets >= 0")
         if not ack_timeout_s > 0:
             raise ValueError(f"ack_timeout_s must be > 0, got {ack_timeout_s}")
+        if not down_retry_s >= 0:
+            raise ValueError(f"down_retry_s must be >= 0, got {down_retry_s}")
+        self._down_retry = down_retry_s
+        self._down: dict[int, float] = {}  # shard -> monotonic time before which it is skipped
+        self._owed: set[int] = set()  # shards that missed batches: re-reported before the next
+        self.last_unreachable: str | None = None
+        """Why the last unreachable unit was given up on (also logged)."""
         # An acknowledgement that does not come within this is a lost stream: a unit whose host
         # died or whose network drops packets ends no stream, and send() waited forever (found
         # in review; the agent runner stops reading engine events while it waits).
@@ -241,8 +261,9 @@ class IngestClient(AsyncResource):
 
     async def send(self, batches: Sequence[KeyOpBatch]) -> SendReport:
         """Deliver ``batches`` (any shards, each shard's in seq order) and wait for every ack.
-        Raises IngestRejectedError when a unit refuses one for good, ConnectionError after
-        ``max_attempts`` failed attempts in a row."""
+        Raises IngestRejectedError when a unit refuses one for good. A unit unreachable after
+        ``max_attempts`` failed attempts in a row is named in the report's ``unreachable`` (see
+        the class notes); the other units' batches are delivered all the same."""
         by_shard: dict[int, list[KeyOpBatch]] = {}
         for b in batches:
             if b.worker != self.worker:
@@ -251,17 +272,42 @@ class IngestClient(AsyncResource):
                 raise ValueError(f"no maintenance unit configured for shard {b.shard}")
             by_shard.setdefault(b.shard, []).append(b)
         totals = [0, 0, 0, 0, 0]
+        unreachable: set[int] = set()
         while by_shard:
-            results = await asyncio.gather(*(self._send_unit(self._units[s], bs) for s, bs in sorted(by_shard.items())), return_exceptions=True)
+            now = time.monotonic()
+            for shard in list(by_shard):
+                if self._down.get(shard, 0.0) > now:  # still down: what it misses is owed
+                    del by_shard[shard]
+                    self._owed.add(shard)
+                    unreachable.add(shard)
+                elif shard in self._owed:  # back (or to be tried): the re-report goes first
+                    fresh = list(self._on_rejected(shard))
+                    for b in fresh:
+                        if b.shard != shard:
+                            by_shard.setdefault(b.shard, []).append(b)
+                    mine = [b for b in fresh if b.shard == shard]
+                    if mine:
+                        by_shard[shard] = mine
+                    self._owed.discard(shard)
+            shards = sorted(by_shard)
+            results = await asyncio.gather(*(self._send_unit(self._units[s], by_shard[s]) for s in shards), return_exceptions=True)
             by_shard = {}
-            for r in results:
+            for shard, r in zip(shards, results):
+                if isinstance(r, ConnectionError):
+                    _log.warning("worker %s: %s; its batches wait for a re-report in %g s", self.worker, r, self._down_retry)
+                    self.last_unreachable = str(r)
+                    self._down[shard] = time.monotonic() + self._down_retry
+                    self._owed.add(shard)
+                    unreachable.add(shard)
+                    continue
                 if isinstance(r, BaseException):
                     raise r
+                self._down.pop(shard, None)
                 counts, extra = r
                 totals = [a + b for a, b in zip(totals, counts, strict=True)]
                 for b in extra:  # a resend may carry batches of other shards
                     by_shard.setdefault(b.shard, []).append(b)
-        return SendReport(*totals)
+        return SendReport(*totals, unreachable=tuple(sorted(unreachable)))
 
     async def _send_unit(self, u: _UnitStream, batches: Sequence[KeyOpBatch]) -> tuple[list[int], list[KeyOpBatch]]:
         n_ok = applied = dups = resets = reconnects = 0
