@@ -655,3 +655,33 @@ def test_the_skipped_count_does_not_stop_at_the_log_window(caplog: pytest.LogCap
     assert all(m.startswith(f"worker {runner.agent.worker_id}: ") for m in msgs if "skipped" in m)
     assert any("44 more events skipped" in m for m in msgs)
     assert "skipped event 299 of seq 0" in "\n".join(msgs) and "skipped event 43 of seq 0" not in "\n".join(msgs)
+
+
+def test_a_units_capacity_refusal_is_counted_and_the_runner_goes_on() -> None:
+    """Review, twenty-fourth session: a unit out of its key or memory budget refused a batch and
+    the refusal ended the runner (supervised: a restart into the same refusal, again and again),
+    stopping every shard's updates and the engine's events with them."""
+    from kvcompass.errors import CapacityError, IngestRejectedError
+
+    async def main() -> None:
+        async with fake_engine() as eng:
+            calls = {"n": 0}
+
+            async def sink(batches: Sequence[KeyOpBatch]) -> None:
+                calls["n"] += 1
+                if calls["n"] == 1:
+                    raise IngestRejectedError("shard 1 seq 1: RESOURCE_EXHAUSTED CapacityError: beyond 8 keys", shard=1, seq=1, status=None, reason="CapacityError", cause=CapacityError)
+
+            runner = AgentRunner(new_agent(), sink, eng.events, eng.replay)
+            await runner.start()
+            try:
+                await eng.subscribed()
+                await eng.publish(0, prompt(0))
+                await wait_until(lambda: runner.stats.capacity_refusals == 1)
+                await eng.publish(1, prompt(1))
+                await wait_until(lambda: runner.agent.last_seq == 1 and runner.stats.sent_batches > 0)
+                assert runner.running
+            finally:
+                await runner.stop()
+
+    run(main())

@@ -52,7 +52,7 @@ from kvcompass.agent import AgentOutput, ReplayRequest, WorkerAgent, boot_incarn
 from kvcompass.discovery.key_ops import KeyOpBatch
 from kvcompass.discovery.plan import LevelPlan
 from kvcompass.discovery.topology import Topology
-from kvcompass.errors import AgentSequenceError, InvalidArgumentError, InvalidEventError, StaleIncarnationError, UnknownWorkerError
+from kvcompass.errors import AgentSequenceError, IngestRejectedError, InvalidArgumentError, InvalidEventError, StaleIncarnationError, UnknownWorkerError
 from kvcompass.index_types import Namespace
 
 __all__ = ["AgentRunner", "RunnerStats", "Sink", "agent_for_worker"]
@@ -103,6 +103,7 @@ class RunnerStats:
     engine_gone: int = 0  # disconnections from the engine's publisher, each withdrawing every claim
     dropped_after_gone: int = 0  # messages the gone engine had sent that were taken only after it went: discarded
     events_skipped: int = 0  # events the agent could not understand (logged, the latest 256 each by index; the rest of its message applied)
+    capacity_refusals: int = 0  # sends a unit refused for its key or memory budget (logged; the runner goes on)
 
 
 class AgentRunner:
@@ -431,6 +432,16 @@ class AgentRunner:
                 await self.sink(pending)
             except StaleIncarnationError:
                 raise
+            except IngestRejectedError as e:
+                if e.reason != "CapacityError":
+                    raise
+                # A unit out of budget refuses growth: ending the runner (and, supervised,
+                # restarting it into the same refusal) stopped every shard's updates and the
+                # engine's events with them (found in review). The refused shard's claims stay
+                # as they were until the budget allows the re-report its next batch triggers.
+                self.stats.capacity_refusals += 1
+                _log.warning("worker %s: %s", self.agent.worker_id, e)
+                return
             except AgentSequenceError as e:
                 self.stats.rejections += 1
                 shard = getattr(e, "shard", None)
