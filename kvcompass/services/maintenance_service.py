@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import os
@@ -34,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import AsyncIterator
-from typing import Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 import numpy as np
 from grpclib.const import Cardinality, Handler
@@ -110,8 +111,9 @@ class MaintenanceConfig:
     tokens: Mapping[str, str] | None = None
     """worker -> credential; None accepts any worker the metadata names (loopback clusters)."""
     memory_budget_bytes: int | None = None
-    """Once the shard's writer tables hold this many bytes, batches that would add keys are
-    refused (RESOURCE_EXHAUSTED, ``CapacityError``); removals and tier changes still apply."""
+    """Once the shard's writer tables hold this many bytes, the keys a batch would add are
+    left out (counted and logged); its removals and tier changes still apply, and the batch is
+    acknowledged."""
     view_budget_bytes: int | None = None
     """The same per table, for the bytes every edge replica of it holds (``view_memory_bytes``)."""
     state_path: str | None = None
@@ -212,6 +214,7 @@ class _Counts:
     cut: int = 0
     flushes: int = 0
     persisted: int = 0
+    trimmed_keys: int = 0  # new keys left out of batches that would have passed a budget
 
 
 def _patch(b: PatchBatch, emitted_ns: int) -> Patch:
@@ -553,19 +556,22 @@ class MaintenanceService(MaintenanceBase):
         try:
             batch = decode_key_ops(msg, self._cfg.max_batch_ops)
             async with self._unit_held():
-                self._check_budget(batch, worker)
-                if len(batch.keys) >= self._cfg.offload_ops:
-                    # Kept so a drain can wait for it: cancelling this handler (a dropped
-                    # connection) releases the lock but cannot stop the thread.
-                    fut = self._applying = asyncio.ensure_future(asyncio.to_thread(self._unit.apply, batch, worker))
-                    # The flush loop learns of the edits when the thread ends, even if this
-                    # handler is cancelled before it does. Shielded: cancelling the handler must
-                    # not cancel this future too, or it would be done (and the unit look free)
-                    # while the thread still writes.
-                    fut.add_done_callback(self._applied_off_loop)
-                    rep = await asyncio.shield(fut)
-                else:
-                    rep = self._unit.apply(batch, worker)
+                try:
+                    self._check_budget(batch, worker)
+                    rep = await self._apply(batch, worker)
+                except CapacityError:
+                    # Out of budget (memory or --max-keys): the batch applies without the keys
+                    # it would add, so removals and tier changes still do, and the sequence
+                    # goes on (found in review: the whole batch was refused, which ended the
+                    # agent and froze its claims). The dropped keys are under-claimed, the safe
+                    # side; the refusal was checked before anything changed.
+                    trimmed = self._held_only(batch, worker)
+                    if trimmed is None:
+                        raise
+                    dropped = len(batch.keys) - len(trimmed.keys)
+                    self.counts.trimmed_keys += dropped
+                    _log.warning("shard %d: out of budget, %d new keys of worker %r not indexed (seq %d)", self._unit.shard, dropped, worker, batch.seq)
+                    rep = await self._apply(trimmed, worker)
                 self._edits.set()
         except KVCompassError as e:
             self.metrics.reject(type(e).__name__)
@@ -580,6 +586,33 @@ class MaintenanceService(MaintenanceBase):
         ack.applied, ack.cleared, ack.duplicate = rep.applied, rep.cleared, rep.duplicate
         self.counts.acks += 1
         return ack
+
+    async def _apply(self, batch: KeyOpBatch, worker: str) -> Any:
+        """Apply ``batch`` (the caller holds the unit), in a worker thread when it is large."""
+        if len(batch.keys) >= self._cfg.offload_ops:
+            # Kept so a drain can wait for it: cancelling this handler (a dropped connection)
+            # releases the lock but cannot stop the thread.
+            fut = self._applying = asyncio.ensure_future(asyncio.to_thread(self._unit.apply, batch, worker))
+            # The flush loop learns of the edits when the thread ends, even if this handler is
+            # cancelled before it does. Shielded: cancelling the handler must not cancel this
+            # future too, or it would be done (and the unit look free) while the thread still
+            # writes.
+            fut.add_done_callback(self._applied_off_loop)
+            return await asyncio.shield(fut)
+        return self._unit.apply(batch, worker)
+
+    def _held_only(self, batch: KeyOpBatch, worker: str) -> KeyOpBatch | None:
+        """``batch`` without its ops that would add a key the worker's table does not hold
+        (None when it has none to drop)."""
+        u = self._unit
+        try:
+            table = u.table(u.layout.field_of(worker).table_id)
+        except UnknownWorkerError:
+            return None
+        keep = np.fromiter((t == 0 or table.get(k) is not None for k, t in zip(batch.keys.tolist(), batch.tiers.tolist())), dtype=bool, count=len(batch.keys))
+        if keep.all():
+            return None
+        return dataclasses.replace(batch, keys=np.ascontiguousarray(batch.keys[keep]), tiers=np.ascontiguousarray(batch.tiers[keep]))
 
     async def _rpc_subscribe(self, stream: Stream[SubscribeRequest, SubscribeEvent]) -> None:
         self._refuse_if_draining()
