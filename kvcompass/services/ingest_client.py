@@ -307,7 +307,8 @@ class IngestClient(AsyncResource):
                 totals = [a + b for a, b in zip(totals, counts, strict=True)]
                 for b in extra:  # a resend may carry batches of other shards
                     by_shard.setdefault(b.shard, []).append(b)
-        return SendReport(*totals, unreachable=tuple(sorted(unreachable)))
+        n_ok, applied, dups, resets, reconnects = totals
+        return SendReport(n_ok, applied, dups, resets, reconnects, unreachable=tuple(sorted(unreachable)))
 
     async def _send_unit(self, u: _UnitStream, batches: Sequence[KeyOpBatch]) -> tuple[list[int], list[KeyOpBatch]]:
         n_ok = applied = dups = resets = reconnects = 0
