@@ -37,3 +37,18 @@ class ConnGuard:
         self.open: Counter[str] = Counter()
         self.refused = 0
         self.timed_out = 0
+
+    def admit(self, addr: str) -> bool:
+        """Count a new connection from ``addr``; False (counted as refused) when the address
+        already holds its cap."""
+        if self.open[addr] >= self.max_per_address:
+            self.refused += 1
+            return False
+        self.open[addr] += 1
+        return True
+
+    def release(self, addr: str) -> None:
+        """An admitted connection from ``addr`` is gone."""
+        self.open[addr] -= 1
+        if self.open[addr] <= 0:
+            del self.open[addr]

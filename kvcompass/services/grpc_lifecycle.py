@@ -19,6 +19,7 @@ from grpclib.server import Server
 
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.services.codec import REQUEST_TIMEOUT_S, StrictProtoCodec, install_receive_limit
+from kvcompass.services.conn_guard import ConnGuard
 from kvcompass.services.lifecycle import hostport
 from kvcompass.services.lifecycle import bind_socket
 from kvcompass.services.metrics import ServiceMetrics
@@ -65,15 +66,12 @@ class DrainingServer(Server):
     ) -> None:
         install_receive_limit()
         super().__init__(handlers, codec=StrictProtoCodec(limits))
-        if max_connections_per_address is not None and max_connections_per_address < 1:
-            raise ValueError(f"max_connections_per_address must be >= 1 or None, got {max_connections_per_address}")
-        # Connections held per client address (found in review: the door had a cap and the gRPC
-        # listeners none, so one address could hold any number of them). Loopback is exempt by
-        # default: a `kvcompass up` cluster connects every process from 127.0.0.1.
-        self._cap = max_connections_per_address
+        # Connections held per client address, counted as the HTTP listeners count them (found
+        # in review: the door had a cap and the gRPC listeners none). Loopback is exempt by
+        # default: a `kvcompass up` cluster connects every process from 127.0.0.1. The guard's
+        # head deadline is this listener's request deadline.
+        self._guard_of = None if max_connections_per_address is None else ConnGuard(max_connections_per_address, request_timeout_s)
         self._cap_loopback = cap_loopback
-        self._open: dict[str, int] = {}
-        self.refused_connections = 0
         # Every call with one request message (ours, betterproto's generated ones, grpclib's
         # Health) waits for it at most request_timeout_s: a client sending headers alone held a
         # handler forever, as many as it opened calls (found in review). Streams of requests
@@ -111,11 +109,16 @@ class DrainingServer(Server):
     def _protocol_factory(self) -> H2Protocol:
         proto = super()._protocol_factory()
         self._protocols.add(proto)
-        if self._cap is not None:
-            self._guard(proto)
+        if self._guard_of is not None:
+            self._guard(proto, self._guard_of)
         return proto
 
-    def _guard(self, proto: H2Protocol) -> None:
+    @property
+    def refused_connections(self) -> int:
+        """Connections refused because their address held the cap."""
+        return 0 if self._guard_of is None else self._guard_of.refused
+
+    def _guard(self, proto: H2Protocol, guard: ConnGuard) -> None:
         """Count ``proto``'s connection against its address, refusing it (closed at once) past
         the cap."""
         made, lost, received = proto.connection_made, proto.connection_lost, proto.data_received
@@ -124,15 +127,11 @@ class DrainingServer(Server):
         def connection_made(transport: Any) -> None:
             peer = transport.get_extra_info("peername")
             host = str(peer[0]) if isinstance(peer, tuple) and peer else None
-            counted = host is not None and (self._cap_loopback or not _is_loopback(host))
-            if counted:
-                assert host is not None and self._cap is not None
-                if self._open.get(host, 0) >= self._cap:
-                    self.refused_connections += 1
+            if host is not None and (self._cap_loopback or not _is_loopback(host)):
+                if not guard.admit(host):
                     state["refused"] = True
                     transport.abort()
                     return
-                self._open[host] = self._open.get(host, 0) + 1
                 state["host"] = host
             made(transport)
 
@@ -141,11 +140,7 @@ class DrainingServer(Server):
                 return
             host = state.pop("host", None)
             if host is not None:
-                left = self._open.get(host, 1) - 1
-                if left > 0:
-                    self._open[host] = left
-                else:
-                    self._open.pop(host, None)
+                guard.release(host)
             lost(exc)
 
         def data_received(data: bytes) -> None:

@@ -384,23 +384,18 @@ class _Connection(asyncio.Protocol):
         self.remote = addr
         g = srv.guard
         if g is not None:
-            if g.open[addr] >= g.max_per_address:
-                g.refused += 1
+            if not g.admit(addr):
                 transport.write(_REFUSED)
                 transport.close()
                 self.lost = True
                 return
-            g.open[addr] += 1
             self._addr = addr
         srv.connections.add(self)
         self._arm_head()  # the first head's deadline runs from the connection
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._addr is not None and self.server.guard is not None:
-            open_ = self.server.guard.open
-            open_[self._addr] -= 1
-            if open_[self._addr] <= 0:
-                del open_[self._addr]
+            self.server.guard.release(self._addr)
             self._addr = None
         self.lost = True
         self.server.connections.discard(self)
