@@ -140,8 +140,6 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcompass import _core
-
-_log = logging.getLogger(__name__)
 from kvcompass.agent.events import (
     AllBlocksCleared,
     BlockHash,
@@ -157,6 +155,8 @@ from kvcompass.discovery.key_ops import KeyOpBatch
 from kvcompass.errors import InvalidArgumentError, InvalidEventError
 from kvcompass.index_types import Namespace, Tier
 from kvcompass.records import fast_init
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["TENANT_SALT_PREFIX", "AgentOutput", "AgentStats", "ReplayRequest", "WorkerAgent", "boot_incarnation", "medium_tier"]
 

@@ -749,10 +749,10 @@ class HttpServer:
         ``timeout_s`` before the rest is cut (found in review: answers still in the send buffer
         were aborted a second after the handlers ended, well inside a drain's grace); then the
         app's stop hooks."""
-        deadline = self.loop.time() + timeout_s
         if self.closing:
             return
         self.closing = True
+        deadline = self.loop.time() + timeout_s
         if self._server is not None:
             self._server.close()
         if self._sweeper is not None:

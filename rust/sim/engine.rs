@@ -1142,7 +1142,7 @@ impl Engine {
     pub fn dispatched_ms(&self, w: u32, origin: Option<u16>) -> Result<f64> {
         let x = self.worker(w)?;
         Ok(match origin {
-            None => x.dispatched.iter().fold(0.0, |a, (_, v)| a + v),
+            None => origin_total(&x.dispatched),
             Some(o) => x
                 .dispatched
                 .iter()
@@ -1937,10 +1937,26 @@ fn place(cache: &mut BlockCache, tokens: &[u32], chain: &[u64], tier: u8, now: f
 }
 
 fn add_dispatched(x: &mut Worker, origin: u16, ms: f64) {
-    match x.dispatched.iter_mut().find(|(r, _)| *r == origin) {
+    origin_add(&mut x.dispatched, origin, ms);
+}
+
+/// Work (ms) kept by origin region, as a short list (a handful of regions): `ms` more from
+/// `origin`.
+pub(super) fn origin_add(by: &mut Vec<(u16, f64)>, origin: u16, ms: f64) {
+    match by.iter_mut().find(|(r, _)| *r == origin) {
         Some((_, v)) => *v += ms,
-        None => x.dispatched.push((origin, 0.0 + ms)),
+        None => by.push((origin, 0.0 + ms)),
     }
+}
+
+/// `origin`'s share of such a list (0 when absent).
+pub(super) fn origin_share(by: &[(u16, f64)], origin: u16) -> f64 {
+    by.iter().find(|(r, _)| *r == origin).map_or(0.0, |(_, v)| *v)
+}
+
+/// Every origin's share of such a list.
+pub(super) fn origin_total(by: &[(u16, f64)]) -> f64 {
+    by.iter().fold(0.0, |a, (_, v)| a + v)
 }
 
 fn sub_dispatched(x: &mut Worker, origin: u16, ms: f64) {

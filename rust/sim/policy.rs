@@ -15,7 +15,7 @@ use super::super::lru_order::LruOrder;
 use blake2::digest::{Update, VariableOutput};
 use blake2::Blake2bVar;
 
-use super::{Choice, Engine};
+use super::{origin_add, origin_share, origin_total, Choice, Engine};
 use crate::error::{CoreError, Result};
 
 const GOLD: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -576,15 +576,12 @@ impl DynamoState {
     /// Work of `ms` from `origin` reached worker `w` (index in the engine's workers).
     pub fn note_landed(&mut self, w: u32, origin: u16, ms: f64) {
         if let Some(l) = self.landed.get_mut(w as usize) {
-            match l.iter_mut().find(|(r, _)| *r == origin) {
-                Some((_, v)) => *v += ms,
-                None => l.push((origin, ms)),
-            }
+            origin_add(l, origin, ms);
         }
     }
 
     fn landed_from(&self, w: u32, origin: u16) -> f64 {
-        self.landed.get(w as usize).and_then(|l| l.iter().find(|(r, _)| *r == origin)).map_or(0.0, |(_, v)| *v)
+        self.landed.get(w as usize).map_or(0.0, |l| origin_share(l, origin))
     }
 
     /// `workers`: the indexed workers; `beta`, `seeds`: per worker (all); `regions` count.
@@ -784,8 +781,8 @@ impl Engine {
         for &w in pool {
             let x = &self.workers[w as usize];
             let d = match origin {
-                None => x.dispatched.iter().fold(0.0, |a, (_, v)| a + v),
-                Some(o) => x.dispatched.iter().find(|(r, _)| *r == o).map_or(0.0, |(_, v)| *v),
+                None => origin_total(&x.dispatched),
+                Some(o) => origin_share(&x.dispatched, o),
             };
             let v = self.queued(x, self.now) + d;
             least = least.min(v);
@@ -835,7 +832,7 @@ impl Engine {
     }
 
     fn dispatched_from(&self, w: u32, origin: u16) -> f64 {
-        self.workers[w as usize].dispatched.iter().find(|(r, _)| *r == origin).map_or(0.0, |(_, v)| *v)
+        origin_share(&self.workers[w as usize].dispatched, origin)
     }
 
     fn choose_dynamo(&mut self, s: &mut DynamoState, origin: u16, l: u64, keys: &[u64]) -> Choice {
@@ -869,8 +866,7 @@ impl Engine {
                 // its origin, so it counts all the work it sent that has not arrived (found in
                 // review: only the current origin's, so two regions' requests 0.1 ms apart
                 // landed on one worker half the time).
-                let sent: f64 = self.workers[w as usize].dispatched.iter().map(|&(_, v)| v).sum();
-                scores.push(self.queued(&self.workers[w as usize], now) + sent + s.beta[w as usize] * (l - m) as f64);
+                scores.push(self.queued(&self.workers[w as usize], now) + origin_total(&self.workers[w as usize].dispatched) + s.beta[w as usize] * (l - m) as f64);
                 matches.push(m);
             }
             let i = self.pick(&scores, 1.0);
