@@ -643,8 +643,7 @@ def main(argv: list[str] | None = None) -> int:
     # A first sight: each of route_fresh registered prompts routed once, so its index lines are
     # not the ones the call before read (found in review: the same prompt routed thousands of
     # times found every line in cache, 0.9-1.3 us a route under a new prompt's cost).
-    rest = rs["router"], rs["ns"], rs["region"], rs["beta"], rs["wan"], rs["tq"], rs["belief"]
-    first_ns = np.array([_core.bench_route_ns(rest[0], toks, *rest[1:], 1, closure=True)[0] for toks in rs["fresh"]])
+    first_ns = np.array([_core.bench_route_ns(r_args[0], toks, *r_args[2:], 1, closure=True)[0] for toks in rs["fresh"]])
     res["route_us_p50"] = rnd(pct(first_ns, 50) / 1e3)
     res["route_us_p99"] = rnd(pct(first_ns, 99) / 1e3)
     res["route_us_p50_repeat"] = rnd(pct(route_ns, 50) / 1e3)
