@@ -29,7 +29,9 @@ def test_json_is_one_object_in_the_documented_schema(capsys: pytest.CaptureFixtu
     assert isinstance(j, dict)
     assert {"block_size", "beta_ms_per_token", "rtt_ms", "plan", "registration", "tables"} <= set(j)
     assert j == json.loads(json.dumps(LevelPlan(load_topology("testbed-14x3", rtt_path=BUNDLED_RTT)).to_json()))
-    assert j["plan"]["us"]["eu"] == [1104, 1648, 2192, 2736, 3280, 3840, 4096, 8192, 16384, 32768, 65536, 131072]
+    tail = [9744, 11600, 13792, 16384, 19488, 23184, 27568, 32768]  # four lengths a doubling past 8192
+    assert j["plan"]["us"]["eu"][:16] == [1104, 1648, 2192, 2736, 3280, 3840, 4096, 8192, *tail]
+    assert j["plan"]["us"]["eu"][-1] == 131072 and j["tail_steps"] == 4
     assert j["tables"]["us"] == [[f"us-{i}" for i in range(8)]]
 
 

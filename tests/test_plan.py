@@ -83,7 +83,7 @@ def test_own_region_uses_the_minimum_not_n1() -> None:
 
 
 def test_long_tail_continues_every_ladder_with_the_doubling_lengths() -> None:
-    p = plan_of()  # long_tail defaults to true
+    p = plan_of(tail_steps=1)  # the tail before 2026-12-07: doubling
     tail = (16384, 32768, 65536, 131072)
     assert p.lengths("a", "a") == (256, 512, 1024, 2048, 4096, 8192) + tail
     # Remote: the paper's six n1 steps, then the doubling lengths above the last of them.
@@ -95,15 +95,42 @@ def test_long_tail_continues_every_ladder_with_the_doubling_lengths() -> None:
         assert set(p.registration(r)) - set(paper.registration(r)) == set(tail)
 
 
+def test_long_tail_has_four_lengths_per_doubling_by_default() -> None:
+    p = plan_of()
+    # 8192 * 2**(k/4), rounded up to the 16-token block: 9741.6 -> 9744, 11585.2 -> 11600, ...
+    first = (9744, 11600, 13792, 16384, 19488, 23184, 27568, 32768)
+    own = p.lengths("a", "a")
+    assert own[:14] == (256, 512, 1024, 2048, 4096, 8192) + first
+    assert own[-1] == 131072 and len(own) == 6 + 4 * 4
+    # Every doubling length of the old tail is still there, so the finer tail only adds.
+    assert set(plan_of(tail_steps=1).lengths("a", "a")) < set(own)
+    # Toward a remote region the same lengths follow its own six; none added for it alone.
+    assert p.lengths("a", "b") == (2000, 3008, 4000, 5008, 6000, 7008, 8192) + own[6:]
+    paper = plan_of(long_tail=False)
+    for r in ("a", "b"):
+        assert set(p.registration(r)) - set(paper.registration(r)) == set(own[6:])
+    # The under-credit of a long match is bounded by the step: at most 1 - 2**(-1/4) of it.
+    for m in range(8192, 131073, 97):
+        credited = max(c for c in own if c <= m)
+        assert (m - credited) / m <= 1 - 2 ** (-1 / 4) + 16 / 8192
+
+
 def test_long_tail_stops_at_max_prefix() -> None:
-    p = plan_of(max_prefix=20000)
+    p = plan_of(max_prefix=20000, tail_steps=1)
     assert p.lengths("a", "a") == (256, 512, 1024, 2048, 4096, 8192, 16384)
     assert p.lengths("a", "b")[-2:] == (8192, 16384)
+    assert plan_of(max_prefix=20000).lengths("a", "a")[-4:] == (11600, 13792, 16384, 19488)
 
 
 def test_long_tail_must_be_a_boolean() -> None:
     with pytest.raises(TopologyError, match="long_tail must be true or false"):
         plan_of(long_tail="yes")
+
+
+@pytest.mark.parametrize("bad", [0, 17, -1, True, 2.0, "4"])
+def test_tail_steps_must_be_an_integer_in_range(bad: Any) -> None:
+    with pytest.raises(TopologyError, match="tail_steps must be an integer"):
+        plan_of(tail_steps=bad)
 
 
 def test_options_shape_the_plan() -> None:
@@ -151,13 +178,13 @@ def test_unknown_regions_are_errors() -> None:
 
 def test_testbed_plan_from_the_bundled_matrix() -> None:
     p = LevelPlan(load_topology("testbed-14x3", rtt_path=BUNDLED_RTT))
-    tail = (4096, 8192, 16384, 32768, 65536, 131072)
+    tail = (4096, 8192) + tuple(round_up(8192 * 2 ** (k / 4), 16) for k in range(1, 17))
     # us-east-1 <-> eu-central-1: 92.905 ms / 0.085 ms/token = 1093 tokens.
     assert p.lengths("us", "eu") == (1104, 1648, 2192, 2736, 3280, 3840) + tail
     assert p.lengths("eu", "us") == p.lengths("us", "eu")  # symmetric matrix, equal betas
     assert p.lengths("asia", "asia") == (256, 512, 1024, 2048) + tail
     assert all(c % 16 == 0 for o in p.edge_regions for r in p.target_regions for c in p.lengths(o, r))
-    assert len(p.registration("us")) == 18 + 4  # the paper's 18, and the own ladder's 16k..128k tail
+    assert len(p.registration("us")) == 18 + 16  # the paper's 18, and the own ladder's tail past 8k (four a doubling)
 
 
 # ------------------------------------------------------------------ layout

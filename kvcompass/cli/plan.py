@@ -31,7 +31,7 @@ def format_plan(plan: LevelPlan) -> str:
     out.append(f"RTT matrix: {t.rtt.source}")
     out.append(
         f"KV block {t.block_size} tokens, {t.levels} levels, own-region minimum {t.own_region_min} doubling, "
-        f"max prefix {t.max_prefix}; {t.value_bits}-bit values (<= {t.value_bits // 2} workers per table), "
+        f"{f'long tail {t.tail_steps} per doubling' if t.long_tail else 'no long tail'}, max prefix {t.max_prefix}; {t.value_bits}-bit values (<= {t.value_bits // 2} workers per table), "
         f"{t.shards} shards, {t.fp_bits}-bit fingerprints"
     )
     names = {r.name: (r.name if r.aws_region == r.name else f"{r.name} ({r.aws_region})") for r in t.regions}

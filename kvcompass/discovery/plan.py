@@ -23,10 +23,22 @@ defaults 256, 512, ..., 8192.
 most that much, and a request whose true saving is seconds of prefill is sent to an idle
 worker that recomputes everything (the Mooncake conversation trace has prompts up to 125k
 tokens). With ``long_tail`` (the default) every ladder continues past its last level with the
-own-region doubling lengths up to ``max_prefix``. Toward a remote region those lengths are the
-ones its workers register for their own edge anyway, so the tail adds no registration there;
-the own ladder grows by log2(max_prefix / 8192) lengths (4 with the defaults). Doubling bounds
-the under-credit at half the match. ``long_tail = false`` gives the paper's plan exactly.
+own region's tail lengths up to ``max_prefix``: from the own ladder's last length, ``tail_steps``
+lengths per doubling (``8192 * 2**(k / tail_steps)``, block-rounded). Toward a remote region
+those lengths are the ones its workers register for their own edge anyway, so the tail adds no
+registration there. ``long_tail = false`` gives the paper's plan exactly.
+
+Why four steps per doubling (the default), not doubling (``tail_steps = 1``, the tail until
+2026-12-07): a match falls to the indexed length below it, so the tail under-credits a long
+match by up to ``1 - 2**(-1/tail_steps)`` of it: half with doubling, 16 % with four steps.
+Above 8k tokens that is seconds of prefill, larger than any other term of the score, and it
+decided the tail of the paper's Mixed workload: its documents (8-32k tokens) were credited
+16,384 tokens for a 29,888-token match, and the request went to an idle worker that recomputed
+the document instead of the holder that had a second of queue (docs/evaluation.md). The
+price is registrations: each prompt longer than 8192 tokens registers about
+``(tail_steps - 1) * log2(length / 8192)`` keys more than with doubling (on paper-64x8 a 30k-token
+prompt in the US registers 54 keys instead of 48); shorter prompts are unchanged, and the route
+probes those lengths only for prompts that reach them.
 
 Every length is rounded up to the workers' KV block size, because a worker can only hold whole
 blocks; lengths that coincide after rounding are merged, and lengths beyond ``max_prefix`` (the
@@ -45,7 +57,7 @@ from kvcompass.discovery.layout import IndexLayout, TableSpec
 from kvcompass.discovery.topology import Topology
 from kvcompass.errors import TopologyError
 
-__all__ = ["LevelPlan", "doubling_tail", "own_region_levels", "remote_levels", "round_up"]
+__all__ = ["LevelPlan", "own_region_levels", "remote_levels", "round_up", "tail_ladder"]
 
 
 def round_up(n: float, block: int) -> int:
@@ -69,14 +81,19 @@ def own_region_levels(minimum: int, *, levels: int, block_size: int, max_prefix:
     return tuple(c for c in (first << i for i in range(levels)) if c <= max_prefix)
 
 
-def doubling_tail(ladder: tuple[int, ...], own: tuple[int, ...], max_prefix: int) -> tuple[int, ...]:
-    """``ladder`` continued with the own-region doubling lengths (``own``, doubled on past its
-    end up to ``max_prefix``) that exceed its last entry: the module notes' long tail."""
+def tail_ladder(ladder: tuple[int, ...], own: tuple[int, ...], max_prefix: int, *, steps: int = 1, block_size: int = 1) -> tuple[int, ...]:
+    """``ladder`` continued with the own-region lengths that exceed its last entry: ``own``, then
+    ``steps`` lengths per doubling past its end (``own[-1] * 2**(k / steps)``, rounded up to
+    ``block_size``) up to ``max_prefix``: the module notes' long tail."""
     if not own:
         return ladder
     full = list(own)
-    while full[-1] * 2 <= max_prefix:
-        full.append(full[-1] * 2)
+    base = own[-1]
+    k = 1
+    while (c := round_up(base * 2 ** (k / steps), block_size)) <= max_prefix:
+        if c > full[-1]:
+            full.append(c)
+        k += 1
     top = ladder[-1] if ladder else 0
     return ladder + tuple(c for c in full if c > top)
 
@@ -106,7 +123,7 @@ class LevelPlan:
         lengths: dict[tuple[str, str], tuple[int, ...]] = {}
         own = own_region_levels(t.own_region_min, levels=t.levels, block_size=t.block_size, max_prefix=t.max_prefix)
         if t.long_tail:
-            own = doubling_tail(own, own, t.max_prefix)
+            own = tail_ladder(own, own, t.max_prefix, steps=t.tail_steps, block_size=t.block_size)
         for o in self.edge_regions:
             # An edge always has its own-region ladder, even in a region without workers: its
             # shortest length names prefix families (hotness) for the requests it receives.
@@ -116,7 +133,7 @@ class LevelPlan:
                     lengths[(o, r)] = own
                 else:
                     ladder = remote_levels(t.rtt_ms(o, r), beta[r], levels=t.levels, block_size=t.block_size, max_prefix=t.max_prefix)
-                    lengths[(o, r)] = doubling_tail(ladder, own, t.max_prefix) if t.long_tail else ladder
+                    lengths[(o, r)] = tail_ladder(ladder, own, t.max_prefix) if t.long_tail else ladder
         registration = {r: tuple(sorted({c for o in self.edge_regions for c in lengths.get((o, r), ())})) for r in beta}
         per = t.value_bits // 2
         tables: list[TableSpec] = []
@@ -205,6 +222,7 @@ class LevelPlan:
             "n1": {o: {r: self.n1(o, r) for r in targets if r != o} for o in edges},
             "levels": t.levels,
             "long_tail": t.long_tail,
+            "tail_steps": t.tail_steps,
             "own_region_min": t.own_region_min,
             "max_prefix": t.max_prefix,
             "value_bits": t.value_bits,

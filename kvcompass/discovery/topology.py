@@ -18,7 +18,8 @@ TOML schema (every key but ``regions`` and ``workers`` optional)::
     block_size = 16          # KV block size of the workers, tokens
     levels = 6               # levels toward every region (paper section 3.2)
     own_region_min = 256     # first same-region length; doubles upward
-    long_tail = true         # past the last level, keep doubling to max_prefix (see the plan)
+    long_tail = true         # past the last level, keep querying longer lengths to max_prefix
+    tail_steps = 4           # lengths per doubling in that tail (1 = doubling; see the plan)
     tokenizer = "tok.json"   # optional: the model's HF tokenizer.json, relative to this file
                              # (edges and emulated workers tokenize text with it; default:
                              # the built-in BPE in kvcompass/data/tokenizer.json)
@@ -79,6 +80,8 @@ BUNDLED_RTT = _PACKAGE / "data" / "rtt_p50_excerpt.csv"
 _BUILTIN_DIR = _PACKAGE / "topologies"
 # The largest fingerprint the Rust view supports (rust/ludo/view.rs, MAX_FP_BITS).
 _MAX_FP_BITS = 16
+# Sixteen lengths per doubling under-credit a long match by at most 4 %; more only add keys.
+_MAX_TAIL_STEPS = 16
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,6 +262,10 @@ class Topology:
     # the own-region doubling ladder up to max_prefix, so a 50k-token match is not credited as
     # 8k (kvcompass.discovery.plan). False reproduces the paper's six levels exactly.
     long_tail: bool = True
+    # Lengths per doubling in the long tail: a match falls to the indexed length below it, so
+    # the tail under-credits a long match by up to 1 - 2**(-1/tail_steps) of it (50 % for
+    # doubling, 16 % for four steps); kvcompass.discovery.plan says why four.
+    tail_steps: int = 4
     tokenizer: str = ""
     """Absolute path of the model's ``tokenizer.json`` ("" = the built-in default tokenizer)."""
     _regions: dict[str, RegionSpec] = field(init=False, repr=False, compare=False)
@@ -318,6 +325,8 @@ def _validate(t: Topology) -> dict[str, RegionSpec]:
             raise TopologyError(f"{key} must be an integer >= {low}, got {value!r}")
     if not isinstance(t.long_tail, bool):
         raise TopologyError(f"long_tail must be true or false, got {t.long_tail!r}")
+    if isinstance(t.tail_steps, bool) or not isinstance(t.tail_steps, int) or not 1 <= t.tail_steps <= _MAX_TAIL_STEPS:
+        raise TopologyError(f"tail_steps must be an integer in 1..{_MAX_TAIL_STEPS} (lengths per doubling in the long tail), got {t.tail_steps!r}")
     if t.value_bits not in (32, 64):
         raise TopologyError(f"value_bits must be 32 or 64, got {t.value_bits!r}")
     if isinstance(t.fp_bits, bool) or not isinstance(t.fp_bits, int) or not 0 <= t.fp_bits <= _MAX_FP_BITS:
@@ -389,7 +398,7 @@ def _validate(t: Topology) -> dict[str, RegionSpec]:
 
 _TOP_KEYS = (
     "name", "description", "block_size", "levels", "own_region_min", "max_prefix", "value_bits",
-    "shards", "fp_bits", "long_tail", "tokenizer", "rtt_matrix", "rtt_ms", "regions", "worker_defaults", "workers",
+    "shards", "fp_bits", "long_tail", "tail_steps", "tokenizer", "rtt_matrix", "rtt_ms", "regions", "worker_defaults", "workers",
 )  # fmt: skip
 _REGION_KEYS = ("aws_region", "edges")
 _WORKER_FIELDS = ("role", "beta_ms_per_token", "vram_tokens", "dram_tokens", "endpoint")
@@ -525,7 +534,7 @@ def topology_from_dict(
         else:
             rtt = load_rtt_matrix(rtt_path)
         options: dict[str, Any] = {}
-        for key in ("block_size", "levels", "own_region_min", "max_prefix", "value_bits", "shards", "fp_bits"):
+        for key in ("block_size", "levels", "own_region_min", "max_prefix", "value_bits", "shards", "fp_bits", "tail_steps"):
             if key in data:
                 options[key] = _integer(key, data[key])
         if "tokenizer" in data:
