@@ -543,6 +543,11 @@ def test_a_lookup_decides_as_a_route_would_and_changes_nothing() -> None:
     other = next(w for w in edge.workers if w != d0.worker)
     seen = edge.lookup(p, NS, 1.5, exclude=[other])  # a lookup sees what routes did
     assert (seen.worker, seen.expected_match) == (d0.worker, 2048) and edge.stats.routes == 1
+    # The same family as the route names (found in review: None from a lookup or a hand-off),
+    # while only the route counted it.
+    assert d0.family is not None and seen.family == d.family == d0.family
+    assert edge.handoff(p, NS, d0.worker, 1.6).family == d0.family
+    assert edge.stats.local_misses == 1
 
 
 def test_the_one_call_route_decides_as_score_choose_commit() -> None:

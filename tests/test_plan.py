@@ -127,6 +127,31 @@ def test_long_tail_must_be_a_boolean() -> None:
         plan_of(long_tail="yes")
 
 
+def test_no_tail_toward_a_region_where_no_match_pays() -> None:
+    # n1 = 250 ms / 0.03 ms/token = 8334 > max_prefix 8192: the paper's ladder toward b is
+    # empty, and the tail must not fill it with the own ladder (found in review: 256..8192
+    # queried and registered toward a region no crossing pays for).
+    rtt = {"a": {"a": 1.0, "b": 250.0}, "b": {"a": 250.0, "b": 1.0}}
+    workers = [{"id": "a0", "region": "a"}, {"id": "b0", "region": "b", "beta_ms_per_token": 0.03}]
+    p = plan_of(rtt_ms=rtt, regions={"a": {}, "b": {"edges": 0}}, workers=workers, max_prefix=8192)
+    assert p.lengths("a", "b") == () and p.registration("b") == ()
+    assert p.lengths("a", "a") == (256, 512, 1024, 2048, 4096, 8192)
+
+
+def test_tail_steps_with_the_tail_off_is_refused() -> None:
+    with pytest.raises(TopologyError, match="long_tail = false"):
+        plan_of(long_tail=False, tail_steps=2)
+    assert plan_of(tail_steps=2).topology.tail_steps == 2
+
+
+def test_value_bits_must_be_an_integer() -> None:
+    import dataclasses
+
+    t = plan_of().topology
+    with pytest.raises(TopologyError, match="value_bits must be 32 or 64"):
+        dataclasses.replace(t, value_bits=32.0)
+
+
 @pytest.mark.parametrize("bad", [0, 17, -1, True, 2.0, "4"])
 def test_tail_steps_must_be_an_integer_in_range(bad: Any) -> None:
     with pytest.raises(TopologyError, match="tail_steps must be an integer"):

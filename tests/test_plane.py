@@ -224,3 +224,45 @@ def test_shared_views_repair_lost_batches_for_every_edge() -> None:
         assert plane.propagate(drop=drop).resyncs > 0
     assert plane.converged()
     assert all(edge.healthy for edge in plane.edges.values())
+
+
+def test_a_batch_for_a_shard_the_plane_does_not_have_is_refused(plane: LocalPlane) -> None:
+    """Review, twenty-fifth session: shard = n raised IndexError, shard -1 reached the last unit
+    (and counted against it)."""
+    from kvcompass.discovery.key_ops import KeyOpBatch
+    from kvcompass.errors import WrongShardError
+
+    w = plane.layout.workers[0]
+    n = plane.layout.shards
+    for shard in (n, -1):
+        with pytest.raises(WrongShardError, match=f"shard {shard}: this plane's shards are 0..{n - 1}"):
+            plane.ingest(KeyOpBatch(w, 1, shard, 1, np.array([], np.uint64), np.array([], np.uint8)), w)
+    assert all(u.stats.rejected == {} for u in plane.units)
+
+
+def test_a_snapshot_from_a_writer_restarted_at_a_lower_epoch_closes_an_open_gap() -> None:
+    """Review, twenty-fifth session: a gap open toward epoch 10 when the unit restarted at epoch
+    5 stayed open after the edge took the new unit's snapshot (its view (5, s) is below the
+    target (10, s')), so the edge resubscribed for ever and never reported ready."""
+    from kvcompass.discovery.key_ops import KeyOpBatch
+    from kvcompass.discovery.maintenance import MaintenanceUnit
+
+    plane = LocalPlane(load_topology("testbed-14x3"), epoch=10)
+    edge = plane.edges["us"]
+    unit = plane.units[0]
+    w = plane.layout.tables[0].workers[0]
+    n = plane.layout.shards
+    out = []
+    for seq in (1, 2, 3):
+        unit.apply(KeyOpBatch(w, 1, 0, seq, np.array([n * seq], np.uint64), np.array([1], np.uint8)), w)
+        out += unit.flush()
+    assert edge.apply_patch(out[0].data).applied
+    assert not edge.apply_patch(out[2].data).applied  # out[1] lost: a gap toward epoch 10
+    assert not edge.healthy
+    again = MaintenanceUnit(0, plane.layout, 5)  # restarted, no state file, clock stepped back
+    again.apply(KeyOpBatch(w, 2, 0, 1, np.array([n * 7], np.uint64), np.array([1], np.uint8)), w)
+    again.flush()
+    for t in plane.layout.tables:
+        edge.bootstrap(t.table_id, 0, again.snapshot(t.table_id))
+    assert edge.healthy and edge.pending_resyncs() == []
+    assert edge.view(0, 0).digest() == again.table_digest(0)

@@ -624,6 +624,33 @@ def test_a_key_limit_per_table_refuses_the_batch_that_would_pass_it(world: World
     run(go())
 
 
+def test_a_unit_restored_past_a_lowered_key_limit_still_shrinks(world: World, tmp_path: Path) -> None:
+    """Review, twenty-fifth session: a unit restored from a state file under a lower
+    ``--max-keys`` held more keys than its limit, and every batch was refused, removals and
+    resets included, so the shard could never shrink. Batches that do not grow the table
+    apply; one that would grow it is still refused."""
+    from kvcompass.discovery.key_ops import KeyOpBatch
+    from kvcompass.errors import CapacityError
+
+    shard, w = 2, "asia-0"
+    keys = [k * world.layout.shards + shard for k in range(1, 51)]
+    big = load_unit(world.layout, shard, epoch=1)
+    big.apply(KeyOpBatch(w, 1, shard, 1, np.array(keys, np.uint64), np.ones(len(keys), np.uint8)), w)
+    state = tmp_path / "unit.state"
+    state.write_bytes(big.to_bytes())
+    unit = load_unit(world.layout, shard, state_path=str(state), epoch=2, max_keys=20)
+    table = unit.table(world.layout.field_of(w).table_id)
+    assert len(table) == 50
+    unit.apply(KeyOpBatch(w, 1, shard, 1, np.array(keys[:45], np.uint64), np.zeros(45, np.uint8)), w)  # the restored unit forgot sequences
+    assert len(table) == 5
+    before = unit.digest()
+    with pytest.raises(CapacityError):
+        unit.apply(KeyOpBatch(w, 1, shard, 2, np.array(keys[:16], np.uint64), np.ones(16, np.uint8)), w)
+    assert unit.digest() == before
+    unit.apply(KeyOpBatch(w, 1, shard, 2, np.array(keys[:15], np.uint64), np.ones(15, np.uint8)), w)
+    assert len(table) == 20
+
+
 class _SilentUnit:
     """A maintenance unit that reads key-op batches and never acknowledges one."""
 

@@ -616,6 +616,13 @@ class Edge:
         self._rebuild_router()
         for reader in self._readers:
             reader._rebuild_router()
+        b = self._behind.get(key)
+        if b is not None and b.target[0] != fresh.epoch:
+            # The open repair aimed at another incarnation of the writer; this snapshot is the
+            # one the writer now serves (found in review: a unit restarted at a lower epoch
+            # during a gap left the repair open for good, the edge never ready). A writer
+            # further on flags the view again at its next heartbeat.
+            del self._behind[key]
         return self._applied(key, r)
 
     def _applied(self, key: tuple[int, int], r: _core.ApplyResult) -> PatchOutcome:

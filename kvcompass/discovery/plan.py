@@ -133,7 +133,10 @@ class LevelPlan:
                     lengths[(o, r)] = own
                 else:
                     ladder = remote_levels(t.rtt_ms(o, r), beta[r], levels=t.levels, block_size=t.block_size, max_prefix=t.max_prefix)
-                    lengths[(o, r)] = tail_ladder(ladder, own, t.max_prefix) if t.long_tail else ladder
+                    # No tail toward a region whose ladder is empty: its n1 is past max_prefix,
+                    # so no match there ever pays for the crossing (found in review: the tail
+                    # then copied the whole own ladder from 256 up, probed and registered).
+                    lengths[(o, r)] = tail_ladder(ladder, own, t.max_prefix) if t.long_tail and ladder else ladder
         registration = {r: tuple(sorted({c for o in self.edge_regions for c in lengths.get((o, r), ())})) for r in beta}
         per = t.value_bits // 2
         tables: list[TableSpec] = []

@@ -18,7 +18,7 @@ from kvcompass.discovery.params import EdgeParams, layout_for
 from kvcompass.discovery.plan import LevelPlan
 from kvcompass.discovery.layout import IndexLayout
 from kvcompass.discovery.topology import Topology
-from kvcompass.errors import InvalidArgumentError
+from kvcompass.errors import InvalidArgumentError, WrongShardError
 from kvcompass.records import fast_init
 
 __all__ = ["LocalPlane", "PropagationReport", "build_edge", "wire_edge"]
@@ -100,7 +100,11 @@ class LocalPlane:
 
     def ingest(self, batch: KeyOpBatch, sender: str) -> ApplyReport:
         """Hand an agent's batch to the unit that owns its shard (``sender`` is the identity the
-        transport authenticated)."""
+        transport authenticated). WrongShardError (``shard`` -1: no unit took it) for a shard
+        the plane does not have, before any unit sees it."""
+        n = len(self.units)
+        if not 0 <= batch.shard < n:
+            raise WrongShardError(f"batch for shard {batch.shard}: this plane's shards are 0..{n - 1}", shard=-1, got_shard=batch.shard, key=None)
         return self.units[batch.shard].apply(batch, sender)
 
     def propagate(self, drop: set[tuple[int, int, int]] | None = None) -> PropagationReport:

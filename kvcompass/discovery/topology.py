@@ -327,7 +327,7 @@ def _validate(t: Topology) -> dict[str, RegionSpec]:
         raise TopologyError(f"long_tail must be true or false, got {t.long_tail!r}")
     if isinstance(t.tail_steps, bool) or not isinstance(t.tail_steps, int) or not 1 <= t.tail_steps <= _MAX_TAIL_STEPS:
         raise TopologyError(f"tail_steps must be an integer in 1..{_MAX_TAIL_STEPS} (lengths per doubling in the long tail), got {t.tail_steps!r}")
-    if t.value_bits not in (32, 64):
+    if isinstance(t.value_bits, bool) or not isinstance(t.value_bits, int) or t.value_bits not in (32, 64):
         raise TopologyError(f"value_bits must be 32 or 64, got {t.value_bits!r}")
     if isinstance(t.fp_bits, bool) or not isinstance(t.fp_bits, int) or not 0 <= t.fp_bits <= _MAX_FP_BITS:
         raise TopologyError(f"fp_bits must be an integer in 0..{_MAX_FP_BITS}, got {t.fp_bits!r}")
@@ -547,6 +547,8 @@ def topology_from_dict(
             if not isinstance(data["long_tail"], bool):
                 raise TopologyError(f"long_tail must be true or false, got {data['long_tail']!r}")
             options["long_tail"] = data["long_tail"]
+        if "tail_steps" in options and options.get("long_tail") is False:
+            raise TopologyError("tail_steps shapes the long tail, which long_tail = false turns off: give one or the other")
         return Topology(
             name=_string("name", data.get("name", name)) or name,
             description=_string("description", data.get("description", "")),

@@ -248,14 +248,17 @@ impl PyEdgeCore {
                 spec = &[]; // already claimed in full (by the index or a live entry): nothing to add
             }
         }
-        let track = track && self.p.migration && len >= self.family_length as usize;
+        // The family names the prompt whenever migration is on and the prompt reaches the
+        // family length, so a lookup or a hand-off reports the same family as the route would;
+        // only a route counts it (``track``: hotness and local misses).
+        let named = self.p.migration && len >= self.family_length as usize;
         let key = |c: u32| res.key_at(c).ok_or_else(|| PyValueError::new_err(format!("commit: the route did not hash length {c}")));
         if !spec.is_empty() {
             let keys = spec.iter().map(|&c| key(c)).collect::<PyResult<Vec<u64>>>()?;
             self.speculate(w, keys, now)?;
         }
-        let family = if track { Some(key(self.family_length)?) } else { None };
-        let local_miss = track && !(self.w.local[w] && m > 0);
+        let family = if named { Some(key(self.family_length)?) } else { None };
+        let local_miss = track && named && !(self.w.local[w] && m > 0);
         let queue = if res.tq.is_empty() { 0.0 } else { res.tq[w] };
         (w, n_cand, m, tier, score, (self.w.wan[w], queue, prefill, reload, lam, b), len, res.local_match, family, local_miss).into_pyobject(py)
     }

@@ -169,7 +169,10 @@ impl PyLudoTable {
             let fields = vec![field; ck.len()];
             if g.len() + ck.len() as u64 > max_capacity {
                 let needed = g.peak_len(&ck, &fields, &ct);
-                if needed > max_capacity {
+                // A table already past the budget (a unit restored under a lower --max-keys)
+                // still takes a batch that does not grow it: removals and tier changes must go
+                // on (found in review: every batch was refused, so it could never shrink).
+                if needed > max_capacity && needed > g.len() {
                     return Ok((4, needed));
                 }
             }
