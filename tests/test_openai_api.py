@@ -17,7 +17,7 @@ from kvcompass.discovery.plane import LocalPlane
 from kvcompass.discovery.topology import load_topology
 from kvcompass.services.emulated_worker import EmulatedWorker, WorkerConfig
 from kvcompass.services.http_door import serve_door
-from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, OpenAIError, chat_tokens, prompt_tokens, token_ids
+from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, OpenAIError, batch_prompt_tokens, chat_tokens, prompt_tokens, token_ids
 from kvcompass.engine.tokenizer import load_tokenizer
 
 
@@ -121,6 +121,31 @@ def test_long_texts_are_tokenized_off_the_event_loop() -> None:
 
     asyncio.run(main())
     assert INLINE_TOKENIZE_CHARS == WorkerConfig().inline_tokenize_chars
+
+
+def test_a_batch_leaves_the_loop_by_its_total_characters() -> None:
+    """Review, twenty-fifth session: each prompt of a batch was held to the threshold alone, so
+    256 prompts just under it (5 million characters) were tokenized on the event loop."""
+    import threading
+
+    seen: list[str] = []
+
+    def encode(text: str) -> list[int]:
+        seen.append(threading.current_thread().name)
+        return [1] * len(text)
+
+    async def main() -> None:
+        loop_thread = threading.current_thread().name
+        small = await batch_prompt_tokens(["ab", "cd", [5, 6]], encode, 10)
+        assert [len(x) for x in small] == [2, 2, 2] and seen == [loop_thread] * 2
+        seen.clear()
+        big = await batch_prompt_tokens(["a" * 6, "b" * 6], encode, 10)  # 12 > 10, each under it
+        assert [len(x) for x in big] == [6, 6] and loop_thread not in seen and len(seen) == 2
+        with pytest.raises(OpenAIError) as e:
+            await batch_prompt_tokens(["a" * 6, ""], encode, 10)
+        assert e.value.param == "prompt[1]"
+
+    asyncio.run(main())
 
 
 def test_token_ids_and_tokenizer_errors() -> None:

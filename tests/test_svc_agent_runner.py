@@ -158,6 +158,10 @@ def test_lost_message_is_repaired_through_replay() -> None:
                 await complete(s, w, PROMPTS[1])
                 await complete(s, w, PROMPTS[5])
                 await wait_until(lambda: runner.agent.last_seq == w.next_seq - 1)
+                # No receive limit on the replay socket: vLLM's ROUTER writes its whole ring
+                # with the default send limit and drops what a full peer cannot take, END
+                # frame included (review, twenty-fifth session: half a 10,000-message replay).
+                assert runner._dealer is not None and runner._dealer.getsockopt(zmq.RCVHWM) == 0
             finally:
                 await runner.stop()
             frames = [await tap.recv_multipart() for _ in range(w.next_seq - 1)]
@@ -683,5 +687,22 @@ def test_a_units_capacity_refusal_is_counted_and_the_runner_goes_on() -> None:
                 assert runner.running
             finally:
                 await runner.stop()
+
+    run(main())
+
+
+def test_sent_counts_are_what_the_units_acknowledged_when_the_sink_reports_it() -> None:
+    """Review, twenty-fifth session: the runner (and the agent command's metrics) counted the
+    batches handed to the sink, also those a reset replaced or an unreachable unit never took."""
+    from kvcompass.services.ingest_client import SendReport
+
+    async def main() -> None:
+        async def sink(batches: Sequence[KeyOpBatch]) -> SendReport:
+            return SendReport(batches=1, applied=1000, duplicates=0, resets=1, reconnects=1, ops=1000)
+
+        runner = AgentRunner(new_agent(), sink, "tcp://127.0.0.1:1", None)
+        async with runner._lock:
+            await runner._send(runner.agent.full_report())
+        assert (runner.stats.sent_batches, runner.stats.sent_ops) == (1, 1000)
 
     run(main())

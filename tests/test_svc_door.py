@@ -368,6 +368,28 @@ def test_a_worker_lost_mid_stream_ends_the_stream_with_an_error_event() -> None:
     run(go())
 
 
+def test_a_batch_prompt_lost_mid_stream_is_named_in_its_error_event() -> None:
+    """Review, twenty-fifth session: in a batch's merged stream, a worker lost mid-stream ended
+    its prompt with an error naming only the worker, so the client could not tell whose
+    choices were cut."""
+    plane = make_plane()
+    a, b = prompt_ids(8, 1024), prompt_ids(7, 1024)
+    cache_prefix(plane, "us-3", a)
+    cache_prefix(plane, "us-5", b)
+    fleet = Fleet(cut={"us-5"})
+
+    async def go() -> None:
+        async with rig(plane, fleet) as t:
+            async with t.client.post("/v1/completions", json={"prompt": [a.tolist(), b.tolist()], "stream": True}) as r:
+                assert r.status == 200
+                events = sse_events(await r.read())
+            errors = [json.loads(e[len(b"data: ") :])["error"] for e in events if e.startswith(b'data: {"error"')]
+            assert len(errors) == 1 and errors[0]["message"].startswith("prompt[1]: worker us-5 failed mid-stream")
+            assert events[-1] == b"data: [DONE]"
+
+    run(go())
+
+
 @pytest.mark.parametrize("failure", ["refused", "http500", "silent"])
 def test_a_dead_worker_is_routed_around(failure: str) -> None:
     plane = make_plane()

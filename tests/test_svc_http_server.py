@@ -467,3 +467,27 @@ def test_a_body_cut_short_by_a_half_close_is_a_400_not_a_handler_failure(loop: s
     with caplog.at_level("ERROR"):
         run(loop, go)
     assert not [rec for rec in caplog.records if rec.levelname == "ERROR"]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_trailer_fields_are_not_headers_and_are_held_to_the_head_limit(loop: str) -> None:
+    """Review, twenty-fifth session: trailer fields after a chunked body were merged into the
+    request's headers (a header the handler reads after the body could be set by one) and were
+    bounded by nothing (200 MB of them took 190 MB of memory)."""
+
+    async def go() -> None:
+        state = State()
+        async with serving(state, max_head_bytes=2048) as (_, port):
+            r, w = await connect(port)
+            head = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+            w.write(head + b"2\r\n{}\r\n0\r\nContent-Type: text/evil\r\nX-Many: trailer\r\n\r\n")
+            status, _, body = await read_response(r)
+            assert status == 200 and json.loads(body) == {"len": 2, "q": "", "ct": "application/json", "x": None}
+            # The same connection goes on; then trailers past the head limit (still coming: the
+            # message never ends) are refused and the connection closed.
+            w.write(head + b"2\r\n{}\r\n0\r\n" + b"".join(b"X-T%d: %s\r\n" % (i, b"v" * 100) for i in range(40)))
+            status, _, body = await read_response(r)
+            assert status in (400, 431), body
+            assert await asyncio.wait_for(r.read(), 5) == b""
+
+    run(loop, go)

@@ -1043,3 +1043,58 @@ def test_one_unit_down_does_not_stop_the_others_and_is_re_reported_on_its_return
                 await services[dead].flush_now()
                 assert len(units[dead].held("asia-0")) > 0  # re-reported in full
     run(go())
+
+
+def test_a_unit_given_up_on_is_probed_once_not_through_the_whole_retry_ladder(world: World) -> None:
+    """Review, twenty-fifth session: each time ``down_retry_s`` ran out, the next send retried
+    the dead unit ``max_attempts`` times, and the live shards' sends (gathered with it) waited
+    for all of it: 14 s of every 19 with the defaults."""
+
+    async def go() -> None:
+        units = world.units()
+        services = [MaintenanceService(u, FAST) for u in units]
+        asia = world.agent("asia-0")
+        async with in_memory(services) as chans:
+            dead = 1
+            live_chans = dict(chans)
+            live_chans[dead] = "127.0.0.1:1"  # nothing listens there
+            async with IngestClient("asia-0", live_chans, asia.on_rejected, max_attempts=4, backoff_s=(0.05, 0.05), down_retry_s=0.1) as client:
+                report = await client.send(cache(asia, prompt(94), 1000, seq=0))
+                assert report.unreachable == (dead,) and client.reconnects == 3  # the whole ladder, once
+                await asyncio.sleep(0.15)
+                report = await client.send(asia.heartbeat())
+                assert report.unreachable == (dead,) and client.reconnects == 3  # one probe, no retries
+                assert report.batches >= 1 and report.ops == 0  # the live shards' heartbeats
+
+    run(go())
+
+
+def test_a_unit_that_stops_reading_does_not_hang_a_send(world: World) -> None:
+    """Review, twenty-fifth session: the ack deadline covered the wait for an ack but not the
+    sends before it; a unit that stopped reading (a stopped process, a wedged host) never
+    returned HTTP/2 flow-control credit, and a send of a large re-report waited for it for
+    ever. Here the "unit" accepts connections and never reads a byte."""
+
+    async def go() -> None:
+        held: list[asyncio.StreamWriter] = []
+
+        async def stuck(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            held.append(w)  # never read, never answer
+
+        server = await asyncio.start_server(stuck, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        n = 100_000  # 0.9 MB: past the 64 KiB an HTTP/2 stream may send before any credit
+        keys = np.arange(1, n + 1, dtype=np.uint64) * world.layout.shards
+        big = [KeyOpBatch("asia-0", 1, 0, 1, keys, np.ones(n, np.uint8), True)]
+        try:
+            async with IngestClient("asia-0", {0: f"127.0.0.1:{port}"}, lambda s: (), max_attempts=2, ack_timeout_s=0.3, backoff_s=(0.01, 0.01)) as client:
+                report = await asyncio.wait_for(client.send(big), 10)
+                assert report.unreachable == (0,) and report.ops == 0
+                assert len(held) == 2  # the second attempt came on a fresh connection
+        finally:
+            for w in held:
+                w.close()
+            server.close()
+            await server.wait_closed()
+
+    run(go())

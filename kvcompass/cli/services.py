@@ -497,10 +497,9 @@ async def _wait_peers(path: str, edge: Any, region: str, stop: asyncio.Event, ss
 async def _agent(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry, Counter
 
-    from kvcompass.discovery.key_ops import KeyOpBatch
     from kvcompass.index_types import Namespace
     from kvcompass.services.agent_runner import AgentRunner, agent_for_worker
-    from kvcompass.services.ingest_client import IngestClient
+    from kvcompass.services.ingest_client import IngestClient, SendReport
     from kvcompass.services.metrics import MetricsServer, export_counter
 
     topo = _load(args.topology)
@@ -517,12 +516,13 @@ async def _agent(args: argparse.Namespace) -> int:
 
     unreachable = Counter("kvcompass_agent_unreachable_shard_sends", "Sends that left a shard out because its maintenance unit was unreachable (re-reported once it is back)", ["worker"], registry=reg).labels(args.worker)
 
-    async def sink(bs: Any) -> None:
+    async def sink(bs: Any) -> SendReport:
         report = await client.send(bs)
         batches.inc(report.batches)
-        ops.inc(sum(len(b.keys) for b in bs if isinstance(b, KeyOpBatch) and b.shard not in report.unreachable))
+        ops.inc(report.ops)  # acknowledged ops (a reset's, not the batches it replaced)
         if report.unreachable:
             unreachable.inc(len(report.unreachable))
+        return report
 
     runner = AgentRunner(agent, sink, args.events, args.replay, heartbeat_s=args.heartbeat_s if args.heartbeat_s > 0 else None)
     for name, fn in (  # running totals: counters (``_total``), read when scraped

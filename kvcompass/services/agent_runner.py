@@ -54,6 +54,7 @@ from kvcompass.discovery.plan import LevelPlan
 from kvcompass.discovery.topology import Topology
 from kvcompass.errors import AgentSequenceError, IngestRejectedError, InvalidArgumentError, InvalidEventError, StaleIncarnationError, UnknownWorkerError
 from kvcompass.index_types import Namespace
+from kvcompass.services.ingest_client import SendReport
 
 __all__ = ["AgentRunner", "RunnerStats", "Sink", "agent_for_worker"]
 
@@ -96,7 +97,7 @@ class RunnerStats:
     replays: int = 0  # replay requests sent
     replay_frames: int = 0  # replay reply frames read (end frames included)
     replay_failures: int = 0  # replays that timed out, could not be sent, or had no endpoint
-    sent_batches: int = 0
+    sent_batches: int = 0  # acknowledged by the units when the sink reports it (IngestClient), else handed to the sink
     sent_ops: int = 0
     rejections: int = 0  # AgentSequenceError from the sink, answered with on_rejected
     heartbeats: int = 0  # rounds of empty batches sent after heartbeat_s of silence
@@ -355,6 +356,11 @@ class AgentRunner:
         if self._dealer is None:
             d = self._ctx.socket(zmq.DEALER)
             d.setsockopt(zmq.LINGER, 0)
+            # No receive limit: vLLM's ROUTER writes its whole ring at once with the default
+            # send limit, and a ROUTER drops what a full peer cannot take, END frame included
+            # (found in review: half of a 10,000-message replay lost, its span never applied).
+            # The ring is bounded by the engine, so this buffer is too.
+            d.setsockopt(zmq.RCVHWM, 0)
             d.connect(self.replay)
             self._dealer = d
         dealer = self._dealer
@@ -429,7 +435,7 @@ class AgentRunner:
         pending: Sequence[KeyOpBatch] = batches
         for _ in range(_MAX_REJECTIONS):
             try:
-                await self.sink(pending)
+                report = await self.sink(pending)
             except StaleIncarnationError:
                 raise
             except IngestRejectedError as e:
@@ -447,8 +453,12 @@ class AgentRunner:
                 shard = getattr(e, "shard", None)
                 pending = self.agent.on_rejected(shard if isinstance(shard, int) and 0 <= shard < self.agent.shards else None)
                 continue
-            self.stats.sent_batches += len(pending)
-            self.stats.sent_ops += sum(len(b.keys) for b in pending)
+            if isinstance(report, SendReport):  # what the units acknowledged (resets, not what they replaced)
+                self.stats.sent_batches += report.batches
+                self.stats.sent_ops += report.ops
+            else:
+                self.stats.sent_batches += len(pending)
+                self.stats.sent_ops += sum(len(b.keys) for b in pending)
             return
         raise AgentSequenceError(f"worker {self.agent.worker_id}: the sink refused {_MAX_REJECTIONS} full re-reports in a row", expected=-1, got=-1)
 

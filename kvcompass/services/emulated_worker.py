@@ -87,7 +87,7 @@ from kvcompass.agent.events import REPLAY_END_SEQ, Event, encode_batch
 from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.errors import DrainingError, InvalidArgumentError
 from kvcompass.services.http_server import App, HttpServer, Request, Response, StreamResponse, json_response
-from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, OpenAIError, chat_tokens, decode_json_object, one_prompt_tokens, prompt_batch, prompt_tokens
+from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, OpenAIError, chat_tokens, decode_json_object, batch_prompt_tokens, prompt_batch, prompt_tokens
 from kvcompass.engine.tokenizer import Tokenizer, load_tokenizer
 from kvcompass.engine.cache import DEFAULT_DRAM_TOKENS, DEFAULT_VRAM_TOKENS, Policy, PrefixCache, worker_capacities
 from kvcompass.engine.costs import CostModel
@@ -786,7 +786,7 @@ class EmulatedWorker(AsyncResource):
             prompts = [await prompt_tokens(body, self.tokenizer.encode, inline)]
         else:
             param = "prompt"
-            prompts = [await one_prompt_tokens(p, self.tokenizer.encode, inline, f"prompt[{i}]") for i, p in enumerate(batch)]
+            prompts = await batch_prompt_tokens(batch, self.tokenizer.encode, inline)
         if len(prompts) * n > MAX_N:
             raise OpenAIError(400, f"{len(prompts)} prompts x n = {n} asks for {len(prompts) * n} sequences; at most {MAX_N} are decoded for one request", "n")
         limit = self.config.max_model_len

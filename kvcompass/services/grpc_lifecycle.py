@@ -200,6 +200,13 @@ class OwnedChannels:
         self._owned.append(ch)
         return ch
 
+    def reset(self, channel: Channel) -> None:
+        """Drop the connection of ``channel`` if it is one of ours (grpclib opens a new one on
+        the next call): what a stalled connection needs, whose HTTP/2 window a peer that stopped
+        reading never refills. A caller's channel is left as it is."""
+        if any(ch is channel for ch in self._owned):
+            channel.close()
+
     def close(self) -> None:
         for ch in self._owned:
             ch.close()

@@ -88,10 +88,10 @@ from kvcompass.services.http_server import App, HttpServer, Request, Response, S
 from kvcompass.services.openai_api import (
     INLINE_TOKENIZE_CHARS,
     OpenAIError,
+    batch_prompt_tokens,
     chat_tokens,
     decode_json_object,
     error_body,
-    one_prompt_tokens,
     parse_json,
     prompt_batch,
     prompt_tokens,
@@ -341,6 +341,8 @@ class _Prepared:
     """For a batch's prompt: whether the client asked for the (merged) usage chunk."""
     sink: _BatchStream | None = None
     """For a batch's streamed prompt: where its events go instead of a response of its own."""
+    prompt_index: int | None = None
+    """For one prompt of a batched request: its position in ``prompt`` (named in its errors)."""
 
 
 @dataclass(slots=True)
@@ -733,8 +735,7 @@ class FrontDoor:
         elif batch is None:
             token_lists.append(await prompt_tokens(body, self.tokenizer.encode, cfg.inline_tokenize_chars))
         else:
-            for i, p in enumerate(batch):
-                token_lists.append(await one_prompt_tokens(p, self.tokenizer.encode, cfg.inline_tokenize_chars, f"prompt[{i}]"))
+            token_lists += await batch_prompt_tokens(batch, self.tokenizer.encode, cfg.inline_tokenize_chars)
         for i, tokens in enumerate(token_lists):
             if len(tokens) > cfg.max_prompt_tokens:
                 param = "messages" if chat else ("prompt" if batch is None else f"prompt[{i}]")
@@ -789,7 +790,7 @@ class FrontDoor:
             return [_Prepared(request.path, raws[0], token_lists[0], ns, stream, client_usage, headers, handoff)]
         n = body.get("n") or 1
         return [
-            _Prepared(request.path, r, t, ns, stream, True, headers, None, batch_index=i * n, client_usage_asked=client_usage)
+            _Prepared(request.path, r, t, ns, stream, True, headers, None, batch_index=i * n, client_usage_asked=client_usage, prompt_index=i)
             for i, (r, t) in enumerate(zip(raws, token_lists))
         ]
 
@@ -1053,7 +1054,10 @@ class FrontDoor:
                                 self._timed(choice, prep, first=True)
             except (UpstreamError, TimeoutError) as e:
                 self.mark_dead(choice.worker, "midstream")
-                err = error_body(502, f"worker {choice.worker} failed mid-stream: {e!r}", code="upstream_error")
+                # In a batch's merged stream the client must learn which prompt's choices were
+                # cut (found in review: a mid-stream failure named only the worker).
+                which = f"prompt[{prep.prompt_index}]: " if prep.prompt_index is not None else ""
+                err = error_body(502, f"{which}worker {choice.worker} failed mid-stream: {e!r}", code="upstream_error")
                 await write(b"data: " + json.dumps(err).encode() + b"\n\n")
                 await end()
                 return resp

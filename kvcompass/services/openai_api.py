@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -30,6 +30,7 @@ __all__ = [
     "INLINE_TOKENIZE_CHARS",
     "ErrorType",
     "OpenAIError",
+    "batch_prompt_tokens",
     "chat_tokens",
     "decode_json_object",
     "error_body",
@@ -195,6 +196,16 @@ async def one_prompt_tokens(p: Any, encode: Callable[[str], Any], inline_chars: 
             raise OpenAIError(400, f"{param} must be a string or a list of token ids, not a list of prompts", param, "invalid_type")
         return token_ids(p, param)
     raise OpenAIError(400, f"{param} must be a string or a list of token ids, got {type(p).__name__}", param, "invalid_type")
+
+
+async def batch_prompt_tokens(batch: Sequence[Any], encode: Callable[[str], Any], inline_chars: int = INLINE_TOKENIZE_CHARS) -> list[npt.NDArray[np.uint32]]:
+    """The tokens of every prompt of a batch (errors name ``prompt[i]``). Whether the work
+    leaves the event loop is decided by the batch's characters, not each prompt's: 256 prompts
+    each just under the threshold were 5 million characters tokenized on the loop, every other
+    request frozen for two seconds (found in review). Over it, each prompt goes to a thread."""
+    total = sum(len(p) for p in batch if isinstance(p, str))
+    inline = inline_chars if total <= inline_chars else -1
+    return [await one_prompt_tokens(p, encode, inline, f"prompt[{i}]") for i, p in enumerate(batch)]
 
 
 def _text_chars(obj: Any) -> int:
