@@ -1300,6 +1300,10 @@ class _BatchStream:
             if isinstance(usage, dict) and not choices:
                 self._usage.append(usage)
                 return None  # a prompt's usage chunk: summed into the last one
+        if self._client_usage:
+            # OpenAI's include_usage: every chunk but the last carries "usage": null, as the
+            # door's single-prompt streams do (found in review: batched chunks had none).
+            obj["usage"] = None
         return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
     async def finish(self) -> None:
