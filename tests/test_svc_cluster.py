@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -213,6 +214,39 @@ def test_up_writes_the_documented_state_file(cluster: Cluster) -> None:
     assert all(m["grpc"].startswith("127.0.0.1:") and m["metrics"].startswith("http://") for m in s["maintenance"])
     assert s["workers"] == {w: {"http": s["workers"][w]["http"], "region": w[0]} for w in ("a-0", "a-1", "b-0")}
     assert all(_alive(pid) for pid in s["pids"].values())
+
+
+def test_up_clears_an_earlier_runs_state_and_keeps_its_own_private(tmp_path: Path) -> None:
+    """Review, twenty-fifth session: a state file left by an earlier run was there from the
+    first moment of the next (its waiters sent traffic to dead endpoints), it named the API
+    keys world-readably, and a reused run directory carried the units' saved index into the
+    next cluster (refused outright after a topology change)."""
+    topo = tmp_path / "tiny.toml"
+    topo.write_text(TOPOLOGY)
+    state_file = tmp_path / "state.json"
+    state_file.write_text(json.dumps({"supervisor_pid": 1, "edges": {}}))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "shard-0.state").write_bytes(b"KVMU" + b"\x00" * 60)  # not a state this run can load
+    proc = subprocess.Popen(
+        _cmd("up", "--topology", str(topo), "--state-file", str(state_file), "--run-dir", str(run_dir), "--time-scale", "0.02", "--open"),
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        state: dict[str, Any] = {}
+        while state.get("supervisor_pid") != proc.pid:
+            assert proc.poll() is None, f"kvcompass up exited with {proc.returncode}"
+            assert time.monotonic() < deadline, "cluster not up in 60 s"
+            time.sleep(0.1)
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                state = json.loads(state_file.read_text())
+        assert stat.S_IMODE(state_file.stat().st_mode) == 0o600
+    finally:
+        stop_process(proc, 30)
+    assert proc.returncode == 0 and not state_file.exists()  # its endpoints and pids are gone
+    r = subprocess.run(_cmd("up", "--topology", str(topo), "--state-file", str(tmp_path / "no" / "state.json")), capture_output=True, timeout=60)
+    assert r.returncode == 2 and b"--state-file" in r.stderr and b"directory does not exist" in r.stderr
 
 
 def test_up_open_serves_without_keys_and_says_so(tmp_path: Path) -> None:

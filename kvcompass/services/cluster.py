@@ -537,9 +537,10 @@ def _write_secret(path: Path, text: str) -> None:
 
 
 def _write_json(path: Path, obj: object) -> None:
-    """Atomically, so a reader polling for the file never reads half of it."""
+    """Atomically, so a reader polling for the file never reads half of it; mode 0600, since
+    the cluster's state names its API keys (found in review: it was world-readable)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    _write_secret(tmp, json.dumps(obj, indent=2) + "\n")
     os.replace(tmp, path)
 
 
@@ -573,8 +574,20 @@ async def run_cluster(cfg: ClusterConfig, stop: asyncio.Event | None = None) -> 
 async def _run_cluster(cfg: ClusterConfig, stop: asyncio.Event) -> int:
     loop = asyncio.get_running_loop()
     own_dir = cfg.run_dir is None
+    state_file = None if cfg.state_file is None else Path(cfg.state_file)
+    if state_file is not None:
+        if not state_file.parent.is_dir():
+            raise OSError(f"--state-file {str(state_file)!r}: no directory {str(state_file.parent)!r}")
+        # Whoever waits for the file may send traffic once it exists: one left by an earlier
+        # run named dead endpoints and pids from the first moment (found in review).
+        state_file.unlink(missing_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="kvcompass-up-")) if cfg.run_dir is None else Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    # The units' state files belong to one run (restarts inside it): a reused run directory
+    # handed an earlier cluster's index to new workers, or refused a changed topology's layout
+    # (found in review).
+    for old in run_dir.glob("shard-*.state"):
+        old.unlink(missing_ok=True)
     try:
         cluster = Cluster(cfg, run_dir)
     except BaseException:
@@ -600,14 +613,16 @@ async def _run_cluster(cfg: ClusterConfig, stop: asyncio.Event) -> int:
             else:
                 state["restarts"], state["left_down"] = {}, []
                 cluster.state = state
-                if cfg.state_file is not None:
-                    cluster.state_file = Path(cfg.state_file)
+                if state_file is not None:
+                    cluster.state_file = state_file
                     _write_json(cluster.state_file, state)
                 print(format_endpoints(state), flush=True)
                 await stop.wait()
         stopped.cancel()
     finally:
         rc = await cluster.stop()
+        if state_file is not None:
+            state_file.unlink(missing_ok=True)  # its endpoints and pids are gone
         if own_dir and code == 0 and rc == 0:
             shutil.rmtree(run_dir, ignore_errors=True)
     return code or rc

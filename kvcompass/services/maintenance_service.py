@@ -151,7 +151,11 @@ def load_unit(
             magic, saved = _STATE_EPOCH.unpack_from(data)
             if magic != b"KVMU":
                 saved = 0
-        unit = MaintenanceUnit.from_bytes(data, layout, max(ep, saved + 1), **bounds)
+        try:
+            unit = MaintenanceUnit.from_bytes(data, layout, max(ep, saved + 1), **bounds)
+        except KVCompassError as e:
+            # Name the file: a state left by another run or topology is otherwise a riddle.
+            raise type(e)(f"state file {state_path}: {e.message}", **{k: v for k, v in vars(e).items() if k != "message"}) from None
         if unit.shard != shard:
             raise InvalidArgumentError(f"state file {state_path} holds shard {unit.shard}, not {shard}")
         return unit
