@@ -258,3 +258,33 @@ def test_no_copy_comes_from_an_excluded_source() -> None:
     """Found in review: a copy's source (the local holder) was taken even when the door had
     excluded it as dead; the copy fails and the family's cooldown starts for nothing."""
     assert _local_holder_losing_to_load().migration_actions(1.4, exclude={"a0"}) == []
+
+
+def test_stale_triggers_do_not_pile_up_when_nobody_asks_for_actions() -> None:
+    """Review, twenty-fifth session: triggers older than ``max_age_s`` left only in resolve(),
+    so an edge whose caller never asks for actions (the gRPC edge service, a door with
+    migration_poll_s=0) kept every one, tokens included, for ever."""
+    from kvcompass.discovery.migration import MigrationPlanner
+
+    planner = MigrationPlanner(["a0", "a1"], ["a", "a"], cooldown_s=30.0, max_age_s=1.0, rng=np.random.default_rng(0))
+    tokens = np.arange(4096, dtype=np.uint32)
+    for k in range(5000):
+        planner.offer(k, MigrationTrigger("recompute", 0, 2048, frozenset()), b"n" * 32, tokens, now=2.0 * k)
+    assert planner.pending <= 128  # the stale ones swept as it grows, not 5,000
+    # A trigger still within max_age survives the sweep.
+    assert len(planner.resolve(2.0 * 4999 + 0.5, idle=[1])) == 1
+
+
+def test_a_response_at_a_non_finite_time_is_refused_and_changes_nothing() -> None:
+    """Review, twenty-fifth session: on_response took now=NaN (every belief reset) or inf (their
+    recovery stopped for good); route and handoff already refused such times."""
+    from kvcompass.errors import InvalidArgumentError
+
+    edge = Fleet({"A": 2}).edge()
+    edge.on_response("a0", 1000, 0, None, 1.0)  # a false claim: a0's belief falls
+    before = edge.belief("a0")
+    assert before < 1.0
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(InvalidArgumentError):
+            edge.on_response("a0", 0, 0, None, bad)
+    assert edge.belief("a0") == before

@@ -822,6 +822,7 @@ class Edge:
         """A response from ``worker``: the edge had claimed ``claimed_tokens`` (the decision's
         ``expected_match``), the worker reports ``reused_tokens``; a remote worker's response
         may carry its region's queue vector (worker id -> ms)."""
+        _check_now(now)  # a NaN reset every belief, an inf stopped their recovery (found in review)
         i = self.worker_index(worker)
         claimed, reused = int(claimed_tokens), int(reused_tokens)
         if claimed < 0 or reused < 0:

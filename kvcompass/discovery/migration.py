@@ -114,6 +114,10 @@ class _Pending:
     at: float
 
 
+# Pending triggers at which offer() first drops the stale ones (then at twice what is left).
+_SWEEP_MIN = 64
+
+
 class MigrationPlanner:
     """Holds triggers until a driver asks for actions, then picks idle targets.
 
@@ -121,7 +125,7 @@ class MigrationPlanner:
     family is kept. At most one action per family per ``cooldown_s``.
     """
 
-    __slots__ = ("_ids", "_regions", "_cooldown", "_max_age", "_rng", "_pending", "_quiet_until", "emitted", "no_target")
+    __slots__ = ("_ids", "_regions", "_cooldown", "_max_age", "_rng", "_pending", "_next_sweep", "_quiet_until", "emitted", "no_target")
 
     def __init__(self, ids: Sequence[str], regions: Sequence[str], cooldown_s: float, max_age_s: float, rng: np.random.Generator) -> None:
         self._ids = tuple(ids)
@@ -130,6 +134,7 @@ class MigrationPlanner:
         self._max_age = float(max_age_s)
         self._rng = rng
         self._pending: dict[int, _Pending] = {}
+        self._next_sweep = _SWEEP_MIN
         self._quiet_until: dict[int, float] = {}
         self.emitted = 0
         """Actions handed out."""
@@ -149,6 +154,12 @@ class MigrationPlanner:
         """Queue a trigger (its tokens copied up to its length); False if the family is cooling down."""
         if self.cooling(family, now):
             return False
+        if len(self._pending) >= self._next_sweep:
+            # Stale triggers leave here too, not only in resolve(): an edge nobody asks for
+            # actions (the gRPC edge service, a door with migration_poll_s=0) kept every one,
+            # with its tokens, for ever (found in review). Amortised: at most once per doubling.
+            self._pending = {f: p for f, p in self._pending.items() if now - p.at <= self._max_age}
+            self._next_sweep = max(_SWEEP_MIN, 2 * len(self._pending))
         self._pending[family] = _Pending(family, trigger, namespace, np.array(tokens[: trigger.length], dtype=np.uint32), now)
         return True
 
