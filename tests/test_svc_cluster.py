@@ -395,7 +395,8 @@ def test_tenants_share_no_kv_in_the_engine_and_are_indexed_in_their_own_namespac
     acme = {"x-kvcompass-namespace": "acme", **_auth("acme")}
 
     def cached(data: bytes) -> int:
-        return int(json.loads(data)["usage"]["prompt_tokens_details"]["cached_tokens"])
+        details = json.loads(data)["usage"]["prompt_tokens_details"]
+        return 0 if details is None else int(details["cached_tokens"])  # vLLM: null when nothing was cached
 
     st, headers, data = _post(cluster.edge("b") + "/v1/completions", body)
     assert st == 200 and headers["x-kvcompass-worker"] == "b-0" and cached(data) == 0
@@ -485,7 +486,8 @@ def test_loadgen_replays_a_trace_through_the_edges(cluster: Cluster, tmp_path: P
     for x in records:
         assert x["status"] == 200 and x["output_tokens"] == 3 and x["ttft_ms"] <= x["e2e_ms"]
         assert x["worker_region"] == cluster.state["workers"][x["worker"]]["region"]
-        assert x["edge"] == cluster.edge(x["region"]) and isinstance(x["cached_tokens"], int)
+        # None: the usage came without prompt_tokens_details, vLLM's way when nothing was cached.
+        assert x["edge"] == cluster.edge(x["region"]) and (x["cached_tokens"] is None or x["cached_tokens"] > 0)
     assert b"requests" in r.stderr  # the progress bar
 
 

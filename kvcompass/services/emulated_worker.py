@@ -623,7 +623,9 @@ class EmulatedWorker(AsyncResource):
             cached = prompt_tokens_n = 0
             for tokens in req.prompts:  # a list of prompts is prefilled prompt by prompt, as vLLM's scheduler would
                 v, d = await self._prefill(tokens, req.cache_salt)
-                cached += v + d
+                # vLLM's usage names the last prompt's cached tokens, not their sum
+                # (request_output_to_completion_response: last_final_res.num_cached_tokens).
+                cached = v + d
                 prompt_tokens_n += len(tokens)
                 self.stats.prompt_tokens += len(tokens)
                 self.stats.cached_tokens += v + d
@@ -638,7 +640,10 @@ class EmulatedWorker(AsyncResource):
                 "prompt_tokens": prompt_tokens_n,
                 "total_tokens": prompt_tokens_n + req.choices * req.max_tokens,
                 "completion_tokens": req.choices * req.max_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached},
+                # As vLLM with --enable-prompt-tokens-details: the details only when something
+                # was cached, null otherwise (found in review: a 0 was always sent, so the door
+                # learned from misses that a real vLLM does not report).
+                "prompt_tokens_details": {"cached_tokens": cached} if cached else None,
             }
             if req.stream:
                 return await self._stream(request, req, headers, usage)

@@ -352,6 +352,9 @@ class _Feedback:
     queue_ms: float | None = None
     vector: dict[str, float] | None = None
     reused: int | None = None
+    bare_usage: bool = False
+    """A usage object came without ``prompt_tokens_details``: vLLM's way of saying nothing was
+    cached, when it reports cached tokens at all (see :meth:`FrontDoor._learn`)."""
 
 
 class _WorkerFailed(Exception):
@@ -396,6 +399,9 @@ class FrontDoor:
         self._clock = clock
         self.metrics = _Metrics(registry if registry is not None else CollectorRegistry())
         self._dead: dict[str, float] = {}
+        # Workers that have reported usage.prompt_tokens_details: a later usage without it means
+        # nothing was cached (vLLM omits the field then); from the others it means "unknown".
+        self._reports_cached: set[str] = set()
         self._unreachable = frozenset(known - set(self.urls))
         self._namespaces: OrderedDict[tuple[str, str], Namespace] = OrderedDict()
         self._tenant_series: set[str] = set()
@@ -1005,7 +1011,7 @@ class FrontDoor:
         if delay:
             await asyncio.sleep(delay)
         if 200 <= up.status < 300:
-            fb.reused = self._usage_reused(data)
+            self._usage_reused(data, fb)
             self._learn(choice, fb)
             self._timed(choice, prep, first=True, last=True)
         headers = self._reply_headers(request, choice)
@@ -1163,11 +1169,7 @@ class FrontDoor:
             return event
         usage = obj.get("usage")
         if isinstance(usage, dict):
-            reused = _cached_tokens(usage)
-            if reused is not None:
-                fb.reused = reused
-            elif _has_cached_field(usage):
-                self.metrics.bad_feedback.labels("usage").inc()
+            self._usage_into(usage, fb)
         if prep.client_usage:
             return event
         if not obj.get("choices"):
@@ -1175,19 +1177,24 @@ class FrontDoor:
         del obj["usage"]
         return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
-    def _usage_reused(self, data: bytes) -> int | None:
+    def _usage_reused(self, data: bytes, fb: _Feedback) -> None:
         try:
             obj = parse_json(data)
         except ValueError:
             self.metrics.bad_feedback.labels("body").inc()
-            return None
+            return
         usage = obj.get("usage") if isinstance(obj, dict) else None
-        if not isinstance(usage, dict):
-            return None
-        r = _cached_tokens(usage)
-        if r is None and _has_cached_field(usage):
+        if isinstance(usage, dict):
+            self._usage_into(usage, fb)
+
+    def _usage_into(self, usage: Mapping[str, Any], fb: _Feedback) -> None:
+        reused = _cached_tokens(usage)
+        if reused is not None:
+            fb.reused = reused
+        elif _has_cached_field(usage):
             self.metrics.bad_feedback.labels("usage").inc()
-        return r
+        elif usage.get("prompt_tokens_details") is None:
+            fb.bare_usage = True
 
     # -- learning --------------------------------------------------------------------------------
 
@@ -1222,6 +1229,14 @@ class FrontDoor:
                 e.set_local_queue(w, fb.queue_ms, self._clock())
             elif vector is None:
                 vector = {w: fb.queue_ms}
+        if fb.reused is not None:
+            self._reports_cached.add(w)
+        elif fb.bare_usage and w in self._reports_cached:
+            # vLLM (--enable-prompt-tokens-details) leaves prompt_tokens_details out when no
+            # token was cached; without the flag it never sends it. From a worker that has
+            # reported cached tokens before, a usage without them is a report of 0 (found in
+            # review: every false claim against a real vLLM went unlearned as "unknown").
+            fb.reused = 0
         if fb.reused is None:
             m.no_usage.inc()
             claimed, reused = 0, 0  # claimed=0 moves no belief: "unknown" is not "reused nothing"
