@@ -73,17 +73,23 @@ def prefix_memo_stats() -> tuple[int, int]:
 def prefix_keys_batch(
     namespace: bytes, tokens: npt.NDArray[np.uint32], offsets: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint32]
 ) -> npt.NDArray[np.uint64]:
-    """Prompt ``i`` is ``tokens[offsets[i]:offsets[i+1]]``; returns a (prompts, lengths) uint64 array."""
+    """Prompt ``i`` is ``tokens[offsets[i]:offsets[i+1]]``; returns a (prompts, lengths) uint64 array.
+    At most 2**32 keys (prompts x lengths): more is refused (InvalidArgumentError) before
+    anything is allocated."""
 
 def block_chain_hashes(tokens: npt.NDArray[np.uint32], block_size: int, seed: int) -> npt.NDArray[np.uint64]:
     """Chained 64-bit hashes of the full blocks of ``tokens`` (SHA-256 of domain, ``seed``,
     parent hash and the block's tokens): the emulated engine's block names."""
 
 def expand_block_tokens(ids: npt.NDArray[np.uint64], input_length: int, block_size: int) -> npt.NDArray[np.uint32]:
-    """The first ``input_length`` synthetic token ids of blocks ``ids`` (``block_size`` each)."""
+    """The first ``input_length`` synthetic token ids of blocks ``ids`` (``block_size`` each).
+    At most 2**32 tokens: a longer ``input_length`` is refused (InvalidArgumentError) before
+    anything is allocated."""
 
 def chain_block_ids(chains: npt.NDArray[np.uint64], counts: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """Block ids ``mix64(chain + j * golden) & (2**63 - 1)`` for ``j = 1..count`` of every run."""
+    """Block ids ``mix64(chain + j * golden) & (2**63 - 1)`` for ``j = 1..count`` of every run.
+    Counts summing past 2**32 (or past 64 bits) are refused (InvalidArgumentError) before
+    anything is allocated; the ids are made with the GIL released."""
 
 def mix_fold(h: int, parts: Sequence[int]) -> int:
     """``h`` folded with every part: ``h = mix64(h ^ part)`` (uint64 parts)."""
@@ -95,7 +101,8 @@ def first_bad_token(tokens: list[int] | tuple[int, ...]) -> int:
     """Index of the first item that is not an exact int in 0..2**32-1 (bools are not), or -1."""
 
 def pack_tokens(tokens: list[int] | tuple[int, ...]) -> bytes:
-    """Token ids as little-endian u32 bytes."""
+    """Token ids as little-endian u32 bytes. A bool is not a token id (TypeError), as for
+    ``token_array`` and ``first_bad_token``."""
 
 def shard_of(key: int, shards: int) -> int:
     """The shard that owns ``key`` (``key % shards``)."""
@@ -155,7 +162,9 @@ def cost_prefill_ms(cost: _CostArgs, uncached: int) -> float:
     """``kvcompass.engine.costs.CostModel.prefill_ms`` (the cost forms live here, once)."""
 def cost_reload_ms(cost: _CostArgs, dram: int) -> float: ...
 def cost_decode_step_ms(cost: _CostArgs, batch: int, context: int) -> float: ...
-def cost_estimate_ms(cost: _CostArgs, length: int, vram_hit: int, dram_hit: int, batch: int, context: int, max_batched_tokens: int, chunked: bool) -> float: ...
+def cost_estimate_ms(cost: _CostArgs, length: int, vram_hit: int, dram_hit: int, batch: int, context: int, max_batched_tokens: int, chunked: bool) -> float:
+    """A waiting prompt's prefill estimate; hits past the prompt (their sum saturating, never
+    wrapping) leave nothing to compute."""
 def cost_chunk_step(cost: _CostArgs, left: int, extra_ms: float, batch: int, context: int, max_batched_tokens: int) -> tuple[int, float, float]: ...
 def cost_saturated_ms(cost: _CostArgs, inputs: npt.NDArray[np.uint64], outputs: npt.NDArray[np.uint64], max_batched_tokens: int) -> tuple[float, float, float]:
     """``(prefill_ms, mixed_decode_ms, batched_decode_ms)`` a saturated worker spends per request
@@ -184,7 +193,10 @@ class AgentForest:
         hashes: Sequence[int | bytes] | npt.NDArray[np.uint64],
         extra: list[bool] | None,
         salt_root: bytes | None,
-    ) -> None: ...
+    ) -> None:
+        """One BlockStored. ``block_size`` must be in 1..65535 (ValueError otherwise); a forest
+        tells at most 65,536 media apart, and a new medium past them is refused
+        (InvalidArgumentError), nothing changed."""
     def copied(self, group: int, medium: str, hashes: Sequence[int | bytes] | npt.NDArray[np.uint64]) -> int:
         """Blocks named by hash alone copied to ``medium`` (a token-less, parent-less store, as
         vLLM's offloading connector reports): each held block gains the medium; returns how many
@@ -196,7 +208,10 @@ class AgentForest:
         the namespace digest salt number ``s`` keys under (None: not served)."""
     def clear(self) -> None: ...
     def forget_changes(self) -> None: ...
-    def flush(self, shards: int, reset: list[int]) -> list[tuple[int, npt.NDArray[np.uint64], npt.NDArray[np.uint8]]]: ...
+    def flush(self, shards: int, reset: list[int]) -> list[tuple[int, npt.NDArray[np.uint64], npt.NDArray[np.uint8]]]:
+        """``(shard, keys, tiers)`` of the key ops since the last flush, and every held key of
+        the ``reset`` shards. ``shards`` must be >= 1 and every reset shard below it
+        (InvalidArgumentError, nothing changed)."""
     def held(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint8]]: ...
     def digest(self) -> bytes: ...
     def __len__(self) -> int: ...
@@ -254,7 +269,9 @@ class SimEngine:
     def set_least_loaded(self, pools: list[list[int]], per_region: bool) -> None: ...
     def set_salts(self, h64: list[int], repr: list[str]) -> None: ...
     def set_consistent_hash(self, levels: list[int], rings: list[tuple[npt.NDArray[np.uint64], list[int]]]) -> None: ...
-    def set_chord(self, levels: list[int], ids: list[int], nodes: list[int], regions: list[int], fingers: list[list[int]], entry: list[int | None]) -> None: ...
+    def set_chord(self, levels: list[int], ids: list[int], nodes: list[int], regions: list[int], fingers: list[list[int]], entry: list[int | None]) -> None:
+        """Chord: nodes sorted by id, their workers, regions and fingers, and ``entry``: one
+        entry node (or None: the nearest) per region of the topology."""
     def set_oblivious(self, pool: list[int], round_robin: bool) -> None: ...
     def set_central_directory(self, workers: list[int], beta: list[float], seeds: list[int], coordinator: int, wan_fraction: float, lambda_max: float, tau_ms: float, gamma: float, tie_ms: float) -> None: ...
     def chord_lookup(self, origin: int, key: int) -> tuple[int, int, float]: ...
@@ -269,7 +286,9 @@ class SimEngine:
         """Closed loop (before ``start``): ``outstanding`` requests in flight; each completion issues the next."""
     def issued(self) -> npt.NDArray[np.float64]:
         """When each request reached its edge (ms); empty before ``start``."""
-    def transfer_ms(self, tokens: int) -> float: ...
+    def transfer_ms(self, tokens: int) -> float:
+        """Moving the KV of ``tokens`` between workers (ms); never smaller for more tokens (the
+        bits are counted in 128 bits)."""
     def reserve_key(self) -> tuple[int, int]: ...
     def current(self) -> tuple[float, int, int]: ...
     def at(self, t: float, f: Callable[[], object]) -> None:
@@ -282,7 +301,9 @@ class SimEngine:
     def pending(self, worker: int) -> int:
         """Requests routed to the worker whose prefill has not ended."""
     def cached(self, worker: int, tokens: npt.NDArray[np.uint32], salt_seed: int) -> tuple[int, int]: ...
-    def way(self, a: int, b: int) -> float: ...
+    def way(self, a: int, b: int) -> float:
+        """One WAN traversal (ms) from region ``a`` to ``b``, jittered when the run asks;
+        InvalidArgumentError (and no draw) unless both are regions of the topology."""
     def rng_integers(self, n: int) -> int: ...
     def rng_random(self) -> float: ...
     def fault_random(self) -> float: ...
@@ -352,7 +373,8 @@ class LudoTable:
     ) -> LudoTable:
         """Bulk build (later duplicates win); emits no patches: views start from ``export_snapshot``."""
     def insert(self, key: int, value: int) -> str:
-        """Insert a new key; returns "bucket" or "fallback". Raises if the key exists."""
+        """Insert a new key; returns "bucket" or "fallback". Raises if the key exists. The
+        GIL is released (a write may rebuild the table), as for every write below."""
     def update(self, key: int, value: int) -> None:
         """Change an existing key's value (KeyNotFoundError if absent); 0 removes it."""
     def set(self, key: int, value: int) -> str:
@@ -383,7 +405,8 @@ class LudoTable:
         """One agent batch as a maintenance unit takes it: ``(bad, at, ops, cleared)``; ``bad`` 0
         when good (written if ``apply``), 1 (``keys[at]`` not 63-bit), 2 (another shard's), 3
         (``tiers[at]`` above 2), 4 (the writes would grow the table to ``at`` keys, past
-        ``max_capacity``; nothing written)."""
+        ``max_capacity``; nothing written). ``owned`` must be sorted ascending and ``shard``
+        below ``shards`` (ValueError otherwise). The writes run with the GIL released."""
     def take_batch(self) -> bytes | None:
         """Close pending edits into the next batch; None when nothing changed."""
     def export_snapshot(self) -> bytes:
@@ -391,7 +414,7 @@ class LudoTable:
     def start_epoch(self, epoch: int) -> None:
         """Begin a new epoch (restarted writer); seq restarts at 0."""
     def rebuild(self, capacity: int | None = None) -> None:
-        """Rebuild now with a new seed; the next batch carries a snapshot."""
+        """Rebuild now with a new seed (the GIL released); the next batch carries a snapshot."""
     def view_lookup(self, key: int) -> int:
         """Keyless lookup through the mirror view (what an edge would answer)."""
     def view_state(self) -> bytes:
@@ -514,7 +537,14 @@ _Commit = tuple[int, int, int, int, float, tuple[float, float, float, float, flo
 @final
 class EdgeCore:
     """An edge's per-request steps around its router: expiries, the capacity price, the route, the
-    tie draw and the commit's side effects (``kvcompass.discovery.edge.Edge`` uses it)."""
+    tie draw and the commit's side effects (``kvcompass.discovery.edge.Edge`` uses it).
+
+    The constructor refuses (ValueError) ``lambda_max``, ``gamma``, ``tie_ms`` or
+    ``speculative_ttl_s`` not finite and >= 0 and ``tau_ms`` not finite and > 0, and
+    (InvalidFieldError) a worker field past ``value_bits / 2``; it checks every speculative
+    view before it changes any. ``now`` must be finite (ValueError) in ``score``, ``commit``,
+    ``route`` and ``expire``; a refused commit changes neither the charges nor the
+    speculative entries."""
 
     def __new__(
         cls,
@@ -557,7 +587,10 @@ class QueueEstimates:
     """Per-worker queue estimates (ms), ages, idle clocks and open dispatch charges
     (``kvcompass.discovery.queues`` documents the rules)."""
 
-    def __new__(cls, n_workers: int, weight: float, idle_threshold_ms: float, charge_ttl_s: float = 2.0) -> QueueEstimates: ...
+    def __new__(cls, n_workers: int, weight: float, idle_threshold_ms: float, charge_ttl_s: float = 2.0) -> QueueEstimates:
+        """At most 2**24 workers (ValueError past them, before anything is allocated). Every
+        method that changes the estimates refuses (ValueError, nothing changed) a ``now`` that
+        is not finite and a NaN ``settled_before`` or lag."""
     @property
     def values(self) -> npt.NDArray[np.float64]: ...
     def minimum(self) -> float:
@@ -580,7 +613,8 @@ class QueueEstimates:
     def idle_for(self, index: int, now: float) -> float: ...
     def persistently_idle(self, index: int, now: float, window_s: float) -> bool: ...
     def idle_among(self, indices: npt.NDArray[np.int64], now: float, window_s: float) -> list[int]: ...
-    def vector(self, indices: Sequence[int], ids: Sequence[str]) -> dict[str, float]: ...
+    def vector(self, indices: Sequence[int], ids: Sequence[str]) -> dict[str, float]:
+        """``{ids[j]: estimate of indices[j]}``; ValueError when the two differ in length."""
 
 @final
 class Router:
@@ -608,7 +642,8 @@ class Router:
     ) -> RouteResult:
         """score(w) = wan + tq + (1+lam)*beta*(L - b*m) + gamma*b*m*[tier == DRAM]; argmin wins.
         ``only_region``: read that region's plan and tables only; every other worker scores inf.
-        ``tie_ms``: also list the workers within ``tie_ms`` of the best (``RouteResult.near``)."""
+        ``tie_ms``: also list the workers within ``tie_ms`` of the best (``RouteResult.near``);
+        finite and >= 0 (InvalidArgumentError otherwise)."""
     @property
     def n_tables(self) -> int: ...
     @property
@@ -644,7 +679,8 @@ def bench_route_ns(
     unless ``memo`` (repeats then come through the process's prefix memo)."""
 
 def bench_sha256_ns(tokens: npt.NDArray[np.uint32], n: int) -> npt.NDArray[np.float64]:
-    """Per-call ns of a plain SHA-256 of the tokens' bytes."""
+    """Per-call ns of a plain SHA-256 of the tokens' bytes (``n`` at most 2**32, as for every
+    probe's sample count: InvalidArgumentError past it)."""
 
 def bench_timer_ns(n: int = 100000) -> float:
     """Median ns of an empty timer pair: what each per-op sample of the probes above carries."""

@@ -29,6 +29,7 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::block_table::BlockTable;
 use crate::chunk_hash::Midstate;
+use crate::error::{CoreError, Result};
 use crate::token_ids::mix64;
 
 /// An engine block hash: an unsigned 64-bit int or bytes (the decoder normalises both). Bytes
@@ -446,15 +447,16 @@ impl Forest {
         }
     }
 
-    /// The id of a (normalised) medium name.
-    pub fn medium(&mut self, name: &str) -> u16 {
+    /// The id of a (normalised) medium name. Ids are 16-bit: a forest tells at most 65,536
+    /// media apart, and a new name past them is refused (its id wrapped to the first medium's).
+    pub fn medium(&mut self, name: &str) -> Result<u16> {
         if let Some(&m) = self.medium_ids.get(name) {
-            return m;
+            return Ok(m);
         }
-        let m = self.media.len() as u16;
+        let m = u16::try_from(self.media.len()).map_err(|_| CoreError::InvalidArgument(format!("medium {name:?}: a forest tells at most {} media apart", u32::from(u16::MAX) + 1)))?;
         self.media.push((name.to_string(), medium_tier(name)));
         self.medium_ids.insert(name.to_string(), m);
-        m
+        Ok(m)
     }
 
     pub fn len(&self) -> usize {
@@ -779,8 +781,15 @@ impl Forest {
 
     /// The key ops since the last flush, per shard: keys whose tier changed (net), and for
     /// the shards in `reset` every key held there. `(shard, keys, tiers)` sorted by shard, ops
-    /// sorted by key.
-    pub fn flush(&mut self, shards: u32, reset: &[u32]) -> Vec<(u32, Vec<u64>, Vec<u8>)> {
+    /// sorted by key. `shards` must be at least 1 and every reset shard below it (refused
+    /// before anything changes).
+    pub fn flush(&mut self, shards: u32, reset: &[u32]) -> Result<Vec<(u32, Vec<u64>, Vec<u8>)>> {
+        if shards == 0 {
+            return Err(CoreError::InvalidArgument("flush: shards must be >= 1".into()));
+        }
+        if let Some(&s) = reset.iter().find(|&&s| s >= shards) {
+            return Err(CoreError::InvalidArgument(format!("flush: reset shard {s} is not one of the {shards} shards")));
+        }
         let mut changed: std::collections::BTreeMap<u32, Vec<(u64, u8)>> = std::collections::BTreeMap::new();
         for (&key, &old) in &self.step_old {
             let new = self.counts.get(&key).map_or(0, tier_of);
@@ -801,13 +810,13 @@ impl Forest {
                 }
             }
         }
-        changed
+        Ok(changed
             .into_iter()
             .map(|(s, mut ops)| {
                 ops.sort_unstable();
                 (s, ops.iter().map(|o| o.0).collect(), ops.iter().map(|o| o.1).collect())
             })
-            .collect()
+            .collect())
     }
 
     fn own_of(&self, media: impl Iterator<Item = u16>) -> u8 {
@@ -867,8 +876,8 @@ impl Forest {
     /// hash it does not hold, or holds more than once (content hashes), cannot be placed
     /// without tokens and is left out, never guessed (under-claiming is the safe side).
     /// Returns how many were left out.
-    pub fn copied(&mut self, group: u32, medium: &str, hashes: &[BHash]) -> u64 {
-        let m = self.medium(medium);
+    pub fn copied(&mut self, group: u32, medium: &str, hashes: &[BHash]) -> Result<u64> {
+        let m = self.medium(medium)?;
         let mut left_out = 0;
         for h in hashes {
             let found = self.carrying(group, h);
@@ -884,13 +893,17 @@ impl Forest {
                 self.set_own(bid);
             }
         }
-        left_out
+        Ok(left_out)
     }
 
-    /// A BlockStored event.
-    pub fn stored(&mut self, e: &Stored<'_>) {
+    /// A BlockStored event. A block size of 0 (or past [`MAX_FIELD`], as a group) and a medium
+    /// past the 65,536 a forest tells apart are refused before anything changes.
+    pub fn stored(&mut self, e: &Stored<'_>) -> Result<()> {
+        if e.block_size == 0 || e.block_size > MAX_FIELD || e.group > MAX_FIELD {
+            return Err(CoreError::InvalidArgument(format!("group {} / block size {}: a block forest keeps each below {} (and a block size of at least 1)", e.group, e.block_size, MAX_FIELD + 1)));
+        }
         let group = e.group;
-        let medium = self.medium(e.medium);
+        let medium = self.medium(e.medium)?;
         let n = e.block_size;
         let (mut parent, mut wait) = self.parent_of(group, e.parent.as_ref(), e.hashes.first());
         let own_new = self.own_of(std::iter::once(medium));
@@ -910,7 +923,7 @@ impl Forest {
                 let x = self.blocks.get_mut(&bid).expect("a known block");
                 if u32::from(x.size) != n {
                     self.stats.conflicts += 1;
-                    return; // the rest of the event hangs off a block we cannot place
+                    return Ok(()); // the rest of the event hangs off a block we cannot place
                 }
                 x.set_touched(tick);
                 if !self.has_medium(bid, medium) {
@@ -925,7 +938,7 @@ impl Forest {
             if wait.is_some() && self.carries(group, h) {
                 // A known hash under a parent never seen: see the module notes.
                 self.stats.conflicts += 1;
-                return;
+                return Ok(());
             }
             let bid = self.blocks.vacant();
             let mut root: Option<Midstate> = None;
@@ -1031,6 +1044,7 @@ impl Forest {
             parent = Some(bid);
             wait = None;
         }
+        Ok(())
     }
 
     /// Key block `bid` (its parent is keyed, or it starts the prompt) from its tokens.

@@ -278,11 +278,17 @@ impl BlockCache {
     /// cache nobody reads events of may drop them (most of a block's bytes); asking such a
     /// cache for events is then an error.
     pub fn set_keep_tokens(&mut self, keep: bool) -> Result<()> {
-        if self.blocks != 0 && keep != self.keep_tokens {
+        if !self.can_keep_tokens(keep) {
             return Err(CoreError::InvalidArgument("keep_tokens can change only while the cache is empty".into()));
         }
         self.keep_tokens = keep;
         Ok(())
+    }
+
+    /// Whether [`Self::set_keep_tokens`]`(keep)` would succeed: the cache is empty, or keeps
+    /// tokens already as asked.
+    pub fn can_keep_tokens(&self, keep: bool) -> bool {
+        self.blocks == 0 || keep == self.keep_tokens
     }
 
     /// Events whose stored blocks carry no tokens (on), from a cache that keeps none, for a

@@ -7,7 +7,7 @@
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 use sha2::{Digest, Sha256};
 
-use crate::error::{CoreError, Result};
+use crate::error::{element_count, vec_with_capacity, CoreError, Result};
 
 /// Marks "no key" (a length beyond the prompt). Keys are 63-bit, so this never collides.
 pub const NO_KEY: u64 = u64::MAX;
@@ -110,13 +110,16 @@ pub fn prefix_keys(ns: &[u8; 32], tokens: &[u32], lengths: &[u32]) -> Result<Vec
 }
 
 /// Batch form: prompt `i` is `tokens[offsets[i]..offsets[i+1]]`. Returns a row-major
-/// `(prompts, lengths)` matrix of keys.
+/// `(prompts, lengths)` matrix of keys: at most [`MAX_ELEMENTS`](crate::error::MAX_ELEMENTS) of them (refused before
+/// anything is allocated).
 pub fn prefix_keys_batch(ns: &[u8; 32], tokens: &[u32], offsets: &[u64], lengths: &[u32]) -> Result<Vec<u64>> {
     if offsets.is_empty() {
         return Err(CoreError::InvalidArgument("offsets must hold at least one element".into()));
     }
     let n = offsets.len() - 1;
-    let mut out = vec![0u64; n * lengths.len()];
+    let cells = element_count("prefix keys (prompts x lengths)", (n as u64).checked_mul(lengths.len() as u64))?;
+    let mut out: Vec<u64> = vec_with_capacity("prefix keys", cells)?;
+    out.resize(cells, 0);
     for i in 0..n {
         let (a, b) = (offsets[i], offsets[i + 1]);
         if a > b || b > tokens.len() as u64 {
@@ -360,6 +363,10 @@ mod tests {
         assert!(prefix_keys_batch(&ns, &tokens, &[0, 60], &lengths).is_err());
         assert!(prefix_keys_batch(&ns, &tokens, &[5, 2], &lengths).is_err());
         assert!(prefix_keys(&ns, &tokens, &[0]).is_err());
+        // A matrix past MAX_ELEMENTS keys is refused before it is allocated.
+        let many_offsets = vec![0u64; 1 << 17];
+        let many_lengths = vec![1u32; 1 << 16];
+        assert!(matches!(prefix_keys_batch(&ns, &tokens, &many_offsets, &many_lengths), Err(CoreError::InvalidArgument(_))));
     }
 }
 

@@ -44,6 +44,48 @@ pub enum CoreError {
     /// An argument outside its documented range (geometry, lengths, shapes).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The allocator refused an output within [`MAX_ELEMENTS`] (the host has too little memory).
+    #[error("out of memory: cannot allocate {bytes} bytes for {what}")]
+    OutOfMemory { what: &'static str, bytes: u64 },
 }
 
 pub type Result<T> = std::result::Result<T, CoreError>;
+
+/// The most elements a single call builds one output array of (2^32): synthetic block ids,
+/// expanded tokens, a batch's prefix keys, a benchmark's samples. A count past it, or one whose
+/// arithmetic overflows, is refused ([`CoreError::InvalidArgument`]) before anything is
+/// allocated: such a request is a caller's bug, and allocating it aborted the process.
+pub const MAX_ELEMENTS: u64 = 1 << 32;
+
+/// `n` (None: its computation overflowed) as a count of `what` one call may allocate: at most
+/// [`MAX_ELEMENTS`].
+pub fn element_count(what: &str, n: Option<u64>) -> Result<usize> {
+    match n {
+        Some(n) if n <= MAX_ELEMENTS => usize::try_from(n).map_err(|_| CoreError::InvalidArgument(format!("{what}: {n} elements do not fit this platform"))),
+        Some(n) => Err(CoreError::InvalidArgument(format!("{what}: {n} elements, more than one call builds (at most {MAX_ELEMENTS})"))),
+        None => Err(CoreError::InvalidArgument(format!("{what}: the element count overflows 64 bits (at most {MAX_ELEMENTS})"))),
+    }
+}
+
+/// An empty vector with room for exactly `n` elements (a count checked by [`element_count`]),
+/// or [`CoreError::OutOfMemory`] when the allocator refuses, instead of aborting the process.
+pub fn vec_with_capacity<T>(what: &'static str, n: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| CoreError::OutOfMemory { what, bytes: (n as u64).saturating_mul(std::mem::size_of::<T>() as u64) })?;
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn element_counts_are_capped() {
+        assert_eq!(element_count("x", Some(5)), Ok(5));
+        assert_eq!(element_count("x", Some(MAX_ELEMENTS)), Ok(MAX_ELEMENTS as usize));
+        assert!(matches!(element_count("x", Some(MAX_ELEMENTS + 1)), Err(CoreError::InvalidArgument(_))));
+        assert!(matches!(element_count("x", None), Err(CoreError::InvalidArgument(_))));
+        assert_eq!(vec_with_capacity::<u64>("x", 10).unwrap().capacity(), 10);
+        assert!(matches!(vec_with_capacity::<u64>("x", usize::MAX / 2), Err(CoreError::OutOfMemory { .. })));
+    }
+}

@@ -32,13 +32,20 @@ pub fn first_bad(keys: &[u64], tiers: &[u8], shard: u64, shards: u64) -> Option<
     tiers.iter().position(|&t| t > MAX_TIER).map(BadOp::Tier)
 }
 
+/// The first position of `xs` that is smaller than the one before it (None: sorted ascending).
+pub fn first_unsorted(xs: &[u64]) -> Option<usize> {
+    xs.windows(2).position(|w| w[1] < w[0]).map(|i| i + 1)
+}
+
 /// One op per key (the last sent wins), removals first, each group in key order; and how many
-/// of the removals clear a key in `owned` (sorted).
+/// of the removals clear a key in `owned`, which must be sorted ascending (it is searched by
+/// bisection; callers check it with [`first_unsorted`]).
 pub fn coalesce(keys: &[u64], tiers: &[u8], owned: &[u64]) -> (Vec<u64>, Vec<u8>, usize) {
     let mut idx: Vec<usize> = (0..keys.len()).collect();
     // By key, the latest op of a key first; then keep the first of each key.
     idx.sort_unstable_by(|&a, &b| keys[a].cmp(&keys[b]).then(b.cmp(&a)));
     idx.dedup_by(|b, a| keys[*a] == keys[*b]);
+    debug_assert_eq!(first_unsorted(owned), None, "owned must be sorted");
     let (mut out_k, mut out_t) = (Vec::with_capacity(idx.len()), Vec::with_capacity(idx.len()));
     let mut cleared = 0;
     for &i in idx.iter().filter(|&&i| tiers[i] == 0) {
@@ -72,5 +79,13 @@ mod tests {
         assert_eq!(first_bad(&[4, 5], &[9, 0], 0, 4), Some(BadOp::Shard(1)));
         assert_eq!(first_bad(&[4, 8], &[1, 3], 0, 4), Some(BadOp::Tier(1)));
         assert_eq!(first_bad(&[4, 8], &[1, 2], 0, 4), None);
+    }
+
+    #[test]
+    fn unsorted_owned_keys_are_found() {
+        assert_eq!(first_unsorted(&[]), None);
+        assert_eq!(first_unsorted(&[4, 4, 8]), None);
+        assert_eq!(first_unsorted(&[8, 4]), Some(1));
+        assert_eq!(first_unsorted(&[1, 5, 3, 9]), Some(2));
     }
 }

@@ -69,6 +69,11 @@ pub struct QueueState {
     pub version: u64,
 }
 
+/// The most workers one set of estimates covers (2^24: a fleet is thousands). More is a
+/// caller's bug, refused before the per-worker arrays are allocated (2^40 of them aborted the
+/// process).
+pub const MAX_WORKERS: usize = 1 << 24;
+
 /// A queue report the estimates refuse.
 #[derive(Debug, Clone, PartialEq)]
 pub enum QueueError {
@@ -76,6 +81,18 @@ pub enum QueueError {
     Sample(usize, f64),
     /// A worker index out of range, or repeated within one vector.
     Index(i64),
+    /// A time (s) that is not finite, or a settle time that is NaN: which argument, its value.
+    Time(&'static str, f64),
+}
+
+/// `now` as a time the estimates may be changed at: finite (a NaN `now` closed charges without
+/// settling them, an infinite one every charge at once).
+pub fn check_now(now: f64) -> Result<(), QueueError> {
+    if now.is_finite() {
+        Ok(())
+    } else {
+        Err(QueueError::Time("now", now))
+    }
 }
 
 impl QueueState {
@@ -132,13 +149,14 @@ impl QueueState {
         Ok(ix)
     }
 
-    /// This edge just sent `work_ms` of prefill to worker `i` at `now`.
+    /// This edge just sent `work_ms` of prefill to worker `i` at `now` (finite: checked, with
+    /// the work, before anything changes).
     pub fn charge(&mut self, i: i64, work_ms: f64, now: f64) -> Result<(), QueueError> {
         let u = self.index(i)?;
         if first_bad_sample(&[work_ms]).is_some() {
             return Err(QueueError::Sample(0, work_ms));
         }
-        self.expire(now);
+        self.expire(now)?;
         if work_ms > 0.0 {
             self.charges[u].push_back((now, work_ms));
             self.order.push_back((now, u));
@@ -154,8 +172,10 @@ impl QueueState {
         Ok(())
     }
 
-    /// Close every charge older than the TTL.
-    pub fn expire(&mut self, now: f64) {
+    /// Close every charge older than the TTL; a `now` that is not finite is refused and
+    /// changes nothing.
+    pub fn expire(&mut self, now: f64) -> Result<(), QueueError> {
+        check_now(now)?;
         let before = now - self.ttl;
         while let Some(&(t, u)) = self.order.front() {
             if t > before {
@@ -164,6 +184,7 @@ impl QueueState {
             self.order.pop_front();
             self.settle(u, before);
         }
+        Ok(())
     }
 
     /// Close worker `u`'s charges made at or before `before`.
@@ -252,11 +273,24 @@ mod tests {
         let ix = q.check(&[0], &[5.0]).unwrap();
         q.fold_checked(&ix, &[5.0], 1.6, 1.0, Before::At(&[1.2]));
         assert_eq!((q.obs[0], q.pend[0], q.tq[0]), (5.0, 10.0, 15.0));
-        q.expire(3.6); // the second one runs out at 1.5 + 2
+        q.expire(3.6).unwrap(); // the second one runs out at 1.5 + 2
         assert_eq!((q.pend[0], q.tq[0]), (0.0, 5.0));
         assert!(!q.has_open_charges());
         assert_eq!(q.charge(5, 1.0, 0.0), Err(QueueError::Index(5)));
         assert_eq!(q.charge(0, -1.0, 0.0), Err(QueueError::Sample(0, -1.0)));
         assert_eq!(q.check(&[1, 1], &[0.0, 0.0]), Err(QueueError::Index(1)));
+    }
+
+    #[test]
+    fn a_time_that_is_not_finite_changes_nothing() {
+        let mut q = QueueState::new(2, 0.5, 1.0, 2.0);
+        q.charge(1, 10.0, 1.0).unwrap();
+        let v = q.version;
+        assert!(matches!(q.charge(0, 5.0, f64::NAN), Err(QueueError::Time(..))));
+        assert!(matches!(q.expire(f64::NAN), Err(QueueError::Time(..))));
+        assert!(matches!(q.expire(f64::INFINITY), Err(QueueError::Time(..))));
+        assert_eq!((q.pend[1], q.version), (10.0, v));
+        q.expire(1e6).unwrap();
+        assert_eq!(q.pend[1], 0.0);
     }
 }

@@ -10,6 +10,8 @@
 pub const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
 use std::mem::MaybeUninit;
 
+use crate::error::{element_count, vec_with_capacity, Result};
+
 const C1: u64 = 0xBF58_476D_1CE4_E5B9;
 const C2: u64 = 0x94D0_49BB_1331_11EB;
 /// Mixed into a block id before it seeds that block's tokens ("kvc" "token").
@@ -29,12 +31,29 @@ pub fn mix64(x: u64) -> u64 {
 }
 
 /// The first `input_length` token ids of the blocks `ids` (`block_size` tokens each). The
-/// caller checks that the ids cover the length.
+/// caller checks that the ids cover the length (the engine checks every request's length
+/// against [`MAX_ELEMENTS`](crate::error::MAX_ELEMENTS) when it is built; [`try_expand_blocks`] checks it per call).
 pub fn expand_blocks(ids: &[u64], input_length: usize, block_size: usize) -> Vec<u32> {
     let n = input_length.min(ids.len().saturating_mul(block_size));
+    let mut out: Vec<u32> = Vec::with_capacity(n);
+    fill_blocks(ids, block_size, n, &mut out);
+    out
+}
+
+/// [`expand_blocks`] for a caller's arguments: a length past [`MAX_ELEMENTS`](crate::error::MAX_ELEMENTS) tokens is refused
+/// and a refused allocation is an error, before anything is allocated or written.
+pub fn try_expand_blocks(ids: &[u64], input_length: usize, block_size: usize) -> Result<Vec<u32>> {
+    let n = element_count("tokens", Some(input_length.min(ids.len().saturating_mul(block_size)) as u64))?;
+    let mut out: Vec<u32> = vec_with_capacity("tokens", n)?;
+    fill_blocks(ids, block_size, n, &mut out);
+    Ok(out)
+}
+
+/// Write the first `n` tokens of the blocks `ids` into `out` (empty, with room for `n`).
+fn fill_blocks(ids: &[u64], block_size: usize, n: usize, out: &mut Vec<u32>) {
+    debug_assert!(out.is_empty() && out.capacity() >= n);
     // Written in place, not zeroed first: `vec![0; n]` was a calloc and a memset of every
     // prompt's tokens before the loop below wrote each of them again.
-    let mut out: Vec<u32> = Vec::with_capacity(n);
     let spare = &mut out.spare_capacity_mut()[..n];
     // A Mixed prompt is ~5,000 tokens, each three 64-bit multiplies: a quarter of a baseline
     // scheme's run. The loop vectorises, and with AVX-512 (native 64-bit lane multiplies) or
@@ -59,7 +78,6 @@ pub fn expand_blocks(ids: &[u64], input_length: usize, block_size: usize) -> Vec
     }
     // SAFETY: expand_into wrote every one of the n elements.
     unsafe { out.set_len(n) };
-    out
 }
 
 /// # Safety
@@ -112,20 +130,29 @@ fn expand_into(ids: &[u64], block_size: usize, out: &mut [MaybeUninit<u32>]) {
     }
 }
 
+/// How many block ids the runs `counts` make: their sum, None when it overflows 64 bits.
+pub fn run_total(counts: &[u64]) -> Option<u64> {
+    counts.iter().try_fold(0u64, |s, &n| s.checked_add(n))
+}
+
 /// The block ids of runs `(chain, count)`: `mix64(chain + j * GOLDEN) & MAX_ID` for `j = 1..=count`.
-pub fn chain_block_ids(chains: &[u64], counts: &[u64]) -> Vec<u64> {
-    let mut out = Vec::with_capacity(counts.iter().sum::<u64>() as usize);
+/// Counts summing past [`MAX_ELEMENTS`](crate::error::MAX_ELEMENTS) (or past 64 bits) are refused before anything is
+/// allocated.
+pub fn chain_block_ids(chains: &[u64], counts: &[u64]) -> Result<Vec<u64>> {
+    let total = element_count("block ids", run_total(counts))?;
+    let mut out = vec_with_capacity("block ids", total)?;
     for (&c, &n) in chains.iter().zip(counts) {
         for j in 1..=n {
             out.push(mix64(c.wrapping_add(j.wrapping_mul(GOLDEN))) & MAX_ID);
         }
     }
-    out
+    Ok(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::MAX_ELEMENTS;
 
     #[test]
     fn known_answers() {
@@ -179,7 +206,19 @@ mod tests {
 
     #[test]
     fn runs_expand_in_order() {
-        let ids = chain_block_ids(&[5, 9], &[2, 1]);
+        let ids = chain_block_ids(&[5, 9], &[2, 1]).unwrap();
         assert_eq!(ids, vec![mix64(5 + GOLDEN) & MAX_ID, mix64(5u64.wrapping_add(2u64.wrapping_mul(GOLDEN))) & MAX_ID, mix64(9 + GOLDEN) & MAX_ID]);
+    }
+
+    #[test]
+    fn oversized_outputs_are_refused_before_allocating() {
+        // A sum that wraps to 0 (it once spun through 2^64 iterations), one past the cap, one
+        // whose byte size overflows.
+        assert!(chain_block_ids(&[1, 2], &[1 << 63, 1 << 63]).is_err());
+        assert!(chain_block_ids(&[1], &[MAX_ELEMENTS + 1]).is_err());
+        assert!(chain_block_ids(&[1], &[1 << 62]).is_err());
+        assert!(try_expand_blocks(&[1], 1 << 40, 1 << 40).is_err());
+        assert_eq!(try_expand_blocks(&[0, 1], 5, 4).unwrap(), expand_blocks(&[0, 1], 5, 4));
+        assert_eq!(run_total(&[u64::MAX, 1]), None);
     }
 }

@@ -580,19 +580,8 @@ impl LudoView {
         if h.table != self.table || h.shard != self.shard {
             return Err(CoreError::WrongTable { table: self.table, shard: self.shard, got_table: h.table, got_shard: h.shard });
         }
-        if let Some(Op::Snapshot { state }) = batch.ops.first() {
-            if self.geo.is_some() && (h.epoch, h.seq) < (self.epoch, self.seq) {
-                return Err(CoreError::StalePatch { epoch: self.epoch, seq: self.seq, got_epoch: h.epoch, got_seq: h.seq });
-            }
-            let mut fresh = LudoView::from_state(self.table, self.shard, state)?;
-            let g = fresh.geo.ok_or(CoreError::Uninitialised)?;
-            fresh.validate_ops(&g, &batch.ops[1..])?;
-            for op in &batch.ops[1..] {
-                fresh.apply_op(op);
-            }
-            fresh.epoch = h.epoch;
-            fresh.seq = h.seq;
-            *self = fresh;
+        if let Some(Op::Snapshot { .. }) = batch.ops.first() {
+            *self = self.with_snapshot(batch)?;
             return Ok(Applied { epoch: h.epoch, seq: h.seq, ops: h.n_ops, snapshot: true });
         }
         let g = *self.geo_or_err()?;
@@ -611,6 +600,31 @@ impl LudoView {
         }
         self.seq = h.seq;
         Ok(Applied { epoch: h.epoch, seq: h.seq, ops: h.n_ops, snapshot: false })
+    }
+
+    /// The view that applying the snapshot batch `batch` would leave, with every check
+    /// [`Self::apply_decoded`] makes of it, and this view unchanged: for a caller that must
+    /// check several views before it changes any.
+    pub fn with_snapshot(&self, batch: &Batch) -> Result<LudoView> {
+        let h = &batch.header;
+        if h.table != self.table || h.shard != self.shard {
+            return Err(CoreError::WrongTable { table: self.table, shard: self.shard, got_table: h.table, got_shard: h.shard });
+        }
+        let Some(Op::Snapshot { state }) = batch.ops.first() else {
+            return Err(CoreError::MalformedPatch("expected a snapshot batch".into()));
+        };
+        if self.geo.is_some() && (h.epoch, h.seq) < (self.epoch, self.seq) {
+            return Err(CoreError::StalePatch { epoch: self.epoch, seq: self.seq, got_epoch: h.epoch, got_seq: h.seq });
+        }
+        let mut fresh = LudoView::from_state(self.table, self.shard, state)?;
+        let g = fresh.geo.ok_or(CoreError::Uninitialised)?;
+        fresh.validate_ops(&g, &batch.ops[1..])?;
+        for op in &batch.ops[1..] {
+            fresh.apply_op(op);
+        }
+        fresh.epoch = h.epoch;
+        fresh.seq = h.seq;
+        Ok(fresh)
     }
 
     // ---- state encoding -------------------------------------------------------------------

@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
 use super::block_cache::PyCacheEvents;
+use super::errors::core_err;
 use crate::agent_forest::{BHash, Forest, Removal, Stored, MAX_FIELD};
 use crate::block_cache::{Event, DRAM, VRAM};
 
@@ -74,8 +75,7 @@ impl PyForest {
             return Err(PyValueError::new_err(format!("tokens: {n_bytes} bytes for {} blocks of {block_size} tokens (4 bytes a token)", hashes.len())));
         }
         if let Ok(b) = tokens.cast::<PyBytes>() {
-            self.inner.stored(&Stored { group, medium, block_size, tokens: b.as_bytes(), lora, parent, hashes, extra, salt_root });
-            return Ok(());
+            return self.inner.stored(&Stored { group, medium, block_size, tokens: b.as_bytes(), lora, parent, hashes, extra, salt_root }).map_err(core_err);
         }
         // A uint32 token array (the simulator hands the emulated engine's array over): read in
         // place when contiguous.
@@ -89,15 +89,14 @@ impl PyForest {
                 &copied
             }
         };
-        self.inner.stored(&Stored { group, medium, block_size, tokens: &le_bytes(toks), lora, parent, hashes, extra, salt_root });
-        Ok(())
+        self.inner.stored(&Stored { group, medium, block_size, tokens: &le_bytes(toks), lora, parent, hashes, extra, salt_root }).map_err(core_err)
     }
 
     /// Blocks named by hash alone copied to `medium` (a token-less, parent-less store); returns
     /// how many could not be placed (see `Forest::copied`).
     fn copied(&mut self, group: u32, medium: &str, hashes: &Bound<'_, PyAny>) -> PyResult<u64> {
         let hashes = bhashes(hashes)?;
-        Ok(self.inner.copied(group, medium, &hashes))
+        self.inner.copied(group, medium, &hashes).map_err(core_err)
     }
 
     /// A run of removal events: `(group, medium, hashes)` each, the hashes of one event (a
@@ -106,7 +105,7 @@ impl PyForest {
         let mut out: Vec<Removal> = Vec::new();
         for item in run.iter() {
             let (group, medium, hashes): (u32, Bound<'_, pyo3::types::PyString>, Bound<'_, PyAny>) = item.extract()?;
-            let m = self.inner.medium(medium.to_str()?);
+            let m = self.inner.medium(medium.to_str()?).map_err(core_err)?;
             out.extend(bhashes(&hashes)?.into_iter().map(|h| (group, m, h)));
         }
         self.inner.removed(out);
@@ -151,7 +150,8 @@ impl PyForest {
                         }
                         (extra, salt_roots.iter().find(|(s, _)| s == salt).and_then(|(_, r)| *r))
                     };
-                    self.inner.stored(&Stored {
+                    self.inner
+                        .stored(&Stored {
                         group: 0,
                         medium: medium_name(*medium),
                         block_size: n,
@@ -161,11 +161,12 @@ impl PyForest {
                         hashes: hashes.iter().map(|&h| BHash::Int(h)).collect(),
                         extra,
                         salt_root,
-                    });
+                    })
+                        .map_err(core_err)?;
                 }
                 Event::Removed { medium, hashes } => {
                     debug_assert!(*medium == VRAM || *medium == DRAM);
-                    let m = self.inner.medium(medium_name(*medium));
+                    let m = self.inner.medium(medium_name(*medium)).map_err(core_err)?;
                     run.extend(hashes.iter().map(|&h| (0, m, BHash::Int(h))));
                 }
             }
@@ -184,10 +185,11 @@ impl PyForest {
         self.inner.forget_changes();
     }
 
-    /// `[(shard, keys, tiers)]`: the key ops since the last flush (see `Forest::flush`).
+    /// `[(shard, keys, tiers)]`: the key ops since the last flush (see `Forest::flush`);
+    /// InvalidArgumentError, and nothing changes, for `shards == 0` or a reset shard not below it.
     #[allow(clippy::type_complexity)]
-    fn flush<'py>(&mut self, py: Python<'py>, shards: u32, reset: Vec<u32>) -> Vec<(u32, Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<u8>>)> {
-        self.inner.flush(shards, &reset).into_iter().map(|(s, k, t)| (s, k.into_pyarray(py), t.into_pyarray(py))).collect()
+    fn flush<'py>(&mut self, py: Python<'py>, shards: u32, reset: Vec<u32>) -> PyResult<Vec<(u32, Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<u8>>)>> {
+        Ok(self.inner.flush(shards, &reset).map_err(core_err)?.into_iter().map(|(s, k, t)| (s, k.into_pyarray(py), t.into_pyarray(py))).collect())
     }
 
     /// `(keys, tiers)` of every key held now.
@@ -229,10 +231,13 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 }
 
 /// A block's KV group and token count fit the forest's 16 bits ([`MAX_FIELD`]; the event
-/// decoder refuses larger ones first).
+/// decoder refuses larger ones first), and a block holds at least one token.
 fn check_fields(group: u32, block_size: u32) -> PyResult<()> {
     if group > MAX_FIELD || block_size > MAX_FIELD {
         return Err(PyValueError::new_err(format!("group {group} / block size {block_size}: a block forest keeps each below {}", MAX_FIELD + 1)));
+    }
+    if block_size == 0 {
+        return Err(PyValueError::new_err("block size 0: a block holds at least one token"));
     }
     Ok(())
 }

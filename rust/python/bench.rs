@@ -16,6 +16,14 @@ use super::index::{PyLudoTable, PyLudoView};
 use super::router::PyRouter;
 use crate::score::{RouteScratch, ScoreParams, WorkerArrays};
 
+/// Room for `n` samples: at most `MAX_ELEMENTS` (2^32), refused (InvalidArgumentError) before
+/// anything is allocated, and MemoryError when the allocator refuses (a huge `n` panicked with
+/// "capacity overflow" or aborted the process).
+fn samples(n: usize) -> PyResult<Vec<f64>> {
+    let n = crate::error::element_count("samples", Some(n as u64)).map_err(core_err)?;
+    crate::error::vec_with_capacity("samples", n).map_err(core_err)
+}
+
 fn check_block(block: usize) -> PyResult<()> {
     if block == 0 {
         return Err(PyValueError::new_err("block must be >= 1"));
@@ -114,9 +122,9 @@ fn bench_route_ns<'py>(py: Python<'py>, router: PyRef<'py, PyRouter>, tokens: &B
     let w = WorkerArrays { region: &region, beta: &beta, wan: &wan, tq: &tq, belief: &belief };
     let params = ScoreParams { gamma, lambda: lam, closure };
     let r = &*router;
+    let mut out = samples(n)?;
     let out = py.detach(|| {
         let mut scratch = if memo { RouteScratch::new() } else { RouteScratch::cold() };
-        let mut out = Vec::with_capacity(n);
         for _ in 0..n {
             let a = Instant::now();
             black_box(r.run(&ns, black_box(&tokens), &w, &params, &mut scratch, None)?);
@@ -132,14 +140,13 @@ fn bench_route_ns<'py>(py: Python<'py>, router: PyRef<'py, PyRouter>, tokens: &B
 fn bench_sha256_ns<'py>(py: Python<'py>, tokens: &Bound<'py, PyAny>, n: usize) -> PyResult<Bound<'py, PyArray1<f64>>> {
     let tokens = u32_vec("tokens", tokens)?;
     let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-    let out = py.detach(|| {
-        (0..n)
-            .map(|_| {
-                let a = Instant::now();
-                black_box(Sha256::digest(black_box(&bytes)));
-                a.elapsed().as_nanos() as f64
-            })
-            .collect::<Vec<f64>>()
+    let mut out = samples(n)?;
+    py.detach(|| {
+        out.extend((0..n).map(|_| {
+            let a = Instant::now();
+            black_box(Sha256::digest(black_box(&bytes)));
+            a.elapsed().as_nanos() as f64
+        }))
     });
     Ok(out.into_pyarray(py))
 }
@@ -163,14 +170,13 @@ fn bench_timer_ns(py: Python<'_>, n: usize) -> PyResult<f64> {
     if n == 0 {
         return Err(PyValueError::new_err("n must be >= 1"));
     }
+    let mut v = samples(n)?;
     Ok(py.detach(|| {
-        let mut v: Vec<f64> = (0..n)
-            .map(|_| {
-                let a = Instant::now();
-                let b = black_box(Instant::now());
-                (b - a).as_nanos() as f64
-            })
-            .collect();
+        v.extend((0..n).map(|_| {
+            let a = Instant::now();
+            let b = black_box(Instant::now());
+            (b - a).as_nanos() as f64
+        }));
         v.sort_by(|a, b| a.total_cmp(b));
         v[n / 2]
     }))

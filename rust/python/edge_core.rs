@@ -101,6 +101,28 @@ struct Params {
     spec_fp_bits: u8,
 }
 
+impl Params {
+    /// The numbers as `kvcompass.discovery.params.EdgeParams` holds them, each refused by its
+    /// name: a negative `tau_ms` once passed here and failed every route naming a lambda.
+    fn check(&self) -> PyResult<()> {
+        for (name, x) in [("lambda_max", self.lambda_max), ("gamma", self.gamma), ("tie_ms", self.tie_ms), ("speculative_ttl_s", self.speculative_ttl_s)] {
+            if !(x.is_finite() && x >= 0.0) {
+                return Err(PyValueError::new_err(format!("EdgeCore: {name} = {x} must be finite and >= 0")));
+            }
+        }
+        if !(self.tau_ms.is_finite() && self.tau_ms > 0.0) {
+            return Err(PyValueError::new_err(format!("EdgeCore: tau_ms = {} must be finite and > 0", self.tau_ms)));
+        }
+        Ok(())
+    }
+}
+
+/// `now` (s) as a time the edge may act at: finite. A NaN one registered speculative entries
+/// that never expired and closed dispatch charges without settling them.
+fn check_now(now: f64) -> PyResult<()> {
+    crate::queues::check_now(now).map_err(queue_err)
+}
+
 /// Per-worker figures in worker order (a dict from Python, by these names).
 #[derive(FromPyObject)]
 #[pyo3(from_item_all)]
@@ -204,11 +226,12 @@ impl PyEdgeCore {
         if belief.len() != self.w.region.len() {
             return Err(PyValueError::new_err(format!("belief: {} values for {} workers", belief.len(), self.w.region.len())));
         }
+        check_now(now)?;
         let (lam, tq) = {
             let mut st = self.st()?;
             Self::expire_in(&mut st, now)?;
             let mut q = self.queues.bind(py).try_borrow_mut()?;
-            q.state_mut().expire(now);
+            q.state_mut().expire(now).map_err(queue_err)?;
             let lam = self.price(&mut st, q.state());
             (lam, if self.p.load_aware { q.state().tq.clone() } else { self.zeros.clone() })
         };
@@ -224,22 +247,22 @@ impl PyEdgeCore {
     }
 
     /// The side effects of sending the prompt of `res` to worker `w` (none without `effects`)
-    /// and the decision's figures, as the tuple `Edge` unpacks.
+    /// and the decision's figures, as the tuple `Edge` unpacks. Everything that can be refused
+    /// (the worker, `now`, the keys of the speculative entries and of the family) is resolved
+    /// before anything changes: a refused commit leaves the charges and the speculative entries
+    /// as they were.
     #[allow(clippy::too_many_arguments)]
     fn commit_in<'py>(&self, py: Python<'py>, res: &PyRouteResult, w: usize, n_cand: usize, now: f64, track: bool, effects: bool) -> PyResult<Bound<'py, PyTuple>> {
         if w >= self.w.region.len() || res.scores.len() != self.w.region.len() || res.belief.len() != self.w.region.len() {
             return Err(PyValueError::new_err(format!("commit: worker {w} of {} workers, or a route made by another edge", self.w.region.len())));
         }
+        check_now(now)?;
         let (m, tier, score, b, lam) = (res.matches[w], res.tiers[w], res.scores[w], res.belief[w], res.lam);
         let len = res.prompt_len;
         // Same operation order as the core's score, so the terms add up to it bit for bit.
         let remaining = len as f64 - b * f64::from(m);
         let prefill = if remaining > 0.0 { (1.0 + lam) * self.w.beta[w] * remaining } else { 0.0 };
         let reload = if tier == DRAM { self.p.gamma * b * f64::from(m) } else { 0.0 };
-        if effects && self.p.charge {
-            let work = (if remaining > 0.0 { self.w.beta[w] * remaining } else { 0.0 }) + reload;
-            self.queues.bind(py).try_borrow_mut()?.state_mut().charge(w as i64, work, now).map_err(queue_err)?;
-        }
         let mut spec: &[u32] = &[];
         if effects && self.p.speculative_ttl_s > 0.0 {
             let plan = &self.plan[self.w.region[w] as usize];
@@ -253,11 +276,16 @@ impl PyEdgeCore {
         // only a route counts it (``track``: hotness and local misses).
         let named = self.p.migration && len >= self.family_length as usize;
         let key = |c: u32| res.key_at(c).ok_or_else(|| PyValueError::new_err(format!("commit: the route did not hash length {c}")));
-        if !spec.is_empty() {
-            let keys = spec.iter().map(|&c| key(c)).collect::<PyResult<Vec<u64>>>()?;
+        let keys = spec.iter().map(|&c| key(c)).collect::<PyResult<Vec<u64>>>()?;
+        let family = if named { Some(key(self.family_length)?) } else { None };
+        // Checked: the effects follow.
+        if effects && self.p.charge {
+            let work = (if remaining > 0.0 { self.w.beta[w] * remaining } else { 0.0 }) + reload;
+            self.queues.bind(py).try_borrow_mut()?.state_mut().charge(w as i64, work, now).map_err(queue_err)?;
+        }
+        if !keys.is_empty() {
             self.speculate(w, keys, now)?;
         }
-        let family = if named { Some(key(self.family_length)?) } else { None };
         let local_miss = track && named && !(self.w.local[w] && m > 0);
         let queue = if res.tq.is_empty() { 0.0 } else { res.tq[w] };
         (w, n_cand, m, tier, score, (self.w.wan[w], queue, prefill, reload, lam, b), len, res.local_match, family, local_miss).into_pyobject(py)
@@ -300,12 +328,28 @@ impl PyEdgeCore {
         if let Some(&(t, _)) = w.fields.iter().find(|&&(t, _)| t as usize >= spec_views.len()) {
             return Err(PyValueError::new_err(format!("EdgeCore: table {t} has no speculative view ({} tables)", spec_views.len())));
         }
-        let mut spec = Vec::with_capacity(spec_views.len());
-        for (t, v) in spec_views.iter().enumerate() {
+        params.check()?;
+        // Every writer is made, every field checked against the value width and every view's
+        // snapshot prepared before any view changes: a refused constructor leaves the caller's
+        // views as they were (found in review: a bad second view after the first was wiped).
+        let mut writers = Vec::with_capacity(spec_views.len());
+        for t in 0..spec_views.len() {
             let cfg = TableConfig { table: t as u32, shard: 0, epoch: 1, capacity: params.spec_capacity, value_bits: params.value_bits, fp_bits: params.spec_fp_bits, seed: 0, max_capacity: 1u64 << 32, fallback_limit: 64 };
-            let writer = LudoTable::new(cfg).map_err(core_err)?;
+            writers.push(LudoTable::new(cfg).map_err(core_err)?);
+        }
+        let fields = u32::from(params.value_bits) / 2;
+        if let Some(&(_, field)) = w.fields.iter().find(|&&(_, f)| f >= fields) {
+            return Err(core_err(crate::error::CoreError::InvalidField { field, fields }));
+        }
+        let mut fresh = Vec::with_capacity(spec_views.len());
+        for (writer, v) in writers.iter().zip(&spec_views) {
             let snap = writer.export_snapshot().map_err(core_err)?;
-            v.inner.write().map_err(|_| poisoned())?.apply_batch(&snap).map_err(core_err)?;
+            let batch = crate::patch::decode_batch(&snap).map_err(core_err)?;
+            fresh.push(v.inner.read().map_err(|_| poisoned())?.with_snapshot(&batch).map_err(core_err)?);
+        }
+        let mut spec = Vec::with_capacity(spec_views.len());
+        for ((writer, v), view) in writers.into_iter().zip(&spec_views).zip(fresh) {
+            *v.inner.write().map_err(|_| poisoned())? = view;
             spec.push(Spec { writer, view: v.inner.clone() });
         }
         let all_eligible = w.eligible.iter().all(|&e| e);
@@ -371,8 +415,9 @@ impl PyEdgeCore {
         Ok((Py::new(py, res)?, c))
     }
 
-    /// Drop the speculative entries whose TTL ran out by `now`; returns how many.
+    /// Drop the speculative entries whose TTL ran out by `now` (finite); returns how many.
     fn expire(&self, now: f64) -> PyResult<u64> {
+        check_now(now)?;
         Self::expire_in(&mut *self.st()?, now)
     }
 

@@ -1,7 +1,7 @@
 //! The one place core errors become Python exceptions (classes defined in kvcompass/errors.py,
 //! so they have a public import path and carry the structured fields as attributes).
 
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyMemoryError, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -35,6 +35,8 @@ pub fn core_err(e: CoreError) -> PyErr {
             CoreError::InvalidField { field, fields } => build(py, "InvalidFieldError", msg, &[("field", *field as u64), ("fields", *fields as u64)]),
             CoreError::KeyNotFound(k) => build(py, "KeyNotFoundError", msg, &[("key", *k)]),
             CoreError::InvalidArgument(_) => build(py, "InvalidArgumentError", msg, &[]),
+            // The allocator refused: Python's own MemoryError, as a failed allocation there is.
+            CoreError::OutOfMemory { .. } => Ok(PyMemoryError::new_err(msg)),
         };
         made.unwrap_or_else(|err| PyRuntimeError::new_err(format!("{e} (and kvcompass.errors could not be loaded: {err})")))
     })

@@ -34,6 +34,13 @@ impl PyLudoTable {
     fn w(&self) -> PyResult<RwLockWriteGuard<'_, LudoTable>> {
         self.inner.write().map_err(|_| poisoned())
     }
+    /// Run a write that may rebuild the table (a rebuild of millions of keys takes about a
+    /// second) with the GIL released. The lock is taken and dropped inside, never held while
+    /// the GIL is taken back: a thread holding the GIL and waiting on the lock would deadlock
+    /// with this one.
+    fn write_detached<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut LudoTable) -> crate::error::Result<T> + Send) -> PyResult<T> {
+        py.detach(|| self.with_table(f))?.map_err(core_err)
+    }
 }
 
 fn placement_str(p: Placement) -> &'static str {
@@ -77,18 +84,18 @@ impl PyLudoTable {
         Ok(PyLudoTable { inner: RwLock::new(t.map_err(core_err)?) })
     }
 
-    /// Insert a new key (error if present). Returns "bucket" or "fallback".
-    fn insert(&self, key: u64, value: u64) -> PyResult<&'static str> {
-        Ok(placement_str(self.w()?.insert(key, value).map_err(core_err)?))
+    /// Insert a new key (error if present). Returns "bucket" or "fallback". The GIL is
+    /// released (the insert may rebuild the table).
+    fn insert(&self, py: Python<'_>, key: u64, value: u64) -> PyResult<&'static str> {
+        Ok(placement_str(self.write_detached(py, |g| g.insert(key, value))?))
     }
     /// Change an existing key's value (KeyNotFoundError if absent); 0 removes it.
-    fn update(&self, key: u64, value: u64) -> PyResult<()> {
-        self.w()?.update(key, value).map_err(core_err)?;
-        Ok(())
+    fn update(&self, py: Python<'_>, key: u64, value: u64) -> PyResult<()> {
+        self.write_detached(py, |g| g.update(key, value).map(|_| ()))
     }
-    /// Upsert; 0 removes.
-    fn set(&self, key: u64, value: u64) -> PyResult<&'static str> {
-        Ok(placement_str(self.w()?.set(key, value).map_err(core_err)?))
+    /// Upsert; 0 removes. The GIL is released (the write may rebuild the table).
+    fn set(&self, py: Python<'_>, key: u64, value: u64) -> PyResult<&'static str> {
+        Ok(placement_str(self.write_detached(py, |g| g.set(key, value))?))
     }
     /// Remove a key; returns its old value or None.
     fn remove(&self, key: u64) -> PyResult<Option<u64>> {
@@ -104,9 +111,10 @@ impl PyLudoTable {
     fn __len__(&self) -> PyResult<usize> {
         Ok(self.r()?.len() as usize)
     }
-    /// Set one worker's 2-bit tier field; returns the key's new value.
-    fn set_field(&self, key: u64, field: u32, tier: u8) -> PyResult<u64> {
-        self.w()?.set_field(key, field, tier).map_err(core_err)
+    /// Set one worker's 2-bit tier field; returns the key's new value. The GIL is released
+    /// (the write may rebuild the table).
+    fn set_field(&self, py: Python<'_>, key: u64, field: u32, tier: u8) -> PyResult<u64> {
+        self.write_detached(py, |g| g.set_field(key, field, tier))
     }
     /// Apply many field ops (validated first, GIL released); returns how many were applied.
     fn apply_field_ops(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, fields: &Bound<'_, PyAny>, tiers: &Bound<'_, PyAny>) -> PyResult<usize> {
@@ -145,6 +153,13 @@ impl PyLudoTable {
         if shards == 0 {
             return Err(pyo3::exceptions::PyValueError::new_err("shards must be >= 1"));
         }
+        if shard >= shards {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!("shard {shard} of {shards} shards: shards are 0..{shards}")));
+        }
+        // `owned` is searched by bisection: unsorted, it miscounted the cleared keys.
+        if let Some(i) = crate::key_ops::first_unsorted(o) {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!("owned must be sorted ascending: owned[{i}] = {} follows {}", o[i], o[i - 1])));
+        }
         // The field first: a shift past the value's bits in the capacity check below reported an
         // out-of-range field as a capacity failure (found in review).
         let fields = self.with_table(|g| u32::from(g.value_bits()) / 2)?;
@@ -179,7 +194,9 @@ impl PyLudoTable {
             g.apply_field_ops(&ck, &fields, &ct)?;
             Ok((0, 0))
         };
-        let (bad, at) = if ck.len() > 256 { py.detach(|| self.with_table(write))? } else { self.with_table(write)? }.map_err(core_err)?;
+        // The GIL is released around every write: any batch, however small, may rebuild the
+        // table (about a second at millions of keys), which a 256-op threshold did not see.
+        let (bad, at) = self.write_detached(py, write)?;
         Ok((bad, at, ck.len(), cleared))
     }
 
@@ -198,13 +215,15 @@ impl PyLudoTable {
     fn start_epoch(&self, epoch: u64) -> PyResult<()> {
         self.w()?.start_epoch(epoch).map_err(core_err)
     }
-    /// Rebuild now (new seed, same or given capacity); the next batch carries a snapshot.
+    /// Rebuild now (new seed, same or given capacity); the next batch carries a snapshot. The
+    /// GIL is released meanwhile.
     #[pyo3(signature = (capacity=None))]
-    fn rebuild(&self, capacity: Option<u64>) -> PyResult<()> {
-        let mut g = self.w()?;
-        let cap = capacity.unwrap_or(g.capacity());
-        let seed = g.geometry().seed.wrapping_add(1);
-        g.rebuild(cap, seed).map_err(core_err)
+    fn rebuild(&self, py: Python<'_>, capacity: Option<u64>) -> PyResult<()> {
+        self.write_detached(py, |g| {
+            let cap = capacity.unwrap_or(g.capacity());
+            let seed = g.geometry().seed.wrapping_add(1);
+            g.rebuild(cap, seed)
+        })
     }
     /// Keyless lookup through the writer's mirror view (what an edge would answer).
     fn view_lookup(&self, key: u64) -> PyResult<u64> {

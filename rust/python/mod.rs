@@ -62,17 +62,20 @@ fn block_chain_hashes<'py>(py: Python<'py>, tokens: &Bound<'py, PyAny>, block_si
 }
 
 /// Token ids of a prompt from its block ids (`kvcompass.sim.workload.expand_blocks` checks the
-/// arguments; this is the arithmetic).
+/// arguments; this is the arithmetic). At most `MAX_ELEMENTS` (2^32) tokens: a longer
+/// `input_length` is refused (InvalidArgumentError) before anything is allocated.
 #[pyfunction]
 fn expand_block_tokens<'py>(py: Python<'py>, ids: &Bound<'py, PyAny>, input_length: usize, block_size: usize) -> PyResult<Bound<'py, PyArray1<u32>>> {
     let ids = u64_vec("ids", ids)?;
     if block_size == 0 || ids.len() != input_length.div_ceil(block_size) {
         return Err(pyo3::exceptions::PyValueError::new_err(format!("{} ids cannot cover input_length {input_length} at block_size {block_size}", ids.len())));
     }
-    Ok(py.detach(|| crate::token_ids::expand_blocks(&ids, input_length, block_size)).into_pyarray(py))
+    Ok(py.detach(|| crate::token_ids::try_expand_blocks(&ids, input_length, block_size)).map_err(core_err)?.into_pyarray(py))
 }
 
 /// Block ids of synthetic runs `(chains[i], counts[i])` (`kvcompass.sim.workload.ChainBlocks`).
+/// Counts summing past `MAX_ELEMENTS` (2^32), or past 64 bits, are refused
+/// (InvalidArgumentError) before anything is allocated; the ids are made with the GIL released.
 #[pyfunction]
 fn chain_block_ids<'py>(py: Python<'py>, chains: &Bound<'py, PyAny>, counts: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<u64>>> {
     let chains = u64_vec("chains", chains)?;
@@ -80,7 +83,7 @@ fn chain_block_ids<'py>(py: Python<'py>, chains: &Bound<'py, PyAny>, counts: &Bo
     if chains.len() != counts.len() {
         return Err(pyo3::exceptions::PyValueError::new_err(format!("{} chains but {} counts", chains.len(), counts.len())));
     }
-    Ok(crate::token_ids::chain_block_ids(&chains, &counts).into_pyarray(py))
+    Ok(py.detach(|| crate::token_ids::chain_block_ids(&chains, &counts)).map_err(core_err)?.into_pyarray(py))
 }
 
 /// `h` folded with every part: `h = mix64(h ^ part)` (SplitMix64's finaliser, as token ids use):
@@ -157,13 +160,19 @@ fn each_exact_u32(seq: &Bound<'_, PyAny>, mut sink: impl FnMut(u32)) -> PyResult
 }
 
 /// Token ids (a list or tuple of ints in 0..2**32-1) as little-endian u32 bytes, the form the
-/// agent keys by.
+/// agent keys by. A bool is not a token id (TypeError), as `token_array` and `first_bad_token`
+/// say.
 #[pyfunction]
 fn pack_tokens<'py>(py: Python<'py>, tokens: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
-    use pyo3::types::{PyList, PyTuple};
+    use pyo3::types::{PyBool, PyList, PyTuple};
     let mut out: Vec<u8> = Vec::new();
+    let mut i = 0usize;
     let mut push = |t: Bound<'py, PyAny>| -> PyResult<()> {
+        if t.is_instance_of::<PyBool>() {
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!("tokens[{i}]: a bool is not a token id")));
+        }
         out.extend_from_slice(&t.extract::<u32>()?.to_le_bytes());
+        i += 1;
         Ok(())
     };
     if let Ok(l) = tokens.cast::<PyList>() {

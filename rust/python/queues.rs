@@ -8,12 +8,22 @@ use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::queues::{first_bad_sample, Before, QueueError, QueueState, MAX_QUEUE_MS};
+use crate::queues::{check_now, first_bad_sample, Before, QueueError, QueueState, MAX_QUEUE_MS, MAX_WORKERS};
 
 pub(crate) fn err(e: QueueError) -> PyErr {
     match e {
         QueueError::Sample(_, x) => PyValueError::new_err(format!("queue estimate {x} ms must be finite and in [0, {MAX_QUEUE_MS}]")),
         QueueError::Index(i) => PyValueError::new_err(format!("worker index {i}: out of range or repeated")),
+        QueueError::Time(what, x) => PyValueError::new_err(format!("{what} = {x} s: must be a finite time")),
+    }
+}
+
+/// Settle times (`settled_before`, or lags behind `now`) with no NaN among them: a NaN one
+/// compared as "nothing settled" by accident.
+fn check_settle(what: &'static str, xs: &[f64]) -> PyResult<()> {
+    match xs.iter().find(|x| x.is_nan()) {
+        Some(&x) => Err(err(QueueError::Time(what, x))),
+        None => Ok(()),
     }
 }
 
@@ -50,6 +60,12 @@ impl PyQueueEstimates {
         if indices.len() != samples.len() || n_before.is_some_and(|n| n != indices.len()) {
             return Err(PyValueError::new_err(format!("{} indices, {} samples and the charge times differ in length", indices.len(), samples.len())));
         }
+        check_now(now).map_err(err)?;
+        match before {
+            Before::At(b) => check_settle("settled_before", b)?,
+            Before::Lag(l) => check_settle("lag_s", l)?,
+            Before::Now => {}
+        }
         let ix = self.q.check(indices, samples).map_err(err)?;
         self.q.fold_checked(&ix, samples, now, weight, before);
         Ok(())
@@ -64,7 +80,9 @@ impl PyQueueEstimates {
     fn one(&mut self, index: i64, tq_ms: f64, now: f64, settled_before: Option<f64>, weight: f64) -> PyResult<f64> {
         let u = self.at(index)?;
         let x = sample(tq_ms)?;
+        check_now(now).map_err(err)?;
         let b = [settled_before.unwrap_or(now)];
+        check_settle("settled_before", &b)?;
         self.q.fold_checked(&[u], &[x], now, weight, Before::At(&b));
         Ok(self.q.obs[u])
     }
@@ -72,9 +90,16 @@ impl PyQueueEstimates {
 
 #[pymethods]
 impl PyQueueEstimates {
+    /// At most `MAX_WORKERS` (2^24) workers: more is refused before anything is allocated.
     #[new]
     #[pyo3(signature = (n_workers, weight, idle_threshold_ms, charge_ttl_s = 2.0))]
     fn new(n_workers: usize, weight: f64, idle_threshold_ms: f64, charge_ttl_s: f64) -> PyResult<Self> {
+        if n_workers > MAX_WORKERS {
+            return Err(PyValueError::new_err(format!("{n_workers} workers: queue estimates cover at most {MAX_WORKERS}")));
+        }
+        if idle_threshold_ms.is_nan() {
+            return Err(PyValueError::new_err("idle threshold NaN ms: must be a number"));
+        }
         if !(weight > 0.0 && weight <= 1.0) {
             return Err(PyValueError::new_err(format!("queue weight {weight} must be in (0, 1]")));
         }
@@ -130,15 +155,17 @@ impl PyQueueEstimates {
         Ok(now - self.q.at[self.at(index)?])
     }
 
-    /// This edge just sent `work_ms` of prefill to the worker.
+    /// This edge just sent `work_ms` of prefill to the worker (ValueError, and nothing
+    /// changes, for a `work_ms` out of range or a `now` that is not finite).
     fn charge(&mut self, index: i64, work_ms: f64, now: f64) -> PyResult<()> {
         self.at(index)?;
         self.q.charge(index, work_ms, now).map_err(err)
     }
 
-    /// Close every charge older than the TTL.
-    fn expire(&mut self, now: f64) {
-        self.q.expire(now);
+    /// Close every charge older than the TTL (ValueError, and nothing changes, for a `now`
+    /// that is not finite).
+    fn expire(&mut self, now: f64) -> PyResult<()> {
+        self.q.expire(now).map_err(err)
     }
 
     /// A live reading (own region): replaces the estimate; charges made at or before
@@ -199,8 +226,12 @@ impl PyQueueEstimates {
         Ok(out)
     }
 
-    /// `{ids[j]: estimate of indices[j]}`: a region's queue vector to send.
+    /// `{ids[j]: estimate of indices[j]}`: a region's queue vector to send (ValueError when
+    /// the two differ in length).
     fn vector<'py>(&self, py: Python<'py>, indices: Vec<i64>, ids: Vec<String>) -> PyResult<Bound<'py, PyDict>> {
+        if indices.len() != ids.len() {
+            return Err(PyValueError::new_err(format!("vector: {} indices but {} ids", indices.len(), ids.len())));
+        }
         let d = PyDict::new(py);
         for (i, w) in indices.into_iter().zip(ids) {
             d.set_item(w, self.q.tq[self.at(i)?])?;

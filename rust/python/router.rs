@@ -148,6 +148,12 @@ impl PyRouter {
     /// left empty: an `EdgeCore` moves in the ones it owns).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn route_arrays(&self, py: Python<'_>, ns: &[u8; 32], tokens: &[u32], w: &WorkerArrays<'_>, params: &ScoreParams, only_region: Option<u32>, tie_ms: Option<f64>) -> PyResult<PyRouteResult> {
+        // A NaN or negative margin left every worker, the winner too, out of the near-set.
+        if let Some(tie) = tie_ms {
+            if !(tie.is_finite() && tie >= 0.0) {
+                return Err(core_err(crate::error::CoreError::InvalidArgument(format!("tie_ms = {tie} must be finite and >= 0"))));
+            }
+        }
         let (win, m, t, s, lengths, keys) = if tokens.len() > DETACH_TOKENS {
             // Hashing a prompt this long takes long enough for other threads to want the GIL:
             // copies (a small cost beside the hashing) and the loop without it.
@@ -213,8 +219,8 @@ impl PyRouter {
     /// check, score every worker (the GIL held for prompts up to 65,536 tokens: see the module
     /// docs). With `only_region` only that region's plan and tables are read and every other
     /// worker scores infinity (its own workers' figures are the full route's).
-    /// With `tie_ms` the result also lists the workers within `tie_ms` of the best
-    /// ([`PyRouteResult::near`]). `local_match` is the longest match among region 0's workers
+    /// With `tie_ms` (finite, >= 0: InvalidArgumentError otherwise) the result also lists the
+    /// workers within `tie_ms` of the best ([`PyRouteResult::near`]). `local_match` is the longest match among region 0's workers
     /// (an edge passes its own region as 0).
     #[pyo3(signature = (tokens, namespace, region, beta, wan, tq, belief, gamma=0.005, lam=0.0, closure=true, only_region=None, tie_ms=None))]
     #[allow(clippy::too_many_arguments)]

@@ -18,7 +18,7 @@ use super::errors::core_err;
 use super::queues::PyQueueEstimates;
 use crate::block_cache::BlockCache;
 use crate::error::CoreError;
-use crate::sim::{Baseline, CoordinatorState, DynamoState, SGLangState, Choice, Config, Cost, Engine, History, Out, Pcg64, Policy, RequestSpec, Salts, Step, WorkerSetup};
+use crate::sim::{Baseline, CoordinatorState, DynamoState, SGLangState, Choice, Config, Cost, Engine, History, Out, Pcg64, Policy, RequestSpec, Salts, Step, WorkerCheck, WorkerSetup};
 
 type RngState = (u128, u128, bool, u32);
 
@@ -295,19 +295,8 @@ impl PySimEngine {
                 queue_to_edge.len()
             )));
         }
-        let mut workers = Vec::with_capacity(wr.len());
-        for (i, c) in caches.iter().enumerate() {
-            let mut c = c.borrow_mut();
-            let bs = c.inner.block_size();
-            let placeholder = BlockCache::new(bs, 1, 0, false, 0).map_err(core_err)?;
-            workers.push(WorkerSetup {
-                region: wr[i],
-                beta: beta[i],
-                cache: std::mem::replace(&mut c.inner, placeholder),
-                publish: publish[i],
-                queue_to_edge: queue_to_edge[i],
-            });
-        }
+        // Every argument is read and checked before the caches' blocks move into the engine:
+        // one refused after the move left the caller's caches empty (found in review).
         let arrival = f64_vec("arrival_ms", arrival_ms)?;
         let region = u16_of("region", u32_vec("region", region)?)?;
         let edge_region = u16_of("edge_region", u32_vec("edge_region", edge_region)?)?;
@@ -332,7 +321,7 @@ impl PySimEngine {
         {
             return Err(bad("request columns differ in length".into()));
         }
-        let reqs = (0..n)
+        let reqs: Vec<RequestSpec> = (0..n)
             .map(|i| RequestSpec {
                 arrival_ms: arrival[i],
                 region: region[i],
@@ -345,17 +334,40 @@ impl PySimEngine {
                 runs: id_runs[i],
             })
             .collect();
+        let ids = u64_vec("ids", ids)?;
         let offs: Vec<usize> = u64_vec("id_offsets", id_offsets)?
             .into_iter()
             .map(|x| x as usize)
             .collect();
+        let checks: Vec<WorkerCheck> = caches
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let c = c.borrow();
+                WorkerCheck { region: wr[i], beta: beta[i], block_size: c.inner.block_size(), keep_tokens_ok: c.inner.can_keep_tokens(publish[i]) }
+            })
+            .collect();
+        Engine::check(&cfg, &checks, &reqs, &ids, &offs).map_err(core_err)?;
+        let mut workers = Vec::with_capacity(wr.len());
+        for (i, c) in caches.iter().enumerate() {
+            let mut c = c.borrow_mut();
+            let bs = c.inner.block_size();
+            let placeholder = BlockCache::new(bs, 1, 0, false, 0).map_err(core_err)?;
+            workers.push(WorkerSetup {
+                region: wr[i],
+                beta: beta[i],
+                cache: std::mem::replace(&mut c.inner, placeholder),
+                publish: publish[i],
+                queue_to_edge: queue_to_edge[i],
+            });
+        }
         let rng = Pcg64::from_state(rng_state.0, rng_state.1, rng_state.2, rng_state.3);
         let faults = Pcg64::from_state(fault_state.0, fault_state.1, fault_state.2, fault_state.3);
         let inner = Engine::new(
             cfg,
             workers,
             reqs,
-            u64_vec("ids", ids)?,
+            ids,
             offs,
             rng,
             faults,
@@ -662,9 +674,10 @@ impl PySimEngine {
             .map_err(core_err)
     }
 
-    /// One WAN traversal (ms) from region `a` to `b`, jittered (a draw) when the run asks.
-    fn way(&mut self, a: u16, b: u16) -> f64 {
-        self.inner.way(a, b)
+    /// One WAN traversal (ms) from region `a` to `b`, jittered (a draw) when the run asks;
+    /// InvalidArgumentError (and no draw) unless both are regions of the topology.
+    fn way(&mut self, a: u16, b: u16) -> PyResult<f64> {
+        self.inner.checked_way(a, b).map_err(core_err)
     }
 
     /// The run's generator: `Generator.integers(n)` (numpy's stream, continued).

@@ -12,9 +12,9 @@ pub use policy::{Baseline, CoordinatorState, DynamoState, History, SGLangState, 
 mod policy;
 pub(crate) use policy::py_floordiv;
 use crate::block_cache::{BlockCache, Event, TokenSource, DRAM, VRAM};
-use crate::error::{CoreError, Result};
+use crate::error::{CoreError, Result, MAX_ELEMENTS};
 use crate::chunk_hash::{block_chain, block_chain_extend, block_chain_root};
-use crate::token_ids::{chain_block_ids, expand_blocks};
+use crate::token_ids::{chain_block_ids, expand_blocks, run_total};
 
 /// The calibrated cost model (`kvcompass.engine.costs.CostModel`), float for float.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -56,10 +56,11 @@ impl Cost {
         self.linear(batch) + self.decode_ms_per_context_token * context as f64
     }
     /// A prompt of `length` tokens with `v` VRAM and `d` DRAM hit tokens: the uncached rest
-    /// computed, the DRAM part reloaded (separate lanes: the whole prefill at once).
+    /// computed, the DRAM part reloaded (separate lanes: the whole prefill at once). Hits past
+    /// the prompt (even past 2^64 together) leave nothing to compute.
     #[inline]
     pub fn prefill_with_reuse_ms(&self, length: u64, v: u64, d: u64) -> f64 {
-        self.prefill_ms(length - length.min(v + d)) + self.reload_ms(d)
+        self.prefill_ms(length - length.min(v.saturating_add(d))) + self.reload_ms(d)
     }
 
     /// A worker's estimate of a waiting prompt's prefill: [`Self::prefill_with_reuse_ms`] and,
@@ -68,7 +69,7 @@ impl Cost {
     #[allow(clippy::too_many_arguments)]
     pub fn estimate_ms(&self, length: u64, v: u64, d: u64, batch: u64, context: u64, max_batched_tokens: u64, chunked: bool) -> f64 {
         let ms = self.prefill_with_reuse_ms(length, v, d);
-        let uncached = length - length.min(v + d);
+        let uncached = length - length.min(v.saturating_add(d));
         if !chunked || uncached == 0 || batch == 0 {
             return ms;
         }
@@ -147,10 +148,13 @@ impl Cost {
         (prefill, mixed, batched)
     }
 
-    /// Moving the KV of `tokens` over a `gbps` link.
+    /// Moving the KV of `tokens` over a `gbps` link. The bits are counted in 128 bits (they
+    /// wrapped in 64, so a larger transfer could take less time) and saturate there: the same
+    /// value wherever 64 bits held them.
     #[inline]
     pub fn transfer_ms(&self, tokens: u64, gbps: f64) -> f64 {
-        (self.kv_bytes_per_token * tokens * 8) as f64 / (gbps * 1e9) * 1e3
+        let bits = (u128::from(self.kv_bytes_per_token) * u128::from(tokens)).saturating_mul(8);
+        bits as f64 / (gbps * 1e9) * 1e3
     }
 }
 
@@ -208,6 +212,24 @@ pub struct WorkerSetup {
     pub queue_to_edge: bool,
 }
 
+impl WorkerSetup {
+    /// What [`Engine::check`] reads of this setup.
+    pub fn check(&self) -> WorkerCheck {
+        WorkerCheck { region: self.region, beta: self.beta, block_size: self.cache.block_size(), keep_tokens_ok: self.cache.can_keep_tokens(self.publish) }
+    }
+}
+
+/// What [`Engine::check`] reads of a worker's setup, without its cache.
+#[derive(Clone, Copy, Debug)]
+pub struct WorkerCheck {
+    pub region: u16,
+    pub beta: f64,
+    /// Its cache's block size.
+    pub block_size: usize,
+    /// Its cache can keep tokens exactly when it publishes ([`BlockCache::can_keep_tokens`]).
+    pub keep_tokens_ok: bool,
+}
+
 /// One request of the workload: its block ids expand to its tokens at arrival.
 #[derive(Clone, Copy, Debug)]
 pub struct RequestSpec {
@@ -239,7 +261,7 @@ impl Prompts {
         if self.reqs[req as usize].runs {
             let chains: Vec<u64> = slice.iter().step_by(2).copied().collect();
             let counts: Vec<u64> = slice.iter().skip(1).step_by(2).copied().collect();
-            std::borrow::Cow::Owned(chain_block_ids(&chains, &counts))
+            std::borrow::Cow::Owned(chain_block_ids(&chains, &counts).expect("a request's runs are checked when the engine is built"))
         } else {
             std::borrow::Cow::Borrowed(slice)
         }
@@ -313,7 +335,7 @@ impl Prompts {
             if let Some(values) = memo.get(b, id, need) {
                 out.extend_from_slice(values);
             } else {
-                let ids = chain_block_ids(&[id], &[need as u64]);
+                let ids = chain_block_ids(&[id], &[need as u64]).expect("at most the prompt's blocks");
                 fill(at, b, &expand_blocks(&ids, need * block, block), &mut out);
                 memo.put(b, id, &out[at..]);
             }
@@ -658,18 +680,10 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// `ids` holds every request's block ids back to back, `id_offs[i]..id_offs[i+1]` for
-    /// request `i`; requests in arrival order.
-    pub fn new(
-        cfg: Config,
-        workers: Vec<WorkerSetup>,
-        reqs: Vec<RequestSpec>,
-        ids: Vec<u64>,
-        id_offs: Vec<usize>,
-        rng: Pcg64,
-        faults: Pcg64,
-        progress_every: u64,
-    ) -> Result<Self> {
+    /// Everything [`Self::new`] checks, from what the workers' setups say (their caches'
+    /// block sizes and whether each may switch to keeping tokens), so a caller can check before
+    /// it hands its caches over: an engine refused after that took the caches with it.
+    pub fn check(cfg: &Config, workers: &[WorkerCheck], reqs: &[RequestSpec], ids: &[u64], id_offs: &[usize]) -> Result<()> {
         let regions = cfg.has_edge.len();
         let bad = |m: String| Err(CoreError::InvalidArgument(m));
         if cfg.rtt.len() != regions * regions
@@ -688,16 +702,25 @@ impl Engine {
             if r.region as usize >= regions || r.edge_region as usize >= regions {
                 return bad(format!("request {i}: region out of range"));
             }
+            // A prompt's tokens are built in one array: at most MAX_ELEMENTS of them.
+            if r.input_length > MAX_ELEMENTS {
+                return bad(format!("request {i}: input_length {} is more than {MAX_ELEMENTS} tokens", r.input_length));
+            }
             let slice = &ids[id_offs[i]..id_offs[i + 1]];
             let n = if r.runs {
                 if slice.len() % 2 != 0 {
                     return bad(format!("request {i}: block runs come in (chain, count) pairs"));
                 }
-                slice.chunks_exact(2).map(|p| p[1]).sum::<u64>() as usize
+                // Checked: a sum that wrapped could pass the cover check below.
+                let counts: Vec<u64> = slice.chunks_exact(2).map(|p| p[1]).collect();
+                match run_total(&counts) {
+                    Some(n) => n,
+                    None => return bad(format!("request {i}: its block runs' counts overflow 64 bits")),
+                }
             } else {
-                slice.len()
+                slice.len() as u64
             };
-            if r.block_size == 0 || n as u64 != r.input_length.div_ceil(r.block_size as u64) {
+            if r.block_size == 0 || n != r.input_length.div_ceil(r.block_size as u64) {
                 return bad(format!(
                     "request {i}: {n} block ids cannot cover input_length {} at block_size {}",
                     r.input_length, r.block_size
@@ -707,7 +730,7 @@ impl Engine {
                 return bad(format!("request {i}: arrivals are not in order"));
             }
         }
-        for w in &workers {
+        for w in workers {
             if w.region as usize >= regions {
                 return bad("worker region out of range".into());
             }
@@ -730,10 +753,33 @@ impl Engine {
                 "segment_steps, max_batched_tokens and transfer_gbps must be positive".into(),
             );
         }
-        let block_size = workers.first().map_or(1, |w| w.cache.block_size());
-        if workers.iter().any(|w| w.cache.block_size() != block_size) {
+        let block_size = workers.first().map_or(1, |w| w.block_size);
+        if workers.iter().any(|w| w.block_size != block_size) {
             return bad("every worker's cache must have the same block size".into());
         }
+        if !workers.iter().all(|w| w.keep_tokens_ok) {
+            return bad("keep_tokens can change only while the cache is empty".into());
+        }
+        Ok(())
+    }
+
+    /// `ids` holds every request's block ids back to back, `id_offs[i]..id_offs[i+1]` for
+    /// request `i`; requests in arrival order. Checks everything ([`Self::check`]) before it
+    /// changes any worker's cache.
+    pub fn new(
+        cfg: Config,
+        workers: Vec<WorkerSetup>,
+        reqs: Vec<RequestSpec>,
+        ids: Vec<u64>,
+        id_offs: Vec<usize>,
+        rng: Pcg64,
+        faults: Pcg64,
+        progress_every: u64,
+    ) -> Result<Self> {
+        let checks: Vec<WorkerCheck> = workers.iter().map(WorkerSetup::check).collect();
+        Self::check(&cfg, &checks, &reqs, &ids, &id_offs)?;
+        let regions = cfg.has_edge.len();
+        let block_size = workers.first().map_or(1, |w| w.cache.block_size());
         let mut workers = workers;
         let prompts = Arc::new(Prompts { reqs, ids, id_offs });
         for w in &mut workers {
@@ -851,6 +897,10 @@ impl Engine {
             Policy::Baseline(Baseline::SkyWalker { pools, region_of, .. }) if !pools_ok(pools) || region_of.len() != n as usize => return Err(CoreError::InvalidArgument("skywalker pools do not match the topology".into())),
             Policy::Baseline(Baseline::ConsistentHash { rings, .. }) if rings.iter().flat_map(|r| &r.1).any(|&w| w >= n) => return Err(CoreError::InvalidArgument("a ring owner is not a worker".into())),
             Policy::Baseline(Baseline::Chord { nodes, regions, .. }) if nodes.iter().any(|&w| w >= n) || regions.iter().any(|&r| r as usize >= self.regions) => return Err(CoreError::InvalidArgument("a chord node is not a worker".into())),
+            // The lookup reads the entry of the origin's region: one per region, none past the nodes.
+            Policy::Baseline(Baseline::Chord { ids, entry, .. }) if entry.len() != self.regions || entry.iter().flatten().any(|&e| e as usize >= ids.len()) => {
+                return Err(CoreError::InvalidArgument(format!("chord: {} entry nodes for {} regions (one per region, each a node or None)", entry.len(), self.regions)))
+            }
             Policy::Baseline(Baseline::CentralDirectory(c)) if c.workers.iter().any(|&w| w >= n) || c.coordinator as usize >= self.regions => return Err(CoreError::InvalidArgument("central directory workers do not match the topology".into())),
             _ => {}
         }
@@ -1214,6 +1264,15 @@ impl Engine {
             .filter(|(_, x)| x.current.is_some() && x.queue_to_edge)
             .map(|(i, x)| (i as u32, self.queued(x, self.now)))
             .collect()
+    }
+
+    /// [`Self::way`] for a caller's regions: an error (and no draw) unless both are regions of
+    /// the topology.
+    pub fn checked_way(&mut self, a: u16, b: u16) -> Result<f64> {
+        if a as usize >= self.regions || b as usize >= self.regions {
+            return Err(CoreError::InvalidArgument(format!("way({a}, {b}): regions are 0..{}", self.regions)));
+        }
+        Ok(self.way(a, b))
     }
 
     /// One WAN traversal from region `a` to `b` (ms), jittered when the run asks.
@@ -2005,7 +2064,7 @@ mod tests {
             offs.push(ids.len());
         }
         // The same first prompt as plain ids.
-        let plain = chain_block_ids(&[a, b], &[10, 5]);
+        let plain = chain_block_ids(&[a, b], &[10, 5]).unwrap();
         reqs.push(spec(15 * 16, bs as u32, 0, false));
         ids.extend(&plain);
         offs.push(ids.len());
@@ -2041,7 +2100,7 @@ mod tests {
     #[test]
     fn block_tokens_are_the_prompts_own() {
         let (a, b) = (crate::token_ids::mix64(7) & MAX_ID, crate::token_ids::mix64(8) & MAX_ID);
-        let plain = chain_block_ids(&[a, b], &[6, 4]);
+        let plain = chain_block_ids(&[a, b], &[6, 4]).unwrap();
         let mut ids = vec![a, 6, b, 4];
         ids.extend(&plain);
         let p = Prompts { reqs: vec![spec(10 * 16, 16, 0, true), spec(10 * 16 - 5, 16, 0, false)], ids, id_offs: vec![0, 4, 14] };

@@ -16,5 +16,5 @@ pub(crate) mod lru_order;
 pub mod engine;
 pub mod rng;
 
-pub use engine::{Baseline, CoordinatorState, DynamoState, SGLangState, Choice, Config, Cost, Engine, History, Out, Policy, RequestSpec, Salts, Step, WorkerSetup};
+pub use engine::{Baseline, CoordinatorState, DynamoState, SGLangState, Choice, Config, Cost, Engine, History, Out, Policy, RequestSpec, Salts, Step, WorkerCheck, WorkerSetup};
 pub use rng::Pcg64;
