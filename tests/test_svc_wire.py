@@ -1009,6 +1009,20 @@ def test_an_edge_follows_a_unit_restarted_at_a_lower_epoch(world: World) -> None
     run(go())
 
 
+@contextlib.asynccontextmanager
+async def _units_one_down(world: World, dead: int) -> AsyncIterator[tuple[list[MaintenanceUnit], list[MaintenanceService], WorkerAgent, dict[int, Any], Any]]:
+    """Every unit served in memory, and the channels an agent's client gets with unit ``dead``'s
+    pointed where nothing listens: (units, services, the agent, those channels, the real one)."""
+    units = world.units()
+    services = [MaintenanceService(u, FAST) for u in units]
+    asia = world.agent("asia-0")
+    async with in_memory(services) as chans:
+        live_chans: dict[int, Any] = dict(chans)
+        real = live_chans[dead]
+        live_chans[dead] = "127.0.0.1:1"  # nothing listens there
+        yield units, services, asia, live_chans, real
+
+
 def test_one_unit_down_does_not_stop_the_others_and_is_re_reported_on_its_return(world: World) -> None:
     """Review, twenty-fourth session: a unit left down made every send fail after its retries,
     which ended the agent runner (and, supervised, restarted it over and over), so no shard's
@@ -1016,14 +1030,8 @@ def test_one_unit_down_does_not_stop_the_others_and_is_re_reported_on_its_return
     ``down_retry_s``, and the first send after that re-reports its shard in full."""
 
     async def go() -> None:
-        units = world.units()
-        services = [MaintenanceService(u, FAST) for u in units]
-        asia = world.agent("asia-0")
-        async with in_memory(services) as chans:
-            dead = 1
-            live_chans = dict(chans)
-            real = live_chans[dead]
-            live_chans[dead] = "127.0.0.1:1"  # nothing listens there
+        dead = 1
+        async with _units_one_down(world, dead) as (units, services, asia, live_chans, real):
             async with IngestClient("asia-0", live_chans, asia.on_rejected, max_attempts=2, backoff_s=(0.001, 0.002), down_retry_s=0.3) as client:
                 first = cache(asia, prompt(93), 1000, seq=0)
                 assert {b.shard for b in first} >= {0, dead}
@@ -1051,13 +1059,8 @@ def test_a_unit_given_up_on_is_probed_once_not_through_the_whole_retry_ladder(wo
     for all of it: 14 s of every 19 with the defaults."""
 
     async def go() -> None:
-        units = world.units()
-        services = [MaintenanceService(u, FAST) for u in units]
-        asia = world.agent("asia-0")
-        async with in_memory(services) as chans:
-            dead = 1
-            live_chans = dict(chans)
-            live_chans[dead] = "127.0.0.1:1"  # nothing listens there
+        dead = 1
+        async with _units_one_down(world, dead) as (_, _, asia, live_chans, _):
             async with IngestClient("asia-0", live_chans, asia.on_rejected, max_attempts=4, backoff_s=(0.05, 0.05), down_retry_s=0.1) as client:
                 report = await client.send(cache(asia, prompt(94), 1000, seq=0))
                 assert report.unreachable == (dead,) and client.reconnects == 3  # the whole ladder, once
