@@ -1211,3 +1211,29 @@ def test_the_dashboards_percentiles_are_nearest_rank() -> None:
     xs = [float(i) for i in range(1, 101)]
     assert _pct(xs, 0.99) == 99.0 and _pct(xs, 0.5) == 50.0 and _pct(xs, 1.0) == 100.0
     assert _pct(xs, 0.0) == 1.0 and _pct([7.0], 0.99) == 7.0
+
+
+def test_only_a_peer_door_may_ask_for_the_queue_vector() -> None:
+    """Review, twenty-fifth session: any tenant key naming a region in x-kvcompass-region got
+    this edge's per-worker queue vector and, since a piggybacked vector stands in for the next
+    broadcast, suppressed the edge's broadcasts to that region: one request per period kept
+    that region's edges on stale estimates for every tenant."""
+    from kvcompass.services.api_keys import ANY_TENANT, ApiKey, KeyStore
+
+    keys = KeyStore.of({"k-acme": ApiKey("acme", ("acme",)), "k-door": ApiKey("door", (ANY_TENANT,))})
+    config = DoorConfig(models=(MODEL,), api_keys=keys, migration_poll_s=0)
+
+    async def go() -> None:
+        async with rig(make_plane(), Fleet(), config=config) as t:
+            edge = t.door.door.edge
+            body = {"prompt": prompt_ids(2, 64).tolist(), "max_tokens": 2}
+            now = t.door.door._clock()
+            due = {b.target_region for b in edge.broadcast_due(now + 10.0)}  # everyone is due far ahead
+            assert "eu" in due
+            st, h, _ = await complete(t.client, body, Authorization="Bearer k-acme", **{"x-kvcompass-region": "eu"})
+            assert st == 200 and "x-kvcompass-queue-vector" not in {k.lower() for k in h}
+            assert "eu" in {b.target_region for b in edge.broadcast_due(now + 20.0)}  # not suppressed
+            st, h, _ = await complete(t.client, body, Authorization="Bearer k-door", **{"x-kvcompass-region": "eu", "x-kvcompass-namespace": "public"})
+            assert st == 200 and "x-kvcompass-queue-vector" in {k.lower() for k in h}
+
+    run(go())

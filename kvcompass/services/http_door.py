@@ -927,6 +927,15 @@ class FrontDoor:
         if self.config.expose_worker:
             h[WORKER_HEADER] = choice.worker
         caller = request.headers.get(REGION_HEADER)
+        # Behind API keys only another region's door (the any-tenant peer key) may ask for our
+        # queue vector: a piggybacked vector stands in for the next broadcast to that region, so
+        # a tenant key naming a region suppressed our broadcasts to it and read our per-worker
+        # queues (found in review). An open door (--open, local experiments) trusts everyone.
+        store = self.config.api_keys
+        if store is not None and caller is not None:
+            key = request[_KEY_SLOT] if _KEY_SLOT in request else store.authenticate(request.headers.get("Authorization"))
+            if key is None or ANY_TENANT not in key.tenants:
+                caller = None
         if caller is not None and caller != self.edge.region and _REGION_RE.fullmatch(caller):
             try:
                 h[QUEUE_VECTOR_HEADER] = json.dumps(self.edge.piggyback_vector(caller, self._clock()), separators=(",", ":"))
