@@ -644,9 +644,20 @@ def test_a_peer_door_hands_off_a_request_to_a_less_loaded_worker_of_its_region()
                         text = await r.text()
                     assert metric(text, "kvcompass_door_handoffs_total", outcome="kept") == 1
                     assert metric(text, "kvcompass_door_handoffs_total", outcome="moved") == 1
+                    # Counted once, at the client's door (review, twenty-fifth session: every
+                    # cluster-wide sum of a handed-off request's counters was doubled).
+                    assert metric(text, "kvcompass_door_requests_total", endpoint="handoff", status="200") == 2
+                    assert metric(text, "kvcompass_door_requests_total", endpoint="completions", status="200") == 0
+                    for name in ("kvcompass_door_routes_total", "kvcompass_door_tenant_requests_total", "kvcompass_door_reused_tokens_total", "kvcompass_door_ttft_seconds_count"):
+                        assert f"{name}{{" not in text or all(float(x.rsplit(" ", 1)[1]) == 0 for x in text.splitlines() if x.startswith(name + "{")), name
                     # A hand-off must name a worker of the door's own region.
                     status, _, body = await complete(client, {"prompt": ids.tolist()}, **{"x-kvcompass-handoff": "us-1"})
                     assert status == 400 and body["error"]["code"] == "invalid_handoff"
+                async with aiohttp.ClientSession(us_door.url) as client:
+                    async with client.get("/metrics") as r:
+                        text = await r.text()
+                    assert metric(text, "kvcompass_door_requests_total", endpoint="completions", status="200") == 2
+                    assert metric(text, "kvcompass_door_reused_tokens_total") == 8192
                 # The eu door goes away: the us door cannot reach eu workers any other way (it has no
                 # URL for them), so after one failed attempt it leaves region eu alone for a while.
                 await eu_door.stop(grace_s=0.0)

@@ -578,7 +578,10 @@ class FrontDoor:
     def _observe(self, request: Request, resp: StreamResponse, err: OpenAIError | None) -> None:
         """Every request counted by its endpoint and final status (the OpenAI error middleware's
         hook)."""
-        self.metrics.requests.labels(_ENDPOINTS.get(request.path, "other"), str(resp.status)).inc()
+        # A hand-off from another region's door is labelled apart, so a sum over doors counts
+        # each client request once.
+        endpoint = "handoff" if HANDOFF_HEADER in request.headers else _ENDPOINTS.get(request.path, "other")
+        self.metrics.requests.labels(endpoint, str(resp.status)).inc()
 
     async def models(self, request: Request) -> Response:
         data = [{"id": m, "object": "model", "created": self._created, "owned_by": "kvcompass"} for m in self.config.models]
@@ -786,8 +789,12 @@ class FrontDoor:
         ns = self._namespace(model, tenant)
         # Counted once admitted, under at most _TENANT_SERIES tenant names (the rest as
         # "other"): a client of an open door names any tenant it likes, and every name was a
-        # new series, kept for the process's life (found in review).
-        if tenant in self._tenant_series or len(self._tenant_series) < _TENANT_SERIES:
+        # new series, kept for the process's life (found in review). A hand-off is counted by
+        # the door the client came to, not again here (found in review: every cluster-wide sum
+        # of a handed-off request's counters was doubled).
+        if handoff is not None:
+            pass
+        elif tenant in self._tenant_series or len(self._tenant_series) < _TENANT_SERIES:
             self._tenant_series.add(tenant)
             self.metrics.tenant_requests.labels(tenant).inc()
         else:
@@ -902,7 +909,8 @@ class FrontDoor:
                 choice = self._route(prep, self._excluded(tried, skip_dead=False, local_only=prep.handoff is not None))
             if choice is None:
                 break
-            self.metrics.routes.labels(choice.region or "unknown").inc()
+            if prep.handoff is None:  # a hand-off's placement is counted in handoffs_total
+                self.metrics.routes.labels(choice.region or "unknown").inc()
             if attempt:
                 self.metrics.retries.inc()
             tried.add(choice.worker)
@@ -1021,7 +1029,7 @@ class FrontDoor:
             await asyncio.sleep(delay)
         if 200 <= up.status < 300:
             self._usage_reused(data, fb)
-            self._learn(choice, fb)
+            self._learn(choice, fb, counted=prep.handoff is None)
             self._timed(choice, prep, first=True, last=True)
         headers = self._reply_headers(request, choice)
         headers["Content-Type"] = ctype or "application/json"
@@ -1080,7 +1088,7 @@ class FrontDoor:
                 out = self._stream_event(buf, prep, fb)
                 if out:
                     await write(out)
-            self._learn(choice, fb)
+            self._learn(choice, fb, counted=prep.handoff is None)
             await end()
             self._timed(choice, prep, last=True)
         except ConnectionResetError:
@@ -1154,7 +1162,7 @@ class FrontDoor:
         """Time to first token (histogram, and the route's dashboard row) and to the last byte
         (the row), from when the door started serving the request."""
         ms = (time.perf_counter() - prep.t0) * 1e3
-        if first:
+        if first and prep.handoff is None:  # the client's door times a hand-off, from its receipt
             self.metrics.ttft_seconds.labels("true" if prep.stream else "false").observe(ms / 1e3)
         if choice.record is not None:
             if first:
@@ -1228,7 +1236,9 @@ class FrontDoor:
                 self.metrics.bad_feedback.labels("queue_vector").inc()
         return fb
 
-    def _learn(self, choice: _Choice, fb: _Feedback) -> None:
+    def _learn(self, choice: _Choice, fb: _Feedback, *, counted: bool = True) -> None:
+        """Fold a response into the edge (always) and into the reuse counters (``counted``: not
+        for a hand-off, which the client's door counts)."""
         e, m = self.edge, self.metrics
         w = choice.worker
         local = choice.region == e.region
@@ -1247,16 +1257,18 @@ class FrontDoor:
             # review: every false claim against a real vLLM went unlearned as "unknown").
             fb.reused = 0
         if fb.reused is None:
-            m.no_usage.inc()
+            if counted:
+                m.no_usage.inc()
             claimed, reused = 0, 0  # claimed=0 moves no belief: "unknown" is not "reused nothing"
         else:
             claimed, reused = choice.claimed, fb.reused
             if choice.record is not None:
                 choice.record["reused"] = reused
-            if claimed > 0:
-                m.claimed.inc(claimed)
-                (m.hits if reused >= claimed else m.false_hits).inc()
-            m.reused.inc(reused)
+            if counted:
+                if claimed > 0:
+                    m.claimed.inc(claimed)
+                    (m.hits if reused >= claimed else m.false_hits).inc()
+                m.reused.inc(reused)
         try:
             e.on_response(w, claimed, reused, vector, self._clock())
         except KVCompassError:
