@@ -1101,3 +1101,27 @@ def test_a_unit_that_stops_reading_does_not_hang_a_send(world: World) -> None:
             await server.wait_closed()
 
     run(go())
+
+
+def test_an_edge_reports_its_views_entries(world: World) -> None:
+    """Review, twenty-fifth session: kvcompass_index_entries, documented for views too, stayed 0
+    on every edge (only the units set it)."""
+
+    async def go() -> None:
+        units = world.units()
+        a = world.agent("us-2")
+        for b in cache(a, prompt(5), 1, seq=0):
+            units[b.shard].apply(b, "us-2")
+        for u in units:
+            u.flush()
+        services = [MaintenanceService(u, FAST) for u in units]
+        edge = world.edge("us")
+        async with in_memory(services) as chans:
+            sync = EdgeSync(edge, chans)
+            async with sync:
+                await sync.wait_ready(5)
+                want = sum(len(u.table(t.table_id)) for u in units for t in world.layout.tables)
+                assert want > 0
+                await sync.wait_for(lambda: sync.metrics.index_entries._value.get() == want, 5)
+
+    run(go())
