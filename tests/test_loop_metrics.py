@@ -106,3 +106,24 @@ def test_misuse_is_refused_as_prometheus_client_refuses_it() -> None:
     # A second metric of the same name in one registry is refused by the registry.
     with pytest.raises(ValueError, match="Duplicated"):
         lm.Counter("x", "again", registry=reg)
+
+
+def test_state_positions_are_values_not_labels() -> None:
+    """Review, twenty-fifth session: kvcompass_state_digest carried epoch and seq as labels, so
+    every flush made a new series (cardinality driven by client traffic). Now three gauges per
+    (table, shard), read back together by chaos --processes."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvcompass.chaos.processes import parse_states
+    from kvcompass.services.metrics import export_states
+
+    rows = [(0, 1, 7, 3, bytes(range(32)))]
+    reg = CollectorRegistry()
+    export_states(reg, "edge", lambda: rows)
+    series = []
+    for seq in (3, 12, 17):
+        rows[0] = (0, 1, 7, seq, bytes(range(32)))
+        text = generate_latest(reg).decode()
+        series.append({line.rpartition(" ")[0] for line in text.splitlines() if line.startswith("kvcompass_state_")})
+        assert parse_states(text) == {(0, 1): (7, seq, int.from_bytes(bytes(range(6)), "big"))}
+    assert series[0] == series[1] == series[2] and len(series[0]) == 3  # the same three series

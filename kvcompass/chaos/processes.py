@@ -10,7 +10,7 @@ the engine's replay ring), and an emulated worker (a new engine process: empty c
 at 0).
 
 After each restart the harness polls every edge's ``/healthz`` and the view states every edge
-and unit export on ``/metrics`` (``kvcompass_state_digest``: each view's or table's epoch, seq
+and unit export on ``/metrics`` (``kvcompass_state_digest``, ``_epoch``, ``_seq``: each view's or table's epoch, seq
 and the first 48 bits of its digest, computed at scrape time) until every edge is healthy and
 every view equals its writer's table: that time is the restart's convergence time, counted both
 from the restart (the new process spawned) and from the restarted process being ready (its
@@ -41,7 +41,7 @@ import numpy as np
 __all__ = ["ProcessChaosConfig", "run_processes"]
 
 KINDS = ("maintenance", "edge", "agent", "worker")
-_DIGEST_METRIC = "kvcompass_state_digest"
+_STATE_METRICS = ("kvcompass_state_digest", "kvcompass_state_epoch", "kvcompass_state_seq")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,16 +73,19 @@ class _Load:
 
 
 def parse_states(text: str) -> dict[tuple[int, int], tuple[int, int, int]]:
-    """``(table, shard) -> (epoch, seq, digest48)`` from a ``/metrics`` page."""
-    out: dict[tuple[int, int], tuple[int, int, int]] = {}
+    """``(table, shard) -> (epoch, seq, digest48)`` from a ``/metrics`` page (the three
+    ``kvcompass_state_*`` gauges of one scrape)."""
+    parts: dict[str, dict[tuple[int, int], int]] = {name: {} for name in _STATE_METRICS}
     for line in text.splitlines():
-        if not line.startswith(_DIGEST_METRIC + "{"):
+        name = line.partition("{")[0]
+        if name not in parts or "{" not in line:
             continue
         labels, _, value = line.rpartition(" ")
-        lab = dict(kv.split("=", 1) for kv in labels[len(_DIGEST_METRIC) + 1 : -1].split(","))
+        lab = dict(kv.split("=", 1) for kv in labels[len(name) + 1 : -1].split(","))
         vals = {k: v.strip('"') for k, v in lab.items()}
-        out[(int(vals["table"]), int(vals["shard"]))] = (int(vals["epoch"]), int(vals["seq"]), int(float(value)))
-    return out
+        parts[name][(int(vals["table"]), int(vals["shard"]))] = int(float(value))
+    digest, epoch, seq = (parts[name] for name in _STATE_METRICS)
+    return {k: (epoch[k], seq[k], d) for k, d in digest.items() if k in epoch and k in seq}
 
 
 class ProcessChaos:

@@ -139,20 +139,28 @@ StateRow = tuple[int, int, int, int, bytes]
 
 
 def export_states(registry: CollectorRegistry, role: str, states: Callable[[], list[StateRow]]) -> None:
-    """Export ``kvcompass_state_digest{role,table,shard,epoch,seq}``: the first 48 bits of each
-    table's (maintenance) or view's (edge) state digest, computed only when scraped. A view
-    matches its writer when epoch, seq and value all agree; ``kvcompass chaos --processes``
-    checks exactly that (a writer's digest includes edits not yet flushed into a batch, so
-    compare while no edits are pending)."""
+    """Export, per table (maintenance) or view (edge), ``kvcompass_state_digest{role,table,shard}``
+    (the first 48 bits of its state digest) beside ``kvcompass_state_epoch`` and
+    ``kvcompass_state_seq`` (its position), all computed once per scrape. A view matches its
+    writer when epoch, seq and digest all agree; ``kvcompass chaos --processes`` checks exactly
+    that (a writer's digest includes edits not yet flushed into a batch, so compare while no
+    edits are pending). The position is a value, not a label: as labels, every flush made a new
+    series (found in review: unbounded cardinality, driven by client traffic)."""
     from prometheus_client.core import GaugeMetricFamily
     from prometheus_client.registry import Collector
 
     class _States(Collector):
         def collect(self) -> list[GaugeMetricFamily]:
-            g = GaugeMetricFamily("kvcompass_state_digest", "First 48 bits of each table's or view's state digest, at its (epoch, seq)", labels=["role", "table", "shard", "epoch", "seq"])
+            lab = ["role", "table", "shard"]
+            d = GaugeMetricFamily("kvcompass_state_digest", "First 48 bits of each table's or view's state digest (at kvcompass_state_epoch, kvcompass_state_seq)", labels=lab)
+            e = GaugeMetricFamily("kvcompass_state_epoch", "Epoch of each table's or view's state", labels=lab)
+            q = GaugeMetricFamily("kvcompass_state_seq", "Last batch sequence number of each table's or view's state", labels=lab)
             for table, shard, epoch, seq, digest in states():
-                g.add_metric([role, str(table), str(shard), str(epoch), str(seq)], float(int.from_bytes(digest[:6], "big")))
-            return [g]
+                key = [role, str(table), str(shard)]
+                d.add_metric(key, float(int.from_bytes(digest[:6], "big")))
+                e.add_metric(key, float(epoch))
+                q.add_metric(key, float(seq))
+            return [d, e, q]
 
     registry.register(_States())
 
