@@ -617,6 +617,7 @@ def test_a_key_limit_per_table_refuses_the_batch_that_would_pass_it(world: World
             acks = await raw_ingest(ch, "asia-0", [_ops("asia-0", 2, 1, keys, 1)], None)
             assert [a.code for a in acks] == [0]  # acknowledged, its new keys left out
             assert unit.digest() == digest and svc.counts.trimmed_keys == len(keys)
+            assert svc.metrics.trimmed_keys.labels(svc.metrics.role)._value.get() == len(keys)  # operators see it
             acks = await raw_ingest(ch, "asia-0", [_ops("asia-0", 2, 2, keys[:4], 1)], None)
             assert [a.code for a in acks] == [0]
             assert unit.digest() != digest

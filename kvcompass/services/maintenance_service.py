@@ -574,6 +574,7 @@ class MaintenanceService(MaintenanceBase):
                         raise
                     dropped = len(batch.keys) - len(trimmed.keys)
                     self.counts.trimmed_keys += dropped
+                    self.metrics.trimmed_keys.labels(self.metrics.role).inc(dropped)  # found in review: no metric showed them
                     _log.warning("shard %d: out of budget, %d new keys of worker %r not indexed (seq %d)", self._unit.shard, dropped, worker, batch.seq)
                     rep = await self._apply(trimmed, worker)
                 self._edits.set()

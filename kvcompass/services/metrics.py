@@ -57,7 +57,8 @@ class ServiceMetrics:
         self.view_bytes = Gauge("kvcompass_view_memory_bytes", "Memory of each keyless view (an edge replica; the writer's mirror)", ["role", "table", "shard"], registry=r)
         self.memory_budget = Gauge("kvcompass_memory_budget_bytes", "Configured memory budget by scope (shard, view); absent: none", ["role", "scope"], registry=r)
         self.over_budget = Gauge("kvcompass_over_budget", "Shards or views at or over their memory budget, by scope", ["role", "scope"], registry=r)
-        self.budget_refusals = Counter("kvcompass_budget_refusals", "Agent batches refused because a memory budget was spent, by scope", ["role", "scope"], registry=r)
+        self.budget_refusals = Counter("kvcompass_budget_refusals", "Agent batches whose new keys a spent memory budget refused (the rest of each batch applies), by scope", ["role", "scope"], registry=r)
+        self.trimmed_keys = Counter("kvcompass_trimmed_keys", "New keys left out of agent batches by a spent memory budget or the unit's --max-keys (not indexed: under-claimed)", ["role"], registry=r)
         self.queue_capacity = Gauge("kvcompass_queue_capacity", "Bound of each kind of bounded queue", ["role", "queue"], registry=r)
         self.queue_depth = Gauge("kvcompass_queue_depth", "Fullest queue of each kind at the last sample", ["role", "queue"], registry=r)
         # both sides
