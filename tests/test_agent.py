@@ -1317,3 +1317,25 @@ def test_a_new_agents_first_heartbeat_is_its_reset() -> None:
     sink.apply(hb)
     assert sink.keys == {}
     assert [b.reset for b in a.heartbeat()] == [False] * 3  # one reset per incarnation
+
+
+def test_a_replay_that_starts_at_a_message_held_live_applies_it() -> None:
+    """Review, twenty-fifth session: a live message that opened a gap was buffered; when the
+    engine's replay ring started exactly at it, its reply counted as a duplicate, and the next
+    reply, resyncing past the gap, dropped it as stale: a removal never applied."""
+    tokens = tuple(range(1000, 1016))
+
+    def msg(seq: int, *ev: Any) -> list[bytes]:
+        return encode_batch(list(ev), seq, float(seq))
+
+    eng = {s: msg(s) for s in range(12)}
+    eng[0] = msg(0, BlockStored((1,), None, tokens[:4], 4))
+    eng[10] = msg(10, BlockRemoved((1,)))  # block 1 evicted at seq 10
+    a = WorkerAgent("w0", NS, [4, 8], 1)
+    a.on_message(eng[0])
+    assert len(a.held()) == 1
+    assert a.on_message(eng[10]).replay is not None  # seqs 1..9 lost
+    for s in (10, 11):  # the ring now starts at 10, the live message itself
+        a.on_replay(encode_replay(s, eng[s][2]))
+    a.on_replay(encode_replay_end())
+    assert a.last_seq == 11 and dict(a.held()) == {}  # the engine holds nothing

@@ -1327,3 +1327,17 @@ def test_agent_ops_with_an_out_of_range_field_are_an_invalid_field() -> None:
     for field in (16, 40, 2**31):
         with pytest.raises(E.InvalidFieldError):
             t.apply_agent_ops(np.array([100], np.uint64), np.array([1], np.uint8), 0, 1, np.zeros(0, np.uint64), field, 8, True)
+
+
+def test_a_table_at_its_maximum_rebuilds_within_it() -> None:
+    """Review, twenty-fifth session: a geometry rounds its capacity up (16 gives 19), and a
+    rebuild with a new seed asked for that, past the maximum: refused for good, and a fallback
+    insert that triggered one failed after its op was emitted. An explicit capacity past the
+    maximum is still refused."""
+    t = kc.LudoTable(capacity=16, max_capacity=16)
+    for k in range(1, 11):
+        t.insert(k * 7, 1)
+    t.rebuild()
+    assert len(t) == 10 and all(t.get(k * 7) == 1 for k in range(1, 11))
+    with pytest.raises(E.CapacityError):
+        t.rebuild(capacity=17)

@@ -391,9 +391,14 @@ class WorkerAgent:
                 self._resync(forget=False)
             return AgentOutput(self._flush())
         self._stats.replayed += 1
-        if b.seq <= self._last_seq or b.seq in self._buffer:
+        if b.seq <= self._last_seq:
             self._stats.duplicates += 1
             return AgentOutput(self._flush())
+        if b.seq in self._buffer:
+            # Held from the live stream already: taken now, in its turn. Counted as a duplicate
+            # and skipped, it was then dropped as stale when a later reply resynced past the
+            # gap (found in review: a removal never applied, its block claimed for good).
+            b = self._buffer.pop(b.seq)
         return self._accept(b, live=False)
 
     def on_replay_failed(self, *, forget: bool = False) -> AgentOutput:

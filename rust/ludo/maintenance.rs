@@ -639,7 +639,7 @@ impl LudoTable {
                 self.stats.fallback_inserts += 1;
                 self.emit(Op::FallbackSet { key, value });
                 if self.view.fallback_len() > self.cfg.fallback_limit {
-                    self.rebuild(self.geo.capacity(), self.geo.seed.wrapping_add(1))?;
+                    self.rebuild(self.reseed_capacity(), self.geo.seed.wrapping_add(1))?;
                 }
                 Ok(Placement::Fallback)
             }
@@ -857,6 +857,15 @@ impl LudoTable {
 
     // ---- rebuilds ---------------------------------------------------------------------------
 
+    /// The capacity a rebuild with a new seed asks for: the current one, never past the
+    /// maximum. A geometry rounds its capacity up (16 gives 19), so asking for the geometry's
+    /// own capacity again was refused once the maximum was reached, after a fallback insert had
+    /// already emitted its op (found in review: a table at its --max-keys then refused every
+    /// fallback insert, and a plain `rebuild()` for good).
+    pub fn reseed_capacity(&self) -> u64 {
+        self.geo.capacity().min(self.cfg.max_capacity).max(self.len())
+    }
+
     fn grow(&mut self, needed: u64) -> Result<()> {
         let mut cap = self.geo.capacity().max(1);
         while cap < needed {
@@ -954,6 +963,27 @@ impl LudoTable {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_table_at_its_maximum_still_rebuilds_for_a_fallback() {
+        // Review, twenty-fifth session: capacity 16 makes a geometry of 19; the rebuild a
+        // fallback insert triggers asked for 19 > max 16 and failed after the op was emitted.
+        let cfg = TableConfig { capacity: 16, max_capacity: 16, fallback_limit: 0, ..TableConfig::default() };
+        let mut t = LudoTable::new(cfg).unwrap();
+        let g = t.geometry();
+        let s = crate::ludo::hash::Seeds::from_table_seed(g.seed);
+        let e1 = crate::ludo::hash::othello_edge(1, &s, g.ma, g.mb);
+        let twins: Vec<u64> = (2u64..).filter(|&k| crate::ludo::hash::othello_edge(k, &s, g.ma, g.mb) == e1).take(2).collect();
+        t.insert(1, 7).unwrap();
+        for &k in &twins {
+            t.insert(k, 9).unwrap(); // a parallel Othello edge: fallback, then a rebuild
+        }
+        t.verify().unwrap();
+        assert_eq!(t.len(), 3);
+        t.rebuild(t.reseed_capacity(), 99).unwrap();
+        t.verify().unwrap();
+    }
+
     use super::*;
     use crate::patch::decode_batch;
     use proptest::prelude::*;

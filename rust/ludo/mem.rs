@@ -14,7 +14,7 @@ use std::ops::{Deref, DerefMut};
 /// Arrays smaller than this stay on ordinary pages (the advice would not pay for itself).
 const HUGE_MIN: usize = 4 << 20;
 #[cfg(target_os = "linux")]
-const HUGE_PAGE: usize = 2 << 20;
+const BASE_PAGE: usize = 4 << 10;
 
 /// Plain data whose all-zero bit pattern is a valid value (so fresh zero pages are a valid
 /// array of it).
@@ -81,7 +81,11 @@ impl<T: Plain> HugeBuf<T> {
         if bytes < HUGE_MIN || std::mem::align_of::<T>() > 4096 || std::env::var_os("KVCOMPASS_NO_HUGEPAGES").is_some() {
             return None;
         }
-        let len = bytes.next_multiple_of(HUGE_PAGE);
+        // Whole base pages, not whole huge pages: the kernel backs the aligned 2 MiB extents
+        // inside with huge pages either way, and a length rounded to 2 MiB left up to 2 MiB an
+        // array resident and unaccounted (found in review: 38 % over the reported bytes at
+        // half a million entries).
+        let len = bytes.next_multiple_of(BASE_PAGE);
         // SAFETY: an anonymous private mapping with no address hint; the result is checked.
         let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
         if p == libc::MAP_FAILED {
@@ -100,7 +104,7 @@ impl<T: Plain> HugeBuf<T> {
     /// Bytes this buffer holds.
     pub(crate) fn bytes(&self) -> usize {
         match self.mapped {
-            Some(_) => self.len * std::mem::size_of::<T>(),
+            Some((_, len)) => len, // the whole mapping
             None => self.fallback.capacity() * std::mem::size_of::<T>(),
         }
     }
@@ -199,6 +203,21 @@ pub fn dependent_load_ns(bytes: usize, steps: usize, seed: u64) -> f64 {
 
 #[cfg(test)]
 mod tests {
+    /// A mapped array is accounted as its whole mapping, and the mapping is whole base pages:
+    /// no 2 MiB tail resident beyond what is reported (review, twenty-fifth session).
+    #[test]
+    fn a_mapped_array_reports_its_mapping() {
+        let n = 600_000usize; // 4.8 MB of u64: past HUGE_MIN, not a whole number of pages
+        let b = super::HugeBuf::<u64>::filled(n, 1);
+        assert_eq!(b.len(), n);
+        assert!(b.iter().all(|&x| x == 1));
+        if b.mapped.is_some() {
+            assert_eq!(b.bytes(), (n * 8).next_multiple_of(4096));
+        } else {
+            assert_eq!(b.bytes(), n * 8);
+        }
+    }
+
     /// The chase visits every line once per lap (a single cycle), whatever the seed.
     #[test]
     fn chase_is_one_cycle() {

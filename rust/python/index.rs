@@ -220,7 +220,7 @@ impl PyLudoTable {
     #[pyo3(signature = (capacity=None))]
     fn rebuild(&self, py: Python<'_>, capacity: Option<u64>) -> PyResult<()> {
         self.write_detached(py, |g| {
-            let cap = capacity.unwrap_or(g.capacity());
+            let cap = capacity.unwrap_or_else(|| g.reseed_capacity()); // the current capacity, within the maximum
             let seed = g.geometry().seed.wrapping_add(1);
             g.rebuild(cap, seed)
         })
