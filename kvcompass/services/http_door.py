@@ -792,13 +792,12 @@ class FrontDoor:
         # new series, kept for the process's life (found in review). A hand-off is counted by
         # the door the client came to, not again here (found in review: every cluster-wide sum
         # of a handed-off request's counters was doubled).
-        if handoff is not None:
-            pass
-        elif tenant in self._tenant_series or len(self._tenant_series) < _TENANT_SERIES:
-            self._tenant_series.add(tenant)
-            self.metrics.tenant_requests.labels(tenant).inc()
-        else:
-            self.metrics.tenant_requests.labels(_OTHER_TENANTS).inc()
+        if handoff is None:
+            if tenant in self._tenant_series or len(self._tenant_series) < _TENANT_SERIES:
+                self._tenant_series.add(tenant)
+                self.metrics.tenant_requests.labels(tenant).inc()
+            else:
+                self.metrics.tenant_requests.labels(_OTHER_TENANTS).inc()
         if batch is None:
             return [_Prepared(request.path, raws[0], token_lists[0], ns, stream, client_usage, headers, handoff)]
         n = body.get("n") or 1

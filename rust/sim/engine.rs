@@ -14,7 +14,7 @@ pub(crate) use policy::py_floordiv;
 use crate::block_cache::{BlockCache, Event, TokenSource, DRAM, VRAM};
 use crate::error::{CoreError, Result, MAX_ELEMENTS};
 use crate::chunk_hash::{block_chain, block_chain_extend, block_chain_root};
-use crate::token_ids::{chain_block_ids, expand_blocks, run_total};
+use crate::token_ids::{chain_block_ids, expand_blocks};
 
 /// The calibrated cost model (`kvcompass.engine.costs.CostModel`), float for float.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -712,8 +712,7 @@ impl Engine {
                     return bad(format!("request {i}: block runs come in (chain, count) pairs"));
                 }
                 // Checked: a sum that wrapped could pass the cover check below.
-                let counts: Vec<u64> = slice.chunks_exact(2).map(|p| p[1]).collect();
-                match run_total(&counts) {
+                match slice.chunks_exact(2).try_fold(0u64, |s, p| s.checked_add(p[1])) {
                     Some(n) => n,
                     None => return bad(format!("request {i}: its block runs' counts overflow 64 bits")),
                 }
