@@ -454,6 +454,10 @@ def test_the_openai_sdk_against_a_door(cluster: Cluster) -> None:
 
     client = openai.OpenAI(base_url=cluster.edge("a") + "/v1", api_key=KEYS["public"], max_retries=0, timeout=30)
     assert MODEL in [m.id for m in client.models.list().data]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as nf:
+        client.models.retrieve("org/absent-model")
+    assert nf.value.body["code"] == "model_not_found" and "org/absent-model" in nf.value.body["message"]  # type: ignore[index]
     r = client.completions.create(model=MODEL, prompt=[_prompt(31, 200), _prompt(32, 120)], n=2, max_tokens=3)
     assert [c.index for c in r.choices] == [0, 1, 2, 3] and all(c.text for c in r.choices)
     assert r.usage is not None and r.usage.prompt_tokens == 320 and r.usage.completion_tokens == 12

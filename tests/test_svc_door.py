@@ -527,6 +527,18 @@ def test_models_metrics_and_health_respond() -> None:
                 assert r.status == 200
                 body = await r.json()
                 assert body["object"] == "list" and [m["id"] for m in body["data"]] == [MODEL]
+            # One model by id (OpenAI's models.retrieve), the same card as the list's.
+            async with t.client.get(f"/v1/models/{MODEL}") as r:
+                assert r.status == 200 and await r.json() == body["data"][0]
+            async with t.client.get("/v1/models/org%2Fgpt-9") as r:
+                err = (await r.json())["error"]
+                assert r.status == 404 and err["code"] == "model_not_found" and "'org/gpt-9'" in err["message"] and MODEL in err["message"]
+            async with t.client.post(f"/v1/models/{MODEL}", json={}) as r:
+                assert r.status == 405 and r.headers["Allow"] == "GET,HEAD"
+            async with t.client.get("/v1/models/") as r:
+                assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
+            async with t.client.get("/metrics") as r:
+                assert metric(await r.text(), "kvcompass_door_requests_total", endpoint="models", status="404") == 2.0
             async with t.client.get("/health") as r:
                 assert r.status == 200 and (await r.json())["status"] == "ok"
             status, _, _ = await complete(t.client, {"prompt": "hello there"})

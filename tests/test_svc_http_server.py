@@ -491,3 +491,18 @@ def test_trailer_fields_are_not_headers_and_are_held_to_the_head_limit(loop: str
             assert await asyncio.wait_for(r.read(), 5) == b""
 
     run(loop, go)
+
+
+def test_a_prefix_route_needs_a_trailing_slash_and_yields_to_exact_routes() -> None:
+    app = App()
+    with pytest.raises(InvalidArgumentError, match="ends in '/'"):
+        app.add_get_prefix("/v1/models", _noop)
+    app.add_get_prefix("/v1/models/", _noop)
+    app.add_get("/v1/models/special", _noop)
+    assert app._prefixed("/v1/models/a%2Fb") == {"GET": _noop}
+    assert app._prefixed("/v1/models/") is None and app._prefixed("/v1/modelsx") is None
+    assert app.routes["/v1/models/special"] == {"GET": _noop}
+
+
+async def _noop(request: Request) -> StreamResponse:
+    return json_response({})

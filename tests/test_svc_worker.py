@@ -314,6 +314,10 @@ def test_models_health_metrics_and_load() -> None:
             async with s.get(w.http_url + "/v1/models") as r:
                 models = await r.json()
             assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["qwen-test"]
+            async with s.get(w.http_url + "/v1/models/qwen-test") as r:
+                assert r.status == 200 and await r.json() == models["data"][0]
+            async with s.get(w.http_url + "/v1/models/gpt-9") as r:
+                assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
             async with s.get(w.http_url + "/health") as r:
                 assert r.status == 200
             st, _, _ = await post(s, w.http_url + "/v1/completions", {"model": "qwen-test", "prompt": list(range(40)), "max_tokens": 2})

@@ -86,8 +86,20 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from kvcompass.agent.events import REPLAY_END_SEQ, Event, encode_batch
 from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.errors import DrainingError, InvalidArgumentError
-from kvcompass.services.http_server import App, HttpServer, Request, Response, StreamResponse, json_response
-from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, OpenAIError, chat_tokens, decode_json_object, batch_prompt_tokens, prompt_batch, prompt_tokens
+from kvcompass.services.http_server import App, HttpServer, Request, Response, StreamResponse, json_response, path_tail
+from kvcompass.services.openai_api import (
+    INLINE_TOKENIZE_CHARS,
+    MODELS_PREFIX,
+    OpenAIError,
+    batch_prompt_tokens,
+    chat_tokens,
+    decode_json_object,
+    model_card,
+    model_not_found,
+    models_list,
+    prompt_batch,
+    prompt_tokens,
+)
 from kvcompass.engine.tokenizer import Tokenizer, load_tokenizer
 from kvcompass.engine.cache import DEFAULT_DRAM_TOKENS, DEFAULT_VRAM_TOKENS, Policy, PrefixCache, worker_capacities
 from kvcompass.engine.costs import CostModel
@@ -322,6 +334,7 @@ class EmulatedWorker(AsyncResource):
             app.add_post("/v1/completions", self._completions)
             app.add_post("/v1/chat/completions", self._chat)
             app.add_get("/v1/models", self._models)
+            app.add_get_prefix(MODELS_PREFIX, self._model)
             app.add_get("/health", self._health)
             app.add_get("/metrics", self._metrics_handler)
             app.add_get(LOAD_PATH, self._load)
@@ -602,9 +615,17 @@ class EmulatedWorker(AsyncResource):
         return json_response({"worker": self.config.worker_id, "queue_ms": self.queue_ms(), "waiting": self.waiting, "running": self.running})
 
     async def _models(self, request: Request) -> Response:
+        return json_response(models_list([self._card()]))
+
+    async def _model(self, request: Request) -> Response:
+        model = path_tail(request, MODELS_PREFIX)
+        if model != self.config.model:
+            raise model_not_found(model, [self.config.model])
+        return json_response(self._card())
+
+    def _card(self) -> dict[str, Any]:
         c = self.config
-        card = {"id": c.model, "object": "model", "created": self._created, "owned_by": "kvcompass", "root": c.model, "parent": None, "max_model_len": c.max_model_len}
-        return json_response({"object": "list", "data": [card]})
+        return model_card(c.model, self._created, root=c.model, parent=None, max_model_len=c.max_model_len)
 
     async def _completions(self, request: Request) -> StreamResponse:
         return await self._serve(request, chat=False)
@@ -737,7 +758,7 @@ class EmulatedWorker(AsyncResource):
         body = decode_json_object(raw, request.headers.get("Content-Type"))
         model = body.get("model")
         if model is not None and model != self.config.model:
-            raise OpenAIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+            raise model_not_found(model, [self.config.model])
         n = body.get("n")
         if n is None:
             n = 1

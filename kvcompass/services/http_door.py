@@ -84,14 +84,18 @@ from kvcompass.errors import DrainingError, InvalidArgumentError, KVCompassError
 from kvcompass.index_types import Namespace
 from kvcompass.services.api_keys import ANY_TENANT, ApiKey, KeyStore
 from kvcompass.services.conn_guard import ConnGuard
-from kvcompass.services.http_server import App, HttpServer, Request, Response, StreamResponse, json_response
+from kvcompass.services.http_server import App, HttpServer, Request, Response, StreamResponse, json_response, path_tail
 from kvcompass.services.openai_api import (
     INLINE_TOKENIZE_CHARS,
+    MODELS_PREFIX,
     OpenAIError,
     batch_prompt_tokens,
     chat_tokens,
     decode_json_object,
     error_body,
+    model_card,
+    model_not_found,
+    models_list,
     parse_json,
     prompt_batch,
     prompt_tokens,
@@ -580,12 +584,18 @@ class FrontDoor:
         hook)."""
         # A hand-off from another region's door is labelled apart, so a sum over doors counts
         # each client request once.
-        endpoint = "handoff" if HANDOFF_HEADER in request.headers else _ENDPOINTS.get(request.path, "other")
+        endpoint = "handoff" if HANDOFF_HEADER in request.headers else _ENDPOINTS.get(request.path) or ("models" if request.path.startswith(MODELS_PREFIX) else "other")
         self.metrics.requests.labels(endpoint, str(resp.status)).inc()
 
     async def models(self, request: Request) -> Response:
-        data = [{"id": m, "object": "model", "created": self._created, "owned_by": "kvcompass"} for m in self.config.models]
-        return json_response({"object": "list", "data": data})
+        return json_response(models_list([model_card(m, self._created) for m in self.config.models]))
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{model}`` (OpenAI's ``models.retrieve``)."""
+        model = path_tail(request, MODELS_PREFIX)
+        if model not in self._models:
+            raise model_not_found(model, self.config.models)
+        return json_response(model_card(model, self._created))
 
     async def health(self, request: Request) -> Response:
         """Readiness with the reason when not ready: draining, a view behind its writer, or a
@@ -706,7 +716,7 @@ class FrontDoor:
         elif not isinstance(model, str):
             raise OpenAIError(400, "model must be a string", "model", "invalid_type")
         elif model not in self._models:
-            raise OpenAIError(404, f"the model {model!r} does not exist; this edge serves {list(cfg.models)}", "model", "model_not_found")
+            raise model_not_found(model, cfg.models)
         stream = body.get("stream", False)
         if stream is None:
             stream = False
@@ -1517,6 +1527,7 @@ def make_app(
     app.add_post("/v1/completions", door.completions)
     app.add_post("/v1/chat/completions", door.chat_completions)
     app.add_get("/v1/models", door.models)
+    app.add_get_prefix(MODELS_PREFIX, door.model)
     app.add_get("/health", door.health)
     app.add_get("/metrics", door.metrics_endpoint)
     return app

@@ -42,6 +42,7 @@ import logging
 import socket
 import ssl
 import time
+import urllib.parse
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
@@ -52,7 +53,7 @@ from kvcompass.errors import InvalidArgumentError, KVCompassError, MessageTooLar
 from kvcompass.services.conn_guard import ConnGuard
 from kvcompass.services.openai_api import OpenAIError, error_body
 
-__all__ = ["App", "Headers", "HttpServer", "Request", "Response", "StreamResponse", "json_response"]
+__all__ = ["App", "Headers", "HttpServer", "Request", "Response", "StreamResponse", "json_response", "path_tail"]
 
 _log = logging.getLogger("kvcompass.http")
 
@@ -285,6 +286,12 @@ def error_response(e: OpenAIError) -> Response:
     return json_response(error_body(e.status, e.message, e.param, e.code, e.kind), status=e.status, headers=e.headers)
 
 
+def path_tail(request: Request, prefix: str) -> str:
+    """What follows ``prefix`` in the request's path, percent-decoded (a model id such as
+    ``org/model`` arrives as ``org%2Fmodel`` from OpenAI's clients, or plain)."""
+    return urllib.parse.unquote(request.path[len(prefix):])
+
+
 class App:
     """The route table (path -> method -> handler), the hook that sees every response
     (``observe(request, response, error)``; ``error`` is the refusal or None), and the
@@ -294,6 +301,9 @@ class App:
         self.max_body_bytes = max_body_bytes
         self.observe = observe
         self.routes: dict[str, dict[str, Handler]] = {}
+        # Path prefix -> GET handler, for a resource named in the path (``/v1/models/{id}``),
+        # tried only when no exact route matches.
+        self.prefixes: dict[str, Handler] = {}
         self.on_startup: list[Callable[[], Awaitable[None]]] = []
         self.on_cleanup: list[Callable[[], Awaitable[None]]] = []
         self.state: dict[str, Any] = {}
@@ -304,15 +314,31 @@ class App:
     def add_get(self, path: str, handler: Handler) -> None:
         self.routes.setdefault(path, {})["GET"] = handler
 
+    def add_get_prefix(self, prefix: str, handler: Handler) -> None:
+        """``handler`` answers GET (and HEAD) of every path under ``prefix`` (which ends in
+        ``/``) that has no exact route; it reads the rest of the path itself (still
+        percent-encoded: :func:`path_tail`)."""
+        if not prefix.endswith("/"):
+            raise InvalidArgumentError(f"a route prefix ends in '/', got {prefix!r}")
+        self.prefixes[prefix] = handler
+
     @property
     def paths(self) -> list[str]:
         return sorted(self.routes)
+
+    def _prefixed(self, path: str) -> dict[str, Handler] | None:
+        for prefix, handler in self.prefixes.items():
+            if path.startswith(prefix) and len(path) > len(prefix):
+                return {"GET": handler}
+        return None
 
     async def handle(self, request: Request) -> StreamResponse:
         """The route's handler with refusals turned into OpenAI's error body, and a handler's
         failure into a logged 500 (``ConnectionResetError`` once the client is gone passes)."""
         err: OpenAIError | None = None
         methods = self.routes.get(request.path)
+        if methods is None and self.prefixes:
+            methods = self._prefixed(request.path)
         handler = None if methods is None else methods.get(request.method) or (methods.get("GET") if request.method == "HEAD" else None)
         if methods is None or handler is None:
             # Not a refusal of a request the app serves: answered, observed with no error.

@@ -28,12 +28,16 @@ from kvcompass.services.status import http_of
 
 __all__ = [
     "INLINE_TOKENIZE_CHARS",
+    "MODELS_PREFIX",
     "ErrorType",
     "OpenAIError",
     "batch_prompt_tokens",
     "chat_tokens",
     "decode_json_object",
     "error_body",
+    "model_card",
+    "model_not_found",
+    "models_list",
     "one_prompt_tokens",
     "parse_json",
     "prompt_batch",
@@ -87,6 +91,28 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     """``{"error": {"message", "type", "param", "code"}}``, OpenAI's shape."""
     t = kind or ("invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": t, "param": param, "code": code}}
+
+
+MODELS_PREFIX = "/v1/models/"
+"""Where ``GET /v1/models/{model}`` lives (OpenAI's ``models.retrieve``)."""
+
+
+def model_card(model: str, created: int, **extra: Any) -> dict[str, Any]:
+    """One model as ``GET /v1/models`` lists it and ``GET /v1/models/{model}`` answers it
+    (OpenAI's ``Model`` object; ``extra`` adds vLLM's fields such as ``max_model_len``)."""
+    return {"id": model, "object": "model", "created": created, "owned_by": "kvcompass", **extra}
+
+
+def models_list(cards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """``GET /v1/models``'s body."""
+    return {"object": "list", "data": list(cards)}
+
+
+def model_not_found(model: str, served: Sequence[str]) -> OpenAIError:
+    """The refusal of a model this server does not serve, in a request body or in
+    ``/v1/models/{model}``: 404 ``model_not_found``, as OpenAI and vLLM answer it, naming what
+    is served so a misspelt name is seen at once."""
+    return OpenAIError(404, f"the model {model!r} does not exist; this server serves {list(served)}", "model", "model_not_found")
 
 
 def _is_json(content_type: str) -> bool:
