@@ -284,6 +284,9 @@ class SimEngine:
         """Schedule every arrival (before anything scheduled after this call)."""
     def set_closed_loop(self, outstanding: int) -> None:
         """Closed loop (before ``start``): ``outstanding`` requests in flight; each completion issues the next."""
+    def set_parents(self, parents: npt.NDArray[np.uint32]) -> None:
+        """Follow-ups wait for their parents (before ``start``): request ``i`` is sent no earlier than
+        request ``parents[i]``'s last token reaches its client (``2**32 - 1``: none; a parent comes first)."""
     def issued(self) -> npt.NDArray[np.float64]:
         """When each request reached its edge (ms); empty before ``start``."""
     def transfer_ms(self, tokens: int) -> float:

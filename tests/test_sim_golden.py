@@ -10,7 +10,10 @@ Model changes made since, on purpose, re-pin only what they change, from the Rus
 ``planetserve`` entries since its balancer applies PlanetServe's load threshold (issue 14);
 ``random``, ``round-robin`` and ``sglang-cache-aware``, schemes added after the move, are pinned
 from the Rust engine;
-every other entry is still the Python engine's."""
+every other entry is still the Python engine's. Those entries replay follow-ups at their own
+times (``follow_ups="on-time"``, as they were pinned); the ``*/follow-ups*`` entries, where
+follow-ups wait for their parents' answers (the default since the twenty-sixth session), are
+pinned from the Rust engine."""
 
 from __future__ import annotations
 

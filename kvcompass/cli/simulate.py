@@ -319,7 +319,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
     workloads = {rate: own if own is not None else workload(float(rate)) for rate in rates}
     eviction = _eviction(args)
-    options = {"seed": args.seed, **faults, "gpu_sharing": args.gpu_sharing, "max_batched_tokens": args.max_batched_tokens, "policy": eviction, "closed_loop": args.closed_loop}
+    options = {"seed": args.seed, **faults, "gpu_sharing": args.gpu_sharing, "max_batched_tokens": args.max_batched_tokens, "policy": eviction, "closed_loop": args.closed_loop, "follow_ups": args.follow_ups}
     cells = [(rate, scheme) for rate in rates for scheme in schemes]
 
     def started(k: int, total: int, scheme: str, rate: str, n: int) -> None:
@@ -544,6 +544,14 @@ def add_parsers(sub: Any) -> None:
         choices=("chunked", "lanes"),
         default="chunked",
         help="how prefill and decode share a worker: chunked (vLLM's steps: each slows the other; default) or lanes (separate, the older model)",
+    )
+    sim.add_argument(
+        "--follow-ups",
+        choices=("after-parent", "on-time"),
+        default="after-parent",
+        help="when a follow-up (an agent's next call, a chat's next turn) is sent: at its own time or when its parent's answer has "
+        "reached the client, whichever is later (after-parent, default: its prompt holds that answer), or at its own time "
+        "whatever the parent's progress (on-time, earlier versions' replay)",
     )
     sim.add_argument("--max-batched-tokens", type=int, default=2048, metavar="N", help="tokens per engine step with chunked sharing (vLLM's max_num_batched_tokens; default 2048)")
     sim.add_argument(

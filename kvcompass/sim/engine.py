@@ -124,10 +124,12 @@ from kvcompass.sim.schemes import Choice, Fleet, Scheme, make_scheme, salt_key, 
 from kvcompass.sim.requests import Request, RequestTable
 from kvcompass.sim.workload import collector_paused
 
-__all__ = ["DEFAULT_DRAM_TOKENS", "DEFAULT_VRAM_TOKENS", "GPU_SHARING", "GpuSharing", "SimConfig", "Simulator", "simulate"]
+__all__ = ["DEFAULT_DRAM_TOKENS", "DEFAULT_VRAM_TOKENS", "FOLLOW_UPS", "GPU_SHARING", "FollowUps", "GpuSharing", "SimConfig", "Simulator", "simulate"]
 
 GpuSharing = Literal["chunked", "lanes"]
 GPU_SHARING: tuple[GpuSharing, ...] = ("chunked", "lanes")
+FollowUps = Literal["after-parent", "on-time"]
+FOLLOW_UPS: tuple[FollowUps, ...] = ("after-parent", "on-time")
 
 # Requests built for the schemes a chunk of 2**bits at a time, and chunks kept (Simulator._request).
 _ROW_CHUNK_BITS = 10
@@ -175,6 +177,13 @@ class SimConfig:
     issues the next request in order when its client has the last token (no think time), so
     the throughput is what the fleet sustains under the scheme (the paper's ablation figure
     measures it so). Latencies then describe N requests in flight, not an offered rate."""
+    follow_ups: FollowUps = "after-parent"
+    """When a follow-up (a request whose workload names a parent: an agent's next call, a
+    chat's next turn) is sent. ``"after-parent"``: at its own time, or when its parent's last
+    token reaches the client if that is later, since its prompt holds the parent's answer and
+    no client can send it before that answer exists. ``"on-time"``: at its own time whatever
+    the parent's progress (the open-loop replay of earlier versions, in which a follow-up could
+    arrive before its parent's answer and find less of its prompt cached)."""
 
     def __post_init__(self) -> None:
         if not self.event_delay_ms >= 0:
@@ -194,6 +203,30 @@ class SimConfig:
             raise InvalidArgumentError(f"max_batched_tokens must be an int >= 1, got {self.max_batched_tokens!r}")
         if type(self.closed_loop) is not int or self.closed_loop < 0:
             raise InvalidArgumentError(f"closed_loop must be an int >= 0 (0: open loop), got {self.closed_loop!r}")
+        if self.follow_ups not in FOLLOW_UPS:
+            raise InvalidArgumentError(f"follow_ups must be one of {', '.join(FOLLOW_UPS)}, got {self.follow_ups!r}")
+
+
+_NO_PARENT = 2**32 - 1
+
+
+def _parent_positions(ids: npt.NDArray[np.int64], parent: npt.NDArray[np.int64]) -> npt.NDArray[np.uint32] | None:
+    """Each request's parent as a position in the same (arrival-ordered) table, for
+    :meth:`SimEngine.set_parents`; None when no request has a parent in it. A parent that is not
+    in the table (cut off by ``max_requests``, or before the trace's window) or that does not
+    arrive before its follow-up waits for no one."""
+    n = len(ids)
+    has = parent >= 0
+    if not n or not has.any():
+        return None
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    at = np.minimum(np.searchsorted(sorted_ids, parent), n - 1)
+    pos = order[at]
+    ok = has & (sorted_ids[at] == parent) & (pos < np.arange(n))
+    if not ok.any():
+        return None
+    return np.where(ok, pos, _NO_PARENT).astype(np.uint32)
 
 
 class _Worker:
@@ -386,6 +419,10 @@ class Simulator:
         )
         if config.closed_loop:
             self._engine.set_closed_loop(config.closed_loop)
+        if config.follow_ups == "after-parent":
+            parents = _parent_positions(reqs.ids, reqs.parent)
+            if parents is not None:
+                self._engine.set_parents(parents)
         self._run_rng = _RunRng(self._engine)
         self._engine_holds_caches = True
         # Queue-vector broadcasts between edges travel in the engine (see _settle): where each
@@ -812,6 +849,7 @@ def simulate(
     gpu_sharing: GpuSharing = "chunked",
     max_batched_tokens: int = 2048,
     closed_loop: int = 0,
+    follow_ups: FollowUps = "after-parent",
     progress: Callable[[int, int], None] | None = None,
 ) -> Summary:
     """Run ``requests`` through ``topology`` (a built-in name, a TOML path, or a Topology) with
@@ -833,5 +871,6 @@ def simulate(
         gpu_sharing=gpu_sharing,
         max_batched_tokens=max_batched_tokens,
         closed_loop=closed_loop,
+        follow_ups=follow_ups,
     )
     return Simulator(topo, requests, scheme, config).run(progress)

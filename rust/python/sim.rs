@@ -603,6 +603,14 @@ impl PySimEngine {
         self.inner.start();
     }
 
+    /// Follow-ups wait for their parents (before `start`): `parents[i]` (uint32, in arrival
+    /// order; 2**32 - 1 for none) is the request whose last token must reach the client
+    /// before request `i` is sent; it must come before `i`.
+    fn set_parents(&mut self, parents: &Bound<'_, PyAny>) -> PyResult<()> {
+        let p = u32_vec("parents", parents)?;
+        self.inner.set_parents(&p).map_err(core_err)
+    }
+
     /// Run closed loop (before `start`): `outstanding` requests in flight; each completion
     /// issues the next request when its client has the last token.
     fn set_closed_loop(&mut self, outstanding: usize) -> PyResult<()> {

@@ -674,10 +674,22 @@ pub struct Engine {
     closed: usize,
     /// Closed loop: the next request to issue when one completes.
     next_issue: usize,
-    /// When each request reached its edge: its arrival time, or in a closed loop the time its
-    /// client saw the previous request's last token.
+    /// When each request reached its edge: the latest of its arrival time (or in a closed
+    /// loop the time its client saw the previous request's last token) and, for a follow-up
+    /// that waits ([`Self::set_parents`]), when its parent's last token reached the client.
     issued: Vec<f64>,
+    /// Follow-ups that wait for their parents: request -> parent (`NO_PARENT`: none).
+    parent: Vec<u32>,
+    /// Each request's waiting follow-ups, `child[child_offs[i]..child_offs[i + 1]]`.
+    child_offs: Vec<u32>,
+    child: Vec<u32>,
+    /// Conditions a request still waits on before it arrives: issued (its time or its turn in
+    /// a closed loop) and, for a waiting follow-up, its parent done.
+    gate: Vec<u8>,
 }
+
+/// [`Engine::set_parents`]: a request that waits for no one.
+pub const NO_PARENT: u32 = u32::MAX;
 
 impl Engine {
     /// Everything [`Self::new`] checks, from what the workers' setups say (their caches'
@@ -864,7 +876,64 @@ impl Engine {
             closed: 0,
             next_issue: 0,
             issued: Vec::new(),
+            parent: Vec::new(),
+            child_offs: Vec::new(),
+            child: Vec::new(),
+            gate: Vec::new(),
         })
+    }
+
+    /// Follow-ups wait for their parents (before [`Self::start`]): request `i` (in arrival
+    /// order) reaches its edge no earlier than when the last token of request `parents[i]`
+    /// reached that request's client ([`NO_PARENT`]: it waits for no one). A follow-up's
+    /// prompt holds its parent's answer, so no client can send it before that answer exists;
+    /// open loop, it arrives at the later of its own time and that moment. A parent must come
+    /// earlier in arrival order (so every wait ends).
+    pub fn set_parents(&mut self, parents: &[u32]) -> Result<()> {
+        if self.started {
+            return Err(CoreError::InvalidArgument("set_parents must come before start".into()));
+        }
+        let n = self.prompts.reqs.len();
+        if parents.len() != n {
+            return Err(CoreError::InvalidArgument(format!("set_parents: {} parents for {n} requests", parents.len())));
+        }
+        let mut counts = vec![0u32; n + 1];
+        for (i, &p) in parents.iter().enumerate() {
+            if p != NO_PARENT {
+                if p as usize >= i {
+                    return Err(CoreError::InvalidArgument(format!("set_parents: request {i}'s parent {p} does not come before it")));
+                }
+                counts[p as usize + 1] += 1;
+            }
+        }
+        for i in 0..n {
+            counts[i + 1] += counts[i];
+        }
+        let mut child = vec![0u32; counts[n] as usize];
+        let mut fill = counts.clone();
+        for (i, &p) in parents.iter().enumerate() {
+            if p != NO_PARENT {
+                child[fill[p as usize] as usize] = i as u32;
+                fill[p as usize] += 1;
+            }
+        }
+        self.parent = parents.to_vec();
+        self.child_offs = counts;
+        self.child = child;
+        Ok(())
+    }
+
+    /// One of request `req`'s conditions is met at `t`: it arrives at the latest such time
+    /// once none is left.
+    fn release(&mut self, req: usize, t: f64) {
+        if t > self.issued[req] {
+            self.issued[req] = t;
+        }
+        self.gate[req] -= 1;
+        if self.gate[req] == 0 {
+            let at = self.issued[req];
+            self.push(at, Ev::Arrive(req as u32));
+        }
     }
 
     /// Run closed loop (before [`Self::start`]): `outstanding` requests in flight at any time;
@@ -1065,11 +1134,13 @@ impl Engine {
             return;
         }
         self.started = true;
-        self.issued = self.prompts.reqs.iter().map(|r| r.arrival_ms).collect();
-        let n = if self.closed > 0 { self.closed.min(self.prompts.reqs.len()) } else { self.prompts.reqs.len() };
+        let total = self.prompts.reqs.len();
+        self.issued = vec![f64::NEG_INFINITY; total];
+        self.gate = if self.parent.is_empty() { vec![1; total] } else { self.parent.iter().map(|&p| 1 + u8::from(p != NO_PARENT)).collect() };
+        let n = if self.closed > 0 { self.closed.min(total) } else { total };
         for i in 0..n {
             let t = self.prompts.reqs[i].arrival_ms;
-            self.push(t, Ev::Arrive(i as u32));
+            self.release(i, t);
         }
         self.next_issue = n;
     }
@@ -1081,6 +1152,9 @@ impl Engine {
                 return Ok(Some(Step::Out));
             }
             let Some(e) = self.heap.pop() else {
+                if !self.parent.is_empty() && self.gate.iter().any(|&g| g != 0) {
+                    return Err(CoreError::InvalidArgument("the run ended with follow-ups still waiting for their parents".into()));
+                }
                 return Ok(None);
             };
             self.now = e.t;
@@ -1953,11 +2027,17 @@ impl Engine {
         r.claimed[i] = j.claimed;
         self.free_job(job); // nothing refers to a completed job again
         self.done += 1;
+        if !self.child.is_empty() {
+            for k in self.child_offs[i]..self.child_offs[i + 1] {
+                let c = self.child[k as usize] as usize;
+                self.release(c, at_client);
+            }
+        }
         if self.closed > 0 && self.next_issue < self.prompts.reqs.len() {
             let next = self.next_issue;
             self.next_issue += 1;
-            self.issued[next] = at_client;
-            self.push(at_client, Ev::Arrive(next as u32));
+            // Its turn came now: that, not its own arrival time, is when it is issued.
+            self.release(next, at_client);
         }
         let total = self.prompts.reqs.len() as u64;
         if self.done % self.progress_every == 0 || self.done == total {
