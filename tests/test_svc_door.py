@@ -88,6 +88,11 @@ class Fleet:
     """Workers whose stream, after its first event, sends bytes that never end an event."""
     pad: dict[str, int] = field(default_factory=dict)
     """Characters of padding a worker's whole answer carries (``"pad"``: a large answer)."""
+    null_usage: bool = True
+    """Whether a stream's chunks carry ``"usage": null`` (the emulated worker) or no usage key
+    at all (vLLM, which leaves unset fields out)."""
+    logprob_token: str | None = None
+    """A token text each stream chunk names in its logprobs (e.g. ``usage``, unescaped bytes)."""
     calls: list[tuple[str, dict[str, Any], dict[str, str]]] = field(default_factory=list)
 
     def served(self) -> list[str]:
@@ -122,7 +127,10 @@ class Fleet:
         include = bool((body.get("stream_options") or {}).get("include_usage"))
         for i in range(self.chunks):
             chunk: dict[str, Any] = {"id": f"cmpl-{wid}", "object": "text_completion", "choices": [{"index": j, "text": f"t{i}", "finish_reason": None} for j in range(n)]}
-            if include:
+            if self.logprob_token is not None:
+                for c in chunk["choices"]:
+                    c["logprobs"] = {"tokens": [self.logprob_token], "token_logprobs": [-0.5]}
+            if include and self.null_usage:
                 chunk["usage"] = None
             await resp.write(sse(chunk))
             if i == 0 and self.gate is not None:
@@ -352,6 +360,28 @@ def test_streams_pass_through_event_by_event_in_order() -> None:
             usage = json.loads(events[-2][len(b"data: ") :])
             assert usage["choices"] == [] and usage["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
             assert len(events) == fleet.chunks + 2
+
+    run(go())
+
+
+def test_a_chunk_that_only_names_usage_in_its_text_passes_through_untouched() -> None:
+    # Review: a vLLM chunk has no usage key (unset fields are left out); one whose logprobs hold
+    # the token "usage" passed the door's byte screen and `del obj["usage"]` cut the stream.
+    plane = make_plane()
+    ids = prompt_ids(4, 256)
+
+    async def go() -> None:
+        fleet = Fleet(null_usage=False, logprob_token="usage", chunks=3)
+        async with rig(plane, fleet) as t:
+            async with t.client.post("/v1/completions", json={"prompt": ids.tolist(), "stream": True, "logprobs": 1}) as r:
+                assert r.status == 200
+                events = sse_events(await r.read())
+            assert events[-1] == b"data: [DONE]" and len(events) == 4, events
+            for i, e in enumerate(events[:-1]):
+                chunk = json.loads(e[len(b"data: ") :])
+                assert "usage" not in chunk and chunk["choices"][0]["text"] == f"t{i}"
+                assert chunk["choices"][0]["logprobs"]["tokens"] == ["usage"]
+            assert metric(await t.metrics(), "kvcompass_door_responses_without_cached_tokens_total") == 0
 
     run(go())
 

@@ -1191,9 +1191,11 @@ class FrontDoor:
             obj = parse_json(payload)
         except ValueError:
             return event
-        if not isinstance(obj, dict):
+        # The byte test above only screens: the word can sit in a token's text or a logprob, so
+        # what the event carries is decided from the parsed object.
+        if not isinstance(obj, dict) or obj.get("usage") is None:
             return event
-        usage = obj.get("usage")
+        usage = obj["usage"]
         if isinstance(usage, dict):
             self._usage_into(usage, fb)
         if prep.client_usage:
