@@ -67,7 +67,8 @@ CASES: list[tuple[str, Any, bytes | None]] = [
     ("/v1/chat/completions", {"messages": ["hi"]}, None),
     ("/v1/chat/completions", {"messages": [{"content": "x"}]}, None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, None),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None),
+    ("/v1/chat/completions", {"messages": [{"role": 7, "content": "x"}]}, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"text": "no type"}]}]}, None),
 ]
 
 

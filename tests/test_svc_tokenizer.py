@@ -79,15 +79,43 @@ def test_chat_content_parts_and_null(tok: Tokenizer) -> None:
     assert len(tok.apply_chat_template(tool_call)) > 0
 
 
+def test_chat_accepts_what_engines_accept_and_keys_calls_and_media_by_content(tok: Tokenizer) -> None:
+    # Review: the door refused requests vLLM serves (an assistant turn with tool_calls and no
+    # content key, refusal/input_text parts, images, a custom role) with a 400.
+    def ids(*messages: dict[str, object]) -> list[int]:
+        return tok.apply_chat_template(list(messages), add_generation_prompt=False).tolist()
+
+    user = {"role": "user", "content": "What is the weather in Paris?"}
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Paris"}'}}
+    other = {**call, "function": {"name": "weather", "arguments": '{"city":"Lyon"}'}}
+    a = ids(user, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "12 C"})
+    b = ids(user, {"role": "assistant", "tool_calls": [other]}, {"role": "tool", "tool_call_id": "c1", "content": "12 C"})
+    bare = ids(user, {"role": "assistant"})
+    assert len(a) > len(bare) and a != b  # the calls are keyed, so different calls part ways
+    assert a[: len(ids(user))] == b[: len(ids(user))]
+    # Text-like parts read as text; the same text in any of them gives the same ids.
+    plain = ids({"role": "user", "content": "hello"})
+    for kind, field in (("text", "text"), ("input_text", "text"), ("output_text", "text"), ("refusal", "refusal")):
+        assert ids({"role": "user", "content": [{"type": kind, field: "hello"}]}) == plain
+    # Media parts: the same image gives the same ids, another image other ids, and neither is text.
+    img = lambda url: {"role": "user", "content": [{"type": "text", "text": "Describe "}, {"type": "image_url", "image_url": {"url": url}}]}
+    assert ids(img("data:image/png;base64,AAAA")) == ids(img("data:image/png;base64,AAAA"))
+    assert ids(img("data:image/png;base64,AAAA")) != ids(img("data:image/png;base64,BBBB"))
+    # A role outside OpenAI's list is the engine's template's business, not the door's.
+    assert ids({"role": "observation", "content": "x"}) != ids({"role": "user", "content": "x"})
+
+
 @pytest.mark.parametrize(
     ("messages", "needle"),
     [
         ("hello", "must be a list"),
         ([], "must not be empty"),
-        ([{"role": "wizard", "content": "x"}], "messages[0].role"),
-        ([{"role": "user"}], "messages[0].content is missing"),
+        ([{"role": 3, "content": "x"}], "messages[0].role must be a non-empty string"),
+        ([{"content": "x"}], "messages[0].role"),
         ([{"role": "user", "content": "a"}, {"role": "user", "content": 5}], "messages[1].content"),
-        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content[0]"),
+        ([{"role": "user", "content": ["hi"]}], "messages[0].content[0] must be a content part"),
+        ([{"role": "user", "content": [{"type": "text", "text": 4}]}], "messages[0].content[0].text must be a string"),
+        ([{"role": "assistant", "tool_calls": [{"f": float("nan")}]}], "messages[0].tool_calls is not JSON"),
         (["just text"], "messages[0] must be an object"),
     ],
 )

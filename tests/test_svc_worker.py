@@ -275,7 +275,7 @@ BAD: list[tuple[str, object, bytes | None, int, str | None, str | None]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, None, 400, "tool_choice", "unsupported"),
     ("/v1/chat/completions", {}, None, 400, "messages", "missing_messages"),
     ("/v1/chat/completions", {"messages": "hello"}, None, 400, "messages", "invalid_type"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None, 400, "messages", "invalid_messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "", "content": "x"}]}, None, 400, "messages", "invalid_messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -2}, None, 400, "max_completion_tokens", None),
 ]
 

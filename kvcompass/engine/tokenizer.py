@@ -31,6 +31,7 @@ depends on that, and token boundaries never straddle two messages.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -171,11 +172,12 @@ class Tokenizer:
     def apply_chat_template(self, messages: object, *, add_generation_prompt: bool = True) -> npt.NDArray[np.uint32]:
         """Token ids of a chat in the ChatML format of the module notes.
 
-        ``messages``: a non-empty list of OpenAI chat messages, each a mapping with ``role``
-        (system, developer, user, assistant or tool) and ``content``: a string, a list of
-        ``{"type": "text", "text": ...}`` parts (joined), or null (read as empty, as an
-        assistant message that only calls tools has). Other keys (``name``, ``tool_calls``) are
-        ignored. InvalidArgumentError names the first offending message and field.
+        ``messages``: a non-empty list of OpenAI chat messages, each a mapping with a ``role``
+        (any non-empty string) and an optional ``content``: a string, a list of content parts
+        (text, ``input_text``, ``output_text`` and ``refusal`` parts as their text, other parts
+        such as ``image_url`` as a digest of their JSON), or null/absent (empty). An assistant's
+        ``tool_calls`` follow its content as canonical JSON; other keys (``name``) are ignored.
+        InvalidArgumentError names the first offending message and field.
         """
         ids, _ = self.encode_chat(messages)
         if not add_generation_prompt:
@@ -275,28 +277,63 @@ def _text(name: str, text: object) -> str:
     return text
 
 
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+"""Content part types that carry text, and the field that holds it (OpenAI's chat and responses
+shapes; vLLM reads all four)."""
+
+
 def _message(i: int, m: object) -> tuple[str, str]:
+    """A message's role and the text the door keys it by.
+
+    Lenient as the engines are, because a refusal here refuses a request the worker would serve:
+    any role string passes (vLLM hands custom roles to the model's template); a missing content
+    is empty (an assistant message that only calls tools has none); an assistant's
+    ``tool_calls`` and a non-text part (an image, audio, a file) are keyed by their JSON, a part by
+    a digest of it, so two conversations share a prefix exactly as far as they send the same
+    calls and the same media. Only shapes no engine accepts are errors."""
     where = f"messages[{i}]"
     if not isinstance(m, Mapping):
         raise InvalidArgumentError(f"{where} must be an object with 'role' and 'content', got {type(m).__name__}")
     role = m.get("role")
-    if not isinstance(role, str) or role not in CHAT_ROLES:
-        raise InvalidArgumentError(f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}")
-    if "content" not in m:
-        raise InvalidArgumentError(f"{where}.content is missing")
-    content = m["content"]
+    if not isinstance(role, str) or not role:
+        raise InvalidArgumentError(f"{where}.role must be a non-empty string, got {role!r}")
+    content = m.get("content")
     if content is None:
-        return role, ""
-    if isinstance(content, str):
-        return role, content
-    if isinstance(content, Sequence) and not isinstance(content, (str, bytes)):
-        texts: list[str] = []
-        for j, part in enumerate(content):
-            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidArgumentError(f"{where}.content[{j}] must be a text part {{'type': 'text', 'text': str}} (other part types are not supported)")
-            texts.append(part["text"])
-        return role, "".join(texts)
-    raise InvalidArgumentError(f"{where}.content must be a string, a list of text parts or null, got {type(content).__name__}")
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    elif isinstance(content, Sequence) and not isinstance(content, (str, bytes)):
+        text = "".join(_part(f"{where}.content[{j}]", part) for j, part in enumerate(content))
+    else:
+        raise InvalidArgumentError(f"{where}.content must be a string, a list of content parts or null, got {type(content).__name__}")
+    calls = m.get("tool_calls")
+    if calls:
+        text += _canonical_json(f"{where}.tool_calls", calls)
+    return role, text
+
+
+def _part(where: str, part: object) -> str:
+    if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
+        raise InvalidArgumentError(f"{where} must be a content part, an object with a string 'type'")
+    kind = part["type"]
+    field = _TEXT_PARTS.get(kind)
+    if field is not None:
+        value = part.get(field)
+        if not isinstance(value, str):
+            raise InvalidArgumentError(f"{where}.{field} must be a string for a {kind!r} part, got {type(value).__name__}")
+        return value
+    body = _canonical_json(where, part)
+    return f"<{kind}:{hashlib.sha256(body.encode()).hexdigest()[:32]}>"
+
+
+def _canonical_json(where: str, value: object) -> str:
+    try:
+        out = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgumentError(f"{where} is not JSON: {e}") from None
+    if len(out) > MAX_TEXT_CHARS:
+        raise InvalidArgumentError(f"{where} has {len(out)} characters; at most {MAX_TEXT_CHARS} are accepted")
+    return out
 
 
 # ---- loading ----------------------------------------------------------------------------------
