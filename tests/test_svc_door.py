@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 from aiohttp import web
+from prometheus_client import generate_latest
 
 from _support import ByteTokenizer, frame
 from kvcompass.agent import WorkerAgent, encode_batch
@@ -236,8 +237,8 @@ def metric(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-async def complete(client: aiohttp.ClientSession, body: dict[str, Any], **headers: str) -> tuple[int, dict[str, Any], Any]:
-    async with client.post("/v1/completions", json=body, headers=headers) as r:
+async def complete(client: aiohttp.ClientSession, body: dict[str, Any], path: str = "/v1/completions", **headers: str) -> tuple[int, dict[str, Any], Any]:
+    async with client.post(path, json=body, headers=headers) as r:
         return r.status, dict(r.headers), await r.json()
 
 
@@ -545,6 +546,32 @@ def test_every_malformed_request_gets_an_openai_shaped_4xx() -> None:
             assert metric(m, "kvcompass_door_requests_total", endpoint="completions", status="400") >= 20
 
     run(go())
+
+
+def test_the_builtin_tokenizers_count_routes_a_long_prompt_instead_of_refusing_it() -> None:
+    # Review: the door refused a Chinese prompt the model would take (context_length_exceeded),
+    # judging it by the built-in BPE, which splits CJK into several times the model's tokens.
+    plane = make_plane()
+    text = "缓存命中率与跨区域路由的关系" * 40  # ~560 characters, far more built-in tokens
+
+    async def main() -> None:
+        fleet = Fleet()
+        async with fleet_server(fleet) as base:
+            edge = plane.edges["us"]
+            door = await serve_door(edge, {w: f"{base}/w/{w}" for w in edge.workers}, None, config=DoorConfig(max_prompt_tokens=300))
+            try:
+                assert len(door.door.tokenizer.encode(text)) > 300
+                async with aiohttp.ClientSession(door.url) as client:
+                    status, _, body = await complete(client, {"prompt": text, "max_tokens": 2})
+                    assert status == 200, body
+                    assert fleet.calls[-1][1]["prompt"] == text  # forwarded whole
+                    status, _, body = await complete(client, {"messages": [{"role": "user", "content": text}]}, path="/v1/chat/completions")
+                    assert status == 200, body
+                assert metric(generate_latest(door.door.metrics.registry).decode(), "kvcompass_door_routes_on_truncated_prompts_total") == 2
+            finally:
+                await door.stop(grace_s=1.0)
+
+    run(main())
 
 
 def test_models_metrics_and_health_respond() -> None:

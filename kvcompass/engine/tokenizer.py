@@ -139,6 +139,13 @@ class Tokenizer:
         return f"Tokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"
 
     @property
+    def builtin(self) -> bool:
+        """Whether this is the built-in default rather than the model's own tokenizer: its
+        counts key prefixes consistently but are not the model's, so they cannot judge a
+        prompt against the model's context window (the door leaves that to the engine)."""
+        return self.path is not None and Path(self.path).resolve() == DEFAULT_TOKENIZER_PATH.resolve()
+
+    @property
     def hf(self) -> _HFTokenizer:
         """The underlying HF tokenizer (for callers that need its full API)."""
         return self._hf

@@ -163,6 +163,9 @@ class DoorConfig:
     models: tuple[str, ...] = ("llama-3.1-8b",)
     default_tenant: str = "public"
     max_prompt_tokens: int = 131072
+    """With the model's own tokenizer, a longer prompt is refused (context_length_exceeded);
+    with the built-in one, whose counts are not the model's, it is routed on its first
+    ``max_prompt_tokens`` and forwarded whole for the engine to judge."""
     max_body_bytes: int = 16 * 1024 * 1024
     max_batch_prompts: int = 256
     """Prompts one ``/v1/completions`` request may list (each is routed on its own)."""
@@ -295,6 +298,11 @@ class _Metrics:
         self.false_hits = Counter(p + "false_hits", "Responses where the index claimed a prefix (claimed > 0) and the worker reused less", registry=registry)
         self.claimed = Counter(p + "claimed_tokens", "Prompt tokens the index claimed the chosen worker held", registry=registry)
         self.reused = Counter(p + "reused_tokens", "Prompt tokens workers reported reusing (usage cached_tokens)", registry=registry)
+        self.route_truncated = Counter(
+            p + "routes_on_truncated_prompts",
+            "Prompts over max_prompt_tokens by the built-in tokenizer's count, routed on their first max_prompt_tokens and forwarded whole",
+            registry=registry,
+        )
         self.no_usage = Counter(p + "responses_without_cached_tokens", "Successful responses that reported no cached_tokens", registry=registry)
         self.retries = Counter(p + "retries", "Attempts beyond the first worker of a request", registry=registry)
         self.failures = Counter(p + "worker_failures", "Worker failures seen by the door", ["worker", "reason"], registry=registry)
@@ -394,6 +402,7 @@ class FrontDoor:
         self.edge = edge
         self.config = config
         self.tokenizer = tokenizer
+        self._estimated_counts = bool(getattr(tokenizer, "builtin", False))
         self.urls = {w: u.rstrip("/") for w, u in workers.items()}
         # Regions of workers the door may pick itself: the own region's from the edge's local
         # vector, the others given or learned from each Decision.
@@ -756,9 +765,18 @@ class FrontDoor:
         else:
             token_lists += await batch_prompt_tokens(batch, self.tokenizer.encode, cfg.inline_tokenize_chars)
         for i, tokens in enumerate(token_lists):
-            if len(tokens) > cfg.max_prompt_tokens:
-                param = "messages" if chat else ("prompt" if batch is None else f"prompt[{i}]")
-                raise OpenAIError(400, f"the prompt has {len(tokens)} tokens; this edge accepts at most {cfg.max_prompt_tokens}", param, "context_length_exceeded")
+            if len(tokens) <= cfg.max_prompt_tokens:
+                continue
+            if self._estimated_counts:
+                # Counted by the built-in tokenizer, not the model's: a prompt in a script it
+                # splits finely (CJK, Cyrillic) counts several times what the model sees (found
+                # in review: false context_length_exceeded). Route on the first
+                # max_prompt_tokens (the route's cost stays bounded) and let the engine judge.
+                token_lists[i] = tokens[: cfg.max_prompt_tokens]
+                self.metrics.route_truncated.inc()
+                continue
+            param = "messages" if chat else ("prompt" if batch is None else f"prompt[{i}]")
+            raise OpenAIError(400, f"the prompt has {len(tokens)} tokens; this edge accepts at most {cfg.max_prompt_tokens}", param, "context_length_exceeded")
 
         # The engine keeps tenants' KV apart by salt (no cross-tenant reuse, no timing side
         # channel); the worker's agent keys salted chains in the tenant's namespace.
