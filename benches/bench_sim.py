@@ -62,15 +62,14 @@ def _scaled_caches(topo: Topology, f: float) -> Topology:
     if not f > 0:
         raise SystemExit(f"--cache-scale must be > 0, got {f}")
     b = topo.block_size
-    from kvcompass.sim.engine import DEFAULT_DRAM_TOKENS, DEFAULT_VRAM_TOKENS
+    from kvcompass.engine.cache import worker_capacities
 
-    def scaled(tokens: int, default: int, least: int) -> int:
-        return max(least, int((tokens or default) * f) // b * b)
+    def scaled(tokens: int, least: int) -> int:
+        return max(least, int(tokens * f) // b * b)
 
-    workers = tuple(
-        dataclasses.replace(w, vram_tokens=scaled(w.vram_tokens, DEFAULT_VRAM_TOKENS, b), dram_tokens=scaled(w.dram_tokens, DEFAULT_DRAM_TOKENS, 0))
-        for w in topo.workers
-    )
+    # From the capacities the simulator would give (a stated 0 DRAM stays 0, not the default).
+    caps = [worker_capacities(w.vram_tokens, w.dram_tokens, b) for w in topo.workers]
+    workers = tuple(dataclasses.replace(w, vram_tokens=scaled(v, b), dram_tokens=scaled(d, 0)) for w, (v, d) in zip(topo.workers, caps))
     return dataclasses.replace(topo, workers=workers)
 
 

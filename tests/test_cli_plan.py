@@ -66,6 +66,24 @@ def test_topology_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert j["tables"] == {"x": [["x-0", "x-1"]], "y": [["solo"]]}
 
 
+def test_the_table_shows_each_workers_cache_capacities(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What each worker's caches became, defaults applied, so a capacity left out or stated as
+    0 shows as what the simulator will run."""
+    p = tmp_path / "caps.toml"
+    p.write_text('[rtt_ms]\nx = { x = 1.0 }\n[regions]\nx = {}\n'
+                 '[[workers]]\nregion = "x"\ncount = 2\n'
+                 '[[workers]]\nid = "no-offload"\nregion = "x"\ndram_tokens = 0\n'
+                 '[[workers]]\nid = "small"\nregion = "x"\nvram_tokens = 1000\ndram_tokens = 4096\n')  # fmt: skip
+    assert main(["plan", "--topology", str(p)]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.split("Worker caches", 1)[1].splitlines()[1:]]
+    assert rows == [
+        ["VRAM", "98304", "DRAM", "1048576", "2", "workers", "x-0", "x-1"],
+        ["VRAM", "98304", "DRAM", "0", "1", "worker", "no-offload"],
+        ["VRAM", "992", "DRAM", "4096", "1", "worker", "small"],
+    ]
+
+
 def test_bad_topology_is_one_line_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     p = tmp_path / "bad.toml"
     p.write_text('[rtt_ms]\na = { a = 1.0 }\n[regions]\na = {}\n[[workers]]\nid = "w1"\nregion = "mars"\n')

@@ -286,6 +286,22 @@ def test_arguments_are_checked() -> None:
     assert len(c) == 0
 
 
+def test_worker_capacities_default_only_what_is_left_out() -> None:
+    """A stated 0 DRAM is a worker without offloading; only a capacity left out (None) takes
+    the testbed's figure (a falsy default once gave a ``dram_tokens = 0`` worker 1 M tokens)."""
+    from kvcompass.engine.cache import DEFAULT_DRAM_TOKENS, DEFAULT_VRAM_TOKENS, worker_capacities
+
+    assert worker_capacities(None, None, 16) == (DEFAULT_VRAM_TOKENS, DEFAULT_DRAM_TOKENS)
+    assert worker_capacities(None, 0, 16) == (DEFAULT_VRAM_TOKENS, 0)
+    assert worker_capacities(4096, 0, 16) == (4096, 0)
+    assert worker_capacities(4096, None, 16) == (4096, 0)  # no DRAM beside a given VRAM
+    assert worker_capacities(1000, 5, 16) == (992, 16)  # whole blocks, a DRAM tier keeps one
+    # A stated 0 VRAM is not turned into the default: it stays 0, which the cache refuses.
+    assert worker_capacities(0, None, 16) == (0, 0)
+    with pytest.raises(ValueError, match="vram_tokens"):
+        PrefixCache(16, *worker_capacities(0, 64, 16))
+
+
 def test_victim_heaps_stay_bounded() -> None:
     # Lazy deletion leaves stale entries behind; compaction keeps them to O(cache size).
     c = PrefixCache(1, vram_tokens=8, dram_tokens=8, policy="lfu")

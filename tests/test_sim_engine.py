@@ -413,6 +413,22 @@ def _one_worker(vram_tokens: int = 65536) -> Topology:
     return topology_from_dict(raw)
 
 
+def test_a_stated_zero_dram_is_no_dram_tier_in_the_simulated_caches() -> None:
+    """``dram_tokens = 0`` is a worker without offloading; left out, the testbed's figure. (A
+    falsy default gave the 0 worker 1,048,576 tokens of DRAM, found by an operator's review.)"""
+    raw: dict[str, Any] = {
+        "name": "caps",
+        "rtt_ms": {"a": {"a": 2.0}},
+        "regions": {"a": {}},
+        "workers": [{"id": "none", "region": "a", "dram_tokens": 0}, {"id": "left-out", "region": "a"}, {"id": "small", "region": "a", "vram_tokens": 4096, "dram_tokens": 0}],
+    }
+    sim = Simulator(topology_from_dict(raw), [chain_request(0, 0.0, "a", 1, 64)], "oracle")
+    sim.run()  # the engine holds the caches until a run ends
+    caches = sim.caches
+    got = {w: (c.vram_capacity_tokens, c.dram_capacity_tokens) for w, c in caches.items()}
+    assert got == {"none": (98304, 0), "left-out": (98304, 1048576), "small": (4096, 0)}
+
+
 def test_chunked_sharing_stalls_the_batch_for_a_prompt_and_slows_the_prompt_by_the_batch() -> None:
     """A 4096-token prompt reaches a worker decoding one sequence. Sharing the GPU as vLLM does
     (2048-token steps), the prompt runs in three steps next to that sequence's decode, and the

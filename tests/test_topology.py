@@ -335,9 +335,9 @@ def test_toml_file_with_counts_defaults_and_own_matrix(tmp_path: Path) -> None:
     assert (t.block_size, t.levels, t.shards) == (32, 4, 2)
     assert t.rtt.source == str(tmp_path / "m.csv")
     assert t.workers == (
-        WorkerSpec("x-0", "x", "prefill", 0.2, 1000, 0, "10.0.0.0:7000"),
-        WorkerSpec("x-1", "x", "prefill", 0.2, 1000, 0, "10.0.0.1:7000"),
-        WorkerSpec("x-2", "x", "prefill", 0.2, 1000, 0, "10.0.0.2:7000"),
+        WorkerSpec("x-0", "x", "prefill", 0.2, 1000, None, "10.0.0.0:7000"),
+        WorkerSpec("x-1", "x", "prefill", 0.2, 1000, None, "10.0.0.1:7000"),
+        WorkerSpec("x-2", "x", "prefill", 0.2, 1000, None, "10.0.0.2:7000"),
         WorkerSpec("solo", "y", "decode", 0.1, 1000, 5, ""),
     )
     assert load_topology(p) == t
@@ -410,13 +410,31 @@ def test_beta_not_a_number() -> None:
 def test_negative_vram() -> None:
     d = base()
     d["workers"][0]["vram_tokens"] = -5
-    assert error_of(d) == "worker 'w1': vram_tokens must be an integer >= 0, got -5"
+    assert error_of(d) == "worker 'w1': vram_tokens must be an integer >= 16 (one block of block_size tokens; a worker's cache cannot go without VRAM: leave it out for the default), got -5"
+
+
+@pytest.mark.parametrize("vram", [0, 15])
+def test_vram_below_one_block_is_refused_not_defaulted(vram: int) -> None:
+    # A 0 once silently became the 98,304-token default.
+    d = base()
+    d["workers"][0]["vram_tokens"] = vram
+    assert error_of(d).startswith(f"worker 'w1': vram_tokens must be an integer >= 16 (one block") and error_of(d).endswith(f"got {vram}")
 
 
 def test_negative_dram() -> None:
     d = base()
     d["workers"][0]["dram_tokens"] = -1
-    assert error_of(d) == "worker 'w1': dram_tokens must be an integer >= 0, got -1"
+    assert error_of(d) == "worker 'w1': dram_tokens must be an integer >= 0 (0: no DRAM tier), got -1"
+
+
+def test_capacities_left_out_are_none_and_a_stated_zero_stays_zero() -> None:
+    d = base()
+    d["workers"][0]["dram_tokens"] = 0
+    d["workers"][1]["vram_tokens"] = 4096
+    w1, w2, w3 = topology_from_dict(d).workers
+    assert (w1.vram_tokens, w1.dram_tokens) == (None, 0)
+    assert (w2.vram_tokens, w2.dram_tokens) == (4096, None)
+    assert (w3.vram_tokens, w3.dram_tokens) == (None, None)
 
 
 def test_fractional_capacity() -> None:

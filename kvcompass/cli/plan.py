@@ -9,7 +9,8 @@ import textwrap
 from typing import Any, Sequence
 
 from kvcompass.discovery.plan import LevelPlan
-from kvcompass.discovery.topology import builtin_topologies, load_topology
+from kvcompass.discovery.topology import Topology, builtin_topologies, load_topology
+from kvcompass.engine.cache import worker_capacities
 from kvcompass.errors import UsageError
 
 __all__ = ["add_parsers", "format_plan"]
@@ -21,7 +22,8 @@ def _lengths(xs: Sequence[int]) -> str:
 
 def format_plan(plan: LevelPlan) -> str:
     """The plan as an operator reads it: per edge region, the RTT, n1 and lengths toward each
-    region; then what each region's workers register at, and the table groups."""
+    region; then what each region's workers register at, the table groups and the workers'
+    cache capacities."""
     t = plan.topology
     lay = plan.layout()
     out: list[str] = []
@@ -57,7 +59,23 @@ def format_plan(plan: LevelPlan) -> str:
     skipped = [w.id for w in t.workers if w.role == "decode"]
     if skipped:
         out.append(f"  not indexed (decode workers, paper appendix C): {' '.join(skipped)}")
+    out.append("")
+    out.extend(_caches(t))
     return "\n".join(out) + "\n"
+
+
+def _caches(t: Topology) -> list[str]:
+    """The workers' cache capacities as the simulator and the emulated workers size them, one
+    line per distinct pair: a capacity the topology leaves out takes a default, and printing
+    what it became is how an operator sees that (a 0 once silently became the default)."""
+    groups: dict[tuple[int, int], list[str]] = {}
+    for w in t.workers:
+        groups.setdefault(worker_capacities(w.vram_tokens, w.dram_tokens, t.block_size), []).append(w.id)
+    out = ["Worker caches (tokens, whole blocks; left out: the testbed's defaults; no DRAM beside a given VRAM)"]
+    for (vram, dram), ids in groups.items():
+        who = " ".join(ids) if len(ids) <= 8 else f"{' '.join(ids[:3])} ... {ids[-1]}"
+        out.append(f"  VRAM {vram:>9}  DRAM {dram:>9}  {len(ids):>3} worker{'s' if len(ids) != 1 else ' '}  {who}")
+    return out
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -26,8 +26,10 @@ class WorkerSpec:
     region: str
     role: str = "both"
     beta_ms_per_token: float = 0.085
-    vram_tokens: int = 0
-    dram_tokens: int = 0
+    # None: left out of the topology, so the testbed's figures apply (engine.cache's
+    # worker_capacities); 0 DRAM is a worker without offloading, not "use the default".
+    vram_tokens: int | None = None
+    dram_tokens: int | None = None
     endpoint: str = ""
 
 

@@ -40,6 +40,9 @@ TOML schema (every key but ``regions`` and ``workers`` optional)::
     [[workers]]
     id = "us-0"
     region = "us"            # role, beta_ms_per_token, vram_tokens, dram_tokens, endpoint
+                             # (capacities in tokens; left out: the testbed's 98,304 VRAM and
+                             # 1,048,576 DRAM, or no DRAM beside a given VRAM; dram_tokens = 0:
+                             # no DRAM tier; VRAM at least one block)
 
     [[workers]]
     region = "eu"
@@ -366,9 +369,15 @@ def _validate(t: Topology) -> dict[str, RegionSpec]:
         beta = w.beta_ms_per_token
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta <= 0:
             raise TopologyError(f"worker {w.id!r}: beta_ms_per_token must be > 0, got {beta!r}")
-        for key, cap in (("vram_tokens", w.vram_tokens), ("dram_tokens", w.dram_tokens)):
-            if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
-                raise TopologyError(f"worker {w.id!r}: {key} must be an integer >= 0, got {cap!r}")
+        # Left out (None) takes the default; a stated 0 DRAM is no offload tier. VRAM needs a
+        # block: the simulated and emulated caches keep every prompt's head there (a 0 once
+        # silently took the 98,304-token default, found in review).
+        for key, cap, low in (("vram_tokens", w.vram_tokens, t.block_size), ("dram_tokens", w.dram_tokens, 0)):
+            if cap is None:
+                continue
+            if isinstance(cap, bool) or not isinstance(cap, int) or cap < low:
+                what = f">= {low} (one block of block_size tokens; a worker's cache cannot go without VRAM: leave it out for the default)" if low else ">= 0 (0: no DRAM tier)"
+                raise TopologyError(f"worker {w.id!r}: {key} must be an integer {what}, got {cap!r}")
         if not isinstance(w.endpoint, str):
             raise TopologyError(f"worker {w.id!r}: endpoint must be a string, got {w.endpoint!r}")
         populated.add(w.region)

@@ -112,19 +112,25 @@ __all__ = ["CacheStats", "CachedBlock", "DEFAULT_DRAM_TOKENS", "DEFAULT_VRAM_TOK
 Policy = Literal["lru", "lfu"]
 Tokens = Sequence[int] | npt.NDArray[np.uint32]
 
-# Used when a topology leaves a worker's capacities out (0): the testbed's figures (about 12 GiB
-# of KV at 128 KiB/token in VRAM, 128 GiB of host DRAM; kvcompass/topologies/testbed-14x3.toml).
+# Used when a topology leaves a worker's capacities out: the testbed's figures (about 12 GiB of
+# KV at 128 KiB/token in VRAM, 128 GiB of host DRAM; kvcompass/topologies/testbed-14x3.toml).
 DEFAULT_VRAM_TOKENS = 98304
 DEFAULT_DRAM_TOKENS = 1048576
 
 
-def worker_capacities(vram_tokens: int, dram_tokens: int, block_size: int) -> tuple[int, int]:
+def worker_capacities(vram_tokens: int | None, dram_tokens: int | None, block_size: int) -> tuple[int, int]:
     """A worker's VRAM and DRAM capacities in tokens, in whole blocks, as the simulator and the
-    emulated workers size their caches: a capacity left out (0) takes the testbed's figure,
-    except DRAM beside a given VRAM (a worker without offload); at least one block of each."""
-    vram = max(block_size, (vram_tokens or DEFAULT_VRAM_TOKENS) // block_size * block_size)
-    dram = max(block_size, (dram_tokens or DEFAULT_DRAM_TOKENS) // block_size * block_size) if dram_tokens or not vram_tokens else 0
-    return vram, dram
+    emulated workers size their caches. Only a capacity left out (None) takes the testbed's
+    figure, and DRAM left out beside a given VRAM is 0 (a worker without offload): a stated 0
+    is a tier with no cache, which a falsy default once turned into the testbed's 1 M tokens.
+    VRAM is rounded down to whole blocks, so less than one block leaves none and the cache
+    refuses it (the cache needs a VRAM block); DRAM above 0 keeps at least one block."""
+    vram = DEFAULT_VRAM_TOKENS if vram_tokens is None else vram_tokens
+    if dram_tokens is None:
+        dram = DEFAULT_DRAM_TOKENS if vram_tokens is None else 0
+    else:
+        dram = dram_tokens
+    return vram // block_size * block_size, max(block_size, dram // block_size * block_size) if dram > 0 else 0
 
 
 GPU_MEDIUM = "GPU"
