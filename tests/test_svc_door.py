@@ -89,6 +89,10 @@ class Fleet:
     """Workers whose stream, after its first event, sends bytes that never end an event."""
     pad: dict[str, int] = field(default_factory=dict)
     """Characters of padding a worker's whole answer carries (``"pad"``: a large answer)."""
+    delay_s: dict[str, float] = field(default_factory=dict)
+    """Seconds a worker takes before answering (a long generation)."""
+    health: dict[str, int] = field(default_factory=dict)
+    """Status of a worker's ``/health`` (default 200)."""
     null_usage: bool = True
     """Whether a stream's chunks carry ``"usage": null`` (the emulated worker) or no usage key
     at all (vLLM, which leaves unset fields out)."""
@@ -103,6 +107,8 @@ class Fleet:
         wid = request.match_info["wid"]
         body = await request.json()
         self.calls.append((wid, body, dict(request.headers)))
+        if wid in self.delay_s:
+            await asyncio.sleep(self.delay_s[wid])
         st = self.status.get(wid)
         if st is not None:
             return web.json_response({"error": {"message": "boom", "type": "server_error", "param": None, "code": None}}, status=st)
@@ -192,6 +198,11 @@ async def fleet_server(fleet: Fleet) -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_post("/w/{wid}/v1/completions", fleet.handle)
     app.router.add_post("/w/{wid}/v1/chat/completions", fleet.handle)
+
+    async def health(r: web.Request) -> web.Response:
+        return web.Response(status=fleet.health.get(r.match_info["wid"], 200))
+
+    app.router.add_get("/w/{wid}/health", health)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     sock = bound_socket()
@@ -450,7 +461,7 @@ def test_a_dead_worker_is_routed_around(failure: str) -> None:
     reason = {"refused": "connect", "http500": "status_5xx", "silent": "timeout"}[failure]
 
     async def go() -> None:
-        async with rig(plane, fleet, urls=urls, config=DoorConfig(head_timeout_s=0.3)) as t:
+        async with rig(plane, fleet, urls=urls, config=DoorConfig(head_timeout_s=0.3, connect_timeout_s=0.3)) as t:
             status, headers, body = await complete(t.client, {"prompt": ids.tolist()})
             assert status == 200, body
             assert headers["x-kvcompass-worker"] != "us-5" and headers["x-kvcompass-worker"].startswith("us-")
@@ -469,6 +480,40 @@ def test_a_dead_worker_is_routed_around(failure: str) -> None:
         run(go())
     finally:
         silent.close()
+
+
+def test_a_whole_answer_slower_than_the_head_deadline_is_waited_for_while_the_worker_is_healthy() -> None:
+    # Review: a non-streamed answer's head comes after its last token; one longer than
+    # head_timeout_s marked its worker dead and was generated again on two more workers.
+    plane = make_plane()
+    ids = prompt_ids(21, 512)
+    cache_prefix(plane, "us-5", ids)  # the route's first choice
+    workers = list(plane.edges["us"].workers)
+
+    async def go() -> None:
+        fleet = Fleet(delay_s={w: 0.8 for w in workers})
+        async with rig(plane, fleet, config=DoorConfig(head_timeout_s=0.2, connect_timeout_s=0.5)) as t:
+            status, headers, body = await complete(t.client, {"prompt": ids.tolist()})
+            assert status == 200, body
+            assert len(fleet.calls) == 1 and not t.door.door.dead_workers()
+            assert metric(await t.metrics(), "kvcompass_door_retries_total") == 0
+        # Past answer_timeout_s a healthy worker's request is a 504, not a death and a retry.
+        fleet = Fleet(delay_s={w: 1.0 for w in workers})
+        async with rig(plane, fleet, config=DoorConfig(head_timeout_s=0.2, answer_timeout_s=0.5, connect_timeout_s=0.5)) as t:
+            status, _, body = await complete(t.client, {"prompt": ids.tolist()})
+            assert status == 504 and body["error"]["code"] == "upstream_timeout", body
+            assert len(fleet.calls) == 1 and not t.door.door.dead_workers()
+        # A worker whose /health fails while the door waits has failed: retried elsewhere.
+        fleet = Fleet(delay_s={"us-5": 1.0}, health={"us-5": 503})
+        async with rig(plane, fleet, config=DoorConfig(head_timeout_s=0.2, connect_timeout_s=0.5)) as t:
+            status, headers, body = await complete(t.client, {"prompt": ids.tolist()})
+            assert status == 200, body
+            assert fleet.served()[0] == "us-5" and headers["x-kvcompass-worker"] != "us-5"
+            assert t.door.door.dead_workers() == {"us-5"}
+            m = await t.metrics()
+            assert metric(m, "kvcompass_door_worker_failures_total", reason="timeout", worker="us-5") == 1.0
+
+    run(go())
 
 
 def test_when_every_worker_fails_the_client_gets_a_502() -> None:

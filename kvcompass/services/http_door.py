@@ -179,6 +179,11 @@ class DoorConfig:
     connect_timeout_s: float = 3.0
     head_timeout_s: float = 600.0
     """Until the worker's response head; a long prefill queue is legitimate, so generous."""
+    answer_timeout_s: float = 3600.0
+    """Until a whole (non-streamed) answer's head, which comes after its last token. Past
+    ``head_timeout_s`` the worker's ``/health`` is asked every ``head_timeout_s``: a worker that
+    does not answer it has failed (the request is retried elsewhere); one that does is
+    generating, and past this deadline the client gets a 504, the worker is not marked dead."""
     read_timeout_s: float = 600.0
     """Between two reads of the worker's body (a stalled stream)."""
     client_write_timeout_s: float = 60.0
@@ -232,7 +237,7 @@ class DoorConfig:
         for name in ("max_prompt_tokens", "max_body_bytes", "max_response_bytes", "max_attempts", "max_inflight_per_client", "max_connections_per_address", "max_migrations_inflight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("dead_cooldown_s", "connect_timeout_s", "head_timeout_s", "read_timeout_s", "drain_grace_s", "stale_grace_s", "body_timeout_s", "migration_poll_s"):
+        for name in ("dead_cooldown_s", "connect_timeout_s", "head_timeout_s", "answer_timeout_s", "read_timeout_s", "drain_grace_s", "stale_grace_s", "body_timeout_s", "migration_poll_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {v}")
@@ -367,6 +372,57 @@ class _Feedback:
     bare_usage: bool = False
     """A usage object came without ``prompt_tokens_details``: vLLM's way of saying nothing was
     cached, when it reports cached tokens at all (see :meth:`FrontDoor._learn`)."""
+
+
+class _AnswerWatch:
+    """Watches a worker while the door waits for a whole (non-streamed) answer: from the head
+    deadline on, every ``head_timeout_s`` it asks the worker's ``/health`` (within
+    ``connect_timeout_s``); a probe that fails cancels the wait, which the forward turns into
+    the worker's failure. One timer handle per request until then; a task only for the probe."""
+
+    __slots__ = ("door", "base", "worker", "peer", "task", "timer", "probe", "failed")
+
+    def __init__(self, door: FrontDoor, base: str, worker: str, peer: bool) -> None:
+        self.door, self.base, self.worker, self.peer = door, base, worker, peer
+        self.task = asyncio.current_task()
+        self.failed = ""
+        self.probe: asyncio.Task[None] | None = None
+        self.timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(door.config.head_timeout_s, self._start)
+
+    def _start(self) -> None:
+        self.timer = None
+        self.probe = asyncio.get_running_loop().create_task(self._check())
+
+    async def _check(self) -> None:
+        session = self.door._session
+        ok, why = False, "the door is stopping"
+        if session is not None:
+            try:
+                up = await session.post(self.base + "/health", b"", {}, head_timeout=self.door.config.connect_timeout_s, method=b"GET")
+                up.close()
+                # A worker's 5xx health is a dead engine (vLLM's 503); a peer door's is only
+                # "not ready", and it is still relaying the answer.
+                ok, why = self.peer or up.status < 500, f"its /health answered {up.status}"
+            except UpstreamBusy:
+                ok = True  # the door's own connection limit, not the worker's health
+            except (UpstreamError, TimeoutError, OSError) as e:
+                why = f"its /health did not answer ({e})"
+        self.probe = None
+        if ok:
+            self.timer = asyncio.get_running_loop().call_later(self.door.config.head_timeout_s, self._start)
+        elif self.task is not None and not self.task.done():
+            self.failed = why
+            self.task.cancel()
+
+    def uncancel(self) -> None:
+        if self.task is not None:
+            self.task.uncancel()
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.probe is not None:
+            self.probe.cancel()
 
 
 class _WorkerFailed(Exception):
@@ -1014,19 +1070,39 @@ class FrontDoor:
         delay = self._one_way_s(choice.region)
         if delay:
             await asyncio.sleep(delay)
+        watch: _AnswerWatch | None = None
+        head_timeout = self.config.head_timeout_s
+        if not prep.stream and self.config.answer_timeout_s > head_timeout:
+            # A whole answer's head comes after the last token: a long generation outlasts any
+            # head deadline, and treating it as the worker's death retried it on two more
+            # workers (found in review). Past the head deadline the worker's /health decides.
+            head_timeout = self.config.answer_timeout_s
+            watch = _AnswerWatch(self, peer or self.urls[choice.worker], choice.worker, peer is not None)
         try:
-            up = await session.post(url, prep.raw, headers, head_timeout=self.config.head_timeout_s)
+            up = await session.post(url, prep.raw, headers, head_timeout=head_timeout, slot_timeout=self.config.head_timeout_s)
+        except asyncio.CancelledError:
+            if watch is None or not watch.failed:
+                raise
+            watch.uncancel()
+            raise _WorkerFailed("timeout", f"{choice.worker}: no answer after {self.config.head_timeout_s:g} s and {watch.failed}") from None
         except UpstreamBusy as e:
             # The door's own connection limit, shared by every worker: not this worker's fault
             # (found in review: each such wait marked a healthy worker dead), and no other
             # worker would be reached sooner.
             raise OpenAIError(503, f"the door's upstream connections are all busy: {e}", code="busy") from None
         except TimeoutError as e:
+            if watch is not None:
+                # Alive by its /health all along, only slower than answer_timeout_s: a 504 for
+                # this request, not the worker's death, and no other worker repeats it.
+                raise OpenAIError(504, f"{choice.worker} gave no answer within {head_timeout:g} s", code="upstream_timeout") from None
             raise _WorkerFailed("timeout", f"{choice.worker}: no response head: {e!r}") from None
         except UpstreamConnectError as e:
             raise _WorkerFailed("connect", f"{choice.worker}: {e}") from None
         except UpstreamError as e:
             raise _WorkerFailed("disconnect", f"{choice.worker}: {e!r}") from None
+        finally:
+            if watch is not None:
+                watch.close()
         try:
             if up.status >= 500:
                 raise _WorkerFailed("status_5xx", f"{choice.worker} answered {up.status}")

@@ -347,13 +347,16 @@ class UpstreamPool:
         self._ssl = ssl
         self._closed = False
 
-    async def post(self, url: str, body: bytes, headers: Mapping[str, str], *, head_timeout: float | None = None) -> UpstreamResponse:
-        """POST ``body`` to ``url`` with ``headers`` (Host and Content-Length are added); returns
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str], *, head_timeout: float | None = None, method: bytes = b"POST", slot_timeout: float | None = None) -> UpstreamResponse:
+        """POST ``body`` to ``url`` with ``headers`` (Host and Content-Length are added; ``method``
+        another verb, e.g. ``b"GET"`` with an empty body for a health probe); returns
         once the answer's head arrived. Raises :class:`UpstreamConnectError`,
         :class:`UpstreamDisconnected`, TimeoutError (the connect deadline, or ``head_timeout``
         seconds from this call without a whole head: waiting for a slot, connecting and the
         answer all count), :class:`UpstreamBusy` (no slot of ``limit`` in that time) or
-        ValueError (a header with CR or LF, a URL that is not http(s)).
+        ValueError (a header with CR or LF, a URL that is not http(s)). ``slot_timeout``, when
+        shorter, bounds the wait for a slot alone (a whole answer may take far longer than a slot
+        should).
 
         Why the head deadline is here and not an ``asyncio.timeout`` around the call: it is one
         timer handle on the exchange, cancelled when the head arrives, where the context manager
@@ -365,17 +368,18 @@ class UpstreamPool:
         block = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
         if block.count("\n") != len(headers) or block.count("\r") != len(headers):
             raise ValueError("a header name or value holds CR or LF")
-        head = b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n%s\r\n" % (path, hosthdr, len(body), block.encode("latin-1"))
+        head = b"%s %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n%s\r\n" % (method, path, hosthdr, len(body), block.encode("latin-1"))
         deadline = None if head_timeout is None else asyncio.get_running_loop().time() + head_timeout
         if self._slots is not None:
             if deadline is None or not self._slots.locked():
                 await self._slots.acquire()
             else:
+                wait = head_timeout if slot_timeout is None or head_timeout is None else min(head_timeout, slot_timeout)
                 try:
-                    async with asyncio.timeout_at(deadline):
+                    async with asyncio.timeout(wait):
                         await self._slots.acquire()
                 except TimeoutError:
-                    raise UpstreamBusy(f"no connection slot to {host}:{port} within {head_timeout} s") from None
+                    raise UpstreamBusy(f"no connection slot to {host}:{port} within {wait} s") from None
         try:
             key = (host, port, tls)
             conn = self._take(key)
