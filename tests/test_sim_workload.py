@@ -208,6 +208,28 @@ def test_empty_trace_and_extra_fields(tmp_path: Path) -> None:
     assert len(reqs) == 1 and reqs[0].kind == "trace"
 
 
+@pytest.mark.parametrize("key", ["parent_chat", "chatid", "region", "Timestamp"])
+def test_unknown_keys_are_refused_by_name(tmp_path: Path, key: str) -> None:
+    """A misspelt session link made every turn a root, and a ``region`` looked honoured; both
+    were read past in silence (an operator's review)."""
+    rows = [row(0, 20, [1, 2], chat_id=1), row(1, 20, [1, 3], chat_id=2, parent_chat_id=1), row(2, 20, [1, 4], **{key: 1})]
+    path = write_trace(tmp_path / "t.jsonl", rows)
+    with pytest.raises(InvalidArgumentError) as info:
+        load_trace(path, 16, regions=REGIONS)
+    err = info.value
+    assert (err.path, err.line, err.field) == (str(path), 3, key)  # type: ignore[attr-defined]
+    assert str(err).startswith(f"{path}, line 3, field {key!r}: unknown key (accepted: timestamp, input_length, output_length, hash_ids, chat_id, parent_chat_id, type, turn)")
+    assert ("cannot set regions" in str(err)) == (key == "region")
+
+
+def test_the_shared_traces_keys_are_all_accepted() -> None:
+    """Every key of the traces shipped or shared here loads (the excerpt is the shared
+    conversation trace's head; the full files, when present, are read whole)."""
+    names = [n for n in ("conversation", "synthetic") if (ROOT.parent / "shared" / "data" / "traces" / f"{n}_trace.jsonl").is_file()]
+    for path in [EXCERPT, ROOT / "kvcompass" / "data" / "traces" / "conversation_trace.jsonl", *(find_trace(n) for n in names)]:
+        assert len(load_trace(path, MOONCAKE_BLOCK_SIZE, regions=REGIONS)) == sum(1 for line in path.read_text().splitlines() if line.strip())
+
+
 @pytest.mark.parametrize(
     ("kwargs", "text"),
     [

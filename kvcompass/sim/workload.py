@@ -9,8 +9,11 @@ Traces
     line with ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids``, where
     ``len(hash_ids) == ceil(input_length / block_size)``; optional ``chat_id`` /
     ``parent_chat_id`` (the Qwen-Bailian convention: ``parent_chat_id`` is the ``chat_id`` of the
-    previous turn, -1 marks a root). Other keys (``type``, ``turn``, ...) are ignored. The shared
-    Mooncake traces (block size 512) are found by :func:`find_trace`.
+    previous turn, -1 marks a root). The Qwen-Bailian traces' ``type`` and ``turn`` are accepted
+    and ignored; any other key is an error naming it, so a misspelt ``parent_chat_id`` does not
+    silently make every turn a root, and a ``region`` does not look honoured: a trace cannot
+    set regions (sessions are placed by weight, below). The shared Mooncake traces (block size
+    512, the four required keys only) are found by :func:`find_trace`.
 
     Validation is strict and every error is an :class:`~kvcompass.errors.InvalidArgumentError`
     (a ``ValueError``) whose message names the file, the line and the field, with ``path``,
@@ -141,6 +144,10 @@ _C2 = 0x94D049BB133111EB
 _TOKEN_SALT = 0x6B7663_746F6B656E  # "kvc" "token"
 _CHAIN_ROOT = 0x6B7663_636861696E  # "kvc" "chain"
 _TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+# Every key a trace line may carry: the required four, the session links, and the Qwen-Bailian
+# traces' "type" and "turn" (read past: the model needs neither).
+_TRACE_KEYS = frozenset((*_TRACE_FIELDS, "chat_id", "parent_chat_id", "type", "turn"))
+_TRACE_KEYS_TEXT = ", ".join((*_TRACE_FIELDS, "chat_id", "parent_chat_id", "type", "turn"))
 _TRACES_SUBDIR = "traces"
 _PACKAGE = Path(__file__).resolve().parents[1]
 
@@ -322,6 +329,10 @@ def _read_trace(path: Path, block_size: int, max_requests: int | None) -> _Rows:
             for name in _TRACE_FIELDS:
                 if name not in obj:
                     raise _trace_error(path, line, name, "missing")
+            if len(obj) > len(_TRACE_FIELDS) and not _TRACE_KEYS.issuperset(obj):
+                key = next(k for k in obj if k not in _TRACE_KEYS)
+                hint = "; a trace cannot set regions: sessions are placed by weight (--region-weights)" if key == "region" else ""
+                raise _trace_error(path, line, key, f"unknown key (accepted: {_TRACE_KEYS_TEXT}){hint}")
 
             raw_ts = obj["timestamp"]
             try:
