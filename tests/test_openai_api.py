@@ -182,5 +182,17 @@ def test_n_and_sampling_fields_pass_through_the_door() -> None:
                 data = await r.json()
             assert [c["index"] for c in data["choices"]] == [0, 1, 2] and data["usage"]["completion_tokens"] == 6
             assert await _answer(s, door_url + "/v1/completions", {**body, "n": 0}, None) == (400, "n", "invalid_type", "invalid_request_error")
+            # Integral floats are the integers (engines' lax pydantic takes them; review found
+            # the door refusing max_tokens 16.0); fractions, bools and strings are not.
+            async with s.post(door_url + "/v1/completions", json={**body, "n": 2.0, "max_tokens": 2.0}) as r:
+                assert r.status == 200, await r.text()
+                data = await r.json()
+            assert [c["index"] for c in data["choices"]] == [0, 1] and data["usage"]["completion_tokens"] == 4
+            async with s.post(door_url + "/v1/completions", json={"prompt": [list(range(64)), list(range(9, 73))], "max_tokens": 1, "n": 2.0}) as r:
+                assert r.status == 200, await r.text()
+                assert [c["index"] for c in (await r.json())["choices"]] == [0, 1, 2, 3]
+            for bad in ({"n": 1.5}, {"max_tokens": 2.5}, {"max_tokens": True}, {"max_tokens": "16"}, {"max_tokens": -1.0}):
+                (field,) = bad
+                assert await _answer(s, door_url + "/v1/completions", {**body, **bad}, None) == (400, field, "invalid_type", "invalid_request_error"), bad
 
     asyncio.run(main())

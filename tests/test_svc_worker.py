@@ -257,11 +257,12 @@ BAD: list[tuple[str, object, bytes | None, int, str | None, str | None]] = [
     ("/v1/completions", {"prompt": [[1, 2], []]}, None, 400, "prompt[1]", "empty_prompt"),
     ("/v1/completions", {"prompt": [[1, 2], [3]], "n": 33}, None, 400, "n", None),
     ("/v1/completions", {"prompt": {"a": 1}}, None, 400, "prompt", "invalid_type"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, None, 400, "max_tokens", None),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, None, 400, "max_tokens", None),
-    ("/v1/completions", {"prompt": "hi", "n": 0}, None, 400, "n", None),
-    ("/v1/completions", {"prompt": "hi", "n": "2"}, None, 400, "n", None),
-    ("/v1/completions", {"prompt": "hi", "n": 65}, None, 400, "n", None),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, None, 400, "max_tokens", "invalid_type"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, None, 400, "max_tokens", "invalid_type"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, None, 400, "n", "invalid_type"),
+    ("/v1/completions", {"prompt": "hi", "n": "2"}, None, 400, "n", "invalid_type"),
+    ("/v1/completions", {"prompt": "hi", "n": 65}, None, 400, "n", "invalid_type"),
+    ("/v1/completions", {"prompt": "hi", "n": 1.5}, None, 400, "n", "invalid_type"),
     ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3}, None, 400, "best_of", None),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, None, 400, "stream", None),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, None, 400, "stream_options", None),
@@ -276,7 +277,7 @@ BAD: list[tuple[str, object, bytes | None, int, str | None, str | None]] = [
     ("/v1/chat/completions", {}, None, 400, "messages", "missing_messages"),
     ("/v1/chat/completions", {"messages": "hello"}, None, 400, "messages", "invalid_type"),
     ("/v1/chat/completions", {"messages": [{"role": "", "content": "x"}]}, None, 400, "messages", "invalid_messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -2}, None, 400, "max_completion_tokens", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -2}, None, 400, "max_completion_tokens", "invalid_type"),
 ]
 
 

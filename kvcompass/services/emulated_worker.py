@@ -94,6 +94,7 @@ from kvcompass.services.openai_api import (
     batch_prompt_tokens,
     chat_tokens,
     decode_json_object,
+    int_field,
     model_card,
     model_not_found,
     models_list,
@@ -759,11 +760,7 @@ class EmulatedWorker(AsyncResource):
         model = body.get("model")
         if model is not None and model != self.config.model:
             raise model_not_found(model, [self.config.model])
-        n = body.get("n")
-        if n is None:
-            n = 1
-        if type(n) is not int or not 1 <= n <= MAX_N:
-            raise OpenAIError(400, f"n must be an integer in 1..{MAX_N}, got {n!r}", "n")
+        n = int_field(body, "n", 1, MAX_N) or 1
         best_of = body.get("best_of")
         if best_of is not None and best_of != n:
             raise OpenAIError(400, f"best_of is not supported by the emulated worker beyond best_of = n (got {best_of!r}, n = {n})", "best_of")
@@ -794,14 +791,10 @@ class EmulatedWorker(AsyncResource):
             if not isinstance(inc, bool):
                 raise OpenAIError(400, "stream_options.include_usage must be a boolean", "stream_options.include_usage")
             include_usage = inc
-        max_param = "max_tokens"
-        max_tokens = body.get("max_tokens")
-        if chat and body.get("max_completion_tokens") is not None:
-            max_param, max_tokens = "max_completion_tokens", body["max_completion_tokens"]
+        max_param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = int_field(body, max_param, 0)
         if max_tokens is None:
             max_tokens = self.config.default_max_tokens
-        if type(max_tokens) is not int or max_tokens < 0:
-            raise OpenAIError(400, f"{max_param} must be an integer >= 0, got {max_tokens!r}", max_param)
         inline = self.config.inline_tokenize_chars
         batch = None if chat else prompt_batch(body, MAX_PROMPTS)
         if chat:

@@ -93,6 +93,7 @@ from kvcompass.services.openai_api import (
     chat_tokens,
     decode_json_object,
     error_body,
+    int_field,
     model_card,
     model_not_found,
     models_list,
@@ -884,7 +885,7 @@ class FrontDoor:
                 self.metrics.tenant_requests.labels(_OTHER_TENANTS).inc()
         if batch is None:
             return [_Prepared(request.path, raws[0], token_lists[0], ns, stream, client_usage, headers, handoff)]
-        n = body.get("n") or 1
+        n = int_field(body, "n", 1) or 1
         return [
             _Prepared(request.path, r, t, ns, stream, True, headers, None, batch_index=i * n, client_usage_asked=client_usage, prompt_index=i)
             for i, (r, t) in enumerate(zip(raws, token_lists))
@@ -1508,13 +1509,9 @@ FRONT_DOOR = "kvcompass_front_door"
 def _check_numbers(body: Mapping[str, Any]) -> None:
     """The sampling fields whose wrong type would only fail at the worker: refuse them here, so
     the client gets the error without a WAN round trip."""
-    for name in ("max_tokens", "max_completion_tokens"):
-        v = body.get(name)
-        if v is not None and (type(v) is not int or v < 0):
-            raise OpenAIError(400, f"{name} must be a non-negative integer", name, "invalid_type")
-    n = body.get("n")
-    if n is not None and (type(n) is not int or n < 1):
-        raise OpenAIError(400, "n must be a positive integer", "n", "invalid_type")
+    int_field(body, "max_tokens", 0)
+    int_field(body, "max_completion_tokens", 0)
+    int_field(body, "n", 1)
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
         v = body.get(name)
         if v is not None and (type(v) not in (int, float) or not math.isfinite(v)):

@@ -35,6 +35,7 @@ __all__ = [
     "chat_tokens",
     "decode_json_object",
     "error_body",
+    "int_field",
     "model_card",
     "model_not_found",
     "models_list",
@@ -95,6 +96,24 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 MODELS_PREFIX = "/v1/models/"
 """Where ``GET /v1/models/{model}`` lives (OpenAI's ``models.retrieve``)."""
+
+
+def int_field(body: Mapping[str, Any], name: str, minimum: int, maximum: int | None = None) -> int | None:
+    """``body[name]`` as an int (None when absent or null), or a 400 naming the field.
+
+    An integral float (``16.0``) is that integer: vLLM's and SGLang's request models are lax
+    pydantic, which takes it, and clients that build bodies from floats send it (found in
+    review: the door refused ``max_tokens: 16.0`` that every engine serves). A bool, a
+    fractional or non-finite number and a string are refused."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if type(v) is float and math.isfinite(v) and v.is_integer():
+        v = int(v)
+    if type(v) is not int or v < minimum or (maximum is not None and v > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+        raise OpenAIError(400, f"{name} must be an integer {bounds}, got {body[name]!r}", name, "invalid_type")
+    return v
 
 
 def model_card(model: str, created: int, **extra: Any) -> dict[str, Any]:
