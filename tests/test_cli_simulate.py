@@ -119,6 +119,21 @@ def test_bad_input_is_one_line_and_exit_2(change: dict[str, str], capsys: pytest
     assert "Traceback" not in cap.err
 
 
+def test_a_prompt_past_the_context_window_is_a_load_time_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Named by its trace line, or for a generated workload by its request, before any run."""
+    topo = tmp_path / "small-window.toml"
+    topo.write_text((ROOT / "kvcompass" / "topologies" / "testbed-14x3.toml").read_text().replace("value_bits = 32", "value_bits = 32\nmax_prefix = 8192").replace('name = "testbed-14x3"', 'name = "small-window"'))
+    base = ["simulate", "--topology", str(topo), "--rates", "5", "--schemes", "oracle"]
+    for trace, what in (
+        ([str(EXCERPT), "--block-size", "512"], f"{EXCERPT}, line 7, field 'input_length': 23141 tokens, longer than the context window of topology 'small-window' (max_prefix 8192)"),
+        (["mixed", "--max-requests", "200"], "-token prompt, longer than the context window of topology 'small-window' (max_prefix 8192)"),
+    ):
+        assert main([*base, "--trace", *trace]) == 2
+        cap = capsys.readouterr()
+        assert cap.out == "" and len(cap.err.strip().splitlines()) == 1 and what in cap.err, cap.err
+        assert "[1/1]" not in cap.err  # before any run
+
+
 def test_console_script_exit_code() -> None:
     p = subprocess.run(
         [sys.executable, "-m", "kvcompass", "simulate", "--topology", "testbed-14x3", "--trace", "mixed", "--rates", "5", "--schemes", "nope"],

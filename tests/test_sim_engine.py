@@ -429,6 +429,18 @@ def test_a_stated_zero_dram_is_no_dram_tier_in_the_simulated_caches() -> None:
     assert got == {"none": (98304, 0), "left-out": (98304, 1048576), "small": (4096, 0)}
 
 
+def test_a_prompt_past_the_context_window_is_refused_by_request() -> None:
+    """Every workload, generated ones too: the simulator ran a prompt longer than the model's
+    window (the topology's ``max_prefix``) as if an engine served it."""
+    import dataclasses
+
+    topo = dataclasses.replace(_one_worker(), max_prefix=4096)
+    fits = [chain_request(0, 0.0, "a", 1, 4096), chain_request(1, 1.0, "a", 2, 4097)]
+    with pytest.raises(InvalidArgumentError, match=r"request 1 has a 4097-token prompt, longer than the context window of topology 'one' \(max_prefix 4096\)"):
+        Simulator(topo, fits, "oracle")
+    assert simulate(topo, fits[:1], "oracle").requests == 1
+
+
 def test_chunked_sharing_stalls_the_batch_for_a_prompt_and_slows_the_prompt_by_the_batch() -> None:
     """A 4096-token prompt reaches a worker decoding one sequence. Sharing the GPU as vLLM does
     (2048-token steps), the prompt runs in three steps next to that sequence's decode, and the

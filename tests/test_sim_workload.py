@@ -230,6 +230,25 @@ def test_the_shared_traces_keys_are_all_accepted() -> None:
         assert len(load_trace(path, MOONCAKE_BLOCK_SIZE, regions=REGIONS)) == sum(1 for line in path.read_text().splitlines() if line.strip())
 
 
+def test_a_prompt_past_the_topologys_context_window_is_refused_by_line(tmp_path: Path) -> None:
+    """Simulated as if some engine served it, before an operator's review: no engine of a fleet
+    whose model's window is ``max_prefix`` tokens does."""
+    import dataclasses
+
+    topo = dataclasses.replace(load_topology("testbed-14x3"), max_prefix=8192)
+    path = write_trace(tmp_path / "t.jsonl", [row(0, 8192, list(range(16))), row(1, 8193, list(range(17)))])
+    with pytest.raises(InvalidArgumentError) as info:
+        load_trace(path, 512, regions=topo)
+    err = info.value
+    assert (err.line, err.field) == (2, "input_length")  # type: ignore[attr-defined]
+    assert f"{path}, line 2, field 'input_length': 8193 tokens, longer than the context window of topology 'testbed-14x3' (max_prefix 8192)" in str(err)
+    assert "raise max_prefix in the topology" in str(err)
+    assert len(load_trace(path, 512, regions=topo, max_requests=1)) == 1  # the first line fits
+    assert len(load_trace(path, 512, regions=REGIONS)) == 2  # plain region names: no window
+    with pytest.raises(InvalidArgumentError, match="line 1, field 'input_length': 8192 tokens, longer than max_input_length 8000"):
+        load_trace(path, 512, regions=REGIONS, max_input_length=8000)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "text"),
     [

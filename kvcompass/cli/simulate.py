@@ -192,7 +192,7 @@ def _prepare_out(path: str, outputs: Sequence[str]) -> None:
 
 def _simulate(args: argparse.Namespace) -> int:
     from kvcompass.sim.cells import run_cells
-    from kvcompass.sim.workload import MOONCAKE_BLOCK_SIZE, RateMode, load_trace, resolve_trace, synthetic_mixed
+    from kvcompass.sim.workload import MOONCAKE_BLOCK_SIZE, RateMode, check_context, load_trace, resolve_trace, synthetic_mixed
 
     loads: list[float] | None = None
     if args.rates is not None and args.load is not None:
@@ -259,6 +259,13 @@ def _simulate(args: argparse.Namespace) -> int:
     weights = None if args.region_weights is None else _parse_region_weights(args.region_weights, topology)
 
     def workload(rate: float | None) -> Sequence[Request]:
+        """The requests at ``rate``, every prompt checked against the topology's context window
+        here, at load time, rather than when a run (perhaps in another process) starts."""
+        reqs = build(rate)
+        check_context(reqs, topology)
+        return reqs
+
+    def build(rate: float | None) -> Sequence[Request]:
         if args.trace == "sharegpt":
             from kvcompass.sim.sharegpt import DEFAULT_THINK_S, sharegpt_chat
 
@@ -304,8 +311,9 @@ def _simulate(args: argparse.Namespace) -> int:
 
         # Only the prompts' lengths matter, and they do not depend on the rate (the synthetic
         # workload's first N differ by a few sessions: well under 0.1 % of the capacity).
+        sized = workload(1.0)  # outside the try: a bad trace line is not a --load error
         try:
-            capacity = no_reuse_capacity(topology, workload(1.0), gpu_sharing=args.gpu_sharing, max_batched_tokens=args.max_batched_tokens)
+            capacity = no_reuse_capacity(topology, sized, gpu_sharing=args.gpu_sharing, max_batched_tokens=args.max_batched_tokens)
             rates = rates_for_loads(capacity, loads)
         except InvalidArgumentError as e:
             raise UsageError(f"--load: {e}") from None

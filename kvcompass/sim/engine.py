@@ -122,7 +122,7 @@ from kvcompass.engine.costs import CostModel
 from kvcompass.sim.summary import RecordTable, Summary, summarize
 from kvcompass.sim.schemes import Choice, Fleet, Scheme, make_scheme, salt_key, scheme_params
 from kvcompass.sim.requests import Request, RequestTable
-from kvcompass.sim.workload import collector_paused
+from kvcompass.sim.workload import check_context, collector_paused
 
 __all__ = ["DEFAULT_DRAM_TOKENS", "DEFAULT_VRAM_TOKENS", "FOLLOW_UPS", "GPU_SHARING", "FollowUps", "GpuSharing", "SimConfig", "Simulator", "simulate"]
 
@@ -364,6 +364,7 @@ class Simulator:
             raise InvalidArgumentError(
                 f"request {reqs.ids[k]} comes from region {reqs.region_names[reqs.region_codes[k]]!r}, which the topology {topology.name!r} does not have (regions: {', '.join(regions)})"
             )
+        check_context(reqs, topology)
         edge_region = np.array([self._region_index[self._edge_of.get(r, r)] if r in self._region_index else 0 for r in reqs.region_names] or [0], dtype=np.uint32)[reqs.region_codes]
         # Block ids go over as they are held: a synthetic prompt's as its (chain, count) runs (the
         # engine expands them at arrival; 500,000 Mixed prompts' ids would be a gigabyte), a

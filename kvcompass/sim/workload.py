@@ -102,7 +102,9 @@ __all__ = [
     "RequestTable",
     "ReuseStats",
     "TraceBlocks",
+    "check_context",
     "collector_paused",
+    "context_window",
     "dump_trace",
     "expand_blocks",
     "find_trace",
@@ -149,6 +151,7 @@ _TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 _TRACE_KEYS = frozenset((*_TRACE_FIELDS, "chat_id", "parent_chat_id", "type", "turn"))
 _TRACE_KEYS_TEXT = ", ".join((*_TRACE_FIELDS, "chat_id", "parent_chat_id", "type", "turn"))
 _TRACES_SUBDIR = "traces"
+_WINDOW_FIX = "no engine serves it (if the model's window is longer, raise max_prefix in the topology; else leave the request out)"
 _PACKAGE = Path(__file__).resolve().parents[1]
 
 
@@ -308,7 +311,9 @@ def _parse_ids(path: Path, line: int, raw: object) -> U64Array:
     return ids
 
 
-def _read_trace(path: Path, block_size: int, max_requests: int | None) -> _Rows:
+def _read_trace(path: Path, block_size: int, max_requests: int | None, window: tuple[int, str] | None = None) -> _Rows:
+    """The trace's rows, each checked; ``window``: the longest prompt accepted and what sets it
+    (a topology's context window), or None for no bound."""
     rows = _Rows()
     row_of_chat: dict[int, int] = {}
     prev_ts = 0.0
@@ -346,6 +351,8 @@ def _read_trace(path: Path, block_size: int, max_requests: int | None) -> _Rows:
             n_in = obj["input_length"]
             if not _is_int(n_in) or not 1 <= n_in <= MAX_TRACE_TOKENS:
                 raise _trace_error(path, line, "input_length", f"expected an integer in [1, {MAX_TRACE_TOKENS}], got {n_in!r}")
+            if window is not None and n_in > window[0]:
+                raise _trace_error(path, line, "input_length", f"{n_in} tokens, longer than {window[1]}: {_WINDOW_FIX}")
             n_out = obj["output_length"]
             if not _is_int(n_out) or not 0 <= n_out <= MAX_TRACE_TOKENS:
                 raise _trace_error(path, line, "output_length", f"expected an integer in [0, {MAX_TRACE_TOKENS}], got {n_out!r}")
@@ -384,6 +391,26 @@ def _read_trace(path: Path, block_size: int, max_requests: int | None) -> _Rows:
     if not rows.timestamps:
         raise InvalidArgumentError(f"{path}: no requests in the trace", path=str(path), line=0, field=None)
     return rows
+
+
+def context_window(topology: Topology) -> str:
+    """How an error names a topology's context window."""
+    return f"the context window of topology {topology.name!r} (max_prefix {topology.max_prefix})"
+
+
+def check_context(requests: Sequence[Request], topology: Topology) -> None:
+    """Refuse a workload with a prompt longer than ``topology``'s context window (its
+    ``max_prefix``), naming the first such request: no engine of that fleet serves it, and the
+    simulator ran it as if one did (an operator's review). Traces are checked line by line as
+    they load (:func:`load_trace`); this covers every workload, generated ones too."""
+    if isinstance(requests, RequestTable):
+        lengths = np.asarray(requests.input_length)
+    else:
+        lengths = np.fromiter((r.input_length for r in requests), dtype=np.int64, count=len(requests))
+    over = np.flatnonzero(lengths > topology.max_prefix)
+    if over.size:
+        r = requests[int(over[0])]
+        raise InvalidArgumentError(f"request {r.id} has a {r.input_length}-token prompt, longer than {context_window(topology)}: {_WINDOW_FIX}", request=r.id)
 
 
 # --------------------------------------------------------------------------------------------
@@ -488,6 +515,7 @@ def load_trace(
     max_requests: int | None = None,
     namespace: str = "public",
     ties: Literal["spread", "keep"] | None = None,
+    max_input_length: int | None = None,
 ) -> list[Request]:
     """Load a JSONL trace in the Mooncake schema (see the module docstring for the rules).
 
@@ -501,6 +529,12 @@ def load_trace(
     keeps the first rows of the file (before tenant replication: K copies give K times as
     many requests). Tenant k's namespace is ``namespace`` when ``tenants == 1``, else
     ``f"{namespace}/tenant-{k}"``. Returns the requests in arrival order, ``id`` = position.
+
+    ``max_input_length``: the longest prompt accepted, default the topology's context window
+    (``max_prefix``) when ``regions`` is a topology, else no bound. A longer prompt is an error
+    naming its line, not a request simulated as if an engine served it (vLLM refuses a prompt
+    past ``max_model_len``); cutting it instead would change the workload behind the user's
+    back. The output length is replayed as logged.
     """
     block_size = _check_int("block_size", block_size, 1)
     tenants = _check_int("tenants", tenants, 1)
@@ -509,7 +543,12 @@ def load_trace(
         max_requests = _check_int("max_requests", max_requests, 1)
     rate_v = _check_rate(mode, rate)
     names, cdf = regions_and_cdf(regions, weights)
-    rows = _read_trace(Path(path), block_size, max_requests)
+    window: tuple[int, str] | None = None
+    if max_input_length is not None:
+        window = (_check_int("max_input_length", max_input_length, 1), f"max_input_length {max_input_length}")
+    elif isinstance(regions, Topology):
+        window = (regions.max_prefix, context_window(regions))
+    rows = _read_trace(Path(path), block_size, max_requests, window)
 
     n = len(rows.timestamps)
     roots = np.asarray(rows.roots, dtype=np.int64)
