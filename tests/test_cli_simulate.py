@@ -134,6 +134,23 @@ def test_a_prompt_past_the_context_window_is_a_load_time_error(tmp_path: Path, c
         assert "[1/1]" not in cap.err  # before any run
 
 
+def test_run_json_records_the_checkouts_commit(tmp_path: Path) -> None:
+    """In a git checkout, ``run.json`` names the commit that produced the tables (it was always
+    null: the check compared the checkout's kvcompass/ with kvcompass/cli/)."""
+    import argparse
+
+    from kvcompass.cli.simulate import _write_run
+    from kvcompass.discovery.topology import load_topology
+
+    head = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10, check=False)
+    if head.returncode != 0 or Path(head.stdout.split()[0]).resolve() != ROOT:
+        pytest.skip("not run from a git checkout of this repository")
+    path = _write_run(tmp_path, argparse.Namespace(command="simulate", seed=1), load_topology("testbed-14x3"))
+    commit = json.loads(path.read_text())["git_commit"]
+    assert isinstance(commit, str) and len(commit) == 40 and set(commit) <= set("0123456789abcdef")
+    assert commit == head.stdout.split()[1]
+
+
 def test_console_script_exit_code() -> None:
     p = subprocess.run(
         [sys.executable, "-m", "kvcompass", "simulate", "--topology", "testbed-14x3", "--trace", "mixed", "--rates", "5", "--schemes", "nope"],

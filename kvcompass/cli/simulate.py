@@ -394,7 +394,9 @@ def _write_run(out: Path, args: argparse.Namespace, topology: Topology, extra: d
 
     from kvcompass import __version__
 
-    package = Path(__file__).resolve().parent
+    # The package folder, kvcompass/ (this file is kvcompass/cli/simulate.py: its own folder
+    # never matched the checkout's kvcompass/, so every run.json said null; review).
+    package = Path(__file__).resolve().parents[1]
     commit: str | None = None
     try:  # only when this package is the checkout's own (not an installed copy under a repo)
         done = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], capture_output=True, text=True, timeout=10, cwd=package)
