@@ -922,3 +922,46 @@ def test_engine_events_through_real_agent_maintenance_and_edge_processes(tmp_pat
             stop_process(p, 10)
             if p.stdout is not None:
                 p.stdout.close()
+
+
+def test_an_edge_serves_the_models_origins_and_client_cap_its_flags_name(tmp_path: Path) -> None:
+    # Review: the edge's model name was fixed to llama-3.1-8b, CORS absent and the per-client
+    # in-flight cap unreachable from the command line.
+    import urllib.request
+
+    topo = tmp_path / "tiny.toml"
+    topo.write_text(TOPOLOGY)
+    bad = subprocess.run(
+        _cmd("edge", "--topology", str(topo), "--region", "a", "--maintenance", "127.0.0.1:1,127.0.0.1:2", "--open", "--allowed-origins", "https://a.example b"),
+        capture_output=True, text=True, timeout=60,
+    )
+    assert bad.returncode == 2 and "--allowed-origins" in bad.stderr and "CORS origin" in bad.stderr, bad.stderr
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(*args: str) -> dict[str, Any]:
+        p = subprocess.Popen(_cmd(*args), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        procs.append(p)
+        assert p.stdout is not None
+        return dict(json.loads(p.stdout.readline()))
+
+    try:
+        units = [start("maintenance", "--topology", str(topo), "--shard", str(s)) for s in (0, 1)]
+        maint = ",".join(u["grpc"] for u in units)
+        edge = start(
+            "edge", "--topology", str(topo), "--region", "a", "--maintenance", maint, "--open",
+            "--model", "qwen-7b,llama-3.1-8b", "--allowed-origins", "https://ui.example", "--max-inflight-per-client", "8",
+        )
+        with urllib.request.urlopen(edge["http"] + "/v1/models", timeout=10) as r:
+            assert [m["id"] for m in json.loads(r.read())["data"]] == ["qwen-7b", "llama-3.1-8b"]
+        req = urllib.request.Request(
+            edge["http"] + "/v1/chat/completions", method="OPTIONS",
+            headers={"Origin": "https://ui.example", "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.status == 204 and r.headers["Access-Control-Allow-Origin"] == "https://ui.example"
+            assert r.headers["Access-Control-Allow-Headers"] == "authorization"
+    finally:
+        for p in reversed(procs):
+            stop_process(p, 10)
+            if p.stdout is not None:
+                p.stdout.close()

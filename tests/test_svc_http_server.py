@@ -39,8 +39,8 @@ class State:
         self.seen: list[tuple[str, str]] = []
 
 
-def make_app(state: State, max_body: int = 1000) -> App:
-    app = App(max_body_bytes=max_body, observe=lambda req, resp, err: state.seen.append((req.path, str(resp.status))))
+def make_app(state: State, max_body: int = 1000, cors: tuple[str, ...] = ()) -> App:
+    app = App(max_body_bytes=max_body, observe=lambda req, resp, err: state.seen.append((req.path, str(resp.status))), cors_origins=cors)
 
     async def echo(req: Request) -> Response:
         body = await req.read()
@@ -115,7 +115,7 @@ def close_all() -> None:
 async def serving(state: State, **kw: Any) -> AsyncIterator[tuple[HttpServer, int]]:
     sock = bind_socket("127.0.0.1", 0)
     max_body = kw.pop("max_body", 1000)
-    server = HttpServer(make_app(state, max_body), sock, **kw)
+    server = HttpServer(make_app(state, max_body, kw.pop("cors", ())), sock, **kw)
     await server.start()
     try:
         yield server, sock.getsockname()[1]
@@ -506,3 +506,44 @@ def test_a_prefix_route_needs_a_trailing_slash_and_yields_to_exact_routes() -> N
 
 async def _noop(request: Request) -> StreamResponse:
     return json_response({})
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_cors_preflights_are_answered_and_every_response_names_the_allowed_origin(loop: str) -> None:
+    # Review: no CORS at all (a preflight got 405), so a browser chat UI could not call the door;
+    # vLLM allows every origin by default.
+    preflight = b"OPTIONS /echo HTTP/1.1\r\nHost: x\r\nOrigin: https://ui.example\r\nAccess-Control-Request-Method: POST\r\nAccess-Control-Request-Headers: authorization, content-type\r\n\r\n"
+
+    async def go() -> None:
+        async with serving(State(), cors=("*",)) as (_, port):
+            r, w = await connect(port)
+            w.write(preflight)
+            status, h, _ = await read_response(r)
+            assert status == 204 and h["access-control-allow-origin"] == "*", h
+            assert "POST" in h["access-control-allow-methods"] and h["access-control-allow-headers"] == "authorization, content-type"
+            w.write(post("/echo", b"{}", "Origin: https://ui.example\r\n"))  # a whole answer
+            status, h, _ = await read_response(r)
+            assert status == 200 and h["access-control-allow-origin"] == "*"
+            w.write(b"GET /stream HTTP/1.1\r\nHost: x\r\nOrigin: https://ui.example\r\n\r\n")  # a stream's head
+            head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+            assert b"Access-Control-Allow-Origin: *\r\n" in head
+        async with serving(State(), cors=("https://ui.example",)) as (_, port):
+            r, w = await connect(port)
+            w.write(preflight)
+            status, h, _ = await read_response(r)
+            assert h["access-control-allow-origin"] == "https://ui.example" and h["vary"] == "Origin"
+            w.write(preflight.replace(b"ui.example", b"evil.example"))
+            status, h, _ = await read_response(r)
+            assert status == 204 and "access-control-allow-origin" not in h and "access-control-allow-methods" not in h
+            w.write(b"GET /health HTTP/1.1\r\nHost: x\r\nOrigin: https://evil.example\r\n\r\n")
+            status, h, _ = await read_response(r)
+            assert status == 200 and "access-control-allow-origin" not in h
+        async with serving(State()) as (_, port):  # no CORS configured: no preflight answer
+            r, w = await connect(port)
+            w.write(preflight)
+            status, h, _ = await read_response(r)
+            assert status == 405 and "access-control-allow-origin" not in h
+    with pytest.raises(InvalidArgumentError, match="CORS origin"):
+        App(cors_origins=("https://a.example, https://b.example",))
+
+    run(loop, go)

@@ -71,6 +71,12 @@ def add_parsers(sub: Any) -> None:
     e.add_argument("--drain-grace", type=float, default=30.0, metavar="S", help="seconds in-flight requests may take to finish on SIGTERM")
     e.add_argument("--header-timeout", type=float, default=10.0, metavar="S", help="close a new connection whose first request head has not arrived after S seconds (slowloris)")
     e.add_argument("--max-connections-per-address", type=int, default=1024, metavar="N", help="open connections one client address may hold; past it, 503 and closed")
+    e.add_argument("--model", default="llama-3.1-8b", metavar="NAME[,NAME...]",
+                   help="the model names the door serves (the first answers requests naming none); each must be the --model its workers' agents key events under")
+    e.add_argument("--allowed-origins", default="*", metavar="ORIGIN,...",
+                   help="origins browsers may call the door from (CORS): '*' any (vLLM's default), a comma-separated list, or '' none")
+    e.add_argument("--max-inflight-per-client", type=int, default=256, metavar="N",
+                   help="requests one client (API key, or address without keys) may have in flight; past it, 429")
     e.add_argument("--queue-poll", type=float, default=0.1, metavar="S",
                    help="read own-region workers' queues (GET /kvcompass/load) every S seconds; 0: only from responses (default 0.1, Delta)")
     e.add_argument("--seed", type=int, default=0)
@@ -374,6 +380,12 @@ async def _edge(args: argparse.Namespace) -> int:
     if args.view_budget is not None and args.view_budget < 1:
         raise UsageError(f"--view-budget must be >= 1, got {args.view_budget}")
     keys, peer_key = _door_keys(args)
+    models = tuple(m.strip() for m in args.model.split(","))
+    origins = tuple(o.strip() for o in args.allowed_origins.split(",")) if args.allowed_origins.strip() else ()
+    try:  # the door's own checks, worded for the flags before anything starts
+        DoorConfig(models=models, cors_origins=origins, max_inflight_per_client=args.max_inflight_per_client)
+    except ValueError as e:
+        raise UsageError(f"--model / --allowed-origins / --max-inflight-per-client: {e}") from None
     tls = _tls(args)
     grpc_server_ssl, grpc_client_ssl = tls.server_or_none("grpc"), tls.client_or_none("grpc")
     http_server_ssl, http_client_ssl = tls.server_or_none("http"), tls.client_or_none("http")
@@ -388,7 +400,7 @@ async def _edge(args: argparse.Namespace) -> int:
     # The gRPC Route API takes the doors' keys too: a key routes only in its own tenants'
     # namespaces, so a caller cannot probe another tenant's cache through gRPC either.
     server = EdgeServer(
-        EdgeService(edge, peer_token=peer_key, keys=keys, models=DoorConfig().models),
+        EdgeService(edge, peer_token=peer_key, keys=keys, models=models),
         health=sync.health, metrics=sync.metrics, ready=lambda: sync.ready, routes=dashboard.routes(),
     )
     broadcaster: QueueBroadcaster | None = None
@@ -399,7 +411,8 @@ async def _edge(args: argparse.Namespace) -> int:
         stack.push_async_callback(server.close)
         door = await serve_door(
             edge, urls, topo.tokenizer or None, host=args.host, port=args.http_port, config=DoorConfig(
-                drain_grace_s=args.drain_grace, api_keys=keys, peer_key=peer_key, header_timeout_s=args.header_timeout, max_connections_per_address=args.max_connections_per_address
+                drain_grace_s=args.drain_grace, api_keys=keys, peer_key=peer_key, header_timeout_s=args.header_timeout, max_connections_per_address=args.max_connections_per_address,
+                models=models, cors_origins=origins, max_inflight_per_client=args.max_inflight_per_client,
             ),
             regions=regions, wan_one_way_ms=one_way if scale > 0 else None, ssl_context=http_server_ssl, upstream_ssl=http_client_ssl,
             peers=door_peers, reuse_port=args.reuse_port,

@@ -331,7 +331,7 @@ class EmulatedWorker(AsyncResource):
             self._router.setsockopt(zmq.SNDHWM, self.config.replay_buffer + 16)  # a whole ring fits in one reply
             self._router.setsockopt(zmq.LINGER, 0)
             self.replay_endpoint = _bind(self._router, replay, host)
-            app = App(max_body_bytes=_MAX_BODY, observe=self._observe)
+            app = App(max_body_bytes=_MAX_BODY, observe=self._observe, cors_origins=("*",))  # vLLM's default
             app.add_post("/v1/completions", self._completions)
             app.add_post("/v1/chat/completions", self._chat)
             app.add_get("/v1/models", self._models)

@@ -84,7 +84,7 @@ from kvcompass.errors import DrainingError, InvalidArgumentError, KVCompassError
 from kvcompass.index_types import Namespace
 from kvcompass.services.api_keys import ANY_TENANT, ApiKey, KeyStore
 from kvcompass.services.conn_guard import ConnGuard
-from kvcompass.services.http_server import App, HttpServer, Request, Response, StreamResponse, json_response, path_tail
+from kvcompass.services.http_server import App, HttpServer, Request, Response, StreamResponse, check_cors_origins, json_response, path_tail
 from kvcompass.services.openai_api import (
     INLINE_TOKENIZE_CHARS,
     MODELS_PREFIX,
@@ -197,6 +197,9 @@ class DoorConfig:
     max_upstream_connections: int = 0
     """0 = unlimited (aiohttp's default of 100 would cap concurrency far below a worker's)."""
     forward_headers: tuple[str, ...] = ("authorization", "x-request-id")
+    cors_origins: tuple[str, ...] = ("*",)
+    """Origins a browser may call the door from (``*``: any, vLLM's default; ``()``: no CORS
+    headers at all). A key is still needed where the door has keys."""
     expose_worker: bool = True
     """Tell the client which worker served (``x-kvcompass-worker``), for load generators and
     debugging; turn off where worker identity is sensitive."""
@@ -233,6 +236,7 @@ class DoorConfig:
     def __post_init__(self) -> None:
         if not self.models or any(not isinstance(m, str) or not m for m in self.models):
             raise ValueError(f"models must be non-empty names, got {self.models!r}")
+        check_cors_origins(self.cors_origins)
         if not _TENANT_RE.fullmatch(self.default_tenant):
             raise ValueError(f"default_tenant {self.default_tenant!r} is not a valid tenant name")
         for name in ("max_prompt_tokens", "max_body_bytes", "max_response_bytes", "max_attempts", "max_inflight_per_client", "max_connections_per_address", "max_migrations_inflight"):
@@ -650,7 +654,10 @@ class FrontDoor:
         hook)."""
         # A hand-off from another region's door is labelled apart, so a sum over doors counts
         # each client request once.
-        endpoint = "handoff" if HANDOFF_HEADER in request.headers else _ENDPOINTS.get(request.path) or ("models" if request.path.startswith(MODELS_PREFIX) else "other")
+        if request.method == "OPTIONS":
+            endpoint = "preflight"
+        else:
+            endpoint = "handoff" if HANDOFF_HEADER in request.headers else _ENDPOINTS.get(request.path) or ("models" if request.path.startswith(MODELS_PREFIX) else "other")
         self.metrics.requests.labels(endpoint, str(resp.status)).inc()
 
     async def models(self, request: Request) -> Response:
@@ -1613,7 +1620,7 @@ def make_app(
         edge, workers, _resolve_tokenizer(tokenizer), config, regions=regions, wan_one_way_ms=wan_one_way_ms, clock=clock, registry=registry,
         upstream_ssl=upstream_ssl, peers=peers,
     )
-    app = App(max_body_bytes=config.max_body_bytes, observe=door._observe)
+    app = App(max_body_bytes=config.max_body_bytes, observe=door._observe, cors_origins=config.cors_origins)
     app.state[FRONT_DOOR] = door
     app.on_startup.append(door.start)
     app.on_cleanup.append(door.stop)

@@ -53,7 +53,7 @@ from kvcompass.errors import InvalidArgumentError, KVCompassError, MessageTooLar
 from kvcompass.services.conn_guard import ConnGuard
 from kvcompass.services.openai_api import OpenAIError, error_body
 
-__all__ = ["App", "Headers", "HttpServer", "Request", "Response", "StreamResponse", "json_response", "path_tail"]
+__all__ = ["App", "Headers", "HttpServer", "Request", "Response", "StreamResponse", "check_cors_origins", "json_response", "path_tail"]
 
 _log = logging.getLogger("kvcompass.http")
 
@@ -101,7 +101,7 @@ class Request:
     ``remote`` (the client's address), ``content_length`` (None when chunked), and the body
     through :meth:`read`. Handlers may keep per-request values in it (``request[key]``)."""
 
-    __slots__ = ("method", "path", "query_string", "headers", "remote", "content_length", "keep_alive", "_stream", "_chunks", "_size", "_complete", "_waiter", "_error", "_conn", "_store", "_continue")
+    __slots__ = ("method", "path", "query_string", "headers", "remote", "content_length", "keep_alive", "_stream", "_chunks", "_size", "_complete", "_waiter", "_error", "_conn", "_store", "_continue", "_cors")
 
     def __init__(self, conn: _Connection, method: str, path: str, query: str, headers: Headers) -> None:
         self._conn = conn
@@ -121,6 +121,7 @@ class Request:
         self._error: BaseException | None = None
         self._store: dict[Any, Any] | None = None
         self._continue = False
+        self._cors = b""  # the CORS lines every response to this request carries (App.handle)
 
     @property
     def complete(self) -> bool:
@@ -226,6 +227,7 @@ class StreamResponse:
         chunked = request.method != "HEAD" and not conn.http10
         head, close = _head(self.status, self.headers)  # ValueError before anything is sent
         head += b"Date: %s\r\n" % conn.server.date()
+        head += request._cors
         if chunked:
             head += b"Transfer-Encoding: chunked\r\n"
         head += conn.connection_header(request, close, stream=True)
@@ -272,6 +274,7 @@ class Response(StreamResponse):
         body = b"" if request.method == "HEAD" else self.body
         head, close = _head(self.status, self.headers)
         head += b"Content-Length: %d\r\nDate: %s\r\n" % (len(self.body), conn.server.date())
+        head += request._cors
         head += conn.connection_header(request, close, stream=False)
         head += body
         conn.write(bytes(head))
@@ -292,14 +295,26 @@ def path_tail(request: Request, prefix: str) -> str:
     return urllib.parse.unquote(request.path[len(prefix):])
 
 
+def check_cors_origins(origins: tuple[str, ...]) -> tuple[str, ...]:
+    """``origins`` if each is ``*`` or one origin (InvalidArgumentError otherwise)."""
+    for o in origins:
+        if not isinstance(o, str) or not o or not o.isascii() or any(c in o for c in "\r\n, "):
+            raise InvalidArgumentError(f"a CORS origin is '*' or one origin such as https://chat.example.com, got {o!r}")
+    return origins
+
+
 class App:
     """The route table (path -> method -> handler), the hook that sees every response
     (``observe(request, response, error)``; ``error`` is the refusal or None), and the
     application's start and stop hooks (:meth:`HttpServer.start` runs them)."""
 
-    def __init__(self, *, max_body_bytes: int = 1 << 20, observe: Observe | None = None) -> None:
+    def __init__(self, *, max_body_bytes: int = 1 << 20, observe: Observe | None = None, cors_origins: tuple[str, ...] = ()) -> None:
         self.max_body_bytes = max_body_bytes
         self.observe = observe
+        # Browser clients (a chat UI on another origin) need CORS, and vLLM's server allows
+        # every origin by default (found in review: a preflight got 405, so no browser could
+        # call the door). "*" allows any origin; otherwise only the listed ones, echoed.
+        self.cors_origins = frozenset(check_cors_origins(cors_origins))
         self.routes: dict[str, dict[str, Handler]] = {}
         # Path prefix -> GET handler, for a resource named in the path (``/v1/models/{id}``),
         # tried only when no exact route matches.
@@ -332,10 +347,34 @@ class App:
                 return {"GET": handler}
         return None
 
+    def _preflight(self, request: Request) -> Response:
+        """A CORS preflight: allowed (204 with the methods and the asked-for headers) when the
+        origin is, else a 204 without the allow lines, which the browser reads as a refusal."""
+        headers: dict[str, str] = {}
+        if request._cors:
+            headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+            asked = request.headers._d.get("access-control-request-headers")
+            if asked and not any(c in asked for c in "\r\n"):
+                headers["Access-Control-Allow-Headers"] = asked
+            headers["Access-Control-Max-Age"] = "600"
+        resp = Response(status=204, headers=headers)
+        if self.observe is not None:
+            self.observe(request, resp, None)
+        return resp
+
     async def handle(self, request: Request) -> StreamResponse:
         """The route's handler with refusals turned into OpenAI's error body, and a handler's
         failure into a logged 500 (``ConnectionResetError`` once the client is gone passes)."""
         err: OpenAIError | None = None
+        if self.cors_origins:
+            origin = request.headers._d.get("origin")
+            if origin is not None:
+                if "*" in self.cors_origins:
+                    request._cors = b"Access-Control-Allow-Origin: *\r\n"
+                elif origin in self.cors_origins:
+                    request._cors = b"Access-Control-Allow-Origin: %s\r\nVary: Origin\r\n" % origin.encode("latin-1")
+                if request.method == "OPTIONS" and "access-control-request-method" in request.headers._d:
+                    return self._preflight(request)
         methods = self.routes.get(request.path)
         if methods is None and self.prefixes:
             methods = self._prefixed(request.path)
