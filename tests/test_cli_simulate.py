@@ -69,16 +69,25 @@ def test_trace_excerpt_and_same_seed_same_answer(capsys: pytest.CaptureFixture[s
 
 
 def test_tenants_replicate_the_trace_with_private_namespaces(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["simulate", "--topology", "testbed-14x3", "--trace", str(EXCERPT), "--block-size", "512", "--rates", "20", "--schemes", "kvcompass", "--max-requests", "30"]
-    assert main(argv) == 0
+    argv = ["simulate", "--topology", "testbed-14x3", "--trace", str(EXCERPT), "--block-size", "512", "--rates", "20", "--schemes", "kvcompass"]
+    assert main([*argv, "--max-requests", "30"]) == 0
     one = _last_json(capsys.readouterr().out)["results"]["kvcompass"]["20"]
-    assert main([*argv, "--tenants", "3"]) == 0
+    assert main([*argv, "--max-requests", "90", "--tenants", "3"]) == 0
     three = _last_json(capsys.readouterr().out)["results"]["kvcompass"]["20"]
     assert (one["requests"], three["requests"]) == (30, 90)
     # The copies cannot reuse each other's caches: reuse stays that of one tenant's replay
     # (three times the load, so not equal, but nowhere near the near-total reuse a shared
     # namespace would give the second and third copies).
     assert three["hit_rate"] < one["hit_rate"] + 0.15
+
+
+@pytest.mark.parametrize("trace", [str(EXCERPT), "mixed"])
+def test_max_requests_is_a_total_whatever_the_tenants(trace: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """N requests in all on a trace as on mixed (a trace replayed N per tenant, N x K in all;
+    how the copies share the N: tests/test_sim_workload.py)."""
+    argv = ["simulate", "--topology", "testbed-14x3", "--trace", trace, "--block-size", "512", "--rates", "20", "--schemes", "oracle", "--max-requests", "30", "--tenants", "3"]
+    assert main(argv) == 0
+    assert _last_json(capsys.readouterr().out)["results"]["oracle"]["20"]["requests"] == 30
 
 
 def test_all_schemes_means_every_registered_one(capsys: pytest.CaptureFixture[str]) -> None:

@@ -352,6 +352,23 @@ def test_max_requests_keeps_the_first_rows_and_their_regions() -> None:
     assert [(r.region, r.input_length, r.arrival_ms) for r in head] == [(r.region, r.input_length, r.arrival_ms) for r in full[:30]]
 
 
+@pytest.mark.parametrize("mode", ["trace", "rescale", "poisson"])
+def test_max_total_keeps_the_first_requests_of_the_merged_copies(mode: str) -> None:
+    """``max_total`` counts requests, not rows: K copies share it, interleaved, each from the
+    file's first rows, and a rescaled rate holds for the requests kept."""
+    rate = None if mode == "trace" else 20.0
+    reqs = load_trace(EXCERPT, 512, regions=REGIONS, tenants=3, max_total=30, mode=mode, rate=rate, seed=4, ties="keep")  # type: ignore[arg-type]
+    assert len(reqs) == 30 and [r.id for r in reqs] == list(range(30))
+    assert Counter(r.tenant for r in reqs) == {0: 10, 1: 10, 2: 10}
+    for k in range(3):  # each copy: the file's first ten rows, sessions and parents in the kept set
+        assert [r.input_length for r in reqs if r.tenant == k] == [r.input_length for r in load_trace(EXCERPT, 512, regions=REGIONS, max_requests=10)]
+    assert all(0 <= r.session <= r.id and r.parent < r.id for r in reqs)
+    if mode == "rescale":
+        assert (len(reqs) - 1) * 1e3 / (reqs[-1].arrival_ms - reqs[0].arrival_ms) == pytest.approx(20.0)
+    # max_requests still counts rows: K copies of each.
+    assert len(load_trace(EXCERPT, 512, regions=REGIONS, tenants=3, max_requests=10)) == 30
+
+
 # --------------------------------------------------------------------------------------------
 # Rates
 

@@ -297,6 +297,7 @@ def _simulate(args: argparse.Namespace) -> int:
             rate=rate,
             mode=arrivals,
             max_requests=args.max_requests,
+            max_total=args.max_requests,  # N in all, as --rates is a total and mixed gives N
             tenants=args.tenants,
             ties="keep" if args.keep_ties or arrivals == "trace" else "spread",
         )
@@ -530,7 +531,7 @@ def add_parsers(sub: Any) -> None:
     )
     sim.add_argument("--schemes", default="all", metavar="S1,S2,...|all", help="routing schemes to compare (default all)")
     sim.add_argument("--seed", type=int, default=0, help="seed for the workload's regions and arrivals and the simulator (default 0)")
-    sim.add_argument("--max-requests", type=int, default=None, metavar="N", help="replay at most the first N requests")
+    sim.add_argument("--max-requests", type=int, default=None, metavar="N", help="replay at most the first N requests in all, whatever --tenants (a trace's K copies: about N/K each, interleaved)")
     sim.add_argument("--out", default=None, metavar="DIR", help="write CSV/parquet tables and PNG figures here")
     sim.add_argument("--rtt-matrix", metavar="CSV", default=None, help="RTT matrix for a topology that has none of its own")
     sim.add_argument(

@@ -65,6 +65,7 @@ Tenants
     prefix tree is opaque, so there is nothing like a system prompt to make private; a private
     namespace has the same effect as a private first block. Copy k is shifted by k/K of the
     trace's mean inter-arrival gap, so copies interleave instead of arriving in bursts of K.
+    ``max_requests`` counts rows of the file (K copies of each); ``max_total`` counts requests.
 
     The synthetic generator is different on purpose: its tenants share one namespace and are
     separated by private system prompt *tokens*, because its tool preambles are shared across
@@ -466,8 +467,9 @@ def spread_ties(ts: F64Array, seed: int) -> F64Array:
     return out
 
 
-def _schedule(ts: F64Array, tenants: int, mode: str, rate: float, seed: int) -> tuple[I64Array, I64Array, F64Array]:
-    """Merge ``tenants`` copies of a trace: (row, tenant, arrival ms) in arrival order."""
+def _schedule(ts: F64Array, tenants: int, mode: str, rate: float, seed: int, limit: int | None = None) -> tuple[I64Array, I64Array, F64Array]:
+    """Merge ``tenants`` copies of a trace: (row, tenant, arrival ms) in arrival order, the first
+    ``limit`` of them (all: None), cut before the rate is applied so it holds for those kept."""
     n = ts.size
     span = float(ts[-1] - ts[0])
     gap = span / (n - 1) if n > 1 else 0.0
@@ -476,7 +478,7 @@ def _schedule(ts: F64Array, tenants: int, mode: str, rate: float, seed: int) -> 
     t = ts[rows] + ten * (gap / tenants)
     # Primary key time; ties in file order, then tenant: parents (earlier rows, times no later)
     # always precede their follow-ups.
-    order = np.lexsort((ten, rows, t))
+    order = np.lexsort((ten, rows, t))[:limit]
     rows, ten, t = rows[order], ten[order], t[order]
     if mode == "trace":
         return rows, ten, t
@@ -516,6 +518,7 @@ def load_trace(
     namespace: str = "public",
     ties: Literal["spread", "keep"] | None = None,
     max_input_length: int | None = None,
+    max_total: int | None = None,
 ) -> list[Request]:
     """Load a JSONL trace in the Mooncake schema (see the module docstring for the rules).
 
@@ -527,7 +530,10 @@ def load_trace(
     ``regions`` is a list of region names (``weights`` default: equal) or a
     :class:`~kvcompass.discovery.topology.Topology` (default: prefill capacity). ``max_requests``
     keeps the first rows of the file (before tenant replication: K copies give K times as
-    many requests). Tenant k's namespace is ``namespace`` when ``tenants == 1``, else
+    many requests). ``max_total`` keeps the first requests in arrival order once the copies are
+    merged (about ``max_total / K`` rows of each), before the rate is applied: what
+    ``kvcompass simulate --max-requests`` means, a total as ``--rates`` is and as the generated
+    workloads' counts are (it replayed N per tenant, found in review). Tenant k's namespace is ``namespace`` when ``tenants == 1``, else
     ``f"{namespace}/tenant-{k}"``. Returns the requests in arrival order, ``id`` = position.
 
     ``max_input_length``: the longest prompt accepted, default the topology's context window
@@ -541,6 +547,10 @@ def load_trace(
     seed = _check_int("seed", seed, 0)
     if max_requests is not None:
         max_requests = _check_int("max_requests", max_requests, 1)
+    if max_total is not None:
+        max_total = _check_int("max_total", max_total, 1)
+        # The first max_total of the merged copies come from each copy's first max_total rows.
+        max_requests = max_total if max_requests is None else min(max_requests, max_total)
     rate_v = _check_rate(mode, rate)
     names, cdf = regions_and_cdf(regions, weights)
     window: tuple[int, str] | None = None
@@ -560,8 +570,8 @@ def load_trace(
     stamps = np.asarray(rows.timestamps, dtype=np.float64)
     if (ties or ("spread" if mode == "rescale" else "keep")) == "spread" and mode != "poisson":
         stamps = spread_ties(stamps, seed)
-    order_rows, order_ten, arrival = _schedule(stamps, tenants, mode, rate_v, seed)
-    id_of = np.empty((tenants, n), dtype=np.int64)
+    order_rows, order_ten, arrival = _schedule(stamps, tenants, mode, rate_v, seed, max_total)
+    id_of = np.full((tenants, n), -1, dtype=np.int64)  # -1: a copy's row past max_total
     id_of[order_ten, order_rows] = np.arange(order_rows.size)
 
     spaces = [namespace] if tenants == 1 else [f"{namespace}/tenant-{k}" for k in range(tenants)]
