@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import re
@@ -65,6 +66,15 @@ count = 2
 region = "b"
 count = 1
 """
+
+
+def _start_announced(procs: list[subprocess.Popen[bytes]], *args: str) -> dict[str, Any]:
+    """A ``kvcompass`` process (kept in ``procs`` for the test to stop) and the endpoints it
+    announced on its first stdout line."""
+    p = subprocess.Popen(_cmd(*args), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    procs.append(p)
+    assert p.stdout is not None
+    return dict(json.loads(p.stdout.readline()))
 
 
 def _cmd(*args: str) -> list[str]:
@@ -878,12 +888,7 @@ def test_engine_events_through_real_agent_maintenance_and_edge_processes(tmp_pat
     topo = tmp_path / "tiny.toml"
     topo.write_text(TOPOLOGY)
     procs: list[subprocess.Popen[bytes]] = []
-
-    def start(*args: str) -> dict[str, Any]:
-        p = subprocess.Popen(_cmd(*args), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
-        procs.append(p)
-        assert p.stdout is not None
-        return dict(json.loads(p.stdout.readline()))
+    start = functools.partial(_start_announced, procs)
 
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
@@ -937,12 +942,7 @@ def test_an_edge_serves_the_models_origins_and_client_cap_its_flags_name(tmp_pat
     )
     assert bad.returncode == 2 and "--allowed-origins" in bad.stderr and "CORS origin" in bad.stderr, bad.stderr
     procs: list[subprocess.Popen[bytes]] = []
-
-    def start(*args: str) -> dict[str, Any]:
-        p = subprocess.Popen(_cmd(*args), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
-        procs.append(p)
-        assert p.stdout is not None
-        return dict(json.loads(p.stdout.readline()))
+    start = functools.partial(_start_announced, procs)
 
     try:
         units = [start("maintenance", "--topology", str(topo), "--shard", str(s)) for s in (0, 1)]
