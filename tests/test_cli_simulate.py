@@ -160,6 +160,21 @@ def test_run_json_records_the_checkouts_commit(tmp_path: Path) -> None:
     assert commit == head.stdout.split()[1]
 
 
+def test_errors_name_the_flags_not_the_librarys_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Requests all logged at one instant cannot be rescaled to a rate: said as ``--arrivals``,
+    not as the library's ``mode='poisson'``, which the user never typed."""
+    path = tmp_path / "one-instant.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": 5, "input_length": 20, "output_length": 3, "hash_ids": [i]}) + "\n" for i in range(3)))
+    base = ["simulate", "--topology", "testbed-14x3", "--trace", str(path), "--schemes", "oracle", "--block-size", "512"]
+    for extra, more in ((["--rates", "5"], False), (["--rates", "5", "--keep-ties", "--max-requests", "2"], True), (["--load", "0.5"], False)):
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvcompass simulate: error: --arrivals rescale: every request replayed has the same timestamp") and err.count("\n") == 1, err
+        assert "mode=" not in err and "--arrivals poisson" in err and ("--max-requests" in err) == more
+    assert main([*base, "--rates", "5", "--arrivals", "poisson"]) == 0
+    assert _last_json(capsys.readouterr().out)["results"]["oracle"]["5"]["requests"] == 3
+
+
 def test_console_script_exit_code() -> None:
     p = subprocess.run(
         [sys.executable, "-m", "kvcompass", "simulate", "--topology", "testbed-14x3", "--trace", "mixed", "--rates", "5", "--schemes", "nope"],

@@ -288,19 +288,28 @@ def _simulate(args: argparse.Namespace) -> int:
             return synthetic_mixed(
                 n, regions=topology, weights=weights, seed=args.seed, rate=rate, block_size=args.block_size or topology.block_size, tenants=args.tenants, private_pools=args.tenants > 1
             )
-        return load_trace(
-            trace_path,
-            args.block_size or MOONCAKE_BLOCK_SIZE,
-            regions=topology,
-            weights=weights,
-            seed=args.seed,
-            rate=rate,
-            mode=arrivals,
-            max_requests=args.max_requests,
-            max_total=args.max_requests,  # N in all, as --rates is a total and mixed gives N
-            tenants=args.tenants,
-            ties="keep" if args.keep_ties or arrivals == "trace" else "spread",
-        )
+        try:
+            return load_trace(
+                trace_path,
+                args.block_size or MOONCAKE_BLOCK_SIZE,
+                regions=topology,
+                weights=weights,
+                seed=args.seed,
+                rate=rate,
+                mode=arrivals,
+                max_requests=args.max_requests,
+                max_total=args.max_requests,  # N in all, as --rates is a total and mixed gives N
+                tenants=args.tenants,
+                ties="keep" if args.keep_ties or arrivals == "trace" else "spread",
+            )
+        except InvalidArgumentError as e:
+            # The library names its own argument (mode='poisson'); say it as the user typed it.
+            if getattr(e, "argument", None) == "mode":
+                more = "a larger --max-requests, or " if args.max_requests is not None else ""
+                raise UsageError(
+                    f"--arrivals {arrivals}: every request replayed has the same timestamp, so there is no span to stretch to a rate ({more}use --arrivals poisson)"
+                ) from None
+            raise
 
     own: Sequence[Request] | None = None
     if arrivals == "trace":  # one run per scheme at the trace's own times, keyed by its rate

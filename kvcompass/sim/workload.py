@@ -488,7 +488,10 @@ def _schedule(ts: F64Array, tenants: int, mode: str, rate: float, seed: int, lim
         if total == 1:
             return rows, ten, np.zeros(1)
         if width <= 0:
-            raise InvalidArgumentError("cannot rescale to a rate: every request replayed has the same timestamp (replay more requests, or use Poisson arrivals: mode='poisson')")
+            # ``argument``: what a front end (the CLI's --arrivals) reports it under.
+            raise InvalidArgumentError(
+                "cannot rescale to a rate: every request replayed has the same timestamp (replay more requests, or use Poisson arrivals: mode='poisson')", argument="mode"
+            )
         return rows, ten, (t - t[0]) * ((total - 1) * 1000.0 / (rate * width))
     return rows, ten, _poisson_times(total, rate, seed)
 
@@ -823,7 +826,9 @@ def synthetic_mixed(
     tenants = _check_int("tenants", tenants, 1)
     seed = _check_int("seed", seed, 0)
     block_size = _check_int("block_size", block_size, 1)
-    rate_v = _check_rate("poisson", rate)
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
+        raise InvalidArgumentError(f"rate must be a number > 0 in req/s, got {rate!r}")  # this function has no mode
+    rate_v = float(rate)
     cfg = config if config is not None else MixedConfig()
     names, region_cdf = regions_and_cdf(regions, weights)
 
