@@ -93,6 +93,25 @@ def test_bad_topology_is_one_line_on_stderr(tmp_path: Path, capsys: pytest.Captu
     assert out.err == f"kvcompass plan: error: {p}: worker 'w1': region 'mars' is not defined\n"
 
 
+def test_rtt_matrix_flag_is_never_ignored_in_silence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--rtt-matrix`` naming no file, or a file a topology's own matrix would override, is a
+    one-line error naming it (both were ignored when the topology had its own matrix)."""
+    own = tmp_path / "own.toml"
+    own.write_text('[rtt_ms]\nx = { x = 1.0 }\n[regions]\nx = {}\n[[workers]]\nregion = "x"\ncount = 2\n')
+    missing = tmp_path / "nope.csv"
+    for cmd in (["plan"], ["simulate", "--trace", "mixed", "--rates", "1", "--schemes", "oracle", "--max-requests", "5"]):
+        for topology, matrix, what in (
+            (str(own), missing, f"--rtt-matrix {missing}: no such file"),
+            ("testbed-14x3", missing, f"--rtt-matrix {missing}: no such file"),
+            (str(own), BUNDLED_RTT, f"--rtt-matrix {BUNDLED_RTT}: topology own has its own RTT matrix ({own} [rtt_ms]), which it would use"),
+        ):
+            assert main([cmd[0], "--topology", topology, "--rtt-matrix", str(matrix), *cmd[1:]]) == 2
+            out = capsys.readouterr()
+            assert out.out == "" and out.err.startswith(f"kvcompass {cmd[0]}: error: {what}") and out.err.count("\n") == 1, out.err
+    assert main(["plan", "--topology", "testbed-14x3", *RTT]) == 0  # a topology without a matrix of its own takes it
+    assert f"RTT matrix: {BUNDLED_RTT}" in capsys.readouterr().out
+
+
 def test_unknown_topology_name(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--topology", "mars-1x1", "--json"]) == 2
     out = capsys.readouterr()

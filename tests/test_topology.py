@@ -351,6 +351,16 @@ def test_rtt_path_argument_is_used_when_the_topology_has_no_matrix(tmp_path: Pat
     assert t.rtt.source == str(m) and t.rtt_ms("a", "b") == 70.0
 
 
+def test_rtt_path_that_is_not_a_file_is_an_error_even_beside_an_own_matrix(tmp_path: Path) -> None:
+    # The topology's own matrix wins, so a mistyped rtt_path was ignored in silence.
+    for path, what in ((tmp_path / "nope.csv", "no such file"), (tmp_path, "not a file")):
+        with pytest.raises(TopologyError) as info:
+            topology_from_dict(base(), rtt_path=path)
+        assert info.value.message == f"RTT matrix {path}: {what}"
+    m = write_csv(tmp_path, "region,a,b\na,1,70\nb,70,1\n")
+    assert topology_from_dict(base(), rtt_path=m).rtt.source == "topology [rtt_ms]"  # an existing one: the own matrix wins, as documented
+
+
 def test_topology_from_code() -> None:
     t = Topology(
         name="code",

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any, Sequence
 
 from kvcompass.discovery.plan import LevelPlan
@@ -13,7 +14,7 @@ from kvcompass.discovery.topology import Topology, builtin_topologies, load_topo
 from kvcompass.engine.cache import worker_capacities
 from kvcompass.errors import UsageError
 
-__all__ = ["add_parsers", "format_plan"]
+__all__ = ["add_parsers", "format_plan", "topology_of"]
 
 
 def _lengths(xs: Sequence[int]) -> str:
@@ -78,8 +79,20 @@ def _caches(t: Topology) -> list[str]:
     return out
 
 
+def topology_of(name_or_path: str, rtt_matrix: str | None) -> Topology:
+    """``--topology`` with ``--rtt-matrix``. The flag is for a topology without a matrix of its
+    own: a file that is not there, or one the topology's own matrix would override, is an error
+    naming it (both were ignored in silence when the topology had its own; review)."""
+    if rtt_matrix is not None and not Path(rtt_matrix).is_file():
+        raise UsageError(f"--rtt-matrix {rtt_matrix}: {'not a file' if Path(rtt_matrix).exists() else 'no such file'}")
+    topology = load_topology(name_or_path, rtt_path=rtt_matrix)
+    if rtt_matrix is not None and Path(topology.rtt.source).resolve() != Path(rtt_matrix).resolve():
+        raise UsageError(f"--rtt-matrix {rtt_matrix}: topology {topology.name} has its own RTT matrix ({topology.rtt.source}), which it would use; leave out --rtt-matrix or the topology's matrix")
+    return topology
+
+
 def _plan(args: argparse.Namespace) -> int:
-    plan = LevelPlan(load_topology(args.topology, rtt_path=args.rtt_matrix))
+    plan = LevelPlan(topology_of(args.topology, args.rtt_matrix))
     if args.json:
         sys.stdout.write(json.dumps(plan.to_json(), indent=2) + "\n")
     else:
@@ -114,7 +127,7 @@ def add_parsers(sub: Any) -> None:
         "--rtt-matrix",
         metavar="CSV",
         default=None,
-        help="RTT matrix to use when the topology has none of its own (default: ../shared/data, else the bundled excerpt)",
+        help="RTT matrix for a topology that has none of its own (an error for one that has; default: ../shared/data, else the bundled excerpt)",
     )
     demo.set_defaults(func=_demo)
     plan.set_defaults(func=_plan)

@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Sequence
 
-from kvcompass.discovery.topology import Topology, builtin_topologies, load_topology
+from kvcompass.cli.plan import topology_of
+from kvcompass.discovery.topology import Topology, builtin_topologies
 from kvcompass.errors import InvalidArgumentError, UsageError
 
 if TYPE_CHECKING:
@@ -240,7 +241,7 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.out is not None:
         _prepare_out(args.out, _simulate_outputs())
     faults = {"wan_jitter": args.wan_jitter / 100, "patch_loss": args.patch_loss / 100, "patch_delay_ms": args.patch_delay_ms}
-    topology = load_topology(args.topology, rtt_path=args.rtt_matrix)
+    topology = topology_of(args.topology, args.rtt_matrix)
     edgeless = [r.name for r in topology.regions if r.edges == 0]
     if edgeless:
         # A stated limit of the model (docs/simulator.md, "What the model leaves out").
@@ -542,7 +543,7 @@ def add_parsers(sub: Any) -> None:
     sim.add_argument("--seed", type=int, default=0, help="seed for the workload's regions and arrivals and the simulator (default 0)")
     sim.add_argument("--max-requests", type=int, default=None, metavar="N", help="replay at most the first N requests in all, whatever --tenants (a trace's K copies: about N/K each, interleaved)")
     sim.add_argument("--out", default=None, metavar="DIR", help="write CSV/parquet tables and PNG figures here")
-    sim.add_argument("--rtt-matrix", metavar="CSV", default=None, help="RTT matrix for a topology that has none of its own")
+    sim.add_argument("--rtt-matrix", metavar="CSV", default=None, help="RTT matrix for a topology that has none of its own (an error for one that has)")
     sim.add_argument(
         "--tenants",
         type=int,

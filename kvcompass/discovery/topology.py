@@ -522,8 +522,13 @@ def topology_from_dict(
 
     The topology's own matrix (``rtt_ms`` inline, or ``rtt_matrix``: a path relative to
     ``base_dir``) wins; otherwise ``rtt_path``, then the default search of :func:`find_rtt_matrix`.
-    Every error message starts with ``source`` (the file name, when loading one).
+    An ``rtt_path`` that is not a file is an error even when the topology's own matrix wins: a
+    mistyped path was ignored in silence for such a topology (an operator's review).
+    Every error message starts with ``source`` (the file name, when loading one), but for that
+    one, which is not the topology's.
     """
+    if rtt_path is not None and not Path(rtt_path).is_file():
+        raise TopologyError(f"RTT matrix {rtt_path}: {'not a file' if Path(rtt_path).exists() else 'no such file'}")
     prefix = f"{source}: " if source else ""
     try:
         data = _table("topology", data)
