@@ -194,8 +194,9 @@ class WorkerConfig:
 
     @classmethod
     def from_spec(cls, spec: WorkerSpec, block_size: int, **overrides: Any) -> WorkerConfig:
-        """The config of a topology worker: its id, prefill rate and capacities (0 capacities
-        take the testbed defaults, as the simulator does); ``overrides`` set any other field."""
+        """The config of a topology worker: its id, prefill rate and capacities (left-out
+        capacities take the testbed defaults, a stated 0 DRAM is no DRAM tier, as in the
+        simulator: one :func:`worker_capacities`); ``overrides`` set any other field."""
         vram, dram = worker_capacities(spec.vram_tokens, spec.dram_tokens, block_size)
         kw: dict[str, Any] = {
             "worker_id": spec.id,
