@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import subprocess
 import sys
@@ -14,7 +15,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aiohttp import web
+
+from kvcompass.errors import UsageError
 
 from kvcompass.services.loadgen import LoadPlan, replay, summarize
 
@@ -126,3 +130,33 @@ def test_single_edge_runs_take_the_edges_region_and_count_reuse() -> None:
     ]
     s = summarize(recs)
     assert s["reused_tokens"] == 10 and s["local_hit_rate"] == 0.3 and s["xregion_hit_rate"] == 0.0
+
+
+def test_a_follow_up_waits_for_its_parents_answer_as_the_simulator_sends_it(tmp_path: Path) -> None:
+    # A follow-up's prompt holds its parent's answer: sent before that answer exists, it would
+    # find less cached than it can (the simulator's --follow-ups after-parent, loadgen alike).
+    from kvcompass.services.loadgen import load_requests
+
+    trace = tmp_path / "t.jsonl"
+    rows = [
+        {"timestamp": 0, "input_length": 32, "output_length": 2, "hash_ids": [1, 2], "chat_id": 10, "parent_chat_id": -1},
+        {"timestamp": 1, "input_length": 48, "output_length": 2, "hash_ids": [1, 2, 3], "chat_id": 11, "parent_chat_id": 10},
+        {"timestamp": 2, "input_length": 16, "output_length": 2, "hash_ids": [7], "chat_id": 12, "parent_chat_id": -1},
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plans = load_requests(str(trace), ["us"], rate=1000.0, block_size=16)
+    assert [p.parent for p in plans] == [-1, plans[0].id, -1]
+    assert [p.parent for p in load_requests(str(trace), ["us"], rate=1000.0, block_size=16, follow_ups="on-time")] == [-1, -1, -1]
+    # Replaying the follow-up alone: its parent is not replayed, so it waits for nothing.
+    assert [p.parent for p in load_requests(str(trace), ["us"], rate=1000.0, block_size=16, max_requests=1)] == [-1]
+
+    async def go() -> list[dict[str, Any]]:
+        async with fake_door(stream_handler(b"\n\n", gap_s=0.3)) as url:
+            return await replay(plans, {"us": url}, progress=False, worker_regions={"eu-0": "eu"})
+
+    parent, child, other = asyncio.run(go())
+    assert child["arrival_s"] < 0.01 and child["sent_s"] >= parent["sent_s"] + parent["e2e_ms"] / 1e3 - 0.005, (parent, child)
+    assert other["sent_s"] < 0.2  # others keep their arrival times
+    bad = [dataclasses.replace(plans[1], parent=99)]
+    with pytest.raises(UsageError, match="parents that are not replayed"):
+        asyncio.run(replay(bad, {"us": "http://127.0.0.1:1"}, progress=False))

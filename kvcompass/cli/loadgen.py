@@ -25,6 +25,8 @@ def add_parsers(sub: Any) -> None:
     g.add_argument("--trace", required=True, metavar="PATH_OR_NAME", help="a Mooncake-schema JSONL file or a shared trace name (conversation, synthetic)")
     g.add_argument("--rate", type=float, required=True, metavar="R", help="offered load, req/s of wall time (the trace is rescaled to it)")
     g.add_argument("--max-requests", type=int, default=None, metavar="N")
+    g.add_argument("--follow-ups", choices=("after-parent", "on-time"), default="after-parent",
+                   help="after-parent: a request with a parent_chat_id is sent no earlier than its parent's answer arrived (as the simulator); on-time: at its arrival time")
     g.add_argument("--arrivals", choices=("rescale", "poisson"), default="rescale",
                    help="rescale: the trace's own arrival pattern at --rate; poisson: Poisson arrivals at --rate")
     g.add_argument("--out", default=None, metavar="records.jsonl")
@@ -84,7 +86,7 @@ def loadgen_main(args: argparse.Namespace) -> int:
             worker_regions = {w.id: w.region for w in topology.workers}
     plans = load_requests(
         args.trace, list(edges), rate=args.rate, block_size=args.block_size, max_requests=args.max_requests,
-        topology=topology, seed=args.seed, max_tokens=args.max_tokens, model=args.model, arrivals=args.arrivals,
+        topology=topology, seed=args.seed, max_tokens=args.max_tokens, model=args.model, arrivals=args.arrivals, follow_ups=args.follow_ups,
     )
     records = asyncio.run(replay(plans, edges, worker_regions=worker_regions, progress=not args.no_progress, ssl_context=ssl_context, api_key=api_key, timeout_s=args.timeout))
     if args.out is not None:

@@ -4,11 +4,13 @@ what every request saw.
 Each request goes to the edge of its region (the trace's sessions are assigned regions as the
 simulator assigns them, :func:`kvcompass.sim.workload.load_trace`), at its rescaled arrival
 time whether or not earlier requests have finished (open loop: a slow cluster must show up as
-latency, not as a lower offered load). Prompts are sent as token ids, so the ids the workers
+latency, not as a lower offered load), except that a follow-up whose prompt continues another
+request's answer (a trace's ``parent_chat_id``) waits for that answer, as the simulator's
+default ``--follow-ups after-parent`` does: its prompt holds output that does not exist before. Prompts are sent as token ids, so the ids the workers
 cache are exactly the trace's. Every request streams with ``include_usage``, because the first
 content event is the only honest TTFT and the final usage chunk carries ``cached_tokens``.
 
-A record per request (JSONL with ``--out``): ``id, session, region, edge, arrival_s, status,
+A record per request (JSONL with ``--out``): ``id, session, region, edge, arrival_s, sent_s, status,
 worker, worker_region, prompt_tokens, cached_tokens, output_tokens, ttft_ms, e2e_ms, error``.
 :func:`summarize` turns records into the figures the main job tabulates; hit rates are
 token-weighted (reused tokens / prompt tokens), split by whether the serving worker is in the
@@ -47,6 +49,9 @@ class LoadPlan:
     arrival_s: float
     prompt_tokens: int
     body: bytes
+    parent: int = -1
+    """The id of the request whose answer this one's prompt continues (-1: none, or not waited
+    for): it is sent no earlier than that answer has arrived."""
 
 
 def load_requests(
@@ -61,10 +66,14 @@ def load_requests(
     max_tokens: int | None = None,
     model: str = "llama-3.1-8b",
     arrivals: str = "rescale",
+    follow_ups: str = "after-parent",
 ) -> list[LoadPlan]:
     """The trace as request bodies, arrivals rescaled to ``rate`` req/s of wall time
     (``arrivals="poisson"``: Poisson at ``rate``, for a slice whose timestamps are all equal). Regions are
-    drawn among ``regions`` (weighted by prefill capacity when ``topology`` is given)."""
+    drawn among ``regions`` (weighted by prefill capacity when ``topology`` is given).
+    ``follow_ups="after-parent"`` (the simulator's default, :class:`kvcompass.sim.engine.SimConfig`)
+    holds a request with a replayed parent until the parent's answer arrived; ``"on-time"``
+    sends every request at its arrival time."""
     from kvcompass.sim.workload import load_trace, region_weights, resolve_trace
 
     weights: list[float] | None = None
@@ -74,10 +83,15 @@ def load_requests(
         weights = [cap.get(r, 0.0) for r in regions]
         if not any(w > 0 for w in weights):
             weights = None
+    from kvcompass.sim.engine import FOLLOW_UPS
+
+    if follow_ups not in FOLLOW_UPS:
+        raise UsageError(f"--follow-ups must be one of {', '.join(FOLLOW_UPS)}, got {follow_ups!r}")
     mode: Any = arrivals
     reqs = load_trace(resolve_trace(trace), block_size, regions=list(regions), weights=weights, seed=seed, rate=rate, mode=mode, max_requests=max_requests)
     out: list[LoadPlan] = []
     t0 = reqs[0].arrival_ms if reqs else 0.0
+    replayed = {r.id for r in reqs}
     for r in reqs:
         n_out = max(1, r.output_length if max_tokens is None else min(r.output_length, max_tokens))
         body = {
@@ -87,7 +101,8 @@ def load_requests(
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        out.append(LoadPlan(r.id, r.session, r.region, (r.arrival_ms - t0) / 1e3, r.input_length, json.dumps(body, separators=(",", ":")).encode()))
+        parent = r.parent if follow_ups == "after-parent" and r.parent in replayed else -1
+        out.append(LoadPlan(r.id, r.session, r.region, (r.arrival_ms - t0) / 1e3, r.input_length, json.dumps(body, separators=(",", ":")).encode(), parent))
     return out
 
 
@@ -177,9 +192,10 @@ async def replay(
     ssl_context: ssl.SSLContext | None = None,
     api_key: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Send every request at its arrival time to ``edges[region]`` (or the only edge) and return
-    the records in request order. ``ssl_context`` verifies ``https://`` edges (None: the
-    system trust store)."""
+    """Send every request at its arrival time (a follow-up once its parent's answer arrived,
+    too: :attr:`LoadPlan.parent`) to ``edges[region]`` (or the only edge) and return the records
+    in request order; a follow-up's ``sent_s`` says when it went. ``ssl_context`` verifies
+    ``https://`` edges (None: the system trust store)."""
     if not edges:
         raise UsageError("no edge to send to")
     single = next(iter(edges.values())) if len(edges) == 1 else None
@@ -201,6 +217,13 @@ async def replay(
             sys.stderr.write("\n")
         sys.stderr.flush()
 
+    # A parent's answer, arrived (failed answers too: the follow-up is sent and shows what it
+    # finds, rather than waiting for ever).
+    answered = {p.parent: asyncio.Event() for p in plans if p.parent >= 0}
+    ids = {p.id for p in plans}
+    missing = sorted({p.parent for p in plans if p.parent >= 0} - ids)
+    if missing:
+        raise UsageError(f"requests name parents that are not replayed: {missing[:5]}")
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s), headers=auth) as http:
 
@@ -209,10 +232,18 @@ async def replay(
             delay = p.arrival_s - (time.perf_counter() - t_start)
             if delay > 0:
                 await asyncio.sleep(delay)
+            if p.parent >= 0:
+                await answered[p.parent].wait()
             base = single if single is not None else edges.get(p.region)
             if base is None:
                 raise UsageError(f"no edge for region {p.region!r} (edges: {', '.join(edges)})")
-            rec = await _one(http, base.rstrip("/") + "/v1/completions", p, wr, base)
+            sent_s = time.perf_counter() - t_start
+            try:
+                rec = await _one(http, base.rstrip("/") + "/v1/completions", p, wr, base)
+            finally:
+                if p.id in answered:
+                    answered[p.id].set()
+            rec["sent_s"] = round(sent_s, 6)
             done += 1
             errors += rec["status"] != 200 or rec["error"] is not None
             return rec
