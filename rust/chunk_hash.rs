@@ -184,6 +184,12 @@ pub fn block_chain_root(seed: u64) -> u64 {
 /// rest.
 pub fn block_chain_extend(mut h: u64, tokens: &[u32], block_size: usize, out: &mut Vec<u64>) {
     let n = tokens.len() / block_size;
+    if n == 0 {
+        // No full block. Also why `block_size * 4` below cannot wrap: with a block, block_size
+        // is at most the tokens' count (found in review: a block_size of 2**62 wrapped to a
+        // chunk size of 0 and panicked).
+        return;
+    }
     let bytes = le_bytes(&tokens[..n * block_size]);
     for block in bytes.chunks_exact(block_size * 4) {
         h = xxh3_64_with_seed(block, h);

@@ -377,3 +377,109 @@ def test_pack_tokens_refuses_bools_as_token_array_does() -> None:
     with pytest.raises(TypeError):
         _core.pack_tokens((1, False))
     assert _core.pack_tokens([1, 2]) == np.array([1, 2], "<u4").tobytes()
+
+
+# ---- 7. the boundary under concurrency (review of the twenty-sixth session) -------------------
+
+
+def _sim_of(caches: list[_core.BlockCache]) -> _core.SimEngine:
+    """A one-region engine over ``caches`` (one worker each) and one request."""
+    n, regions, w = 1, 2, len(caches)
+    return _core.SimEngine(
+        COST, 100.0, False, 8192, 0.0, 64, False, False, np.zeros(regions * regions), [True] * regions,
+        [list(range(w))] + [[] for _ in range(regions - 1)], [[] for _ in range(regions)],
+        np.zeros(w, np.uint32), np.full(w, 0.1), caches, [True] * w, [True] * w,
+        np.zeros(n), np.zeros(n, np.uint32), np.zeros(n, np.uint32),
+        np.full(n, 32, np.uint64), np.full(n, 4, np.uint64), np.full(n, 16, np.uint32), np.zeros(n, np.uint32), np.zeros(n, np.uint64),
+        np.arange(2 * n, dtype=np.uint64), np.arange(0, 2 * n + 1, 2, dtype=np.uint64), [False] * n, _pcg(1), _pcg(2), 1,
+    )  # fmt: skip
+
+
+def test_a_sim_engine_over_a_cache_in_use_is_refused_with_nothing_moved() -> None:
+    # Review: SimEngine borrowed each cache with a panicking borrow_mut (a cache busy in another
+    # thread, or given twice, was a PanicException) after moving the blocks of those before it.
+    a, b = _core.BlockCache(16, 64, 64, False), _core.BlockCache(16, 64, 64, False)
+    a.place_vram(np.arange(64, dtype=np.uint32), 0, 0.0, 0, True)
+    e = _sim_of([a, b])
+    e.return_caches([a, b])
+    assert len(a) == 4
+    with pytest.raises(InvalidArgumentError, match=r"caches\[1\]: Already borrowed"):
+        _sim_of([a, a])
+    assert len(a) == 4  # the first cache's blocks did not move
+
+
+@pytest.mark.parametrize("block_size", [2**62, 2**63, 2**62 + 1])
+def test_a_block_size_past_any_prompt_names_no_block_instead_of_panicking(block_size: int) -> None:
+    # Review: block_size * 4 wrapped to 0 and chunks_exact(0) panicked.
+    toks = np.arange(64, dtype=np.uint32)
+    assert len(_core.block_chain_hashes(toks, block_size, 0)) == 0
+    bc = _core.BlockCache(block_size, 1, 1, False)
+    assert bc.lookup(toks, 0) == (0, 0) and len(bc.chain(toks, 0)) == 0
+
+
+def test_vector_calls_name_the_argument_and_dtype_they_want() -> None:
+    t = _core.LudoTable(value_bits=32)
+    with pytest.raises(ValueError, match="keys: expected a 1-D numpy array of uint64"):
+        t.apply_agent_ops(np.array([1], np.int64), np.array([1], np.uint8), 0, 1, np.zeros(0, np.uint64), 0, 2**20, True)
+    with pytest.raises(ValueError, match="owned: array must be C-contiguous"):
+        t.apply_agent_ops(np.array([1], np.uint64), np.array([1], np.uint8), 0, 1, np.zeros(4, np.uint64)[::2], 0, 2**20, True)
+    q = _core.QueueEstimates(4, 0.5, 1.0)
+    with pytest.raises(ValueError, match="indices: expected a 1-D numpy array of int64"):
+        q.fold_many(np.array([0], np.int32), np.array([1.0]), 1.0, np.array([0.0]))
+    with pytest.raises(ValueError, match="lag_s: expected a 1-D numpy array of float64"):
+        q.fold_lagged(np.array([0], np.int64), np.array([1.0]), 1.0, np.array([0], np.int64))
+
+
+_DEADLOCK = """
+import threading, time
+import numpy as np
+from kvcompass._core import LudoTable, LudoView, Router, namespace_digest
+from kvcompass.errors import InvalidArgumentError, KVCompassError
+
+t = LudoTable(value_bits=32)
+t.set_field(12345, 0, 1)
+t.take_batch()
+snap = t.export_snapshot()
+v = LudoView(0, 0)
+v.apply_batch(snap)
+W = 1_000_000  # many workers: the core scans them under the read locks
+r = Router([[16]], [(0, np.array([0], dtype=np.uint32), [v])])
+tokens = np.arange(70_000, dtype=np.uint32)  # past 65,536: routed with the GIL released
+region, beta, wan, tq = np.zeros(W, np.uint32), np.full(W, 0.1), np.ones(W), np.zeros(W)
+belief = np.ones(W); belief[-1] = 1.5  # refused by the core, after the views were read-locked
+ns = namespace_digest("m", "t")
+stop = False
+def route():
+    while not stop:
+        try:
+            r.route(tokens, ns, region, beta, wan, tq, belief)
+        except InvalidArgumentError:
+            pass
+def write():
+    while not stop:
+        try:
+            v.apply_batch(snap)
+        except KVCompassError:
+            pass
+threads = [threading.Thread(target=f) for f in (route, write)]
+for th in threads:
+    th.start()
+end = time.monotonic() + 3
+while time.monotonic() < end:
+    v.lookup(12345)
+stop = True
+for th in threads:
+    th.join()
+print("done")
+"""
+
+
+def test_a_long_route_refused_by_the_core_does_not_deadlock_against_view_readers_and_writers() -> None:
+    # Review: the route built its Python exception (which takes the GIL back) while it still held
+    # the views' read locks; a thread holding the GIL and reading a view queued behind a waiting
+    # writer, so the three waited on each other for good (within seconds, found by stress).
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _DEADLOCK], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr[-2000:]

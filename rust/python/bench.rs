@@ -130,8 +130,9 @@ fn bench_route_ns<'py>(py: Python<'py>, router: PyRef<'py, PyRouter>, tokens: &B
             black_box(r.run(&ns, black_box(&tokens), &w, &params, &mut scratch, None)?);
             out.push(a.elapsed().as_nanos() as f64);
         }
-        Ok::<_, PyErr>(out)
-    })?;
+        Ok::<_, crate::error::CoreError>(out)
+    })
+    .map_err(core_err)?;
     Ok(out.into_pyarray(py))
 }
 

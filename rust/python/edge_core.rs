@@ -222,7 +222,10 @@ impl PyEdgeCore {
         let ns = ns_bytes(namespace)?;
         let tok = readonly_of::<u32>("tokens", "uint32", tokens)?;
         let bel = readonly_of::<f64>("belief", "float64", belief)?;
-        let (tokens, belief) = (slice_of("tokens", &tok)?, slice_of("belief", &bel)?);
+        // The beliefs are copied once, before the route (which may release the GIL for a long
+        // prompt, and the caller's array may change then): the scores and the commit's figures
+        // read the same values (found in review: the copy was taken after the route).
+        let (tokens, belief) = (slice_of("tokens", &tok)?, slice_of("belief", &bel)?.to_vec());
         if belief.len() != self.w.region.len() {
             return Err(PyValueError::new_err(format!("belief: {} values for {} workers", belief.len(), self.w.region.len())));
         }
@@ -236,12 +239,11 @@ impl PyEdgeCore {
             (lam, if self.p.load_aware { q.state().tq.clone() } else { self.zeros.clone() })
         };
         let router = self.router.lock().map_err(|_| poisoned())?.clone_ref(py);
-        let w = WorkerArrays { region: &self.w.region, beta: &self.w.beta, wan: &self.w.wan, tq: &tq, belief };
+        let w = WorkerArrays { region: &self.w.region, beta: &self.w.beta, wan: &self.w.wan, tq: &tq, belief: &belief };
         let params = ScoreParams { gamma: self.p.gamma, lambda: lam, closure: self.p.closure };
         let mut res = router.get().route_arrays(py, &ns, tokens, &w, &params, own_region.then_some(0), Some(self.p.tie_ms))?;
-        // The commit reads the estimates and beliefs the scores used: the estimates' copy moves
-        // in, the beliefs (the caller's live array) are copied once.
-        res.belief = belief.to_vec();
+        // The commit reads the estimates and beliefs the scores used: both copies move in.
+        res.belief = belief;
         res.tq = tq;
         Ok(res)
     }

@@ -136,17 +136,22 @@ impl PyLudoTable {
     fn apply_agent_ops(
         &self,
         py: Python<'_>,
-        keys: numpy::PyReadonlyArray1<'_, u64>,
-        tiers: numpy::PyReadonlyArray1<'_, u8>,
+        keys: &Bound<'_, PyAny>,
+        tiers: &Bound<'_, PyAny>,
         shard: u64,
         shards: u64,
-        owned: numpy::PyReadonlyArray1<'_, u64>,
+        owned: &Bound<'_, PyAny>,
         field: u32,
         max_capacity: u64,
         apply: bool,
     ) -> PyResult<(u8, u64, usize, usize)> {
         use crate::key_ops::{coalesce, first_bad, BadOp};
-        let (k, t, o) = (keys.as_slice()?, tiers.as_slice()?, owned.as_slice()?);
+        // Copies, checked and used alike: holding the GIL does not freeze a numpy array (its own
+        // loops write without the GIL), so checking the caller's array and then reading it again
+        // let keys of another shard past the check (found in review); nor may a borrow span the
+        // GIL-free write (an array resized meanwhile aborted the process when the borrow ended).
+        let (k, t, o) = (u64_vec("keys", keys)?, u8_vec("tiers", tiers)?, u64_vec("owned", owned)?);
+        let (k, t, o) = (k.as_slice(), t.as_slice(), o.as_slice());
         if k.len() != t.len() {
             return Err(pyo3::exceptions::PyValueError::new_err(format!("{} keys but {} tiers", k.len(), t.len())));
         }

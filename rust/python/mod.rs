@@ -198,7 +198,10 @@ fn shard_of(key: u64, shards: u32) -> PyResult<u32> {
     Ok(chunk_hash::shard_of(key, shards))
 }
 
-#[pymodule]
+// Declared GIL-dependent: parts of the bindings read numpy arrays and borrowed list items in
+// place on the strength of the GIL (found in review: PyO3 0.30 declares a module GIL-free by
+// default, so a free-threaded CPython would have run them unsoundly).
+#[pymodule(gil_used = true)]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NO_KEY", chunk_hash::NO_KEY)?;
     m.add("MAX_QUEUE_MS", crate::queues::MAX_QUEUE_MS)?;

@@ -4,6 +4,18 @@
 //! own bookkeeping than the fold it called into.
 
 use numpy::{PyArray1, PyReadonlyArray1};
+
+use super::arrays::{readonly_of, slice_of};
+
+/// The array arguments of the vector calls, read in place with the GIL held; errors name the
+/// argument and the dtype wanted (found in review: numpy's own conversion said only "type
+/// mismatch").
+fn i64s<'py>(name: &str, obj: &Bound<'py, PyAny>) -> PyResult<PyReadonlyArray1<'py, i64>> {
+    readonly_of::<i64>(name, "int64", obj)
+}
+fn f64s<'py>(name: &str, obj: &Bound<'py, PyAny>) -> PyResult<PyReadonlyArray1<'py, f64>> {
+    readonly_of::<f64>(name, "float64", obj)
+}
 use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -183,23 +195,26 @@ impl PyQueueEstimates {
     }
 
     /// `set_live` for every `(indices[j], tq_ms[j])` at once (distinct indices).
-    fn set_live_many(&mut self, indices: PyReadonlyArray1<'_, i64>, tq_ms: PyReadonlyArray1<'_, f64>, now: f64, settled_before: PyReadonlyArray1<'_, f64>) -> PyResult<()> {
-        let b = settled_before.as_slice()?;
-        self.fold_vec(indices.as_slice()?, tq_ms.as_slice()?, now, 1.0, Before::At(b), Some(b.len()))
+    fn set_live_many(&mut self, indices: &Bound<'_, PyAny>, tq_ms: &Bound<'_, PyAny>, now: f64, settled_before: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (i, q, b) = (i64s("indices", indices)?, f64s("tq_ms", tq_ms)?, f64s("settled_before", settled_before)?);
+        let b = slice_of("settled_before", &b)?;
+        self.fold_vec(slice_of("indices", &i)?, slice_of("tq_ms", &q)?, now, 1.0, Before::At(b), Some(b.len()))
     }
 
     /// `fold` of a whole vector (distinct indices; a bad sample changes nothing).
-    fn fold_many(&mut self, indices: PyReadonlyArray1<'_, i64>, tq_ms: PyReadonlyArray1<'_, f64>, now: f64, settled_before: PyReadonlyArray1<'_, f64>) -> PyResult<()> {
-        let b = settled_before.as_slice()?;
+    fn fold_many(&mut self, indices: &Bound<'_, PyAny>, tq_ms: &Bound<'_, PyAny>, now: f64, settled_before: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (i, q, b) = (i64s("indices", indices)?, f64s("tq_ms", tq_ms)?, f64s("settled_before", settled_before)?);
+        let b = slice_of("settled_before", &b)?;
         let w = self.q.weight;
-        self.fold_vec(indices.as_slice()?, tq_ms.as_slice()?, now, w, Before::At(b), Some(b.len()))
+        self.fold_vec(slice_of("indices", &i)?, slice_of("tq_ms", &q)?, now, w, Before::At(b), Some(b.len()))
     }
 
     /// `fold_many` with `settled_before = now - lag_s`.
-    fn fold_lagged(&mut self, indices: PyReadonlyArray1<'_, i64>, tq_ms: PyReadonlyArray1<'_, f64>, now: f64, lag_s: PyReadonlyArray1<'_, f64>) -> PyResult<()> {
-        let l = lag_s.as_slice()?;
+    fn fold_lagged(&mut self, indices: &Bound<'_, PyAny>, tq_ms: &Bound<'_, PyAny>, now: f64, lag_s: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (i, q, l) = (i64s("indices", indices)?, f64s("tq_ms", tq_ms)?, f64s("lag_s", lag_s)?);
+        let l = slice_of("lag_s", &l)?;
         let w = self.q.weight;
-        self.fold_vec(indices.as_slice()?, tq_ms.as_slice()?, now, w, Before::Lag(l), Some(l.len()))
+        self.fold_vec(slice_of("indices", &i)?, slice_of("tq_ms", &q)?, now, w, Before::Lag(l), Some(l.len()))
     }
 
     /// How long the estimate has been at zero (0 when it is not).
@@ -215,9 +230,10 @@ impl PyQueueEstimates {
     }
 
     /// The workers of `indices` that are persistently idle, in that order.
-    fn idle_among(&self, indices: PyReadonlyArray1<'_, i64>, now: f64, window_s: f64) -> PyResult<Vec<i64>> {
+    fn idle_among(&self, indices: &Bound<'_, PyAny>, now: f64, window_s: f64) -> PyResult<Vec<i64>> {
+        let ix = i64s("indices", indices)?;
         let mut out = Vec::new();
-        for &i in indices.as_slice()? {
+        for &i in slice_of("indices", &ix)? {
             let since = self.q.idle_since[self.at(i)?];
             if !since.is_nan() && now - since >= window_s {
                 out.push(i);

@@ -12,7 +12,7 @@
 use std::sync::{Arc, Mutex, RwLock};
 
 use numpy::PyArray1;
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::arrays::{ns_bytes, readonly_of, slice_of, u32_vec};
@@ -130,7 +130,11 @@ type Routed = (crate::score::RouteWinner, Vec<u32>, Vec<u8>, Vec<f64>, Vec<u32>,
 impl PyRouter {
     /// [`PyRouter::run`] on the warm scratch when it is free (a concurrent caller gets a fresh
     /// one instead of waiting), and the per-worker results copied out of it.
-    fn route_scratched(&self, ns: &[u8; 32], tokens: &[u32], w: &WorkerArrays<'_>, params: &ScoreParams, only: Option<u32>) -> PyResult<Routed> {
+    /// Errors come back as [`CoreError`](crate::error::CoreError), not `PyErr`: this runs with
+    /// the GIL released, and building a `kvcompass.errors` exception takes the GIL back (found in
+    /// review: taken while the view read locks were held, it deadlocked against a thread that
+    /// held the GIL and waited on a view behind a queued writer).
+    fn route_scratched(&self, ns: &[u8; 32], tokens: &[u32], w: &WorkerArrays<'_>, params: &ScoreParams, only: Option<u32>) -> crate::error::Result<Routed> {
         let mut fresh;
         let mut guard = self.scratch.try_lock();
         let scratch: &mut RouteScratch = match guard.as_mut() {
@@ -154,14 +158,22 @@ impl PyRouter {
                 return Err(core_err(crate::error::CoreError::InvalidArgument(format!("tie_ms = {tie} must be finite and >= 0"))));
             }
         }
-        let (win, m, t, s, lengths, keys) = if tokens.len() > DETACH_TOKENS {
+        let (routed, local_match) = if tokens.len() > DETACH_TOKENS {
             // Hashing a prompt this long takes long enough for other threads to want the GIL:
-            // copies (a small cost beside the hashing) and the loop without it.
+            // copies (a small cost beside the hashing) and the loop without it. Everything after
+            // reads the copies: a caller's array may change once the GIL is released (found in
+            // review: local_match read the live region array, so it could contradict matches).
             let (tokens, region, beta, wan, tq, belief) = (tokens.to_vec(), w.region.to_vec(), w.beta.to_vec(), w.wan.to_vec(), w.tq.to_vec(), w.belief.to_vec());
-            py.detach(|| self.route_scratched(ns, &tokens, &WorkerArrays { region: &region, beta: &beta, wan: &wan, tq: &tq, belief: &belief }, params, only_region))?
+            let routed = py.detach(|| self.route_scratched(ns, &tokens, &WorkerArrays { region: &region, beta: &beta, wan: &wan, tq: &tq, belief: &belief }, params, only_region));
+            let routed = routed.map_err(core_err)?;
+            let local = local_match_of(&routed.1, &region);
+            (routed, local)
         } else {
-            self.route_scratched(ns, tokens, w, params, only_region)?
+            let routed = self.route_scratched(ns, tokens, w, params, only_region).map_err(core_err)?;
+            let local = local_match_of(&routed.1, w.region);
+            (routed, local)
         };
+        let (win, m, t, s, lengths, keys) = routed;
         let near = match tie_ms {
             // The same comparison as numpy's `scores <= best + tie_ms` (IEEE, no fused ops).
             Some(tie) => {
@@ -170,19 +182,28 @@ impl PyRouter {
             }
             None => Vec::new(),
         };
-        let local_match = m.iter().zip(w.region).filter(|&(_, &r)| r == 0).map(|(&x, _)| x).max().unwrap_or(0);
         Ok(PyRouteResult { winner: win.winner, score: win.score, matches: m, tiers: t, scores: s, tq: Vec::new(), belief: Vec::new(), lam: params.lambda, prompt_len: tokens.len(), lengths, keys, near, local_match })
     }
 
-    pub(crate) fn run(&self, ns: &[u8; 32], tokens: &[u32], wa: &WorkerArrays<'_>, params: &ScoreParams, scratch: &mut RouteScratch, only: Option<u32>) -> PyResult<crate::score::RouteWinner> {
+    /// The route over every view, read-locked for the call. Returns the core's error, never a
+    /// `PyErr` (see [`PyRouter::route_scratched`]: callers run it without the GIL).
+    pub(crate) fn run(&self, ns: &[u8; 32], tokens: &[u32], wa: &WorkerArrays<'_>, params: &ScoreParams, scratch: &mut RouteScratch, only: Option<u32>) -> crate::error::Result<crate::score::RouteWinner> {
         let mut guards = Vec::with_capacity(self.views.len());
         for v in &self.views {
-            guards.push(v.read().map_err(|_| PyRuntimeError::new_err("view lock poisoned"))?);
+            guards.push(v.read().map_err(|_| crate::error::CoreError::InvalidArgument("view lock poisoned".into()))?);
         }
         let refs: Vec<&LudoView> = guards.iter().map(|g| &**g).collect();
         let tables: Vec<RouteTable<'_, &LudoView>> = self.tables.iter().map(|t| RouteTable { region: t.region, workers: &t.workers, shards: &refs[t.shards.clone()] }).collect();
-        route_with(scratch, ns, tokens, &self.plan, &tables, wa, params, only).map_err(core_err)
+        route_with(scratch, ns, tokens, &self.plan, &tables, wa, params, only)
     }
+}
+
+/// The longest match among region 0's workers (an edge passes its own region as 0).
+fn local_match_of(matches: &[u32], region: &[u32]) -> u32 {
+    matches.iter().zip(region).filter(|&(_, &r)| r == 0).map(|(&x, _)| x).max().unwrap_or(0)
+}
+
+impl PyRouter {
 }
 
 #[pymethods]

@@ -139,7 +139,7 @@ impl PySimEngine {
     /// was queued at.
     fn flush(slf: &Bound<'_, Self>, d: &Driver<'_>) -> PyResult<()> {
         let py = slf.py();
-        let out = slf.borrow_mut().inner.take_out();
+        let out = slf.try_borrow_mut()?.inner.take_out();
         for o in out {
             match o {
                 Out::Events {
@@ -147,10 +147,10 @@ impl PySimEngine {
                     worker,
                     events,
                 } => {
-                    slf.borrow_mut().inner.set_context(Some(seq));
-                    let batch = PyCacheEvents::new_inner(events, slf.borrow().inner.block_size() as u32);
+                    slf.try_borrow_mut()?.inner.set_context(Some(seq));
+                    let batch = PyCacheEvents::new_inner(events, slf.try_borrow()?.inner.block_size() as u32);
                     let r = d.events.call1((worker, batch));
-                    slf.borrow_mut().inner.set_context(None);
+                    slf.try_borrow_mut()?.inner.set_context(None);
                     r?;
                 }
                 Out::Respond {
@@ -161,9 +161,9 @@ impl PySimEngine {
                     reused,
                     t,
                 } => {
-                    slf.borrow_mut().inner.set_context(Some(seq));
+                    slf.try_borrow_mut()?.inner.set_context(Some(seq));
                     let r = d.respond.call1((worker, edge_region, claimed, reused, t));
-                    slf.borrow_mut().inner.set_context(None);
+                    slf.try_borrow_mut()?.inner.set_context(None);
                     r?;
                 }
                 Out::Response {
@@ -180,7 +180,7 @@ impl PySimEngine {
                     // A worker an edge reads live: straight into that edge's estimates, as
                     // `Edge.set_local_queue` would (`set_live_sinks`); otherwise the driver.
                     let direct = {
-                        let s = slf.borrow();
+                        let s = slf.try_borrow()?;
                         let now_s = s.inner.now() / 1e3;
                         s.live.as_ref().and_then(|l| l.target(worker as usize, now_s).map(|(k, i, before)| (l.sinks[k].0.clone_ref(py), i, now_s, before)))
                     };
@@ -339,18 +339,21 @@ impl PySimEngine {
             .into_iter()
             .map(|x| x as usize)
             .collect();
-        let checks: Vec<WorkerCheck> = caches
+        // Every cache borrowed before any is touched: one in use elsewhere (or given twice) is
+        // an error with nothing moved (found in review: `borrow_mut` panicked, after moving the
+        // blocks of the caches before it).
+        let mut held = Vec::with_capacity(caches.len());
+        for (i, c) in caches.iter().enumerate() {
+            held.push(c.try_borrow_mut().map_err(|e| bad(format!("caches[{i}]: {e}")))?);
+        }
+        let checks: Vec<WorkerCheck> = held
             .iter()
             .enumerate()
-            .map(|(i, c)| {
-                let c = c.borrow();
-                WorkerCheck { region: wr[i], beta: beta[i], block_size: c.inner.block_size(), keep_tokens_ok: c.inner.can_keep_tokens(publish[i]) }
-            })
+            .map(|(i, c)| WorkerCheck { region: wr[i], beta: beta[i], block_size: c.inner.block_size(), keep_tokens_ok: c.inner.can_keep_tokens(publish[i]) })
             .collect();
         Engine::check(&cfg, &checks, &reqs, &ids, &offs).map_err(core_err)?;
         let mut workers = Vec::with_capacity(wr.len());
-        for (i, c) in caches.iter().enumerate() {
-            let mut c = c.borrow_mut();
+        for (i, c) in held.iter_mut().enumerate() {
             let bs = c.inner.block_size();
             let placeholder = BlockCache::new(bs, 1, 0, false, 0).map_err(core_err)?;
             workers.push(WorkerSetup {
@@ -391,8 +394,18 @@ impl PySimEngine {
             self.inner.put_caches(ws);
             return Err(bad("return_caches needs the constructor's caches".into()));
         }
-        for (c, mine) in caches.iter().zip(ws.iter_mut()) {
-            std::mem::swap(&mut c.borrow_mut().inner, mine);
+        let mut held = Vec::with_capacity(caches.len());
+        for (i, c) in caches.iter().enumerate() {
+            match c.try_borrow_mut() {
+                Ok(h) => held.push(h),
+                Err(e) => {
+                    self.inner.put_caches(ws);
+                    return Err(bad(format!("caches[{i}]: {e}")));
+                }
+            }
+        }
+        for (c, mine) in held.iter_mut().zip(ws.iter_mut()) {
+            std::mem::swap(&mut c.inner, mine);
         }
         self.inner.put_caches(ws);
         Ok(())
@@ -408,7 +421,7 @@ impl PySimEngine {
     fn run(slf: &Bound<'_, Self>, driver: &Bound<'_, PyAny>) -> PyResult<()> {
         let py = slf.py();
         {
-            let mut me = slf.borrow_mut();
+            let mut me = slf.try_borrow_mut()?;
             if me.running {
                 return Err(bad("the engine is already running".into()));
             }
@@ -425,20 +438,20 @@ impl PySimEngine {
         };
         let result = (|| -> PyResult<()> {
             loop {
-                let step = slf.borrow_mut().inner.next().map_err(core_err)?;
+                let step = slf.try_borrow_mut()?.inner.next().map_err(core_err)?;
                 let Some(step) = step else { return Ok(()) };
                 match step {
                     Step::Out => Self::flush(slf, &d)?,
                     Step::Arrive { req } => {
                         let tokens = slf
-                            .borrow_mut()
+                            .try_borrow_mut()?
                             .inner
                             .pending_tokens()
                             .unwrap_or(&[])
                             .to_vec()
                             .into_pyarray(py);
                         let c = choice_of(&d.choose.call1((req, tokens))?, true)?;
-                        slf.borrow_mut().inner.arrive(req, c).map_err(core_err)?;
+                        slf.try_borrow_mut()?.inner.arrive(req, c).map_err(core_err)?;
                     }
                     Step::Land {
                         job,
@@ -450,7 +463,7 @@ impl PySimEngine {
                             None => None,
                             Some(h) => {
                                 let tokens = slf
-                                    .borrow()
+                                    .try_borrow()?
                                     .inner
                                     .job_tokens(job)
                                     .unwrap_or(&[])
@@ -464,10 +477,10 @@ impl PySimEngine {
                                 }
                             }
                         };
-                        slf.borrow_mut().inner.land(job, c).map_err(core_err)?;
+                        slf.try_borrow_mut()?.inner.land(job, c).map_err(core_err)?;
                     }
                     Step::External(h) => {
-                        let f = slf.borrow_mut().handles.remove(&h);
+                        let f = slf.try_borrow_mut()?.handles.remove(&h);
                         if let Some(f) = f {
                             f.call0(py)?;
                         }
@@ -475,7 +488,10 @@ impl PySimEngine {
                 }
             }
         })();
-        slf.borrow_mut().running = false;
+        match slf.try_borrow_mut() {
+            Ok(mut me) => me.running = false,
+            Err(e) => return result.and(Err(e.into())),
+        }
         result
     }
 
@@ -825,7 +841,8 @@ impl PySimEngine {
     /// Edge `src` broadcasts `values` (its own workers' estimates) now to each edge of
     /// `targets`, in that order: each copy takes one WAN way (a draw when the run jitters) and
     /// the sequence key of an event scheduled now.
-    fn post_broadcast(&mut self, src: usize, targets: Vec<usize>, values: numpy::PyReadonlyArray1<'_, f64>) -> PyResult<()> {
+    fn post_broadcast(&mut self, src: usize, targets: Vec<usize>, values: &Bound<'_, PyAny>) -> PyResult<()> {
+        let values = super::arrays::readonly_of::<f64>("values", "float64", values)?;
         let now = self.inner.now();
         let inbox = self.inbox.as_mut().ok_or_else(|| bad("post_broadcast before set_broadcast_edges".into()))?;
         let n = inbox.region.len();
