@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -119,6 +120,12 @@ def test_long_texts_are_tokenized_off_the_event_loop() -> None:
         await chat_tokens({"messages": [{"role": "user", "content": [{"type": "text", "text": "x" * 11}]}]}, template, 10)
         await chat_tokens({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}, template, 10)  # 9 characters with the role and type
         assert seen[3] != main_thread and seen[4] == main_thread
+        # Given the body's length, that decides: numbers count (review: a part of millions of
+        # integers counted as no text and stalled the loop for seconds).
+        numbers = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"data": list(range(20))}}]}]}
+        await chat_tokens(numbers, template, 10)
+        await chat_tokens(numbers, template, 10, raw_bytes=len(json.dumps(numbers)))
+        assert seen[5] == main_thread and seen[6] != main_thread
 
     asyncio.run(main())
     assert INLINE_TOKENIZE_CHARS == WorkerConfig().inline_tokenize_chars
@@ -191,7 +198,7 @@ def test_n_and_sampling_fields_pass_through_the_door() -> None:
             async with s.post(door_url + "/v1/completions", json={"prompt": [list(range(64)), list(range(9, 73))], "max_tokens": 1, "n": 2.0}) as r:
                 assert r.status == 200, await r.text()
                 assert [c["index"] for c in (await r.json())["choices"]] == [0, 1, 2, 3]
-            for bad in ({"n": 1.5}, {"max_tokens": 2.5}, {"max_tokens": True}, {"max_tokens": "16"}, {"max_tokens": -1.0}):
+            for bad in ({"n": 1.5}, {"max_tokens": 2.5}, {"max_tokens": True}, {"max_tokens": "16"}, {"max_tokens": -1.0}, {"max_tokens": 1e300}, {"n": 2**40}):
                 (field,) = bad
                 assert await _answer(s, door_url + "/v1/completions", {**body, **bad}, None) == (400, field, "invalid_type", "invalid_request_error"), bad
 

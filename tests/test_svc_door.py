@@ -93,6 +93,8 @@ class Fleet:
     """Seconds a worker takes before answering (a long generation)."""
     health: dict[str, int] = field(default_factory=dict)
     """Status of a worker's ``/health`` (default 200)."""
+    health_hang: set[str] = field(default_factory=set)
+    """Workers whose ``/health`` never answers (a hung process)."""
     null_usage: bool = True
     """Whether a stream's chunks carry ``"usage": null`` (the emulated worker) or no usage key
     at all (vLLM, which leaves unset fields out)."""
@@ -200,6 +202,8 @@ async def fleet_server(fleet: Fleet) -> AsyncIterator[str]:
     app.router.add_post("/w/{wid}/v1/chat/completions", fleet.handle)
 
     async def health(r: web.Request) -> web.Response:
+        if r.match_info["wid"] in fleet.health_hang:
+            await asyncio.sleep(1.5)  # past any probe's deadline in these tests
         return web.Response(status=fleet.health.get(r.match_info["wid"], 200))
 
     app.router.add_get("/w/{wid}/health", health)
@@ -503,15 +507,59 @@ def test_a_whole_answer_slower_than_the_head_deadline_is_waited_for_while_the_wo
             status, _, body = await complete(t.client, {"prompt": ids.tolist()})
             assert status == 504 and body["error"]["code"] == "upstream_timeout", body
             assert len(fleet.calls) == 1 and not t.door.door.dead_workers()
-        # A worker whose /health fails while the door waits has failed: retried elsewhere.
+        # A draining worker answers its health 503 and still finishes what it has: waited for
+        # (review: a 5xx read as death threw the answer away).
         fleet = Fleet(delay_s={"us-5": 1.0}, health={"us-5": 503})
         async with rig(plane, fleet, config=DoorConfig(head_timeout_s=0.2, connect_timeout_s=0.5)) as t:
+            status, headers, body = await complete(t.client, {"prompt": ids.tolist()})
+            assert status == 200 and headers["x-kvcompass-worker"] == "us-5" and fleet.served() == ["us-5"], body
+            assert not t.door.door.dead_workers()
+        # A worker whose /health does not answer while the door waits has failed: retried elsewhere.
+        fleet = Fleet(delay_s={"us-5": 1.0}, health_hang={"us-5"})
+        async with rig(plane, fleet, config=DoorConfig(head_timeout_s=0.2, connect_timeout_s=0.3)) as t:
             status, headers, body = await complete(t.client, {"prompt": ids.tolist()})
             assert status == 200, body
             assert fleet.served()[0] == "us-5" and headers["x-kvcompass-worker"] != "us-5"
             assert t.door.door.dead_workers() == {"us-5"}
             m = await t.metrics()
             assert metric(m, "kvcompass_door_worker_failures_total", reason="timeout", worker="us-5") == 1.0
+
+    run(go())
+
+
+def test_a_worker_that_cannot_be_connected_to_in_time_is_retried_not_a_504() -> None:
+    # Review: a connect timeout was a plain TimeoutError, which a non-streamed request (whose
+    # head deadline is the answer's) turned into a 504 without trying another worker.
+    plane = make_plane()
+    ids = prompt_ids(23, 512)
+    cache_prefix(plane, "us-5", ids)
+
+    async def go() -> None:
+        fleet = Fleet()
+        # A listening socket whose backlog is full drops further SYNs: connecting times out.
+        full = bound_socket()
+        full.listen(0)
+        fillers = []
+        try:
+            for _ in range(8):
+                c = socket.socket()
+                c.setblocking(False)
+                try:
+                    c.connect(full.getsockname())
+                except BlockingIOError:
+                    pass
+                fillers.append(c)
+            url = f"http://127.0.0.1:{full.getsockname()[1]}"
+            async with rig(plane, fleet, urls={"us-5": url}, config=DoorConfig(connect_timeout_s=0.3)) as t:
+                for stream in (False, True):
+                    async with t.client.post("/v1/completions", json={"prompt": ids.tolist(), "stream": stream}) as r:
+                        assert r.status == 200, await r.text()
+                        assert r.headers["x-kvcompass-worker"] != "us-5"
+                    assert "us-5" in t.door.door.dead_workers()
+        finally:
+            for c in fillers:
+                c.close()
+            full.close()
 
     run(go())
 

@@ -537,7 +537,13 @@ def test_cors_preflights_are_answered_and_every_response_names_the_allowed_origi
             assert status == 204 and "access-control-allow-origin" not in h and "access-control-allow-methods" not in h
             w.write(b"GET /health HTTP/1.1\r\nHost: x\r\nOrigin: https://evil.example\r\n\r\n")
             status, h, _ = await read_response(r)
-            assert status == 200 and "access-control-allow-origin" not in h
+            assert status == 200 and "access-control-allow-origin" not in h and h["vary"] == "Origin"
+            w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # no origin: still keyed on it
+            status, h, _ = await read_response(r)
+            assert status == 200 and h["vary"] == "Origin"
+            w.write(post("/echo", b"{}", "Origin: https://ui.example\r\n"))
+            status, h, _ = await read_response(r)
+            assert "x-kvcompass-worker" in h["access-control-expose-headers"]
         async with serving(State()) as (_, port):  # no CORS configured: no preflight answer
             r, w = await connect(port)
             w.write(preflight)

@@ -176,3 +176,13 @@ def test_ids_are_those_of_the_plain_encode(tok: Tokenizer) -> None:
     for t in texts:
         want = tok._hf.encode(t, add_special_tokens=False).ids if t else []
         assert tok.encode(t).tolist() == want, t
+
+
+def test_a_media_part_nested_deeper_than_json_dumps_goes_is_a_clear_error(tok: Tokenizer) -> None:
+    # Review: a body nested just shallower than the JSON reader's limit reached json.dumps a few
+    # frames deeper and raised RecursionError (a 500 through the door).
+    deep: object = 1
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(InvalidArgumentError, match=r"messages\[0\].content\[0\] is nested too deeply"):
+        tok.apply_chat_template([{"role": "user", "content": [{"type": "image_url", "image_url": deep}]}])

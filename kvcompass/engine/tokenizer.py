@@ -338,6 +338,10 @@ def _canonical_json(where: str, value: object) -> str:
         out = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise InvalidArgumentError(f"{where} is not JSON: {e}") from None
+    except RecursionError:
+        # A body nested just shallower than the JSON reader's limit is deeper than json.dumps
+        # can go a few frames further down (found in review: a 500).
+        raise InvalidArgumentError(f"{where} is nested too deeply") from None
     if len(out) > MAX_TEXT_CHARS:
         raise InvalidArgumentError(f"{where} has {len(out)} characters; at most {MAX_TEXT_CHARS} are accepted")
     return out

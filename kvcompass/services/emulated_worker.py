@@ -800,7 +800,7 @@ class EmulatedWorker(AsyncResource):
         batch = None if chat else prompt_batch(body, MAX_PROMPTS)
         if chat:
             param = "messages"
-            prompts = [await chat_tokens(body, self.tokenizer.apply_chat_template, inline)]
+            prompts = [await chat_tokens(body, self.tokenizer.apply_chat_template, inline, len(raw))]
         elif batch is None:
             param = "prompt"
             prompts = [await prompt_tokens(body, self.tokenizer.encode, inline)]

@@ -104,7 +104,7 @@ from kvcompass.services.openai_api import (
 from kvcompass.services.lifecycle import AsyncResource, bind_socket
 from kvcompass.services.loop_metrics import Counter, Gauge, Histogram
 from kvcompass.services.metrics import export_counter
-from kvcompass.services.upstream import UpstreamBusy, UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTooLarge
+from kvcompass.services.upstream import UpstreamAbandoned, UpstreamBusy, UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTooLarge
 from kvcompass.services.wire import (
     HANDOFF_HEADER,
     MIGRATION_HEADER,
@@ -382,17 +382,24 @@ class _Feedback:
 class _AnswerWatch:
     """Watches a worker while the door waits for a whole (non-streamed) answer: from the head
     deadline on, every ``head_timeout_s`` it asks the worker's ``/health`` (within
-    ``connect_timeout_s``); a probe that fails cancels the wait, which the forward turns into
-    the worker's failure. One timer handle per request until then; a task only for the probe."""
+    ``connect_timeout_s``); a probe that gets no answer at all abandons the wait
+    (:meth:`UpstreamResponse.abandon`), which the forward turns into the worker's failure. Any
+    HTTP answer is a live process still working on the request: a draining engine answers its
+    health 503 and finishes what it has (found in review: a 5xx read as death threw away every
+    in-flight answer of a rolling restart). One timer handle per request until the deadline;
+    a task only for a probe."""
 
-    __slots__ = ("door", "base", "worker", "peer", "task", "timer", "probe", "failed")
+    __slots__ = ("door", "base", "worker", "resp", "timer", "probe", "failed")
 
-    def __init__(self, door: FrontDoor, base: str, worker: str, peer: bool) -> None:
-        self.door, self.base, self.worker, self.peer = door, base, worker, peer
-        self.task = asyncio.current_task()
+    def __init__(self, door: FrontDoor, base: str, worker: str) -> None:
+        self.door, self.base, self.worker = door, base, worker
+        self.resp: UpstreamResponse | None = None
         self.failed = ""
         self.probe: asyncio.Task[None] | None = None
         self.timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(door.config.head_timeout_s, self._start)
+
+    def watching(self, resp: UpstreamResponse) -> None:
+        self.resp = resp
 
     def _start(self) -> None:
         self.timer = None
@@ -400,28 +407,22 @@ class _AnswerWatch:
 
     async def _check(self) -> None:
         session = self.door._session
-        ok, why = False, "the door is stopping"
+        alive, why = session is None, ""
         if session is not None:
             try:
                 up = await session.post(self.base + "/health", b"", {}, head_timeout=self.door.config.connect_timeout_s, method=b"GET")
                 up.close()
-                # A worker's 5xx health is a dead engine (vLLM's 503); a peer door's is only
-                # "not ready", and it is still relaying the answer.
-                ok, why = self.peer or up.status < 500, f"its /health answered {up.status}"
+                alive = True
             except UpstreamBusy:
-                ok = True  # the door's own connection limit, not the worker's health
+                alive = True  # the door's own connection limit, not the worker's health
             except (UpstreamError, TimeoutError, OSError) as e:
                 why = f"its /health did not answer ({e})"
         self.probe = None
-        if ok:
+        if alive:
             self.timer = asyncio.get_running_loop().call_later(self.door.config.head_timeout_s, self._start)
-        elif self.task is not None and not self.task.done():
+        elif self.resp is not None:
             self.failed = why
-            self.task.cancel()
-
-    def uncancel(self) -> None:
-        if self.task is not None:
-            self.task.uncancel()
+            self.resp.abandon(why)
 
     def close(self) -> None:
         if self.timer is not None:
@@ -823,7 +824,7 @@ class FrontDoor:
         batch = None if chat else prompt_batch(body, cfg.max_batch_prompts)
         token_lists: list[npt.NDArray[np.uint32]] = []
         if chat:
-            token_lists.append(await chat_tokens(body, self.tokenizer.apply_chat_template, cfg.inline_tokenize_chars))
+            token_lists.append(await chat_tokens(body, self.tokenizer.apply_chat_template, cfg.inline_tokenize_chars, len(raw)))
         elif batch is None:
             token_lists.append(await prompt_tokens(body, self.tokenizer.encode, cfg.inline_tokenize_chars))
         else:
@@ -892,7 +893,7 @@ class FrontDoor:
                 self.metrics.tenant_requests.labels(_OTHER_TENANTS).inc()
         if batch is None:
             return [_Prepared(request.path, raws[0], token_lists[0], ns, stream, client_usage, headers, handoff)]
-        n = int_field(body, "n", 1) or 1
+        n = int_field(body, "n", 1, _MAX_INT32) or 1
         return [
             _Prepared(request.path, r, t, ns, stream, True, headers, None, batch_index=i * n, client_usage_asked=client_usage, prompt_index=i)
             for i, (r, t) in enumerate(zip(raws, token_lists))
@@ -1085,27 +1086,25 @@ class FrontDoor:
             # head deadline, and treating it as the worker's death retried it on two more
             # workers (found in review). Past the head deadline the worker's /health decides.
             head_timeout = self.config.answer_timeout_s
-            watch = _AnswerWatch(self, peer or self.urls[choice.worker], choice.worker, peer is not None)
+            watch = _AnswerWatch(self, peer or self.urls[choice.worker], choice.worker)
         try:
-            up = await session.post(url, prep.raw, headers, head_timeout=head_timeout, slot_timeout=self.config.head_timeout_s)
-        except asyncio.CancelledError:
-            if watch is None or not watch.failed:
-                raise
-            watch.uncancel()
-            raise _WorkerFailed("timeout", f"{choice.worker}: no answer after {self.config.head_timeout_s:g} s and {watch.failed}") from None
+            up = await session.post(url, prep.raw, headers, head_timeout=head_timeout, slot_timeout=self.config.head_timeout_s, on_exchange=None if watch is None else watch.watching)
+        except UpstreamAbandoned:
+            why = watch.failed if watch is not None else "abandoned"
+            raise _WorkerFailed("timeout", f"{choice.worker}: no answer after {self.config.head_timeout_s:g} s and {why}") from None
         except UpstreamBusy as e:
             # The door's own connection limit, shared by every worker: not this worker's fault
             # (found in review: each such wait marked a healthy worker dead), and no other
             # worker would be reached sooner.
             raise OpenAIError(503, f"the door's upstream connections are all busy: {e}", code="busy") from None
+        except UpstreamConnectError as e:  # a connect timeout too: unreachable, not slow
+            raise _WorkerFailed("connect", f"{choice.worker}: {e}") from None
         except TimeoutError as e:
             if watch is not None:
                 # Alive by its /health all along, only slower than answer_timeout_s: a 504 for
                 # this request, not the worker's death, and no other worker repeats it.
                 raise OpenAIError(504, f"{choice.worker} gave no answer within {head_timeout:g} s", code="upstream_timeout") from None
             raise _WorkerFailed("timeout", f"{choice.worker}: no response head: {e!r}") from None
-        except UpstreamConnectError as e:
-            raise _WorkerFailed("connect", f"{choice.worker}: {e}") from None
         except UpstreamError as e:
             raise _WorkerFailed("disconnect", f"{choice.worker}: {e!r}") from None
         finally:
@@ -1513,12 +1512,17 @@ FRONT_DOOR = "kvcompass_front_door"
 # -- helpers -------------------------------------------------------------------------------------------
 
 
+_MAX_INT32 = 2**31 - 1
+
+
 def _check_numbers(body: Mapping[str, Any]) -> None:
     """The sampling fields whose wrong type would only fail at the worker: refuse them here, so
     the client gets the error without a WAN round trip."""
-    int_field(body, "max_tokens", 0)
-    int_field(body, "max_completion_tokens", 0)
-    int_field(body, "n", 1)
+    # Bounded as engines bound them (vLLM's are 32-bit in practice): 1e300 became a 301-digit
+    # integer the door carried on (found in review).
+    int_field(body, "max_tokens", 0, _MAX_INT32)
+    int_field(body, "max_completion_tokens", 0, _MAX_INT32)
+    int_field(body, "n", 1, _MAX_INT32)
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
         v = body.get(name)
         if v is not None and (type(v) not in (int, float) or not math.isfinite(v)):

@@ -295,6 +295,11 @@ def path_tail(request: Request, prefix: str) -> str:
     return urllib.parse.unquote(request.path[len(prefix):])
 
 
+_CORS_EXPOSE = b"Access-Control-Expose-Headers: retry-after, x-request-id, x-kvcompass-worker\r\n"
+"""Response headers a browser's code may read besides the safelisted ones (a 429's wait, the
+request id, which worker served)."""
+
+
 def check_cors_origins(origins: tuple[str, ...]) -> tuple[str, ...]:
     """``origins`` if each is ``*`` or one origin (InvalidArgumentError otherwise)."""
     for o in origins:
@@ -351,7 +356,7 @@ class App:
         """A CORS preflight: allowed (204 with the methods and the asked-for headers) when the
         origin is, else a 204 without the allow lines, which the browser reads as a refusal."""
         headers: dict[str, str] = {}
-        if request._cors:
+        if b"Access-Control-Allow-Origin" in request._cors:
             headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
             asked = request.headers._d.get("access-control-request-headers")
             if asked and not any(c in asked for c in "\r\n"):
@@ -368,11 +373,16 @@ class App:
         err: OpenAIError | None = None
         if self.cors_origins:
             origin = request.headers._d.get("origin")
+            star = "*" in self.cors_origins
+            if not star:
+                # The answer depends on the origin: a shared cache must key on it, for requests
+                # from no origin or a refused one too (found in review).
+                request._cors = b"Vary: Origin\r\n"
             if origin is not None:
-                if "*" in self.cors_origins:
-                    request._cors = b"Access-Control-Allow-Origin: *\r\n"
+                if star:
+                    request._cors = b"Access-Control-Allow-Origin: *\r\n" + _CORS_EXPOSE
                 elif origin in self.cors_origins:
-                    request._cors = b"Access-Control-Allow-Origin: %s\r\nVary: Origin\r\n" % origin.encode("latin-1")
+                    request._cors = b"Access-Control-Allow-Origin: %s\r\nVary: Origin\r\n%s" % (origin.encode("latin-1"), _CORS_EXPOSE)
                 if request.method == "OPTIONS" and "access-control-request-method" in request.headers._d:
                     return self._preflight(request)
         methods = self.routes.get(request.path)

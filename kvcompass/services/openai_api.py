@@ -269,9 +269,15 @@ def _text_chars(obj: Any) -> int:
     return n
 
 
-async def chat_tokens(body: dict[str, Any], apply_chat_template: Callable[[list[dict[str, Any]]], Any], inline_chars: int = INLINE_TOKENIZE_CHARS) -> npt.NDArray[np.uint32]:
+async def chat_tokens(
+    body: dict[str, Any], apply_chat_template: Callable[[list[dict[str, Any]]], Any], inline_chars: int = INLINE_TOKENIZE_CHARS, raw_bytes: int | None = None
+) -> npt.NDArray[np.uint32]:
     """The tokens of a chat request's ``messages`` under the model's chat template; each
-    message an object with a string ``role`` and a string, list-of-parts or null ``content``."""
+    message an object with a string ``role`` and a string, list-of-parts or null ``content``.
+    ``raw_bytes``, the body's length, decides whether the template runs off the event loop:
+    free to read and never less than what the template renders (counting the strings was not:
+    a body of millions of numbers counted as nothing and stalled the loop 2 s walking and
+    rendering them, found in review)."""
     if "messages" not in body or body["messages"] is None:
         raise OpenAIError(400, "messages is required", "messages", "missing_messages")
     msgs = body["messages"]
@@ -287,5 +293,5 @@ async def chat_tokens(body: dict[str, Any], apply_chat_template: Callable[[list[
         c = m.get("content")
         if c is not None and not isinstance(c, (str, list)):
             raise OpenAIError(400, f"messages[{i}].content must be a string, a list of parts or null", f"messages[{i}].content", "invalid_type")
-    size = _text_chars(msgs)
+    size = raw_bytes if raw_bytes is not None else _text_chars(msgs)
     return await _run(lambda: apply_chat_template(msgs), size, inline_chars, "messages", "apply the chat template", "invalid_messages")

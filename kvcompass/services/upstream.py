@@ -22,13 +22,13 @@ import asyncio
 import functools
 import ssl as _ssl
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from urllib.parse import urlsplit
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
-__all__ = ["UpstreamBusy", "UpstreamConnectError", "UpstreamDisconnected", "UpstreamError", "UpstreamPool", "UpstreamResponse", "UpstreamTooLarge"]
+__all__ = ["UpstreamAbandoned", "UpstreamBusy", "UpstreamConnectError", "UpstreamConnectTimeout", "UpstreamDisconnected", "UpstreamError", "UpstreamPool", "UpstreamResponse", "UpstreamTooLarge"]
 
 _HIGH_WATER = 256 * 1024  # buffered body bytes at which the socket stops being read
 _MAX_HEAD = 64 * 1024  # bytes of an answer's head (status line and headers) before it is refused
@@ -40,6 +40,17 @@ class UpstreamError(Exception):
 
 class UpstreamConnectError(UpstreamError):
     """No connection could be opened (refused, unreachable, TLS failure)."""
+
+
+class UpstreamConnectTimeout(UpstreamConnectError, TimeoutError):
+    """No connection within the connect deadline: a connect failure (the worker unreachable),
+    and a timeout for callers that only ask that (found in review: a plain TimeoutError here
+    read as a slow answer to the door, which then gave up instead of trying another worker)."""
+
+
+class UpstreamAbandoned(UpstreamError):
+    """The caller stopped waiting for the answer's head (:meth:`UpstreamResponse.abandon`: its
+    watch found the worker gone); the connection is closed."""
 
 
 class UpstreamDisconnected(UpstreamError):
@@ -227,6 +238,13 @@ class UpstreamResponse:
         if not self._head_waiter.done():
             self._head_waiter.set_result(None)
 
+    def abandon(self, reason: str) -> None:
+        """Stop waiting for the head (the post raises :class:`UpstreamAbandoned`); nothing once
+        the head arrived. Why not cancel the waiting task: a cancellation cannot be told from
+        the server's own (a drain) and races the head's arrival (found in review)."""
+        if not self._head_waiter.done():
+            self._head_waiter.set_exception(UpstreamAbandoned(reason))
+
     def _head_late(self, seconds: float | None) -> None:
         """The head deadline passed (a timer of :meth:`UpstreamPool._exchange`)."""
         if not self._head_waiter.done():
@@ -347,7 +365,7 @@ class UpstreamPool:
         self._ssl = ssl
         self._closed = False
 
-    async def post(self, url: str, body: bytes, headers: Mapping[str, str], *, head_timeout: float | None = None, method: bytes = b"POST", slot_timeout: float | None = None) -> UpstreamResponse:
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str], *, head_timeout: float | None = None, method: bytes = b"POST", slot_timeout: float | None = None, on_exchange: Callable[[UpstreamResponse], None] | None = None) -> UpstreamResponse:
         """POST ``body`` to ``url`` with ``headers`` (Host and Content-Length are added; ``method``
         another verb, e.g. ``b"GET"`` with an empty body for a health probe); returns
         once the answer's head arrived. Raises :class:`UpstreamConnectError`,
@@ -356,7 +374,8 @@ class UpstreamPool:
         answer all count), :class:`UpstreamBusy` (no slot of ``limit`` in that time) or
         ValueError (a header with CR or LF, a URL that is not http(s)). ``slot_timeout``, when
         shorter, bounds the wait for a slot alone (a whole answer may take far longer than a slot
-        should).
+        should). ``on_exchange`` is handed the answer being waited for once the request is
+        sent (to :meth:`UpstreamResponse.abandon` it).
 
         Why the head deadline is here and not an ``asyncio.timeout`` around the call: it is one
         timer handle on the exchange, cancelled when the head arrives, where the context manager
@@ -385,12 +404,12 @@ class UpstreamPool:
             conn = self._take(key)
             if conn is not None:
                 try:
-                    return await self._exchange(conn, head, body, deadline, head_timeout)
+                    return await self._exchange(conn, head, body, deadline, head_timeout, on_exchange)
                 except UpstreamDisconnected:
                     if conn.resp is not None and conn.resp._got_bytes:
                         raise
                     # A reused connection the worker had closed: once more on a fresh one.
-            return await self._exchange(await self._connect(key, deadline), head, body, deadline, head_timeout)
+            return await self._exchange(await self._connect(key, deadline), head, body, deadline, head_timeout, on_exchange)
         except BaseException:
             self._free_slot()
             raise
@@ -438,13 +457,17 @@ class UpstreamPool:
             async with asyncio.timeout_at(until):
                 _, conn = await loop.create_connection(lambda: _Conn(key), host, port, ssl=ctx, server_hostname=host if ctx is not None else None)
         except TimeoutError:
-            raise TimeoutError(f"connecting to {host}:{port} took longer than {(until or t0) - t0:.3g} s") from None
+            raise UpstreamConnectTimeout(f"connecting to {host}:{port} took longer than {(until or t0) - t0:.3g} s") from None
         except (OSError, _ssl.SSLError) as e:
             raise UpstreamConnectError(f"cannot connect to {host}:{port}: {e}") from None
         return conn
 
-    async def _exchange(self, conn: _Conn, head: bytes, body: bytes, deadline: float | None = None, seconds: float | None = None) -> UpstreamResponse:
+    async def _exchange(
+        self, conn: _Conn, head: bytes, body: bytes, deadline: float | None = None, seconds: float | None = None, on_exchange: Callable[[UpstreamResponse], None] | None = None
+    ) -> UpstreamResponse:
         resp = UpstreamResponse(conn, self, self._read_timeout)
+        if on_exchange is not None:
+            on_exchange(resp)
         conn.resp = resp
         conn.head_bytes = 0
         assert conn.transport is not None
