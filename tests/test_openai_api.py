@@ -123,8 +123,8 @@ def test_long_texts_are_tokenized_off_the_event_loop() -> None:
         # Given the body's length, that decides: numbers count (review: a part of millions of
         # integers counted as no text and stalled the loop for seconds).
         numbers = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"data": list(range(20))}}]}]}
-        await chat_tokens(numbers, template, 10)
-        await chat_tokens(numbers, template, 10, raw_bytes=len(json.dumps(numbers)))
+        await chat_tokens(numbers, template, 20)
+        await chat_tokens(numbers, template, 20, raw_bytes=len(json.dumps(numbers)))
         assert seen[5] == main_thread and seen[6] != main_thread
 
     asyncio.run(main())
