@@ -468,3 +468,22 @@ def test_a_run_spanning_too_many_windows_is_a_clear_error(capsys: pytest.Capture
     assert main(["simulate", "--topology", "testbed-14x3", "--trace", "mixed", "--max-requests", "10", "--rates", "1e-300", "--schemes", "oracle"]) == 2
     err = capsys.readouterr().err
     assert "kvcompass simulate: error: the run spans" in err and "Traceback" not in err
+
+
+def test_the_sensitivity_runs_send_follow_ups_as_the_main_run_does(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # Review: the table-4 runs took the default follow-ups whatever --follow-ups said, so with
+    # on-time the fault runs and the base replayed two different workloads.
+    import kvcompass.sim.engine as engine
+
+    seen: list[str] = []
+    real = engine.simulate
+
+    def spy(*a: Any, **kw: Any) -> Any:
+        seen.append(kw.get("follow_ups", "default"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(engine, "simulate", spy)
+    argv = ["simulate", "--topology", "testbed-14x3", "--trace", "mixed", "--max-requests", "30", "--rates", "8", "--schemes", "kvcompass", "--follow-ups", "on-time", "--sensitivity"]
+    assert main(argv) == 0
+    assert seen and set(seen) == {"on-time"}, seen
+    assert _last_json(capsys.readouterr().out)["follow_ups"] == "on-time"

@@ -4,6 +4,7 @@ M/D/1 says it should."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -753,3 +754,29 @@ def test_follow_ups_wait_in_a_closed_loop_too_and_bad_parents_are_refused(testbe
         eng.set_parents(np.array([2**32 - 1] * (len(reqs) - 1) + [len(reqs) - 1], dtype=np.uint32))
     with pytest.raises(InvalidArgumentError, match="parents for"):
         eng.set_parents(np.zeros(3, dtype=np.uint32))
+    # Two requests sharing an id: a follow-up naming it has no one parent (review: it waited on
+    # the first copy's).
+    from kvcompass.sim.engine import _parent_positions
+
+    with pytest.raises(InvalidArgumentError, match="request id 1 is used twice"):
+        _parent_positions(np.array([0, 1, 1, 2]), np.array([-1, 0, -1, 1]))
+    assert _parent_positions(np.array([0, 1, 1]), np.array([-1, -1, -1])) is None  # no parents: ids not read
+
+
+def test_a_follow_up_whose_parent_answered_early_keeps_its_place_among_equal_times(testbed: Topology, tmp_path: Path) -> None:
+    # Review: released at its own time by an early parent, a follow-up was pushed after every
+    # arrival of that instant, so ties lost the trace's order and after-parent differed from
+    # on-time where nothing waited.
+    from kvcompass.sim.workload import load_trace
+
+    rows = [{"timestamp": 0, "input_length": 64, "output_length": 2, "hash_ids": [1, 2, 3, 4], "chat_id": 0, "parent_chat_id": -1}]
+    rows.append({"timestamp": 5000, "input_length": 96, "output_length": 2, "hash_ids": [1, 2, 3, 4, 5, 6], "chat_id": 1, "parent_chat_id": 0})
+    rows += [{"timestamp": 5000, "input_length": 64, "output_length": 2, "hash_ids": [100 * k + j for j in range(4)], "chat_id": k, "parent_chat_id": -1} for k in range(2, 6)]
+    path = tmp_path / "ties.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reqs = load_trace(str(path), 16, regions=[testbed.region_names[0]], mode="trace", ties="keep")
+    workers = {}
+    for fu in ("on-time", "after-parent"):
+        c = simulate(testbed, reqs, "round-robin", seed=1, follow_ups=fu).records._c  # type: ignore[arg-type]
+        workers[fu] = c["worker"].tolist()
+    assert workers["after-parent"] == workers["on-time"] and len(set(workers["on-time"])) == len(rows)

@@ -130,6 +130,7 @@ def _sensitivity(args: argparse.Namespace, topology: Topology, requests: Sequenc
             gpu_sharing=args.gpu_sharing,
             max_batched_tokens=args.max_batched_tokens,
             policy=_eviction(args),
+            follow_ups=args.follow_ups,  # the base run's (found in review: table 4 compared two workloads)
         )
         print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         return s
@@ -380,7 +381,7 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"wrote {len(paths)} files to {out}: {' '.join(p.name for p in paths)}")
     from kvcompass.sim.report import summary_row
 
-    doc: dict[str, object] = {"results": {s: {r: summary_row(results[s][r]) for r in rates} for s in schemes}, "eviction": eviction}
+    doc: dict[str, object] = {"results": {s: {r: summary_row(results[s][r]) for r in rates} for s in schemes}, "eviction": eviction, "follow_ups": args.follow_ups}
     if args.closed_loop:
         doc["closed_loop"] = args.closed_loop
     doc.update(_load_doc(capacity, loads, rates))

@@ -221,6 +221,11 @@ def _parent_positions(ids: npt.NDArray[np.int64], parent: npt.NDArray[np.int64])
         return None
     order = np.argsort(ids, kind="stable")
     sorted_ids = ids[order]
+    dup = np.flatnonzero(sorted_ids[1:] == sorted_ids[:-1])
+    if dup.size:
+        # A parent named by an id two requests share is ambiguous (found in review: the second
+        # copy's follow-up waited on the first copy's parent).
+        raise InvalidArgumentError(f"request id {int(sorted_ids[dup[0]])} is used twice; follow-ups need unique ids to find their parents")
     at = np.minimum(np.searchsorted(sorted_ids, parent), n - 1)
     pos = order[at]
     ok = has & (sorted_ids[at] == parent) & (pos < np.arange(n))

@@ -54,6 +54,7 @@ import numpy.typing as npt
 from kvcompass.discovery.topology import Topology, load_topology
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.sim.capacity import Capacity, no_reuse_capacity, rates_for_loads
+from kvcompass.sim.engine import SimConfig
 from kvcompass.sim.sensitivity import SensitivityRow, StructuralRate, structural_false_hit_rate, sweep
 from kvcompass.sim.summary import Summary
 from kvcompass.sim.requests import Request
@@ -530,6 +531,7 @@ def reproduce(
         "topology": fig.topology,
         "workload": {"name": fig.workload, "tenants": fig.tenants, "private_pools": fig.tenants > 1, "requests_per_run": n, "seed": seed, "eviction": fig.eviction},
         "closed_loop": closed,
+        "follow_ups": SimConfig().follow_ups,  # the default, which every cell runs
         "capacity": {k: v for k, v in capacity.as_dict().items() if k != "per_worker"},
         "reference_rate": fig.reference_rate,
         "rates": {str(p): {"load": p / reference, "rate": r} for p, r in rate_of.items()},

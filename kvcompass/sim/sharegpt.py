@@ -36,7 +36,9 @@ only decides lengths and which prefixes are shared.
 
 **Arrivals (a stated model, not measured).** Conversations start as a Poisson process. Each
 next turn is sent a think time after the previous one was sent, drawn exponential with mean
-``think_s`` (default :data:`DEFAULT_THINK_S`), open loop (it does not wait for the reply). The
+``think_s`` (default :data:`DEFAULT_THINK_S`); the simulator then sends it no earlier than
+the previous turn's reply reached the client (``SimConfig.follow_ups``, "after-parent" by
+default; with "on-time" the turns keep these times and do not wait for the reply). The
 start rate is ``rate / mean turns`` (over the split), so the request rate is ``rate``. Each start
 draws its conversation uniformly from the split, independently; a conversation drawn again
 is a copy whose block ids are re-keyed, so it has the original's lengths and turns but shares

@@ -686,6 +686,9 @@ pub struct Engine {
     /// Conditions a request still waits on before it arrives: issued (its time or its turn in
     /// a closed loop) and, for a waiting follow-up, its parent done.
     gate: Vec<u8>,
+    /// A waiting follow-up's place among the arrivals scheduled at start (0: none): released
+    /// at its own time, it sorts there, not after every arrival of that instant.
+    arrive_seq: Vec<u64>,
 }
 
 /// [`Engine::set_parents`]: a request that waits for no one.
@@ -880,6 +883,7 @@ impl Engine {
             child_offs: Vec::new(),
             child: Vec::new(),
             gate: Vec::new(),
+            arrive_seq: Vec::new(),
         })
     }
 
@@ -932,7 +936,15 @@ impl Engine {
         self.gate[req] -= 1;
         if self.gate[req] == 0 {
             let at = self.issued[req];
-            self.push(at, Ev::Arrive(req as u32));
+            let seq = self.arrive_seq.get(req).copied().unwrap_or(0);
+            if seq != 0 && at == self.prompts.reqs[req].arrival_ms {
+                // Its parent answered before its own time: it arrives where it would have
+                // without waiting (found in review: pushed now, it sorted after every arrival
+                // of its instant, so ties lost their trace order).
+                self.heap.push(Entry { t: at, seq, sub: 0, ev: Ev::Arrive(req as u32) });
+            } else {
+                self.push(at, Ev::Arrive(req as u32));
+            }
         }
     }
 
@@ -1138,8 +1150,15 @@ impl Engine {
         self.issued = vec![f64::NEG_INFINITY; total];
         self.gate = if self.parent.is_empty() { vec![1; total] } else { self.parent.iter().map(|&p| 1 + u8::from(p != NO_PARENT)).collect() };
         let n = if self.closed > 0 { self.closed.min(total) } else { total };
+        if !self.parent.is_empty() {
+            self.arrive_seq = vec![0; total];
+        }
         for i in 0..n {
             let t = self.prompts.reqs[i].arrival_ms;
+            if self.gate[i] > 1 {
+                self.seq += 1;
+                self.arrive_seq[i] = self.seq;
+            }
             self.release(i, t);
         }
         self.next_issue = n;
