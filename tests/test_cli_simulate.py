@@ -34,7 +34,7 @@ def test_mixed_two_schemes_two_rates(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main([*argv, "--schemes", "kvcompass,oracle", "--seed", "1", "--out", str(tmp_path)]) == 0
     cap = capsys.readouterr()
     j = _last_json(cap.out)
-    assert list(j) == ["results", "eviction"] and j["eviction"] == "lfu"  # the paper's eviction for Mixed
+    assert list(j) == ["results", "eviction", "follow_ups"] and j["eviction"] == "lfu" and j["follow_ups"] == "after-parent"  # the paper's eviction for Mixed
     res = j["results"]
     assert isinstance(res, dict) and list(res) == ["kvcompass", "oracle"]
     for by_rate in res.values():
