@@ -483,3 +483,12 @@ def test_a_long_route_refused_by_the_core_does_not_deadlock_against_view_readers
 
     out = subprocess.run([sys.executable, "-c", _DEADLOCK], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("edges", [[0.0, float("nan")], [10.0, 5.0], [0.0, float("inf")]])
+def test_busy_windows_refuse_edges_that_are_not_finite_and_ascending(edges: list[float]) -> None:
+    # Review: NaN or descending window edges were taken and gave meaningless windows.
+    with pytest.raises(ValueError, match="edges ascending"):
+        _core.busy_windows([np.array([0.0, 1.0])], 0.0, 1.0, np.array(edges))
+    out, totals = _core.busy_windows([np.array([0.0, 1.0])], 0.0, 1.0, np.array([0.0, 1.0, 2.0]))
+    assert out.shape == (1, 2) and totals[0] == 1.0

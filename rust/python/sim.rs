@@ -1040,6 +1040,10 @@ fn busy_windows<'py>(py: Python<'py>, intervals: Vec<Bound<'py, PyAny>>, start: 
     if edges.len() < 2 {
         return Err(pyo3::exceptions::PyValueError::new_err("edges: at least two (one window)"));
     }
+    // Found in review: NaN or descending edges were taken and gave meaningless windows.
+    if !start.is_finite() || edges.iter().any(|e| !e.is_finite()) || edges.windows(2).any(|w| w[1] < w[0]) {
+        return Err(pyo3::exceptions::PyValueError::new_err("start and edges must be finite, the edges ascending"));
+    }
     let mut flat = Vec::with_capacity(intervals.len());
     for (w, iv) in intervals.iter().enumerate() {
         let v = f64_vec(&format!("intervals[{w}]"), iv)?;
