@@ -87,20 +87,8 @@ from kvcompass.agent.events import REPLAY_END_SEQ, Event, encode_batch
 from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.errors import DrainingError, InvalidArgumentError
 from kvcompass.services.http_server import App, HttpServer, Request, Response, StreamResponse, json_response, path_tail
-from kvcompass.services.openai_api import (
-    INLINE_TOKENIZE_CHARS,
-    MODELS_PREFIX,
-    OpenAIError,
-    batch_prompt_tokens,
-    chat_tokens,
-    decode_json_object,
-    int_field,
-    model_card,
-    model_not_found,
-    models_list,
-    prompt_batch,
-    prompt_tokens,
-)
+from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, MODELS_PREFIX, OpenAIError, batch_prompt_tokens, chat_tokens, decode_json_object
+from kvcompass.services.openai_api import int_field, model_card, model_not_found, models_list, prompt_batch, prompt_tokens
 from kvcompass.engine.tokenizer import Tokenizer, load_tokenizer
 from kvcompass.engine.cache import DEFAULT_DRAM_TOKENS, DEFAULT_VRAM_TOKENS, Policy, PrefixCache, worker_capacities
 from kvcompass.engine.costs import CostModel
