@@ -492,3 +492,11 @@ def test_busy_windows_refuse_edges_that_are_not_finite_and_ascending(edges: list
         _core.busy_windows([np.array([0.0, 1.0])], 0.0, 1.0, np.array(edges))
     out, totals = _core.busy_windows([np.array([0.0, 1.0])], 0.0, 1.0, np.array([0.0, 1.0, 2.0]))
     assert out.shape == (1, 2) and totals[0] == 1.0
+
+
+def test_forest_stored_takes_one_extra_flag_a_block_or_none() -> None:
+    f = _core.AgentForest([4], NS)
+    with pytest.raises(ValueError, match="extra: 1 flags for 2 blocks"):
+        f.stored(0, "GPU", 4, toks4(2), False, None, [1, 2], [False], None)
+    f.stored(0, "GPU", 4, toks4(2), False, None, [1, 2], [False, False], None)
+    f.stored(0, "GPU", 4, toks4(2), False, None, [3, 4], None, None)

@@ -65,6 +65,11 @@ impl PyForest {
         let parent = parent.map(|p| bhash(&p)).transpose()?;
         let hashes = bhashes(hashes)?;
         let extra = extra.unwrap_or_default();
+        if !extra.is_empty() && extra.len() != hashes.len() {
+            // One flag a block or none (the event decoder holds engines to it; found in review:
+            // a direct caller's short list read as "no extra key" for the blocks past it).
+            return Err(PyValueError::new_err(format!("extra: {} flags for {} blocks (one a block, or none)", extra.len(), hashes.len())));
+        }
         // The forest places each block's tokens by block size: a store must carry exactly
         // `block_size` tokens a block (the event decoder refuses anything else).
         let n_bytes = match tokens.cast::<PyBytes>() {
