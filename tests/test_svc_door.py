@@ -515,7 +515,7 @@ def test_a_whole_answer_slower_than_the_head_deadline_is_waited_for_while_the_wo
             assert status == 200 and headers["x-kvcompass-worker"] == "us-5" and fleet.served() == ["us-5"], body
             assert not t.door.door.dead_workers()
         # A worker whose /health does not answer while the door waits has failed: retried elsewhere.
-        fleet = Fleet(delay_s={"us-5": 1.0}, health_hang={"us-5"})
+        fleet = Fleet(delay_s={"us-5": 2.0}, health_hang={"us-5"})  # two probes fail by 1.1 s
         async with rig(plane, fleet, config=DoorConfig(head_timeout_s=0.2, connect_timeout_s=0.3)) as t:
             status, headers, body = await complete(t.client, {"prompt": ids.tolist()})
             assert status == 200, body
@@ -1408,5 +1408,45 @@ def test_only_a_peer_door_may_ask_for_the_queue_vector() -> None:
             assert "eu" in {b.target_region for b in edge.broadcast_due(now + 20.0)}  # not suppressed
             st, h, _ = await complete(t.client, body, Authorization="Bearer k-door", **{"x-kvcompass-region": "eu", "x-kvcompass-namespace": "public"})
             assert st == 200 and "x-kvcompass-queue-vector" in {k.lower() for k in h}
+
+    run(go())
+
+
+def test_the_answer_watch_needs_two_silent_probes_and_remembers_a_verdict_reached_before_the_exchange() -> None:
+    # Review: one silent probe abandoned a long answer (a briefly stalled server is not dead);
+    # and a verdict reached while the request was still connecting was dropped, and the watch
+    # stopped probing for good.
+    from kvcompass.services.http_door import _AnswerWatch
+
+    class Door:
+        def __init__(self, session: Any) -> None:
+            self._session = session
+            self.config = DoorConfig(head_timeout_s=0.05, connect_timeout_s=0.05)
+
+    class Resp:
+        reasons: list[str] = []
+
+        def abandon(self, reason: str) -> None:
+            self.reasons.append(reason)
+
+    async def go() -> None:
+        sock = bound_socket()  # accepts nothing: every probe fails
+        base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        sock.close()
+        from kvcompass.services.upstream import UpstreamPool
+
+        pool = UpstreamPool(connect_timeout_s=0.05)
+        try:
+            w = _AnswerWatch(Door(pool), base, "w")  # type: ignore[arg-type]
+            await asyncio.sleep(0.08)  # the first probe failed: not yet a verdict
+            assert w.misses == 1 and not w.failed and w.timer is not None
+            await asyncio.sleep(0.15)
+            assert w.failed and "did not answer twice" in w.failed
+            r = Resp()
+            w.watching(r)  # type: ignore[arg-type]
+            assert r.reasons == [w.failed]  # the verdict reaches the exchange that begins later
+            w.close()
+        finally:
+            await pool.close()
 
     run(go())

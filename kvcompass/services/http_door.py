@@ -382,24 +382,30 @@ class _Feedback:
 class _AnswerWatch:
     """Watches a worker while the door waits for a whole (non-streamed) answer: from the head
     deadline on, every ``head_timeout_s`` it asks the worker's ``/health`` (within
-    ``connect_timeout_s``); a probe that gets no answer at all abandons the wait
+    ``connect_timeout_s``). Two probes in a row that get no answer at all (the second
+    ``connect_timeout_s`` after the first: a briefly stalled server is not a dead one, and the
+    answer it is generating may be ten minutes of work) abandon the wait
     (:meth:`UpstreamResponse.abandon`), which the forward turns into the worker's failure. Any
     HTTP answer is a live process still working on the request: a draining engine answers its
     health 503 and finishes what it has (found in review: a 5xx read as death threw away every
     in-flight answer of a rolling restart). One timer handle per request until the deadline;
     a task only for a probe."""
 
-    __slots__ = ("door", "base", "worker", "resp", "timer", "probe", "failed")
+    __slots__ = ("door", "base", "worker", "resp", "timer", "probe", "misses", "failed")
 
     def __init__(self, door: FrontDoor, base: str, worker: str) -> None:
         self.door, self.base, self.worker = door, base, worker
         self.resp: UpstreamResponse | None = None
         self.failed = ""
+        self.misses = 0
         self.probe: asyncio.Task[None] | None = None
         self.timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(door.config.head_timeout_s, self._start)
 
     def watching(self, resp: UpstreamResponse) -> None:
+        """The exchange now waited for (a retry on a fresh connection hands over a new one)."""
         self.resp = resp
+        if self.failed:
+            resp.abandon(self.failed)  # the worker was found gone before this exchange began
 
     def _start(self) -> None:
         self.timer = None
@@ -416,12 +422,19 @@ class _AnswerWatch:
             except UpstreamBusy:
                 alive = True  # the door's own connection limit, not the worker's health
             except (UpstreamError, TimeoutError, OSError) as e:
-                why = f"its /health did not answer ({e})"
+                why = f"its /health did not answer twice ({e})"
         self.probe = None
+        loop = asyncio.get_running_loop()
         if alive:
-            self.timer = asyncio.get_running_loop().call_later(self.door.config.head_timeout_s, self._start)
-        elif self.resp is not None:
-            self.failed = why
+            self.misses = 0
+            self.timer = loop.call_later(self.door.config.head_timeout_s, self._start)
+            return
+        self.misses += 1
+        if self.misses < 2:
+            self.timer = loop.call_later(self.door.config.connect_timeout_s, self._start)
+            return
+        self.failed = why
+        if self.resp is not None:
             self.resp.abandon(why)
 
     def close(self) -> None:

@@ -203,9 +203,6 @@ fn local_match_of(matches: &[u32], region: &[u32]) -> u32 {
     matches.iter().zip(region).filter(|&(_, &r)| r == 0).map(|(&x, _)| x).max().unwrap_or(0)
 }
 
-impl PyRouter {
-}
-
 #[pymethods]
 impl PyRouter {
     /// plan[r]: ascending prefix lengths this edge queries toward region r.

@@ -27,7 +27,10 @@ pub struct PySimEngine {
     inner: Engine,
     handles: HashMap<u64, Py<PyAny>>,
     next_handle: u64,
-    running: bool,
+    /// Atomic so that clearing it needs only a shared borrow, which succeeds beside another
+    /// thread's (`cached` holds one without the GIL; found in review: the exclusive borrow
+    /// failed there and left the engine refusing every later run).
+    running: std::sync::atomic::AtomicBool,
     live: Option<LiveSinks>,
     inbox: Option<Inbox>,
 }
@@ -381,7 +384,7 @@ impl PySimEngine {
             inner,
             handles: HashMap::new(),
             next_handle: 0,
-            running: false,
+            running: std::sync::atomic::AtomicBool::new(false),
             live: None,
             inbox: None,
         })
@@ -421,11 +424,10 @@ impl PySimEngine {
     fn run(slf: &Bound<'_, Self>, driver: &Bound<'_, PyAny>) -> PyResult<()> {
         let py = slf.py();
         {
-            let mut me = slf.try_borrow_mut()?;
-            if me.running {
+            let me = slf.try_borrow()?;
+            if me.running.swap(true, std::sync::atomic::Ordering::SeqCst) {
                 return Err(bad("the engine is already running".into()));
             }
-            me.running = true;
         }
         let d = Driver {
             choose: driver.getattr("choose")?,
@@ -488,8 +490,8 @@ impl PySimEngine {
                 }
             }
         })();
-        match slf.try_borrow_mut() {
-            Ok(mut me) => me.running = false,
+        match slf.try_borrow() {
+            Ok(me) => me.running.store(false, std::sync::atomic::Ordering::SeqCst),
             Err(e) => return result.and(Err(e.into())),
         }
         result
