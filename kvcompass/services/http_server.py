@@ -273,7 +273,12 @@ class Response(StreamResponse):
         self.prepared = self._ended = True
         body = b"" if request.method == "HEAD" else self.body
         head, close = _head(self.status, self.headers)
-        head += b"Content-Length: %d\r\nDate: %s\r\n" % (len(self.body), conn.server.date())
+        if self.status == 204 or self.status == 304:
+            # No body by definition, and RFC 9110 forbids the field on a 204 (a CORS preflight).
+            head += b"Date: %s\r\n" % conn.server.date()
+            body = b""
+        else:
+            head += b"Content-Length: %d\r\nDate: %s\r\n" % (len(self.body), conn.server.date())
         head += request._cors
         head += conn.connection_header(request, close, stream=False)
         head += body
