@@ -63,7 +63,8 @@ def test_figure_12_writes_its_report(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_unknown_figures_are_refused_with_the_list(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["reproduce", "--figure", "table6", "--out", str(tmp_path)]) == 2
+    assert main(["reproduce", "--figure", "table6", "--out", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()  # refused before the directory is made
     err = capsys.readouterr().err
     assert err.startswith("kvcompass reproduce: error: figure 'table6' is not reproduced") and "11, 12, 12-chat, 13, 14, 15, 16, 17, 18, table4, table5" in err
     assert main(["reproduce", "--figure", "12", "--jobs", "0", "--out", str(tmp_path)]) == 2

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from kvcompass.cli import chaos, cluster_demo, loadgen, plan, services, simulate, up
 from kvcompass.cli.plan import format_plan
@@ -23,16 +23,37 @@ __all__ = ["DEFAULT_MIXED_REQUESTS", "build_parser", "format_plan", "main"]
 _MODULES = (plan, simulate, services, up, loadgen, cluster_demo, chaos)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the one-line refusal the rest of the command gives: ``kvcompass CMD:
+    error: ...`` and a pointer to ``--help`` instead of the whole usage block (found by a
+    newcomer's read of the README: a missing or unknown option printed the usage, and an
+    unknown one was blamed on ``kvcompass`` rather than the subcommand). Its subcommands are
+    of this class too (argparse makes them of their parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcompass", description="KVCompass: a KV-cache discovery plane for Internet-scale LLM serving")
+    parser = _Parser(prog="kvcompass", description="KVCompass: a KV-cache discovery plane for Internet-scale LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     for m in _MODULES:
         m.add_parsers(sub)
     return parser
 
 
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The arguments, with options no subcommand knows refused by that subcommand's parser."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     try:
         return int(args.func(args))
     except (KVCompassError, OSError, ValueError) as e:

@@ -425,7 +425,7 @@ def _write_run(out: Path, args: argparse.Namespace, topology: Topology, extra: d
 
 
 def _reproduce_main(args: argparse.Namespace) -> int:
-    from kvcompass.sim.reproduce import image_name, reproduce
+    from kvcompass.sim.reproduce import figure_spec, image_name, reproduce
 
     if args.jobs < 1:
         raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
@@ -435,6 +435,7 @@ def _reproduce_main(args: argparse.Namespace) -> int:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
     if args.ray is not None and args.jobs != 1:
         raise UsageError("give --jobs (processes here) or --ray (a Ray cluster), not both")
+    figure_spec(args.figure)  # refused before --out is made (found by a newcomer: an empty directory was left)
     _prepare_out(args.out, ())
     rows = reproduce(args.figure, args.out, quick=args.quick, jobs=args.jobs, seed=args.seed, requests=args.requests, ray=args.ray)
     agree = sum(1 for r in rows if r.note.startswith("agrees"))

@@ -298,6 +298,13 @@ def _paper_doc() -> dict[str, Any]:
     return dict(json.loads(resources.files("kvcompass").joinpath("data/paper_results.json").read_text()))
 
 
+def figure_spec(figure: str) -> Figure:
+    """``figure``'s specification, or InvalidArgumentError listing the reproducible ones."""
+    if figure not in FIGURES:
+        raise InvalidArgumentError(f"figure {figure!r} is not reproduced (yet): reproducible figures are {', '.join(sorted(FIGURES))}")
+    return FIGURES[figure]
+
+
 def paper_rows(figure: str) -> list[dict[str, Any]]:
     """The paper's transcribed figures for ``figure`` (``kvcompass/data/paper_results.json``)."""
     return [r for r in _paper_doc()["rows"] if r["figure"] == figure]
@@ -461,9 +468,7 @@ def reproduce(
     and ``out/figure{N}.png`` (``out/table4.png`` for table 4); returns the rows."""
     from kvcompass.sim.cells import run_cells
 
-    if figure not in FIGURES:
-        raise InvalidArgumentError(f"figure {figure!r} is not reproduced (yet): reproducible figures are {', '.join(sorted(FIGURES))}")
-    fig = FIGURES[figure]
+    fig = figure_spec(figure)
     say = log or (lambda m: print(m, file=sys.stderr, flush=True))
     n = requests or (fig.quick_requests if quick else fig.requests)
     paper_rates = fig.quick_rates if quick else fig.paper_rates
