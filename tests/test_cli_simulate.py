@@ -19,7 +19,7 @@ from kvcompass.sim.report import FIGURES
 
 ROOT = Path(__file__).resolve().parents[1]
 EXCERPT = ROOT / "tests" / "data" / "conversation_excerpt.jsonl"
-KEYS = {"ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "throughput_tok_s", "hit_rate", "xregion_hit_rate", "false_hit_rate", "peak_load_factor", "requests", "demoted_blocks", "evicted_blocks"}
+KEYS = {"ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "throughput_tok_s", "hit_rate", "xregion_hit_rate", "false_hit_rate", "peak_load_factor", "requests", "demoted_blocks", "evicted_blocks", "sent_req_s"}
 
 
 def _last_json(out: str) -> dict[str, Any]:

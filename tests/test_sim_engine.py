@@ -741,6 +741,9 @@ def test_a_follow_up_is_sent_only_once_its_parents_answer_reached_the_client(sch
     on_time = simulate(testbed, reqs, scheme, seed=1, follow_ups="on-time")
     kids, early, late = _follow_up_timing(reqs, on_time)
     assert early > 0 and late == 0
+    # The rate actually sent: the drawn schedule's on time, lower once follow-ups wait.
+    drawn = (len(reqs) - 1) / ((float(reqs.arrival_ms.max()) - float(reqs.arrival_ms.min())) / 1e3)
+    assert on_time.sent_req_s == pytest.approx(drawn) and waited.sent_req_s < drawn
 
 
 def test_follow_ups_wait_in_a_closed_loop_too_and_bad_parents_are_refused(testbed: Topology) -> None:
