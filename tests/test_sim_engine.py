@@ -744,6 +744,9 @@ def test_a_follow_up_is_sent_only_once_its_parents_answer_reached_the_client(sch
     # The rate actually sent: the drawn schedule's on time, lower once follow-ups wait.
     drawn = (len(reqs) - 1) / ((float(reqs.arrival_ms.max()) - float(reqs.arrival_ms.min())) / 1e3)
     assert on_time.sent_req_s == pytest.approx(drawn) and waited.sent_req_s < drawn
+    # The drain: from the last send to the last answer.
+    c = waited.records._c
+    assert waited.drain_s == pytest.approx((float((c["arrival_ms"] + c["e2e_ms"]).max()) - float(c["arrival_ms"].max())) / 1e3)
 
 
 def test_follow_ups_wait_in_a_closed_loop_too_and_bad_parents_are_refused(testbed: Topology) -> None:

@@ -184,6 +184,10 @@ class Summary:
     """Blocks the run's caches moved from VRAM to DRAM to make room (cache churn)."""
     evicted_blocks: int = 0
     """Blocks the run's caches dropped (from DRAM, or from VRAM without DRAM)."""
+    drain_s: float = 0.0
+    """From the last send to the last answer: when it outlasts the sends' own span, the run's
+    throughput is mostly that tail (one long decode can set it; found on ShareGPT chat, a
+    42,146-token reply)."""
     sent_req_s: float = 0.0
     """The rate the run actually sent, (requests - 1) over the first to the last send: below the
     rate it is keyed by when follow-ups wait for their parents' answers (they are sent later
@@ -301,4 +305,5 @@ def summarize(
         peak_load_factor=_peak(totals),
         records=recs,
         sent_req_s=(n - 1) / sent_span_s if sent_span_s > 0 else 0.0,
+        drain_s=(end - float(arrival.max())) / 1e3 if n else 0.0,
     )
