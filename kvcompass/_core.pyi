@@ -12,6 +12,7 @@ __all__ = [
     "EdgeCore",
     "apply_view_batches",
     "NO_KEY",
+    "NO_PARENT",
     "MAX_QUEUE_MS",
     "PATCH_VERSION",
     "namespace_digest",
@@ -55,6 +56,8 @@ __all__ = [
 ]
 
 NO_KEY: int
+NO_PARENT: int
+"""``SimEngine.set_parents``: a request that waits for no one."""
 MAX_QUEUE_MS: float
 """Marks a prefix length beyond the prompt (keys are 63-bit, so this never collides)."""
 PATCH_VERSION: int
@@ -286,7 +289,7 @@ class SimEngine:
         """Closed loop (before ``start``): ``outstanding`` requests in flight; each completion issues the next."""
     def set_parents(self, parents: npt.NDArray[np.uint32]) -> None:
         """Follow-ups wait for their parents (before ``start``): request ``i`` is sent no earlier than
-        request ``parents[i]``'s last token reaches its client (``2**32 - 1``: none; a parent comes first)."""
+        request ``parents[i]``'s last token reaches its client (:data:`NO_PARENT`: none; a parent comes first)."""
     def issued(self) -> npt.NDArray[np.float64]:
         """When each request reached its edge (ms); empty before ``start``."""
     def transfer_ms(self, tokens: int) -> float:

@@ -1437,7 +1437,7 @@ def test_the_answer_watch_needs_two_silent_probes_and_remembers_a_verdict_reache
 
         pool = UpstreamPool(connect_timeout_s=0.05)
         try:
-            w = _AnswerWatch(Door(pool), base, "w")  # type: ignore[arg-type]
+            w = _AnswerWatch(Door(pool), base)  # type: ignore[arg-type]
             await asyncio.sleep(0.08)  # the first probe failed: not yet a verdict
             assert w.misses == 1 and not w.failed and w.timer is not None
             await asyncio.sleep(0.15)

@@ -49,7 +49,6 @@ from kvcompass.index_types import as_tokens
 
 __all__ = [
     "BUNDLED_TEXT",
-    "CHAT_ROLES",
     "DEFAULT_TOKENIZER_PATH",
     "DEFAULT_VOCAB_SIZE",
     "SPECIAL_TOKENS",
@@ -65,7 +64,6 @@ DEFAULT_VOCAB_SIZE = 8192
 END_OF_TEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END)
 """Ids 0, 1, 2 of the default tokenizer, in this order."""
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _CORPUS_SUFFIXES = (".py", ".pyi", ".md", ".toml")
 MAX_TEXT_CHARS = 16 * 1024 * 1024
 """A text longer than this (16 Mi characters, far past any context window) is refused before it

@@ -183,8 +183,9 @@ class DoorConfig:
     answer_timeout_s: float = 3600.0
     """Until a whole (non-streamed) answer's head, which comes after its last token. Past
     ``head_timeout_s`` the worker's ``/health`` is asked every ``head_timeout_s``: a worker that
-    does not answer it has failed (the request is retried elsewhere); one that does is
-    generating, and past this deadline the client gets a 504, the worker is not marked dead."""
+    answers two probes in a row with nothing has failed (the request is retried elsewhere); one
+    that answers at all is generating, and past this deadline the client gets a 504, the worker
+    is not marked dead (:class:`_AnswerWatch`)."""
     read_timeout_s: float = 600.0
     """Between two reads of the worker's body (a stalled stream)."""
     client_write_timeout_s: float = 60.0
@@ -391,10 +392,10 @@ class _AnswerWatch:
     in-flight answer of a rolling restart). One timer handle per request until the deadline;
     a task only for a probe."""
 
-    __slots__ = ("door", "base", "worker", "resp", "timer", "probe", "misses", "failed")
+    __slots__ = ("door", "base", "resp", "timer", "probe", "misses", "failed")
 
-    def __init__(self, door: FrontDoor, base: str, worker: str) -> None:
-        self.door, self.base, self.worker = door, base, worker
+    def __init__(self, door: FrontDoor, base: str) -> None:
+        self.door, self.base = door, base
         self.resp: UpstreamResponse | None = None
         self.failed = ""
         self.misses = 0
@@ -818,7 +819,7 @@ class FrontDoor:
             if not isinstance(iu, bool):
                 raise OpenAIError(400, "stream_options.include_usage must be a boolean", "stream_options.include_usage", "invalid_type")
             client_usage = iu
-        _check_numbers(body)
+        n = _check_numbers(body)
         named = request.headers.get(NAMESPACE_HEADER)
         if named is not None and not _TENANT_RE.fullmatch(named):
             raise OpenAIError(400, f"header {NAMESPACE_HEADER} must match {_TENANT_RE.pattern}", NAMESPACE_HEADER, "invalid_namespace")
@@ -906,7 +907,6 @@ class FrontDoor:
                 self.metrics.tenant_requests.labels(_OTHER_TENANTS).inc()
         if batch is None:
             return [_Prepared(request.path, raws[0], token_lists[0], ns, stream, client_usage, headers, handoff)]
-        n = int_field(body, "n", 1, _MAX_INT32) or 1
         return [
             _Prepared(request.path, r, t, ns, stream, True, headers, None, batch_index=i * n, client_usage_asked=client_usage, prompt_index=i)
             for i, (r, t) in enumerate(zip(raws, token_lists))
@@ -1099,7 +1099,7 @@ class FrontDoor:
             # head deadline, and treating it as the worker's death retried it on two more
             # workers (found in review). Past the head deadline the worker's /health decides.
             head_timeout = self.config.answer_timeout_s
-            watch = _AnswerWatch(self, peer or self.urls[choice.worker], choice.worker)
+            watch = _AnswerWatch(self, peer or self.urls[choice.worker])
         try:
             up = await session.post(url, prep.raw, headers, head_timeout=head_timeout, slot_timeout=self.config.head_timeout_s, on_exchange=None if watch is None else watch.watching)
         except UpstreamAbandoned:
@@ -1528,18 +1528,19 @@ FRONT_DOOR = "kvcompass_front_door"
 _MAX_INT32 = 2**31 - 1
 
 
-def _check_numbers(body: Mapping[str, Any]) -> None:
+def _check_numbers(body: Mapping[str, Any]) -> int:
     """The sampling fields whose wrong type would only fail at the worker: refuse them here, so
-    the client gets the error without a WAN round trip."""
+    the client gets the error without a WAN round trip. Returns ``n`` (1 when absent)."""
     # Bounded as engines bound them (vLLM's are 32-bit in practice): 1e300 became a 301-digit
     # integer the door carried on (found in review).
     int_field(body, "max_tokens", 0, _MAX_INT32)
     int_field(body, "max_completion_tokens", 0, _MAX_INT32)
-    int_field(body, "n", 1, _MAX_INT32)
+    n = int_field(body, "n", 1, _MAX_INT32) or 1
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
         v = body.get(name)
         if v is not None and (type(v) not in (int, float) or not math.isfinite(v)):
             raise OpenAIError(400, f"{name} must be a number", name, "invalid_type")
+    return n
 
 
 def _cached_tokens(usage: Mapping[str, Any]) -> int | None:

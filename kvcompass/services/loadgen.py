@@ -220,8 +220,7 @@ async def replay(
     # A parent's answer, arrived (failed answers too: the follow-up is sent and shows what it
     # finds, rather than waiting for ever).
     answered = {p.parent: asyncio.Event() for p in plans if p.parent >= 0}
-    ids = {p.id for p in plans}
-    missing = sorted({p.parent for p in plans if p.parent >= 0} - ids)
+    missing = sorted(answered.keys() - {p.id for p in plans})
     if missing:
         raise UsageError(f"requests name parents that are not replayed: {missing[:5]}")
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else None

@@ -104,7 +104,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from kvcompass._core import CacheEvents, SimEngine
+from kvcompass._core import NO_PARENT, CacheEvents, SimEngine
 from kvcompass.agent import WorkerAgent
 from kvcompass.agent.events import EngineBatch, Event
 from kvcompass.discovery.edge import Edge
@@ -207,9 +207,6 @@ class SimConfig:
             raise InvalidArgumentError(f"follow_ups must be one of {', '.join(FOLLOW_UPS)}, got {self.follow_ups!r}")
 
 
-_NO_PARENT = 2**32 - 1
-
-
 def _parent_positions(ids: npt.NDArray[np.int64], parent: npt.NDArray[np.int64]) -> npt.NDArray[np.uint32] | None:
     """Each request's parent as a position in the same (arrival-ordered) table, for
     :meth:`SimEngine.set_parents`; None when no request has a parent in it. A parent that is not
@@ -231,7 +228,7 @@ def _parent_positions(ids: npt.NDArray[np.int64], parent: npt.NDArray[np.int64])
     ok = has & (sorted_ids[at] == parent) & (pos < np.arange(n))
     if not ok.any():
         return None
-    return np.where(ok, pos, _NO_PARENT).astype(np.uint32)
+    return np.where(ok, pos, NO_PARENT).astype(np.uint32)
 
 
 class _Worker:

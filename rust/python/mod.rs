@@ -204,6 +204,7 @@ fn shard_of(key: u64, shards: u32) -> PyResult<u32> {
 #[pymodule(gil_used = true)]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NO_KEY", chunk_hash::NO_KEY)?;
+    m.add("NO_PARENT", crate::sim::engine::NO_PARENT)?;
     m.add("MAX_QUEUE_MS", crate::queues::MAX_QUEUE_MS)?;
     m.add("PATCH_VERSION", crate::patch::VERSION)?;
     m.add_function(wrap_pyfunction!(namespace_digest, m)?)?;
