@@ -44,6 +44,7 @@ fn engine() -> Engine {
         has_edge: vec![true; REGIONS],
         region_workers,
         decoders: vec![Vec::new(); REGIONS],
+        kv_pool: true,
     };
     let workers = (0..n)
         .map(|i| WorkerSetup { region: (i / PER_REGION) as u16, beta: 0.07, cache: BlockCache::new(BLOCK as usize, 4096, 8192, false, i as u64).unwrap(), publish: false, queue_to_edge: false })

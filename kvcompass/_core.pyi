@@ -263,6 +263,7 @@ class SimEngine:
         rng_state: _RngState,
         fault_state: _RngState,
         progress_every: int,
+        kv_pool: bool = False,
     ) -> SimEngine: ...
     def return_caches(self, caches: list[BlockCache]) -> None:
         """Move the caches' blocks back into the constructor's ``BlockCache`` objects."""
@@ -326,6 +327,9 @@ class SimEngine:
     def completed(self) -> int: ...
     @property
     def handoffs(self) -> int: ...
+    @property
+    def kv_waits(self) -> int:
+        """Prefills the shared KV pool held back at least once (``kv_pool=True``)."""
     @property
     def events_processed(self) -> int: ...
     @property

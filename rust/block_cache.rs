@@ -611,6 +611,35 @@ impl BlockCache {
         Ok(out)
     }
 
+    /// VRAM's capacity becomes `blocks` (>= 1): blocks past it are demoted as a full tier
+    /// demotes for a prompt (the least-valued VRAM leaves, to DRAM, DRAM's own victims evicted;
+    /// dropped when there is no DRAM), and the events say so. Why: in an engine the prefix cache
+    /// and the running sequences share one KV pool, so the cache has what decoding leaves it
+    /// (the simulator's worker sets it as sequences start and finish). Growing moves nothing.
+    pub fn set_vram_capacity(&mut self, blocks: usize, events: bool) -> Result<Vec<Event>> {
+        if blocks == 0 {
+            return Err(CoreError::InvalidArgument(
+                "VRAM must hold at least one block".into(),
+            ));
+        }
+        if blocks >= u32::MAX as usize {
+            return Err(CoreError::InvalidArgument(
+                "a tier holds fewer than 2^32 - 1 blocks".into(),
+            ));
+        }
+        self.check_events(events)?;
+        self.cap[VRAM as usize] = blocks;
+        if self.used[VRAM as usize] <= blocks {
+            return Ok(Vec::new());
+        }
+        let mut ch = Changes {
+            on: events,
+            ..Changes::default()
+        };
+        self.make_vram_room(0, &mut ch, Pin::Nothing)?;
+        Ok(if events { self.net(&ch) } else { Vec::new() })
+    }
+
     /// Drop everything (the caller publishes `AllBlocksCleared`).
     pub fn clear(&mut self) {
         self.runs.clear();
@@ -1192,6 +1221,7 @@ mod tests {
     enum Op {
         Admit(u8, u8, bool),
         Dram(u8, u8),
+        Cap(u8),
         Clear,
     }
 
@@ -1199,6 +1229,7 @@ mod tests {
         prop_oneof![
             8 => (0u8..12, 1u8..14, any::<bool>()).prop_map(|(p, l, r)| Op::Admit(p, l, r)),
             3 => (0u8..12, 1u8..14).prop_map(|(p, l)| Op::Dram(p, l)),
+            2 => (1u8..12).prop_map(Op::Cap),
             1 => Just(Op::Clear),
         ]
     }
@@ -1233,6 +1264,11 @@ mod tests {
                         let ea = a.place_dram(&tok, &ch, now, p as u32, true).unwrap();
                         let eb = b.place_dram(&tok, &ch, now, p as u32);
                         prop_assert_eq!(ea, eb, "dram {:?} at {}", o, t);
+                    }
+                    Op::Cap(c) => {
+                        let ea = a.set_vram_capacity(c as usize, true).unwrap();
+                        let eb = b.set_vram_capacity(c as usize);
+                        prop_assert_eq!(ea, eb, "cap {:?} at {}", o, t);
                     }
                     Op::Clear => {
                         a.clear();

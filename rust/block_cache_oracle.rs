@@ -165,21 +165,7 @@ impl Oracle {
             self.recs.get_mut(h).expect("cached").tier = LIFTING;
         }
         let mut m = Moves::default();
-        while self.used(VRAM) as i64 + n_cap as i64 - v as i64 > self.cap[1] as i64 {
-            let h = self.victim(VRAM, |_, r| r.stamp > before);
-            m.gpu_removed.push(h);
-            if self.cap[2] == 0 {
-                self.drop_block(h, &mut m);
-                continue;
-            }
-            if self.used(DRAM) >= self.cap[2] {
-                let x = self.victim(DRAM, |_, _| false);
-                self.drop_block(x, &mut m);
-            }
-            self.recs.get_mut(&h).expect("victim").tier = DRAM;
-            self.stats.demoted_blocks += 1;
-            m.cpu_stored.push(h);
-        }
+        self.demote_for(n_cap as i64 - v as i64, |_, r| r.stamp > before, &mut m);
         for h in &lifted {
             self.recs.get_mut(h).expect("lifted").tier = VRAM;
         }
@@ -195,6 +181,37 @@ impl Oracle {
             out.push(Event::Removed { medium: DRAM, hashes: lifted });
         }
         out
+    }
+
+    /// VRAM victims demoted (or dropped without DRAM) until `needed` more blocks fit.
+    fn demote_for(
+        &mut self,
+        needed: i64,
+        pinned: impl Fn(u64, &Rec) -> bool + Copy,
+        m: &mut Moves,
+    ) {
+        while self.used(VRAM) as i64 + needed > self.cap[1] as i64 {
+            let h = self.victim(VRAM, pinned);
+            m.gpu_removed.push(h);
+            if self.cap[2] == 0 {
+                self.drop_block(h, m);
+                continue;
+            }
+            if self.used(DRAM) >= self.cap[2] {
+                let x = self.victim(DRAM, |_, _| false);
+                self.drop_block(x, m);
+            }
+            self.recs.get_mut(&h).expect("victim").tier = DRAM;
+            self.stats.demoted_blocks += 1;
+            m.cpu_stored.push(h);
+        }
+    }
+
+    pub fn set_vram_capacity(&mut self, blocks: usize) -> Vec<Event> {
+        self.cap[1] = blocks;
+        let mut m = Moves::default();
+        self.demote_for(0, |_, _| false, &mut m);
+        self.events(&m)
     }
 
     pub fn place_dram(&mut self, tokens: &[u32], chain: &[u64], now: f64, salt: u32) -> Vec<Event> {

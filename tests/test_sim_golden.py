@@ -13,7 +13,10 @@ from the Rust engine;
 every other entry is still the Python engine's. Those entries replay follow-ups at their own
 times (``follow_ups="on-time"``, as they were pinned); the ``*/follow-ups*`` entries, where
 follow-ups wait for their parents' answers (the default since the twenty-sixth session), are
-pinned from the Rust engine."""
+pinned from the Rust engine. Every entry but the ``*/kv-pool*`` ones gives each worker all of its
+VRAM for its cache beside any number of running sequences (``kv_pool="unbounded"``, as they were
+pinned); the ``*/kv-pool*`` entries, where sequences and cache share one KV pool (the default
+since the twenty-seventh session), are pinned from the Rust engine."""
 
 from __future__ import annotations
 

@@ -131,6 +131,7 @@ def _sensitivity(args: argparse.Namespace, topology: Topology, requests: Sequenc
             max_batched_tokens=args.max_batched_tokens,
             policy=_eviction(args),
             follow_ups=args.follow_ups,  # the base run's (found in review: table 4 compared two workloads)
+            kv_pool=args.kv_pool,
         )
         print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         return s
@@ -339,7 +340,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
     workloads = {rate: own if own is not None else workload(float(rate)) for rate in rates}
     eviction = _eviction(args)
-    options = {"seed": args.seed, **faults, "gpu_sharing": args.gpu_sharing, "max_batched_tokens": args.max_batched_tokens, "policy": eviction, "closed_loop": args.closed_loop, "follow_ups": args.follow_ups}
+    options = {"seed": args.seed, **faults, "gpu_sharing": args.gpu_sharing, "max_batched_tokens": args.max_batched_tokens, "policy": eviction, "closed_loop": args.closed_loop, "follow_ups": args.follow_ups, "kv_pool": args.kv_pool}
     cells = [(rate, scheme) for rate in rates for scheme in schemes]
 
     def started(k: int, total: int, scheme: str, rate: str, n: int) -> None:
@@ -381,7 +382,7 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"wrote {len(paths)} files to {out}: {' '.join(p.name for p in paths)}")
     from kvcompass.sim.report import summary_row
 
-    doc: dict[str, object] = {"results": {s: {r: summary_row(results[s][r]) for r in rates} for s in schemes}, "eviction": eviction, "follow_ups": args.follow_ups}
+    doc: dict[str, object] = {"results": {s: {r: summary_row(results[s][r]) for r in rates} for s in schemes}, "eviction": eviction, "follow_ups": args.follow_ups, "kv_pool": args.kv_pool}
     if args.closed_loop:
         doc["closed_loop"] = args.closed_loop
     doc.update(_load_doc(capacity, loads, rates))
@@ -575,6 +576,14 @@ def add_parsers(sub: Any) -> None:
         help="when a follow-up (an agent's next call, a chat's next turn) is sent: at its own time or when its parent's answer has "
         "reached the client, whichever is later (after-parent, default: its prompt holds that answer), or at its own time "
         "whatever the parent's progress (on-time, earlier versions' replay)",
+    )
+    sim.add_argument(
+        "--kv-pool",
+        choices=("shared", "unbounded"),
+        default="shared",
+        help="how a worker's VRAM is shared: its running sequences and its prefix cache share one KV pool, a prompt waiting "
+        "for room (shared, default: as an engine), or every prompt starts at once and the cache keeps all of VRAM "
+        "(unbounded, earlier versions' model)",
     )
     sim.add_argument("--max-batched-tokens", type=int, default=2048, metavar="N", help="tokens per engine step with chunked sharing (vLLM's max_num_batched_tokens; default 2048)")
     sim.add_argument(

@@ -124,12 +124,14 @@ from kvcompass.sim.schemes import Choice, Fleet, Scheme, make_scheme, salt_key, 
 from kvcompass.sim.requests import Request, RequestTable
 from kvcompass.sim.workload import check_context, collector_paused
 
-__all__ = ["DEFAULT_DRAM_TOKENS", "DEFAULT_VRAM_TOKENS", "FOLLOW_UPS", "GPU_SHARING", "FollowUps", "GpuSharing", "SimConfig", "Simulator", "simulate"]
+__all__ = ["DEFAULT_DRAM_TOKENS", "DEFAULT_VRAM_TOKENS", "FOLLOW_UPS", "GPU_SHARING", "KV_POOLS", "FollowUps", "GpuSharing", "KvPool", "SimConfig", "Simulator", "simulate"]
 
 GpuSharing = Literal["chunked", "lanes"]
 GPU_SHARING: tuple[GpuSharing, ...] = ("chunked", "lanes")
 FollowUps = Literal["after-parent", "on-time"]
 FOLLOW_UPS: tuple[FollowUps, ...] = ("after-parent", "on-time")
+KvPool = Literal["shared", "unbounded"]
+KV_POOLS: tuple[KvPool, ...] = ("shared", "unbounded")
 
 # Requests built for the schemes a chunk of 2**bits at a time, and chunks kept (Simulator._request).
 _ROW_CHUNK_BITS = 10
@@ -184,6 +186,15 @@ class SimConfig:
     no client can send it before that answer exists. ``"on-time"``: at its own time whatever
     the parent's progress (the open-loop replay of earlier versions, in which a follow-up could
     arrive before its parent's answer and find less of its prompt cached)."""
+    kv_pool: KvPool = "shared"
+    """How a worker's VRAM is shared. ``"shared"``: as in an engine, its running sequences and
+    its prefix cache share one KV pool; a prompt's prefill starts only when its blocks (those no
+    running sequence holds already) and a reservation for its answer fit beside theirs (or when
+    nothing runs), and the cache keeps the pool less the reservations, demoting what no longer
+    fits. ``"unbounded"``: every prompt starts at once and the cache keeps all of VRAM beside
+    any number of running sequences (the model before the twenty-seventh session, which let a
+    worker's batch hold several times its VRAM at load 1 and above). Disaggregated decode
+    instances are not bounded by either."""
 
     def __post_init__(self) -> None:
         if not self.event_delay_ms >= 0:
@@ -205,6 +216,8 @@ class SimConfig:
             raise InvalidArgumentError(f"closed_loop must be an int >= 0 (0: open loop), got {self.closed_loop!r}")
         if self.follow_ups not in FOLLOW_UPS:
             raise InvalidArgumentError(f"follow_ups must be one of {', '.join(FOLLOW_UPS)}, got {self.follow_ups!r}")
+        if self.kv_pool not in KV_POOLS:
+            raise InvalidArgumentError(f"kv_pool must be one of {', '.join(KV_POOLS)}, got {self.kv_pool!r}")
 
 
 def _parent_positions(ids: npt.NDArray[np.int64], parent: npt.NDArray[np.int64]) -> npt.NDArray[np.uint32] | None:
@@ -410,6 +423,7 @@ class Simulator:
             _pcg_state(np.random.default_rng(config.seed)),
             _pcg_state(faults),
             max(1, len(reqs) // 100),
+            config.kv_pool == "shared",
         )
         # For the tick's live queue poll: each worker's own-region edge (by number, -1: none, or
         # one that does not route to it, as a decode instance) and its index there.
@@ -631,12 +645,13 @@ class Simulator:
                 ids = [w for w, x in self._workers.items() if x.spec.role != "decode"]  # prefill servers
                 busy = [engine.busy(self._index[w]) for w in ids]
                 summary = summarize(self._scheme.name, self.topology.name, self._records(), ids, busy, window_ms=self.config.window_ms)
+                kv_waits = int(engine.kv_waits)
             finally:
                 engine.return_caches([x.cache._core for x in self._by_index])
                 self._engine_holds_caches = False
         # Cache churn, for telling a run that reached steady state from one that never filled.
         stats = [x.cache.stats for x in self._by_index]
-        return dataclasses.replace(summary, demoted_blocks=sum(c.demoted_blocks for c in stats), evicted_blocks=sum(c.evicted_blocks for c in stats))
+        return dataclasses.replace(summary, demoted_blocks=sum(c.demoted_blocks for c in stats), evicted_blocks=sum(c.evicted_blocks for c in stats), kv_waits=kv_waits)
 
     def _records(self) -> RecordTable:
         """The engine's record columns as a :class:`RecordTable` (no object per request)."""
@@ -853,6 +868,7 @@ def simulate(
     max_batched_tokens: int = 2048,
     closed_loop: int = 0,
     follow_ups: FollowUps = "after-parent",
+    kv_pool: KvPool = "shared",
     progress: Callable[[int, int], None] | None = None,
 ) -> Summary:
     """Run ``requests`` through ``topology`` (a built-in name, a TOML path, or a Topology) with
@@ -875,5 +891,6 @@ def simulate(
         max_batched_tokens=max_batched_tokens,
         closed_loop=closed_loop,
         follow_ups=follow_ups,
+        kv_pool=kv_pool,
     )
     return Simulator(topo, requests, scheme, config).run(progress)

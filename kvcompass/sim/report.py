@@ -58,6 +58,7 @@ def summary_row(s: Summary) -> dict[str, float | int]:
         "requests": s.requests,
         "demoted_blocks": s.demoted_blocks,
         "evicted_blocks": s.evicted_blocks,
+        "kv_waits": s.kv_waits,
         "sent_req_s": s.sent_req_s,
     }
 
@@ -100,6 +101,7 @@ def summaries_to_frame(results: Results) -> pl.DataFrame:
         "requests": pl.Int64,
         "demoted_blocks": pl.Int64,
         "evicted_blocks": pl.Int64,
+        "kv_waits": pl.Int64,
         "sent_req_s": pl.Float64,
         "ttft_p90_ms": pl.Float64,
         "e2e_p90_ms": pl.Float64,

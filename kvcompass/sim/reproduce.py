@@ -537,6 +537,7 @@ def reproduce(
         "workload": {"name": fig.workload, "tenants": fig.tenants, "private_pools": fig.tenants > 1, "requests_per_run": n, "seed": seed, "eviction": fig.eviction},
         "closed_loop": closed,
         "follow_ups": SimConfig().follow_ups,  # the default, which every cell runs
+        "kv_pool": SimConfig().kv_pool,
         "capacity": {k: v for k, v in capacity.as_dict().items() if k != "per_worker"},
         "reference_rate": fig.reference_rate,
         "rates": {str(p): {"load": p / reference, "rate": r} for p, r in rate_of.items()},

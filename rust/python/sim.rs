@@ -227,7 +227,7 @@ impl PySimEngine {
     /// `return_caches`.
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (cost, transfer_gbps, chunked, max_batched_tokens, wan_jitter, segment_steps, indexed, handoff, rtt, has_edge, region_workers, decoders, worker_regions, worker_beta, caches, publish, queue_to_edge, arrival_ms, region, edge_region, input_length, output_length, block_size, salt, salt_seed, ids, id_offsets, id_runs, rng_state, fault_state, progress_every))]
+    #[pyo3(signature = (cost, transfer_gbps, chunked, max_batched_tokens, wan_jitter, segment_steps, indexed, handoff, rtt, has_edge, region_workers, decoders, worker_regions, worker_beta, caches, publish, queue_to_edge, arrival_ms, region, edge_region, input_length, output_length, block_size, salt, salt_seed, ids, id_offsets, id_runs, rng_state, fault_state, progress_every, kv_pool=false))]
     fn new(
         cost: (f64, f64, f64, f64, f64, f64, f64, u64),
         transfer_gbps: f64,
@@ -260,6 +260,7 @@ impl PySimEngine {
         rng_state: RngState,
         fault_state: RngState,
         progress_every: u64,
+        kv_pool: bool,
     ) -> PyResult<Self> {
         let (a, b, c, d, e, f, g, h) = cost;
         let cost = Cost {
@@ -285,6 +286,7 @@ impl PySimEngine {
             has_edge,
             region_workers,
             decoders,
+            kv_pool,
         };
         let wr = u16_of("worker_regions", u32_vec("worker_regions", worker_regions)?)?;
         let beta = f64_vec("worker_beta", worker_beta)?;
@@ -919,6 +921,12 @@ impl PySimEngine {
     #[getter]
     fn handoffs(&self) -> u64 {
         self.inner.handoffs
+    }
+
+    /// Prefills the shared KV pool held back at least once (`kv_pool=True`).
+    #[getter]
+    fn kv_waits(&self) -> u64 {
+        self.inner.kv_waits
     }
 
     #[getter]

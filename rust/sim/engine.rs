@@ -12,6 +12,7 @@ pub use policy::{Baseline, CoordinatorState, DynamoState, History, SGLangState, 
 mod policy;
 pub(crate) use policy::py_floordiv;
 use crate::block_cache::{BlockCache, Event, TokenSource, DRAM, VRAM};
+use crate::block_table::BlockTable;
 use crate::error::{CoreError, Result, MAX_ELEMENTS};
 use crate::chunk_hash::{block_chain, block_chain_extend, block_chain_root};
 use crate::token_ids::{chain_block_ids, expand_blocks};
@@ -180,6 +181,11 @@ pub struct Config {
     pub region_workers: Vec<Vec<u32>>,
     /// Per region: the decode instances its prefill hands off to (empty: not disaggregated).
     pub decoders: Vec<Vec<u32>>,
+    /// A worker's running sequences and its prefix cache share its VRAM ([`Engine::kv_fits`]):
+    /// a prompt starts its prefill only when its KV fits beside theirs, and the cache keeps
+    /// what their reservations leave. Off: every prompt starts at once and the cache keeps all
+    /// of VRAM (the model before the twenty-seventh session).
+    pub kv_pool: bool,
 }
 
 /// Who routes arrivals: the driver ([`Step::Arrive`]), or a baseline implemented here.
@@ -534,7 +540,18 @@ struct Job {
     input_length: u64,
     output_length: u64,
     arrival_ms: f64,
+    /// The KV it holds in its worker's pool ([`Engine::kv_hold`]): the worker (`NO_WORKER`:
+    /// none), its prompt's full blocks by that cache's names (counted once however many
+    /// sequences share them), and the blocks reserved for the rest of its context.
+    kv_at: u32,
+    kv_names: Vec<u64>,
+    kv_extra: u64,
+    /// The pool held it back at least once.
+    kv_waited: bool,
 }
+
+/// [`Job::kv_at`] of a job that holds no KV.
+const NO_WORKER: u32 = u32::MAX;
 
 impl Job {
     /// A job that has not reached its worker yet.
@@ -568,6 +585,10 @@ impl Job {
             input_length,
             output_length,
             arrival_ms,
+            kv_at: NO_WORKER,
+            kv_names: Vec::new(),
+            kv_extra: 0,
+            kv_waited: false,
         }
     }
 }
@@ -605,6 +626,21 @@ struct Worker {
     /// extends that interval).
     busy_job: Option<u64>,
     decoded: u64,
+    /// Its VRAM in blocks: the KV pool its sequences and its prefix cache share.
+    pool: u64,
+    /// Sequences holding each pinned block (by its cache's name), how many blocks are pinned,
+    /// and the blocks reserved beyond the prompts' full blocks ([`Engine::kv_hold`]).
+    pins: BlockTable<u32>,
+    pinned: u64,
+    reserved: u64,
+}
+
+/// Blocks a sequence needs beyond its prompt's full blocks: its last partial block and, when
+/// `answer` (it decodes where it prefills), its answer (a migration's replica has none).
+fn kv_extra(j: &Job, block_size: usize, answer: bool) -> u64 {
+    let full = (j.input_length / block_size as u64).min(j.chain.len() as u64) * block_size as u64;
+    let rest = j.input_length - full + if answer { j.output_length } else { 0 };
+    rest.div_ceil(block_size as u64)
 }
 
 /// `max(0.0, x)` as Python evaluates it.
@@ -667,6 +703,8 @@ pub struct Engine {
     done: u64,
     progress_every: u64,
     pub handoffs: u64,
+    /// Prefills the KV pool held back at least once ([`Config::kv_pool`]).
+    pub kv_waits: u64,
     pub events_processed: u64,
     started: bool,
     /// Closed loop: at most this many requests outstanding (0: open loop, every request at
@@ -804,7 +842,9 @@ impl Engine {
         }
         let workers = workers
             .into_iter()
-            .map(|s| Worker {
+            .map(|s| {
+                let pool = s.cache.capacity(VRAM) as u64;
+                Worker {
                 region: s.region,
                 cost: Cost { prefill_ms_per_token: s.beta, ..cfg.cost },
                 cache: s.cache,
@@ -832,6 +872,11 @@ impl Engine {
                 rest_ms: 0.0,
                 busy_job: None,
                 decoded: 0,
+                pool,
+                pins: BlockTable::new(),
+                pinned: 0,
+                reserved: 0,
+                }
             })
             .collect();
         let n_req = prompts.reqs.len();
@@ -874,6 +919,7 @@ impl Engine {
             done: 0,
             progress_every: progress_every.max(1),
             handoffs: 0,
+            kv_waits: 0,
             events_processed: 0,
             started: false,
             closed: 0,
@@ -1556,7 +1602,9 @@ impl Engine {
                 self.step(w)?;
             }
         } else if x.current.is_none() {
-            self.start_prefill(w)?;
+            if self.kv_fits(w)? {
+                self.start_prefill(w)?;
+            }
         }
         self.publish_queue(w);
         Ok(())
@@ -1616,6 +1664,7 @@ impl Engine {
         if self.jobs[job as usize].stripped {
             self.restore(job, w)?;
         }
+        self.kv_hold(w, job)?;
         let x = &self.workers[w as usize];
         let j = &mut self.jobs[job as usize];
         j.start_ms = now;
@@ -1671,6 +1720,7 @@ impl Engine {
         if j.migration_tier != 0 {
             let ev = place(&mut x.cache, &j.tokens, &chain, j.migration_tier, now, j.salt, x.publish)?;
             self.publish_events(w, ev);
+            self.kv_release(job)?;
             self.free_job(job); // a replica has landed: nothing refers to its job again
             return Ok(true);
         }
@@ -1696,7 +1746,7 @@ impl Engine {
     fn end_prefill(&mut self, w: u32, job: u32) -> Result<()> {
         let migration = self.admit(w, job)?;
         self.workers[w as usize].current = None;
-        if !self.workers[w as usize].waiting.is_empty() {
+        if !self.workers[w as usize].waiting.is_empty() && self.kv_fits(w)? {
             self.start_prefill(w)?;
         }
         self.publish_queue(w);
@@ -1775,8 +1825,7 @@ impl Engine {
         let j = &mut self.jobs[job as usize];
         let out = j.output_length;
         if out <= 1 {
-            self.complete(job);
-            return Ok(());
+            return self.complete(job);
         }
         j.remaining = out - 1;
         j.context = j.input_length + 1;
@@ -1784,6 +1833,8 @@ impl Engine {
         if self.cfg.decoders[region as usize].is_empty() {
             return self.join(w, job);
         }
+        // The prefill instance hands the KV over: its pool is free of this sequence.
+        self.kv_release(job)?;
         let pool = &self.cfg.decoders[region as usize];
         let d = if pool.len() > 1 {
             pool[self.rng.integers(pool.len() as u64) as usize]
@@ -1832,7 +1883,8 @@ impl Engine {
         let joining = std::mem::take(&mut x.joining);
         x.running.extend(joining);
         if self.cfg.chunked {
-            if x.current.is_none() && !x.waiting.is_empty() {
+            let idle = x.current.is_none() && !x.waiting.is_empty();
+            if idle && self.kv_fits(w)? {
                 self.begin_prefill(w)?;
             }
             if let Some(job) = self.workers[w as usize].current {
@@ -1956,27 +2008,31 @@ impl Engine {
     }
 
     /// Every running sequence advances `steps` tokens; the finished ones complete.
-    fn advance(&mut self, w: u32, steps: u64) {
+    fn advance(&mut self, w: u32, steps: u64) -> Result<()> {
         let running = std::mem::take(&mut self.workers[w as usize].running);
         let mut keep = Vec::with_capacity(running.len());
+        let mut failed = Ok(());
         for &j in &running {
             let job = &mut self.jobs[j as usize];
             job.remaining -= steps;
             job.context += steps;
             if job.remaining == 0 {
-                self.complete(j);
+                if let Err(e) = self.complete(j) {
+                    failed = Err(e);
+                }
             } else {
                 keep.push(j);
             }
         }
         self.workers[w as usize].running = keep;
+        failed
     }
 
     fn end_mixed(&mut self, w: u32, job: u32, chunk: u64) -> Result<()> {
         let batch = self.workers[w as usize].seg_batch;
         if batch != 0 {
             self.workers[w as usize].decoded += batch;
-            self.advance(w, 1);
+            self.advance(w, 1)?;
         }
         let j = &mut self.jobs[job as usize];
         j.left -= chunk;
@@ -1998,8 +2054,131 @@ impl Engine {
         }
         let steps = x.seg_steps;
         self.workers[w as usize].decoded += x.seg_batch * steps;
-        self.advance(w, steps);
+        self.advance(w, steps)?;
         self.step(w)
+    }
+
+    // ---- the KV pool ---------------------------------------------------------------------------
+
+    /// Whether the head of `w`'s FIFO may start its prefill: with [`Config::kv_pool`], only
+    /// when its KV fits in the pool beside what the worker's sequences hold, or when they hold
+    /// nothing (a prompt larger than the pool runs alone, as an engine sized for its context
+    /// runs it). A head held back is counted once in [`Engine::kv_waits`].
+    ///
+    /// Why: an engine's running sequences and its prefix cache share one KV pool, so a worker
+    /// whose batch fills VRAM holds new prompts back (vLLM's scheduler admits a request only
+    /// when its blocks can be allocated) and has less room for cached prefixes.
+    fn kv_fits(&mut self, w: u32) -> Result<bool> {
+        if !self.cfg.kv_pool {
+            return Ok(true);
+        }
+        let x = &self.workers[w as usize];
+        let Some(&job) = x.waiting.front() else {
+            return Ok(false);
+        };
+        if x.pinned + x.reserved == 0 {
+            return Ok(true);
+        }
+        if self.jobs[job as usize].stripped {
+            self.restore(job, w)?;
+        }
+        let x = &self.workers[w as usize];
+        let j = &self.jobs[job as usize];
+        let names = x.cache.named(&j.chain);
+        let fresh = names.iter().filter(|h| x.pins.get(h).is_none()).count() as u64;
+        let need = fresh
+            + kv_extra(
+                j,
+                self.block_size,
+                self.cfg.decoders[x.region as usize].is_empty(),
+            );
+        if x.pinned + x.reserved + need <= x.pool {
+            return Ok(true);
+        }
+        let j = &mut self.jobs[job as usize];
+        if !j.kv_waited {
+            j.kv_waited = true;
+            self.kv_waits += 1;
+        }
+        Ok(false)
+    }
+
+    /// Job `job`'s prefill starts on `w`: it holds its prompt's full blocks (shared with every
+    /// other sequence there that holds them) and reserves blocks for the rest of its context,
+    /// the partial last block and its whole answer (reserved up front: the simulator knows the
+    /// answer's length, and an engine that runs out of blocks mid-answer preempts, which this
+    /// model leaves out). The prefix cache keeps what the reservations leave.
+    fn kv_hold(&mut self, w: u32, job: u32) -> Result<()> {
+        if !self.cfg.kv_pool {
+            return Ok(());
+        }
+        let bs = self.block_size;
+        let x = &mut self.workers[w as usize];
+        let j = &mut self.jobs[job as usize];
+        let names = x.cache.named(&j.chain);
+        for &h in &names {
+            let n = x.pins.entry_or_default(h);
+            *n += 1;
+            if *n == 1 {
+                x.pinned += 1;
+            }
+        }
+        // A prefill instance hands the KV over once the prompt is done: no answer to reserve.
+        let answer = self.cfg.decoders[x.region as usize].is_empty();
+        let extra = kv_extra(j, bs, answer);
+        x.reserved += extra;
+        j.kv_at = w;
+        j.kv_names = names;
+        j.kv_extra = extra;
+        self.kv_resize(w)
+    }
+
+    /// Job `job` leaves its worker's pool (its answer is done, its KV handed to a decode
+    /// instance, or its replica landed); a worker whose prefill lane waited on the pool starts
+    /// its next prompt (the chunked step looks again at its next step).
+    fn kv_release(&mut self, job: u32) -> Result<()> {
+        let j = &mut self.jobs[job as usize];
+        let w = j.kv_at;
+        if w == NO_WORKER {
+            return Ok(());
+        }
+        let names = std::mem::take(&mut j.kv_names);
+        let extra = j.kv_extra;
+        j.kv_at = NO_WORKER;
+        j.kv_extra = 0;
+        let x = &mut self.workers[w as usize];
+        for h in &names {
+            let n = x.pins.get_mut(h).ok_or_else(|| {
+                CoreError::InvalidArgument("a held KV block is not pinned".into())
+            })?;
+            *n -= 1;
+            if *n == 0 {
+                x.pins.remove(h);
+                x.pinned -= 1;
+            }
+        }
+        x.reserved -= extra;
+        self.kv_resize(w)?;
+        let x = &self.workers[w as usize];
+        let idle = !self.cfg.chunked && x.current.is_none() && !x.waiting.is_empty();
+        if idle && self.kv_fits(w)? {
+            self.start_prefill(w)?;
+            self.publish_queue(w);
+        }
+        Ok(())
+    }
+
+    /// The prefix cache of `w` keeps the pool less the reservations (at least one block); what
+    /// no longer fits is demoted, and its events published.
+    fn kv_resize(&mut self, w: u32) -> Result<()> {
+        let x = &mut self.workers[w as usize];
+        let cap = x.pool.saturating_sub(x.reserved).max(1) as usize;
+        if cap == x.cache.capacity(VRAM) {
+            return Ok(());
+        }
+        let ev = x.cache.set_vram_capacity(cap, x.publish)?;
+        self.publish_events(w, ev);
+        Ok(())
     }
 
     /// A job's id: a finished one's, else a new one.
@@ -2030,7 +2209,8 @@ impl Engine {
         self.free_jobs.push(job);
     }
 
-    fn complete(&mut self, job: u32) {
+    fn complete(&mut self, job: u32) -> Result<()> {
+        self.kv_release(job)?;
         let now = self.now;
         let j = &mut self.jobs[job as usize];
         let i = j.req as usize;
@@ -2062,6 +2242,7 @@ impl Engine {
         if self.done % self.progress_every == 0 || self.done == total {
             self.out.push(Out::Progress { done: self.done });
         }
+        Ok(())
     }
 }
 

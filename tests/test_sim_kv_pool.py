@@ -1,0 +1,96 @@
+"""A simulated worker's running sequences and its prefix cache share one KV pool (VRAM), as in
+an engine: a prompt's prefill waits until its blocks fit beside the running sequences' (shared
+prompt blocks counted once), and the cache keeps what the sequences' reservations leave.
+``kv_pool="unbounded"`` is the earlier model (every prompt at once, the cache keeps all of VRAM)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvcompass.discovery.topology import Topology, topology_from_dict
+from kvcompass.errors import InvalidArgumentError
+from kvcompass.sim.engine import SimConfig, Simulator, simulate
+from kvcompass.sim.summary import Summary
+
+from _support import chain_request
+
+
+def _one_worker(vram_tokens: int, dram_tokens: int = 0) -> Topology:
+    raw: dict[str, Any] = {
+        "name": "one",
+        "rtt_ms": {"a": {"a": 2.0}},
+        "regions": {"a": {}},
+        "workers": [{"id": "w0", "region": "a", "beta_ms_per_token": 0.085, "vram_tokens": vram_tokens, "dram_tokens": dram_tokens}],
+    }
+    return topology_from_dict(raw)
+
+
+def _by_id(s: Summary) -> dict[int, Any]:
+    return {r.id: r for r in s.records}
+
+
+@pytest.mark.parametrize("gpu_sharing", ["chunked", "lanes"])
+def test_a_prompt_waits_until_the_running_answer_leaves_room(gpu_sharing: str) -> None:
+    """4,096 tokens of VRAM (256 blocks). Request 0 holds 128 prompt blocks and reserves 125 for
+    its 2,000-token answer; request 1 (another 2,048-token prompt) needs 129 more, so its prefill
+    starts only when request 0's answer is done. Unbounded, it starts at once."""
+    topo = _one_worker(4096)
+    reqs = [chain_request(0, 0.0, "a", 1, 2048, output=2000), chain_request(1, 1.0, "a", 2, 2048, output=16)]
+    shared = simulate(topo, reqs, "oracle", gpu_sharing=gpu_sharing)  # type: ignore[arg-type]
+    unbounded = simulate(topo, reqs, "oracle", gpu_sharing=gpu_sharing, kv_pool="unbounded")  # type: ignore[arg-type]
+    s, u = _by_id(shared), _by_id(unbounded)
+    assert shared.kv_waits == 1 and unbounded.kv_waits == 0
+    # Request 1 waited for request 0's last token (which, sharing the GPU with nobody, came no
+    # later than beside request 1's prefill).
+    assert s[0].e2e_ms <= u[0].e2e_ms
+    done_0 = s[0].e2e_ms - 1.0  # request 0 finished at the worker one way (1 ms) before its client had it
+    assert s[1].queue_ms == pytest.approx(done_0 - 1.0 - 1.0)  # it reached the worker at 1 + 1 ms
+    assert u[1].queue_ms < 0.5 * s[1].queue_ms
+
+
+def test_sequences_sharing_a_prompt_hold_its_blocks_once() -> None:
+    """Two requests with the same 2,048-token prompt and 900-token answers: 128 shared blocks +
+    2 x 57 reserved = 242 of 256 fit together; with distinct prompts (128 + 128 + 114) they do
+    not, and the second waits."""
+    topo = _one_worker(4096)
+    same = [chain_request(0, 0.0, "a", 1, 2048, output=900), chain_request(1, 300.0, "a", 1, 2048, output=900)]
+    other = [same[0], chain_request(1, 300.0, "a", 2, 2048, output=900)]
+    assert simulate(topo, same, "oracle").kv_waits == 0
+    assert simulate(topo, other, "oracle").kv_waits == 1
+
+
+def test_the_cache_keeps_what_the_reservations_leave() -> None:
+    """Request 0 leaves a 2,048-token prefix cached (128 of 256 blocks). Request 1's 3,000-token
+    answer reserves 188 blocks, so the cache keeps 68 and demotes the rest of that prefix to
+    DRAM; request 2, the first prompt again after request 1 is done, finds most of it in DRAM.
+    Unbounded, the prefix stays in VRAM."""
+    topo = _one_worker(4096, dram_tokens=8192)
+    reqs = [chain_request(0, 0.0, "a", 1, 2048), chain_request(1, 500.0, "a", 2, 1024, output=3000), chain_request(2, 60_000.0, "a", 1, 2048)]
+    shared, unbounded = simulate(topo, reqs, "oracle"), simulate(topo, reqs, "oracle", kv_pool="unbounded")
+    assert unbounded.demoted_blocks == 0 and _by_id(unbounded)[2].vram_hit == 2048
+    assert shared.demoted_blocks >= 128 - 68
+    r2 = _by_id(shared)[2]
+    assert r2.vram_hit + r2.dram_hit == 2048 and r2.dram_hit >= (128 - 68) * 16
+
+
+def test_a_prompt_larger_than_the_pool_runs_alone() -> None:
+    """A prompt past the pool cannot wait for room that never comes: it starts when nothing
+    runs (as an engine sized for its context runs it), and a small prompt behind it waits."""
+    topo = _one_worker(1024)
+    reqs = [chain_request(0, 0.0, "a", 1, 2048, output=50), chain_request(1, 1.0, "a", 2, 64, output=2)]
+    s = simulate(topo, reqs, "oracle")
+    assert s.requests == 2 and s.kv_waits == 1
+    r = _by_id(s)
+    assert r[1].queue_ms >= r[0].e2e_ms - 4.0
+
+
+def test_the_pool_is_named_in_the_config_and_the_json_line() -> None:
+    with pytest.raises(InvalidArgumentError, match="kv_pool must be one of shared, unbounded, got 'none'"):
+        SimConfig(kv_pool="none")  # type: ignore[arg-type]
+    assert SimConfig().kv_pool == "shared"
+    from kvcompass.sim.report import summary_row
+
+    sim = Simulator(_one_worker(4096), [chain_request(0, 0.0, "a", 1, 2048, output=2000), chain_request(1, 1.0, "a", 2, 2048)], "oracle")
+    assert summary_row(sim.run())["kv_waits"] == 1
