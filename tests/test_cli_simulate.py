@@ -19,7 +19,7 @@ from kvcompass.sim.report import FIGURES
 
 ROOT = Path(__file__).resolve().parents[1]
 EXCERPT = ROOT / "tests" / "data" / "conversation_excerpt.jsonl"
-KEYS = {"ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "throughput_tok_s", "hit_rate", "xregion_hit_rate", "false_hit_rate", "peak_load_factor", "requests", "demoted_blocks", "evicted_blocks", "sent_req_s"}
+KEYS = {"ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "throughput_tok_s", "hit_rate", "xregion_hit_rate", "false_hit_rate", "peak_load_factor", "requests", "demoted_blocks", "evicted_blocks", "kv_waits", "sent_req_s"}
 
 
 def _last_json(out: str) -> dict[str, Any]:
@@ -34,7 +34,8 @@ def test_mixed_two_schemes_two_rates(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main([*argv, "--schemes", "kvcompass,oracle", "--seed", "1", "--out", str(tmp_path)]) == 0
     cap = capsys.readouterr()
     j = _last_json(cap.out)
-    assert list(j) == ["results", "eviction", "follow_ups"] and j["eviction"] == "lfu" and j["follow_ups"] == "after-parent"  # the paper's eviction for Mixed
+    assert list(j) == ["results", "eviction", "follow_ups", "kv_pool"] and j["eviction"] == "lfu" and j["follow_ups"] == "after-parent"  # the paper's eviction for Mixed
+    assert j["kv_pool"] == "shared"
     res = j["results"]
     assert isinstance(res, dict) and list(res) == ["kvcompass", "oracle"]
     for by_rate in res.values():
