@@ -12,7 +12,7 @@ pub use policy::{Baseline, CoordinatorState, DynamoState, History, SGLangState, 
 mod policy;
 pub(crate) use policy::py_floordiv;
 use crate::block_cache::{BlockCache, Event, TokenSource, DRAM, VRAM};
-use crate::block_table::BlockTable;
+use super::kv_pool::KvPool;
 use crate::error::{CoreError, Result, MAX_ELEMENTS};
 use crate::chunk_hash::{block_chain, block_chain_extend, block_chain_root};
 use crate::token_ids::{chain_block_ids, expand_blocks};
@@ -541,11 +541,9 @@ struct Job {
     output_length: u64,
     arrival_ms: f64,
     /// The KV it holds in its worker's pool ([`Engine::kv_hold`]): the worker (`NO_WORKER`:
-    /// none), its prompt's full blocks by that cache's names (counted once however many
-    /// sequences share them), and the blocks reserved for the rest of its context.
+    /// none) and its handle there.
     kv_at: u32,
-    kv_names: Vec<u64>,
-    kv_extra: u64,
+    kv_handle: u32,
     /// The pool held it back at least once.
     kv_waited: bool,
 }
@@ -586,8 +584,7 @@ impl Job {
             output_length,
             arrival_ms,
             kv_at: NO_WORKER,
-            kv_names: Vec::new(),
-            kv_extra: 0,
+            kv_handle: 0,
             kv_waited: false,
         }
     }
@@ -626,20 +623,15 @@ struct Worker {
     /// extends that interval).
     busy_job: Option<u64>,
     decoded: u64,
-    /// Its VRAM in blocks: the KV pool its sequences and its prefix cache share.
-    pool: u64,
-    /// Sequences holding each pinned block (by its cache's name), how many blocks are pinned,
-    /// and the blocks reserved beyond the prompts' full blocks ([`Engine::kv_hold`]).
-    pins: BlockTable<u32>,
-    pinned: u64,
-    reserved: u64,
+    /// Its VRAM: the KV pool its sequences and its prefix cache share ([`Config::kv_pool`]).
+    kv: KvPool,
 }
 
-/// Blocks a sequence needs beyond its prompt's full blocks: its last partial block and, when
-/// `answer` (it decodes where it prefills), its answer (a migration's replica has none).
+/// Blocks a sequence needs beyond its prompt's full blocks (its chain): its last partial block
+/// and, when `answer` (it decodes where it prefills), its answer (a migration's replica has
+/// none).
 fn kv_extra(j: &Job, block_size: usize, answer: bool) -> u64 {
-    let full = (j.input_length / block_size as u64).min(j.chain.len() as u64) * block_size as u64;
-    let rest = j.input_length - full + if answer { j.output_length } else { 0 };
+    let rest = j.input_length % block_size as u64 + if answer { j.output_length } else { 0 };
     rest.div_ceil(block_size as u64)
 }
 
@@ -843,7 +835,7 @@ impl Engine {
         let workers = workers
             .into_iter()
             .map(|s| {
-                let pool = s.cache.capacity(VRAM) as u64;
+                let kv = KvPool::new(s.cache.capacity(VRAM) as u64);
                 Worker {
                 region: s.region,
                 cost: Cost { prefill_ms_per_token: s.beta, ..cfg.cost },
@@ -872,10 +864,7 @@ impl Engine {
                 rest_ms: 0.0,
                 busy_job: None,
                 decoded: 0,
-                pool,
-                pins: BlockTable::new(),
-                pinned: 0,
-                reserved: 0,
+                kv,
                 }
             })
             .collect();
@@ -1714,11 +1703,13 @@ impl Engine {
     /// migration, which sends no response.
     fn admit(&mut self, w: u32, job: u32) -> Result<bool> {
         let now = self.now / 1e3;
+        // First the room the sequences' reservations take from the cache (see `kv_room`).
+        let mut ev = self.kv_room(w)?;
         let x = &mut self.workers[w as usize];
         let j = &self.jobs[job as usize];
         let chain = x.cache.named(&j.chain);
         if j.migration_tier != 0 {
-            let ev = place(&mut x.cache, &j.tokens, &chain, j.migration_tier, now, j.salt, x.publish)?;
+            ev.extend(place(&mut x.cache, &j.tokens, &chain, j.migration_tier, now, j.salt, x.publish)?);
             self.publish_events(w, ev);
             self.kv_release(job)?;
             self.free_job(job); // a replica has landed: nothing refers to its job again
@@ -1727,9 +1718,9 @@ impl Engine {
         x.pending = x.pending.saturating_sub(1); // a routed request's prefill ended
         // Its tokens are the request's prompt: the cache keeps a reference, not a copy.
         x.cache.set_call_source(Some(j.req));
-        let ev = x.cache.place_vram_len(&j.tokens, j.input_length as usize, &chain, now, j.salt, true, x.publish);
+        let placed = x.cache.place_vram_len(&j.tokens, j.input_length as usize, &chain, now, j.salt, true, x.publish);
         x.cache.set_call_source(None);
-        let ev = ev?;
+        ev.extend(placed?);
         self.publish_events(w, ev);
         let j = &mut self.jobs[job as usize];
         // Its KV is in the cache now: decoding needs neither the prompt's tokens nor its chain
@@ -2076,23 +2067,17 @@ impl Engine {
         let Some(&job) = x.waiting.front() else {
             return Ok(false);
         };
-        if x.pinned + x.reserved == 0 {
+        let answer = self.cfg.decoders[x.region as usize].is_empty();
+        let j = &self.jobs[job as usize];
+        let extra = kv_extra(j, self.block_size, answer);
+        if x.kv.surely_fits(j.input_length / self.block_size as u64, extra).is_some() {
             return Ok(true);
         }
-        if self.jobs[job as usize].stripped {
+        if j.stripped {
             self.restore(job, w)?;
         }
-        let x = &self.workers[w as usize];
         let j = &self.jobs[job as usize];
-        let names = x.cache.named(&j.chain);
-        let fresh = names.iter().filter(|h| x.pins.get(h).is_none()).count() as u64;
-        let need = fresh
-            + kv_extra(
-                j,
-                self.block_size,
-                self.cfg.decoders[x.region as usize].is_empty(),
-            );
-        if x.pinned + x.reserved + need <= x.pool {
+        if self.workers[w as usize].kv.fits(&j.chain, extra) {
             return Ok(true);
         }
         let j = &mut self.jobs[job as usize];
@@ -2103,34 +2088,23 @@ impl Engine {
         Ok(false)
     }
 
-    /// Job `job`'s prefill starts on `w`: it holds its prompt's full blocks (shared with every
-    /// other sequence there that holds them) and reserves blocks for the rest of its context,
-    /// the partial last block and its whole answer (reserved up front: the simulator knows the
-    /// answer's length, and an engine that runs out of blocks mid-answer preempts, which this
-    /// model leaves out). The prefix cache keeps what the reservations leave.
+    /// Job `job`'s prefill starts on `w`: it holds its prompt's full blocks (by their seed-free
+    /// chain hashes: tenants' chains differ by their salt's root) and reserves blocks for the
+    /// rest of its context, the partial last block and its whole answer (reserved up front: the
+    /// simulator knows the answer's length, and an engine that runs out of blocks mid-answer
+    /// preempts, which this model leaves out). The prefix cache keeps what the reservations
+    /// leave.
     fn kv_hold(&mut self, w: u32, job: u32) -> Result<()> {
         if !self.cfg.kv_pool {
             return Ok(());
         }
-        let bs = self.block_size;
         let x = &mut self.workers[w as usize];
         let j = &mut self.jobs[job as usize];
-        let names = x.cache.named(&j.chain);
-        for &h in &names {
-            let n = x.pins.entry_or_default(h);
-            *n += 1;
-            if *n == 1 {
-                x.pinned += 1;
-            }
-        }
         // A prefill instance hands the KV over once the prompt is done: no answer to reserve.
-        let answer = self.cfg.decoders[x.region as usize].is_empty();
-        let extra = kv_extra(j, bs, answer);
-        x.reserved += extra;
+        let extra = kv_extra(j, self.block_size, self.cfg.decoders[x.region as usize].is_empty());
+        j.kv_handle = x.kv.hold(j.chain.clone(), extra);
         j.kv_at = w;
-        j.kv_names = names;
-        j.kv_extra = extra;
-        self.kv_resize(w)
+        Ok(())
     }
 
     /// Job `job` leaves its worker's pool (its answer is done, its KV handed to a decode
@@ -2142,23 +2116,12 @@ impl Engine {
         if w == NO_WORKER {
             return Ok(());
         }
-        let names = std::mem::take(&mut j.kv_names);
-        let extra = j.kv_extra;
         j.kv_at = NO_WORKER;
-        j.kv_extra = 0;
-        let x = &mut self.workers[w as usize];
-        for h in &names {
-            let n = x.pins.get_mut(h).ok_or_else(|| {
-                CoreError::InvalidArgument("a held KV block is not pinned".into())
-            })?;
-            *n -= 1;
-            if *n == 0 {
-                x.pins.remove(h);
-                x.pinned -= 1;
-            }
-        }
-        x.reserved -= extra;
-        self.kv_resize(w)?;
+        let h = j.kv_handle;
+        self.workers[w as usize].kv.release(h)?;
+        let grown = self.kv_room(w)?;
+        debug_assert!(grown.is_empty(), "a release only grows the cache");
+        self.publish_events(w, grown);
         let x = &self.workers[w as usize];
         let idle = !self.cfg.chunked && x.current.is_none() && !x.waiting.is_empty();
         if idle && self.kv_fits(w)? {
@@ -2169,16 +2132,20 @@ impl Engine {
     }
 
     /// The prefix cache of `w` keeps the pool less the reservations (at least one block); what
-    /// no longer fits is demoted, and its events published.
-    fn kv_resize(&mut self, w: u32) -> Result<()> {
-        let x = &mut self.workers[w as usize];
-        let cap = x.pool.saturating_sub(x.reserved).max(1) as usize;
-        if cap == x.cache.capacity(VRAM) {
-            return Ok(());
+    /// no longer fits is demoted (the events returned). A release grows it at once; a hold's
+    /// reservation takes its room when that prefill ends ([`Self::admit`]), with the prompt's
+    /// own blocks, in one batch of events: an engine evicts cached blocks only as it allocates
+    /// (the prompt's during its prefill, the answer's as it decodes), so not before that.
+    fn kv_room(&mut self, w: u32) -> Result<Vec<Event>> {
+        if !self.cfg.kv_pool {
+            return Ok(Vec::new());
         }
-        let ev = x.cache.set_vram_capacity(cap, x.publish)?;
-        self.publish_events(w, ev);
-        Ok(())
+        let x = &mut self.workers[w as usize];
+        let cap = x.kv.cache_blocks();
+        if cap == x.cache.capacity(VRAM) {
+            return Ok(Vec::new());
+        }
+        x.cache.set_vram_capacity(cap, x.publish)
     }
 
     /// A job's id: a finished one's, else a new one.

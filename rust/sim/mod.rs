@@ -14,6 +14,7 @@
 pub mod busy;
 pub(crate) mod lru_order;
 pub mod engine;
+pub mod kv_pool;
 pub mod rng;
 
 pub use engine::{Baseline, CoordinatorState, DynamoState, SGLangState, Choice, Config, Cost, Engine, History, Out, Policy, RequestSpec, Salts, Step, WorkerCheck, WorkerSetup};
