@@ -30,6 +30,7 @@ __all__ = [
     "BlockCache",
     "CacheEvents",
     "SimEngine",
+    "KvPool",
     "AgentForest",
     "cost_prefill_ms",
     "cost_reload_ms",
@@ -132,6 +133,9 @@ class BlockCache:
     def place_dram(self, tokens: npt.NDArray[np.uint32], salt_seed: int, now: float, salt: int, events: bool = True) -> list[_RawStored | _RawRemoved]:
         """Store the blocks missing past the cached prefix into DRAM; the raw events."""
     def clear(self) -> None: ...
+    def set_vram_capacity(self, blocks: int, events: bool = True) -> list[_RawStored | _RawRemoved]:
+        """VRAM holds ``blocks`` (>= 1) from now: what no longer fits is demoted (dropped without
+        DRAM); the events (empty unless ``events``)."""
     def __len__(self) -> int: ...
     def used(self, tier: int) -> int: ...
     def capacity(self, tier: int) -> int: ...
@@ -223,6 +227,27 @@ class AgentForest:
     def memory_breakdown(self) -> dict[str, int]:
         """``memory_bytes`` by part: blocks, fingerprints, key_counts, children, other."""
     def stats(self) -> list[int]: ...
+
+@final
+class KvPool:
+    """One worker's KV pool (``rust/sim/kv_pool.rs``): the VRAM its running sequences and its
+    prefix cache share, counted in blocks; a block several sequences hold counts once."""
+
+    def __new__(cls, blocks: int) -> KvPool: ...
+    def fits(self, chain: npt.NDArray[np.uint64], extra: int) -> bool:
+        """Whether a sequence of these full prompt blocks and ``extra`` reserved blocks fits
+        beside the held ones (true when none are held)."""
+    def hold(self, chain: npt.NDArray[np.uint64], extra: int) -> int:
+        """Hold the chain and reserve ``extra`` blocks; the handle :meth:`release` takes."""
+    def release(self, handle: int) -> None:
+        """Let go of what ``handle`` holds (InvalidArgumentError if it holds nothing)."""
+    @property
+    def cache_blocks(self) -> int:
+        """Blocks the prefix cache keeps: the pool less the reservations, at least one."""
+    @property
+    def held(self) -> int: ...
+    @property
+    def reserved(self) -> int: ...
 
 @final
 class SimEngine:

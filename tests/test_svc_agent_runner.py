@@ -83,7 +83,9 @@ async def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
 async def worker_and_tap(**kw: Any) -> AsyncIterator[tuple[EmulatedWorker, zmq.asyncio.Socket, aiohttp.ClientSession]]:
     """An emulated worker, a raw SUB socket on its events (the test's record of every frame), and
     an HTTP session."""
-    cfg: dict[str, Any] = {"time_scale": 0.0, "vram_tokens": 128, "dram_tokens": 256}
+    # The whole of VRAM for the cache (the prompts below are sized against its 8 blocks; with a
+    # shared KV pool a prompt's partial block would take one of them while it runs).
+    cfg: dict[str, Any] = {"time_scale": 0.0, "vram_tokens": 128, "dram_tokens": 256, "kv_pool": "unbounded"}
     cfg.update(kw)
     w = EmulatedWorker(WorkerConfig(**cfg))
     await w.start()

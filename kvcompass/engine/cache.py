@@ -296,6 +296,12 @@ class PrefixCache:
             raw = self._core.place_dram(arr, seed, float(now), sid, self.publish)
         return self._events(raw)
 
+    def set_vram_blocks(self, blocks: int) -> list[Event]:
+        """VRAM holds ``blocks`` (>= 1) from now, the share of a KV pool that running sequences
+        leave the cache (:class:`kvcompass._core.KvPool`): what no longer fits is demoted to
+        DRAM (dropped without DRAM). Returns the KV events to publish."""
+        return self._events(self._core.set_vram_capacity(int(blocks), self.publish))
+
     def clear(self) -> list[Event]:
         """Drop everything (vLLM's ``reset_prefix_cache``): ``[AllBlocksCleared()]``."""
         self._core.clear()

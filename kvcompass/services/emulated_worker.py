@@ -83,6 +83,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kvcompass._core import KvPool
 from kvcompass.agent.events import REPLAY_END_SEQ, Event, encode_batch
 from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.errors import DrainingError, InvalidArgumentError
@@ -153,6 +154,13 @@ class WorkerConfig:
     ``"lanes"``: a prefill server and decode steps that never slow each other down."""
     max_batched_tokens: int = 2048
     """Tokens one engine step may carry (vLLM's ``max_num_batched_tokens``)."""
+    kv_pool: str = "shared"
+    """``"shared"``: the running sequences and the prefix cache share VRAM, one pool
+    (:class:`kvcompass._core.KvPool`, the simulator's rule): a prompt's prefill waits until its
+    blocks and its answers' reservation fit beside theirs, and the cache keeps what the
+    reservations leave; ``"unbounded"``: every prompt starts at once and the cache keeps all of
+    VRAM. A request's further prompts (a completions list) do not wait: its first holds its
+    place, and they all decode together after the last."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.worker_id, str) or not self.worker_id:
@@ -161,6 +169,8 @@ class WorkerConfig:
             raise InvalidArgumentError(f"model must be a non-empty string, got {self.model!r}")
         if self.gpu_sharing not in ("chunked", "lanes"):
             raise InvalidArgumentError(f"gpu_sharing must be 'chunked' or 'lanes', got {self.gpu_sharing!r}")
+        if self.kv_pool not in ("shared", "unbounded"):
+            raise InvalidArgumentError(f"kv_pool must be 'shared' or 'unbounded', got {self.kv_pool!r}")
         for name in ("block_size", "max_model_len", "replay_buffer", "max_batched_tokens"):
             v = getattr(self, name)
             if type(v) is not int or v < 1:
@@ -211,14 +221,21 @@ class WorkerStats:
     replay_requests: int = 0
     replayed: int = 0  # messages sent in replies
     engine_restarts: int = 0
+    kv_waits: int = 0  # prompts whose prefill waited for room in the KV pool
 
 
 @dataclass(slots=True)
 class _Job:
     tokens: npt.NDArray[np.uint32]
     estimate_ms: float
-    done: asyncio.Future[tuple[int, int]]
+    done: asyncio.Future[tuple[int, int, int]]
+    """``(vram_hit, dram_hit, KV pool handle or -1)``."""
     salt: str | None = None
+    extra: int = 0
+    """Blocks to reserve in the KV pool beyond the prompt's full blocks (its last partial block
+    and its answers)."""
+    wait: bool = True
+    """Whether its prefill waits for room in the pool (a request's first prompt)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,6 +287,9 @@ class EmulatedWorker(AsyncResource):
         self._waiting_ms = 0.0
         self._running_ms = 0.0  # modelled ms of the prefill in progress (0 when idle)
         self._running_end = 0.0  # loop time it ends (time_scale > 0)
+        # the KV pool its sequences and its cache share (None: unbounded)
+        self._kv = KvPool(config.vram_tokens // config.block_size) if config.kv_pool == "shared" else None
+        self._kv_room = asyncio.Event()  # set when a sequence lets go of its KV
         # decode
         self._decoding = 0
         self._context = 0
@@ -382,6 +402,8 @@ class EmulatedWorker(AsyncResource):
         nothing either); the agent recognises it from the seq."""
         self._hash_seed = (self._hash_seed + 1) % (1 << 64)
         self.cache = self._new_cache()
+        if self._kv is not None:  # sequences still running keep their share
+            self.cache.set_vram_blocks(self._kv.cache_blocks)
         self._seq = 0
         self._ring.clear()
         self.stats.engine_restarts += 1
@@ -444,15 +466,47 @@ class EmulatedWorker(AsyncResource):
 
     # ---- the prefill server -----------------------------------------------------------------
 
-    async def _prefill(self, tokens: npt.NDArray[np.uint32], salt: str | None = None) -> tuple[int, int]:
+    async def _prefill(self, tokens: npt.NDArray[np.uint32], salt: str | None = None, answers: int = 0, wait: bool = True) -> tuple[int, int, int]:
+        """Queue the prompt's prefill: ``(vram_hit, dram_hit, KV pool handle or -1)``, the
+        handle held until :meth:`_kv_release` (the prompt's blocks and ``answers`` more tokens)."""
         v, d = self.cache.lookup(tokens, salt)
         est = self._estimate_ms(len(tokens), v, d)
         loop = asyncio.get_running_loop()
-        job = _Job(tokens, est, loop.create_future(), salt)
+        bs = self.config.block_size
+        job = _Job(tokens, est, loop.create_future(), salt, -(-(len(tokens) % bs + answers) // bs), wait)
         self._waiting_ms += est
         self._queue.put_nowait(job)
         self._metrics.update_load()
-        return await job.done
+        try:
+            return await job.done
+        except asyncio.CancelledError:
+            # Cancelled after its prefill ended but before it ran on: its KV is let go here.
+            if job.done.done() and not job.done.cancelled() and job.done.exception() is None and job.done.result()[2] >= 0:
+                self._kv_release(job.done.result()[2])
+            raise
+
+    def _kv_release(self, handle: int) -> None:
+        """A sequence lets go of its KV: the cache gets its room back, a waiting prompt may start."""
+        assert self._kv is not None
+        self._kv.release(handle)
+        self.cache.set_vram_blocks(self._kv.cache_blocks)  # grows: no events
+        self._kv_room.set()
+
+    async def _kv_hold(self, job: _Job) -> int:
+        """Wait until the job's KV fits in the pool (or it does not wait), then hold it: the
+        handle, or -1 when the job was cancelled while it waited."""
+        assert self._kv is not None
+        chain = np.asarray(self.cache.block_hashes(job.tokens, job.salt), dtype=np.uint64)
+        waited = False
+        while job.wait and not self._kv.fits(chain, job.extra):
+            if not waited:
+                waited = True
+                self.stats.kv_waits += 1
+            self._kv_room.clear()
+            await self._kv_room.wait()
+            if job.done.cancelled():
+                return -1
+        return int(self._kv.hold(chain, job.extra))
 
     def _prefill_ms(self, n: int, v: int, d: int) -> float:
         return self.config.cost.estimate_ms(n, v, d, chunked=False)
@@ -496,6 +550,12 @@ class EmulatedWorker(AsyncResource):
             if job.done.cancelled():  # the client went away while it waited
                 self._metrics.update_load()
                 continue
+            handle = -1
+            if self._kv is not None:
+                handle = await self._kv_hold(job)
+                if handle < 0:
+                    self._metrics.update_load()
+                    continue
             v, d = self.cache.lookup(job.tokens, job.salt)
             ms = self._estimate_ms(len(job.tokens), v, d)
             self._running_ms = ms
@@ -503,9 +563,13 @@ class EmulatedWorker(AsyncResource):
             self._metrics.update_load()
             try:
                 await self._compute(len(job.tokens), v, d)
-                events = self.cache.admit(job.tokens, loop.time(), job.salt)
+                # The answers' reservations take their room from the cache as the prompt lands.
+                events = self.cache.set_vram_blocks(self._kv.cache_blocks) if self._kv is not None else []
+                events += self.cache.admit(job.tokens, loop.time(), job.salt)
                 await self._publish(events)
             except BaseException as e:
+                if handle >= 0:
+                    self._kv_release(handle)
                 if not job.done.done():
                     job.done.set_exception(e if isinstance(e, Exception) else RuntimeError("worker stopped"))
                 raise
@@ -513,7 +577,9 @@ class EmulatedWorker(AsyncResource):
                 self._running_ms = 0.0
                 self._metrics.update_load()
             if not job.done.done():
-                job.done.set_result((v, d))
+                job.done.set_result((v, d, handle))
+            elif handle >= 0:  # the client went away during its prefill
+                self._kv_release(handle)
 
     async def _publish(self, events: Sequence[Event]) -> None:
         if not events:
@@ -628,12 +694,16 @@ class EmulatedWorker(AsyncResource):
             raise OpenAIError.of(DrainingError("the worker is shutting down; retry on another worker"))
         self._inflight += 1
         self._idle.clear()
+        handles: list[int] = []  # its sequences' KV, held until they are done
         try:
             req = await self._parse(request, chat)
             self.stats.requests += 1
             cached = prompt_tokens_n = 0
             for tokens in req.prompts:  # a list of prompts is prefilled prompt by prompt, as vLLM's scheduler would
-                v, d = await self._prefill(tokens, req.cache_salt)
+                # Each sequence's answer holds KV for every token but its last (no step computes it).
+                v, d, h = await self._prefill(tokens, req.cache_salt, req.n * max(0, req.max_tokens - 1), wait=not handles)
+                if h >= 0:
+                    handles.append(h)
                 # vLLM's usage names the last prompt's cached tokens, not their sum
                 # (request_output_to_completion_response: last_final_res.num_cached_tokens).
                 cached = v + d
@@ -660,6 +730,8 @@ class EmulatedWorker(AsyncResource):
                 return await self._stream(request, req, headers, usage)
             return await self._whole(req, headers, usage)
         finally:
+            for h in handles:
+                self._kv_release(h)
             self._inflight -= 1
             if not self._inflight:
                 self._idle.set()

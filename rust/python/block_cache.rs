@@ -168,6 +168,14 @@ impl PyBlockCache {
         self.inner.clear();
     }
 
+    /// VRAM holds `blocks` (>= 1) from now: what no longer fits is demoted (dropped without
+    /// DRAM), and the events say so (empty unless `events`). The KV pool's share for the cache.
+    #[pyo3(signature = (blocks, events=true))]
+    fn set_vram_capacity<'py>(&mut self, py: Python<'py>, blocks: usize, events: bool) -> PyResult<Bound<'py, PyList>> {
+        let out = self.inner.set_vram_capacity(blocks, events).map_err(core_err)?;
+        events_out(py, out)
+    }
+
     fn __len__(&self) -> usize {
         self.inner.len()
     }

@@ -1071,7 +1071,53 @@ fn busy_windows<'py>(py: Python<'py>, intervals: Vec<Bound<'py, PyAny>>, start: 
     Ok((arr.into_pyarray(py), totals.into_pyarray(py)))
 }
 
+/// One worker's KV pool (`rust/sim/kv_pool.rs`): the VRAM its running sequences and its prefix
+/// cache share, for the emulated workers of the services (the simulator's engine holds its own).
+#[pyclass(name = "KvPool", module = "kvcompass._core")]
+pub struct PyKvPool {
+    inner: crate::sim::kv_pool::KvPool,
+}
+
+#[pymethods]
+impl PyKvPool {
+    #[new]
+    fn new(blocks: u64) -> PyResult<Self> {
+        if blocks == 0 {
+            return Err(bad("a KV pool needs at least one block".into()));
+        }
+        Ok(PyKvPool { inner: crate::sim::kv_pool::KvPool::new(blocks) })
+    }
+    /// Whether a sequence of these full prompt blocks (a cache's chain) and `extra` reserved
+    /// blocks fits beside the held ones (true when none are held).
+    fn fits(&mut self, chain: &Bound<'_, PyAny>, extra: u64) -> PyResult<bool> {
+        let chain = u64_vec("chain", chain)?;
+        Ok(self.inner.fits(&chain, extra))
+    }
+    /// Hold the chain and reserve `extra` blocks: the handle `release` takes.
+    fn hold(&mut self, chain: &Bound<'_, PyAny>, extra: u64) -> PyResult<u32> {
+        Ok(self.inner.hold(u64_vec("chain", chain)?, extra))
+    }
+    /// Let go of what `handle` holds (InvalidArgumentError for a handle that holds nothing).
+    fn release(&mut self, handle: u32) -> PyResult<()> {
+        self.inner.release(handle).map_err(core_err)
+    }
+    /// Blocks the prefix cache keeps: the pool less the reservations, at least one.
+    #[getter]
+    fn cache_blocks(&self) -> usize {
+        self.inner.cache_blocks()
+    }
+    #[getter]
+    fn held(&self) -> usize {
+        self.inner.held()
+    }
+    #[getter]
+    fn reserved(&self) -> u64 {
+        self.inner.reserved()
+    }
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyKvPool>()?;
     m.add_function(wrap_pyfunction!(cost_prefill_ms, m)?)?;
     m.add_function(wrap_pyfunction!(cost_reload_ms, m)?)?;
     m.add_function(wrap_pyfunction!(cost_decode_step_ms, m)?)?;

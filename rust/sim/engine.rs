@@ -628,10 +628,10 @@ struct Worker {
 }
 
 /// Blocks a sequence needs beyond its prompt's full blocks (its chain): its last partial block
-/// and, when `answer` (it decodes where it prefills), its answer (a migration's replica has
-/// none).
+/// and, when `answer` (it decodes where it prefills), its answer's KV: every token but the last
+/// (whose KV no step computes; a migration's replica has no answer).
 fn kv_extra(j: &Job, block_size: usize, answer: bool) -> u64 {
-    let rest = j.input_length % block_size as u64 + if answer { j.output_length } else { 0 };
+    let rest = j.input_length % block_size as u64 + if answer { j.output_length.saturating_sub(1) } else { 0 };
     rest.div_ceil(block_size as u64)
 }
 
