@@ -2119,9 +2119,14 @@ impl Engine {
         j.kv_at = NO_WORKER;
         let h = j.kv_handle;
         self.workers[w as usize].kv.release(h)?;
-        let grown = self.kv_room(w)?;
-        debug_assert!(grown.is_empty(), "a release only grows the cache");
-        self.publish_events(w, grown);
+        // The cache gets its room back at once (only grows here: a reservation made since the
+        // last prefill ended takes its room when its own prefill ends).
+        let x = &mut self.workers[w as usize];
+        let cap = x.kv.cache_blocks();
+        if cap > x.cache.capacity(VRAM) {
+            let none = x.cache.set_vram_capacity(cap, x.publish)?;
+            debug_assert!(none.is_empty(), "growing demotes nothing");
+        }
         let x = &self.workers[w as usize];
         let idle = !self.cfg.chunked && x.current.is_none() && !x.waiting.is_empty();
         if idle && self.kv_fits(w)? {
@@ -2132,10 +2137,11 @@ impl Engine {
     }
 
     /// The prefix cache of `w` keeps the pool less the reservations (at least one block); what
-    /// no longer fits is demoted (the events returned). A release grows it at once; a hold's
-    /// reservation takes its room when that prefill ends ([`Self::admit`]), with the prompt's
-    /// own blocks, in one batch of events: an engine evicts cached blocks only as it allocates
-    /// (the prompt's during its prefill, the answer's as it decodes), so not before that.
+    /// no longer fits is demoted (the events returned). Called when a prefill ends
+    /// ([`Self::admit`]), so a hold's reservation takes its room then, with the prompt's own
+    /// blocks, in one batch of events: an engine evicts cached blocks only as it allocates (the
+    /// prompt's during its prefill, the answer's as it decodes), so not before. A release gives
+    /// room back at once ([`Self::kv_release`]).
     fn kv_room(&mut self, w: u32) -> Result<Vec<Event>> {
         if !self.cfg.kv_pool {
             return Ok(Vec::new());
