@@ -14,7 +14,7 @@ import pytest
 
 from kvcompass._core import KvPool
 from kvcompass.errors import InvalidArgumentError
-from kvcompass.services.emulated_worker import WorkerConfig
+from kvcompass.services.emulated_worker import EmulatedWorker, WorkerConfig
 
 from test_svc_worker import emulated, post, run
 
@@ -88,3 +88,39 @@ def test_the_pool_refuses_what_it_cannot_mean() -> None:
     p.release(h)
     with pytest.raises(InvalidArgumentError, match="holds nothing"):
         p.release(h)
+
+
+def test_a_list_of_prompts_is_queued_whole_so_no_waiting_prompt_gets_between() -> None:
+    """Request A lists two 1,024-token prompts with 401-token answers; request B, another
+    1,024-token prompt, arrives during A's first prefill and must wait for room that only A's
+    end frees. Queued one by one, A's second prompt sat behind B for good (found in review: the
+    worker stalled); queued together, A runs to its end and then B does."""
+
+    async def main() -> None:
+        async with emulated(vram_tokens=2048, time_scale=0.5, kv_pool="shared") as w, aiohttp.ClientSession() as s:
+            url = w.http_url + "/v1/completions"
+            a = post(s, url, {"prompt": [list(range(1, 1025)), list(range(2000, 3024))], "max_tokens": 401})
+            a_task = asyncio.ensure_future(a)
+            await asyncio.sleep(0.02)  # A's first prefill takes about 43 ms here
+            b = await post(s, url, {"prompt": list(range(5000, 6024)), "max_tokens": 2})
+            st_a, _, body_a = await a_task
+            assert st_a == 200 and len(body_a["choices"]) == 2 and b[0] == 200
+            assert w._kv is not None and w._kv.held == 0 and w.cache.vram_capacity_tokens == 2048
+
+    run(main(), timeout=20)
+
+
+def test_a_release_never_shrinks_the_cache_behind_the_agents_back() -> None:
+    """A 1,024-token prompt X is cached (64 of 128 blocks). Y (2 blocks reserved) is decoding and
+    Z's prefill has started, reserving 75: the cache still has the 126 blocks of Y's time until
+    Z's prefill ends. When Y finishes then, its release gives room back and takes none (found
+    in review: it shrank the cache to 53 blocks, demoting X's blocks without an event)."""
+    w = EmulatedWorker(WorkerConfig(time_scale=0.0, vram_tokens=2048, dram_tokens=4096, max_model_len=4096))
+    assert w._kv is not None
+    x = np.arange(1, 1025, dtype=np.uint32)
+    w.cache.admit(x, 0.0)
+    y = w._kv.hold(np.array([1], dtype=np.uint64), 2)
+    w.cache.set_vram_blocks(w._kv.cache_blocks)  # Y's prefill ended: 126 blocks
+    w._kv.hold(np.arange(100, 164, dtype=np.uint64), 75)  # Z's prefill is under way
+    w._kv_release(y)
+    assert w.cache.vram_capacity_tokens == 126 * 16 and w.cache.lookup(x) == (1024, 0)

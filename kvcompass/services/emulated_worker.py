@@ -159,8 +159,9 @@ class WorkerConfig:
     (:class:`kvcompass._core.KvPool`, the simulator's rule): a prompt's prefill waits until its
     blocks and its answers' reservation fit beside theirs, and the cache keeps what the
     reservations leave; ``"unbounded"``: every prompt starts at once and the cache keeps all of
-    VRAM. A request's further prompts (a completions list) do not wait: its first holds its
-    place, and they all decode together after the last."""
+    VRAM. A completions list's prompts are queued together and only the first waits for room
+    (they all decode together after the last, so a request queued between them would wait for
+    KV that only the list's end frees)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.worker_id, str) or not self.worker_id:
@@ -466,30 +467,43 @@ class EmulatedWorker(AsyncResource):
 
     # ---- the prefill server -----------------------------------------------------------------
 
-    async def _prefill(self, tokens: npt.NDArray[np.uint32], salt: str | None = None, answers: int = 0, wait: bool = True) -> tuple[int, int, int]:
-        """Queue the prompt's prefill: ``(vram_hit, dram_hit, KV pool handle or -1)``, the
-        handle held until :meth:`_kv_release` (the prompt's blocks and ``answers`` more tokens)."""
-        v, d = self.cache.lookup(tokens, salt)
-        est = self._estimate_ms(len(tokens), v, d)
+    def _queue_prefills(self, prompts: Sequence[npt.NDArray[np.uint32]], salt: str | None, answers: int) -> list[_Job]:
+        """Queue one request's prompts' prefills together, so that nothing gets between them: its
+        first prompt waits for room in the KV pool, the others hold theirs behind it (a request
+        waiting for room between them would wait for KV that only this request's end frees).
+        Each job's ``done`` gives ``(vram_hit, dram_hit, KV pool handle or -1)``; the handle is
+        held until :meth:`_release_jobs` (the prompt's blocks and ``answers`` more tokens)."""
         loop = asyncio.get_running_loop()
         bs = self.config.block_size
-        job = _Job(tokens, est, loop.create_future(), salt, -(-(len(tokens) % bs + answers) // bs), wait)
-        self._waiting_ms += est
-        self._queue.put_nowait(job)
+        jobs = []
+        for i, tokens in enumerate(prompts):
+            v, d = self.cache.lookup(tokens, salt)
+            est = self._estimate_ms(len(tokens), v, d)
+            job = _Job(tokens, est, loop.create_future(), salt, -(-(len(tokens) % bs + answers) // bs), i == 0)
+            self._waiting_ms += est
+            self._queue.put_nowait(job)
+            jobs.append(job)
         self._metrics.update_load()
-        try:
-            return await job.done
-        except asyncio.CancelledError:
-            # Cancelled after its prefill ended but before it ran on: its KV is let go here.
-            if job.done.done() and not job.done.cancelled() and job.done.exception() is None and job.done.result()[2] >= 0:
+        return jobs
+
+    def _release_jobs(self, jobs: Sequence[_Job]) -> None:
+        """A request is over (answered, failed or abandoned): its prefills that have not run are
+        cancelled (the loop skips them, or lets go of the KV of one it is computing), and the KV
+        its finished prefills hold is let go."""
+        for job in jobs:
+            if not job.done.done():
+                job.done.cancel()
+            elif not job.done.cancelled() and job.done.exception() is None and job.done.result()[2] >= 0:
                 self._kv_release(job.done.result()[2])
-            raise
 
     def _kv_release(self, handle: int) -> None:
-        """A sequence lets go of its KV: the cache gets its room back, a waiting prompt may start."""
+        """A sequence lets go of its KV: the cache gets its room back, a waiting prompt may start.
+        Only grows the cache: a reservation made since the last prefill ended takes its room
+        when its own prefill ends (with that prompt's events), not here."""
         assert self._kv is not None
         self._kv.release(handle)
-        self.cache.set_vram_blocks(self._kv.cache_blocks)  # grows: no events
+        if self._kv.cache_blocks * self.config.block_size > self.cache.vram_capacity_tokens:
+            self.cache.set_vram_blocks(self._kv.cache_blocks)  # growing demotes nothing
         self._kv_room.set()
 
     async def _kv_hold(self, job: _Job) -> int:
@@ -552,7 +566,12 @@ class EmulatedWorker(AsyncResource):
                 continue
             handle = -1
             if self._kv is not None:
-                handle = await self._kv_hold(job)
+                try:
+                    handle = await self._kv_hold(job)
+                except BaseException:  # the worker stops while the job waits for room
+                    if not job.done.done():
+                        job.done.set_exception(RuntimeError("worker stopped"))
+                    raise
                 if handle < 0:
                     self._metrics.update_load()
                     continue
@@ -694,16 +713,16 @@ class EmulatedWorker(AsyncResource):
             raise OpenAIError.of(DrainingError("the worker is shutting down; retry on another worker"))
         self._inflight += 1
         self._idle.clear()
-        handles: list[int] = []  # its sequences' KV, held until they are done
+        jobs: list[_Job] = []  # its prefills, whose KV is held until its sequences are done
         try:
             req = await self._parse(request, chat)
             self.stats.requests += 1
             cached = prompt_tokens_n = 0
-            for tokens in req.prompts:  # a list of prompts is prefilled prompt by prompt, as vLLM's scheduler would
-                # Each sequence's answer holds KV for every token but its last (no step computes it).
-                v, d, h = await self._prefill(tokens, req.cache_salt, req.n * max(0, req.max_tokens - 1), wait=not handles)
-                if h >= 0:
-                    handles.append(h)
+            # A list of prompts is prefilled prompt by prompt, as vLLM's scheduler would. Each
+            # sequence's answer holds KV for every token but its last (no step computes it).
+            jobs = self._queue_prefills(req.prompts, req.cache_salt, req.n * max(0, req.max_tokens - 1))
+            for tokens, job in zip(req.prompts, jobs):
+                v, d, _ = await job.done
                 # vLLM's usage names the last prompt's cached tokens, not their sum
                 # (request_output_to_completion_response: last_final_res.num_cached_tokens).
                 cached = v + d
@@ -730,8 +749,7 @@ class EmulatedWorker(AsyncResource):
                 return await self._stream(request, req, headers, usage)
             return await self._whole(req, headers, usage)
         finally:
-            for h in handles:
-                self._kv_release(h)
+            self._release_jobs(jobs)
             self._inflight -= 1
             if not self._inflight:
                 self._idle.set()
