@@ -59,6 +59,9 @@ def test_figure_12_writes_its_report(tmp_path: Path, capsys: pytest.CaptureFixtu
     # transcription, 2026-12-07): said as left out, not compared.
     assert "- Left out: Figure 12 (Mixed) throughput" in md
     assert "| scheme | rate (req/s) | sent req/s |" in md  # what each run actually sent
+    assert md.count("| held for KV room |") == 1  # how often the workers' KV pools were full
+    kvc = next(line for line in md.splitlines() if line.startswith(f"| kvcompass | {key} |"))
+    assert kvc.split("|")[-2].strip() == str(s["kvcompass"][key]["kv_waits"])
     assert not any(r["metric"] == "throughput_ratio_max_over_hash_placement" for r in rows)
     assert (tmp_path / "figure12.png").stat().st_size > 10_000
 

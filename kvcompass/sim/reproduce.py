@@ -633,13 +633,13 @@ def _markdown(
         "",
         "## Our runs",
         "",
-        "| scheme | rate (req/s) | sent req/s | P50 TTFT ms | P99 TTFT ms | P99 E2E ms | throughput tok/s | hit rate | peak load factor |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| scheme | rate (req/s) | sent req/s | P50 TTFT ms | P99 TTFT ms | P99 E2E ms | throughput tok/s | hit rate | peak load factor | held for KV room |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     tails: list[str] = []
     for s, by_rate in results.items():
         for rate, x in sorted(by_rate.items(), key=lambda kv: float(kv[0])):
-            lines.append(f"| {s} | {rate} | {x.sent_req_s:.4g} | {x.ttft_ms[0]:.0f} | {x.ttft_ms[2]:.0f} | {x.e2e_ms[2]:.0f} | {x.throughput_tokens_s:,.0f} | {x.hit_rate:.3f} | {x.peak_load_factor:.2f} |")
+            lines.append(f"| {s} | {rate} | {x.sent_req_s:.4g} | {x.ttft_ms[0]:.0f} | {x.ttft_ms[2]:.0f} | {x.e2e_ms[2]:.0f} | {x.throughput_tokens_s:,.0f} | {x.hit_rate:.3f} | {x.peak_load_factor:.2f} | {x.kv_waits} |")
             sends = (x.requests - 1) / x.sent_req_s if x.sent_req_s > 0 else 0.0
             if x.drain_s > sends:
                 tails.append(f"{s} at {rate}")
