@@ -241,6 +241,10 @@ class KvPool:
         """Hold the chain and reserve ``extra`` blocks; the handle :meth:`release` takes."""
     def release(self, handle: int) -> None:
         """Let go of what ``handle`` holds (InvalidArgumentError if it holds nothing)."""
+    @staticmethod
+    def extra_blocks(prompt_len: int, answer: int, sequences: int, block_size: int) -> int:
+        """Blocks a sequence reserves beyond its prompt's full blocks: the partial last block and
+        ``sequences`` answers of ``answer`` tokens, each but its last token."""
     @property
     def cache_blocks(self) -> int:
         """Blocks the prefix cache keeps: the pool less the reservations, at least one."""

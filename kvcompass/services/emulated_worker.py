@@ -467,19 +467,20 @@ class EmulatedWorker(AsyncResource):
 
     # ---- the prefill server -----------------------------------------------------------------
 
-    def _queue_prefills(self, prompts: Sequence[npt.NDArray[np.uint32]], salt: str | None, answers: int) -> list[_Job]:
+    def _queue_prefills(self, prompts: Sequence[npt.NDArray[np.uint32]], salt: str | None, answer: int, sequences: int) -> list[_Job]:
         """Queue one request's prompts' prefills together, so that nothing gets between them: its
         first prompt waits for room in the KV pool, the others hold theirs behind it (a request
         waiting for room between them would wait for KV that only this request's end frees).
         Each job's ``done`` gives ``(vram_hit, dram_hit, KV pool handle or -1)``; the handle is
-        held until :meth:`_release_jobs` (the prompt's blocks and ``answers`` more tokens)."""
+        held until :meth:`_release_jobs` (the prompt's blocks and ``sequences`` answers of
+        ``answer`` tokens, :meth:`KvPool.extra_blocks`)."""
         loop = asyncio.get_running_loop()
         bs = self.config.block_size
         jobs = []
         for i, tokens in enumerate(prompts):
             v, d = self.cache.lookup(tokens, salt)
             est = self._estimate_ms(len(tokens), v, d)
-            job = _Job(tokens, est, loop.create_future(), salt, -(-(len(tokens) % bs + answers) // bs), i == 0)
+            job = _Job(tokens, est, loop.create_future(), salt, KvPool.extra_blocks(len(tokens), answer, sequences, bs), i == 0)
             self._waiting_ms += est
             self._queue.put_nowait(job)
             jobs.append(job)
@@ -718,9 +719,8 @@ class EmulatedWorker(AsyncResource):
             req = await self._parse(request, chat)
             self.stats.requests += 1
             cached = prompt_tokens_n = 0
-            # A list of prompts is prefilled prompt by prompt, as vLLM's scheduler would. Each
-            # sequence's answer holds KV for every token but its last (no step computes it).
-            jobs = self._queue_prefills(req.prompts, req.cache_salt, req.n * max(0, req.max_tokens - 1))
+            # A list of prompts is prefilled prompt by prompt, as vLLM's scheduler would.
+            jobs = self._queue_prefills(req.prompts, req.cache_salt, req.max_tokens, req.n)
             for tokens, job in zip(req.prompts, jobs):
                 v, d, _ = await job.done
                 # vLLM's usage names the last prompt's cached tokens, not their sum

@@ -1101,6 +1101,15 @@ impl PyKvPool {
     fn release(&mut self, handle: u32) -> PyResult<()> {
         self.inner.release(handle).map_err(core_err)
     }
+    /// Blocks a sequence reserves beyond its prompt's full blocks: the partial last block and
+    /// `sequences` answers of `answer` tokens, each but its last token (the simulator's rule).
+    #[staticmethod]
+    fn extra_blocks(prompt_len: u64, answer: u64, sequences: u64, block_size: u64) -> PyResult<u64> {
+        if block_size == 0 {
+            return Err(bad("block_size must be >= 1".into()));
+        }
+        Ok(crate::sim::kv_pool::KvPool::extra_blocks(prompt_len, answer, sequences, block_size))
+    }
     /// Blocks the prefix cache keeps: the pool less the reservations, at least one.
     #[getter]
     fn cache_blocks(&self) -> usize {

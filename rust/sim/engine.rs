@@ -627,12 +627,10 @@ struct Worker {
     kv: KvPool,
 }
 
-/// Blocks a sequence needs beyond its prompt's full blocks (its chain): its last partial block
-/// and, when `answer` (it decodes where it prefills), its answer's KV: every token but the last
-/// (whose KV no step computes; a migration's replica has no answer).
+/// Blocks a sequence reserves beyond its prompt's full blocks ([`KvPool::extra_blocks`]): its
+/// answer only when `answer` (it decodes where it prefills; a migration's replica has none).
 fn kv_extra(j: &Job, block_size: usize, answer: bool) -> u64 {
-    let rest = j.input_length % block_size as u64 + if answer { j.output_length.saturating_sub(1) } else { 0 };
-    rest.div_ceil(block_size as u64)
+    KvPool::extra_blocks(j.input_length, j.output_length, u64::from(answer), block_size as u64)
 }
 
 /// `max(0.0, x)` as Python evaluates it.

@@ -44,6 +44,14 @@ impl KvPool {
         KvPool { pool: blocks, ..KvPool::default() }
     }
 
+    /// Blocks a sequence reserves beyond its prompt's full blocks: the prompt's last partial
+    /// block and the KV of `sequences` answers of `answer` tokens each, every token but an
+    /// answer's last (no step computes its KV). The simulator's engine and the emulated
+    /// workers both reserve by this.
+    pub fn extra_blocks(prompt_len: u64, answer: u64, sequences: u64, block_size: u64) -> u64 {
+        (prompt_len % block_size + sequences * answer.saturating_sub(1)).div_ceil(block_size)
+    }
+
     /// Blocks reserved beyond the held prompts' full blocks.
     pub fn reserved(&self) -> u64 {
         self.reserved
