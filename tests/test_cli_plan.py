@@ -31,7 +31,7 @@ def test_json_is_one_object_in_the_documented_schema(capsys: pytest.CaptureFixtu
     assert j == json.loads(json.dumps(LevelPlan(load_topology("testbed-14x3", rtt_path=BUNDLED_RTT)).to_json()))
     tail = [9744, 11600, 13792, 16384, 19488, 23184, 27568, 32768]  # four lengths a doubling past 8192
     assert j["plan"]["us"]["eu"][:16] == [1104, 1648, 2192, 2736, 3280, 3840, 4096, 8192, *tail]
-    assert j["plan"]["us"]["eu"][-1] == 131072 and j["tail_steps"] == 4
+    assert j["plan"]["us"]["eu"][-1] == 131072 and j["tail_steps"] == 4 and j["own_steps"] == 1
     assert j["tables"]["us"] == [[f"us-{i}" for i in range(8)]]
 
 

@@ -65,6 +65,20 @@ def test_own_region_levels_double_from_the_rounded_minimum() -> None:
     assert own_region_levels(256, levels=6, block_size=16, max_prefix=1024) == (256, 512, 1024)
 
 
+def test_own_region_levels_with_steps_per_doubling() -> None:
+    # 256 * 2**(k/4) rounded up to the block: 304.4 -> 320, 362.0 -> 368, 430.5 -> 432, 512, ...
+    four = own_region_levels(256, levels=6, block_size=16, max_prefix=131072, steps=4)
+    assert four[:9] == (256, 320, 368, 432, 512, 624, 736, 864, 1024)
+    assert four[-5:] == (4096, 4880, 5808, 6896, 8192) and len(four) == 21
+    # The same first and last lengths, every doubling length kept: the finer ladder only adds.
+    assert set(own_region_levels(256, levels=6, block_size=16, max_prefix=131072)) < set(four)
+    # The under-credit of an own-region match is bounded by the step (plus a block's rounding).
+    for m in range(256, 8193, 37):
+        credited = max(c for c in four if c <= m)
+        assert (m - credited) / m <= 1 - 2 ** (-1 / 4) + 16 / 256
+    assert own_region_levels(256, levels=6, block_size=16, max_prefix=1000, steps=2) == (256, 368, 512, 736)
+
+
 # ------------------------------------------------------------------ plan
 
 
@@ -319,3 +333,19 @@ def test_router_finds_a_holder_with_the_plan_and_layout(namespace: kc.Namespace,
         want = max(c for c in p.lengths(edge, "eu") if c <= len(tokens))
         assert int(res.matches[names.index(holder)]) == want
         assert res.winner == names.index(holder)
+
+
+def test_own_steps_refine_the_own_ladder_and_the_remote_tails_above_their_six() -> None:
+    p, paper = plan_of(own_steps=4), plan_of()
+    own = p.lengths("a", "a")
+    assert own[:21] == own_region_levels(256, levels=6, block_size=16, max_prefix=131072, steps=4)
+    assert own[21:] == paper.lengths("a", "a")[6:]  # the long tail is unchanged
+    # Toward b: the paper's six n1 steps, then the own lengths above the last of them.
+    assert p.lengths("a", "b") == (2000, 3008, 4000, 5008, 6000, 7008) + tuple(c for c in own if c > 7008)
+    assert p.topology.own_steps == 4
+
+
+@pytest.mark.parametrize("bad", [0, 17, -1, True, 2.0, "4"])
+def test_own_steps_must_be_an_integer_in_range(bad: Any) -> None:
+    with pytest.raises(TopologyError, match="own_steps must be an integer"):
+        plan_of(own_steps=bad)

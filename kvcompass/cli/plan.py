@@ -33,7 +33,7 @@ def format_plan(plan: LevelPlan) -> str:
         out.extend(textwrap.wrap(t.description, width=100, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False))
     out.append(f"RTT matrix: {t.rtt.source}")
     out.append(
-        f"KV block {t.block_size} tokens, {t.levels} levels, own-region minimum {t.own_region_min} doubling, "
+        f"KV block {t.block_size} tokens, {t.levels} levels, own-region minimum {t.own_region_min} {'doubling' if t.own_steps == 1 else f'{t.own_steps} per doubling'}, "
         f"{f'long tail {t.tail_steps} per doubling' if t.long_tail else 'no long tail'}, max prefix {t.max_prefix}; {t.value_bits}-bit values (<= {t.value_bits // 2} workers per table), "
         f"{t.shards} shards, {t.fp_bits}-bit fingerprints"
     )

@@ -74,11 +74,20 @@ def remote_levels(rtt_ms: float, beta_ms_per_token: float, *, levels: int, block
     return tuple(sorted(c for c in lengths if c <= max_prefix))
 
 
-def own_region_levels(minimum: int, *, levels: int, block_size: int, max_prefix: int) -> tuple[int, ...]:
+def own_region_levels(minimum: int, *, levels: int, block_size: int, max_prefix: int, steps: int = 1) -> tuple[int, ...]:
     """``min * 2**i`` for ``i < levels`` (the minimum block-rounded first, so doubling keeps
-    every length a whole number of blocks), capped at ``max_prefix`` (paper 3.2)."""
+    every length a whole number of blocks), capped at ``max_prefix`` (paper 3.2). With
+    ``steps`` > 1, ``steps`` lengths per doubling between the same first and last length
+    (``min * 2**(k / steps)``, block-rounded): the topology's ``own_steps``."""
     first = round_up(minimum, block_size)
-    return tuple(c for c in (first << i for i in range(levels)) if c <= max_prefix)
+    if steps == 1:
+        return tuple(c for c in (first << i for i in range(levels)) if c <= max_prefix)
+    out: list[int] = []
+    for k in range((levels - 1) * steps + 1):
+        c = first << (k // steps) if k % steps == 0 else round_up(first * 2 ** (k / steps), block_size)
+        if c <= max_prefix and (not out or c > out[-1]):
+            out.append(c)
+    return tuple(out)
 
 
 def tail_ladder(ladder: tuple[int, ...], own: tuple[int, ...], max_prefix: int, *, steps: int = 1, block_size: int = 1) -> tuple[int, ...]:
@@ -121,7 +130,7 @@ class LevelPlan:
             if rates:
                 beta[r] = sum(rates) / len(rates)
         lengths: dict[tuple[str, str], tuple[int, ...]] = {}
-        own = own_region_levels(t.own_region_min, levels=t.levels, block_size=t.block_size, max_prefix=t.max_prefix)
+        own = own_region_levels(t.own_region_min, levels=t.levels, block_size=t.block_size, max_prefix=t.max_prefix, steps=t.own_steps)
         if t.long_tail:
             own = tail_ladder(own, own, t.max_prefix, steps=t.tail_steps, block_size=t.block_size)
         for o in self.edge_regions:
@@ -227,6 +236,7 @@ class LevelPlan:
             "long_tail": t.long_tail,
             "tail_steps": t.tail_steps,
             "own_region_min": t.own_region_min,
+            "own_steps": t.own_steps,
             "max_prefix": t.max_prefix,
             "value_bits": t.value_bits,
             "shards": t.shards,

@@ -18,6 +18,7 @@ TOML schema (every key but ``regions`` and ``workers`` optional)::
     block_size = 16          # KV block size of the workers, tokens
     levels = 6               # levels toward every region (paper section 3.2)
     own_region_min = 256     # first same-region length; doubles upward
+    own_steps = 1            # lengths per doubling up to the last own level (1: the paper)
     long_tail = true         # past the last level, keep querying longer lengths to max_prefix
     tail_steps = 4           # lengths per doubling in that tail (1 = doubling; see the plan)
     tokenizer = "tok.json"   # optional: the model's HF tokenizer.json, relative to this file
@@ -269,6 +270,10 @@ class Topology:
     # the tail under-credits a long match by up to 1 - 2**(-1/tail_steps) of it (50 % for
     # doubling, 16 % for four steps); kvcompass.discovery.plan says why four.
     tail_steps: int = 4
+    # Lengths per doubling between the own region's first and last level (1: the paper's
+    # doubling, ``own_region_min * 2**i``); more steps bound the own region's under-credit as
+    # ``tail_steps`` bounds the tail's, at the price of registrations (kvcompass.discovery.plan).
+    own_steps: int = 1
     tokenizer: str = ""
     """Absolute path of the model's ``tokenizer.json`` ("" = the built-in default tokenizer)."""
     _regions: dict[str, RegionSpec] = field(init=False, repr=False, compare=False)
@@ -330,6 +335,8 @@ def _validate(t: Topology) -> dict[str, RegionSpec]:
         raise TopologyError(f"long_tail must be true or false, got {t.long_tail!r}")
     if isinstance(t.tail_steps, bool) or not isinstance(t.tail_steps, int) or not 1 <= t.tail_steps <= _MAX_TAIL_STEPS:
         raise TopologyError(f"tail_steps must be an integer in 1..{_MAX_TAIL_STEPS} (lengths per doubling in the long tail), got {t.tail_steps!r}")
+    if isinstance(t.own_steps, bool) or not isinstance(t.own_steps, int) or not 1 <= t.own_steps <= _MAX_TAIL_STEPS:
+        raise TopologyError(f"own_steps must be an integer in 1..{_MAX_TAIL_STEPS} (lengths per doubling up to the own region's last level), got {t.own_steps!r}")
     if isinstance(t.value_bits, bool) or not isinstance(t.value_bits, int) or t.value_bits not in (32, 64):
         raise TopologyError(f"value_bits must be 32 or 64, got {t.value_bits!r}")
     if isinstance(t.fp_bits, bool) or not isinstance(t.fp_bits, int) or not 0 <= t.fp_bits <= _MAX_FP_BITS:
@@ -407,7 +414,7 @@ def _validate(t: Topology) -> dict[str, RegionSpec]:
 
 _TOP_KEYS = (
     "name", "description", "block_size", "levels", "own_region_min", "max_prefix", "value_bits",
-    "shards", "fp_bits", "long_tail", "tail_steps", "tokenizer", "rtt_matrix", "rtt_ms", "regions", "worker_defaults", "workers",
+    "shards", "fp_bits", "long_tail", "tail_steps", "own_steps", "tokenizer", "rtt_matrix", "rtt_ms", "regions", "worker_defaults", "workers",
 )  # fmt: skip
 _REGION_KEYS = ("aws_region", "edges")
 _WORKER_FIELDS = ("role", "beta_ms_per_token", "vram_tokens", "dram_tokens", "endpoint")
@@ -548,7 +555,7 @@ def topology_from_dict(
         else:
             rtt = load_rtt_matrix(rtt_path)
         options: dict[str, Any] = {}
-        for key in ("block_size", "levels", "own_region_min", "max_prefix", "value_bits", "shards", "fp_bits", "tail_steps"):
+        for key in ("block_size", "levels", "own_region_min", "max_prefix", "value_bits", "shards", "fp_bits", "tail_steps", "own_steps"):
             if key in data:
                 options[key] = _integer(key, data[key])
         if "tokenizer" in data:
