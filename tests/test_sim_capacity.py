@@ -17,12 +17,12 @@ from kvcompass.sim.summary import Summary
 from kvcompass.sim.workload import ChainBlocks, Request
 
 
-def _unique(topo: Topology, n: int, rate: float, seed: int = 3) -> list[Request]:
+def _unique(topo: Topology, n: int, rate: float, seed: int = 3, *, lengths_from: tuple[int, int] = (256, 4097), outputs_from: tuple[int, int] = (2, 61)) -> list[Request]:
     """``n`` prompts that share no block (nothing to reuse), lengths 256-4096 and outputs
     2-60 (decodes short beside the run, so it reaches its steady state), Poisson arrivals at ``rate`` req/s, regions uniform."""
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(256, 4097, size=n)
-    outputs = rng.integers(2, 61, size=n)
+    lengths = rng.integers(*lengths_from, size=n)
+    outputs = rng.integers(*outputs_from, size=n)
     times = np.cumsum(rng.exponential(1000.0 / rate, size=n))
     regions = topo.region_names
     picks = rng.integers(0, len(regions), size=n)
@@ -62,6 +62,26 @@ def test_the_engine_saturates_at_the_computed_capacity(gpu_sharing: str) -> None
     under = simulate(topo, _unique(topo, 3000, 0.8 * cap.req_per_s), "oracle", seed=0, gpu_sharing=gpu_sharing)
     first, last = _queue_growth(under)
     assert last < 2 * max(first, 200.0)  # below it they stay bounded
+
+
+@pytest.mark.parametrize(("gpu_sharing", "outputs_from"), [("chunked", (100, 501)), ("lanes", (600, 1401))])
+def test_a_full_kv_pool_bounds_the_capacity(gpu_sharing: str, outputs_from: tuple[int, int]) -> None:
+    # 2-8k-token prompts with long answers: the testbed's 98,304-token pools hold 15-18 such
+    # sequences, far fewer than the batch the steps alone would allow, and the engine holds
+    # prompts back when the pool is full (before the bound, the fleet saturated at 0.81 of the
+    # computed capacity with chunked sharing here). A decode lane binds only when the answers
+    # outlast the prefill, hence longer ones with lanes.
+    topo = load_topology("testbed-14x3")
+    shape: dict[str, Any] = {"lengths_from": (2048, 8193), "outputs_from": outputs_from}
+    probe = _unique(topo, 3000, 1.0, **shape)
+    cap = no_reuse_capacity(topo, probe, gpu_sharing=gpu_sharing)
+    free = no_reuse_capacity(topo, probe, gpu_sharing=gpu_sharing, kv_pool="unbounded")
+    assert cap.req_per_s < 0.95 * free.req_per_s
+    over = simulate(topo, _unique(topo, 3000, 1.3 * cap.req_per_s, **shape), "oracle", seed=0, gpu_sharing=gpu_sharing)
+    assert over.kv_waits > 0 and _completion_rate(over) == pytest.approx(cap.req_per_s, rel=0.08)
+    under = simulate(topo, _unique(topo, 3000, 0.8 * cap.req_per_s, **shape), "oracle", seed=0, gpu_sharing=gpu_sharing)
+    first, last = _queue_growth(under)
+    assert last < 2 * max(first, 200.0)
 
 
 def _one_worker(beta: float) -> Topology:

@@ -326,12 +326,12 @@ def _simulate(args: argparse.Namespace) -> int:
         # workload's first N differ by a few sessions: well under 0.1 % of the capacity).
         sized = workload(1.0)  # outside the try: a bad trace line is not a --load error
         try:
-            capacity = no_reuse_capacity(topology, sized, gpu_sharing=args.gpu_sharing, max_batched_tokens=args.max_batched_tokens)
+            capacity = no_reuse_capacity(topology, sized, gpu_sharing=args.gpu_sharing, max_batched_tokens=args.max_batched_tokens, kv_pool=args.kv_pool)
             rates = rates_for_loads(capacity, loads)
         except InvalidArgumentError as e:
             raise UsageError(f"--load: {e}") from None
         print(
-            f"no-reuse capacity of {topology.name} for this workload: {capacity.req_per_s:.1f} req/s ({args.gpu_sharing} sharing, bound by "
+            f"no-reuse capacity of {topology.name} for this workload: {capacity.req_per_s:.1f} req/s ({args.gpu_sharing} sharing, {args.kv_pool} KV pool, bound by "
             f"{capacity.bound}; mean prompt {capacity.mean_input_tokens:.0f} tokens, output {capacity.mean_output_tokens:.0f}); "
             + ", ".join(f"load {load:g} = {rate} req/s" for load, rate in zip(loads, rates)),
             file=sys.stderr,

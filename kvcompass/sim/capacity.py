@@ -67,28 +67,41 @@ class Capacity:
         }
 
 
-def no_reuse_capacity(topology: Topology, requests: Sequence[Request], *, cost: CostModel | None = None, gpu_sharing: str = "chunked", max_batched_tokens: int = 2048) -> Capacity:
+def no_reuse_capacity(
+    topology: Topology,
+    requests: Sequence[Request],
+    *,
+    cost: CostModel | None = None,
+    gpu_sharing: str = "chunked",
+    max_batched_tokens: int = 2048,
+    kv_pool: str = "shared",
+) -> Capacity:
     """The capacity of ``topology`` for ``requests`` (only their lengths matter) with the
     engine's step model: ``cost`` for decode, reload and fixed costs (default: the simulator's),
-    each worker's prefill at its ``beta_ms_per_token``."""
+    each worker's prefill at its ``beta_ms_per_token``, and with ``kv_pool="shared"`` (the
+    engine's default) each worker's batch bounded by its VRAM, as the engine's KV pool bounds
+    it (decode instances of a disaggregated fleet are unbounded there, and here)."""
     if not requests:
         raise InvalidArgumentError("capacity of an empty workload: give at least one request")
     if gpu_sharing not in ("chunked", "lanes"):
         raise InvalidArgumentError(f"gpu_sharing must be chunked or lanes, got {gpu_sharing!r}")
     if type(max_batched_tokens) is not int or max_batched_tokens < 1:
         raise InvalidArgumentError(f"max_batched_tokens must be an int >= 1, got {max_batched_tokens!r}")
+    if kv_pool not in ("shared", "unbounded"):
+        raise InvalidArgumentError(f"kv_pool must be shared or unbounded, got {kv_pool!r}")
     base = cost or CostModel()
     inputs = np.fromiter((r.input_length for r in requests), dtype=np.uint64, count=len(requests))
     outputs = np.fromiter((r.output_length for r in requests), dtype=np.uint64, count=len(requests))
-    terms: dict[float, tuple[float, float, float]] = {}  # by beta: workers mostly share one
+    terms: dict[tuple[float, int], tuple[float, float, float]] = {}  # by (beta, pool): workers mostly share one
     per_worker: dict[str, float] = {}
     prefill_side = decode_side = 0.0
     split = topology.disaggregated
     for w in topology.workers:
-        if w.beta_ms_per_token not in terms:
+        pool = w.vram_tokens if kv_pool == "shared" and not split else 0
+        if (w.beta_ms_per_token, pool) not in terms:
             c = dataclasses.replace(base, prefill_ms_per_token=w.beta_ms_per_token)
-            terms[w.beta_ms_per_token] = _core.cost_saturated_ms(c.core_args, inputs, outputs, max_batched_tokens)
-        prefill, mixed, batched = terms[w.beta_ms_per_token]
+            terms[w.beta_ms_per_token, pool] = _core.cost_saturated_ms(c.core_args, inputs, outputs, max_batched_tokens, pool)
+        prefill, mixed, batched = terms[w.beta_ms_per_token, pool]
         if split:
             # Disaggregated: a prefill worker hands every sequence off, a decode instance
             # only decodes (its batch grows with load, so its step floor fades per token).

@@ -1028,14 +1028,15 @@ fn cost_chunk_step(cost: CostArgs, left: u64, extra_ms: f64, batch: u64, context
 /// `(prefill_ms, mixed_decode_ms, batched_decode_ms)` a saturated worker spends per request
 /// of `(inputs, outputs)` with nothing reused (`crate::sim::Cost::saturated_ms`).
 #[pyfunction]
-fn cost_saturated_ms(py: Python<'_>, cost: CostArgs, inputs: &Bound<'_, PyAny>, outputs: &Bound<'_, PyAny>, max_batched_tokens: u64) -> PyResult<(f64, f64, f64)> {
+#[pyo3(signature = (cost, inputs, outputs, max_batched_tokens, pool_tokens = 0))]
+fn cost_saturated_ms(py: Python<'_>, cost: CostArgs, inputs: &Bound<'_, PyAny>, outputs: &Bound<'_, PyAny>, max_batched_tokens: u64, pool_tokens: u64) -> PyResult<(f64, f64, f64)> {
     let (i, o) = (u64_vec("inputs", inputs)?, u64_vec("outputs", outputs)?);
     if i.len() != o.len() {
         return Err(pyo3::exceptions::PyValueError::new_err(format!("inputs and outputs differ in length ({} vs {})", i.len(), o.len())));
     }
     let prompts: Vec<(u64, u64)> = i.iter().copied().zip(o.iter().copied()).collect();
     let c = cost_of(cost);
-    Ok(py.detach(|| c.saturated_ms(&prompts, max_batched_tokens)))
+    Ok(py.detach(|| c.saturated_ms(&prompts, max_batched_tokens, pool_tokens)))
 }
 
 /// Busy time per (worker, window) before division by the windows' widths, and each worker's

@@ -109,9 +109,19 @@ impl Cost {
     ///   so the step floor `t0` vanishes per token): `max(a, c) * E[O - 1]` plus the same
     ///   context term.
     ///
+    /// With a KV pool of `pool_tokens` (0: unbounded), the batch is at most what the pool
+    /// holds: a sequence holds its prompt and its reserved answer, `L + O - 1` tokens, from its
+    /// prefill's first step to its last token, `ceil(L / (M - B)) + O - 1` steps, so by Little's
+    /// law `B <= E[O - 1] * P / E[(L + O - 1) (ceil(L / (M - B)) + O - 1)]` (at least one: a
+    /// sequence larger than the pool runs alone). A batch held below `B` leaves steps without a
+    /// chunk: a request brings `E[O - 1] / B` steps, each paying the floor `t0`, and a decode
+    /// lane pays `t0 / B` a token too. Why: the engine's pool holds prompts back when it is
+    /// full, so a capacity that ignored it put load 1.0 above what the fleet can serve (0.81x
+    /// on the testbed with 2-8k-token prompts and 100-500-token answers).
+    ///
     /// The capacity of a worker is `1000 / (prefill + mixed)` req/s with chunked sharing,
     /// `1000 / max(prefill, batched)` with lanes; `kvcompass.sim.capacity` sums the fleet.
-    pub fn saturated_ms(&self, prompts: &[(u64, u64)], max_batched_tokens: u64) -> (f64, f64, f64) {
+    pub fn saturated_ms(&self, prompts: &[(u64, u64)], max_batched_tokens: u64, pool_tokens: u64) -> (f64, f64, f64) {
         if prompts.is_empty() {
             return (0.0, 0.0, 0.0);
         }
@@ -141,11 +151,29 @@ impl Cost {
             batch = next;
         }
         let ctx = self.decode_ms_per_context_token * context;
+        // The pool's bound on the batch: a few rounds, as the room it leaves changes the
+        // prefill's steps (a smaller batch leaves more room a step).
+        let mut cap = f64::INFINITY;
+        if pool_tokens > 0 && seq_steps > 0.0 {
+            for _ in 0..8 {
+                let room = max_batched_tokens.saturating_sub(batch.min(cap).round() as u64).max(1);
+                let held = prompts.iter().map(|&(l, o)| {
+                    let d = o.saturating_sub(1) as f64;
+                    (l as f64 + d) * (l.div_ceil(room).max(1) as f64 + d)
+                });
+                let next = (seq_steps * pool_tokens as f64 / (held.sum::<f64>() / n)).max(1.0);
+                if (next - cap).abs() < 1e-9 {
+                    break;
+                }
+                cap = next;
+            }
+        }
         // A step with an empty batch pays no decode at all: with fewer than one running
         // sequence on average, only that share of the steps pays the floor.
-        let floor = steps * batch.min(1.0) * self.decode_base_ms;
+        let floor = if batch > cap { seq_steps / cap * self.decode_base_ms } else { steps * batch.min(1.0) * self.decode_base_ms };
         let mixed = (floor + self.decode_ms_per_seq * seq_steps).max(self.decode_compute_ms_per_token * seq_steps) + ctx;
-        let batched = self.decode_ms_per_seq.max(self.decode_compute_ms_per_token) * seq_steps + ctx;
+        let lane_floor = if cap.is_finite() { self.decode_base_ms / cap } else { 0.0 };
+        let batched = (lane_floor + self.decode_ms_per_seq).max(self.decode_compute_ms_per_token) * seq_steps + ctx;
         (prefill, mixed, batched)
     }
 
