@@ -13,11 +13,15 @@ with lanes it costs the larger of its prefill and its decode (the lanes overlap)
 over the workload's prompts, each worker at its own ``beta_ms_per_token``, and the fleet's
 capacity is the sum of its workers' (perfect balance: no scheme can exceed it without reuse).
 With prefill-decode disaggregation the prefill workers and the decode instances are two
-stages and the smaller one bounds the fleet.
+stages and the smaller one bounds the fleet. With the engine's shared KV pool (the default) a
+worker's batch is at most what its VRAM holds of prompts and reserved answers, which binds when
+answers are long beside the pool (``Cost::saturated_ms`` says how; with the Mixed workload it
+lowers testbed-14x3's capacity by 13 % and paper-64x8's by 2.5 %).
 
 What it leaves out, on purpose: reuse (that is what is being measured), WAN time (it delays
 but does not consume GPU time) and migrations. The engine agrees with it to within a few per
-cent on a workload without reuse (``tests/test_sim_capacity.py`` runs the Oracle past it).
+cent on a workload without reuse, with short answers and with answers that fill the pool
+(``tests/test_sim_capacity.py`` runs the Oracle past it).
 """
 
 from __future__ import annotations
