@@ -79,7 +79,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=None, help="requests per scheme (default 20000)")
     ap.add_argument("--schemes", default=None, help="comma list or 'all' (default: all but the ablations with --quick, else all)")
     ap.add_argument("--topology", default="paper-64x8")
-    ap.add_argument("--rate", type=float, default=150.0, help="offered load, req/s of simulated time (150: about 0.8 of paper-64x8's prefill-only capacity for this workload, about 1.08 of its no-reuse capacity with chunked decode, kvcompass.sim.capacity)")
+    ap.add_argument("--rate", type=float, default=150.0, help="offered load, req/s of simulated time (150: about 0.8 of paper-64x8's prefill-only capacity for this workload, about 1.10 of its no-reuse capacity with chunked decode and the KV pool, kvcompass.sim.capacity)")
     ap.add_argument("--memory-requests", type=int, default=2000, help="requests of the memory pass (first scheme; 0 skips it)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument(
