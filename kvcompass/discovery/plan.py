@@ -80,8 +80,6 @@ def own_region_levels(minimum: int, *, levels: int, block_size: int, max_prefix:
     ``steps`` > 1, ``steps`` lengths per doubling between the same first and last length
     (``min * 2**(k / steps)``, block-rounded): the topology's ``own_steps``."""
     first = round_up(minimum, block_size)
-    if steps == 1:
-        return tuple(c for c in (first << i for i in range(levels)) if c <= max_prefix)
     out: list[int] = []
     for k in range((levels - 1) * steps + 1):
         c = first << (k // steps) if k % steps == 0 else round_up(first * 2 ** (k / steps), block_size)
