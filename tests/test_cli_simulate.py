@@ -376,6 +376,12 @@ def test_load_is_a_fraction_of_the_no_reuse_capacity(tmp_path: Path, capsys: pyt
     # The rates it computed are the rates it ran: the same as giving them by hand.
     assert main([*argv, "--rates", ",".join(rates)]) == 0
     assert _last_json(capsys.readouterr().out)["results"] == doc["results"]
+    # The capacity is the engine's: without the shared KV pool the batch is not bounded by it.
+    assert main([*argv, "--load", "0.5", "--kv-pool", "unbounded"]) == 0
+    cap = capsys.readouterr()
+    free = no_reuse_capacity(topo, synthetic_mixed(60, regions=topo, seed=4, rate=1.0, block_size=topo.block_size), kv_pool="unbounded").req_per_s
+    assert _last_json(cap.out)["capacity"]["req_per_s"] == pytest.approx(free) and free > 1.02 * want
+    assert "unbounded KV pool" in cap.err
 
 
 @pytest.mark.parametrize("extra", [["--load", "0"], ["--load", "0.5,x"], ["--load", "0.5,0.5"], ["--load", "0.5", "--rates", "5"]])
