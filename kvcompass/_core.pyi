@@ -240,8 +240,12 @@ class KvPool:
         beside the held ones (true when none are held)."""
     def hold(self, chain: npt.NDArray[np.uint64], extra: int) -> int:
         """Hold the chain and reserve ``extra`` blocks; the handle :meth:`release` takes."""
-    def release(self, handle: int) -> None:
-        """Let go of what ``handle`` holds (InvalidArgumentError if it holds nothing)."""
+    def release(self, handle: int, cache: BlockCache | None = None, events: bool = True) -> None:
+        """Let go of what ``handle`` holds (InvalidArgumentError if it holds nothing); with
+        ``cache``, give it its room back at once (only grows it)."""
+    def fit_cache(self, cache: BlockCache, events: bool = True) -> list[_RawStored | _RawRemoved]:
+        """``cache`` keeps what the reservations leave of the pool (as a prefill lands); what no
+        longer fits is demoted, its events returned (empty unless ``events``)."""
     @staticmethod
     def extra_blocks(prompt_len: int, answer: int, sequences: int, block_size: int) -> int:
         """Blocks a sequence reserves beyond its prompt's full blocks: the partial last block and

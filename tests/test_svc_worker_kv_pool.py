@@ -120,7 +120,7 @@ def test_a_release_never_shrinks_the_cache_behind_the_agents_back() -> None:
     x = np.arange(1, 1025, dtype=np.uint32)
     w.cache.admit(x, 0.0)
     y = w._kv.hold(np.array([1], dtype=np.uint64), 2)
-    w.cache.set_vram_blocks(w._kv.cache_blocks)  # Y's prefill ended: 126 blocks
+    w.cache.fit_to_pool(w._kv)  # Y's prefill ended: 126 blocks
     w._kv.hold(np.arange(100, 164, dtype=np.uint64), 75)  # Z's prefill is under way
     w._kv_release(y)
     assert w.cache.vram_capacity_tokens == 126 * 16 and w.cache.lookup(x) == (1024, 0)

@@ -103,7 +103,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from kvcompass._core import BlockCache
+from kvcompass._core import BlockCache, KvPool
 from kvcompass.agent.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvcompass.index_types import Tier, as_tokens
 
@@ -296,11 +296,16 @@ class PrefixCache:
             raw = self._core.place_dram(arr, seed, float(now), sid, self.publish)
         return self._events(raw)
 
-    def set_vram_blocks(self, blocks: int) -> list[Event]:
-        """VRAM holds ``blocks`` (>= 1) from now, the share of a KV pool that running sequences
-        leave the cache (:class:`kvcompass._core.KvPool`): what no longer fits is demoted to
-        DRAM (dropped without DRAM). Returns the KV events to publish."""
-        return self._events(self._core.set_vram_capacity(int(blocks), self.publish))
+    def fit_to_pool(self, pool: KvPool) -> list[Event]:
+        """VRAM keeps what ``pool``'s reservations leave of it (``KvPool.fit_cache``, the
+        simulator's engine's rule), as a prefill lands: what no longer fits is demoted to DRAM
+        (dropped without DRAM). Returns the KV events to publish."""
+        return self._events(pool.fit_cache(self._core, self.publish))
+
+    def release_to_pool(self, pool: KvPool, handle: int) -> None:
+        """A sequence lets go of its KV in ``pool``: VRAM gets its room back at once (only
+        grows, the engine's rule; a later reservation takes its room as its prompt lands)."""
+        pool.release(handle, self._core, self.publish)
 
     def clear(self) -> list[Event]:
         """Drop everything (vLLM's ``reset_prefix_cache``): ``[AllBlocksCleared()]``."""

@@ -404,7 +404,7 @@ class EmulatedWorker(AsyncResource):
         self._hash_seed = (self._hash_seed + 1) % (1 << 64)
         self.cache = self._new_cache()
         if self._kv is not None:  # sequences still running keep their share
-            self.cache.set_vram_blocks(self._kv.cache_blocks)
+            self.cache.fit_to_pool(self._kv)
         self._seq = 0
         self._ring.clear()
         self.stats.engine_restarts += 1
@@ -498,13 +498,10 @@ class EmulatedWorker(AsyncResource):
                 self._kv_release(job.done.result()[2])
 
     def _kv_release(self, handle: int) -> None:
-        """A sequence lets go of its KV: the cache gets its room back, a waiting prompt may start.
-        Only grows the cache: a reservation made since the last prefill ended takes its room
-        when its own prefill ends (with that prompt's events), not here."""
+        """A sequence lets go of its KV: the cache gets its room back
+        (:meth:`PrefixCache.release_to_pool`), a waiting prompt may start."""
         assert self._kv is not None
-        self._kv.release(handle)
-        if self._kv.cache_blocks * self.config.block_size > self.cache.vram_capacity_tokens:
-            self.cache.set_vram_blocks(self._kv.cache_blocks)  # growing demotes nothing
+        self.cache.release_to_pool(self._kv, handle)
         self._kv_room.set()
 
     async def _kv_hold(self, job: _Job) -> int:
@@ -584,7 +581,7 @@ class EmulatedWorker(AsyncResource):
             try:
                 await self._compute(len(job.tokens), v, d)
                 # The answers' reservations take their room from the cache as the prompt lands.
-                events = self.cache.set_vram_blocks(self._kv.cache_blocks) if self._kv is not None else []
+                events = self.cache.fit_to_pool(self._kv) if self._kv is not None else []
                 events += self.cache.admit(job.tokens, loop.time(), job.salt)
                 await self._publish(events)
             except BaseException as e:

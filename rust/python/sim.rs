@@ -1098,9 +1098,22 @@ impl PyKvPool {
     fn hold(&mut self, chain: &Bound<'_, PyAny>, extra: u64) -> PyResult<u32> {
         Ok(self.inner.hold(u64_vec("chain", chain)?, extra))
     }
-    /// Let go of what `handle` holds (InvalidArgumentError for a handle that holds nothing).
-    fn release(&mut self, handle: u32) -> PyResult<()> {
-        self.inner.release(handle).map_err(core_err)
+    /// Let go of what `handle` holds (InvalidArgumentError for a handle that holds nothing);
+    /// with `cache`, give it its room back at once (only grows it: `fit_cache`'s rule).
+    #[pyo3(signature = (handle, cache=None, events=true))]
+    fn release(&mut self, handle: u32, cache: Option<PyRefMut<'_, PyBlockCache>>, events: bool) -> PyResult<()> {
+        match cache {
+            Some(mut c) => self.inner.release_into(handle, &mut c.inner, events),
+            None => self.inner.release(handle),
+        }
+        .map_err(core_err)
+    }
+    /// `cache` keeps what the reservations leave of the pool, as a prefill lands; what no
+    /// longer fits is demoted (its events returned, empty unless `events`).
+    #[pyo3(signature = (cache, events=true))]
+    fn fit_cache<'py>(&self, py: Python<'py>, mut cache: PyRefMut<'py, PyBlockCache>, events: bool) -> PyResult<Bound<'py, pyo3::types::PyList>> {
+        let out = self.inner.fit_cache(&mut cache.inner, events).map_err(core_err)?;
+        super::block_cache::events_out(py, out)
     }
     /// Blocks a sequence reserves beyond its prompt's full blocks: the partial last block and
     /// `sequences` answers of `answer` tokens, each but its last token (the simulator's rule).

@@ -2144,15 +2144,8 @@ impl Engine {
         }
         j.kv_at = NO_WORKER;
         let h = j.kv_handle;
-        self.workers[w as usize].kv.release(h)?;
-        // The cache gets its room back at once (only grows here: a reservation made since the
-        // last prefill ended takes its room when its own prefill ends).
         let x = &mut self.workers[w as usize];
-        let cap = x.kv.cache_blocks();
-        if cap > x.cache.capacity(VRAM) {
-            let none = x.cache.set_vram_capacity(cap, x.publish)?;
-            debug_assert!(none.is_empty(), "growing demotes nothing");
-        }
+        x.kv.release_into(h, &mut x.cache, x.publish)?;
         let x = &self.workers[w as usize];
         let idle = !self.cfg.chunked && x.current.is_none() && !x.waiting.is_empty();
         if idle && self.kv_fits(w)? {
@@ -2162,22 +2155,14 @@ impl Engine {
         Ok(())
     }
 
-    /// The prefix cache of `w` keeps the pool less the reservations (at least one block); what
-    /// no longer fits is demoted (the events returned). Called when a prefill ends
-    /// ([`Self::admit`]), so a hold's reservation takes its room then, with the prompt's own
-    /// blocks, in one batch of events: an engine evicts cached blocks only as it allocates (the
-    /// prompt's during its prefill, the answer's as it decodes), so not before. A release gives
-    /// room back at once ([`Self::kv_release`]).
+    /// The prefix cache of `w` takes what the reservations leave ([`KvPool::fit_cache`]) as a
+    /// prefill ends ([`Self::admit`]); a release gives room back at once ([`Self::kv_release`]).
     fn kv_room(&mut self, w: u32) -> Result<Vec<Event>> {
         if !self.cfg.kv_pool {
             return Ok(Vec::new());
         }
         let x = &mut self.workers[w as usize];
-        let cap = x.kv.cache_blocks();
-        if cap == x.cache.capacity(VRAM) {
-            return Ok(Vec::new());
-        }
-        x.cache.set_vram_capacity(cap, x.publish)
+        x.kv.fit_cache(&mut x.cache, x.publish)
     }
 
     /// A job's id: a finished one's, else a new one.

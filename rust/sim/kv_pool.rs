@@ -16,6 +16,7 @@
 //! pool, kept while it stays above three quarters of it, and dropped below: the decisions are
 //! those of the exact count, always.
 
+use crate::block_cache::{BlockCache, Event, VRAM};
 use crate::block_table::BlockTable;
 use crate::error::{CoreError, Result};
 
@@ -146,6 +147,33 @@ impl KvPool {
         Ok(())
     }
 
+    /// Let go of `h` and give `cache` its room back at once. Only grows the cache: a
+    /// reservation made since the last prefill landed takes its room when its own prefill
+    /// lands ([`Self::fit_cache`]), with that prompt's events. The simulator's engine and the
+    /// emulated workers both release by this.
+    pub fn release_into(&mut self, h: u32, cache: &mut BlockCache, events: bool) -> Result<()> {
+        self.release(h)?;
+        let cap = self.cache_blocks();
+        if cap > cache.capacity(VRAM) {
+            let none = cache.set_vram_capacity(cap, events)?;
+            debug_assert!(none.is_empty(), "growing demotes nothing");
+        }
+        Ok(())
+    }
+
+    /// `cache` keeps what the reservations leave of the pool (at least one block); what no
+    /// longer fits is demoted (the events returned). Called as a prefill lands, so a hold's
+    /// reservation takes its room then, in one batch of events with the prompt's own blocks:
+    /// an engine evicts cached blocks only as it allocates (the prompt's during its prefill,
+    /// the answer's as it decodes), so not before.
+    pub fn fit_cache(&self, cache: &mut BlockCache, events: bool) -> Result<Vec<Event>> {
+        let cap = self.cache_blocks();
+        if cap == cache.capacity(VRAM) {
+            return Ok(Vec::new());
+        }
+        cache.set_vram_capacity(cap, events)
+    }
+
     /// Build the per-block counts from the held chains (once; kept while `exact`).
     fn count_exactly(&mut self) {
         if self.exact {
@@ -201,6 +229,29 @@ mod tests {
         assert!(p.release(a).is_err());
         p.release(b).unwrap();
         assert_eq!((p.held(), p.reserved(), p.cache_blocks()), (0, 0, 10));
+    }
+
+    #[test]
+    fn the_cache_shrinks_as_a_prefill_lands_and_grows_back_at_a_release() {
+        let mut c = BlockCache::new(1, 8, 8, false, 0).unwrap();
+        let toks = [1u32, 2, 3, 4, 5, 6];
+        let chain = c.chain(&toks, 0).unwrap();
+        c.place_vram(&toks, &chain, 1.0, 0, true, true).unwrap();
+        let mut p = KvPool::new(8);
+        assert!(p.fit_cache(&mut c, true).unwrap().is_empty()); // nothing reserved: 8 blocks
+        let a = p.hold(vec![100], 4);
+        // A reservation takes its room only as its prefill lands: two cached blocks demoted.
+        assert_eq!(c.capacity(VRAM), 8);
+        let ev = p.fit_cache(&mut c, true).unwrap();
+        assert_eq!((c.capacity(VRAM), c.lookup(&chain)), (4, (4, 2)));
+        assert!(!ev.is_empty());
+        // A later hold does not shrink the cache when another sequence is released.
+        let b = p.hold(vec![200], 2);
+        p.release_into(a, &mut c, true).unwrap();
+        assert_eq!((c.capacity(VRAM), c.lookup(&chain)), (6, (4, 2)));
+        p.release_into(b, &mut c, true).unwrap();
+        assert_eq!(c.capacity(VRAM), 8);
+        assert!(p.release_into(b, &mut c, true).is_err());
     }
 
     proptest! {
