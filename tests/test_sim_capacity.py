@@ -11,6 +11,7 @@ import pytest
 from kvcompass.discovery.topology import Topology, load_topology, topology_from_dict
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.sim.capacity import no_reuse_capacity, rates_for_loads
+from kvcompass.engine.cache import DEFAULT_VRAM_TOKENS
 from kvcompass.engine.costs import CostModel
 from kvcompass.sim.engine import simulate
 from kvcompass.sim.summary import Summary
@@ -100,6 +101,25 @@ def test_prefill_only_capacity_is_one_over_beta_times_length() -> None:
     cap = no_reuse_capacity(topo, reqs, cost=CostModel(prefill_base_ms=0.0))
     assert cap.req_per_s == pytest.approx(1000.0 / (0.05 * 1000))  # the topology's beta, not the cost model's
     assert cap.mean_input_tokens == 1000 and cap.mean_output_tokens == 1
+
+
+def test_a_worker_without_a_stated_vram_is_priced_with_the_engines_default() -> None:
+    """The pool is the VRAM the engine gives the worker's cache: a topology that leaves
+    ``vram_tokens`` out gets the default, not an error (found in review: None reached the
+    Rust call)."""
+    stated = _one_worker(0.05)
+    raw: dict[str, Any] = {
+        "name": "one",
+        "rtt_ms": {"a": {"a": 2.0}},
+        "regions": {"a": {}},
+        "workers": [{"id": "w0", "region": "a", "beta_ms_per_token": 0.05}],
+    }
+    left_out = topology_from_dict(raw)
+    reqs = [Request(i, float(i), "a", 0, "public", 3000, 400, 16, i, -1, ChainBlocks(((i, 187),))) for i in range(10)]
+    small = no_reuse_capacity(stated, reqs)  # a 4,096-token pool bounds the batch
+    default = no_reuse_capacity(left_out, reqs)
+    assert default.req_per_s > small.req_per_s
+    assert default.req_per_s == pytest.approx(no_reuse_capacity(topology_from_dict({**raw, "workers": [{**raw["workers"][0], "vram_tokens": DEFAULT_VRAM_TOKENS}]}), reqs).req_per_s)
 
 
 def test_disaggregated_capacity_is_bound_by_the_smaller_stage() -> None:

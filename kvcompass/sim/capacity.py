@@ -36,6 +36,7 @@ import numpy as np
 from kvcompass import _core
 from kvcompass.discovery.topology import Topology
 from kvcompass.errors import InvalidArgumentError
+from kvcompass.engine.cache import worker_capacities
 from kvcompass.engine.costs import CostModel
 from kvcompass.sim.workload import Request
 
@@ -101,7 +102,8 @@ def no_reuse_capacity(
     prefill_side = decode_side = 0.0
     split = topology.disaggregated
     for w in topology.workers:
-        pool = w.vram_tokens if kv_pool == "shared" and not split else 0
+        # The pool is the worker's VRAM as the engine sizes its cache (a topology may leave it out).
+        pool = worker_capacities(w.vram_tokens, w.dram_tokens, topology.block_size)[0] if kv_pool == "shared" and not split else 0
         if (w.beta_ms_per_token, pool) not in terms:
             c = dataclasses.replace(base, prefill_ms_per_token=w.beta_ms_per_token)
             terms[w.beta_ms_per_token, pool] = _core.cost_saturated_ms(c.core_args, inputs, outputs, max_batched_tokens, pool)
