@@ -401,10 +401,11 @@ class App:
             else:
                 allow = ",".join(sorted({*methods, *(["HEAD"] if "GET" in methods else [])}))
                 miss = OpenAIError(405, f"Method Not Allowed: {request.method} {request.path}", None, "method_not_allowed", headers={"Allow": allow})
-            resp = error_response(miss)
+            miss_resp = error_response(miss)
             if self.observe is not None:
-                self.observe(request, resp, None)
-            return resp
+                self.observe(request, miss_resp, None)
+            return miss_resp
+        resp: StreamResponse
         try:
             resp = await handler(request)
         except OpenAIError as e:
@@ -467,7 +468,7 @@ class _Connection(asyncio.Protocol):
         g = srv.guard
         if g is not None:
             if not g.admit(addr):
-                transport.write(_REFUSED)
+                transport.write(_REFUSED)  # type: ignore[attr-defined]  # a transport that writes
                 transport.close()
                 self.lost = True
                 return
