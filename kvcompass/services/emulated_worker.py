@@ -88,7 +88,7 @@ from kvcompass.agent.events import REPLAY_END_SEQ, Event, encode_batch
 from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.errors import DrainingError, InvalidArgumentError
 from kvcompass.services.http_server import App, HttpServer, Request, Response, StreamResponse, json_response, path_tail
-from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, MODELS_PREFIX, OpenAIError, batch_prompt_tokens, chat_tokens, decode_json_object
+from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, MODELS_PREFIX, OpenAIError, add_routes, batch_prompt_tokens, chat_tokens, decode_json_object
 from kvcompass.services.openai_api import int_field, model_card, model_not_found, models_list, prompt_batch, prompt_tokens
 from kvcompass.engine.tokenizer import Tokenizer, load_tokenizer
 from kvcompass.engine.cache import DEFAULT_DRAM_TOKENS, DEFAULT_VRAM_TOKENS, Policy, PrefixCache, worker_capacities
@@ -342,12 +342,7 @@ class EmulatedWorker(AsyncResource):
             self._router.setsockopt(zmq.LINGER, 0)
             self.replay_endpoint = _bind(self._router, replay, host)
             app = App(max_body_bytes=_MAX_BODY, observe=self._observe, cors_origins=("*",))  # vLLM's default
-            app.add_post("/v1/completions", self._completions)
-            app.add_post("/v1/chat/completions", self._chat)
-            app.add_get("/v1/models", self._models)
-            app.add_get_prefix(MODELS_PREFIX, self._model)
-            app.add_get("/health", self._health)
-            app.add_get("/metrics", self._metrics_handler)
+            add_routes(app, completions=self._completions, chat=self._chat, models=self._models, model=self._model, health=self._health, metrics=self._metrics_handler)
             app.add_get(LOAD_PATH, self._load)
             sock = bind_socket(host, port)
             self.port = sock.getsockname()[1]

@@ -89,6 +89,7 @@ from kvcompass.services.openai_api import (
     INLINE_TOKENIZE_CHARS,
     MODELS_PREFIX,
     OpenAIError,
+    add_routes,
     batch_prompt_tokens,
     chat_tokens,
     decode_json_object,
@@ -1642,12 +1643,7 @@ def make_app(
     app.state[FRONT_DOOR] = door
     app.on_startup.append(door.start)
     app.on_cleanup.append(door.stop)
-    app.add_post("/v1/completions", door.completions)
-    app.add_post("/v1/chat/completions", door.chat_completions)
-    app.add_get("/v1/models", door.models)
-    app.add_get_prefix(MODELS_PREFIX, door.model)
-    app.add_get("/health", door.health)
-    app.add_get("/metrics", door.metrics_endpoint)
+    add_routes(app, completions=door.completions, chat=door.chat_completions, models=door.models, model=door.model, health=door.health, metrics=door.metrics_endpoint)
     return app
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import numpy as np
@@ -26,11 +26,15 @@ from kvcompass import _core
 from kvcompass.errors import KVCompassError
 from kvcompass.services.status import http_of
 
+if TYPE_CHECKING:  # http_server imports this module for its error class
+    from kvcompass.services.http_server import App, Handler
+
 __all__ = [
     "INLINE_TOKENIZE_CHARS",
     "MODELS_PREFIX",
     "ErrorType",
     "OpenAIError",
+    "add_routes",
     "batch_prompt_tokens",
     "chat_tokens",
     "decode_json_object",
@@ -96,6 +100,18 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 MODELS_PREFIX = "/v1/models/"
 """Where ``GET /v1/models/{model}`` lives (OpenAI's ``models.retrieve``)."""
+
+
+def add_routes(app: App, *, completions: Handler, chat: Handler, models: Handler, model: Handler, health: Handler, metrics: Handler) -> None:
+    """The paths the door and the emulated worker both serve, as vLLM serves them: the two
+    completion endpoints, ``GET /v1/models`` and ``/v1/models/{model}``, ``/health`` and
+    ``/metrics``. Each adds its own paths beside these (the worker its load report)."""
+    app.add_post("/v1/completions", completions)
+    app.add_post("/v1/chat/completions", chat)
+    app.add_get("/v1/models", models)
+    app.add_get_prefix(MODELS_PREFIX, model)
+    app.add_get("/health", health)
+    app.add_get("/metrics", metrics)
 
 
 def int_field(body: Mapping[str, Any], name: str, minimum: int, maximum: int | None = None) -> int | None:
