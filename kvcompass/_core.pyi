@@ -173,10 +173,11 @@ def cost_estimate_ms(cost: _CostArgs, length: int, vram_hit: int, dram_hit: int,
     """A waiting prompt's prefill estimate; hits past the prompt (their sum saturating, never
     wrapping) leave nothing to compute."""
 def cost_chunk_step(cost: _CostArgs, left: int, extra_ms: float, batch: int, context: int, max_batched_tokens: int) -> tuple[int, float, float]: ...
-def cost_saturated_ms(cost: _CostArgs, inputs: npt.NDArray[np.uint64], outputs: npt.NDArray[np.uint64], max_batched_tokens: int, pool_tokens: int = 0) -> tuple[float, float, float]:
-    """``(prefill_ms, mixed_decode_ms, batched_decode_ms)`` a saturated worker spends per request
-    with nothing reused (``kvcompass.sim.capacity``), its batch bounded by a KV pool of
-    ``pool_tokens`` (0: unbounded)."""
+def cost_saturated_ms(cost: _CostArgs, inputs: npt.NDArray[np.uint64], outputs: npt.NDArray[np.uint64], max_batched_tokens: int, pool_tokens: int = 0) -> tuple[float, float, float, float]:
+    """``(prefill_ms, mixed_decode_ms, batched_decode_ms, handed_decode_ms)`` a saturated worker
+    (the last: a decode instance) spends per request with nothing reused
+    (``kvcompass.sim.capacity``), its batch bounded by a KV pool of ``pool_tokens`` (0:
+    unbounded)."""
 def busy_windows(
     intervals: list[npt.NDArray[np.float64]], start: float, window: float, edges: npt.NDArray[np.float64]
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
@@ -363,7 +364,8 @@ class SimEngine:
     def handoffs(self) -> int: ...
     @property
     def kv_waits(self) -> int:
-        """Prefills the shared KV pool held back at least once (``kv_pool=True``)."""
+        """Requests the shared KV pool held back at least once (``kv_pool=True``): a prefill, or
+        a handed-off sequence on its decode instance."""
     @property
     def events_processed(self) -> int: ...
     @property

@@ -85,6 +85,24 @@ def test_a_full_kv_pool_bounds_the_capacity(gpu_sharing: str, outputs_from: tupl
     assert last < 2 * max(first, 200.0)
 
 
+@pytest.mark.parametrize("outputs_from", [(100, 501), (600, 1401)])
+def test_decode_instances_pools_bound_a_disaggregated_fleet(outputs_from: tuple[int, int]) -> None:
+    # testbed-pd-10x3: each region's one decode instance holds 2-8k-token prompts with their
+    # answers in its 98,304-token pool, 14-18 at a time, so the decode side binds; past the
+    # computed capacity the engine completes at it (before decode instances were bounded, at
+    # the unbounded figure: 16.2 and 7.1 req/s here), below it the fleet keeps up.
+    topo = load_topology("testbed-pd-10x3")
+    shape: dict[str, Any] = {"lengths_from": (2048, 8193), "outputs_from": outputs_from}
+    probe = _unique(topo, 3000, 1.0, **shape)
+    cap = no_reuse_capacity(topo, probe)
+    free = no_reuse_capacity(topo, probe, kv_pool="unbounded")
+    assert cap.bound == "decode" and cap.req_per_s < 0.8 * free.req_per_s
+    over = simulate(topo, _unique(topo, 3000, 1.3 * cap.req_per_s, **shape), "oracle", seed=0)
+    assert over.kv_waits > 0 and _completion_rate(over) == pytest.approx(cap.req_per_s, rel=0.05)
+    under = simulate(topo, _unique(topo, 3000, 0.8 * cap.req_per_s, **shape), "oracle", seed=0)
+    assert _completion_rate(under) == pytest.approx(0.8 * cap.req_per_s, rel=0.05)
+
+
 def _one_worker(beta: float) -> Topology:
     raw: dict[str, Any] = {
         "name": "one",

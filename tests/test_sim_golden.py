@@ -16,7 +16,8 @@ follow-ups wait for their parents' answers (the default since the twenty-sixth s
 pinned from the Rust engine. Every entry but the ``*/kv-pool*`` ones gives each worker all of its
 VRAM for its cache beside any number of running sequences (``kv_pool="unbounded"``, as they were
 pinned); the ``*/kv-pool*`` entries, where sequences and cache share one KV pool (the default
-since the twenty-seventh session), are pinned from the Rust engine."""
+since the twenty-seventh session), are pinned from the Rust engine (``kv-pool-disaggregated``
+again since decode instances are bounded by their pools, twenty-ninth session)."""
 
 from __future__ import annotations
 

@@ -94,3 +94,44 @@ def test_the_pool_is_named_in_the_config_and_the_json_line() -> None:
 
     sim = Simulator(_one_worker(4096), [chain_request(0, 0.0, "a", 1, 2048, output=2000), chain_request(1, 1.0, "a", 2, 2048)], "oracle")
     assert summary_row(sim.run())["kv_waits"] == 1
+
+
+def _disaggregated(decode_vram_tokens: int) -> Topology:
+    raw: dict[str, Any] = {
+        "name": "pd",
+        "rtt_ms": {"a": {"a": 2.0}},
+        "regions": {"a": {}},
+        "workers": [
+            {"id": "p0", "region": "a", "role": "prefill", "beta_ms_per_token": 0.085, "vram_tokens": 65536, "dram_tokens": 0},
+            {"id": "d0", "region": "a", "role": "decode", "beta_ms_per_token": 0.085, "vram_tokens": decode_vram_tokens, "dram_tokens": 0},
+        ],
+    }
+    return topology_from_dict(raw)
+
+
+def test_a_decode_instance_admits_a_handed_off_sequence_when_its_kv_fits() -> None:
+    """Disaggregated: the decode instance has 4,096 tokens of VRAM (256 blocks). Request 0's
+    sequence holds its 128 prompt blocks and 125 for its 2,000-token answer; request 1's
+    (another 2,048-token prompt, 16-token answer) needs 129, so it starts decoding only when
+    request 0's answer is done. Unbounded, it joins the batch on arrival. The prefill instance
+    is not bounded by the decode side, so the first tokens come at the same times."""
+    reqs = [chain_request(0, 0.0, "a", 1, 2048, output=2000), chain_request(1, 1.0, "a", 2, 2048, output=16)]
+    shared = simulate(_disaggregated(4096), reqs, "oracle")
+    unbounded = simulate(_disaggregated(4096), reqs, "oracle", kv_pool="unbounded")
+    s, u = _by_id(shared), _by_id(unbounded)
+    assert shared.kv_waits == 1 and unbounded.kv_waits == 0
+    assert [s[i].ttft_ms for i in (0, 1)] == pytest.approx([u[i].ttft_ms for i in (0, 1)])
+    assert s[1].e2e_ms > s[0].e2e_ms > 10 * u[1].e2e_ms  # request 1 decoded after request 0's last token
+    # A larger pool holds both at once.
+    assert simulate(_disaggregated(8192), reqs, "oracle").kv_waits == 0
+
+
+def test_a_handed_off_sequence_larger_than_the_decode_pool_runs_alone() -> None:
+    """A sequence past the decode instance's pool decodes when nothing else is held there,
+    and a sequence handed in while it decodes waits for it, however small."""
+    reqs = [chain_request(0, 0.0, "a", 1, 2048, output=100), chain_request(1, 300.0, "a", 2, 64, output=2)]
+    s = simulate(_disaggregated(1024), reqs, "oracle")
+    assert s.requests == 2 and s.kv_waits == 1
+    r = _by_id(s)
+    assert r[1].arrival_ms + r[1].e2e_ms >= r[0].arrival_ms + r[0].e2e_ms  # done after request 0
+    assert simulate(_disaggregated(1024), reqs, "oracle", kv_pool="unbounded").kv_waits == 0

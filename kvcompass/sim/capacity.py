@@ -14,7 +14,8 @@ over the workload's prompts, each worker at its own ``beta_ms_per_token``, and t
 capacity is the sum of its workers' (perfect balance: no scheme can exceed it without reuse).
 With prefill-decode disaggregation the prefill workers and the decode instances are two
 stages and the smaller one bounds the fleet. With the engine's shared KV pool (the default) a
-worker's batch is at most what its VRAM holds of prompts and reserved answers, which binds when
+worker's batch (a decode instance's too) is at most what its VRAM holds of prompts and reserved
+answers, which binds when
 answers are long beside the pool (``Cost::saturated_ms`` says how; with the Mixed workload it
 lowers testbed-14x3's capacity by 13 % and paper-64x8's by 2.5 %).
 
@@ -85,7 +86,7 @@ def no_reuse_capacity(
     engine's step model: ``cost`` for decode, reload and fixed costs (default: the simulator's),
     each worker's prefill at its ``beta_ms_per_token``, and with ``kv_pool="shared"`` (the
     engine's default) each worker's batch bounded by its VRAM, as the engine's KV pool bounds
-    it (decode instances of a disaggregated fleet are unbounded there, and here)."""
+    it (a decode instance's too, which holds a sequence only while it decodes)."""
     if not requests:
         raise InvalidArgumentError("capacity of an empty workload: give at least one request")
     if gpu_sharing not in ("chunked", "lanes"):
@@ -97,22 +98,26 @@ def no_reuse_capacity(
     base = cost or CostModel()
     inputs = np.fromiter((r.input_length for r in requests), dtype=np.uint64, count=len(requests))
     outputs = np.fromiter((r.output_length for r in requests), dtype=np.uint64, count=len(requests))
-    terms: dict[tuple[float, int], tuple[float, float, float]] = {}  # by (beta, pool): workers mostly share one
+    terms: dict[tuple[float, int], tuple[float, float, float, float]] = {}  # by (beta, pool): workers mostly share one
     per_worker: dict[str, float] = {}
     prefill_side = decode_side = 0.0
     split = topology.disaggregated
     for w in topology.workers:
         # The pool is the worker's VRAM as the engine sizes its cache (a topology may leave it out).
-        pool = worker_capacities(w.vram_tokens, w.dram_tokens, topology.block_size)[0] if kv_pool == "shared" and not split else 0
+        # A prefill instance holds a prompt only until its hand-off: only decode instances and
+        # workers that do both are bounded by their pools.
+        bounded = kv_pool == "shared" and (not split or w.role == "decode")
+        pool = worker_capacities(w.vram_tokens, w.dram_tokens, topology.block_size)[0] if bounded else 0
         if (w.beta_ms_per_token, pool) not in terms:
             c = dataclasses.replace(base, prefill_ms_per_token=w.beta_ms_per_token)
             terms[w.beta_ms_per_token, pool] = _core.cost_saturated_ms(c.core_args, inputs, outputs, max_batched_tokens, pool)
-        prefill, mixed, batched = terms[w.beta_ms_per_token, pool]
+        prefill, mixed, batched, handed = terms[w.beta_ms_per_token, pool]
         if split:
             # Disaggregated: a prefill worker hands every sequence off, a decode instance
-            # only decodes (its batch grows with load, so its step floor fades per token).
+            # only decodes (its batch grows with load up to what its pool holds, so its step
+            # floor is shared by that batch).
             if w.role == "decode":
-                r = 1000.0 / batched if batched > 0 else float("inf")
+                r = 1000.0 / handed if handed > 0 else float("inf")
                 decode_side += r
             else:
                 r = 1000.0 / prefill if prefill > 0 else float("inf")

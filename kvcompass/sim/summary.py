@@ -185,8 +185,8 @@ class Summary:
     evicted_blocks: int = 0
     """Blocks the run's caches dropped (from DRAM, or from VRAM without DRAM)."""
     kv_waits: int = 0
-    """Prompts whose prefill waited for room in their worker's KV pool (``kv_pool="shared"``):
-    how often the fleet's batches filled VRAM."""
+    """Requests that waited for room in a KV pool (``kv_pool="shared"``): their prefill on its
+    worker, or their hand-off on a decode instance; how often the fleet's batches filled VRAM."""
     drain_s: float = 0.0
     """From the last send to the last answer: when it outlasts the sends' own span, the run's
     throughput is mostly that tail (one long decode can set it; found on ShareGPT chat, a

@@ -923,7 +923,8 @@ impl PySimEngine {
         self.inner.handoffs
     }
 
-    /// Prefills the shared KV pool held back at least once (`kv_pool=True`).
+    /// Requests the shared KV pool held back at least once (`kv_pool=True`): a prefill, or a
+    /// handed-off sequence on its decode instance.
     #[getter]
     fn kv_waits(&self) -> u64 {
         self.inner.kv_waits
@@ -1025,11 +1026,12 @@ fn cost_chunk_step(cost: CostArgs, left: u64, extra_ms: f64, batch: u64, context
     cost_of(cost).chunk_step(left, extra_ms, batch, context, max_batched_tokens)
 }
 
-/// `(prefill_ms, mixed_decode_ms, batched_decode_ms)` a saturated worker spends per request
-/// of `(inputs, outputs)` with nothing reused (`crate::sim::Cost::saturated_ms`).
+/// `(prefill_ms, mixed_decode_ms, batched_decode_ms, handed_decode_ms)` a saturated worker (or
+/// decode instance) spends per request of `(inputs, outputs)` with nothing reused
+/// (`crate::sim::Cost::saturated_ms`).
 #[pyfunction]
 #[pyo3(signature = (cost, inputs, outputs, max_batched_tokens, pool_tokens = 0))]
-fn cost_saturated_ms(py: Python<'_>, cost: CostArgs, inputs: &Bound<'_, PyAny>, outputs: &Bound<'_, PyAny>, max_batched_tokens: u64, pool_tokens: u64) -> PyResult<(f64, f64, f64)> {
+fn cost_saturated_ms(py: Python<'_>, cost: CostArgs, inputs: &Bound<'_, PyAny>, outputs: &Bound<'_, PyAny>, max_batched_tokens: u64, pool_tokens: u64) -> PyResult<(f64, f64, f64, f64)> {
     let (i, o) = (u64_vec("inputs", inputs)?, u64_vec("outputs", outputs)?);
     if i.len() != o.len() {
         return Err(pyo3::exceptions::PyValueError::new_err(format!("inputs and outputs differ in length ({} vs {})", i.len(), o.len())));

@@ -93,8 +93,8 @@ impl Cost {
 
     /// What a saturated worker spends per request when nothing is reused, under this step
     /// model: the mean-field fixed point of a worker that always has a prompt waiting.
-    /// `(prefill_ms, mixed_decode_ms, batched_decode_ms)`, means over the prompts
-    /// `(input, output)`:
+    /// `(prefill_ms, mixed_decode_ms, batched_decode_ms, handed_decode_ms)`, means over the
+    /// prompts `(input, output)`:
     ///
     /// * `prefill_ms`: `beta * L` plus the fixed cost of every prompt that computes a token.
     /// * `mixed_decode_ms` (chunked sharing, every step a mixed one): each step carries one
@@ -108,6 +108,10 @@ impl Cost {
     /// * `batched_decode_ms` (a decode lane or a decode instance, whose batch grows with load,
     ///   so the step floor `t0` vanishes per token): `max(a, c) * E[O - 1]` plus the same
     ///   context term.
+    /// * `handed_decode_ms` (a decode instance of a disaggregated fleet): as `batched`, but a
+    ///   sequence holds its pool only for its `O - 1` decode steps (the prefill instance held
+    ///   it before), so with a pool the batch is at most `E[O - 1] * P / E[(L + O - 1) (O - 1)]`
+    ///   and each token pays `t0` over that batch.
     ///
     /// With a KV pool of `pool_tokens` (0: unbounded), the batch is at most what the pool
     /// holds: a sequence holds its prompt and its reserved answer, `L + O - 1` tokens, from its
@@ -121,9 +125,9 @@ impl Cost {
     ///
     /// The capacity of a worker is `1000 / (prefill + mixed)` req/s with chunked sharing,
     /// `1000 / max(prefill, batched)` with lanes; `kvcompass.sim.capacity` sums the fleet.
-    pub fn saturated_ms(&self, prompts: &[(u64, u64)], max_batched_tokens: u64, pool_tokens: u64) -> (f64, f64, f64) {
+    pub fn saturated_ms(&self, prompts: &[(u64, u64)], max_batched_tokens: u64, pool_tokens: u64) -> (f64, f64, f64, f64) {
         if prompts.is_empty() {
-            return (0.0, 0.0, 0.0);
+            return (0.0, 0.0, 0.0, 0.0);
         }
         let n = prompts.len() as f64;
         let mut prefill = 0.0;
@@ -172,9 +176,20 @@ impl Cost {
         // sequence on average, only that share of the steps pays the floor.
         let floor = if batch > cap { seq_steps / cap * self.decode_base_ms } else { steps * batch.min(1.0) * self.decode_base_ms };
         let mixed = (floor + self.decode_ms_per_seq * seq_steps).max(self.decode_compute_ms_per_token * seq_steps) + ctx;
-        let lane_floor = if cap.is_finite() { self.decode_base_ms / cap } else { 0.0 };
-        let batched = (lane_floor + self.decode_ms_per_seq).max(self.decode_compute_ms_per_token) * seq_steps + ctx;
-        (prefill, mixed, batched)
+        let per_token = |cap: f64| {
+            let floor = if cap.is_finite() { self.decode_base_ms / cap } else { 0.0 };
+            (floor + self.decode_ms_per_seq).max(self.decode_compute_ms_per_token) * seq_steps + ctx
+        };
+        let handed_cap = if pool_tokens > 0 && seq_steps > 0.0 {
+            let held = prompts.iter().map(|&(l, o)| {
+                let d = o.saturating_sub(1) as f64;
+                (l as f64 + d) * d
+            });
+            (seq_steps * pool_tokens as f64 / (held.sum::<f64>() / n)).max(1.0)
+        } else {
+            f64::INFINITY
+        };
+        (prefill, mixed, per_token(cap), per_token(handed_cap))
     }
 
     /// Moving the KV of `tokens` over a `gbps` link. The bits are counted in 128 bits (they
@@ -636,6 +651,9 @@ struct Worker {
     busy: Vec<(f64, f64)>,
     running: Vec<u32>,
     joining: Vec<u32>,
+    /// Sequences handed to this decode instance that wait for room in its pool, in arrival
+    /// order ([`Engine::hand_in`]).
+    handed: VecDeque<u32>,
     stepping: bool,
     seg_start: f64,
     seg_batch: u64,
@@ -659,6 +677,12 @@ struct Worker {
 /// answer only when `answer` (it decodes where it prefills; a migration's replica has none).
 fn kv_extra(j: &Job, block_size: usize, answer: bool) -> u64 {
     KvPool::extra_blocks(j.input_length, j.output_length, u64::from(answer), block_size as u64)
+}
+
+/// Blocks a handed-off sequence holds on its decode instance: its prompt's full blocks and
+/// what [`kv_extra`] reserves with its answer.
+fn handed_blocks(j: &Job, block_size: usize) -> u64 {
+    j.input_length / block_size as u64 + kv_extra(j, block_size, true)
 }
 
 /// `max(0.0, x)` as Python evaluates it.
@@ -721,7 +745,8 @@ pub struct Engine {
     done: u64,
     progress_every: u64,
     pub handoffs: u64,
-    /// Prefills the KV pool held back at least once ([`Config::kv_pool`]).
+    /// Requests the KV pool held back at least once ([`Config::kv_pool`]): a prefill, or a
+    /// handed-off sequence on its decode instance ([`Engine::admit_handed`]).
     pub kv_waits: u64,
     pub events_processed: u64,
     started: bool,
@@ -877,6 +902,7 @@ impl Engine {
                 busy: Vec::new(),
                 running: Vec::new(),
                 joining: Vec::new(),
+                handed: VecDeque::new(),
                 stepping: false,
                 seg_start: 0.0,
                 seg_batch: 0,
@@ -1268,7 +1294,7 @@ impl Engine {
                 Ev::EndPrefill { w, job } => self.end_prefill(w, job)?,
                 Ev::EndSegment { w, gen } => self.end_segment(w, gen)?,
                 Ev::EndMixed { w, job, chunk } => self.end_mixed(w, job, chunk)?,
-                Ev::Join { w, job } => self.join(w, job)?,
+                Ev::Join { w, job } => self.hand_in(w, job)?,
                 Ev::Response { worker, edge_region, claimed, reused, vector } => {
                     let vector = (vector != NO_VECTOR).then(|| {
                         self.free_vectors.push(vector);
@@ -1876,6 +1902,49 @@ impl Engine {
         Ok(())
     }
 
+    /// A sequence handed off by a prefill instance reaches decode instance `w`. With
+    /// [`Config::kv_pool`] it joins the batch only once its KV fits in `w`'s pool, behind any
+    /// handed in before it that still wait ([`Self::admit_handed`]).
+    ///
+    /// Why: a decode instance's batch is bounded by its VRAM as a prefill-and-decode worker's
+    /// is (vLLM's scheduler allocates a transferred sequence's blocks before it decodes), so an
+    /// unbounded one hid the decode side's saturation.
+    fn hand_in(&mut self, w: u32, job: u32) -> Result<()> {
+        if !self.cfg.kv_pool {
+            return self.join(w, job);
+        }
+        self.workers[w as usize].handed.push_back(job);
+        self.admit_handed(w)
+    }
+
+    /// Admit the sequences waiting at decode instance `w`, in order, while each fits. A
+    /// sequence holds its whole context, the prompt's blocks and its answer's reservation
+    /// ([`handed_blocks`]), none shared with another (the hand-off moved every block of its
+    /// prompt); a sequence larger than the pool runs alone. One held back is counted once in
+    /// [`Engine::kv_waits`].
+    fn admit_handed(&mut self, w: u32) -> Result<()> {
+        let bs = self.block_size;
+        while let Some(&job) = self.workers[w as usize].handed.front() {
+            let blocks = handed_blocks(&self.jobs[job as usize], bs);
+            let x = &mut self.workers[w as usize];
+            if !x.kv.fits(&[], blocks) {
+                let j = &mut self.jobs[job as usize];
+                if !j.kv_waited {
+                    j.kv_waited = true;
+                    self.kv_waits += 1;
+                }
+                return Ok(());
+            }
+            x.handed.pop_front();
+            let h = x.kv.hold(Vec::new(), blocks);
+            let j = &mut self.jobs[job as usize];
+            j.kv_handle = h;
+            j.kv_at = w;
+            self.join(w, job)?;
+        }
+        Ok(())
+    }
+
     fn join(&mut self, w: u32, job: u32) -> Result<()> {
         let x = &mut self.workers[w as usize];
         x.joining.push(job);
@@ -2146,6 +2215,9 @@ impl Engine {
         let h = j.kv_handle;
         let x = &mut self.workers[w as usize];
         x.kv.release_into(h, &mut x.cache, x.publish)?;
+        if !x.handed.is_empty() {
+            return self.admit_handed(w);
+        }
         let x = &self.workers[w as usize];
         let idle = !self.cfg.chunked && x.current.is_none() && !x.waiting.is_empty();
         if idle && self.kv_fits(w)? {
