@@ -140,15 +140,24 @@ def test_a_worker_without_a_stated_vram_is_priced_with_the_engines_default() -> 
     assert default.req_per_s == pytest.approx(no_reuse_capacity(topology_from_dict({**raw, "workers": [{**raw["workers"][0], "vram_tokens": DEFAULT_VRAM_TOKENS}]}), reqs).req_per_s)
 
 
-def test_disaggregated_capacity_is_bound_by_the_smaller_stage() -> None:
+def test_disaggregated_capacity_pairs_the_stages_by_region() -> None:
+    """testbed-pd-10x3 (us: three prefill workers and one decode instance; eu and asia: two and
+    one): each region's hand-offs stay in it, so its smaller stage bounds it, and the fleet is
+    the sum (not the smaller of the two fleet-wide sums, which counted the us decode instance
+    serving eu's hand-offs)."""
     topo = load_topology("testbed-pd-10x3")
-    reqs = _unique(topo, 500, 1.0)
+    reqs = _unique(topo, 500, 1.0, lengths_from=(2048, 8193), outputs_from=(100, 300))
     cap = no_reuse_capacity(topo, reqs)
-    roles = {w.id: w.role for w in topo.workers}
-    prefill = sum(r for w, r in cap.per_worker.items() if roles[w] != "decode")
-    decode = sum(r for w, r in cap.per_worker.items() if roles[w] == "decode")
-    assert cap.req_per_s == pytest.approx(min(prefill, decode))
-    assert cap.bound == ("prefill" if prefill <= decode else "decode")
+    by = {w.id: w for w in topo.workers}
+    per_region = {}
+    for r in topo.region_names:
+        p = sum(x for w, x in cap.per_worker.items() if by[w].region == r and by[w].role != "decode")
+        d = sum(x for w, x in cap.per_worker.items() if by[w].region == r and by[w].role == "decode")
+        per_region[r] = (p, d)
+    assert per_region["us"][0] > per_region["us"][1] and per_region["eu"][0] < per_region["eu"][1]
+    assert cap.req_per_s == pytest.approx(sum(min(p, d) for p, d in per_region.values()))
+    assert cap.req_per_s < min(sum(p for p, _ in per_region.values()), sum(d for _, d in per_region.values()))
+    assert cap.bound == "prefill"  # eu and asia, two thirds of it
 
 
 def test_rates_for_loads_are_plain_keys_and_refuse_bad_loads() -> None:

@@ -308,6 +308,16 @@ class Topology:
         """Prefill and decode run on separate pools (paper appendix C)."""
         return any(w.role != "both" for w in self.workers)
 
+    def decode_region(self, region: str) -> str:
+        """Where ``region``'s prefill hands its sequences off under disaggregation: its own
+        decode instances, or the nearest region's (by RTT, then declaration order) when it has
+        none. The simulator's engine hands off by this and the no-reuse capacity pairs the
+        stages by it."""
+        with_decode = [r for r in self.region_names if any(w.role == "decode" for w in self.workers_in(r))]
+        if not with_decode:
+            raise TopologyError(f"topology {self.name!r} has no decode instance to hand off to")
+        return min(with_decode, key=lambda d: (d != region, self.rtt_ms(region, d), self.region_index(d)))
+
     @property
     def indexed_workers(self) -> tuple[WorkerSpec, ...]:
         """The workers the index tracks. Reuse saves prefill only, so under prefill-decode

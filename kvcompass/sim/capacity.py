@@ -13,7 +13,8 @@ with lanes it costs the larger of its prefill and its decode (the lanes overlap)
 over the workload's prompts, each worker at its own ``beta_ms_per_token``, and the fleet's
 capacity is the sum of its workers' (perfect balance: no scheme can exceed it without reuse).
 With prefill-decode disaggregation the prefill workers and the decode instances are two
-stages and the smaller one bounds the fleet. With the engine's shared KV pool (the default) a
+stages paired by region (a region's prefill hands off to its own decode instances, or to the
+nearest region's), and in each pair the smaller stage bounds. With the engine's shared KV pool (the default) a
 worker's batch (a decode instance's too) is at most what its VRAM holds of prompts and reserved
 answers, which binds when
 answers are long beside the pool (``Cost::saturated_ms`` says how; with the Mixed workload it
@@ -56,7 +57,8 @@ class Capacity:
     """Each worker's share (req/s): its own capacity in its stage."""
     bound: Bound
     """What binds: ``workers`` (every worker prefills and decodes), or with disaggregation the
-    ``prefill`` workers or the ``decode`` instances."""
+    ``prefill`` workers or the ``decode`` instances (the stage that bounds the larger part of
+    the capacity, as the stages pair by region)."""
     mean_input_tokens: float
     mean_output_tokens: float
     gpu_sharing: str
@@ -100,7 +102,9 @@ def no_reuse_capacity(
     outputs = np.fromiter((r.output_length for r in requests), dtype=np.uint64, count=len(requests))
     terms: dict[tuple[float, int], tuple[float, float, float, float]] = {}  # by (beta, pool): workers mostly share one
     per_worker: dict[str, float] = {}
-    prefill_side = decode_side = 0.0
+    # Per decode region (disaggregated): the prefill rate handed to it and its instances' rate.
+    prefill_side: dict[str, float] = {}
+    decode_side: dict[str, float] = {}
     split = topology.disaggregated
     for w in topology.workers:
         # The pool is the worker's VRAM as the engine sizes its cache (a topology may leave it out).
@@ -118,20 +122,25 @@ def no_reuse_capacity(
             # floor is shared by that batch).
             if w.role == "decode":
                 r = 1000.0 / handed if handed > 0 else float("inf")
-                decode_side += r
+                decode_side[w.region] = decode_side.get(w.region, 0.0) + r
             else:
                 r = 1000.0 / prefill if prefill > 0 else float("inf")
-                prefill_side += r
+                d = topology.decode_region(w.region)
+                prefill_side[d] = prefill_side.get(d, 0.0) + r
         else:
             per_request = prefill + mixed if gpu_sharing == "chunked" else max(prefill, batched)
             r = 1000.0 / per_request if per_request > 0 else float("inf")
-            prefill_side += r
         per_worker[w.id] = r
     if split:
-        bound: Bound = "prefill" if prefill_side <= decode_side else "decode"
-        total = min(prefill_side, decode_side)
+        # A region's prefill hands off to one region's decode instances (its own, or the
+        # nearest's), so the two stages pair by decode region: no routing of the prompts can
+        # make one region's decode instances serve another's hand-offs.
+        by_prefill = sum(min(p, decode_side.get(d, 0.0)) for d, p in prefill_side.items() if p <= decode_side.get(d, 0.0))
+        by_decode = sum(min(p, decode_side.get(d, 0.0)) for d, p in prefill_side.items() if p > decode_side.get(d, 0.0))
+        bound: Bound = "prefill" if by_prefill >= by_decode else "decode"
+        total = by_prefill + by_decode
     else:
-        bound, total = "workers", prefill_side
+        bound, total = "workers", sum(per_worker.values())
     if not np.isfinite(total):
         raise InvalidArgumentError("the workload costs no GPU time (every prompt empty and no output): it has no capacity to load against")
     return Capacity(

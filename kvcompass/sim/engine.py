@@ -359,12 +359,10 @@ class Simulator:
         self._migrate = self._indexed and params.migration
         # Decode instances per region, and for each region where its prefill hands off.
         decoders = {r: [self._workers[w.id].index for w in topology.workers_in(r) if w.role == "decode"] for r in regions}
-        with_decode = [r for r in regions if decoders[r]]
         hand_to: list[list[int]] = [[] for _ in regions]
         if topology.disaggregated:
             for i, r in enumerate(regions):
-                near = min(with_decode, key=lambda d: (d != r, topology.rtt_ms(r, d), topology.region_index(d)))
-                hand_to[i] = decoders[near]
+                hand_to[i] = decoders[topology.decode_region(r)]
         self.migrations: dict[str, int] = {"copy": 0, "recompute": 0}
         """Migration actions carried out, by kind."""
         self.migration_log: list[MigrationAction] = []
