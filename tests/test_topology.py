@@ -103,6 +103,17 @@ def test_testbed_pd_has_7_prefill_and_3_decode() -> None:
     assert all(any(w.role == "decode" for w in t.workers_in(r)) for r in t.region_names)
 
 
+def test_a_region_without_decode_instances_hands_off_to_the_nearest() -> None:
+    d = base()
+    d["workers"][0]["role"] = "prefill"
+    d["workers"][1]["role"] = "decode"
+    d["workers"][2]["role"] = "prefill"
+    t = topology_from_dict(d)
+    assert t.decode_region("a") == "a" and t.decode_region("b") == "a"
+    with pytest.raises(TopologyError, match="no decode instance"):
+        topology_from_dict(base()).decode_region("a")
+
+
 def test_paper_64x8_matches_section_5_3() -> None:
     t = load_topology("paper-64x8", rtt_path=BUNDLED_RTT)
     c = counts(t)
