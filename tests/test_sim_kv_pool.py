@@ -96,13 +96,13 @@ def test_the_pool_is_named_in_the_config_and_the_json_line() -> None:
     assert summary_row(sim.run())["kv_waits"] == 1
 
 
-def _disaggregated(decode_vram_tokens: int) -> Topology:
+def _disaggregated(decode_vram_tokens: int, prefill_vram_tokens: int = 65536) -> Topology:
     raw: dict[str, Any] = {
         "name": "pd",
         "rtt_ms": {"a": {"a": 2.0}},
         "regions": {"a": {}},
         "workers": [
-            {"id": "p0", "region": "a", "role": "prefill", "beta_ms_per_token": 0.085, "vram_tokens": 65536, "dram_tokens": 0},
+            {"id": "p0", "region": "a", "role": "prefill", "beta_ms_per_token": 0.085, "vram_tokens": prefill_vram_tokens, "dram_tokens": 0},
             {"id": "d0", "region": "a", "role": "decode", "beta_ms_per_token": 0.085, "vram_tokens": decode_vram_tokens, "dram_tokens": 0},
         ],
     }
@@ -135,3 +135,20 @@ def test_a_handed_off_sequence_larger_than_the_decode_pool_runs_alone() -> None:
     r = _by_id(s)
     assert r[1].arrival_ms + r[1].e2e_ms >= r[0].arrival_ms + r[0].e2e_ms  # done after request 0
     assert simulate(_disaggregated(1024), reqs, "oracle", kv_pool="unbounded").kv_waits == 0
+
+
+def test_a_saturated_decode_instance_pushes_back_on_the_prefills() -> None:
+    """Prefill and decode instances of 4,096 tokens (256 blocks). Request 1 waits for request
+    0's long answer to leave the decode instance, its prompt's 128 blocks still in the prefill
+    instance's pool (the decode side pulls KV only into room it has); request 2's 129-block
+    prompt then does not fit beside them, so its prefill starts only once request 1 has moved
+    on, after request 0's last token. Unbounded, request 2 is served at once."""
+
+    pd = _disaggregated(4096, 4096)
+    reqs = [chain_request(0, 0.0, "a", 1, 2048, output=2000), chain_request(1, 1.0, "a", 2, 2048, output=16), chain_request(2, 2.0, "a", 3, 2064, output=2)]
+    shared, unbounded = simulate(pd, reqs, "oracle"), simulate(pd, reqs, "oracle", kv_pool="unbounded")
+    s, u = _by_id(shared), _by_id(unbounded)
+    assert shared.kv_waits == 2 and unbounded.kv_waits == 0
+    done_0 = s[0].arrival_ms + s[0].e2e_ms - 1.0  # request 0's last token at the decode instance
+    assert s[2].arrival_ms + 1.0 + s[2].queue_ms >= done_0  # request 2's prefill began after it
+    assert u[2].ttft_ms < 1000.0 < done_0 - 5000.0

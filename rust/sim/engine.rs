@@ -589,6 +589,9 @@ struct Job {
     kv_handle: u32,
     /// The pool held it back at least once.
     kv_waited: bool,
+    /// Disaggregated: its KV's way to its decode instance (wire and transfer), drawn when its
+    /// prefill ends and taken once the instance has room for it ([`Engine::admit_handed`]).
+    hand_ms: f64,
 }
 
 /// [`Job::kv_at`] of a job that holds no KV.
@@ -629,6 +632,7 @@ impl Job {
             kv_at: NO_WORKER,
             kv_handle: 0,
             kv_waited: false,
+            hand_ms: 0.0,
         }
     }
 }
@@ -1294,7 +1298,7 @@ impl Engine {
                 Ev::EndPrefill { w, job } => self.end_prefill(w, job)?,
                 Ev::EndSegment { w, gen } => self.end_segment(w, gen)?,
                 Ev::EndMixed { w, job, chunk } => self.end_mixed(w, job, chunk)?,
-                Ev::Join { w, job } => self.hand_in(w, job)?,
+                Ev::Join { w, job } => self.join(w, job)?,
                 Ev::Response { worker, edge_region, claimed, reused, vector } => {
                     let vector = (vector != NO_VECTOR).then(|| {
                         self.free_vectors.push(vector);
@@ -1876,8 +1880,6 @@ impl Engine {
         if self.cfg.decoders[region as usize].is_empty() {
             return self.join(w, job);
         }
-        // The prefill instance hands the KV over: its pool is free of this sequence.
-        self.kv_release(job)?;
         let pool = &self.cfg.decoders[region as usize];
         let d = if pool.len() > 1 {
             pool[self.rng.integers(pool.len() as u64) as usize]
@@ -1898,30 +1900,29 @@ impl Engine {
                 .cfg
                 .cost
                 .transfer_ms(self.jobs[job as usize].input_length, self.cfg.transfer_gbps);
-        self.push(self.now + hand_off, Ev::Join { w: d, job });
-        Ok(())
+        if !self.cfg.kv_pool {
+            self.push(self.now + hand_off, Ev::Join { w: d, job });
+            return Ok(());
+        }
+        self.jobs[job as usize].hand_ms = hand_off;
+        self.workers[d as usize].handed.push_back(job);
+        self.admit_handed(d)
     }
 
-    /// A sequence handed off by a prefill instance reaches decode instance `w`. With
-    /// [`Config::kv_pool`] it joins the batch only once its KV fits in `w`'s pool, behind any
-    /// handed in before it that still wait ([`Self::admit_handed`]).
+    /// Admit the sequences waiting for decode instance `w`, in order, while each fits. With
+    /// [`Config::kv_pool`] a prefill instance hands a sequence off only once its decode
+    /// instance has room for its whole context, the prompt's blocks and its answer's
+    /// reservation ([`handed_blocks`]), none shared with another (the hand-off moves every
+    /// block of its prompt); a sequence larger than the pool runs alone. Until then its KV
+    /// stays in the prefill instance's pool, which then admits fewer prompts: a saturated
+    /// decode side pushes back on the prefills. Admitted, the decode instance holds its room
+    /// and the prefill instance lets go as the transfer starts ([`Job::hand_ms`] later it
+    /// joins the batch). One held back is counted once in [`Engine::kv_waits`].
     ///
     /// Why: a decode instance's batch is bounded by its VRAM as a prefill-and-decode worker's
-    /// is (vLLM's scheduler allocates a transferred sequence's blocks before it decodes), so an
-    /// unbounded one hid the decode side's saturation.
-    fn hand_in(&mut self, w: u32, job: u32) -> Result<()> {
-        if !self.cfg.kv_pool {
-            return self.join(w, job);
-        }
-        self.workers[w as usize].handed.push_back(job);
-        self.admit_handed(w)
-    }
-
-    /// Admit the sequences waiting at decode instance `w`, in order, while each fits. A
-    /// sequence holds its whole context, the prompt's blocks and its answer's reservation
-    /// ([`handed_blocks`]), none shared with another (the hand-off moved every block of its
-    /// prompt); a sequence larger than the pool runs alone. One held back is counted once in
-    /// [`Engine::kv_waits`].
+    /// is, and an engine pulls a sequence's KV only into blocks it has allocated (vLLM's
+    /// disaggregated prefill keeps the prefill side's blocks until the decode side reads
+    /// them), so unbounded instances hid the decode side's saturation.
     fn admit_handed(&mut self, w: u32) -> Result<()> {
         let bs = self.block_size;
         while let Some(&job) = self.workers[w as usize].handed.front() {
@@ -1937,10 +1938,12 @@ impl Engine {
             }
             x.handed.pop_front();
             let h = x.kv.hold(Vec::new(), blocks);
+            self.kv_release(job)?; // the prefill instance lets go as the transfer starts
             let j = &mut self.jobs[job as usize];
             j.kv_handle = h;
             j.kv_at = w;
-            self.join(w, job)?;
+            let t = self.now + j.hand_ms;
+            self.push(t, Ev::Join { w, job });
         }
         Ok(())
     }
@@ -2203,8 +2206,9 @@ impl Engine {
     }
 
     /// Job `job` leaves its worker's pool (its answer is done, its KV handed to a decode
-    /// instance, or its replica landed); a worker whose prefill lane waited on the pool starts
-    /// its next prompt (the chunked step looks again at its next step).
+    /// instance, or its replica landed); a decode instance admits the sequences waiting for
+    /// room, and a worker whose next prompt waited on the pool starts it (a stepping worker
+    /// at its next step).
     fn kv_release(&mut self, job: u32) -> Result<()> {
         let j = &mut self.jobs[job as usize];
         let w = j.kv_at;
@@ -2219,8 +2223,15 @@ impl Engine {
             return self.admit_handed(w);
         }
         let x = &self.workers[w as usize];
-        let idle = !self.cfg.chunked && x.current.is_none() && !x.waiting.is_empty();
-        if idle && self.kv_fits(w)? {
+        if x.current.is_some() || x.waiting.is_empty() {
+            return Ok(());
+        }
+        if self.cfg.chunked {
+            // A stepping worker looks again at its next step; one with nothing running (a
+            // prefill instance whose handed-off sequence just left) steps now.
+            return if x.stepping { Ok(()) } else { self.step(w) };
+        }
+        if self.kv_fits(w)? {
             self.start_prefill(w)?;
             self.publish_queue(w);
         }
