@@ -108,8 +108,8 @@ def no_reuse_capacity(
     split = topology.disaggregated
     for w in topology.workers:
         # The pool is the worker's VRAM as the engine sizes its cache (a topology may leave it out).
-        # A prefill instance holds a prompt only until its hand-off: only decode instances and
-        # workers that do both are bounded by their pools.
+        # A prefill instance computes one prompt at a time and holds it until its decode
+        # instance has room: the decode side's bound is the one that counts there.
         bounded = kv_pool == "shared" and (not split or w.role == "decode")
         pool = worker_capacities(w.vram_tokens, w.dram_tokens, topology.block_size)[0] if bounded else 0
         if (w.beta_ms_per_token, pool) not in terms:
@@ -135,8 +135,8 @@ def no_reuse_capacity(
         # A region's prefill hands off to one region's decode instances (its own, or the
         # nearest's), so the two stages pair by decode region: no routing of the prompts can
         # make one region's decode instances serve another's hand-offs.
-        by_prefill = sum(min(p, decode_side.get(d, 0.0)) for d, p in prefill_side.items() if p <= decode_side.get(d, 0.0))
-        by_decode = sum(min(p, decode_side.get(d, 0.0)) for d, p in prefill_side.items() if p > decode_side.get(d, 0.0))
+        by_prefill = sum(p for d, p in prefill_side.items() if p <= decode_side[d])
+        by_decode = sum(decode_side[d] for d, p in prefill_side.items() if p > decode_side[d])
         bound: Bound = "prefill" if by_prefill >= by_decode else "decode"
         total = by_prefill + by_decode
     else:
