@@ -655,8 +655,8 @@ struct Worker {
     busy: Vec<(f64, f64)>,
     running: Vec<u32>,
     joining: Vec<u32>,
-    /// Sequences handed to this decode instance that wait for room in its pool, in arrival
-    /// order ([`Engine::hand_in`]).
+    /// Sequences whose prefills ended and that wait for room in this decode instance's pool,
+    /// in that order ([`Engine::admit_handed`]).
     handed: VecDeque<u32>,
     stepping: bool,
     seg_start: f64,
