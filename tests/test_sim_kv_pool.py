@@ -152,3 +152,17 @@ def test_a_saturated_decode_instance_pushes_back_on_the_prefills() -> None:
     done_0 = s[0].arrival_ms + s[0].e2e_ms - 1.0  # request 0's last token at the decode instance
     assert s[2].arrival_ms + 1.0 + s[2].queue_ms >= done_0  # request 2's prefill began after it
     assert u[2].ttft_ms < 1000.0 < done_0 - 5000.0
+
+
+def test_a_prefill_instance_holds_the_kv_through_its_transfer() -> None:
+    """A prefill instance of 4,096 tokens (256 blocks) and a 1 Gbit/s hand-off (about 2 s for
+    request 0's 2,048 tokens): request 1's 129-block prompt fits only once request 0's KV has
+    left, at the end of its transfer (the decode side reads it until then), not at its start."""
+    reqs = [chain_request(0, 0.0, "a", 1, 2048, output=2), chain_request(1, 1.0, "a", 2, 2064, output=2)]
+    shared = Simulator(_disaggregated(65536, 4096), reqs, "oracle", SimConfig(transfer_gbps=1.0)).run()
+    unbounded = Simulator(_disaggregated(65536, 4096), reqs, "oracle", SimConfig(transfer_gbps=1.0, kv_pool="unbounded")).run()
+    s, u = _by_id(shared), _by_id(unbounded)
+    transfer = s[0].e2e_ms - s[0].ttft_ms  # its hand-off, then one decode step and the way back
+    assert transfer > 2000.0 and shared.kv_waits == 1
+    assert s[1].queue_ms >= s[0].ttft_ms - 2.0 + transfer - 200.0
+    assert u[1].queue_ms < 200.0

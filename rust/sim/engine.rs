@@ -592,6 +592,9 @@ struct Job {
     /// Disaggregated: its KV's way to its decode instance (wire and transfer), drawn when its
     /// prefill ends and taken once the instance has room for it ([`Engine::admit_handed`]).
     hand_ms: f64,
+    /// The room its decode instance set aside for it while its KV travels
+    /// ([`Engine::handed_over`] makes it the job's once the prefill instance lets go).
+    hand_handle: u32,
 }
 
 /// [`Job::kv_at`] of a job that holds no KV.
@@ -633,6 +636,7 @@ impl Job {
             kv_handle: 0,
             kv_waited: false,
             hand_ms: 0.0,
+            hand_handle: 0,
         }
     }
 }
@@ -1298,7 +1302,7 @@ impl Engine {
                 Ev::EndPrefill { w, job } => self.end_prefill(w, job)?,
                 Ev::EndSegment { w, gen } => self.end_segment(w, gen)?,
                 Ev::EndMixed { w, job, chunk } => self.end_mixed(w, job, chunk)?,
-                Ev::Join { w, job } => self.join(w, job)?,
+                Ev::Join { w, job } => self.handed_over(w, job)?,
                 Ev::Response { worker, edge_region, claimed, reused, vector } => {
                     let vector = (vector != NO_VECTOR).then(|| {
                         self.free_vectors.push(vector);
@@ -1915,9 +1919,10 @@ impl Engine {
     /// reservation ([`handed_blocks`]), none shared with another (the hand-off moves every
     /// block of its prompt); a sequence larger than the pool runs alone. Until then its KV
     /// stays in the prefill instance's pool, which then admits fewer prompts: a saturated
-    /// decode side pushes back on the prefills. Admitted, the decode instance holds its room
-    /// and the prefill instance lets go as the transfer starts ([`Job::hand_ms`] later it
-    /// joins the batch). One held back is counted once in [`Engine::kv_waits`].
+    /// decode side pushes back on the prefills. Admitted, the decode instance sets its room
+    /// aside, and [`Job::hand_ms`] later the KV has arrived: the prefill instance lets go of
+    /// its copy and the sequence joins the batch ([`Self::handed_over`]). One held back is
+    /// counted once in [`Engine::kv_waits`].
     ///
     /// Why: a decode instance's batch is bounded by its VRAM as a prefill-and-decode worker's
     /// is, and an engine pulls a sequence's KV only into blocks it has allocated (vLLM's
@@ -1938,14 +1943,25 @@ impl Engine {
             }
             x.handed.pop_front();
             let h = x.kv.hold(Vec::new(), blocks);
-            self.kv_release(job)?; // the prefill instance lets go as the transfer starts
             let j = &mut self.jobs[job as usize];
-            j.kv_handle = h;
-            j.kv_at = w;
+            j.hand_handle = h;
             let t = self.now + j.hand_ms;
             self.push(t, Ev::Join { w, job });
         }
         Ok(())
+    }
+
+    /// A handed-off sequence's KV has reached decode instance `w`. With [`Config::kv_pool`]
+    /// the prefill instance lets go of its copy only now (it is read until the transfer ends)
+    /// and the room `w` set aside becomes the sequence's; then it joins the batch.
+    fn handed_over(&mut self, w: u32, job: u32) -> Result<()> {
+        if self.cfg.kv_pool {
+            self.kv_release(job)?;
+            let j = &mut self.jobs[job as usize];
+            j.kv_at = w;
+            j.kv_handle = j.hand_handle;
+        }
+        self.join(w, job)
     }
 
     fn join(&mut self, w: u32, job: u32) -> Result<()> {
