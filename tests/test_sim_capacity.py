@@ -103,6 +103,27 @@ def test_decode_instances_pools_bound_a_disaggregated_fleet(outputs_from: tuple[
     assert _completion_rate(under) == pytest.approx(0.8 * cap.req_per_s, rel=0.05)
 
 
+def test_a_regions_decode_instances_share_its_hand_offs_equally() -> None:
+    """Two decode instances in one region, one with half the VRAM: the engine draws between
+    them uniformly, so each takes half the hand-offs and the smaller binds (twice its rate,
+    not the sum of both)."""
+    raw: dict[str, Any] = {
+        "name": "pd2",
+        "rtt_ms": {"a": {"a": 2.0}},
+        "regions": {"a": {}},
+        "workers": [
+            *({"id": f"p{i}", "region": "a", "role": "prefill", "beta_ms_per_token": 0.01, "vram_tokens": 65536, "dram_tokens": 0} for i in range(4)),
+            {"id": "d0", "region": "a", "role": "decode", "beta_ms_per_token": 0.085, "vram_tokens": 65536, "dram_tokens": 0},
+            {"id": "d1", "region": "a", "role": "decode", "beta_ms_per_token": 0.085, "vram_tokens": 32768, "dram_tokens": 0},
+        ],
+    }
+    topo = topology_from_dict(raw)
+    cap = no_reuse_capacity(topo, _unique(topo, 500, 1.0, lengths_from=(2048, 8193), outputs_from=(300, 600)))
+    d0, d1 = cap.per_worker["d0"], cap.per_worker["d1"]
+    assert cap.bound == "decode" and d1 < d0
+    assert cap.req_per_s == pytest.approx(2 * d1)
+
+
 def _one_worker(beta: float) -> Topology:
     raw: dict[str, Any] = {
         "name": "one",

@@ -126,6 +126,17 @@ def test_a_decode_instance_admits_a_handed_off_sequence_when_its_kv_fits() -> No
     assert simulate(_disaggregated(8192), reqs, "oracle").kv_waits == 0
 
 
+def test_a_sequence_queued_behind_a_held_one_waits_and_is_counted() -> None:
+    """Request 2's 3 blocks would fit beside request 0 (253 of 256 taken), but request 1 waits
+    ahead of it for room: hand-offs are admitted in order, so request 2 waits too, and counts
+    as held back (found in review: only a queue's head was counted)."""
+    reqs = [chain_request(0, 0.0, "a", 1, 2048, output=2000), chain_request(1, 1.0, "a", 2, 2048, output=16), chain_request(2, 300.0, "a", 3, 32, output=2)]
+    s = simulate(_disaggregated(4096), reqs, "oracle")
+    r = _by_id(s)
+    assert s.kv_waits == 2
+    assert r[2].arrival_ms + r[2].e2e_ms >= r[0].arrival_ms + r[0].e2e_ms
+
+
 def test_a_handed_off_sequence_larger_than_the_decode_pool_runs_alone() -> None:
     """A sequence past the decode instance's pool decodes when nothing else is held there,
     and a sequence handed in while it decodes waits for it, however small."""

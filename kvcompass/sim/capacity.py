@@ -102,9 +102,9 @@ def no_reuse_capacity(
     outputs = np.fromiter((r.output_length for r in requests), dtype=np.uint64, count=len(requests))
     terms: dict[tuple[float, int], tuple[float, float, float, float]] = {}  # by (beta, pool): workers mostly share one
     per_worker: dict[str, float] = {}
-    # Per decode region (disaggregated): the prefill rate handed to it and its instances' rate.
+    # Per decode region (disaggregated): the prefill rate handed to it and its instances' rates.
     prefill_side: dict[str, float] = {}
-    decode_side: dict[str, float] = {}
+    decode_rates: dict[str, list[float]] = {}
     split = topology.disaggregated
     for w in topology.workers:
         # The pool is the worker's VRAM as the engine sizes its cache (a topology may leave it out).
@@ -122,7 +122,7 @@ def no_reuse_capacity(
             # floor is shared by that batch).
             if w.role == "decode":
                 r = 1000.0 / handed if handed > 0 else float("inf")
-                decode_side[w.region] = decode_side.get(w.region, 0.0) + r
+                decode_rates.setdefault(w.region, []).append(r)
             else:
                 r = 1000.0 / prefill if prefill > 0 else float("inf")
                 d = topology.decode_region(w.region)
@@ -134,7 +134,9 @@ def no_reuse_capacity(
     if split:
         # A region's prefill hands off to one region's decode instances (its own, or the
         # nearest's), so the two stages pair by decode region: no routing of the prompts can
-        # make one region's decode instances serve another's hand-offs.
+        # make one region's decode instances serve another's hand-offs. The engine draws a
+        # region's instance uniformly, so each takes an equal share and the slowest binds.
+        decode_side = {d: len(rs) * min(rs) for d, rs in decode_rates.items()}
         by_prefill = sum(p for d, p in prefill_side.items() if p <= decode_side[d])
         by_decode = sum(decode_side[d] for d, p in prefill_side.items() if p > decode_side[d])
         bound: Bound = "prefill" if by_prefill >= by_decode else "decode"

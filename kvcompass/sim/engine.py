@@ -78,8 +78,9 @@ made for a migration; :attr:`Simulator.migrations` counts them by kind.
 them. At prefill end the decode instance is drawn uniformly among the decode workers of the
 prefill worker's region (the nearest region that has one, if none), the prompt's KV travels
 there (``kv_bytes / transfer_gbps``, plus one way between the regions if they differ) and the
-sequence joins that instance's continuous batch; its last token returns to the edge from the
-decode instance's region. The first token is the prefill worker's, as before.
+sequence joins that instance's continuous batch (with the shared KV pool, once that instance
+has room for it: until then and through the transfer the prefill instance keeps its KV); its
+last token returns to the edge from the decode instance's region. The first token is the prefill worker's, as before.
 
 **Tenants** (``load_trace(tenants=K)``: several namespaces in one run): each namespace is a
 vLLM cache salt. The emulated caches seed a salted prompt's block chain with its salt (equal
@@ -193,8 +194,10 @@ class SimConfig:
     nothing runs), and the cache keeps the pool less the reservations, demoting what no longer
     fits. ``"unbounded"``: every prompt starts at once and the cache keeps all of VRAM beside
     any number of running sequences (the model before the twenty-seventh session, which let a
-    worker's batch hold several times its VRAM at load 1 and above). Disaggregated decode
-    instances are not bounded by either."""
+    worker's batch hold several times its VRAM at load 1 and above). With ``"shared"`` a
+    disaggregated fleet's decode instance has a pool too: a prefill instance hands a sequence
+    off only once it has room, and keeps the sequence's KV until then and through the
+    transfer."""
 
     def __post_init__(self) -> None:
         if not self.event_delay_ms >= 0:

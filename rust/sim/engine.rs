@@ -111,7 +111,8 @@ impl Cost {
     /// * `handed_decode_ms` (a decode instance of a disaggregated fleet): as `batched`, but a
     ///   sequence holds its pool only for its `O - 1` decode steps (the prefill instance held
     ///   it before), so with a pool the batch is at most `E[O - 1] * P / E[(L + O - 1) (O - 1)]`
-    ///   and each token pays `t0` over that batch.
+    ///   and each token pays `t0` over that batch. (The engine holds the room from the
+    ///   hand-off's admission, a transfer earlier: about 1 % more here, left out.)
     ///
     /// With a KV pool of `pool_tokens` (0: unbounded), the batch is at most what the pool
     /// holds: a sequence holds its prompt and its reserved answer, `L + O - 1` tokens, from its
@@ -1910,7 +1911,17 @@ impl Engine {
         }
         self.jobs[job as usize].hand_ms = hand_off;
         self.workers[d as usize].handed.push_back(job);
-        self.admit_handed(d)
+        self.admit_handed(d)?;
+        // Admitted in order: a queue left behind still holds this job, which waits for room
+        // (whether at its head or behind one that does).
+        if !self.workers[d as usize].handed.is_empty() {
+            let j = &mut self.jobs[job as usize];
+            if !j.kv_waited {
+                j.kv_waited = true;
+                self.kv_waits += 1;
+            }
+        }
+        Ok(())
     }
 
     /// Admit the sequences waiting for decode instance `w`, in order, while each fits. With
@@ -1921,8 +1932,9 @@ impl Engine {
     /// stays in the prefill instance's pool, which then admits fewer prompts: a saturated
     /// decode side pushes back on the prefills. Admitted, the decode instance sets its room
     /// aside, and [`Job::hand_ms`] later the KV has arrived: the prefill instance lets go of
-    /// its copy and the sequence joins the batch ([`Self::handed_over`]). One held back is
-    /// counted once in [`Engine::kv_waits`].
+    /// its copy and the sequence joins the batch ([`Self::handed_over`]). One that waits
+    /// (for room, or behind one that does) is counted once in [`Engine::kv_waits`]
+    /// ([`Self::decode`]).
     ///
     /// Why: a decode instance's batch is bounded by its VRAM as a prefill-and-decode worker's
     /// is, and an engine pulls a sequence's KV only into blocks it has allocated (vLLM's
@@ -1934,11 +1946,6 @@ impl Engine {
             let blocks = handed_blocks(&self.jobs[job as usize], bs);
             let x = &mut self.workers[w as usize];
             if !x.kv.fits(&[], blocks) {
-                let j = &mut self.jobs[job as usize];
-                if !j.kv_waited {
-                    j.kv_waited = true;
-                    self.kv_waits += 1;
-                }
                 return Ok(());
             }
             x.handed.pop_front();
