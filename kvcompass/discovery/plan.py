@@ -60,6 +60,12 @@ from kvcompass.errors import TopologyError
 __all__ = ["LevelPlan", "own_region_levels", "remote_levels", "round_up", "tail_ladder"]
 
 
+def _per_doubling(base: int, k: int, steps: int, block_size: int) -> int:
+    """The ``k``-th length of a ladder of ``steps`` lengths per doubling from ``base``,
+    ``base * 2**(k / steps)`` rounded up to whole blocks (the own ladder's and the tail's)."""
+    return round_up(base * 2 ** (k / steps), block_size)
+
+
 def round_up(n: float, block: int) -> int:
     """``n`` rounded up to a whole number of blocks, at least one block. A float a hair above a
     multiple (1088.0000000002) stays at that multiple: the plan must not depend on float noise."""
@@ -82,7 +88,7 @@ def own_region_levels(minimum: int, *, levels: int, block_size: int, max_prefix:
     first = round_up(minimum, block_size)
     out: list[int] = []
     for k in range((levels - 1) * steps + 1):
-        c = first << (k // steps) if k % steps == 0 else round_up(first * 2 ** (k / steps), block_size)
+        c = _per_doubling(first, k, steps, block_size)
         if c <= max_prefix and (not out or c > out[-1]):
             out.append(c)
     return tuple(out)
@@ -97,7 +103,7 @@ def tail_ladder(ladder: tuple[int, ...], own: tuple[int, ...], max_prefix: int, 
     full = list(own)
     base = own[-1]
     k = 1
-    while (c := round_up(base * 2 ** (k / steps), block_size)) <= max_prefix:
+    while (c := _per_doubling(base, k, steps, block_size)) <= max_prefix:
         if c > full[-1]:
             full.append(c)
         k += 1

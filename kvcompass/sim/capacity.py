@@ -40,6 +40,7 @@ from kvcompass.discovery.topology import Topology
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.engine.cache import worker_capacities
 from kvcompass.engine.costs import CostModel
+from kvcompass.sim.engine import GPU_SHARING, KV_POOLS
 from kvcompass.sim.workload import Request
 
 __all__ = ["Capacity", "no_reuse_capacity", "rates_for_loads"]
@@ -91,12 +92,12 @@ def no_reuse_capacity(
     it (a decode instance's too, which holds a sequence only while it decodes)."""
     if not requests:
         raise InvalidArgumentError("capacity of an empty workload: give at least one request")
-    if gpu_sharing not in ("chunked", "lanes"):
-        raise InvalidArgumentError(f"gpu_sharing must be chunked or lanes, got {gpu_sharing!r}")
+    if gpu_sharing not in GPU_SHARING:
+        raise InvalidArgumentError(f"gpu_sharing must be {' or '.join(GPU_SHARING)}, got {gpu_sharing!r}")
     if type(max_batched_tokens) is not int or max_batched_tokens < 1:
         raise InvalidArgumentError(f"max_batched_tokens must be an int >= 1, got {max_batched_tokens!r}")
-    if kv_pool not in ("shared", "unbounded"):
-        raise InvalidArgumentError(f"kv_pool must be shared or unbounded, got {kv_pool!r}")
+    if kv_pool not in KV_POOLS:
+        raise InvalidArgumentError(f"kv_pool must be {' or '.join(KV_POOLS)}, got {kv_pool!r}")
     base = cost or CostModel()
     inputs = np.fromiter((r.input_length for r in requests), dtype=np.uint64, count=len(requests))
     outputs = np.fromiter((r.output_length for r in requests), dtype=np.uint64, count=len(requests))

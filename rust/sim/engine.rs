@@ -156,17 +156,23 @@ impl Cost {
             batch = next;
         }
         let ctx = self.decode_ms_per_context_token * context;
+        // Little's law over the pool: a sequence holds `L + O - 1` tokens for `steps(L, O - 1)`
+        // steps, so the batch is at most `E[O - 1] P / E[(L + O - 1) steps]` (at least one).
+        let bounded = pool_tokens > 0 && seq_steps > 0.0;
+        let little = |steps: &dyn Fn(u64, f64) -> f64| {
+            let held = prompts.iter().map(|&(l, o)| {
+                let d = o.saturating_sub(1) as f64;
+                (l as f64 + d) * steps(l, d)
+            });
+            (seq_steps * pool_tokens as f64 / (held.sum::<f64>() / n)).max(1.0)
+        };
         // The pool's bound on the batch: a few rounds, as the room it leaves changes the
         // prefill's steps (a smaller batch leaves more room a step).
         let mut cap = f64::INFINITY;
-        if pool_tokens > 0 && seq_steps > 0.0 {
+        if bounded {
             for _ in 0..8 {
                 let room = max_batched_tokens.saturating_sub(batch.min(cap).round() as u64).max(1);
-                let held = prompts.iter().map(|&(l, o)| {
-                    let d = o.saturating_sub(1) as f64;
-                    (l as f64 + d) * (l.div_ceil(room).max(1) as f64 + d)
-                });
-                let next = (seq_steps * pool_tokens as f64 / (held.sum::<f64>() / n)).max(1.0);
+                let next = little(&|l, d| l.div_ceil(room).max(1) as f64 + d);
                 if (next - cap).abs() < 1e-9 {
                     break;
                 }
@@ -181,15 +187,8 @@ impl Cost {
             let floor = if cap.is_finite() { self.decode_base_ms / cap } else { 0.0 };
             (floor + self.decode_ms_per_seq).max(self.decode_compute_ms_per_token) * seq_steps + ctx
         };
-        let handed_cap = if pool_tokens > 0 && seq_steps > 0.0 {
-            let held = prompts.iter().map(|&(l, o)| {
-                let d = o.saturating_sub(1) as f64;
-                (l as f64 + d) * d
-            });
-            (seq_steps * pool_tokens as f64 / (held.sum::<f64>() / n)).max(1.0)
-        } else {
-            f64::INFINITY
-        };
+        // A decode instance holds a sequence only for its decode steps.
+        let handed_cap = if bounded { little(&|_, d| d) } else { f64::INFINITY };
         (prefill, mixed, per_token(cap), per_token(handed_cap))
     }
 
@@ -1915,11 +1914,7 @@ impl Engine {
         // Admitted in order: a queue left behind still holds this job, which waits for room
         // (whether at its head or behind one that does).
         if !self.workers[d as usize].handed.is_empty() {
-            let j = &mut self.jobs[job as usize];
-            if !j.kv_waited {
-                j.kv_waited = true;
-                self.kv_waits += 1;
-            }
+            self.kv_waited(job);
         }
         Ok(())
     }
@@ -2201,11 +2196,7 @@ impl Engine {
         if self.workers[w as usize].kv.fits(&j.chain, extra) {
             return Ok(true);
         }
-        let j = &mut self.jobs[job as usize];
-        if !j.kv_waited {
-            j.kv_waited = true;
-            self.kv_waits += 1;
-        }
+        self.kv_waited(job);
         Ok(false)
     }
 
@@ -2226,6 +2217,15 @@ impl Engine {
         j.kv_handle = x.kv.hold(j.chain.clone(), extra);
         j.kv_at = w;
         Ok(())
+    }
+
+    /// Job `job` waits for room in a pool: counted once in [`Engine::kv_waits`].
+    fn kv_waited(&mut self, job: u32) {
+        let j = &mut self.jobs[job as usize];
+        if !j.kv_waited {
+            j.kv_waited = true;
+            self.kv_waits += 1;
+        }
     }
 
     /// Job `job` leaves its worker's pool (its answer is done, its KV handed to a decode
