@@ -208,18 +208,51 @@ def test_empty_trace_and_extra_fields(tmp_path: Path) -> None:
     assert len(reqs) == 1 and reqs[0].kind == "trace"
 
 
-@pytest.mark.parametrize("key", ["parent_chat", "chatid", "region", "Timestamp"])
+@pytest.mark.parametrize("key", ["parent_chat", "chatid", "regions", "Timestamp"])
 def test_unknown_keys_are_refused_by_name(tmp_path: Path, key: str) -> None:
-    """A misspelt session link made every turn a root, and a ``region`` looked honoured; both
-    were read past in silence (an operator's review)."""
+    """A misspelt session link made every turn a root; it was read past in silence (an
+    operator's review)."""
     rows = [row(0, 20, [1, 2], chat_id=1), row(1, 20, [1, 3], chat_id=2, parent_chat_id=1), row(2, 20, [1, 4], **{key: 1})]
     path = write_trace(tmp_path / "t.jsonl", rows)
     with pytest.raises(InvalidArgumentError) as info:
         load_trace(path, 16, regions=REGIONS)
     err = info.value
     assert (err.path, err.line, err.field) == (str(path), 3, key)  # type: ignore[attr-defined]
-    assert str(err).startswith(f"{path}, line 3, field {key!r}: unknown key (accepted: timestamp, input_length, output_length, hash_ids, chat_id, parent_chat_id, type, turn)")
-    assert ("cannot set regions" in str(err)) == (key == "region")
+    assert str(err).startswith(f"{path}, line 3, field {key!r}: unknown key (accepted: timestamp, input_length, output_length, hash_ids, chat_id, parent_chat_id, region, type, turn)")
+
+
+def test_a_lines_region_is_where_it_enters_and_its_follow_ups_inherit_it(tmp_path: Path) -> None:
+    """An operator's log knows where each request entered: a line's ``region`` wins, a follow-up
+    without one takes its root's, and the lines without one keep the regions they were drawn
+    (a region given on some lines moves no other line's draw)."""
+    rows = [row(i, 20, [i, i + 100], chat_id=i) for i in range(40)]
+    rows[3]["region"] = "ap"
+    rows[4] |= {"parent_chat_id": 3}  # a follow-up of the ap root, no region of its own
+    rows[5] |= {"parent_chat_id": 3, "region": "eu"}  # a follow-up that names its own
+    given = load_trace(write_trace(tmp_path / "r.jsonl", rows), 16, regions=REGIONS, seed=7)
+    for r in rows:
+        r.pop("region", None)
+    drawn = load_trace(write_trace(tmp_path / "d.jsonl", rows), 16, regions=REGIONS, seed=7)
+    assert [r.region for r in given[3:6]] == ["ap", "ap", "eu"]
+    assert drawn[4].region == drawn[3].region  # without: the follow-up inherits the draw
+    assert [r.region for r in given[6:]] == [r.region for r in drawn[6:]] and [r.region for r in given[:3]] == [r.region for r in drawn[:3]]
+    assert len({r.region for r in drawn}) == 3  # the draw covers every region: the test has teeth
+
+
+def test_a_region_the_fleet_lacks_is_refused_by_line(tmp_path: Path) -> None:
+    path = write_trace(tmp_path / "t.jsonl", [row(0, 20, [1, 2]), row(1, 20, [1, 3], region="us-east-1")])
+    with pytest.raises(InvalidArgumentError) as info:
+        load_trace(path, 16, regions=REGIONS)
+    assert (info.value.line, info.value.field) == (2, "region")  # type: ignore[attr-defined]
+    assert "'us-east-1' is not a region of the fleet (its regions: us, eu, ap)" in str(info.value)
+    with pytest.raises(InvalidArgumentError, match="field 'region'"):
+        load_trace(write_trace(tmp_path / "n.jsonl", [row(0, 20, [1, 2], region=3)]), 16, regions=REGIONS)
+
+
+def test_a_trace_read_at_another_block_size_says_so(tmp_path: Path) -> None:
+    path = write_trace(tmp_path / "t.jsonl", [row(0, 600, list(range(38)))])
+    with pytest.raises(InvalidArgumentError, match="another block size.*--block-size"):
+        load_trace(path, 512, regions=REGIONS)
 
 
 def test_the_shared_traces_keys_are_all_accepted() -> None:

@@ -13,14 +13,14 @@ import argparse
 import sys
 from typing import NoReturn, Sequence
 
-from kvcompass.cli import chaos, cluster_demo, loadgen, plan, services, simulate, up
+from kvcompass.cli import chaos, cluster_demo, loadgen, plan, services, simulate, trace, up
 from kvcompass.cli.plan import format_plan
 from kvcompass.cli.simulate import DEFAULT_MIXED_REQUESTS
 from kvcompass.errors import KVCompassError
 
 __all__ = ["DEFAULT_MIXED_REQUESTS", "build_parser", "format_plan", "main"]
 
-_MODULES = (plan, simulate, services, up, loadgen, cluster_demo, chaos)
+_MODULES = (plan, simulate, trace, services, up, loadgen, cluster_demo, chaos)
 
 
 class _Parser(argparse.ArgumentParser):

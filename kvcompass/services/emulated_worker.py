@@ -88,8 +88,8 @@ from kvcompass.agent.events import REPLAY_END_SEQ, Event, encode_batch
 from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.errors import DrainingError, InvalidArgumentError
 from kvcompass.services.http_server import App, HttpServer, Request, Response, StreamResponse, json_response, path_tail
-from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, MODELS_PREFIX, OpenAIError, add_routes, batch_prompt_tokens, chat_tokens, decode_json_object
-from kvcompass.services.openai_api import int_field, model_card, model_not_found, models_list, prompt_batch, prompt_tokens
+from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, MODELS_PREFIX, OpenAIError, add_routes, decode_json_object
+from kvcompass.services.openai_api import int_field, model_card, model_not_found, models_list, prompt_batch, request_tokens
 from kvcompass.engine.tokenizer import Tokenizer, load_tokenizer
 from kvcompass.engine.cache import DEFAULT_DRAM_TOKENS, DEFAULT_VRAM_TOKENS, Policy, PrefixCache, worker_capacities
 from kvcompass.engine.costs import CostModel
@@ -868,15 +868,8 @@ class EmulatedWorker(AsyncResource):
             max_tokens = self.config.default_max_tokens
         inline = self.config.inline_tokenize_chars
         batch = None if chat else prompt_batch(body, MAX_PROMPTS)
-        if chat:
-            param = "messages"
-            prompts = [await chat_tokens(body, self.tokenizer.apply_chat_template, inline, len(raw))]
-        elif batch is None:
-            param = "prompt"
-            prompts = [await prompt_tokens(body, self.tokenizer.encode, inline)]
-        else:
-            param = "prompt"
-            prompts = await batch_prompt_tokens(batch, self.tokenizer.encode, inline)
+        param = "messages" if chat else "prompt"
+        prompts = await request_tokens(body, self.tokenizer.encode, self.tokenizer.apply_chat_template, chat=chat, batch=batch, inline_chars=inline, raw_bytes=len(raw))
         if len(prompts) * n > MAX_N:
             raise OpenAIError(400, f"{len(prompts)} prompts x n = {n} asks for {len(prompts) * n} sequences; at most {MAX_N} are decoded for one request", "n")
         limit = self.config.max_model_len

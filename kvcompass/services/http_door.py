@@ -90,8 +90,6 @@ from kvcompass.services.openai_api import (
     MODELS_PREFIX,
     OpenAIError,
     add_routes,
-    batch_prompt_tokens,
-    chat_tokens,
     decode_json_object,
     error_body,
     int_field,
@@ -100,7 +98,7 @@ from kvcompass.services.openai_api import (
     models_list,
     parse_json,
     prompt_batch,
-    prompt_tokens,
+    request_tokens,
 )
 from kvcompass.services.lifecycle import AsyncResource, bind_socket
 from kvcompass.services.loop_metrics import Counter, Gauge, Histogram
@@ -837,13 +835,9 @@ class FrontDoor:
             tenant = granted
 
         batch = None if chat else prompt_batch(body, cfg.max_batch_prompts)
-        token_lists: list[npt.NDArray[np.uint32]] = []
-        if chat:
-            token_lists.append(await chat_tokens(body, self.tokenizer.apply_chat_template, cfg.inline_tokenize_chars, len(raw)))
-        elif batch is None:
-            token_lists.append(await prompt_tokens(body, self.tokenizer.encode, cfg.inline_tokenize_chars))
-        else:
-            token_lists += await batch_prompt_tokens(batch, self.tokenizer.encode, cfg.inline_tokenize_chars)
+        token_lists = await request_tokens(
+            body, self.tokenizer.encode, self.tokenizer.apply_chat_template, chat=chat, batch=batch, inline_chars=cfg.inline_tokenize_chars, raw_bytes=len(raw)
+        )
         for i, tokens in enumerate(token_lists):
             if len(tokens) <= cfg.max_prompt_tokens:
                 continue

@@ -269,6 +269,27 @@ async def batch_prompt_tokens(batch: Sequence[Any], encode: Callable[[str], Any]
     return [await one_prompt_tokens(p, encode, inline, f"prompt[{i}]") for i, p in enumerate(batch)]
 
 
+async def request_tokens(
+    body: dict[str, Any],
+    encode: Callable[[str], Any],
+    apply_chat_template: Callable[[list[dict[str, Any]]], Any],
+    *,
+    chat: bool,
+    batch: list[Any] | None,
+    inline_chars: int = INLINE_TOKENIZE_CHARS,
+    raw_bytes: int | None = None,
+) -> list[npt.NDArray[np.uint32]]:
+    """The prompts of a request body as an engine sees them: a chat's ``messages`` under the
+    template, a completions request's one prompt, or each prompt of its batch (``batch``, from
+    :func:`prompt_batch`). The door routes on these, the emulated worker prefills them, and
+    ``kvcompass trace from-log`` measures a logged request with them: one reading of a body."""
+    if chat:
+        return [await chat_tokens(body, apply_chat_template, inline_chars, raw_bytes)]
+    if batch is None:
+        return [await prompt_tokens(body, encode, inline_chars)]
+    return await batch_prompt_tokens(batch, encode, inline_chars)
+
+
 def _text_chars(obj: Any) -> int:
     """Characters of every string in a decoded JSON value: what a chat template may render
     (text inside content parts too; found in review: a 4 MB text part counted as nothing and

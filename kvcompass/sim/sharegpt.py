@@ -73,10 +73,9 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from kvcompass import _core
 from kvcompass.discovery.topology import Topology
 from kvcompass.errors import InvalidArgumentError
-from kvcompass.sim.workload import Request, TraceBlocks, _mix64_np, draw_regions, regions_and_cdf
+from kvcompass.sim.workload import Request, TraceBlocks, _mix64_np, draw_regions, regions_and_cdf, stream_block_ids
 
 __all__ = [
     "CONTEXT_TOKENS",
@@ -381,9 +380,7 @@ def _build_split(file: Path, block_size: int, split: Split) -> _Split:
             if len(inputs) == n_before:
                 stats.empty += 1
                 continue
-            pad = (-stream.size) % block_size
-            padded = np.concatenate([stream, np.zeros(pad, dtype=np.uint32)]) if pad else stream
-            ids.append(_core.block_chain_hashes(padded, block_size, 0) & np.uint64(_MAX_ID))
+            ids.append(stream_block_ids(stream, block_size))
             turn_offsets.append(len(inputs))
         pending.clear()
 

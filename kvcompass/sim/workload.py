@@ -9,11 +9,13 @@ Traces
     line with ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids``, where
     ``len(hash_ids) == ceil(input_length / block_size)``; optional ``chat_id`` /
     ``parent_chat_id`` (the Qwen-Bailian convention: ``parent_chat_id`` is the ``chat_id`` of the
-    previous turn, -1 marks a root). The Qwen-Bailian traces' ``type`` and ``turn`` are accepted
-    and ignored; any other key is an error naming it, so a misspelt ``parent_chat_id`` does not
-    silently make every turn a root, and a ``region`` does not look honoured: a trace cannot
-    set regions (sessions are placed by weight, below). The shared Mooncake traces (block size
-    512, the four required keys only) are found by :func:`find_trace`.
+    previous turn, -1 marks a root); optional ``region``, where the request entered the fleet
+    (a region of the topology; see "Sessions and regions"). The Qwen-Bailian traces' ``type``
+    and ``turn`` are accepted and ignored; any other key is an error naming it, so a misspelt
+    ``parent_chat_id`` does not silently make every turn a root. The shared Mooncake traces
+    (block size 512, the four required keys only) are found by :func:`find_trace`;
+    ``kvcompass trace from-log`` writes one from an OpenAI request log
+    (:mod:`kvcompass.cli.trace`).
 
     Validation is strict and every error is an :class:`~kvcompass.errors.InvalidArgumentError`
     (a ``ValueError``) whose message names the file, the line and the field, with ``path``,
@@ -46,10 +48,13 @@ Memory
     :class:`RequestTable` (columns, no object per request; see :mod:`kvcompass.sim.requests`).
 
 Sessions and regions
-    Traces carry no user location. Each root session is assigned a region by a weight vector
-    (seeded; default: proportional to prefill capacity when a topology is given, equal weights
-    for a plain list of names); follow-up turns inherit their root's region (paper appendix D).
-    Region draws are per row, so ``max_requests`` does not change the regions of the rows kept.
+    A line's ``region`` is where it entered (an operator's log knows; the Mooncake traces do
+    not). A line without one takes its root's: the root's own ``region``, else a region drawn
+    for the root session by a weight vector (seeded; default: proportional to prefill capacity
+    when a topology is given, equal weights for a plain list of names), so follow-up turns
+    inherit their root's region (paper appendix D). Region draws are per row, so
+    ``max_requests`` does not change the regions of the rows kept; a ``region`` the topology
+    lacks is an error naming the line.
 
 Rates
     ``mode="trace"`` keeps the file's times; ``"rescale"`` multiplies them so that the mean
@@ -118,6 +123,7 @@ __all__ = [
     "reuse_stats",
     "synthetic_mixed",
     "spread_ties",
+    "stream_block_ids",
 ]
 
 U64Array: TypeAlias = npt.NDArray[np.uint64]
@@ -149,8 +155,9 @@ _CHAIN_ROOT = 0x6B7663_636861696E  # "kvc" "chain"
 _TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 # Every key a trace line may carry: the required four, the session links, and the Qwen-Bailian
 # traces' "type" and "turn" (read past: the model needs neither).
-_TRACE_KEYS = frozenset((*_TRACE_FIELDS, "chat_id", "parent_chat_id", "type", "turn"))
-_TRACE_KEYS_TEXT = ", ".join((*_TRACE_FIELDS, "chat_id", "parent_chat_id", "type", "turn"))
+_TRACE_OPTIONAL = ("chat_id", "parent_chat_id", "region", "type", "turn")
+_TRACE_KEYS = frozenset((*_TRACE_FIELDS, *_TRACE_OPTIONAL))
+_TRACE_KEYS_TEXT = ", ".join((*_TRACE_FIELDS, *_TRACE_OPTIONAL))
 _TRACES_SUBDIR = "traces"
 _WINDOW_FIX = "no engine serves it (if the model's window is longer, raise max_prefix in the topology; else leave the request out)"
 _PACKAGE = Path(__file__).resolve().parents[1]
@@ -282,6 +289,18 @@ class _Rows:
     hash_ids: list[U64Array] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     roots: list[int] = field(default_factory=list)
+    regions: list[int] = field(default_factory=list)  # index into the region names; -1: none given
+
+
+def stream_block_ids(tokens: npt.NDArray[np.uint32], block_size: int) -> U64Array:
+    """Trace hash ids of a token stream, made as Mooncake's ``hash_ids`` are: the stream cut into
+    ``block_size``-token blocks (the last, partial one padded with zeros), each named by the
+    chained hash of the stream up to it, so two streams share their leading ids exactly as far
+    as they share their leading full blocks. The ShareGPT workload and ``kvcompass trace
+    from-log`` name blocks with it."""
+    pad = (-tokens.size) % block_size
+    padded = np.concatenate([tokens, np.zeros(pad, dtype=np.uint32)]) if pad else tokens
+    return _core.block_chain_hashes(np.ascontiguousarray(padded, dtype=np.uint32), block_size, 0) & np.uint64(_MAX_ID)
 
 
 def _trace_error(path: Path, line: int, name: str | None, problem: str) -> InvalidArgumentError:
@@ -312,10 +331,12 @@ def _parse_ids(path: Path, line: int, raw: object) -> U64Array:
     return ids
 
 
-def _read_trace(path: Path, block_size: int, max_requests: int | None, window: tuple[int, str] | None = None) -> _Rows:
+def _read_trace(path: Path, block_size: int, max_requests: int | None, window: tuple[int, str] | None = None, regions: Sequence[str] = ()) -> _Rows:
     """The trace's rows, each checked; ``window``: the longest prompt accepted and what sets it
-    (a topology's context window), or None for no bound."""
+    (a topology's context window), or None for no bound; ``regions``: the names a line's
+    ``region`` may take."""
     rows = _Rows()
+    region_index = {r: i for i, r in enumerate(regions)}
     row_of_chat: dict[int, int] = {}
     prev_ts = 0.0
     with path.open("rb") as f:
@@ -337,8 +358,7 @@ def _read_trace(path: Path, block_size: int, max_requests: int | None, window: t
                     raise _trace_error(path, line, name, "missing")
             if len(obj) > len(_TRACE_FIELDS) and not _TRACE_KEYS.issuperset(obj):
                 key = next(k for k in obj if k not in _TRACE_KEYS)
-                hint = "; a trace cannot set regions: sessions are placed by weight (--region-weights)" if key == "region" else ""
-                raise _trace_error(path, line, key, f"unknown key (accepted: {_TRACE_KEYS_TEXT}){hint}")
+                raise _trace_error(path, line, key, f"unknown key (accepted: {_TRACE_KEYS_TEXT})")
 
             raw_ts = obj["timestamp"]
             try:
@@ -360,7 +380,16 @@ def _read_trace(path: Path, block_size: int, max_requests: int | None, window: t
             ids = _parse_ids(path, line, obj["hash_ids"])
             need = -(-n_in // block_size)
             if ids.size != need:
-                raise _trace_error(path, line, "hash_ids", f"has {ids.size} ids, expected ceil(input_length / block_size) = ceil({n_in} / {block_size}) = {need}")
+                raise _trace_error(
+                    path, line, "hash_ids",
+                    f"has {ids.size} ids, expected ceil(input_length / block_size) = ceil({n_in} / {block_size}) = {need} (a trace written at another block size? say which: --block-size)",
+                )
+            region = -1
+            if "region" in obj:
+                name = obj["region"]
+                if type(name) is not str or name not in region_index:
+                    raise _trace_error(path, line, "region", f"{name!r} is not a region of the fleet (its regions: {', '.join(regions)})")
+                region = region_index[name]
 
             row = len(rows.timestamps)
             parent_row = -1
@@ -389,6 +418,7 @@ def _read_trace(path: Path, block_size: int, max_requests: int | None, window: t
             rows.hash_ids.append(ids)
             rows.parents.append(parent_row)
             rows.roots.append(row if parent_row < 0 else rows.roots[parent_row])
+            rows.regions.append(region)
     if not rows.timestamps:
         raise InvalidArgumentError(f"{path}: no requests in the trace", path=str(path), line=0, field=None)
     return rows
@@ -561,13 +591,17 @@ def load_trace(
         window = (_check_int("max_input_length", max_input_length, 1), f"max_input_length {max_input_length}")
     elif isinstance(regions, Topology):
         window = (regions.max_prefix, context_window(regions))
-    rows = _read_trace(Path(path), block_size, max_requests, window)
+    rows = _read_trace(Path(path), block_size, max_requests, window, names)
 
     n = len(rows.timestamps)
     roots = np.asarray(rows.roots, dtype=np.int64)
+    given = np.asarray(rows.regions, dtype=np.int64)
     region_of = np.empty((tenants, n), dtype=np.int64)
     for k in range(tenants):
-        region_of[k] = draw_regions(cdf, np.random.default_rng([seed, 1, k]).random(n))[roots]
+        # Drawn for every row (so a region given on some lines moves no other line's draw),
+        # then the root's own region over its draw, then the line's own over its root's.
+        root_region = np.where(given >= 0, given, draw_regions(cdf, np.random.default_rng([seed, 1, k]).random(n)))[roots]
+        region_of[k] = np.where(given >= 0, given, root_region)
     if ties not in (None, "spread", "keep"):
         raise InvalidArgumentError(f"ties must be 'spread' or 'keep', got {ties!r}")
     stamps = np.asarray(rows.timestamps, dtype=np.float64)
