@@ -292,15 +292,16 @@ class _Rows:
     regions: list[int] = field(default_factory=list)  # index into the region names; -1: none given
 
 
-def stream_block_ids(tokens: npt.NDArray[np.uint32], block_size: int) -> U64Array:
+def stream_block_ids(tokens: npt.NDArray[np.uint32], block_size: int, seed: int = 0) -> U64Array:
     """Trace hash ids of a token stream, made as Mooncake's ``hash_ids`` are: the stream cut into
     ``block_size``-token blocks (the last, partial one padded with zeros), each named by the
-    chained hash of the stream up to it, so two streams share their leading ids exactly as far
-    as they share their leading full blocks. The ShareGPT workload and ``kvcompass trace
-    from-log`` name blocks with it."""
+    chained hash of ``seed`` and the stream up to it, so two streams of one seed share their
+    leading ids exactly as far as they share their leading full blocks, and streams of two
+    seeds share none. The ShareGPT workload and ``kvcompass trace from-log`` name blocks with
+    it."""
     pad = (-tokens.size) % block_size
     padded = np.concatenate([tokens, np.zeros(pad, dtype=np.uint32)]) if pad else tokens
-    return _core.block_chain_hashes(np.ascontiguousarray(padded, dtype=np.uint32), block_size, 0) & np.uint64(_MAX_ID)
+    return _core.block_chain_hashes(np.ascontiguousarray(padded, dtype=np.uint32), block_size, seed) & np.uint64(_MAX_ID)
 
 
 def _trace_error(path: Path, line: int, name: str | None, problem: str) -> InvalidArgumentError:
