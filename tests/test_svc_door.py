@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -227,12 +228,13 @@ async def rig(
     urls: dict[str, str] | None = None,
     config: DoorConfig = DoorConfig(),
     wan: Callable[[str, str], float] | None = None,
+    tokenizer: Any = None,
 ) -> AsyncIterator[Rig]:
     async with fleet_server(fleet) as base:
         edge = plane.edges[region]
         workers = {w: f"{base}/w/{w}" for w in edge.workers}
         workers.update(urls or {})
-        door = await serve_door(edge, workers, ByteTokenizer(), config=config, wan_one_way_ms=wan)
+        door = await serve_door(edge, workers, tokenizer or ByteTokenizer(), config=config, wan_one_way_ms=wan)
         try:
             async with aiohttp.ClientSession(door.url) as client:
                 yield Rig(door, client, fleet)
@@ -258,6 +260,34 @@ async def complete(client: aiohttp.ClientSession, body: dict[str, Any], path: st
 
 
 # -- tests ----------------------------------------------------------------------------------------------
+
+
+def test_a_models_tokenizer_keys_prompts_as_its_engine_registered_them(tmp_path: Path) -> None:
+    """With a model's tokenizer.json and tokenizer_config.json, the door keys a completion by
+    the ids the engine prefills (its BOS first) and a chat by the model's own template, so it
+    finds the KV the engine's events registered. Before, it keyed text without the BOS and
+    chats in ChatML: no Llama-style prompt could hit."""
+    from test_chat_template import engine_ids, model_dir
+
+    from kvcompass.engine.tokenizer import load_tokenizer
+
+    path = model_dir(tmp_path)
+    words = " ".join(f"word{i % 50} of the shared document number {i}" for i in range(300))
+    chat = [{"role": "system", "content": words}, {"role": "user", "content": "summarise it"}]
+    plane = make_plane()
+    cache_prefix(plane, "us-2", np.asarray(engine_ids(path, words, True), dtype=np.uint32))
+    rendered = "<|begin_of_text|>" + "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content']}<|eot_id|>" for m in chat)
+    cache_prefix(plane, "us-5", np.asarray(engine_ids(path, rendered + "<|start_header_id|>assistant<|end_header_id|>\n\n", False), dtype=np.uint32))
+    fleet = Fleet()
+
+    async def go() -> None:
+        async with rig(plane, fleet, tokenizer=load_tokenizer(path)) as t:
+            status, headers, body = await complete(t.client, {"model": MODEL, "prompt": words, "max_tokens": 4})
+            assert status == 200 and headers["x-kvcompass-worker"] == "us-2", body
+            async with t.client.post("/v1/chat/completions", json={"model": MODEL, "messages": chat}) as r:
+                assert r.status == 200 and r.headers["x-kvcompass-worker"] == "us-5"
+
+    run(go())
 
 
 def test_the_route_follows_the_index_for_token_and_text_prompts() -> None:

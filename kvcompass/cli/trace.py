@@ -216,7 +216,7 @@ def read_request_log(
         chat = "messages" in body
         try:
             batch = None if chat else prompt_batch(body, _MAX_BATCH)
-            prompts = await request_tokens(body, tok.encode, tok.apply_chat_template, chat=chat, batch=batch, inline_chars=sys.maxsize)
+            prompts = await request_tokens(body, tok.encode_prompt, tok.apply_chat_template, chat=chat, batch=batch, inline_chars=sys.maxsize)
             n = int_field(body, "n", 1, _MAX_BATCH) or 1
         except OpenAIError as e:
             raise _error(path, line, f"request.{e.param}" if e.param else "request", e.message) from None

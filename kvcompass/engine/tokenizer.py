@@ -44,6 +44,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from kvcompass import _core
+from kvcompass.engine.chat_template import ChatTemplate, load_chat_template
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.index_types import as_tokens
 
@@ -119,9 +120,12 @@ class Tokenizer:
     so async callers may run them in ``asyncio.to_thread``.
     """
 
-    def __init__(self, hf: _HFTokenizer, path: Path | None = None) -> None:
+    def __init__(self, hf: _HFTokenizer, path: Path | None = None, chat_template: ChatTemplate | None = None) -> None:
         self._hf = hf
         self.path = path
+        self.chat_template = chat_template
+        """The model's own chat template (from the ``tokenizer_config.json`` beside the file), or
+        None: chats are then in the built-in ChatML format."""
         # Special tokens inside user text are plain text; apply_chat_template inserts them by id.
         hf.encode_special_tokens = True
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
@@ -132,6 +136,14 @@ class Tokenizer:
         # and rust/bpe.rs); anything else through HF.
         self._fast = _fast_bpe(hf)
         self._newline = self._ids("\n")
+        # A model's tokenizer reads a prompt as the model's engine does (vLLM: special tokens in
+        # the text are special, and a completion prompt gets what the file's post-processor
+        # adds, e.g. Llama's BOS): a copy, as the flag is the tokenizer's. The built-in one is
+        # its own engine's (the emulated worker's) and keeps the rules of the module notes.
+        self._engine: _HFTokenizer | None = None
+        if path is not None and not self.builtin:
+            self._engine = _HFTokenizer.from_str(hf.to_str())
+            self._engine.encode_special_tokens = False
 
     def __repr__(self) -> str:
         return f"Tokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"
@@ -163,6 +175,15 @@ class Tokenizer:
                 return ids
         return as_tokens(self._ids(text))
 
+    def encode_prompt(self, text: str) -> npt.NDArray[np.uint32]:
+        """Token ids of a completion prompt as the model's engine computes them (vLLM's default
+        ``add_special_tokens=True``; special tokens spelled in the text are special): what the
+        door must key a prompt by to find the KV the engine registered. The built-in tokenizer
+        gives :meth:`encode`'s ids."""
+        if self._engine is None:
+            return self.encode(text)
+        return as_tokens(self._engine.encode(_text("prompt", text), add_special_tokens=True).ids)
+
     def decode(self, ids: Sequence[int] | npt.NDArray[np.uint32]) -> str:
         """The text of ``ids`` (special tokens left out)."""
         arr = np.asarray(ids)
@@ -174,8 +195,11 @@ class Tokenizer:
         """The id of one vocabulary entry (e.g. a special token), None if there is none."""
         return self._hf.token_to_id(token)
 
-    def apply_chat_template(self, messages: object, *, add_generation_prompt: bool = True) -> npt.NDArray[np.uint32]:
-        """Token ids of a chat in the ChatML format of the module notes.
+    def apply_chat_template(self, messages: object, tools: object = None, *, add_generation_prompt: bool = True) -> npt.NDArray[np.uint32]:
+        """Token ids of a chat: under the model's own template when the tokenizer has one
+        (:mod:`kvcompass.engine.chat_template`; ``tools``, a request's tool list, rendered as the
+        template renders them, the text read as the engine reads it), else in the ChatML format
+        of the module notes (``tools`` not rendered).
 
         ``messages``: a non-empty list of OpenAI chat messages, each a mapping with a ``role``
         (any non-empty string) and an optional ``content``: a string, a list of content parts
@@ -184,6 +208,13 @@ class Tokenizer:
         ``tool_calls`` follow its content as canonical JSON; other keys (``name``) are ignored.
         InvalidArgumentError names the first offending message and field.
         """
+        if self.chat_template is not None and self._engine is not None:
+            if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+                raise InvalidArgumentError("messages must be a non-empty list of chat messages")
+            if tools is not None and (isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence)):
+                raise InvalidArgumentError(f"tools must be a list, got {type(tools).__name__}")
+            text = _text("the rendered chat", self.chat_template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt))
+            return as_tokens(self._engine.encode(text, add_special_tokens=False).ids)
         ids, _ = self.encode_chat(messages)
         if not add_generation_prompt:
             return ids
@@ -418,7 +449,10 @@ def _load(p: Path) -> Tokenizer:
         hf = _HFTokenizer.from_file(str(p))
     except Exception as e:  # tokenizers raises a bare Exception for unreadable files
         raise InvalidArgumentError(f"tokenizer file {str(p)!r} is not an HF tokenizers tokenizer.json: {e}") from None
-    return Tokenizer(hf, p)
+    # A model's directory holds its chat template beside the tokenizer (tokenizer_config.json).
+    config = p.parent / "tokenizer_config.json"
+    template = load_chat_template(config) if p.resolve() != DEFAULT_TOKENIZER_PATH.resolve() and config.is_file() else None
+    return Tokenizer(hf, p, template)
 
 
 # ---- training the default ---------------------------------------------------------------------

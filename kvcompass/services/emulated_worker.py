@@ -869,7 +869,7 @@ class EmulatedWorker(AsyncResource):
         inline = self.config.inline_tokenize_chars
         batch = None if chat else prompt_batch(body, MAX_PROMPTS)
         param = "messages" if chat else "prompt"
-        prompts = await request_tokens(body, self.tokenizer.encode, self.tokenizer.apply_chat_template, chat=chat, batch=batch, inline_chars=inline, raw_bytes=len(raw))
+        prompts = await request_tokens(body, self.tokenizer.encode_prompt, self.tokenizer.apply_chat_template, chat=chat, batch=batch, inline_chars=inline, raw_bytes=len(raw))
         if len(prompts) * n > MAX_N:
             raise OpenAIError(400, f"{len(prompts)} prompts x n = {n} asks for {len(prompts) * n} sequences; at most {MAX_N} are decoded for one request", "n")
         limit = self.config.max_model_len

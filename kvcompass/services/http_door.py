@@ -153,7 +153,11 @@ class TokenizerLike(Protocol):
 
     def encode(self, text: str) -> npt.NDArray[np.uint32]: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> npt.NDArray[np.uint32]: ...
+    def encode_prompt(self, text: str) -> npt.NDArray[np.uint32]:
+        """A completion prompt's ids as the model's engine computes them (e.g. with its BOS)."""
+        ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: Any = None) -> npt.NDArray[np.uint32]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -836,7 +840,7 @@ class FrontDoor:
 
         batch = None if chat else prompt_batch(body, cfg.max_batch_prompts)
         token_lists = await request_tokens(
-            body, self.tokenizer.encode, self.tokenizer.apply_chat_template, chat=chat, batch=batch, inline_chars=cfg.inline_tokenize_chars, raw_bytes=len(raw)
+            body, self.tokenizer.encode_prompt, self.tokenizer.apply_chat_template, chat=chat, batch=batch, inline_chars=cfg.inline_tokenize_chars, raw_bytes=len(raw)
         )
         for i, tokens in enumerate(token_lists):
             if len(tokens) <= cfg.max_prompt_tokens:

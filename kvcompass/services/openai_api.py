@@ -272,7 +272,7 @@ async def batch_prompt_tokens(batch: Sequence[Any], encode: Callable[[str], Any]
 async def request_tokens(
     body: dict[str, Any],
     encode: Callable[[str], Any],
-    apply_chat_template: Callable[[list[dict[str, Any]]], Any],
+    apply_chat_template: Callable[[list[dict[str, Any]], Any], Any],
     *,
     chat: bool,
     batch: list[Any] | None,
@@ -307,10 +307,11 @@ def _text_chars(obj: Any) -> int:
 
 
 async def chat_tokens(
-    body: dict[str, Any], apply_chat_template: Callable[[list[dict[str, Any]]], Any], inline_chars: int = INLINE_TOKENIZE_CHARS, raw_bytes: int | None = None
+    body: dict[str, Any], apply_chat_template: Callable[[list[dict[str, Any]], Any], Any], inline_chars: int = INLINE_TOKENIZE_CHARS, raw_bytes: int | None = None
 ) -> npt.NDArray[np.uint32]:
-    """The tokens of a chat request's ``messages`` under the model's chat template; each
-    message an object with a string ``role`` and a string, list-of-parts or null ``content``.
+    """The tokens of a chat request's ``messages`` (and ``tools``, which the template may render)
+    under the model's chat template; each message an object with a string ``role`` and a
+    string, list-of-parts or null ``content``; ``tools`` a list or absent.
     ``raw_bytes``, the body's length, decides whether the template runs off the event loop:
     free to read and never less than what the template renders (counting the strings was not:
     a body of millions of numbers counted as nothing and stalled the loop 2 s walking and
@@ -330,5 +331,8 @@ async def chat_tokens(
         c = m.get("content")
         if c is not None and not isinstance(c, (str, list)):
             raise OpenAIError(400, f"messages[{i}].content must be a string, a list of parts or null", f"messages[{i}].content", "invalid_type")
-    size = raw_bytes if raw_bytes is not None else _text_chars(msgs)
-    return await _run(lambda: apply_chat_template(msgs), size, inline_chars, "messages", "apply the chat template", "invalid_messages")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise OpenAIError(400, f"tools must be a list, got {type(tools).__name__}", "tools", "invalid_type")
+    size = raw_bytes if raw_bytes is not None else _text_chars(msgs) + (_text_chars(tools) if tools else 0)
+    return await _run(lambda: apply_chat_template(msgs, tools), size, inline_chars, "messages", "apply the chat template", "invalid_messages")
