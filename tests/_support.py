@@ -142,8 +142,8 @@ class ByteTokenizer:
     def encode(self, text: str) -> npt.NDArray[np.uint32]:
         return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint32)
 
-    def encode_prompt(self, text: str) -> npt.NDArray[np.uint32]:
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> npt.NDArray[np.uint32]:
         return self.encode(text)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: Any = None) -> npt.NDArray[np.uint32]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: Any = None, options: Any = None) -> npt.NDArray[np.uint32]:
         return self.encode("".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages) + "<assistant>")

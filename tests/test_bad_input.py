@@ -471,10 +471,10 @@ def test_door_items() -> None:
         def encode(self, text: str) -> np.ndarray:
             return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint32)
 
-        def encode_prompt(self, text: str) -> np.ndarray:
+        def encode_prompt(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
             return self.encode(text)
 
-        def apply_chat_template(self, messages: list[dict[str, Any]], tools: Any = None) -> np.ndarray:
+        def apply_chat_template(self, messages: list[dict[str, Any]], tools: Any = None, options: Any = None) -> np.ndarray:
             return self.encode("".join(f"<{m['role']}>{m.get('content') or ''}" for m in messages))
 
     async def go() -> None:

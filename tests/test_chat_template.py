@@ -15,7 +15,7 @@ import pytest
 from tokenizers import Tokenizer as HF
 from tokenizers import processors
 
-from kvcompass.engine.chat_template import ChatTemplate, load_chat_template
+from kvcompass.engine.chat_template import ChatTemplate, load_chat_templates
 from kvcompass.engine.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from kvcompass.errors import InvalidArgumentError
 
@@ -102,17 +102,96 @@ def test_a_template_that_refuses_is_a_clear_error(tmp_path: Path) -> None:
 def test_configs_without_a_template_keep_chatml_and_named_templates_are_read(tmp_path: Path) -> None:
     for sub in ("a", "b", "c"):
         (tmp_path / sub).mkdir()
-    assert load_tokenizer(model_dir(tmp_path / "a", template=None)).chat_template is None
-    named = model_dir(tmp_path / "b", template=[{"name": "tool_use", "template": "x"}, {"name": "default", "template": TEMPLATE}])
-    assert load_tokenizer(named).chat_template is not None
+    assert load_tokenizer(model_dir(tmp_path / "a", template=None)).chat_templates is None
+    named = load_tokenizer(model_dir(tmp_path / "b", template=[{"name": "tool_use", "template": "TOOLS{{ tools | length }}"}, {"name": "default", "template": TEMPLATE}]))
+    assert named.chat_templates is not None
+    hello = [{"role": "user", "content": "hello"}]
+    assert named.decode(named.apply_chat_template(hello, [{"type": "function", "function": {"name": "f"}}]).tolist()) == "TOOLS1"  # tools: tool_use
+    assert "hello" in named.decode(named.apply_chat_template(hello).tolist())  # no tools: default
     bad = tmp_path / "c"
+    bad.mkdir(exist_ok=True)
     (bad / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(InvalidArgumentError, match="cannot be read as JSON"):
-        load_chat_template(bad / "tokenizer_config.json")
+        load_chat_templates(bad)
 
 
 def test_the_built_in_tokenizer_is_its_own_engines_and_unchanged() -> None:
     tok = load_tokenizer(None)
     text = "plain text <|im_start|> with a special token spelled"
-    assert tok.chat_template is None
+    assert tok.chat_templates is None
     assert np.array_equal(tok.encode_prompt(text), tok.encode(text))
+
+
+# -- against the reference ------------------------------------------------------------------------
+# Reduced shapes of Llama 3.1's and Gemma 3's templates, and what transformers 5.25's
+# render_jinja_template gives for each case once the messages and tools are normalised as vLLM
+# normalises them (computed in the thirtieth session's review; the refusal part's text added by
+# hand, as vLLM's chat_utils reads a refusal part's "refusal" field).
+LLAMA31 = '{{- bos_token }}\n{%- if not tools is defined %}{%- set tools = none %}{%- endif %}\n{%- if messages[0][\'role\'] == \'system\' %}{%- set system_message = messages[0][\'content\']|trim %}{%- set messages = messages[1:] %}{%- else %}{%- set system_message = "" %}{%- endif %}\n{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}\n{%- if tools is not none %}{{- "Environment: ipython\\n" }}{%- endif %}\n{{- system_message }}{{- "<|eot_id|>" }}\n{%- if tools is not none %}\n{%- for t in tools %}{{- t | tojson(indent=4) }}{{- "\\n\\n" }}{%- endfor %}\n{%- endif %}\n{%- for message in messages %}\n    {%- if not (message.role == \'ipython\' or message.role == \'tool\' or \'tool_calls\' in message) %}\n        {{- \'<|start_header_id|>\' + message[\'role\'] + \'<|end_header_id|>\\n\\n\'+ message[\'content\'] | trim + \'<|eot_id|>\' }}\n    {%- elif \'tool_calls\' in message %}\n        {%- if not message.tool_calls|length == 1 %}{{- raise_exception("This model only supports single tool-calls at once!") }}{%- endif %}\n        {%- set tool_call = message.tool_calls[0].function %}\n        {{- \'<|start_header_id|>assistant<|end_header_id|>\\n\\n\' -}}\n        {{- \'{"name": "\' + tool_call.name + \'", \' }}{{- \'"parameters": \' }}{{- tool_call.arguments | tojson }}{{- "}" }}{{- "<|eot_id|>" }}\n    {%- elif message.role == "tool" or message.role == "ipython" %}\n        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}\n        {%- if message.content is mapping or message.content is iterable %}{{- message.content | tojson }}{%- else %}{{- message.content }}{%- endif %}\n        {{- "<|eot_id|>" }}\n    {%- endif %}\n{%- endfor %}\n{%- if add_generation_prompt %}{{- \'<|start_header_id|>assistant<|end_header_id|>\\n\\n\' }}{%- endif %}'
+GEMMA3 = "{{ bos_token }}{%- for message in messages -%}<start_of_turn>{{ message['role'] }}\n{%- if message['content'] is string -%}{{ message['content'] | trim }}{%- elif message['content'] is iterable -%}{%- for item in message['content'] -%}{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}{%- endfor -%}{%- endif -%}<end_of_turn>\n{% endfor -%}{%- if add_generation_prompt -%}<start_of_turn>model\n{%- endif -%}"
+REFERENCE = [
+    ('tools_no_description', 'llama', [{"role": "user", "content": "weather?"}], [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}], '<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n<|eot_id|>{\n    "type": "function",\n    "function": {\n        "name": "get_weather",\n        "description": null,\n        "parameters": {\n            "type": "object"\n        }\n    }\n}\n\n<|start_header_id|>user<|end_header_id|>\n\nweather?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'),
+    ('tools_key_order', 'llama', [{"role": "user", "content": "weather?"}], [{"function": {"description": "d", "name": "get_weather", "parameters": {"type": "object"}}, "type": "function"}], '<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n<|eot_id|>{\n    "type": "function",\n    "function": {\n        "name": "get_weather",\n        "description": "d",\n        "parameters": {\n            "type": "object"\n        }\n    }\n}\n\n<|start_header_id|>user<|end_header_id|>\n\nweather?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'),
+    ('empty_tool_calls', 'llama', [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "tool_calls": []}, {"role": "user", "content": "more"}], None, '<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nhello<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nmore<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'),
+    ('null_content', 'llama', [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": "more"}], None, '<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nmore<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'),
+    ('bad_args', 'llama', [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "not json"}}]}], None, '<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n{"name": "f", "parameters": {}}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'),
+    ('null_text_part', 'llama', [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": None}]}], None, '<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n<|eot_id|><|start_header_id|>user<|end_header_id|>\n\na<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'),
+    ('refusal_part', 'llama', [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}, {"role": "user", "content": "x"}], None, '<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nq<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nno<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nx<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'),
+    ('gemma_two_parts', 'gemma', [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": " there"}]}], None, '<|begin_of_text|><start_of_turn>userHithere<end_of_turn>\n<start_of_turn>model'),
+    ('gemma_image', 'gemma', [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": "describe"}]}], None, '<|begin_of_text|><start_of_turn>user<start_of_image>describe<end_of_turn>\n<start_of_turn>model'),
+    ('plain', 'llama', [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": "Hi"}], None, '<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'),
+]
+
+
+@pytest.mark.parametrize(("case", "shape", "messages", "tools", "expected"), REFERENCE, ids=[c[0] for c in REFERENCE])
+def test_the_render_matches_transformers_after_vllms_normalisation(case: str, shape: str, messages: Any, tools: Any, expected: str) -> None:
+    """Tools rebuilt in vLLM's shape (key order, a null description), empty or unparsable tool
+    calls, null content and null text parts, a refusal's text, and content as parts for a
+    template that loops over it (Gemma's: parts kept apart, an image as its own part)."""
+    template = ChatTemplate(LLAMA31 if shape == "llama" else GEMMA3, {"bos_token": "<|begin_of_text|>"})
+    assert template.parts == (shape == "gemma")
+    assert template.render(messages, tools=tools) == expected
+
+
+def test_a_chat_template_jinja_file_wins_and_a_model_without_a_template_is_said(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """transformers reads ``chat_template.jinja`` before tokenizer_config.json's template; a
+    model's tokenizer with neither keys chats as ChatML, and says so."""
+    path = model_dir(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("JINJA{{ messages[0].content }}")
+    tok = load_tokenizer(path)
+    assert tok.decode(tok.apply_chat_template([{"role": "user", "content": "x"}]).tolist()) == "JINJAx"
+    (tmp_path / "chat_template.jinja").unlink()
+    none = tmp_path / "none"
+    none.mkdir()
+    model_dir(none, template=None)
+    with caplog.at_level("WARNING"):
+        assert load_tokenizer(none / "tokenizer.json").chat_templates is None
+    assert "no chat template beside it" in caplog.text
+
+
+def test_the_requests_own_fields_are_read_as_vllm_reads_them(tmp_path: Path) -> None:
+    """``add_special_tokens`` on a completion (a client that rendered the prompt itself sends
+    false: no second BOS), and a chat's ``continue_final_message``, ``chat_template_kwargs`` and
+    ``add_special_tokens``."""
+    import asyncio
+
+    from kvcompass.services.openai_api import OpenAIError, request_tokens
+
+    path = model_dir(tmp_path)
+    tok = load_tokenizer(path)
+
+    def tokens(body: dict[str, Any]) -> list[int]:
+        chat = "messages" in body
+        return asyncio.run(request_tokens(body, tok.encode_prompt, tok.apply_chat_template, chat=chat, batch=None))[0].tolist()
+
+    rendered = f"{BOS}{HEAD}user{END_HEAD}\n\nhi{EOT}"
+    assert tokens({"prompt": rendered, "add_special_tokens": False}) == engine_ids(path, rendered, False)
+    assert tokens({"prompt": rendered}) == engine_ids(path, rendered, True)  # a second BOS, as vLLM adds
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
+    assert tokens({"messages": msgs, "continue_final_message": True, "add_generation_prompt": False}) == engine_ids(path, f"{rendered}{HEAD}assistant{END_HEAD}\n\nOnce upon", False)
+    flag = load_tokenizer(model_dir(tmp_path / "k" if (tmp_path / "k").mkdir() is None else tmp_path, template="{{ 'ON' if enable_thinking else 'OFF' }}"))
+    assert flag.decode(flag.apply_chat_template(msgs, None, {"chat_template_kwargs": {"enable_thinking": True}}).tolist()) == "ON"
+    assert tokens({"messages": msgs[:1], "add_special_tokens": True})[:2] == [tok.token_id(BOS)] * 2  # the template's and the post-processor's
+    for bad in ({"prompt": "x", "add_special_tokens": "no"}, {"messages": msgs, "chat_template_kwargs": [1]}, {"messages": msgs, "continue_final_message": True, "add_generation_prompt": True}):
+        with pytest.raises(OpenAIError):
+            tokens(bad)

@@ -105,7 +105,7 @@ def test_long_texts_are_tokenized_off_the_event_loop() -> None:
         seen.append(threading.current_thread().name)
         return [1] * len(text)
 
-    def template(msgs: list[dict[str, Any]], tools: Any = None) -> list[int]:
+    def template(msgs: list[dict[str, Any]], tools: Any = None, options: Any = None) -> list[int]:
         seen.append(threading.current_thread().name)
         return [2]
 

@@ -3,41 +3,61 @@
 Why: prefix keys are computed from token ids, so the door must produce, for a chat request,
 exactly the ids the engine will prefill; otherwise every key it looks up differs from the keys
 the engine's KV events registered, and no chat request ever finds a cache. vLLM renders a chat
-with the model's Jinja template from ``tokenizer_config.json`` (through ``transformers``'
-``apply_chat_template``, ``tokenize=False``) and tokenizes the text with
-``add_special_tokens=False``; the built-in ChatML format is right only for ChatML models.
+with the model's Jinja template (through ``transformers``' ``apply_chat_template``,
+``tokenize=False``) and tokenizes the text with ``add_special_tokens=False`` unless the request
+says otherwise; the built-in ChatML format is right only for ChatML models.
 
-This module renders the same way: a sandboxed Jinja environment with ``trim_blocks`` and
-``lstrip_blocks``, the ``tojson`` filter, ``raise_exception`` and ``strftime_now`` (the
-globals ``transformers`` gives templates), the tokenizer's special tokens (``bos_token``,
-``eos_token``, ...) as variables, ``messages``, ``tools`` and
-``add_generation_prompt`` (``tools`` and ``documents`` None when absent, as ``transformers``
-passes them). Messages are normalised as vLLM normalises them for templates that
-take string content: a list of content parts becomes its text parts joined by newlines (other
-parts, images and audio, add no text), and an assistant's ``tool_calls`` arguments given as a
-JSON string are parsed into an object (templates such as Llama 3.1's ``tojson`` them).
-Templates that take content as a list of parts, or use ``{% generation %}`` blocks, are not
-reproduced.
+**Where the template comes from** (as ``transformers`` loads it): ``chat_template.jinja`` beside
+the tokenizer, else ``tokenizer_config.json``'s ``chat_template`` (a string, or named templates);
+named templates also from ``additional_chat_templates/*.jinja``. A request with tools takes the
+one named ``tool_use`` when there is one, else ``default``.
+
+**Rendering** (as ``transformers`` renders): a sandboxed Jinja environment with ``trim_blocks``
+and ``lstrip_blocks`` and the loop controls, the ``tojson`` filter, ``raise_exception`` and
+``strftime_now`` (local time: a door and an engine in different time zones disagree on a
+template that prints today's date), the tokenizer's special tokens (``bos_token``, ...),
+``messages``, ``tools`` and ``documents`` (None when absent), ``add_generation_prompt`` and the
+request's ``chat_template_kwargs``; ``continue_final_message`` cuts the text after the last
+message's content.
+
+**Messages and tools as vLLM hands them to the template** (``vllm/entrypoints/chat_utils.py``):
+only ``role``, ``content``, ``name``, ``tool_call_id``, ``tool_calls`` (an assistant's, when not
+empty; each call's ``arguments`` parsed from JSON, ``{}`` when they are not JSON) and the
+reasoning fields (``reasoning_content`` and ``reasoning``, each set from either). Content is a
+string for templates that print it and a list of parts for templates that loop over it (vLLM's
+"openai" content format, found the way vLLM finds it: a ``for`` over a message's
+``content``): text parts (``text``, ``input_text``, ``output_text``, ``refusal``, ``thinking``)
+joined by newlines in the first case, ``{"type": "text", "text": ...}`` parts in the second, and
+media as ``{"type": "image"}`` (``"audio"``, ``"video"``) parts there and as nothing in the first
+(vLLM would add its model-specific placeholder text: not reproduced). A tool is rebuilt as
+``{"type", "function": {"name", "description", "parameters"}}`` (vLLM's request model).
+Not reproduced: vLLM's ``--chat-template`` override (put the file beside the tokenizer as
+``chat_template.jinja``), Mistral's ``mistral_common`` tokenizer mode, ``reasoning_effort``.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvcompass.errors import InvalidArgumentError
 
-__all__ = ["ChatTemplate", "load_chat_template"]
+__all__ = ["ChatTemplate", "ChatTemplates", "load_chat_templates"]
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
-_TEXT_PARTS = ("text", "input_text", "output_text")
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
+_MEDIA_PARTS = {"image_url": "image", "input_image": "image", "image": "image", "input_audio": "audio", "audio_url": "audio", "video_url": "video"}
+_KEPT = ("role", "content", "name", "tool_call_id")
+# A ``for`` over a message's content: the template takes content as a list of parts.
+_LOOPS_CONTENT = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+(?:\[\s*['\"]content['\"]\s*\]|\.content(?!\w))")
 
 
 class ChatTemplate:
-    """A compiled template and the special tokens it may name."""
+    """One compiled template and the special tokens it may name."""
 
     def __init__(self, source: str, special: Mapping[str, str] | None = None, origin: str = "chat template") -> None:
         import jinja2
@@ -63,47 +83,114 @@ class ChatTemplate:
         self._error = jinja2.exceptions.TemplateError
         self.special = dict(special or {})
         self.origin = origin
+        self.parts = bool(_LOOPS_CONTENT.search(source))
+        """Whether the template takes content as a list of parts (vLLM's "openai" format)."""
 
-    def render(self, messages: Sequence[Any], *, tools: Sequence[Any] | None = None, add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: Sequence[Any],
+        *,
+        tools: Sequence[Any] | None = None,
+        documents: Sequence[Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        extra: Mapping[str, Any] | None = None,
+    ) -> str:
         """The prompt text of ``messages``; a template that refuses them (``raise_exception``,
         a missing field) is an InvalidArgumentError (a 400 at the door, as at vLLM)."""
-        # As transformers passes them: tools and documents None when the request has none.
+        msgs = [_message(i, m, self.parts) for i, m in enumerate(messages)]
         kwargs: dict[str, Any] = {
             **self.special,
-            "messages": [_normalise(m) for m in messages],
-            "tools": None if tools is None else list(tools),
-            "documents": None,
-            "add_generation_prompt": add_generation_prompt,
+            **(extra or {}),
+            "messages": msgs,
+            "tools": None if tools is None else [_tool(i, t) for i, t in enumerate(tools)],
+            "documents": None if documents is None else list(documents),
+            "add_generation_prompt": add_generation_prompt and not continue_final_message,
         }
         try:
-            return str(self._template.render(**kwargs))
+            text = str(self._template.render(**kwargs))
         except self._error as e:
             raise InvalidArgumentError(f"the model's chat template refused the messages: {e}") from None
         except (TypeError, ValueError, KeyError, AttributeError) as e:
             raise InvalidArgumentError(f"the model's chat template could not render the messages: {e}") from None
+        if continue_final_message:
+            last = msgs[-1].get("content") if msgs else None
+            final = last if isinstance(last, str) else "".join(p.get("text", "") for p in last or [] if isinstance(p, dict))
+            if final.strip() and final.strip() in text:
+                text = text[: text.rindex(final.strip()) + len(final.strip())]
+        return text
 
 
-def _normalise(m: Any) -> Any:
+class ChatTemplates:
+    """A model's templates: the default and any named ones (``tool_use`` for tool requests)."""
+
+    def __init__(self, default: ChatTemplate | None, named: Mapping[str, ChatTemplate] | None = None) -> None:
+        self.named = dict(named or {})
+        self.default = default if default is not None else self.named.get("default")
+
+    def pick(self, tools: object) -> ChatTemplate | None:
+        if tools is not None and "tool_use" in self.named:
+            return self.named["tool_use"]
+        return self.default
+
+
+def _message(i: int, m: Any, parts: bool) -> dict[str, Any]:
+    where = f"messages[{i}]"
     if not isinstance(m, Mapping):
-        return m
-    out = dict(m)
-    content = out.get("content")
-    if isinstance(content, list):
-        out["content"] = "\n".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping) and p.get("type", "text") in _TEXT_PARTS)
-    calls = out.get("tool_calls")
-    if isinstance(calls, list):
-        fixed = []
-        for c in calls:
-            fn = c.get("function") if isinstance(c, Mapping) else None
-            if isinstance(fn, Mapping) and isinstance(fn.get("arguments"), str):
-                try:
-                    args = json.loads(fn["arguments"])
-                except ValueError:
-                    args = fn["arguments"]
-                c = {**c, "function": {**fn, "arguments": args}}
-            fixed.append(c)
-        out["tool_calls"] = fixed
+        raise InvalidArgumentError(f"{where} must be an object")
+    out = {k: m[k] for k in _KEPT if k in m and m[k] is not None}
+    out["content"] = _content(where, m.get("content"), parts)
+    calls = m.get("tool_calls")
+    if out.get("role") == "assistant" and isinstance(calls, list) and calls:
+        out["tool_calls"] = [_call(c) for c in calls]
+    reasoning = m.get("reasoning_content", m.get("reasoning"))
+    if reasoning is not None:
+        out["reasoning_content"] = out["reasoning"] = reasoning
     return out
+
+
+def _content(where: str, content: Any, parts: bool) -> Any:
+    if content is None:
+        return [] if parts else ""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}] if parts else content
+    if not isinstance(content, list):
+        raise InvalidArgumentError(f"{where}.content must be a string, a list of parts or null")
+    texts: list[str] = []
+    out: list[dict[str, Any]] = []
+    for j, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, Mapping) else None
+        if not isinstance(kind, str):
+            raise InvalidArgumentError(f"{where}.content[{j}] must be an object with a string type")
+        if kind in _TEXT_PARTS:
+            text = p.get(_TEXT_PARTS[kind])
+            if text is None:
+                continue
+            texts.append(str(text))
+            out.append({"type": "text", "text": str(text)})
+        elif kind in _MEDIA_PARTS:
+            out.append({"type": _MEDIA_PARTS[kind]})
+    return out if parts else "\n".join(texts)
+
+
+def _call(c: Any) -> Any:
+    fn = c.get("function") if isinstance(c, Mapping) else None
+    if not isinstance(fn, Mapping):
+        return c
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            args = {}
+    return {**c, "function": {**fn, "arguments": {} if args is None else args}}
+
+
+def _tool(i: int, t: Any) -> dict[str, Any]:
+    fn = t.get("function") if isinstance(t, Mapping) else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+        raise InvalidArgumentError(f"tools[{i}] must be an object with a function that has a string name")
+    return {"type": t.get("type", "function"), "function": {"name": fn["name"], "description": fn.get("description"), "parameters": fn.get("parameters")}}
 
 
 def _token_text(v: Any) -> str | None:
@@ -114,22 +201,41 @@ def _token_text(v: Any) -> str | None:
     return None
 
 
-def load_chat_template(config: Path) -> ChatTemplate | None:
-    """The chat template of an HF ``tokenizer_config.json`` (its ``chat_template``: a string, or
-    a list of named templates of which ``default`` is taken), None when it has none."""
-    try:
-        d = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise InvalidArgumentError(f"tokenizer config {str(config)!r} cannot be read as JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise InvalidArgumentError(f"tokenizer config {str(config)!r} is not a JSON object")
-    source = d.get("chat_template")
-    if isinstance(source, list):
-        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-        source = named.get("default")
-    if source is None:
-        return None
-    if not isinstance(source, str):
-        raise InvalidArgumentError(f"tokenizer config {str(config)!r}: chat_template must be a string or a list of named templates with a 'default'")
+def load_chat_templates(directory: Path) -> ChatTemplates | None:
+    """A model directory's chat templates (see the module notes), None when it has none."""
+    config = directory / "tokenizer_config.json"
+    d: dict[str, Any] = {}
+    if config.is_file():
+        try:
+            d = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise InvalidArgumentError(f"tokenizer config {str(config)!r} cannot be read as JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise InvalidArgumentError(f"tokenizer config {str(config)!r} is not a JSON object")
     special = {k: t for k in _SPECIAL_KEYS if (t := _token_text(d.get(k))) is not None}
-    return ChatTemplate(source, special, f"the chat template of {config}")
+
+    def compile_(source: object, origin: str) -> ChatTemplate:
+        if not isinstance(source, str):
+            raise InvalidArgumentError(f"{origin} must be a string")
+        return ChatTemplate(source, special, origin)
+
+    default: ChatTemplate | None = None
+    named: dict[str, ChatTemplate] = {}
+    jinja = directory / "chat_template.jinja"
+    source = d.get("chat_template")
+    if jinja.is_file():
+        default = compile_(jinja.read_text(encoding="utf-8"), f"the chat template {jinja}")
+    elif isinstance(source, list):
+        for t in source:
+            if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+                raise InvalidArgumentError(f"tokenizer config {str(config)!r}: chat_template must be a string or a list of {{name, template}}")
+            named[t["name"]] = compile_(t.get("template"), f"the chat template {t['name']!r} of {config}")
+    elif source is not None:
+        default = compile_(source, f"the chat template of {config}")
+    extra = directory / "additional_chat_templates"
+    if extra.is_dir():
+        for f in sorted(extra.glob("*.jinja")):
+            named.setdefault(f.stem, compile_(f.read_text(encoding="utf-8"), f"the chat template {f}"))
+    if default is None and not named:
+        return None
+    return ChatTemplates(default, named)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -44,9 +45,11 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from kvcompass import _core
-from kvcompass.engine.chat_template import ChatTemplate, load_chat_template
+from kvcompass.engine.chat_template import ChatTemplates, load_chat_templates
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.index_types import as_tokens
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "BUNDLED_TEXT",
@@ -120,12 +123,12 @@ class Tokenizer:
     so async callers may run them in ``asyncio.to_thread``.
     """
 
-    def __init__(self, hf: _HFTokenizer, path: Path | None = None, chat_template: ChatTemplate | None = None) -> None:
+    def __init__(self, hf: _HFTokenizer, path: Path | None = None, chat_templates: ChatTemplates | None = None) -> None:
         self._hf = hf
         self.path = path
-        self.chat_template = chat_template
-        """The model's own chat template (from the ``tokenizer_config.json`` beside the file), or
-        None: chats are then in the built-in ChatML format."""
+        self.chat_templates = chat_templates
+        """The model's own chat templates (from the files beside the tokenizer), or None: chats
+        are then in the built-in ChatML format."""
         # Special tokens inside user text are plain text; apply_chat_template inserts them by id.
         hf.encode_special_tokens = True
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
@@ -175,14 +178,15 @@ class Tokenizer:
                 return ids
         return as_tokens(self._ids(text))
 
-    def encode_prompt(self, text: str) -> npt.NDArray[np.uint32]:
-        """Token ids of a completion prompt as the model's engine computes them (vLLM's default
-        ``add_special_tokens=True``; special tokens spelled in the text are special): what the
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> npt.NDArray[np.uint32]:
+        """Token ids of a completion prompt as the model's engine computes them (what the
+        tokenizer's post-processor adds unless the request's ``add_special_tokens`` is false,
+        vLLM's default being true; special tokens spelled in the text are special): what the
         door must key a prompt by to find the KV the engine registered. The built-in tokenizer
         gives :meth:`encode`'s ids."""
         if self._engine is None:
             return self.encode(text)
-        return as_tokens(self._engine.encode(_text("prompt", text), add_special_tokens=True).ids)
+        return as_tokens(self._engine.encode(_text("prompt", text), add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int] | npt.NDArray[np.uint32]) -> str:
         """The text of ``ids`` (special tokens left out)."""
@@ -195,11 +199,14 @@ class Tokenizer:
         """The id of one vocabulary entry (e.g. a special token), None if there is none."""
         return self._hf.token_to_id(token)
 
-    def apply_chat_template(self, messages: object, tools: object = None, *, add_generation_prompt: bool = True) -> npt.NDArray[np.uint32]:
+    def apply_chat_template(self, messages: object, tools: object = None, options: Mapping[str, Any] | None = None, *, add_generation_prompt: bool = True) -> npt.NDArray[np.uint32]:
         """Token ids of a chat: under the model's own template when the tokenizer has one
         (:mod:`kvcompass.engine.chat_template`; ``tools``, a request's tool list, rendered as the
-        template renders them, the text read as the engine reads it), else in the ChatML format
-        of the module notes (``tools`` not rendered).
+        template renders them; ``options``, the request's ``add_generation_prompt``,
+        ``continue_final_message``, ``chat_template_kwargs``, ``documents`` and
+        ``add_special_tokens``, as vLLM reads them; the text read as the engine reads it), else
+        in the ChatML format of the module notes (``tools`` not rendered, of ``options`` only
+        ``add_generation_prompt``).
 
         ``messages``: a non-empty list of OpenAI chat messages, each a mapping with a ``role``
         (any non-empty string) and an optional ``content``: a string, a list of content parts
@@ -208,13 +215,23 @@ class Tokenizer:
         ``tool_calls`` follow its content as canonical JSON; other keys (``name``) are ignored.
         InvalidArgumentError names the first offending message and field.
         """
-        if self.chat_template is not None and self._engine is not None:
+        opts = dict(options or {})
+        add_generation_prompt = bool(opts.get("add_generation_prompt", add_generation_prompt))
+        template = self.chat_templates.pick(tools) if self.chat_templates is not None else None
+        if template is not None and self._engine is not None:
             if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
                 raise InvalidArgumentError("messages must be a non-empty list of chat messages")
             if tools is not None and (isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence)):
                 raise InvalidArgumentError(f"tools must be a list, got {type(tools).__name__}")
-            text = _text("the rendered chat", self.chat_template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt))
-            return as_tokens(self._engine.encode(text, add_special_tokens=False).ids)
+            text = template.render(
+                messages,
+                tools=tools,
+                documents=opts.get("documents"),
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=bool(opts.get("continue_final_message", False)),
+                extra=opts.get("chat_template_kwargs"),
+            )
+            return as_tokens(self._engine.encode(_text("the rendered chat", text), add_special_tokens=bool(opts.get("add_special_tokens", False))).ids)
         ids, _ = self.encode_chat(messages)
         if not add_generation_prompt:
             return ids
@@ -449,10 +466,13 @@ def _load(p: Path) -> Tokenizer:
         hf = _HFTokenizer.from_file(str(p))
     except Exception as e:  # tokenizers raises a bare Exception for unreadable files
         raise InvalidArgumentError(f"tokenizer file {str(p)!r} is not an HF tokenizers tokenizer.json: {e}") from None
-    # A model's directory holds its chat template beside the tokenizer (tokenizer_config.json).
-    config = p.parent / "tokenizer_config.json"
-    template = load_chat_template(config) if p.resolve() != DEFAULT_TOKENIZER_PATH.resolve() and config.is_file() else None
-    return Tokenizer(hf, p, template)
+    # A model's directory holds its chat templates beside the tokenizer.
+    if p.resolve() == DEFAULT_TOKENIZER_PATH.resolve():
+        return Tokenizer(hf, p)
+    templates = load_chat_templates(p.parent)
+    if templates is None:
+        _log.warning("tokenizer %s: no chat template beside it (chat_template.jinja or tokenizer_config.json); chats are keyed as ChatML, which matches the engine only for a ChatML model", p)
+    return Tokenizer(hf, p, templates)
 
 
 # ---- training the default ---------------------------------------------------------------------

@@ -153,11 +153,11 @@ class TokenizerLike(Protocol):
 
     def encode(self, text: str) -> npt.NDArray[np.uint32]: ...
 
-    def encode_prompt(self, text: str) -> npt.NDArray[np.uint32]:
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> npt.NDArray[np.uint32]:
         """A completion prompt's ids as the model's engine computes them (e.g. with its BOS)."""
         ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: Any = None) -> npt.NDArray[np.uint32]: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: Any = None, options: Any = None) -> npt.NDArray[np.uint32]: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ checks keys and tenants), not how a request is read or refused.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -271,8 +272,8 @@ async def batch_prompt_tokens(batch: Sequence[Any], encode: Callable[[str], Any]
 
 async def request_tokens(
     body: dict[str, Any],
-    encode: Callable[[str], Any],
-    apply_chat_template: Callable[[list[dict[str, Any]], Any], Any],
+    encode: Callable[..., Any],
+    apply_chat_template: Callable[[list[dict[str, Any]], Any, dict[str, Any]], Any],
     *,
     chat: bool,
     batch: list[Any] | None,
@@ -281,10 +282,15 @@ async def request_tokens(
 ) -> list[npt.NDArray[np.uint32]]:
     """The prompts of a request body as an engine sees them: a chat's ``messages`` under the
     template, a completions request's one prompt, or each prompt of its batch (``batch``, from
-    :func:`prompt_batch`). The door routes on these, the emulated worker prefills them, and
-    ``kvcompass trace from-log`` measures a logged request with them: one reading of a body."""
+    :func:`prompt_batch`), text prompts through ``encode`` (with ``add_special_tokens=False``
+    when the body says so, as vLLM reads it). The door routes on these, the emulated worker
+    prefills them, and ``kvcompass trace from-log`` measures a logged request with them: one
+    reading of a body."""
     if chat:
         return [await chat_tokens(body, apply_chat_template, inline_chars, raw_bytes)]
+    special = _bool_field(body, "add_special_tokens")
+    if special is False:
+        encode = functools.partial(encode, add_special_tokens=False)
     if batch is None:
         return [await prompt_tokens(body, encode, inline_chars)]
     return await batch_prompt_tokens(batch, encode, inline_chars)
@@ -307,7 +313,7 @@ def _text_chars(obj: Any) -> int:
 
 
 async def chat_tokens(
-    body: dict[str, Any], apply_chat_template: Callable[[list[dict[str, Any]], Any], Any], inline_chars: int = INLINE_TOKENIZE_CHARS, raw_bytes: int | None = None
+    body: dict[str, Any], apply_chat_template: Callable[[list[dict[str, Any]], Any, dict[str, Any]], Any], inline_chars: int = INLINE_TOKENIZE_CHARS, raw_bytes: int | None = None
 ) -> npt.NDArray[np.uint32]:
     """The tokens of a chat request's ``messages`` (and ``tools``, which the template may render)
     under the model's chat template; each message an object with a string ``role`` and a
@@ -334,5 +340,32 @@ async def chat_tokens(
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise OpenAIError(400, f"tools must be a list, got {type(tools).__name__}", "tools", "invalid_type")
+    options = _chat_options(body)
     size = raw_bytes if raw_bytes is not None else _text_chars(msgs) + (_text_chars(tools) if tools else 0)
-    return await _run(lambda: apply_chat_template(msgs, tools), size, inline_chars, "messages", "apply the chat template", "invalid_messages")
+    return await _run(lambda: apply_chat_template(msgs, tools, options), size, inline_chars, "messages", "apply the chat template", "invalid_messages")
+
+
+_CHAT_OPTIONS = {"add_special_tokens": bool, "add_generation_prompt": bool, "continue_final_message": bool, "chat_template_kwargs": dict, "documents": list}
+"""The request fields vLLM reads when it renders a chat, and their JSON types."""
+
+
+def _bool_field(body: Mapping[str, Any], name: str) -> bool | None:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise OpenAIError(400, f"{name} must be a boolean", name, "invalid_type")
+    return v
+
+
+def _chat_options(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The chat fields the template is rendered with (see :data:`_CHAT_OPTIONS`), checked."""
+    out: dict[str, Any] = {}
+    for name, kind in _CHAT_OPTIONS.items():
+        v = body.get(name)
+        if v is None:
+            continue
+        if not isinstance(v, kind):
+            raise OpenAIError(400, f"{name} must be {'a boolean' if kind is bool else 'an object' if kind is dict else 'a list'}", name, "invalid_type")
+        out[name] = v
+    if out.get("add_generation_prompt") and out.get("continue_final_message"):
+        raise OpenAIError(400, "add_generation_prompt and continue_final_message cannot both be true", "continue_final_message", "invalid_value")
+    return out
