@@ -35,6 +35,7 @@ pub mod prefix_memo;
 pub mod queues;
 pub mod score;
 pub mod sim;
+pub mod slots;
 pub mod token_ids;
 
 #[cfg(feature = "python")]

@@ -2278,16 +2278,7 @@ impl Engine {
     fn new_job(&mut self, mut j: Job) -> u32 {
         self.job_serial += 1;
         j.serial = self.job_serial;
-        match self.free_jobs.pop() {
-            Some(id) => {
-                self.jobs[id as usize] = j;
-                id
-            }
-            None => {
-                self.jobs.push(j);
-                (self.jobs.len() - 1) as u32
-            }
-        }
+        crate::slots::put(&mut self.jobs, &mut self.free_jobs, j)
     }
 
     /// Job `job` is finished (its record written, a replica landed): its id is free, and it

@@ -27,6 +27,7 @@ use rustc_hash::FxHashMap;
 
 use crate::block_cache::{BlockCache, Event, VRAM};
 use crate::error::{CoreError, Result};
+use crate::slots::put;
 
 /// The parent of the trie's top runs.
 const ROOT: u32 = u32::MAX;
@@ -82,16 +83,7 @@ impl RunTrie {
     }
 
     fn alloc(&mut self, run: Run) -> u32 {
-        match self.free.pop() {
-            Some(n) => {
-                self.runs[n as usize] = run;
-                n
-            }
-            None => {
-                self.runs.push(run);
-                (self.runs.len() - 1) as u32
-            }
-        }
+        put(&mut self.runs, &mut self.free, run)
     }
 
     /// Split run `n` after its first `m` blocks: a new run takes the head (and `n`'s place
@@ -225,16 +217,7 @@ impl KvPool {
         if self.exact {
             self.trie.add(&chain);
         }
-        let h = match self.free.pop() {
-            Some(h) => {
-                self.seqs[h as usize] = Some((chain, extra));
-                h
-            }
-            None => {
-                self.seqs.push(Some((chain, extra)));
-                (self.seqs.len() - 1) as u32
-            }
-        };
+        let h = put(&mut self.seqs, &mut self.free, Some((chain, extra)));
         if !self.exact && self.bound > self.pool {
             self.count_exactly();
         }

@@ -261,16 +261,7 @@ impl History {
                 } else {
                     let mut list: Vec<u32> = e.slots[..e.n as usize].iter().map(|&s| s as u32).collect();
                     list.push(worker);
-                    let j = match self.free.pop() {
-                        Some(j) => {
-                            self.spills[j as usize] = list;
-                            j
-                        }
-                        None => {
-                            self.spills.push(list);
-                            (self.spills.len() - 1) as u32
-                        }
-                    };
+                    let j = crate::slots::put(&mut self.spills, &mut self.free, list);
                     e.set_spill(j);
                 }
             }
