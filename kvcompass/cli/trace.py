@@ -64,7 +64,7 @@ import numpy.typing as npt
 from kvcompass.discovery.topology import Topology, load_topology
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.services.openai_api import OpenAIError, int_field, parse_json, prompt_batch, request_tokens
-from kvcompass.sim.workload import MAX_TRACE_TOKENS, MOONCAKE_BLOCK_SIZE, stream_block_ids
+from kvcompass.sim.workload import MAX_TRACE_TOKENS, MOONCAKE_BLOCK_SIZE, line_error, stream_block_ids
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "LogCounts", "LogRow", "add_parsers", "read_request_log", "trace_lines", "write_trace"]
 
@@ -106,11 +106,6 @@ class LogCounts:
     logged_cached: int = 0  # usage.prompt_tokens_details.cached_tokens, where logged
 
 
-def _error(path: Path, line: int, name: str | None, problem: str) -> InvalidArgumentError:
-    where = f"{path}, line {line}" + (f", field {name!r}" if name else "")
-    return InvalidArgumentError(f"{where}: {problem}", path=str(path), line=line, field=name)
-
-
 def _count(v: object) -> bool:
     return type(v) is int and 0 <= v <= MAX_TRACE_TOKENS
 
@@ -127,16 +122,16 @@ def _outputs(path: Path, line: int, obj: dict[str, Any], body: dict[str, Any], s
     for name, total in (("output_tokens", obj.get("output_tokens")), ("response.usage.completion_tokens", usage.get("completion_tokens") if usage else None)):
         if total is not None:
             if not _count(total):
-                raise _error(path, line, name, f"expected an integer in [0, {MAX_TRACE_TOKENS}], got {total!r}")
+                raise line_error(path, line, name, f"expected an integer in [0, {MAX_TRACE_TOKENS}], got {total!r}")
             return round(int(total) / seqs)
     for name in ("max_completion_tokens", "max_tokens"):
         bound = body.get(name)
         if bound is not None:
             if not _count(bound):
-                raise _error(path, line, f"request.{name}", f"expected an integer in [0, {MAX_TRACE_TOKENS}], got {bound!r}")
+                raise line_error(path, line, f"request.{name}", f"expected an integer in [0, {MAX_TRACE_TOKENS}], got {bound!r}")
             counts.from_bound += 1
             return int(bound)
-    raise _error(path, line, "output_tokens", "missing: give output_tokens, a response with usage.completion_tokens, or a request with max_tokens")
+    raise line_error(path, line, "output_tokens", "missing: give output_tokens, a response with usage.completion_tokens, or a request with max_tokens")
 
 
 def _seed(salt: bytes, tenant: str | None, cache_salt: object) -> int:
@@ -182,34 +177,34 @@ def read_request_log(
         try:
             obj = parse_json(raw)
         except ValueError as e:
-            raise _error(path, line, None, f"not valid JSON ({e})") from None
+            raise line_error(path, line, None, f"not valid JSON ({e})") from None
         if type(obj) is not dict:
-            raise _error(path, line, None, f"expected a JSON object, got {type(obj).__name__}")
+            raise line_error(path, line, None, f"expected a JSON object, got {type(obj).__name__}")
         unknown = [k for k in obj if k not in _KEYS]
         if unknown:
-            raise _error(path, line, unknown[0], f"unknown key (accepted: {', '.join(_KEYS)})")
+            raise line_error(path, line, unknown[0], f"unknown key (accepted: {', '.join(_KEYS)})")
         raw_t: object = obj.get("time")
         try:
             t = float(raw_t) if isinstance(raw_t, (int, float)) and not isinstance(raw_t, bool) else math.nan
         except OverflowError:  # an integer beyond float range
             t = math.nan
         if not (math.isfinite(t) and t >= 0):
-            raise _error(path, line, "time", f"expected the arrival time in seconds (a number >= 0), got {raw_t!r}")
+            raise line_error(path, line, "time", f"expected the arrival time in seconds (a number >= 0), got {raw_t!r}")
         body = obj.get("request")
         if type(body) is not dict:
-            raise _error(path, line, "request", f"expected the request's JSON body (an object), got {type(body).__name__}")
+            raise line_error(path, line, "request", f"expected the request's JSON body (an object), got {type(body).__name__}")
         region = obj.get("region")
         if region is not None:
             if type(region) is not str or not region:
-                raise _error(path, line, "region", f"expected a region name, got {region!r}")
+                raise line_error(path, line, "region", f"expected a region name, got {region!r}")
             if names is not None:
                 if region not in names:
-                    raise _error(path, line, "region", f"{region!r} is neither a region of topology {topology.name!r} nor a region's aws_region (its regions: {', '.join(sorted(names))})")  # type: ignore[union-attr]
+                    raise line_error(path, line, "region", f"{region!r} is neither a region of topology {topology.name!r} nor a region's aws_region (its regions: {', '.join(sorted(names))})")  # type: ignore[union-attr]
                 region = names[region]
         session, tenant = obj.get("session"), obj.get("tenant")
         for name, v in (("session", session), ("tenant", tenant)):
             if v is not None and type(v) not in (str, int):
-                raise _error(path, line, name, f"expected a string or an integer, got {v!r}")
+                raise line_error(path, line, name, f"expected a string or an integer, got {v!r}")
         if session is not None:
             session = str(session)
             counts.sessions.add(session)
@@ -219,7 +214,7 @@ def read_request_log(
             prompts = await request_tokens(body, tok.encode_prompt, tok.apply_chat_template, chat=chat, batch=batch, inline_chars=sys.maxsize)
             n = int_field(body, "n", 1, _MAX_BATCH) or 1
         except OpenAIError as e:
-            raise _error(path, line, f"request.{e.param}" if e.param else "request", e.message) from None
+            raise line_error(path, line, f"request.{e.param}" if e.param else "request", e.message) from None
         out = _outputs(path, line, obj, body, len(prompts) * n, counts)
         counts.requests += 1
         counts.prompts += len(prompts)
@@ -235,7 +230,7 @@ def read_request_log(
         rows = []
         for p in prompts:
             if p.size > MAX_TRACE_TOKENS:
-                raise _error(path, line, "request", f"a prompt of {p.size} tokens; a trace holds at most {MAX_TRACE_TOKENS}")
+                raise line_error(path, line, "request", f"a prompt of {p.size} tokens; a trace holds at most {MAX_TRACE_TOKENS}")
             if topology is not None and p.size > topology.max_prefix:
                 counts.over_context += 1
                 if len(counts.over_context_lines) < 10:

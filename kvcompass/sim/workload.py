@@ -114,6 +114,7 @@ __all__ = [
     "dump_trace",
     "expand_blocks",
     "find_trace",
+    "line_error",
     "load_mooncake",
     "load_trace",
     "draw_regions",
@@ -304,7 +305,9 @@ def stream_block_ids(tokens: npt.NDArray[np.uint32], block_size: int, seed: int 
     return _core.block_chain_hashes(np.ascontiguousarray(padded, dtype=np.uint32), block_size, seed) & np.uint64(_MAX_ID)
 
 
-def _trace_error(path: Path, line: int, name: str | None, problem: str) -> InvalidArgumentError:
+def line_error(path: Path, line: int, name: str | None, problem: str) -> InvalidArgumentError:
+    """The error of a bad line of a JSONL input (a trace, a request log): the file, the line
+    and the field in the message and as attributes."""
     where = f"{path}, line {line}" + (f", field {name!r}" if name else "")
     return InvalidArgumentError(f"{where}: {problem}", path=str(path), line=line, field=name)
 
@@ -315,18 +318,18 @@ def _is_int(v: object) -> bool:
 
 def _parse_ids(path: Path, line: int, raw: object) -> U64Array:
     if type(raw) is not list:
-        raise _trace_error(path, line, "hash_ids", f"expected a list of integers, got {type(raw).__name__}")
+        raise line_error(path, line, "hash_ids", f"expected a list of integers, got {type(raw).__name__}")
     if not all(map(_is_int, raw)):
         i = next(i for i, v in enumerate(raw) if not _is_int(v))
-        raise _trace_error(path, line, "hash_ids", f"element {i} is {raw[i]!r}, expected an integer")
+        raise line_error(path, line, "hash_ids", f"element {i} is {raw[i]!r}, expected an integer")
     try:
         arr = np.array(raw, dtype=np.int64)
     except OverflowError:
         i = next(i for i, v in enumerate(raw) if not 0 <= v <= _MAX_ID)
-        raise _trace_error(path, line, "hash_ids", f"element {i} is {raw[i]}, outside 0..2**63-1") from None
+        raise line_error(path, line, "hash_ids", f"element {i} is {raw[i]}, outside 0..2**63-1") from None
     if arr.size and int(arr.min()) < 0:
         i = int(np.argmax(arr < 0))
-        raise _trace_error(path, line, "hash_ids", f"element {i} is {raw[i]}, outside 0..2**63-1")
+        raise line_error(path, line, "hash_ids", f"element {i} is {raw[i]}, outside 0..2**63-1")
     ids = arr.view(np.uint64)
     ids.setflags(write=False)
     return ids
@@ -349,17 +352,17 @@ def _read_trace(path: Path, block_size: int, max_requests: int | None, window: t
             try:
                 obj = json.loads(raw)
             except UnicodeDecodeError as e:
-                raise _trace_error(path, line, None, f"not UTF-8 ({e.reason})") from None
+                raise line_error(path, line, None, f"not UTF-8 ({e.reason})") from None
             except json.JSONDecodeError as e:
-                raise _trace_error(path, line, None, f"not valid JSON ({e.msg} at column {e.colno})") from None
+                raise line_error(path, line, None, f"not valid JSON ({e.msg} at column {e.colno})") from None
             if type(obj) is not dict:
-                raise _trace_error(path, line, None, f"expected a JSON object, got {type(obj).__name__}")
+                raise line_error(path, line, None, f"expected a JSON object, got {type(obj).__name__}")
             for name in _TRACE_FIELDS:
                 if name not in obj:
-                    raise _trace_error(path, line, name, "missing")
+                    raise line_error(path, line, name, "missing")
             if len(obj) > len(_TRACE_FIELDS) and not _TRACE_KEYS.issuperset(obj):
                 key = next(k for k in obj if k not in _TRACE_KEYS)
-                raise _trace_error(path, line, key, f"unknown key (accepted: {_TRACE_KEYS_TEXT})")
+                raise line_error(path, line, key, f"unknown key (accepted: {_TRACE_KEYS_TEXT})")
 
             raw_ts = obj["timestamp"]
             try:
@@ -367,21 +370,21 @@ def _read_trace(path: Path, block_size: int, max_requests: int | None, window: t
             except OverflowError:  # an integer beyond float range
                 ts = math.nan
             if not (math.isfinite(ts) and ts >= 0):
-                raise _trace_error(path, line, "timestamp", f"expected a number of ms >= 0, got {raw_ts!r}")
+                raise line_error(path, line, "timestamp", f"expected a number of ms >= 0, got {raw_ts!r}")
             if rows.timestamps and ts < prev_ts:
-                raise _trace_error(path, line, "timestamp", f"{raw_ts} is earlier than the previous request's {prev_ts:g}: timestamps must be non-decreasing (sort the file)")
+                raise line_error(path, line, "timestamp", f"{raw_ts} is earlier than the previous request's {prev_ts:g}: timestamps must be non-decreasing (sort the file)")
             n_in = obj["input_length"]
             if not _is_int(n_in) or not 1 <= n_in <= MAX_TRACE_TOKENS:
-                raise _trace_error(path, line, "input_length", f"expected an integer in [1, {MAX_TRACE_TOKENS}], got {n_in!r}")
+                raise line_error(path, line, "input_length", f"expected an integer in [1, {MAX_TRACE_TOKENS}], got {n_in!r}")
             if window is not None and n_in > window[0]:
-                raise _trace_error(path, line, "input_length", f"{n_in} tokens, longer than {window[1]}: {_WINDOW_FIX}")
+                raise line_error(path, line, "input_length", f"{n_in} tokens, longer than {window[1]}: {_WINDOW_FIX}")
             n_out = obj["output_length"]
             if not _is_int(n_out) or not 0 <= n_out <= MAX_TRACE_TOKENS:
-                raise _trace_error(path, line, "output_length", f"expected an integer in [0, {MAX_TRACE_TOKENS}], got {n_out!r}")
+                raise line_error(path, line, "output_length", f"expected an integer in [0, {MAX_TRACE_TOKENS}], got {n_out!r}")
             ids = _parse_ids(path, line, obj["hash_ids"])
             need = -(-n_in // block_size)
             if ids.size != need:
-                raise _trace_error(
+                raise line_error(
                     path, line, "hash_ids",
                     f"has {ids.size} ids, expected ceil(input_length / block_size) = ceil({n_in} / {block_size}) = {need} (a trace written at another block size? say which: --block-size)",
                 )
@@ -389,7 +392,7 @@ def _read_trace(path: Path, block_size: int, max_requests: int | None, window: t
             if "region" in obj:
                 name = obj["region"]
                 if type(name) is not str or name not in region_index:
-                    raise _trace_error(path, line, "region", f"{name!r} is not a region of the fleet (its regions: {', '.join(regions)})")
+                    raise line_error(path, line, "region", f"{name!r} is not a region of the fleet (its regions: {', '.join(regions)})")
                 region = region_index[name]
 
             row = len(rows.timestamps)
@@ -397,17 +400,17 @@ def _read_trace(path: Path, block_size: int, max_requests: int | None, window: t
             if "chat_id" in obj:
                 chat = obj["chat_id"]
                 if not _is_int(chat) or chat < 0:
-                    raise _trace_error(path, line, "chat_id", f"expected an integer >= 0, got {chat!r}")
+                    raise line_error(path, line, "chat_id", f"expected an integer >= 0, got {chat!r}")
                 if chat in row_of_chat:
-                    raise _trace_error(path, line, "chat_id", f"{chat} already used on an earlier line")
+                    raise line_error(path, line, "chat_id", f"{chat} already used on an earlier line")
             else:
                 chat = None
             if "parent_chat_id" in obj:
                 parent = obj["parent_chat_id"]
                 if not _is_int(parent) or parent < -1:
-                    raise _trace_error(path, line, "parent_chat_id", f"expected an integer >= -1 (-1: a root), got {parent!r}")
+                    raise line_error(path, line, "parent_chat_id", f"expected an integer >= -1 (-1: a root), got {parent!r}")
                 if parent >= 0 and parent == chat:
-                    raise _trace_error(path, line, "parent_chat_id", f"{parent} is the request's own chat_id")
+                    raise line_error(path, line, "parent_chat_id", f"{parent} is the request's own chat_id")
                 parent_row = row_of_chat.get(parent, -1)
             if chat is not None:
                 row_of_chat[chat] = row
