@@ -233,7 +233,9 @@ class AgentForest:
 @final
 class KvPool:
     """One worker's KV pool (``rust/sim/kv_pool.rs``): the VRAM its running sequences and its
-    prefix cache share, counted in blocks; a block several sequences hold counts once."""
+    prefix cache share, counted in blocks; a block several sequences hold counts once. Chains
+    are chained block ids (:meth:`BlockCache.chain`'s): an id names its whole prefix, which the
+    exact count relies on."""
 
     def __new__(cls, blocks: int) -> KvPool: ...
     def fits(self, chain: npt.NDArray[np.uint64], extra: int) -> bool:
