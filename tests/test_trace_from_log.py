@@ -273,3 +273,23 @@ def test_the_engines_own_counts_check_the_lengths_and_give_todays_reuse(tmp_path
     assert main(["trace", "from-log", str(log), "-o", str(tmp_path / "t.jsonl"), "--salt", "s"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (summary["tokens_vs_logged"], summary["logged_hit_rate"]) == (0.5, 0.5)
+
+
+def test_a_models_tokenizer_measures_prompts_as_its_engine_does(tmp_path: Path) -> None:
+    """With the model's tokenizer (and its chat template beside it), a logged prompt's length is
+    the engine's: a completion with the BOS the tokenizer adds, a chat under the model's
+    template, not ChatML."""
+    from test_chat_template import BOS, END_HEAD, EOT, HEAD, engine_ids, model_dir
+
+    (tmp_path / "model").mkdir()
+    path = model_dir(tmp_path / "model")
+    log = write_log(
+        tmp_path / "log.jsonl",
+        [
+            {"time": 0, "request": {"prompt": "hello there"}, "output_tokens": 3},
+            {"time": 1, "request": {"messages": [{"role": "user", "content": "hi"}]}, "output_tokens": 3},
+        ],
+    )
+    rows = read_request_log(log, tokenizer=path)
+    chat = f"{BOS}{HEAD}user{END_HEAD}\n\nhi{EOT}{HEAD}assistant{END_HEAD}\n\n"
+    assert [r.input_length for r in rows] == [len(engine_ids(path, "hello there", True)), len(engine_ids(path, chat, False))]
