@@ -20,8 +20,9 @@ token ids, or a batch of either). Prompts are tokenized as the door tokenizes th
 (:func:`kvcompass.services.openai_api.request_tokens`), by the built-in tokenizer unless
 ``--tokenizer`` names the model's ``tokenizer.json``: lengths under another tokenizer differ by
 some percent (a logged ``usage.prompt_tokens`` measures by how much: the summary's
-``tokens_vs_logged``). ``tools`` are not rendered (the door routes without them too), so a
-chat's tool schemas add no tokens. The tokens the request generated are ``output_tokens``, else
+``tokens_vs_logged``); with the model's tokenizer its chat template renders the chat and its
+``tools`` as the engine does (:mod:`kvcompass.engine.chat_template`), while the built-in
+tokenizer's ChatML leaves ``tools`` out, as the door does with it. The tokens the request generated are ``output_tokens``, else
 the response's ``usage.completion_tokens``, each shared equally by the request's sequences (a
 batch of ``P`` prompts with ``n`` each is ``P * n``); else the body's per-sequence
 ``max_completion_tokens`` or ``max_tokens`` (an upper bound, counted in the summary); a line
