@@ -368,6 +368,9 @@ mod tests {
                 }
                 let distinct: std::collections::HashSet<u64> = held.iter().flatten().copied().collect();
                 prop_assert_eq!(t.blocks, distinct.len() as u64);
+                // Every live run has one edge in and the live runs' lengths are the count.
+                prop_assert_eq!(t.edges.len(), t.runs.len() - t.free.len());
+                prop_assert_eq!(t.edges.values().map(|&n| t.runs[n as usize].blocks.len() as u64).sum::<u64>(), t.blocks);
                 let probe = chain_of(&branches);
                 let want = probe.iter().take_while(|b| distinct.contains(b)).count();
                 prop_assert_eq!(t.held_prefix(&probe), want);
