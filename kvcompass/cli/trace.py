@@ -65,7 +65,7 @@ import numpy.typing as npt
 from kvcompass.discovery.topology import Topology, load_topology
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.services.openai_api import OpenAIError, int_field, parse_json, prompt_batch, request_tokens
-from kvcompass.sim.workload import MAX_TRACE_TOKENS, MOONCAKE_BLOCK_SIZE, line_error, stream_block_ids
+from kvcompass.sim.workload import MAX_TRACE_TOKENS, MOONCAKE_BLOCK_SIZE, json_number, line_error, stream_block_ids
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "LogCounts", "LogRow", "add_parsers", "read_request_log", "trace_lines", "write_trace"]
 
@@ -117,9 +117,8 @@ def _usage(obj: dict[str, Any]) -> dict[str, Any] | None:
     return usage if isinstance(usage, dict) else None
 
 
-def _outputs(path: Path, line: int, obj: dict[str, Any], body: dict[str, Any], seqs: int, counts: LogCounts) -> int:
+def _outputs(path: Path, line: int, obj: dict[str, Any], usage: dict[str, Any] | None, body: dict[str, Any], seqs: int, counts: LogCounts) -> int:
     """Tokens generated for each of the line's sequences (see the module doc for the order)."""
-    usage = _usage(obj)
     for name, total in (("output_tokens", obj.get("output_tokens")), ("response.usage.completion_tokens", usage.get("completion_tokens") if usage else None)):
         if total is not None:
             if not _count(total):
@@ -185,10 +184,7 @@ def read_request_log(
         if unknown:
             raise line_error(path, line, unknown[0], f"unknown key (accepted: {', '.join(_KEYS)})")
         raw_t: object = obj.get("time")
-        try:
-            t = float(raw_t) if isinstance(raw_t, (int, float)) and not isinstance(raw_t, bool) else math.nan
-        except OverflowError:  # an integer beyond float range
-            t = math.nan
+        t = json_number(raw_t)
         if not (math.isfinite(t) and t >= 0):
             raise line_error(path, line, "time", f"expected the arrival time in seconds (a number >= 0), got {raw_t!r}")
         body = obj.get("request")
@@ -216,10 +212,10 @@ def read_request_log(
             n = int_field(body, "n", 1, _MAX_BATCH) or 1
         except OpenAIError as e:
             raise line_error(path, line, f"request.{e.param}" if e.param else "request", e.message) from None
-        out = _outputs(path, line, obj, body, len(prompts) * n, counts)
+        usage = _usage(obj)
+        out = _outputs(path, line, obj, usage, body, len(prompts) * n, counts)
         counts.requests += 1
         counts.prompts += len(prompts)
-        usage = _usage(obj)
         logged = usage.get("prompt_tokens") if usage else None
         if _count(logged):
             counts.our_tokens += sum(p.size for p in prompts)

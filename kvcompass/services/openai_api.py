@@ -288,7 +288,7 @@ async def request_tokens(
     reading of a body."""
     if chat:
         return [await chat_tokens(body, apply_chat_template, inline_chars, raw_bytes)]
-    special = _bool_field(body, "add_special_tokens")
+    special = _typed_field(body, "add_special_tokens", bool)
     if special is False:
         encode = functools.partial(encode, add_special_tokens=False)
     if batch is None:
@@ -349,10 +349,14 @@ _CHAT_OPTIONS = {"add_special_tokens": bool, "add_generation_prompt": bool, "con
 """The request fields vLLM reads when it renders a chat, and their JSON types."""
 
 
-def _bool_field(body: Mapping[str, Any], name: str) -> bool | None:
+_KIND_NAMES = {bool: "a boolean", dict: "an object", list: "a list"}
+
+
+def _typed_field(body: Mapping[str, Any], name: str, kind: type) -> Any:
+    """``body[name]`` (None when absent or null), a 400 unless it is of JSON type ``kind``."""
     v = body.get(name)
-    if v is not None and not isinstance(v, bool):
-        raise OpenAIError(400, f"{name} must be a boolean", name, "invalid_type")
+    if v is not None and not isinstance(v, kind):
+        raise OpenAIError(400, f"{name} must be {_KIND_NAMES[kind]}", name, "invalid_type")
     return v
 
 
@@ -360,12 +364,9 @@ def _chat_options(body: Mapping[str, Any]) -> dict[str, Any]:
     """The chat fields the template is rendered with (see :data:`_CHAT_OPTIONS`), checked."""
     out: dict[str, Any] = {}
     for name, kind in _CHAT_OPTIONS.items():
-        v = body.get(name)
-        if v is None:
-            continue
-        if not isinstance(v, kind):
-            raise OpenAIError(400, f"{name} must be {'a boolean' if kind is bool else 'an object' if kind is dict else 'a list'}", name, "invalid_type")
-        out[name] = v
+        v = _typed_field(body, name, kind)
+        if v is not None:
+            out[name] = v
     if out.get("add_generation_prompt") and out.get("continue_final_message"):
         raise OpenAIError(400, "add_generation_prompt and continue_final_message cannot both be true", "continue_final_message", "invalid_value")
     return out

@@ -114,6 +114,7 @@ __all__ = [
     "dump_trace",
     "expand_blocks",
     "find_trace",
+    "json_number",
     "line_error",
     "load_mooncake",
     "load_trace",
@@ -305,6 +306,17 @@ def stream_block_ids(tokens: npt.NDArray[np.uint32], block_size: int, seed: int 
     return _core.block_chain_hashes(np.ascontiguousarray(padded, dtype=np.uint32), block_size, seed) & np.uint64(_MAX_ID)
 
 
+def json_number(v: object) -> float:
+    """A JSON value as a float: NaN unless it is a number (a bool is not; an integer beyond the
+    float range neither), so one finiteness check refuses everything else."""
+    if type(v) not in (int, float):
+        return math.nan
+    try:
+        return float(v)  # type: ignore[arg-type]
+    except OverflowError:
+        return math.nan
+
+
 def line_error(path: Path, line: int, name: str | None, problem: str) -> InvalidArgumentError:
     """The error of a bad line of a JSONL input (a trace, a request log): the file, the line
     and the field in the message and as attributes."""
@@ -365,10 +377,7 @@ def _read_trace(path: Path, block_size: int, max_requests: int | None, window: t
                 raise line_error(path, line, key, f"unknown key (accepted: {_TRACE_KEYS_TEXT})")
 
             raw_ts = obj["timestamp"]
-            try:
-                ts = float(raw_ts) if type(raw_ts) in (int, float) else math.nan
-            except OverflowError:  # an integer beyond float range
-                ts = math.nan
+            ts = json_number(raw_ts)
             if not (math.isfinite(ts) and ts >= 0):
                 raise line_error(path, line, "timestamp", f"expected a number of ms >= 0, got {raw_ts!r}")
             if rows.timestamps and ts < prev_ts:
