@@ -195,3 +195,69 @@ def test_the_requests_own_fields_are_read_as_vllm_reads_them(tmp_path: Path) -> 
     for bad in ({"prompt": "x", "add_special_tokens": "no"}, {"messages": msgs, "chat_template_kwargs": [1]}, {"messages": msgs, "continue_final_message": True, "add_generation_prompt": True}):
         with pytest.raises(OpenAIError):
             tokens(bad)
+
+
+# An operator's template, as one starts vLLM with --chat-template: the engine renders every chat
+# with it, so the door must too (before, the door had no such option: its keys for chats under a
+# flag-given template never matched what the engine registered).
+OPERATOR = "{{- bos_token }}{%- for m in messages %}{{- '[' + m['role'] + '] ' + m['content'] + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '[assistant] ' }}{%- endif %}"
+
+
+def test_an_operators_chat_template_replaces_the_models_for_every_request(tmp_path: Path) -> None:
+    path = model_dir(tmp_path, template=[{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": TEMPLATE}])
+    (tmp_path / "op.jinja").write_text(OPERATOR)
+    hello = [{"role": "user", "content": "hello"}]
+    expected = engine_ids(path, f"{BOS}[user] hello\n[assistant] ", False)
+    for value in (str(tmp_path / "op.jinja"), OPERATOR):  # a file, or the template itself
+        tok = load_tokenizer(path, value)
+        assert tok.apply_chat_template(hello).tolist() == expected
+        # vLLM puts the flag before the model's templates, the tool_use one too.
+        assert tok.apply_chat_template(hello, [{"type": "function", "function": {"name": "f"}}]).tolist() == expected
+    assert load_tokenizer(path).apply_chat_template(hello).tolist() != expected  # the model's own
+
+
+def test_an_operators_chat_template_is_read_as_vllm_reads_the_flag(tmp_path: Path) -> None:
+    from kvcompass.engine.chat_template import read_chat_template
+
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    assert read_chat_template("t.jinja", tmp_path) == ("{{ messages }}", f"the chat template {tmp_path / 't.jinja'}")
+    assert read_chat_template("{{ messages }}")[0] == "{{ messages }}"  # not a file, but Jinja
+    assert read_chat_template("line one\nline two")[0] == "line one\nline two"
+    with pytest.raises(InvalidArgumentError, match="looks like a file's path"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(InvalidArgumentError, match="looks like a file's path"):
+        read_chat_template(str(tmp_path))  # a directory
+    path = model_dir(tmp_path)
+    with pytest.raises(InvalidArgumentError, match="not a valid Jinja template"):
+        load_tokenizer(path, "{% for %}")
+    with pytest.raises(InvalidArgumentError, match="needs the model's tokenizer"):
+        load_tokenizer(None, OPERATOR)
+    with pytest.raises(InvalidArgumentError, match="needs the model's tokenizer"):
+        load_tokenizer(DEFAULT_TOKENIZER_PATH, OPERATOR)
+
+
+def test_a_topologys_chat_template_reaches_the_door_and_the_emulated_workers(tmp_path: Path) -> None:
+    """``chat_template`` in a topology is what ``kvcompass edge`` gives its door and ``kvcompass
+    worker`` its emulated engine, so both render a chat alike; it needs the model's tokenizer."""
+    from kvcompass.cli.services import _door_tokenizer
+    from kvcompass.discovery.topology import TopologyError, load_topology
+    from kvcompass.services.emulated_worker import EmulatedWorker, WorkerConfig
+
+    path = model_dir(tmp_path)
+    (tmp_path / "op.jinja").write_text(OPERATOR)
+    body = 'rtt_ms = { a = { a = 1.0 } }\n[regions]\na = {}\n[[workers]]\nid = "a0"\nregion = "a"\n'
+    (tmp_path / "t.toml").write_text(f'tokenizer = "{path.name}"\nchat_template = "op.jinja"\n' + body)
+    topo = load_topology(str(tmp_path / "t.toml"))
+    assert topo.chat_template == str((tmp_path / "op.jinja").resolve())
+    hello = [{"role": "user", "content": "hello"}]
+    expected = engine_ids(path, f"{BOS}[user] hello\n[assistant] ", False)
+    assert _door_tokenizer(topo).apply_chat_template(hello).tolist() == expected
+    worker = EmulatedWorker(WorkerConfig.from_spec(topo.workers[0], topo.block_size, tokenizer_path=topo.tokenizer, chat_template=topo.chat_template))
+    assert worker.tokenizer.apply_chat_template(hello).tolist() == expected
+    assert _door_tokenizer(load_topology("testbed-14x3")) is None  # no template: the door loads its own
+    (tmp_path / "u.toml").write_text('chat_template = "op.jinja"\n' + body)
+    with pytest.raises(TopologyError, match="needs the model's tokenizer"):
+        load_topology(str(tmp_path / "u.toml"))
+    (tmp_path / "v.toml").write_text(f'tokenizer = "{path.name}"\nchat_template = "missing.jinja"\n' + body)
+    with pytest.raises(TopologyError, match="chat_template: no file"):
+        load_topology(str(tmp_path / "v.toml"))

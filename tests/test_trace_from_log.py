@@ -293,3 +293,12 @@ def test_a_models_tokenizer_measures_prompts_as_its_engine_does(tmp_path: Path) 
     rows = read_request_log(log, tokenizer=path)
     chat = f"{BOS}{HEAD}user{END_HEAD}\n\nhi{EOT}{HEAD}assistant{END_HEAD}\n\n"
     assert [r.input_length for r in rows] == [len(engine_ids(path, "hello there", True)), len(engine_ids(path, chat, False))]
+    # The engine started with --chat-template: the command takes the same flag.
+    from test_chat_template import OPERATOR
+
+    (tmp_path / "op.jinja").write_text(OPERATOR)
+    out = tmp_path / "t.jsonl"
+    assert main(["trace", "from-log", str(log), "-o", str(out), "--tokenizer", str(path), "--chat-template", str(tmp_path / "op.jinja")]) == 0
+    lengths = [json.loads(line)["input_length"] for line in out.read_text().splitlines()]
+    assert lengths == [len(engine_ids(path, "hello there", True)), len(engine_ids(path, f"{BOS}[user] hi\n[assistant] ", False))]
+    assert main(["trace", "from-log", str(log), "-o", str(tmp_path / "u.jsonl"), "--chat-template", str(tmp_path / "op.jinja")]) == 2  # needs --tokenizer

@@ -208,6 +208,16 @@ def _load(topology: str) -> Any:
     return load_topology(topology)
 
 
+def _door_tokenizer(topo: Any) -> Any:
+    """The topology's tokenizer as the door takes it: its path (loaded by the door), or, with
+    the operator's chat template, the tokenizer built with it."""
+    if not topo.chat_template:
+        return topo.tokenizer or None
+    from kvcompass.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(topo.tokenizer, topo.chat_template)
+
+
 def _units(text: str, shards: int) -> dict[int, str]:
     addrs = parse_hostports(text)
     if len(addrs) != shards:
@@ -410,7 +420,7 @@ async def _edge(args: argparse.Namespace) -> int:
         grpc = await server.start(args.host, args.grpc_port, metrics_port=args.metrics_port, ssl_context=grpc_server_ssl)
         stack.push_async_callback(server.close)
         door = await serve_door(
-            edge, urls, topo.tokenizer or None, host=args.host, port=args.http_port, config=DoorConfig(
+            edge, urls, _door_tokenizer(topo), host=args.host, port=args.http_port, config=DoorConfig(
                 drain_grace_s=args.drain_grace, api_keys=keys, peer_key=peer_key, header_timeout_s=args.header_timeout, max_connections_per_address=args.max_connections_per_address,
                 models=models, cors_origins=origins, max_inflight_per_client=args.max_inflight_per_client,
             ),
@@ -589,7 +599,7 @@ async def _worker(args: argparse.Namespace) -> int:
     for name in ("--port", "--events-port", "--replay-port"):
         _check_port(name, getattr(args, name[2:].replace("-", "_")))
     # Per-process block hashes, as vLLM seeds them: the agent must not depend on them.
-    cfg = WorkerConfig.from_spec(spec, topo.block_size, time_scale=args.time_scale, policy=args.policy, hash_seed=os.getpid(), tokenizer_path=topo.tokenizer or None)
+    cfg = WorkerConfig.from_spec(spec, topo.block_size, time_scale=args.time_scale, policy=args.policy, hash_seed=os.getpid(), tokenizer_path=topo.tokenizer or None, chat_template=topo.chat_template or None)
     ssl_context = _tls(args).server_or_none("http")
     zhost = f"[{args.host}]" if ":" in args.host else args.host
 

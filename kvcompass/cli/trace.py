@@ -22,7 +22,8 @@ token ids, or a batch of either). Prompts are tokenized as the door tokenizes th
 some percent (a logged ``usage.prompt_tokens`` measures by how much: the summary's
 ``tokens_vs_logged``); with the model's tokenizer its chat template renders the chat and its
 ``tools`` as the engine does (:mod:`kvcompass.engine.chat_template`), while the built-in
-tokenizer's ChatML leaves ``tools`` out, as the door does with it. The tokens the request generated are ``output_tokens``, else
+tokenizer's ChatML leaves ``tools`` out, as the door does with it; ``--chat-template`` is the
+template the engine was started with (vLLM's ``--chat-template``), in place of the model's. The tokens the request generated are ``output_tokens``, else
 the response's ``usage.completion_tokens``, each shared equally by the request's sequences (a
 batch of ``P`` prompts with ``n`` each is ``P * n``); else the body's per-sequence
 ``max_completion_tokens`` or ``max_tokens`` (an upper bound, counted in the summary); a line
@@ -156,11 +157,13 @@ def read_request_log(
     tokenizer: str | Path | None = None,
     counts: LogCounts | None = None,
     *,
+    chat_template: str | None = None,
     salt: bytes | None = None,
     topology: Topology | None = None,
 ) -> list[LogRow]:
     """The log's prompts in time order (see the module doc). ``salt``: the export's secret (None:
-    random); ``topology``: regions checked and mapped, over-long prompts left out. Every
+    random); ``topology``: regions checked and mapped, over-long prompts left out;
+    ``chat_template``: the engine's ``--chat-template`` (a file or the template). Every
     malformed line is an :class:`~kvcompass.errors.InvalidArgumentError` naming the file, the
     line and the field."""
     from kvcompass.engine.tokenizer import load_tokenizer
@@ -168,7 +171,7 @@ def read_request_log(
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise InvalidArgumentError(f"block_size must be an integer >= 1, got {block_size!r}")
     path = Path(path)
-    tok = load_tokenizer(tokenizer)
+    tok = load_tokenizer(tokenizer, chat_template)
     counts = counts if counts is not None else LogCounts()
     secret = secrets.token_bytes(16) if salt is None else salt
     names = _region_names(topology) if topology is not None else None
@@ -305,7 +308,7 @@ def _from_log(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"--out {args.out} is the log itself; name another file")
     counts = LogCounts()
     topology = load_topology(args.topology) if args.topology else None
-    rows = read_request_log(args.log, args.block_size, args.tokenizer, counts, salt=args.salt.encode() if args.salt is not None else None, topology=topology)
+    rows = read_request_log(args.log, args.block_size, args.tokenizer, counts, chat_template=args.chat_template, salt=args.salt.encode() if args.salt is not None else None, topology=topology)
     write_trace(rows, args.out)
     regions: dict[str, int] = {}
     for r in rows:
@@ -359,6 +362,10 @@ def add_parsers(sub: Any) -> None:
         help=f"tokens a hash id stands for (default {DEFAULT_BLOCK_SIZE}; simulate with the same --block-size; Mooncake's traces use {MOONCAKE_BLOCK_SIZE})",
     )
     f.add_argument("--tokenizer", default=None, metavar="TOKENIZER_JSON", help="the model's tokenizer.json (default: the built-in tokenizer)")
+    f.add_argument(
+        "--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+        help="the chat template the engine was started with (vLLM's --chat-template: a file, or the template itself); needs --tokenizer (default: the templates beside it)",
+    )
     f.add_argument("--topology", default=None, metavar="NAME_OR_PATH", help="check regions against it (a region's aws_region label names it too) and leave out prompts longer than its context window")
     f.add_argument("--salt", default=None, metavar="SECRET", help="the secret the block hashes are keyed with (default: random, so the trace cannot confirm a guessed prompt); give the same one to make exports comparable")
     f.set_defaults(func=_from_log)

@@ -24,6 +24,8 @@ TOML schema (every key but ``regions`` and ``workers`` optional)::
     tokenizer = "tok.json"   # optional: the model's HF tokenizer.json, relative to this file
                              # (edges and emulated workers tokenize text with it; default:
                              # the built-in BPE in kvcompass/data/tokenizer.json)
+    chat_template = "t.jinja" # optional, with tokenizer: the Jinja file the engines get as
+                             # vLLM's --chat-template (default: the templates beside tokenizer)
     max_prefix = 131072      # no indexed length beyond this (the model's context window)
     value_bits = 32          # 32: <= 16 workers per table; 64: <= 32
     shards = 4
@@ -276,6 +278,9 @@ class Topology:
     own_steps: int = 1
     tokenizer: str = ""
     """Absolute path of the model's ``tokenizer.json`` ("" = the built-in default tokenizer)."""
+    chat_template: str = ""
+    """Absolute path of the operator's Jinja chat template, which replaces the model's (vLLM's
+    ``--chat-template``; "" = the templates beside the tokenizer)."""
     _regions: dict[str, RegionSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -424,7 +429,7 @@ def _validate(t: Topology) -> dict[str, RegionSpec]:
 
 _TOP_KEYS = (
     "name", "description", "block_size", "levels", "own_region_min", "max_prefix", "value_bits",
-    "shards", "fp_bits", "long_tail", "tail_steps", "own_steps", "tokenizer", "rtt_matrix", "rtt_ms", "regions", "worker_defaults", "workers",
+    "shards", "fp_bits", "long_tail", "tail_steps", "own_steps", "tokenizer", "chat_template", "rtt_matrix", "rtt_ms", "regions", "worker_defaults", "workers",
 )  # fmt: skip
 _REGION_KEYS = ("aws_region", "edges")
 _WORKER_FIELDS = ("role", "beta_ms_per_token", "vram_tokens", "dram_tokens", "endpoint")
@@ -574,6 +579,14 @@ def topology_from_dict(
             if not tp.is_file():
                 raise TopologyError(f"tokenizer: no file at {str(tp)!r}")
             options["tokenizer"] = str(tp.resolve())
+        if "chat_template" in data:
+            cp = Path(_string("chat_template", data["chat_template"]))
+            cp = cp if cp.is_absolute() or base_dir is None else Path(base_dir) / cp
+            if "tokenizer" not in options:
+                raise TopologyError("chat_template replaces the model's chat template: it needs the model's tokenizer too")
+            if not cp.is_file():
+                raise TopologyError(f"chat_template: no file at {str(cp)!r} (a Jinja template file, as vLLM's --chat-template names)")
+            options["chat_template"] = str(cp.resolve())
         if "long_tail" in data:
             if not isinstance(data["long_tail"], bool):
                 raise TopologyError(f"long_tail must be true or false, got {data['long_tail']!r}")

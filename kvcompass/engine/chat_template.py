@@ -31,8 +31,13 @@ joined by newlines in the first case, ``{"type": "text", "text": ...}`` parts in
 media as ``{"type": "image"}`` (``"audio"``, ``"video"``) parts there and as nothing in the first
 (vLLM would add its model-specific placeholder text: not reproduced). A tool is rebuilt as
 ``{"type", "function": {"name", "description", "parameters"}}`` (vLLM's request model).
-Not reproduced: vLLM's ``--chat-template`` override (put the file beside the tokenizer as
-``chat_template.jinja``), Mistral's ``mistral_common`` tokenizer mode, ``reasoning_effort``.
+**An operator's template** (vLLM's ``--chat-template``, the topology's ``chat_template``):
+:func:`read_chat_template` reads the value as vLLM does (a file when one opens, else the
+template itself when it holds ``{``, ``}`` or a newline, else an error naming the path), and
+:func:`override_chat_templates` makes it the one template for every request, tools or not (vLLM
+puts the flag before the tokenizer's templates), with the special tokens of the
+``tokenizer_config.json`` beside the tokenizer. Not reproduced: vLLM's own fallback templates
+named without a path, Mistral's ``mistral_common`` tokenizer mode, ``reasoning_effort``.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from typing import Any
 
 from kvcompass.errors import InvalidArgumentError
 
-__all__ = ["ChatTemplate", "ChatTemplates", "load_chat_templates"]
+__all__ = ["ChatTemplate", "ChatTemplates", "load_chat_templates", "override_chat_templates", "read_chat_template"]
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 _TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
@@ -201,8 +206,9 @@ def _token_text(v: Any) -> str | None:
     return None
 
 
-def load_chat_templates(directory: Path) -> ChatTemplates | None:
-    """A model directory's chat templates (see the module notes), None when it has none."""
+def _config(directory: Path) -> tuple[Path, dict[str, Any], dict[str, str]]:
+    """The directory's ``tokenizer_config.json``: its path, its object ({} when absent) and the
+    special tokens it names."""
     config = directory / "tokenizer_config.json"
     d: dict[str, Any] = {}
     if config.is_file():
@@ -212,7 +218,38 @@ def load_chat_templates(directory: Path) -> ChatTemplates | None:
             raise InvalidArgumentError(f"tokenizer config {str(config)!r} cannot be read as JSON: {e}") from None
         if not isinstance(d, dict):
             raise InvalidArgumentError(f"tokenizer config {str(config)!r} is not a JSON object")
-    special = {k: t for k in _SPECIAL_KEYS if (t := _token_text(d.get(k))) is not None}
+    return config, d, {k: t for k in _SPECIAL_KEYS if (t := _token_text(d.get(k))) is not None}
+
+
+def read_chat_template(value: str, base_dir: Path | None = None) -> tuple[str, str]:
+    """``(source, origin)`` of an operator's template as vLLM reads ``--chat-template``: the file
+    ``value`` names (relative to ``base_dir``, a topology file's directory) when it opens, else
+    ``value`` itself when it holds ``{``, ``}`` or a newline (an inline template), else an
+    InvalidArgumentError: a path that does not open is a mistake, not a one-line template."""
+    if not isinstance(value, str) or not value:
+        raise InvalidArgumentError(f"a chat template must be a file's path or a Jinja template, got {value!r}")
+    p = Path(value)
+    if base_dir is not None and not p.is_absolute() and "\n" not in value:
+        p = base_dir / p
+    try:
+        return p.read_text(encoding="utf-8"), f"the chat template {p}"
+    except (OSError, ValueError) as e:
+        if not any(c in value for c in "{}\n"):
+            raise InvalidArgumentError(f"the chat template {value!r} looks like a file's path, but {str(p)!r} cannot be read: {e}") from None
+    return value, "the inline chat template"
+
+
+def override_chat_templates(source: str, origin: str, directory: Path) -> ChatTemplates:
+    """``source`` as the only template of the model whose tokenizer is in ``directory`` (its
+    special tokens from the ``tokenizer_config.json`` there): every request, with tools or
+    without, is rendered by it, as vLLM renders with ``--chat-template``."""
+    _, _, special = _config(directory)
+    return ChatTemplates(ChatTemplate(source, special, origin))
+
+
+def load_chat_templates(directory: Path) -> ChatTemplates | None:
+    """A model directory's chat templates (see the module notes), None when it has none."""
+    config, d, special = _config(directory)
 
     def compile_(source: object, origin: str) -> ChatTemplate:
         if not isinstance(source, str):

@@ -45,7 +45,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from kvcompass import _core
-from kvcompass.engine.chat_template import ChatTemplates, load_chat_templates
+from kvcompass.engine.chat_template import ChatTemplates, load_chat_templates, override_chat_templates, read_chat_template
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.index_types import as_tokens
 
@@ -396,11 +396,19 @@ def _canonical_json(where: str, value: object) -> str:
 # ---- loading ----------------------------------------------------------------------------------
 
 
-def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
+def load_tokenizer(path: str | os.PathLike[str] | None = None, chat_template: str | None = None) -> Tokenizer:
     """The tokenizer in ``path`` (an HF ``tokenizer.json``), or the built-in default for None.
 
-    The default is loaded once per process and shared. InvalidArgumentError names the path when
-    the file is missing or is not a tokenizer."""
+    ``chat_template``: an operator's template as vLLM's ``--chat-template`` takes it (a file's
+    path, or the template itself: :func:`~kvcompass.engine.chat_template.read_chat_template`),
+    which replaces the model's templates for every request; it needs the model's tokenizer (the
+    built-in one keeps its own format, which its emulated engine shares). The default is loaded
+    once per process and shared. InvalidArgumentError names the path when the file is missing or
+    is not a tokenizer, and the template when it cannot be read or is not Jinja."""
+    if chat_template is not None:
+        if path is None or Path(path).resolve() == DEFAULT_TOKENIZER_PATH.resolve():
+            raise InvalidArgumentError("a chat template needs the model's tokenizer.json (the built-in tokenizer keeps its own ChatML format)")
+        return _load(Path(path), read_chat_template(chat_template))
     if path is None:
         return _default()
     return _load(Path(path))
@@ -459,7 +467,7 @@ def _fast_bpe(hf: _HFTokenizer) -> _core.ByteLevelBpe | None:
     return _core.ByteLevelBpe(byte_ids, merges)  # type: ignore[arg-type]  # None excluded above
 
 
-def _load(p: Path) -> Tokenizer:
+def _load(p: Path, chat_template: tuple[str, str] | None = None) -> Tokenizer:
     if not p.is_file():
         raise InvalidArgumentError(f"tokenizer file {str(p)!r} does not exist (expected an HF tokenizers tokenizer.json)")
     try:
@@ -469,6 +477,8 @@ def _load(p: Path) -> Tokenizer:
     # A model's directory holds its chat templates beside the tokenizer.
     if p.resolve() == DEFAULT_TOKENIZER_PATH.resolve():
         return Tokenizer(hf, p)
+    if chat_template is not None:
+        return Tokenizer(hf, p, override_chat_templates(*chat_template, p.parent))
     templates = load_chat_templates(p.parent)
     if templates is None:
         _log.warning("tokenizer %s: no chat template beside it (chat_template.jinja or tokenizer_config.json); chats are keyed as ChatML, which matches the engine only for a ChatML model", p)

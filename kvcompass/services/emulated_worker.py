@@ -145,6 +145,9 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     tokenizer_path: str | None = None
     """An HF ``tokenizer.json``; None: the built-in default."""
+    chat_template: str | None = None
+    """An operator's chat template (vLLM's ``--chat-template``: a file or the template itself,
+    :func:`~kvcompass.engine.chat_template.read_chat_template`); needs ``tokenizer_path``."""
     inline_tokenize_chars: int = INLINE_TOKENIZE_CHARS
     """Texts longer than this are tokenized off the event loop (as the door does)."""
     gpu_sharing: str = "chunked"
@@ -274,7 +277,7 @@ class EmulatedWorker(AsyncResource):
 
     def __init__(self, config: WorkerConfig = WorkerConfig(), *, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer_path)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer_path, config.chat_template)
         self.stats = WorkerStats()
         self._hash_seed = config.hash_seed
         self.cache = self._new_cache()
