@@ -494,3 +494,27 @@ def test_the_sensitivity_runs_send_follow_ups_as_the_main_run_does(monkeypatch: 
     assert main(argv) == 0
     assert seen and set(seen) == {"on-time"}, seen
     assert _last_json(capsys.readouterr().out)["follow_ups"] == "on-time"
+
+
+def test_a_person_reads_the_comparison_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    """The end of a run shows a table per rate and KVCompass beside the best other deployable
+    scheme (the Oracle and the ablations left out), figures read back from the JSON line."""
+    argv = ["simulate", "--topology", "testbed-14x3", "--trace", "mixed", "--max-requests", "200", "--load", "0.8"]
+    assert main([*argv, "--schemes", "kvcompass,round-robin,random,oracle,kvcompass-no-load", "--seed", "1"]) == 0
+    cap = capsys.readouterr()
+    j = _last_json(cap.out)
+    (rate,) = j["loads"]
+    lines = cap.err.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith(f"at {rate} req/s, load 0.80, 200 requests")))
+    table = {line.split()[0]: line.split()[1:] for line in lines[start + 2 : start + 7]}
+    assert list(table) == ["kvcompass", "round-robin", "random", "oracle", "kvcompass-no-load"]
+    for scheme, cells in table.items():
+        r = j["results"][scheme][rate]
+        assert [float(c) for c in cells[:5]] == [round(r[k]) for k in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "throughput_tok_s")]
+        assert cells[5] == f"{100 * r['hit_rate']:.1f}%" and float(cells[7]) == round(r["peak_load_factor"], 2)
+    verdict = lines[start + 7]
+    res = {s: j["results"][s][rate] for s in ("round-robin", "random")}
+    best = min(res, key=lambda s: res[s]["ttft_p99_ms"])
+    ratio = j["results"]["kvcompass"][rate]["ttft_p99_ms"] / res[best]["ttft_p99_ms"]
+    assert verdict.startswith(f"kvcompass against the best other: TTFT P99 {ratio:.2f}x {best}'s (")
+    assert "oracle" not in verdict and "no-load" not in verdict

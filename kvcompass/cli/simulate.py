@@ -380,8 +380,9 @@ def _simulate(args: argparse.Namespace) -> int:
         paths += write_figures(out, results)
         paths.append(_write_run(out, args, topology, _load_doc(capacity, loads, rates)))
         print(f"wrote {len(paths)} files to {out}: {' '.join(p.name for p in paths)}")
-    from kvcompass.sim.report import summary_row
+    from kvcompass.sim.report import comparison_text, summary_row
 
+    print(comparison_text(results, dict(zip(rates, loads)) if loads is not None else None), file=sys.stderr, flush=True)
     doc: dict[str, object] = {"results": {s: {r: summary_row(results[s][r]) for r in rates} for s in schemes}, "eviction": eviction, "follow_ups": args.follow_ups, "kv_pool": args.kv_pool}
     if args.closed_loop:
         doc["closed_loop"] = args.closed_loop

@@ -32,7 +32,7 @@ from matplotlib.figure import Figure
 
 from kvcompass.sim.summary import Summary
 
-__all__ = ["ABLATION_FIGURE", "FIGURES", "Results", "records_to_frame", "summaries_to_frame", "summary_row", "write_figures", "write_tables"]
+__all__ = ["ABLATION_FIGURE", "FIGURES", "Results", "comparison_text", "records_to_frame", "summaries_to_frame", "summary_row", "write_figures", "write_tables"]
 
 Results = Mapping[str, Mapping[str, Summary]]
 
@@ -61,6 +61,47 @@ def summary_row(s: Summary) -> dict[str, float | int]:
         "kv_waits": s.kv_waits,
         "sent_req_s": s.sent_req_s,
     }
+
+
+def comparison_text(results: Results, loads: Mapping[str, float] | None = None) -> str:
+    """What ``kvcompass simulate`` shows a person at the end of a run: per rate, one line per
+    scheme (latencies in ms, throughput, hit rates, peak load factor), then KVCompass beside the
+    best of the other schemes on each figure, the Oracle and KVCompass's own ablations left out
+    (the Oracle reads every worker's queue at once and exactly, which no deployed router can;
+    an ablation is not a choice an operator makes). ``x-region`` is the share of prompt tokens
+    reused on a worker outside the request's region (part of ``hit``). A
+    ratio is KVCompass's figure over the best other's: under 1 wins for latency, over 1 for
+    throughput. Empty when nothing ran."""
+    rates = list(dict.fromkeys(r for by_rate in results.values() for r in by_rate))
+    lines: list[str] = []
+    head = f"{'scheme':<26}{'TTFT P50':>10}{'TTFT P99':>10}{'E2E P50':>10}{'E2E P99':>10}{'tok/s':>10}{'hit':>8}{'x-region':>10}{'peak load':>11}"
+    for rate in rates:
+        runs = {scheme: by_rate[rate] for scheme, by_rate in results.items() if rate in by_rate}
+        n = max(s.requests for s in runs.values())
+        load = f", load {loads[rate]:.2f}" if loads and rate in loads else ""
+        lines += ["", f"at {rate} req/s{load}, {n:,} requests (ms; hit: share of prompt tokens reused, x-region: the part reused in another region):", head]
+        for scheme, s in runs.items():
+            lines.append(
+                f"{scheme:<26}{s.ttft_ms[0]:>10.0f}{s.ttft_ms[2]:>10.0f}{s.e2e_ms[0]:>10.0f}{s.e2e_ms[2]:>10.0f}"
+                f"{s.throughput_tokens_s:>10.0f}{100 * s.hit_rate:>7.1f}%{100 * s.cross_region_hit_rate:>9.1f}%{s.peak_load_factor:>11.2f}"
+            )
+        ours = runs.get("kvcompass")
+        others = {k: v for k, v in runs.items() if k != "kvcompass" and k != "oracle" and not k.startswith("kvcompass-")}
+        if ours is None or not others:
+            continue
+        verdicts = []
+        for label, get, lower in (
+            ("TTFT P99", lambda s: s.ttft_ms[2], True),
+            ("E2E P99", lambda s: s.e2e_ms[2], True),
+            ("throughput", lambda s: s.throughput_tokens_s, False),
+        ):
+            best = (min if lower else max)(others, key=lambda k: get(others[k]))
+            ref = get(others[best])
+            ratio = get(ours) / ref if ref > 0 else float("nan")
+            won = ratio < 1 if lower else ratio > 1
+            verdicts.append(f"{label} {ratio:.2f}x {best}'s ({'better' if won else 'equal' if ratio == 1 else 'worse'})")
+        lines.append(f"kvcompass against the best other: {'; '.join(verdicts)}")
+    return "\n".join(lines).lstrip("\n")
 
 
 def summaries_to_frame(results: Results) -> pl.DataFrame:
