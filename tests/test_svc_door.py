@@ -1003,6 +1003,14 @@ def test_api_keys_bind_tenants_and_rate_to_credentials() -> None:
             assert status == 200 and fleet.calls[-1][2]["x-kvcompass-namespace"] == "globex"
             status, _, got = await complete(t.client, body, Authorization="Bearer k-small")
             assert status == 403 and got["error"]["code"] == "model_not_allowed"
+            # A hand-off comes from another region's door, never from a tenant: its header from a
+            # tenant's key picked the worker past the route and skipped the tenant's counts.
+            sent = len(fleet.calls)
+            status, _, got = await complete(t.client, body, Authorization="Bearer k-acme", **{"x-kvcompass-handoff": "us-2"})
+            assert status == 403 and (got["error"]["code"], got["error"]["param"]) == ("handoff_not_allowed", "x-kvcompass-handoff")
+            assert len(fleet.calls) == sent
+            status, _, got = await complete(t.client, body, Authorization="Bearer k-peer", **{"x-kvcompass-handoff": "us-2"})
+            assert status == 200 and fleet.calls[-1][0] == "us-2"
             # The rate: a burst of 2, then 429 with Retry-After.
             codes = []
             for _ in range(3):
@@ -1021,6 +1029,7 @@ def test_api_keys_bind_tenants_and_rate_to_credentials() -> None:
             assert metric(m, "kvcompass_door_tenant_requests_total", tenant="acme") == 1
             assert metric(m, "kvcompass_door_auth_refusals_total", reason="key") == 3
             assert metric(m, "kvcompass_door_auth_refusals_total", reason="rate") == 1
+            assert metric(m, "kvcompass_door_auth_refusals_total", reason="handoff") == 1
 
     run(go())
 

@@ -327,7 +327,7 @@ class _Metrics:
         self.healthy = Gauge(p + "edge_healthy", "1 while every view of the edge is current", registry=registry)
         self.inflight = Gauge(p + "inflight_requests", "Completion requests in progress", registry=registry)
         self.tenant_requests = Counter(p + "tenant_requests", "Completion requests admitted, by tenant (the API key's)", ["tenant"], registry=registry)
-        self.auth_refusals = Counter(p + "auth_refusals", "Completion requests refused before their body was read, by reason", ["reason"], registry=registry)
+        self.auth_refusals = Counter(p + "auth_refusals", "Completion requests refused for their credentials, by reason (key, rate, concurrency, tenant, model, handoff)", ["reason"], registry=registry)
 
 
 # -- the door ----------------------------------------------------------------------------------------
@@ -888,6 +888,12 @@ class FrontDoor:
             if v is not None:
                 headers[h] = v
         handoff = request.headers.get(HANDOFF_HEADER)
+        if handoff is not None and key is not None and ANY_TENANT not in key.tenants:
+            # Only another region's door (the any-tenant peer key) hands requests over: from a
+            # tenant's key the header picked the worker past the route and kept the request out
+            # of the tenant's counts (found in review).
+            self.metrics.auth_refusals.labels("handoff").inc()
+            raise OpenAIError.of(NotAllowedError(f"header {HANDOFF_HEADER} is for the doors' peer key, not a tenant's", code="handoff_not_allowed"), HANDOFF_HEADER)
         if handoff is not None and self._region_of.get(handoff) != self.edge.region:
             raise OpenAIError(400, f"header {HANDOFF_HEADER} must name a worker of this edge's region {self.edge.region!r}, got {handoff!r}", HANDOFF_HEADER, "invalid_handoff")
         if batch is not None and handoff is not None:
