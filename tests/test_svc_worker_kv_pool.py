@@ -6,6 +6,7 @@ costs only its answer; ``kv_pool="unbounded"`` admits everything at once."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import aiohttp
@@ -47,13 +48,18 @@ def test_a_prompt_waits_for_room_unless_the_running_sequence_holds_it(pool: str)
                 c_task = asyncio.ensure_future(short("C", c))
                 await b_task
                 assert done == ["B"]  # B fit beside A (C may be waiting or done)
-                await ra.read()  # A's answer to its end
-                done.append("A")
+                if pool == "shared":
+                    await asyncio.sleep(0.05)
+                    assert w.waiting == 1 and w.queue_ms() > 0  # C, waiting for room, is in the load report
                 await c_task
+                generated_by_then = w.stats.generated_tokens
+                await ra.read()  # A's answer to its end
             if pool == "shared":
-                assert done == ["B", "A", "C"] and w.stats.kv_waits == 1
+                # C started once A's sequence was generated (its KV let go then, whatever A's
+                # client had read: vLLM frees a finished sequence's blocks at once).
+                assert generated_by_then == 401 + 2 + 2 and w.stats.kv_waits == 1
             else:
-                assert done[-1] == "A" and w.stats.kv_waits == 0
+                assert generated_by_then < 401 + 2 + 2 and w.stats.kv_waits == 0
 
     run(main(), timeout=30)
 
@@ -124,3 +130,37 @@ def test_a_release_never_shrinks_the_cache_behind_the_agents_back() -> None:
     w._kv.hold(np.arange(100, 164, dtype=np.uint64), 75)  # Z's prefill is under way
     w._kv_release(y)
     assert w.cache.vram_capacity_tokens == 126 * 16 and w.cache.lookup(x) == (1024, 0)
+
+
+def test_a_client_reading_slowly_does_not_hold_the_pool() -> None:
+    """A's 40,000-token answer goes to a client that reads only its first event (a receive
+    buffer of 4 KiB: the answer cannot all be sent). Once A's sequence is generated its KV is
+    free, so C, which needs that room, is served while A's client still has not read. Before,
+    the worker let go of A's KV only after the last byte went out: C waited for A's reader."""
+    import socket
+
+    async def main() -> None:
+        async with emulated(vram_tokens=48_000, dram_tokens=0, max_model_len=65_536) as w, aiohttp.ClientSession() as s:
+            host, port = w.http_url.removeprefix("http://").rsplit(":", 1)
+            body = json.dumps({"prompt": list(range(1, 65)), "max_tokens": 40_000, "stream": True}).encode()
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            loop = asyncio.get_running_loop()
+            await loop.sock_connect(sock, (host, int(port)))
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            await loop.sock_sendall(sock, head + body)
+            got = b""
+            while b"data:" not in got:
+                got += await loop.sock_recv(sock, 1024)
+            try:
+                async with asyncio.timeout(20):
+                    while w.stats.generated_tokens < 40_000:
+                        await asyncio.sleep(0.01)
+                async with asyncio.timeout(10):
+                    st, _, _ = await post(s, w.http_url + "/v1/completions", {"prompt": list(range(5000, 5000 + 8192)), "max_tokens": 2})
+                assert st == 200 and w.stats.kv_waits <= 1
+            finally:
+                sock.close()
+
+    run(main(), timeout=60)

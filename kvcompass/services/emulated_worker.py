@@ -289,6 +289,7 @@ class EmulatedWorker(AsyncResource):
         # prefill server
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
         self._waiting_ms = 0.0
+        self._kv_waiting: _Job | None = None  # taken from the queue, waiting for room in the KV pool
         self._running_ms = 0.0  # modelled ms of the prefill in progress (0 when idle)
         self._running_end = 0.0  # loop time it ends (time_scale > 0)
         # the KV pool its sequences and its cache share (None: unbounded)
@@ -440,7 +441,8 @@ class EmulatedWorker(AsyncResource):
 
     @property
     def waiting(self) -> int:
-        return self._queue.qsize()
+        """Requests waiting for their prefill: queued, or first in line for room in the KV pool."""
+        return self._queue.qsize() + (self._kv_waiting is not None)
 
     @property
     def running(self) -> int:
@@ -556,21 +558,25 @@ class EmulatedWorker(AsyncResource):
         scale = self.config.time_scale
         while True:
             job = await self._queue.get()
-            self._waiting_ms = max(0.0, self._waiting_ms - job.estimate_ms) if self._queue.qsize() else 0.0
-            if job.done.cancelled():  # the client went away while it waited
-                self._metrics.update_load()
-                continue
             handle = -1
-            if self._kv is not None:
+            if self._kv is not None and not job.done.cancelled():
+                # Waiting for room it is still a waiting request, its estimate in the load
+                # report, as in the simulator's engine and in vLLM's waiting queue (found in
+                # review: it left the report when it left the queue, so a stalled worker looked
+                # free and kept being sent work).
+                self._kv_waiting = job
                 try:
                     handle = await self._kv_hold(job)
                 except BaseException:  # the worker stops while the job waits for room
                     if not job.done.done():
                         job.done.set_exception(RuntimeError("worker stopped"))
                     raise
-                if handle < 0:
-                    self._metrics.update_load()
-                    continue
+                finally:
+                    self._kv_waiting = None
+            self._waiting_ms = max(0.0, self._waiting_ms - job.estimate_ms) if self._queue.qsize() else 0.0
+            if job.done.cancelled() or (self._kv is not None and handle < 0):  # the client went away while it waited
+                self._metrics.update_load()
+                continue
             v, d = self.cache.lookup(job.tokens, job.salt)
             ms = self._estimate_ms(len(job.tokens), v, d)
             self._running_ms = ms
@@ -710,6 +716,14 @@ class EmulatedWorker(AsyncResource):
         self._inflight += 1
         self._idle.clear()
         jobs: list[_Job] = []  # its prefills, whose KV is held until its sequences are done
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._release_jobs(jobs)
+
         try:
             req = await self._parse(request, chat)
             self.stats.requests += 1
@@ -741,10 +755,10 @@ class EmulatedWorker(AsyncResource):
                 "prompt_tokens_details": {"cached_tokens": cached} if cached else None,
             }
             if req.stream:
-                return await self._stream(request, req, headers, usage)
+                return await self._stream(request, req, headers, usage, release)
             return await self._whole(req, headers, usage)
         finally:
-            self._release_jobs(jobs)
+            release()
             self._inflight -= 1
             if not self._inflight:
                 self._idle.set()
@@ -769,7 +783,11 @@ class EmulatedWorker(AsyncResource):
             body = {"id": f"cmpl-{req.request_id}", "object": "text_completion", "created": created, "model": self.config.model, "choices": choices, "usage": usage}
         return json_response(body, headers=headers)
 
-    async def _stream(self, request: Request, req: _Request, headers: dict[str, str], usage: dict[str, Any]) -> StreamResponse:
+    async def _stream(self, request: Request, req: _Request, headers: dict[str, str], usage: dict[str, Any], release: Callable[[], None]) -> StreamResponse:
+        """The answer as server-sent events. ``release`` lets go of the request's KV once every
+        sequence is generated, as vLLM frees a finished sequence's blocks whatever its client
+        has read (found in review: a client reading slowly held the worker's pool until the
+        last byte, and the prompts routed there waited a minute)."""
         resp = StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
         await resp.prepare(request)
         created = int(time.time())
@@ -786,11 +804,16 @@ class EmulatedWorker(AsyncResource):
         # naming its choice, and a sequence's last chunk carries its finish reason.
         out: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
 
+        generating = [req.choices]
+
         async def one(i: int) -> None:
             async with contextlib.aclosing(self._decode(req.prompt_of(i), req.max_tokens, i % req.n)) as gen:
                 async for _, text in gen:
                     await out.put((i, text))
             await out.put((i, None))
+            generating[0] -= 1
+            if not generating[0]:
+                release()
 
         tasks = [asyncio.ensure_future(one(i)) for i in range(req.choices)]
         made = [0] * req.choices
