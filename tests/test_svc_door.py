@@ -7,6 +7,7 @@ responses teach the edge, and the door drains."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -1489,3 +1490,70 @@ def test_the_answer_watch_needs_two_silent_probes_and_remembers_a_verdict_reache
             await pool.close()
 
     run(go())
+
+
+def test_a_worker_silent_to_the_load_poll_is_held_dead_until_it_answers() -> None:
+    """A hung worker still accepts connections: requests sent to it wait out the head deadline
+    and nothing marked it dead (found in review). The edge's load poll of it goes unanswered, so
+    the door holds it dead while it is silent, counts that once, and lets it back in on its
+    first answer (not after a cooldown)."""
+    from aiohttp import web
+
+    from kvcompass.cli.services import _poll_queues
+
+    plane = make_plane()
+    ids = prompt_ids(4, 2048)
+    cache_prefix(plane, "us-5", ids)
+    fleet = Fleet()
+    answering = asyncio.Event()
+    answering.set()
+
+    async def load(request: web.Request) -> web.Response:
+        await answering.wait()  # cleared: hung (the poll gives up on it)
+        return web.json_response({"queue_ms": 0.0})
+
+    async def go() -> None:
+        app = web.Application()
+        app.router.add_get("/kvcompass/load", load)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with rig(plane, fleet, config=DoorConfig(dead_cooldown_s=60)) as t:
+                door = t.door.door
+                poll = asyncio.ensure_future(_poll_queues(plane.edges["us"], {"us-5": f"http://127.0.0.1:{port}"}, 0.05, hold=door.hold_unresponsive, silent_s=0.3))
+                try:
+                    await asyncio.sleep(0.2)
+                    assert door.dead_workers() == frozenset()
+                    answering.clear()
+                    await _until(lambda: door.dead_workers() == {"us-5"})
+                    status, headers, _ = await complete(t.client, {"prompt": ids.tolist()})
+                    assert status == 200 and headers["x-kvcompass-worker"] != "us-5"  # the holder, held dead
+                    answering.set()
+                    await _until(lambda: door.dead_workers() == frozenset())  # its first answer, well inside the 60 s cooldown
+                    status, headers, _ = await complete(t.client, {"prompt": ids.tolist()})
+                    assert status == 200 and headers["x-kvcompass-worker"] == "us-5"
+                    assert metric(await t.metrics(), "kvcompass_door_worker_failures_total", reason="unresponsive", worker="us-5") == 1.0
+                finally:
+                    await _cancel_task(poll)
+        finally:
+            await runner.cleanup()
+
+    run(go())
+
+
+async def _until(cond: Callable[[], bool], within_s: float = 5.0) -> None:
+    """Wait until ``cond()`` holds (a failed assertion past ``within_s``): a bound for slow
+    hosts, not a timing claim."""
+    deadline = time.monotonic() + within_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+async def _cancel_task(task: asyncio.Future[Any]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -433,7 +433,7 @@ async def _edge(args: argparse.Namespace) -> int:
         stack.push_async_callback(door.stop)
         local = {w: u for w, u in urls.items() if regions.get(w) == args.region}
         if args.queue_poll > 0 and local:
-            poller = asyncio.get_running_loop().create_task(_poll_queues(edge, local, args.queue_poll, http_client_ssl))
+            poller = asyncio.get_running_loop().create_task(_poll_queues(edge, local, args.queue_poll, http_client_ssl, door.door.hold_unresponsive))
             stack.push_async_callback(_cancel, poller)
         if keys is not None:
             stack.enter_context(on_signals(_reload_keys(keys), (signal.SIGHUP,)))
@@ -464,12 +464,21 @@ async def _cancel(task: asyncio.Task[None]) -> None:
         await task
 
 
-async def _poll_queues(edge: Any, urls: Mapping[str, str], period_s: float, ssl_context: Any = None) -> None:
+UNRESPONSIVE_S = 2.0
+"""A worker whose load poll has had no answer for this long is held dead by the door until it
+answers again (a hung worker accepts connections, so requests would otherwise wait it out)."""
+
+
+async def _poll_queues(
+    edge: Any, urls: Mapping[str, str], period_s: float, ssl_context: Any = None, hold: Callable[[str, bool], None] | None = None, silent_s: float = UNRESPONSIVE_S
+) -> None:
     """Own-region queues read live (paper section 3.4), not only when a response happens to
     carry one: an estimate that only responses refresh stays at its last value for a worker the
     edge stopped choosing *because* it looked busy, and the edge would then keep paying WAN
     round trips to other regions while that worker sits idle. A worker without the endpoint
-    (a real vLLM) is dropped from polling; one that does not answer keeps its last reading."""
+    (a real vLLM) is dropped from polling; one that does not answer keeps its last reading, and
+    ``hold(worker, silent)`` (the door's :meth:`~kvcompass.services.http_door.FrontDoor.hold_unresponsive`)
+    hears after every poll whether it has been silent for ``silent_s``."""
     import time
 
     import aiohttp
@@ -477,6 +486,7 @@ async def _poll_queues(edge: Any, urls: Mapping[str, str], period_s: float, ssl_
     left = dict(urls)
     timeout = aiohttp.ClientTimeout(total=max(0.05, min(1.0, 2 * period_s)))
     conn = aiohttp.TCPConnector(ssl=ssl_context if ssl_context is not None else True)
+    answered = {w: time.monotonic() for w in urls}
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
 
         async def one(w: str, url: str) -> None:
@@ -485,11 +495,15 @@ async def _poll_queues(edge: Any, urls: Mapping[str, str], period_s: float, ssl_
                     if r.status == 404:
                         left.pop(w, None)
                         return
+                    answered[w] = time.monotonic()  # an answer, whatever it says
                     if r.status != 200:
                         return
                     q = (await r.json()).get("queue_ms")
             except (aiohttp.ClientError, TimeoutError, ValueError):
                 return
+            finally:
+                if hold is not None and w in left:
+                    hold(w, time.monotonic() - answered[w] >= silent_s)
             if isinstance(q, (int, float)) and not isinstance(q, bool) and q >= 0:
                 edge.set_local_queue(w, float(q), time.monotonic())
 

@@ -33,7 +33,9 @@ sans-I/O; this module owns the sockets, the clock and the retries.
 **Dead workers.** A connection failure, a timeout before the response head, or a 5xx before any
 byte was relayed marks the worker dead for ``dead_cooldown_s`` and the request is routed again
 without it (at most ``max_attempts`` workers per request). Once bytes went to the client a
-failure cannot be retried: the stream ends with an SSE error event instead.
+failure cannot be retried: the stream ends with an SSE error event instead. A worker that stops
+answering the edge's load poll (hung, not gone: its port still accepts) is held dead while it
+stays silent (:meth:`FrontDoor.hold_unresponsive`), and back as soon as it answers.
 
 :meth:`Edge.route` is told which workers are excluded (dead, or already tried for this
 request), so its joint score picks the best of the rest; with none left the request fails.
@@ -141,7 +143,7 @@ def valid_tenant(name: str) -> bool:
 _KEY_SLOT = "kvcompass_api_key"
 """Where a request keeps the grants of its API key once looked up (the request's storage)."""
 
-FailureReason = Literal["connect", "timeout", "status_5xx", "disconnect", "midstream"]
+FailureReason = Literal["connect", "timeout", "status_5xx", "disconnect", "midstream", "unresponsive"]
 
 
 class TokenizerLike(Protocol):
@@ -491,6 +493,7 @@ class FrontDoor:
         self._clock = clock
         self.metrics = _Metrics(registry if registry is not None else CollectorRegistry())
         self._dead: dict[str, float] = {}
+        self._unresponsive: set[str] = set()  # held dead by hold_unresponsive
         # Workers that have reported usage.prompt_tokens_details: a later usage without it means
         # nothing was cached (vLLM omits the field then); from the others it means "unknown".
         self._reports_cached: set[str] = set()
@@ -664,6 +667,21 @@ class FrontDoor:
     def mark_dead(self, worker: str, reason: FailureReason) -> None:
         self._dead[worker] = self._clock() + self.config.dead_cooldown_s
         self.metrics.failures.labels(worker, reason).inc()
+
+    def hold_unresponsive(self, worker: str, silent: bool) -> None:
+        """The edge's load poll of ``worker``: ``silent`` when it has not answered for a while.
+        A hung worker (stopped, wedged) still accepts connections, so requests sent to it wait
+        out the head deadline (minutes) and nothing marked it dead (found in review: three of
+        eight requests hung while it looked healthy). Held dead while silent (counted once a
+        silence), and let back in on its first answer, not after a cooldown."""
+        if silent:
+            if worker not in self._unresponsive:
+                self._unresponsive.add(worker)
+                self.metrics.failures.labels(worker, "unresponsive").inc()
+            self._dead[worker] = self._clock() + self.config.dead_cooldown_s
+        elif worker in self._unresponsive:
+            self._unresponsive.discard(worker)
+            self._dead.pop(worker, None)
 
     # -- middleware and small endpoints ----------------------------------------------------------
 
