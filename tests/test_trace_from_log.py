@@ -78,6 +78,12 @@ def test_the_trace_loads_with_its_regions_and_sessions(tmp_path: Path) -> None:
     assert [r.parent for r in reqs] == [-1, -1, -1, 1, 3]
     assert [r.input_length for r in reqs] == [r.input_length for r in rows]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log.jsonl", "trace.jsonl"]  # no temporary file left
+    # A log that names AWS regions, converted without --topology, keeps the labels: the
+    # simulator maps them as the converter does (found in review: the suggested command failed).
+    labelled = tmp_path / "labelled.jsonl"
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    labelled.write_text("".join(json.dumps({**o, "region": {"eu": "eu-central-1", "us": "us-east-1"}[o["region"]]} if "region" in o else o) + "\n" for o in lines))
+    assert [r.region for r in load_trace(labelled, 16, regions=load_topology("testbed-14x3"))] == [r.region for r in reqs]
 
 
 def test_output_lengths_come_from_the_log_then_usage_then_the_bound(tmp_path: Path) -> None:

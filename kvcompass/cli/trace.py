@@ -39,7 +39,7 @@ and without the secret (``--salt``, random unless given) no one can test a guess
 against the trace. Prompts of one ``session`` are chained by request: each request's prompts
 name the previous request's last prompt as ``parent_chat_id``, so the simulator sends a
 follow-up after its parent's answer. ``region`` is copied (``--topology`` checks it and maps a
-region's ``aws_region`` label to its name); rows without one take their root's or are placed
+region's ``aws_region`` label to its name; ``simulate`` maps the labels too); rows without one take their root's or are placed
 by weight, as for any trace. With ``--topology``, a prompt longer than its context window is
 left out and counted: an engine refuses it without computing anything.
 """
@@ -66,7 +66,7 @@ import numpy.typing as npt
 from kvcompass.discovery.topology import Topology, load_topology
 from kvcompass.errors import InvalidArgumentError
 from kvcompass.services.openai_api import OpenAIError, int_field, parse_json, prompt_batch, request_tokens
-from kvcompass.sim.workload import MAX_TRACE_TOKENS, MOONCAKE_BLOCK_SIZE, json_number, line_error, stream_block_ids
+from kvcompass.sim.workload import MAX_TRACE_TOKENS, MOONCAKE_BLOCK_SIZE, json_number, line_error, region_labels, stream_block_ids
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "LogCounts", "LogRow", "add_parsers", "read_request_log", "trace_lines", "write_trace"]
 
@@ -144,13 +144,6 @@ def _seed(salt: bytes, tenant: str | None, cache_salt: object) -> int:
     return int.from_bytes(h.digest(), "little") >> 1
 
 
-def _region_names(topology: Topology) -> dict[str, str]:
-    """A region's name, and its ``aws_region`` label, -> its name."""
-    out = {r.aws_region: r.name for r in topology.regions}
-    out.update({r.name: r.name for r in topology.regions})
-    return out
-
-
 def read_request_log(
     path: str | Path,
     block_size: int = DEFAULT_BLOCK_SIZE,
@@ -174,7 +167,7 @@ def read_request_log(
     tok = load_tokenizer(tokenizer, chat_template)
     counts = counts if counts is not None else LogCounts()
     secret = secrets.token_bytes(16) if salt is None else salt
-    names = _region_names(topology) if topology is not None else None
+    names = region_labels(topology) if topology is not None else None
 
     async def one(line: int, raw: bytes) -> list[LogRow]:
         try:

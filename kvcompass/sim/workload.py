@@ -85,7 +85,7 @@ import gc
 import json
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TypeAlias
@@ -347,12 +347,25 @@ def _parse_ids(path: Path, line: int, raw: object) -> U64Array:
     return ids
 
 
-def _read_trace(path: Path, block_size: int, max_requests: int | None, window: tuple[int, str] | None = None, regions: Sequence[str] = ()) -> _Rows:
+def region_labels(topology: Topology) -> dict[str, str]:
+    """A region's name, and its ``aws_region`` label, -> its name: what a trace line's or a
+    request log's ``region`` may say (a log written by a gateway knows the AWS region)."""
+    out = {r.aws_region: r.name for r in topology.regions}
+    out.update({r.name: r.name for r in topology.regions})
+    return out
+
+
+def _read_trace(
+    path: Path, block_size: int, max_requests: int | None, window: tuple[int, str] | None = None, regions: Sequence[str] = (), labels: Mapping[str, str] | None = None
+) -> _Rows:
     """The trace's rows, each checked; ``window``: the longest prompt accepted and what sets it
     (a topology's context window), or None for no bound; ``regions``: the names a line's
     ``region`` may take."""
     rows = _Rows()
     region_index = {r: i for i, r in enumerate(regions)}
+    for label, name in (labels or {}).items():
+        if name in region_index:
+            region_index.setdefault(label, region_index[name])
     row_of_chat: dict[int, int] = {}
     prev_ts = 0.0
     with path.open("rb") as f:
@@ -604,7 +617,7 @@ def load_trace(
         window = (_check_int("max_input_length", max_input_length, 1), f"max_input_length {max_input_length}")
     elif isinstance(regions, Topology):
         window = (regions.max_prefix, context_window(regions))
-    rows = _read_trace(Path(path), block_size, max_requests, window, names)
+    rows = _read_trace(Path(path), block_size, max_requests, window, names, region_labels(regions) if isinstance(regions, Topology) else None)
 
     n = len(rows.timestamps)
     roots = np.asarray(rows.roots, dtype=np.int64)
