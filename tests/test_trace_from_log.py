@@ -98,12 +98,14 @@ def test_output_lengths_come_from_the_log_then_usage_then_the_bound(tmp_path: Pa
             {"time": 2, "request": {"prompt": ["first prompt", "second prompt"], "n": 2}, "response": {"usage": {"completion_tokens": 80}}},
             {"time": 3, "request": {"prompt": ["first prompt", "second prompt"], "n": 2}, "output_tokens": 80},
             {"time": 4, "request": {"messages": chat("hi"), "max_completion_tokens": 33, "max_tokens": 44, "n": 3}},
+            {"time": 5, "request": {"prompt": ["first prompt", "second prompt"]}, "output_tokens": 3},
         ],
     )
     counts = LogCounts()
     rows = read_request_log(log, counts=counts)
-    assert [r.output_length for r in rows] == [7, 8, 20, 20, 20, 20, 33]
-    assert (counts.requests, counts.prompts, counts.from_bound) == (5, 7, 1)
+    # A total that does not divide is split so the rows add up to it (3 over two prompts: 2 + 1).
+    assert [r.output_length for r in rows] == [7, 8, 20, 20, 20, 20, 33, 2, 1]
+    assert (counts.requests, counts.prompts, counts.from_bound) == (6, 9, 1)
 
 
 def test_a_batch_in_a_session_follows_the_previous_request_and_leads_the_next(tmp_path: Path) -> None:
@@ -211,6 +213,10 @@ def test_the_trace_is_written_whole_or_not_at_all(tmp_path: Path, monkeypatch: p
         ({"time": 1, "request": {"prompt": "x", "n": 0}, "output_tokens": 1}, "request.n", "n"),
         ('{"time": 1, "request": {"prompt": "x", "temperature": NaN}, "output_tokens": 1}', None, "not valid JSON"),
         ({"time": 1, "request": {"prompt": "x"}, "output_tokens": 1, "tenant": 1.5}, "tenant", "string or an integer"),
+        (
+            {"time": 1, "request": {"prompt": "x"}, "response": {"usage": {"completion_tokens": 5, "prompt_tokens": 1, "prompt_tokens_details": {"cached_tokens": 50}}}},
+            "response.usage.prompt_tokens_details.cached_tokens", "[0, prompt_tokens = 1]",
+        ),
     ],
 )
 def test_a_bad_line_is_refused_by_line_and_field(tmp_path: Path, line: Any, field: str | None, says: str) -> None:

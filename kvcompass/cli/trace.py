@@ -24,8 +24,8 @@ some percent (a logged ``usage.prompt_tokens`` measures by how much: the summary
 ``tools`` as the engine does (:mod:`kvcompass.engine.chat_template`), while the built-in
 tokenizer's ChatML leaves ``tools`` out, as the door does with it; ``--chat-template`` is the
 template the engine was started with (vLLM's ``--chat-template``), in place of the model's. The tokens the request generated are ``output_tokens``, else
-the response's ``usage.completion_tokens``, each shared equally by the request's sequences (a
-batch of ``P`` prompts with ``n`` each is ``P * n``); else the body's per-sequence
+the response's ``usage.completion_tokens``, shared by the request's sequences (a batch of
+``P`` prompts with ``n`` each is ``P * n``; the rows add up to the total over ``n``); else the body's per-sequence
 ``max_completion_tokens`` or ``max_tokens`` (an upper bound, counted in the summary); a line
 with none of them is an error. ``n > 1`` is simulated as one sequence a prompt.
 
@@ -118,20 +118,23 @@ def _usage(obj: dict[str, Any]) -> dict[str, Any] | None:
     return usage if isinstance(usage, dict) else None
 
 
-def _outputs(path: Path, line: int, obj: dict[str, Any], usage: dict[str, Any] | None, body: dict[str, Any], seqs: int, counts: LogCounts) -> int:
-    """Tokens generated for each of the line's sequences (see the module doc for the order)."""
+def _outputs(path: Path, line: int, obj: dict[str, Any], usage: dict[str, Any] | None, body: dict[str, Any], prompts: int, n: int, counts: LogCounts) -> list[int]:
+    """Tokens generated for each of the line's ``prompts`` (each simulated as one sequence of
+    its ``n``; see the module doc for the order). A logged total is split so the rows add up to
+    it over ``n`` (found in review: 3 tokens over two prompts became 2 each)."""
     for name, total in (("output_tokens", obj.get("output_tokens")), ("response.usage.completion_tokens", usage.get("completion_tokens") if usage else None)):
         if total is not None:
             if not _count(total):
                 raise line_error(path, line, name, f"expected an integer in [0, {MAX_TRACE_TOKENS}], got {total!r}")
-            return round(int(total) / seqs)
+            each, more = divmod(round(int(total) / n), prompts)
+            return [each + (i < more) for i in range(prompts)]
     for name in ("max_completion_tokens", "max_tokens"):
         bound = body.get(name)
         if bound is not None:
             if not _count(bound):
                 raise line_error(path, line, f"request.{name}", f"expected an integer in [0, {MAX_TRACE_TOKENS}], got {bound!r}")
             counts.from_bound += 1
-            return int(bound)
+            return [int(bound)] * prompts
     raise line_error(path, line, "output_tokens", "missing: give output_tokens, a response with usage.completion_tokens, or a request with max_tokens")
 
 
@@ -209,7 +212,7 @@ def read_request_log(
         except OpenAIError as e:
             raise line_error(path, line, f"request.{e.param}" if e.param else "request", e.message) from None
         usage = _usage(obj)
-        out = _outputs(path, line, obj, usage, body, len(prompts) * n, counts)
+        outs = _outputs(path, line, obj, usage, body, len(prompts), n, counts)
         counts.requests += 1
         counts.prompts += len(prompts)
         logged = usage.get("prompt_tokens") if usage else None
@@ -218,10 +221,12 @@ def read_request_log(
             counts.logged_tokens += int(logged)  # type: ignore[arg-type]
             details = usage.get("prompt_tokens_details") if usage else None
             cached = details.get("cached_tokens") if isinstance(details, dict) else None
-            counts.logged_cached += cached if isinstance(cached, int) and _count(cached) else 0
+            if cached is not None and (not _count(cached) or cached > logged):  # type: ignore[operator]
+                raise line_error(path, line, "response.usage.prompt_tokens_details.cached_tokens", f"expected an integer in [0, prompt_tokens = {logged}], got {cached!r}")
+            counts.logged_cached += cached or 0
         seed = _seed(secret, None if tenant is None else str(tenant), body.get("cache_salt"))
         rows = []
-        for p in prompts:
+        for p, out in zip(prompts, outs):
             if p.size > MAX_TRACE_TOKENS:
                 raise line_error(path, line, "request", f"a prompt of {p.size} tokens; a trace holds at most {MAX_TRACE_TOKENS}")
             if topology is not None and p.size > topology.max_prefix:
