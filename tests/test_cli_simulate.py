@@ -518,3 +518,19 @@ def test_a_person_reads_the_comparison_on_stderr(capsys: pytest.CaptureFixture[s
     ratio = j["results"]["kvcompass"][rate]["ttft_p99_ms"] / res[best]["ttft_p99_ms"]
     assert verdict.startswith(f"kvcompass against the best other: TTFT P99 {ratio:.2f}x {best}'s (")
     assert "oracle" not in verdict and "no-load" not in verdict
+
+
+def test_a_shared_trace_name_that_falls_back_to_the_excerpt_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the shared data folder ``--trace conversation`` is the package's 600-request
+    excerpt: said on stderr, and run.json names the file replayed (found in review: silent)."""
+    from kvcompass.sim import workload
+
+    package_data = Path(workload.__file__).resolve().parents[1] / "data"
+    monkeypatch.setattr(workload, "_data_dirs", lambda: [tmp_path / "nowhere", package_data])
+    argv = ["simulate", "--topology", "testbed-14x3", "--trace", "conversation", "--max-requests", "20", "--rates", "5", "--schemes", "oracle", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "note: trace 'conversation' is the package's excerpt" in err and "KVCOMPASS_DATA" in err
+    assert json.loads((tmp_path / "run.json").read_text())["trace_file"] == str(package_data / "traces" / "conversation_trace.jsonl")
+    monkeypatch.setattr(workload, "_data_dirs", lambda: [tmp_path / "nowhere"])
+    assert main(argv) == 2  # and with no excerpt either, a clear error

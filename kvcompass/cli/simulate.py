@@ -195,7 +195,7 @@ def _prepare_out(path: str, outputs: Sequence[str]) -> None:
 
 def _simulate(args: argparse.Namespace) -> int:
     from kvcompass.sim.cells import run_cells
-    from kvcompass.sim.workload import MOONCAKE_BLOCK_SIZE, RateMode, check_context, load_trace, resolve_trace, synthetic_mixed
+    from kvcompass.sim.workload import MOONCAKE_BLOCK_SIZE, RateMode, bundled_excerpt, check_context, load_trace, resolve_trace, synthetic_mixed
 
     loads: list[float] | None = None
     if args.rates is not None and args.load is not None:
@@ -250,6 +250,13 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"note: region(s) {', '.join(edgeless)} run no edge: their requests start at their nearest edge's clock, so the leg from the client to that edge and back is not charged", file=sys.stderr)
     generated = args.trace in GENERATED_WORKLOADS
     trace_path = None if generated else resolve_trace(args.trace)
+    if trace_path is not None and bundled_excerpt(trace_path):
+        # Found in review: --trace conversation ran 600 requests in silence when the shared
+        # data folder was not where it was looked for.
+        print(
+            f"note: trace {args.trace!r} is the package's excerpt ({trace_path}); the shared data folder was not found: set KVCOMPASS_DATA to the folder holding traces/",
+            file=sys.stderr,
+        )
     arrivals: RateMode = args.arrivals or ("poisson" if generated else "rescale")
     if generated and arrivals != "poisson":
         raise UsageError(f"--arrivals {arrivals}: the {args.trace} workload has no timestamps of its own; its arrivals are Poisson at each rate")
@@ -378,7 +385,7 @@ def _simulate(args: argparse.Namespace) -> int:
         out = Path(args.out)
         paths = write_tables(out, summaries_to_frame(results), records_to_frame(results))
         paths += write_figures(out, results)
-        paths.append(_write_run(out, args, topology, _load_doc(capacity, loads, rates)))
+        paths.append(_write_run(out, args, topology, {**_load_doc(capacity, loads, rates), "trace_file": None if trace_path is None else str(trace_path.resolve())}))
         print(f"wrote {len(paths)} files to {out}: {' '.join(p.name for p in paths)}")
     from kvcompass.sim.report import comparison_text, summary_row
 

@@ -113,6 +113,7 @@ __all__ = [
     "context_window",
     "dump_trace",
     "expand_blocks",
+    "bundled_excerpt",
     "find_trace",
     "json_number",
     "line_error",
@@ -213,6 +214,13 @@ def find_trace(name: str) -> Path:
         looked.append(str(p))
     hint = "" if name in TRACE_NAMES else f" (the shared data ships {', '.join(TRACE_NAMES)})"
     raise FileNotFoundError(f"trace {name!r} not found{hint}; looked at: {'; '.join(looked)}. Set KVCOMPASS_DATA to the folder holding traces/.")
+
+
+def bundled_excerpt(path: Path) -> bool:
+    """Whether ``path`` is the package's own excerpt of a shared trace (what :func:`find_trace`
+    falls back to without the shared data folder): a caller says so, since the name then
+    stands for 600 requests, not the whole trace."""
+    return path.resolve().parent == (_PACKAGE / "data" / _TRACES_SUBDIR).resolve()
 
 
 def resolve_trace(path_or_name: str | os.PathLike[str]) -> Path:
