@@ -71,6 +71,7 @@ __all__ = [
     "QueueBroadcast",
     "ResyncAction",
     "ScoreTerms",
+    "unservable",
 ]
 
 ResyncKind = Literal["replay", "snapshot"]
@@ -219,6 +220,16 @@ class _Behind:
     """A position (epoch, seq) the writer is known to have reached: repaired once the view is there."""
 
 
+def unservable(region: str, worker_regions: Sequence[str], params: EdgeParams) -> str | None:
+    """Why the edge of ``region`` could route to no worker of ``worker_regions`` (the regions of
+    the workers it indexes) under ``params``, or None: without cross-region reuse only its own
+    region's workers may serve. A caller that builds edges for many configurations (the
+    simulator's schemes) asks before building any."""
+    if params.cross_region or region in worker_regions:
+        return None
+    return f"no worker may serve: cross_region is off and region {region!r} has no indexed worker"
+
+
 def _check_now(now: float) -> None:
     """A route's time must be finite: a NaN made speculative entries and dispatch charges that
     never expire (found in review), false claims and a busy-looking worker for good."""
@@ -301,8 +312,9 @@ class Edge:
         self._local_l: list[bool] = self._local.tolist()
         # ... and only own-region workers may win.
         self._eligible = np.ones(n, dtype=np.bool_) if params.cross_region else self._local.copy()
-        if not self._eligible.any():
-            raise TopologyError(f"no worker may serve: cross_region is off and region {region!r} has no indexed worker")
+        why = unservable(region, self._worker_region, params)
+        if why is not None:
+            raise TopologyError(why)
         self._all_eligible = bool(self._eligible.all())
         self._ineligible_inf = np.where(self._eligible, 0.0, math.inf)
         self._ones = np.ones(n, dtype=np.float64)
