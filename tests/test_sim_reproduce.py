@@ -72,6 +72,12 @@ def test_unknown_figures_are_refused_with_the_list(tmp_path: Path, capsys: pytes
     err = capsys.readouterr().err
     assert err.startswith("kvcompass reproduce: error: figure 'table6' is not reproduced") and "11, 12, 12-chat, 13, 14, 15, 16, 17, 18, table4, table5" in err
     assert main(["reproduce", "--figure", "12", "--jobs", "0", "--out", str(tmp_path)]) == 2
+    # The bounds simulate has, checked the same way (found in review: a traceback, a silent hang).
+    capsys.readouterr()
+    assert main(["reproduce", "--figure", "table5", "--quick", "--seed", str(2**64), "--out", str(tmp_path / "s")]) == 2
+    assert "--seed must be in [0, 2^64)" in capsys.readouterr().err
+    assert main(["reproduce", "--figure", "table5", "--quick", "--requests", str(2**40), "--out", str(tmp_path / "r")]) == 2
+    assert "--requests must be in [100, 4294967295]" in capsys.readouterr().err
 
 
 def test_figure_15_runs_the_ablations_closed_loop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

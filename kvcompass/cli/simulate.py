@@ -102,6 +102,21 @@ def _parse_schemes(text: str) -> list[str]:
     return names
 
 
+_MAX_REQUESTS = 2**32 - 1
+"""Requests a run may hold: the engine numbers them in 32 bits."""
+
+
+def _check_run_options(args: argparse.Namespace) -> None:
+    """The options ``simulate`` and ``reproduce`` share, checked one way for both (found in
+    review: ``reproduce`` took a seed past 2^64 to a traceback)."""
+    if not 0 <= args.seed < 2**64:
+        raise UsageError(f"--seed must be in [0, 2^64), got {args.seed}")
+    if args.jobs < 1:
+        raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.ray is not None and args.jobs != 1:
+        raise UsageError("give --jobs (processes here) or --ray (a Ray cluster), not both")
+
+
 def _runnable(schemes: list[str], topology: Topology, every: bool) -> list[str]:
     """The schemes that can run on ``topology``, checked before any run (found in review: an
     ablation that cannot failed after the runs before it, and their results were lost). With
@@ -240,11 +255,10 @@ def _simulate(args: argparse.Namespace) -> int:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    if not 0 <= args.seed < 2**64:
-        raise UsageError(f"--seed must be in [0, 2^64), got {args.seed}")
+    _check_run_options(args)
     # Bounds of the engine's own integers, so a huge value is an error line, not an overflow's
     # traceback (found in review).
-    for name, most in (("tenants", 65_535), ("max_batched_tokens", 2**32 - 1), ("closed_loop", 2**32 - 1), ("max_requests", 2**32 - 1)):
+    for name, most in (("tenants", 65_535), ("max_batched_tokens", 2**32 - 1), ("closed_loop", 2**32 - 1), ("max_requests", _MAX_REQUESTS)):
         v = getattr(args, name)
         if v is not None and v > most:
             raise UsageError(f"--{name.replace('_', '-')} must be at most {most}, got {v}")
@@ -254,10 +268,6 @@ def _simulate(args: argparse.Namespace) -> int:
             raise UsageError(f"--{name.replace('_', '-')} must be a percentage in [0, 100{')' if name == 'patch_loss' else ']'}, got {v}")
     if not (args.patch_delay_ms >= 0 and math.isfinite(args.patch_delay_ms)):
         raise UsageError(f"--patch-delay-ms must be a finite number >= 0, got {args.patch_delay_ms}")
-    if args.jobs < 1:
-        raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
-    if args.ray is not None and args.jobs != 1:
-        raise UsageError("give --jobs (processes here) or --ray (a Ray cluster), not both")
     if args.max_batched_tokens < 1:
         raise UsageError(f"--max-batched-tokens must be >= 1, got {args.max_batched_tokens}")
     if args.closed_loop < 0:
@@ -461,14 +471,9 @@ def _write_run(out: Path, args: argparse.Namespace, topology: Topology, extra: d
 def _reproduce_main(args: argparse.Namespace) -> int:
     from kvcompass.sim.reproduce import figure_spec, image_name, reproduce
 
-    if args.jobs < 1:
-        raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
-    if args.requests is not None and args.requests < 100:
-        raise UsageError(f"--requests must be >= 100, got {args.requests}")
-    if args.seed < 0:
-        raise UsageError(f"--seed must be >= 0, got {args.seed}")
-    if args.ray is not None and args.jobs != 1:
-        raise UsageError("give --jobs (processes here) or --ray (a Ray cluster), not both")
+    _check_run_options(args)
+    if args.requests is not None and not 100 <= args.requests <= _MAX_REQUESTS:
+        raise UsageError(f"--requests must be in [100, {_MAX_REQUESTS}], got {args.requests}")
     figure_spec(args.figure)  # refused before --out is made (found by a newcomer: an empty directory was left)
     _prepare_out(args.out, ())
     rows = reproduce(args.figure, args.out, quick=args.quick, jobs=args.jobs, seed=args.seed, requests=args.requests, ray=args.ray)
