@@ -737,3 +737,14 @@ def test_a_workload_of_runs_and_plain_ids_simulates_as_runs_alone() -> None:
     np.testing.assert_array_equal(a.load_factor, b.load_factor)
     assert (a.ttft_ms, a.hit_rate, a.cross_region_hit_rate) == (b.ttft_ms, b.hit_rate, b.cross_region_hit_rate)
     assert a.reused_tokens > 0
+
+
+def test_region_weights_must_sum_to_a_finite_number() -> None:
+    """Finite weights whose sum overflows gave NaN shares, and every session went to the last
+    region, one weighted 0 included (found in review): refused, naming the rule."""
+    from kvcompass.sim.workload import regions_and_cdf
+
+    with pytest.raises(InvalidArgumentError, match="of a finite sum"):
+        regions_and_cdf(("us", "eu", "asia"), [1e308, 1e308, 0.0])
+    names, cdf = regions_and_cdf(("us", "eu", "asia"), [1e307, 1e307, 0.0])
+    assert names == ("us", "eu", "asia") and cdf.tolist() == [0.5, 1.0, 1.0]

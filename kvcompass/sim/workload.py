@@ -267,9 +267,13 @@ def regions_and_cdf(regions: Sequence[str] | Topology, weights: Sequence[float] 
     w = np.asarray(list(w_in), dtype=np.float64)
     if w.shape != (len(names),):
         raise InvalidArgumentError(f"weights has {w.size} entries for {len(names)} regions")
-    if not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
-        raise InvalidArgumentError(f"weights must be finite, >= 0 and not all 0, got {w.tolist()}")
-    cdf = np.cumsum(w / w.sum())
+    # The sum too: finite weights whose sum overflows made every share NaN, and every session
+    # went to the last region, a zero-weight one included (found in review).
+    with np.errstate(over="ignore"):
+        total = w.sum()
+    if not np.all(np.isfinite(w)) or np.any(w < 0) or not 0 < total < np.inf:
+        raise InvalidArgumentError(f"weights must be finite, >= 0, not all 0 and of a finite sum, got {w.tolist()}")
+    cdf = np.cumsum(w / total)
     cdf[-1] = 1.0
     return names, cdf
 
