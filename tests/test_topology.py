@@ -448,6 +448,16 @@ def test_negative_dram() -> None:
     assert error_of(d) == "worker 'w1': dram_tokens must be an integer >= 0 (0: no DRAM tier), got -1"
 
 
+@pytest.mark.parametrize("key", ["vram_tokens", "dram_tokens"])
+def test_a_tier_past_the_caches_block_count_is_refused_at_load(key: str) -> None:
+    # Found in review: 10^11 tokens loaded and planned, then failed at run time naming no worker.
+    d = base()
+    d["workers"][0][key] = 16 * (2**32 - 1)
+    assert error_of(d) == f"worker 'w1': {key} must hold fewer than 2^32 - 1 blocks of 16 tokens, got {16 * (2**32 - 1)}"
+    d["workers"][0][key] = 16 * (2**32 - 2)
+    assert getattr(topology_from_dict(d).workers[0], key) == 16 * (2**32 - 2)
+
+
 def test_capacities_left_out_are_none_and_a_stated_zero_stays_zero() -> None:
     d = base()
     d["workers"][0]["dram_tokens"] = 0

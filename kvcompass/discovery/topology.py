@@ -400,6 +400,8 @@ def _validate(t: Topology) -> dict[str, RegionSpec]:
             if isinstance(cap, bool) or not isinstance(cap, int) or cap < low:
                 what = f">= {low} (one block of block_size tokens; a worker's cache cannot go without VRAM: leave it out for the default)" if low else ">= 0 (0: no DRAM tier)"
                 raise TopologyError(f"worker {w.id!r}: {key} must be an integer {what}, got {cap!r}")
+            if cap // t.block_size >= 2**32 - 1:  # the caches count a tier's blocks in 32 bits (block_cache.rs)
+                raise TopologyError(f"worker {w.id!r}: {key} must hold fewer than 2^32 - 1 blocks of {t.block_size} tokens, got {cap!r}")
         if not isinstance(w.endpoint, str):
             raise TopologyError(f"worker {w.id!r}: endpoint must be a string, got {w.endpoint!r}")
         populated.add(w.region)
