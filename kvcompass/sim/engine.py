@@ -135,6 +135,12 @@ KvPool = Literal["shared", "unbounded"]
 KV_POOLS: tuple[KvPool, ...] = ("shared", "unbounded")
 
 # Requests built for the schemes a chunk of 2**bits at a time, and chunks kept (Simulator._request).
+IDLE_SETTLE_MS = 60_000.0
+"""A quiet fleet ticks this long before skipping (600 broadcasts: remote estimates halved 600
+times, below 2^-500 of any queue); see ``Simulator._next_tick``."""
+IDLE_RESUME_MS = 1_000.0
+"""Ticks resume this long before the next arrival (ten broadcasts), so it is routed on
+estimates as fresh as in a run that never skipped."""
 _ROW_CHUNK_BITS = 10
 _ROW_CHUNKS_KEPT = 4
 
@@ -187,6 +193,11 @@ class SimConfig:
     no client can send it before that answer exists. ``"on-time"``: at its own time whatever
     the parent's progress (the open-loop replay of earlier versions, in which a follow-up could
     arrive before its parent's answer and find less of its prompt cached)."""
+    skip_idle: bool = True
+    """Tick through a quiet fleet only as long as its state takes to settle (``IDLE_SETTLE_MS``),
+    then skip to ``IDLE_RESUME_MS`` before the next arrival (see ``Simulator._tick``): a trace
+    with idle hours (an operator's own log replayed at its own times) took minutes of ticks per
+    idle day. False ticks through every idle millisecond (the differential test's reference)."""
     kv_pool: KvPool = "shared"
     """How a worker's VRAM is shared. ``"shared"``: as in an engine, its running sequences and
     its prefix cache share one KV pool; a prompt's prefill starts only when its blocks (those no
@@ -372,6 +383,13 @@ class Simulator:
         self._region_workers = {r: [w.id for w in topology.workers_in(r)] for r in regions}
         self._live_edges = list(self.plane.edges.values())
         self._next_broadcast_s = -math.inf  # the earliest edge's next broadcast (see _tick)
+        self._quiet_since = math.inf  # the first tick of the current quiet stretch (_next_tick)
+        # Idle stretches are skipped by whole broadcast periods on the tick grid, which needs
+        # both in whole milliseconds (sums of them are then exact) and the one a multiple of
+        # the other; else every tick runs.
+        step, period = config.patch_interval_ms, config.params.broadcast_period_s * 1e3
+        whole = float(step).is_integer() and float(round(period, 9)).is_integer() and round(period, 9) % step == 0
+        self._skip_grid: float | None = round(period, 9) if whole else None
         reqs = self._requests
         region_of_name = np.array([self._region_index.get(r, -1) for r in reqs.region_names] or [0], dtype=np.int64)
         region = region_of_name[reqs.region_codes]
@@ -805,6 +823,7 @@ class Simulator:
                         self._start_migration(a)
         # An edge's next broadcast time moves only when it broadcasts, so the earliest of them
         # (kept here) skips the scan on the nine ticks in ten that precede it.
+        broadcast = False  # every edge broadcast to every target this tick (a common phase)
         if t_s + 1e-9 >= self._next_broadcast_s:  # the schedule's own float slack
             num = self._edge_number
             for edge in self._live_edges:
@@ -814,8 +833,36 @@ class Simulator:
                 if targets:
                     engine.post_broadcast(num[edge.region], [num[r] for r in targets if r in num], edge.local_values())
             self._next_broadcast_s = min((e.next_broadcast_s for e in self._live_edges), default=math.inf)
+            broadcast = self._next_broadcast_s >= t_s + cfg.params.broadcast_period_s - 1e-9
         if engine.completed < len(self._requests):
-            engine.at(now + cfg.patch_interval_ms, self._tick)
+            engine.at(self._next_tick(engine, now, broadcast), self._tick)
+
+    def _next_tick(self, engine: SimEngine, now: float, broadcast: bool) -> float:
+        """The next tick's time: ``patch_interval_ms`` on, or, once the fleet has been quiet for
+        ``IDLE_SETTLE_MS`` (nothing in flight, no patch unsettled, no migration pending), a
+        whole number of broadcast periods on, to ``IDLE_RESUME_MS`` before the next arrival.
+
+        Why this is the same run: a quiet fleet's ticks change nothing but the remote queue
+        estimates, which every broadcast halves (each worker's queue is 0, and the fold weighs a
+        sample by w = 0.5), so after the settling time they are below 2^-500 of any queue; the
+        tick grid and every edge's broadcast phase are kept (the skip is taken on a broadcast
+        tick and is a multiple of the period and of the tick), and the ticks before the arrival
+        run as always, so its route reads freshly broadcast estimates. What differs: estimates
+        of order 2^-500 ms, the count of engine events, and, with WAN jitter, the fault draws
+        of the skipped broadcasts. ``tests/test_sim_idle.py`` checks that skipped and unskipped
+        runs print the same figures."""
+        cfg = self.config
+        step = cfg.patch_interval_ms
+        quiet_until = engine.quiet_until() if cfg.skip_idle else None
+        if quiet_until is None or self.plane.unsettled or any(e.migrations_pending for e in self._live_edges):
+            self._quiet_since = math.inf
+            return now + step
+        self._quiet_since = min(self._quiet_since, now)
+        period = self._skip_grid
+        if not broadcast or period is None or now - self._quiet_since < IDLE_SETTLE_MS or not math.isfinite(quiet_until):
+            return now + step
+        k = math.floor((quiet_until - IDLE_RESUME_MS - now) / period)
+        return now + k * period if k >= 1 else now + step
 
     def _deliver(self, batches: list[PatchBatch], lose: Callable[[str, PatchBatch], bool] | None) -> None:
         self.plane.deliver(batches, lose, repair=False)  # views only: no broadcast needs delivering first

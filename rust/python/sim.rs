@@ -672,6 +672,12 @@ impl PySimEngine {
         self.inner.now()
     }
 
+    /// The next arrival's time (ms; inf when none is left) while nothing is in flight, else
+    /// None (the engine's `quiet_until`).
+    fn quiet_until(&self) -> Option<f64> {
+        self.inner.quiet_until()
+    }
+
     fn queued_ms(&self, worker: u32, now: f64) -> PyResult<f64> {
         self.inner.queued_ms(worker, now).map_err(core_err)
     }

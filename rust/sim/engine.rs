@@ -732,6 +732,9 @@ pub struct Engine {
     free_jobs: Vec<u32>,
     job_serial: u64,
     heap: BinaryHeap<Entry>,
+    /// Entries of `heap` that are not arrivals: none, and nothing for the driver in `out`, is a
+    /// fleet with nothing in flight ([`Engine::quiet_until`]).
+    busy_entries: u64,
     seq: u64,
     ctx: Option<(u64, u32)>,
     /// The queue vectors of responses on their way (`Ev::Response`), and the free slots.
@@ -942,6 +945,7 @@ impl Engine {
             free_jobs: Vec::new(),
             job_serial: 0,
             heap: BinaryHeap::new(),
+            busy_entries: 0,
             seq: 0,
             ctx: None,
             in_flight_vectors: Vec::new(),
@@ -1187,7 +1191,21 @@ impl Engine {
                 (self.seq, 0)
             }
         };
+        if !matches!(ev, Ev::Arrive(_)) {
+            self.busy_entries += 1;
+        }
         self.heap.push(Entry { t, seq, sub, ev });
+    }
+
+    /// When the fleet is quiet (nothing in flight: no prefill, decode, hand-off, response or
+    /// driver callback pending, nothing for the driver to take), the time of the next arrival
+    /// (infinity when none is left); `None` otherwise. A driver with periodic work of its own
+    /// (the simulator's tick) may then skip ahead instead of ticking through idle hours.
+    pub fn quiet_until(&self) -> Option<f64> {
+        if self.busy_entries != 0 || !self.out.is_empty() {
+            return None;
+        }
+        Some(self.heap.peek().map_or(f64::INFINITY, |e| e.t))
     }
 
     /// A sequence number for something the driver is told now (what it schedules in reply
@@ -1274,6 +1292,9 @@ impl Engine {
             self.now = e.t;
             self.cur = (e.t, e.seq, e.sub);
             self.events_processed += 1;
+            if !matches!(e.ev, Ev::Arrive(_)) {
+                self.busy_entries -= 1;
+            }
             match e.ev {
                 Ev::Arrive(req) => {
                     let chain = self.prompts.chain(req, self.block_size, &mut self.chain_memo);
