@@ -221,7 +221,7 @@ def read_request_log(
             counts.logged_tokens += int(logged)  # type: ignore[arg-type]
             details = usage.get("prompt_tokens_details") if usage else None
             cached = details.get("cached_tokens") if isinstance(details, dict) else None
-            if cached is not None and (not _count(cached) or cached > logged):  # type: ignore[operator]
+            if cached is not None and (not _count(cached) or cached > logged):
                 raise line_error(path, line, "response.usage.prompt_tokens_details.cached_tokens", f"expected an integer in [0, prompt_tokens = {logged}], got {cached!r}")
             counts.logged_cached += cached or 0
         seed = _seed(secret, None if tenant is None else str(tenant), body.get("cache_salt"))

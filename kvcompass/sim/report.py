@@ -90,14 +90,15 @@ def comparison_text(results: Results, loads: Mapping[str, float] | None = None) 
         if ours is None or not others:
             continue
         verdicts = []
-        for label, get, lower in (
-            ("TTFT P99", lambda s: s.ttft_ms[2], True),
-            ("E2E P99", lambda s: s.e2e_ms[2], True),
-            ("throughput", lambda s: s.throughput_tokens_s, False),
-        ):
-            best = (min if lower else max)(others, key=lambda k: get(others[k]))
-            ref = get(others[best])
-            ratio = get(ours) / ref if ref > 0 else float("nan")
+        figures: dict[str, tuple[dict[str, float], bool]] = {
+            "TTFT P99": ({k: v.ttft_ms[2] for k, v in runs.items()}, True),
+            "E2E P99": ({k: v.e2e_ms[2] for k, v in runs.items()}, True),
+            "throughput": ({k: v.throughput_tokens_s for k, v in runs.items()}, False),
+        }
+        for label, (fig, lower) in figures.items():
+            best = (min if lower else max)(others, key=fig.__getitem__)
+            ref = fig[best]
+            ratio = fig["kvcompass"] / ref if ref > 0 else float("nan")
             won = ratio < 1 if lower else ratio > 1
             verdicts.append(f"{label} {ratio:.2f}x {best}'s ({'better' if won else 'equal' if ratio == 1 else 'worse'})")
         lines.append(f"kvcompass against the best other: {'; '.join(verdicts)}")
