@@ -1164,3 +1164,26 @@ def test_grpc_listeners_cap_connections_per_address() -> None:
             await server.shut()
 
     run(go())
+
+
+def test_a_call_its_client_ended_at_its_deadline_is_one_info_line(caplog: pytest.LogCaptureFixture) -> None:
+    """grpclib logs a traceback when a deadline fires as the client resets the call (a busy
+    edge answering ExchangeQueues late): our servers log it as one INFO line; any other
+    failure keeps its traceback."""
+    import logging
+
+    from grpclib.exceptions import StreamTerminatedError
+
+    from kvcompass.services.grpc_lifecycle import DrainingServer
+
+    DrainingServer([])
+    log = logging.getLogger("grpclib.server")
+    with caplog.at_level(logging.INFO, logger="grpclib.server"):
+        for exc in (StreamTerminatedError("Connection lost"), RuntimeError("boom")):
+            try:
+                raise exc
+            except Exception:
+                log.exception("Failed to handle cancellation")
+    ended, other = caplog.records
+    assert (ended.levelno, ended.exc_info, ended.getMessage()) == (logging.INFO, None, "call ended by its client as its deadline fired: Connection lost")
+    assert other.levelno == logging.ERROR and other.exc_info is not None
