@@ -70,6 +70,13 @@ CASES: list[tuple[str, Any, bytes | None]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, None),
     ("/v1/chat/completions", {"messages": [{"role": 7, "content": "x"}]}, None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"text": "no type"}]}]}, None),
+    # vLLM's sampling bounds, one check for both (the door served max_tokens 0 and a negative
+    # temperature; found in review).
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, None),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, None),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": -3}, None),
 ]
 
 

@@ -131,8 +131,11 @@ def test_completion_body_shape_and_determinism() -> None:
             assert st == 200 and c["object"] == "chat.completion" and c["id"].startswith("chatcmpl-")
             assert c["choices"][0]["message"]["role"] == "assistant" and c["choices"][0]["finish_reason"] == "length"
             assert c["usage"]["completion_tokens"] == 2
-            st, _, z = await post(s, w.http_url + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 0})
-            assert st == 200 and z["choices"][0]["text"] == "" and z["usage"]["completion_tokens"] == 0
+            # vLLM's sampling bounds (found in review: max_tokens 0 and a negative temperature
+            # were served); the door checks with the same function.
+            for bad, param in (({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"presence_penalty": 2.5}, "presence_penalty")):
+                st, _, z = await post(s, w.http_url + "/v1/completions", {"prompt": [1, 2, 3], **bad})
+                assert st == 400 and z["error"]["param"] == param, z
 
     run(main())
 

@@ -89,7 +89,7 @@ from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.errors import DrainingError, InvalidArgumentError
 from kvcompass.services.http_server import App, HttpServer, Request, Response, StreamResponse, json_response, path_tail
 from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, MODELS_PREFIX, OpenAIError, add_routes, decode_json_object
-from kvcompass.services.openai_api import int_field, model_card, model_not_found, models_list, prompt_batch, request_tokens
+from kvcompass.services.openai_api import int_field, model_card, model_not_found, models_list, prompt_batch, request_tokens, sampling_fields
 from kvcompass.engine.tokenizer import Tokenizer, load_tokenizer
 from kvcompass.engine.cache import DEFAULT_DRAM_TOKENS, DEFAULT_VRAM_TOKENS, Policy, PrefixCache, worker_capacities
 from kvcompass.engine.costs import CostModel
@@ -175,12 +175,11 @@ class WorkerConfig:
             raise InvalidArgumentError(f"gpu_sharing must be 'chunked' or 'lanes', got {self.gpu_sharing!r}")
         if self.kv_pool not in ("shared", "unbounded"):
             raise InvalidArgumentError(f"kv_pool must be 'shared' or 'unbounded', got {self.kv_pool!r}")
-        for name in ("block_size", "max_model_len", "replay_buffer", "max_batched_tokens"):
+        # default_max_tokens too: a request's max_tokens is at least 1, as at vLLM.
+        for name in ("block_size", "max_model_len", "replay_buffer", "max_batched_tokens", "default_max_tokens"):
             v = getattr(self, name)
             if type(v) is not int or v < 1:
                 raise InvalidArgumentError(f"{name} must be a positive int, got {v!r}")
-        if type(self.default_max_tokens) is not int or self.default_max_tokens < 0:
-            raise InvalidArgumentError(f"default_max_tokens must be an int >= 0, got {self.default_max_tokens!r}")
         for name in ("time_scale", "drain_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
@@ -828,8 +827,6 @@ class EmulatedWorker(AsyncResource):
                     left -= 1
                     if req.chat:
                         await send([{"index": i, "delta": {}, "logprobs": None, "finish_reason": "length", "stop_reason": None}], **extra)
-                    elif req.max_tokens == 0:
-                        await send([{"index": i, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None}], **extra)
                     continue
                 made[i] += 1
                 if req.chat:
@@ -857,7 +854,9 @@ class EmulatedWorker(AsyncResource):
         model = body.get("model")
         if model is not None and model != self.config.model:
             raise model_not_found(model, [self.config.model])
-        n = int_field(body, "n", 1, MAX_N) or 1
+        n = sampling_fields(body)
+        if n > MAX_N:
+            raise OpenAIError(400, f"n must be an integer in 1..{MAX_N}, got {n}", "n", "invalid_type")
         best_of = body.get("best_of")
         if best_of is not None and best_of != n:
             raise OpenAIError(400, f"best_of is not supported by the emulated worker beyond best_of = n (got {best_of!r}, n = {n})", "best_of")
@@ -889,7 +888,7 @@ class EmulatedWorker(AsyncResource):
                 raise OpenAIError(400, "stream_options.include_usage must be a boolean", "stream_options.include_usage")
             include_usage = inc
         max_param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = int_field(body, max_param, 0)
+        max_tokens = int_field(body, max_param, 1)
         if max_tokens is None:
             max_tokens = self.config.default_max_tokens
         inline = self.config.inline_tokenize_chars

@@ -94,13 +94,13 @@ from kvcompass.services.openai_api import (
     add_routes,
     decode_json_object,
     error_body,
-    int_field,
     model_card,
     model_not_found,
     models_list,
     parse_json,
     prompt_batch,
     request_tokens,
+    sampling_fields,
 )
 from kvcompass.services.lifecycle import AsyncResource, bind_socket
 from kvcompass.services.loop_metrics import Counter, Gauge, Histogram
@@ -840,7 +840,7 @@ class FrontDoor:
             if not isinstance(iu, bool):
                 raise OpenAIError(400, "stream_options.include_usage must be a boolean", "stream_options.include_usage", "invalid_type")
             client_usage = iu
-        n = _check_numbers(body)
+        n = sampling_fields(body)
         named = request.headers.get(NAMESPACE_HEADER)
         if named is not None and not _TENANT_RE.fullmatch(named):
             raise OpenAIError(400, f"header {NAMESPACE_HEADER} must match {_TENANT_RE.pattern}", NAMESPACE_HEADER, "invalid_namespace")
@@ -1546,24 +1546,6 @@ FRONT_DOOR = "kvcompass_front_door"
 
 
 # -- helpers -------------------------------------------------------------------------------------------
-
-
-_MAX_INT32 = 2**31 - 1
-
-
-def _check_numbers(body: Mapping[str, Any]) -> int:
-    """The sampling fields whose wrong type would only fail at the worker: refuse them here, so
-    the client gets the error without a WAN round trip. Returns ``n`` (1 when absent)."""
-    # Bounded as engines bound them (vLLM's are 32-bit in practice): 1e300 became a 301-digit
-    # integer the door carried on (found in review).
-    int_field(body, "max_tokens", 0, _MAX_INT32)
-    int_field(body, "max_completion_tokens", 0, _MAX_INT32)
-    n = int_field(body, "n", 1, _MAX_INT32) or 1
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-        v = body.get(name)
-        if v is not None and (type(v) not in (int, float) or not math.isfinite(v)):
-            raise OpenAIError(400, f"{name} must be a number", name, "invalid_type")
-    return n
 
 
 def _cached_tokens(usage: Mapping[str, Any]) -> int | None:

@@ -133,6 +133,39 @@ def int_field(body: Mapping[str, Any], name: str, minimum: int, maximum: int | N
     return v
 
 
+MAX_INT32 = 2**31 - 1
+
+# vLLM's bounds (SamplingParams._verify_args): (low, high, low included, high included).
+_SAMPLING_BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
+    "temperature": (0.0, math.inf, True, False),
+    "top_p": (0.0, 1.0, False, True),
+    "presence_penalty": (-2.0, 2.0, True, True),
+    "frequency_penalty": (-2.0, 2.0, True, True),
+}
+
+
+def sampling_fields(body: Mapping[str, Any]) -> int:
+    """The request's sampling fields checked as vLLM checks them, so a client gets the engine's
+    400 from the door (no WAN round trip) and from the emulated worker alike: ``max_tokens``
+    and ``max_completion_tokens`` at least 1 (found in review: 0 was served), ``n`` at least 1,
+    ``temperature`` not negative, ``top_p`` in (0, 1], the penalties in [-2, 2]; integers
+    bounded as the engines bound them (1e300 became a 301-digit integer the door carried on).
+    Returns ``n`` (1 when absent)."""
+    int_field(body, "max_tokens", 1, MAX_INT32)
+    int_field(body, "max_completion_tokens", 1, MAX_INT32)
+    n = int_field(body, "n", 1, MAX_INT32) or 1
+    for name, (low, high, low_in, high_in) in _SAMPLING_BOUNDS.items():
+        v = body.get(name)
+        if v is None:
+            continue
+        if type(v) not in (int, float) or not math.isfinite(v):
+            raise OpenAIError(400, f"{name} must be a number", name, "invalid_type")
+        if not ((low <= v) if low_in else (low < v)) or not ((v <= high) if high_in else (v < high)):
+            span = f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+            raise OpenAIError(400, f"{name} must be in {span}, got {v!r}", name, "invalid_value")
+    return n
+
+
 def model_card(model: str, created: int, **extra: Any) -> dict[str, Any]:
     """One model as ``GET /v1/models`` lists it and ``GET /v1/models/{model}`` answers it
     (OpenAI's ``Model`` object; ``extra`` adds vLLM's fields such as ``max_model_len``)."""
