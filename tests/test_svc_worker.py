@@ -574,3 +574,43 @@ def test_a_long_prompt_stalls_the_sequences_decoding_beside_it_when_chunked(shar
                 assert gap < 0.3, gap
 
     run(main(), timeout=30.0)
+
+
+def test_stop_strings_and_stop_token_ids_end_a_sequence_as_vllm_does() -> None:
+    """``stop`` ends the text before the first stop string (with it under
+    ``include_stop_str_in_output``), ``stop_token_ids`` end it without showing the token,
+    ``finish_reason`` is ``stop`` with the ``stop_reason``, usage counts the tokens generated,
+    and a stream never shows text a stop string takes back (found in review: ``stop`` was
+    ignored, every answer ran to max_tokens)."""
+
+    async def main() -> None:
+        async with emulated() as w, aiohttp.ClientSession() as s:
+            url = w.http_url + "/v1/completions"
+            body = {"prompt": [5, 6, 7], "max_tokens": 12}
+            _, _, full = await post(s, url, body)
+            text = full["choices"][0]["text"]
+            words = text.split(" ")[1:]  # each token is " word"
+            assert len(words) == 12
+            cut = " " + words[4][:2]  # the middle of the fifth token: a stop string across pieces
+            _, _, got = await post(s, url, {**body, "stop": ["never there", cut]})
+            c = got["choices"][0]
+            assert (c["text"], c["finish_reason"], c["stop_reason"]) == (" " + " ".join(words[:4]), "stop", cut)
+            assert got["usage"]["completion_tokens"] == 5
+            _, _, kept = await post(s, url, {**body, "stop": cut, "include_stop_str_in_output": True})
+            assert kept["choices"][0]["text"] == " " + " ".join(words[:4]) + cut
+            # A stop token: the sixth token's id ends the sequence before it.
+            ids = {word: i for i, word in w._words}
+            _, _, tok = await post(s, url, {**body, "stop_token_ids": [ids[" " + words[5]]]})
+            assert (tok["choices"][0]["text"], tok["choices"][0]["stop_reason"]) == (" " + " ".join(words[:5]), ids[" " + words[5]])
+            # Streamed: the same text in pieces, nothing past the cut ever sent.
+            async with s.post(url, json={**body, "stop": cut, "stream": True, "stream_options": {"include_usage": True}}) as r:
+                events = sse_events(await r.text())
+            pieces = [e["choices"][0] for e in events[:-1] if e != "[DONE]" and e["choices"]]
+            assert "".join(p["text"] for p in pieces) == " " + " ".join(words[:4])
+            assert pieces[-1]["finish_reason"] == "stop" and all(p["finish_reason"] is None for p in pieces[:-1])
+            assert events[-2]["usage"]["completion_tokens"] == 5 and events[-1] == "[DONE]"
+            for bad in ({"stop": 5}, {"stop": ["a", 1]}, {"stop_token_ids": ["x"]}, {"include_stop_str_in_output": "yes"}):
+                st, _, err = await post(s, url, {**body, **bad})
+                assert st == 400 and err["error"]["param"] == next(iter(bad)), err
+
+    run(main())

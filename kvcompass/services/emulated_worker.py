@@ -72,7 +72,7 @@ import ssl
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from hashlib import blake2b
 from typing import Any
@@ -241,6 +241,49 @@ class _Job:
     """Whether its prefill waits for room in the pool (a request's first prompt)."""
 
 
+class _Stops:
+    """One sequence's ``stop`` strings and ``stop_token_ids`` as vLLM applies them: the text
+    ends before the first stop string found (with it when ``include_stop_str_in_output``), a
+    stop token ends it and is not shown, ``finish_reason`` is then ``"stop"`` and
+    ``stop_reason`` the string or the token id. A stream holds back the last ``len(longest
+    stop) - 1`` characters until they cannot begin a stop string, so no client sees text that a
+    stop string later takes back (found in review: the emulated worker ignored ``stop``)."""
+
+    __slots__ = ("strings", "ids", "include", "text", "sent", "hold", "reason")
+
+    def __init__(self, strings: tuple[str, ...], ids: frozenset[int], include: bool) -> None:
+        self.strings, self.ids, self.include = strings, ids, include
+        self.text = ""
+        self.sent = 0  # characters of text given out
+        self.hold = max((len(x) for x in strings), default=1) - 1
+        self.reason: str | int | None = None
+
+    def feed(self, token: int, piece: str) -> str:
+        """The text that may go out after this token; :attr:`reason` is set once it stopped."""
+        if token in self.ids:
+            self.reason = token
+            return self._out(len(self.text))
+        start = max(0, len(self.text) - self.hold)
+        self.text += piece
+        hits = [(k, x) for x in self.strings if (k := self.text.find(x, start)) >= 0]
+        if hits:
+            k, x = min(hits)
+            self.reason = x
+            return self._out(k + len(x) if self.include else k)
+        return self._out(len(self.text) - self.hold)
+
+    def flush(self) -> str:
+        """The held-back text, at the end by length."""
+        return self._out(len(self.text))
+
+    def _out(self, upto: int) -> str:
+        upto = max(upto, self.sent)
+        piece, self.sent = self.text[self.sent : upto], upto
+        if self.reason is not None:
+            self.text = self.text[:upto]
+        return piece
+
+
 @dataclass(frozen=True, slots=True)
 class _Request:
     chat: bool
@@ -254,6 +297,9 @@ class _Request:
     n: int = 1
     """Choices to return per prompt: sequences decoded side by side in the batch after one
     prefill. Choice ``i`` is sequence ``i % n`` of prompt ``i // n``, as OpenAI numbers them."""
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    include_stop: bool = False
 
     @property
     def choices(self) -> int:
@@ -762,23 +808,51 @@ class EmulatedWorker(AsyncResource):
             if not self._inflight:
                 self._idle.set()
 
+    async def _sequence(self, req: _Request, i: int, put: Callable[[str, str | None, str | int | None], Awaitable[None]]) -> int:
+        """Choice ``i``'s tokens through its stops: ``put(text, finish_reason, stop_reason)`` for
+        each piece that may go out (the last with its finish reason); the tokens it generated."""
+        stops = _Stops(req.stop, req.stop_token_ids, req.include_stop)
+        made = 0
+        async with contextlib.aclosing(self._decode(req.prompt_of(i), req.max_tokens, i % req.n)) as gen:
+            async for token, text in gen:
+                made += 1
+                piece = stops.feed(token, text)
+                if stops.reason is not None:
+                    await put(piece, "stop", stops.reason)
+                    return made
+                if made == req.max_tokens:
+                    await put(piece + stops.flush(), "length", None)
+                    return made
+                await put(piece, None, None)
+        return made
+
+    def _usage(self, usage: dict[str, Any], made: Sequence[int]) -> dict[str, Any]:
+        """The usage with the tokens the sequences generated (a stop ends one early)."""
+        return {**usage, "completion_tokens": sum(made), "total_tokens": usage["prompt_tokens"] + sum(made)}
+
     async def _whole(self, req: _Request, headers: dict[str, str], usage: dict[str, Any]) -> Response:
-        async def one(i: int) -> str:
+        async def one(i: int) -> tuple[str, str, str | int | None, int]:
             texts: list[str] = []
-            async with contextlib.aclosing(self._decode(req.prompt_of(i), req.max_tokens, i % req.n)) as gen:
-                async for _, text in gen:
-                    texts.append(text)
-            return "".join(texts)
+            end: list[Any] = ["length", None]
+
+            async def put(text: str, finish: str | None, reason: str | int | None) -> None:
+                texts.append(text)
+                if finish is not None:
+                    end[:] = [finish, reason]
+
+            made = await self._sequence(req, i, put)
+            return "".join(texts), end[0], end[1], made
 
         outs = await asyncio.gather(*(one(i) for i in range(req.choices)))
         headers[QUEUE_MS_HEADER] = f"{self.queue_ms():.3f}"
         created = int(time.time())
+        usage = self._usage(usage, [o[3] for o in outs])
         choices: list[dict[str, Any]]
         if req.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": "length", "stop_reason": None} for i, t in enumerate(outs)]
+            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": f, "stop_reason": r} for i, (t, f, r, _) in enumerate(outs)]
             body = {"id": f"chatcmpl-{req.request_id}", "object": "chat.completion", "created": created, "model": self.config.model, "choices": choices, "usage": usage}
         else:
-            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": "length", "stop_reason": None} for i, t in enumerate(outs)]
+            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f, "stop_reason": r} for i, (t, f, r, _) in enumerate(outs)]
             body = {"id": f"cmpl-{req.request_id}", "object": "text_completion", "created": created, "model": self.config.model, "choices": choices, "usage": usage}
         return json_response(body, headers=headers)
 
@@ -799,43 +873,40 @@ class EmulatedWorker(AsyncResource):
         async def send(choices: list[dict[str, Any]], **more: Any) -> None:
             await resp.write(b"data: " + json.dumps({**base, "choices": choices, **more}, separators=(",", ":")).encode() + b"\n\n")
 
-        # The n sequences decode side by side; their tokens go out as they come, each chunk
+        # The n sequences decode side by side; their pieces go out as they come, each chunk
         # naming its choice, and a sequence's last chunk carries its finish reason.
-        out: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
-
+        out: asyncio.Queue[tuple[int, str, str | None, str | int | None]] = asyncio.Queue()
         generating = [req.choices]
+        made = [0] * req.choices
 
         async def one(i: int) -> None:
-            async with contextlib.aclosing(self._decode(req.prompt_of(i), req.max_tokens, i % req.n)) as gen:
-                async for _, text in gen:
-                    await out.put((i, text))
-            await out.put((i, None))
+            async def put(text: str, finish: str | None, reason: str | int | None) -> None:
+                await out.put((i, text, finish, reason))
+
+            made[i] = await self._sequence(req, i, put)
             generating[0] -= 1
             if not generating[0]:
                 release()
 
         tasks = [asyncio.ensure_future(one(i)) for i in range(req.choices)]
-        made = [0] * req.choices
         try:
             if req.chat:
                 for i in range(req.choices):
                     await send([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra)
             left = req.choices
             while left:
-                i, text = await out.get()
-                if text is None:
+                i, text, finish, reason = await out.get()
+                if finish is not None:
                     left -= 1
-                    if req.chat:
-                        await send([{"index": i, "delta": {}, "logprobs": None, "finish_reason": "length", "stop_reason": None}], **extra)
-                    continue
-                made[i] += 1
                 if req.chat:
-                    await send([{"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": None}], **extra)
-                else:
-                    last = made[i] == req.max_tokens
-                    await send([{"index": i, "text": text, "logprobs": None, "finish_reason": "length" if last else None, "stop_reason": None}], **extra)
+                    if text:
+                        await send([{"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": None}], **extra)
+                    if finish is not None:
+                        await send([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": reason}], **extra)
+                elif text or finish is not None:
+                    await send([{"index": i, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": reason}], **extra)
             if req.include_usage:
-                await send([], usage=usage)
+                await send([], usage=self._usage(usage, made))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionResetError:
@@ -905,8 +976,18 @@ class EmulatedWorker(AsyncResource):
         salt = body.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise OpenAIError(400, "cache_salt must be a non-empty string", "cache_salt")
+        stop = body.get("stop")
+        stops = (stop,) if isinstance(stop, str) else stop if stop is not None else ()
+        if not isinstance(stops, (list, tuple)) or not all(isinstance(x, str) for x in stops):
+            raise OpenAIError(400, "stop must be a string or a list of strings", "stop", "invalid_type")
+        ids = body.get("stop_token_ids") or []
+        if not isinstance(ids, list) or not all(type(x) is int and x >= 0 for x in ids):
+            raise OpenAIError(400, "stop_token_ids must be a list of token ids", "stop_token_ids", "invalid_type")
+        include = body.get("include_stop_str_in_output", False)
+        if not isinstance(include, bool):
+            raise OpenAIError(400, "include_stop_str_in_output must be a boolean", "include_stop_str_in_output", "invalid_type")
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        return _Request(chat, prompts, max_tokens, stream, include_usage, rid, salt, n)
+        return _Request(chat, prompts, max_tokens, stream, include_usage, rid, salt, n, tuple(x for x in stops if x), frozenset(ids), include)
 
 def _bind(sock: zmq.asyncio.Socket, endpoint: str | None, host: str) -> str:
     """Bind ``sock`` (a random port on ``host`` without ``endpoint``). A ZMQ error is an
