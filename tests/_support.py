@@ -6,8 +6,10 @@ forge batches with a valid checksum around a chosen payload.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import zlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -147,3 +149,19 @@ class ByteTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: Any = None, options: Any = None) -> npt.NDArray[np.uint32]:
         return self.encode("".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages) + "<assistant>")
+
+
+@contextlib.asynccontextmanager
+async def serve_app(app: Any) -> AsyncIterator[str]:
+    """An aiohttp application served on a loopback port of its own for the block: its base URL."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _support import serve_app
 from aiohttp import web
 
 from kvcompass.errors import UsageError
@@ -35,16 +36,11 @@ async def fake_door(handler: Any) -> AsyncIterator[str]:
         return web.json_response({"status": "ok", "region": "eu"})
 
     app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        app[RELEASE].set()
-        await runner.cleanup()
+    async with serve_app(app) as url:
+        try:
+            yield url
+        finally:
+            app[RELEASE].set()
 
 
 def stream_handler(sep: bytes, *, hold_open: bool = False, gap_s: float = 0.2) -> Any:

@@ -1497,6 +1497,7 @@ def test_a_worker_silent_to_the_load_poll_is_held_dead_until_it_answers() -> Non
     and nothing marked it dead (found in review). The edge's load poll of it goes unanswered, so
     the door holds it dead while it is silent, counts that once, and lets it back in on its
     first answer (not after a cooldown)."""
+    from _support import serve_app
     from aiohttp import web
 
     from kvcompass.cli.services import _poll_queues
@@ -1515,15 +1516,9 @@ def test_a_worker_silent_to_the_load_poll_is_held_dead_until_it_answers() -> Non
     async def go() -> None:
         app = web.Application()
         app.router.add_get("/kvcompass/load", load)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        try:
-            async with rig(plane, fleet, config=DoorConfig(dead_cooldown_s=60)) as t:
+        async with serve_app(app) as url, rig(plane, fleet, config=DoorConfig(dead_cooldown_s=60)) as t:
                 door = t.door.door
-                poll = asyncio.ensure_future(_poll_queues(plane.edges["us"], {"us-5": f"http://127.0.0.1:{port}"}, 0.05, hold=door.hold_unresponsive, silent_s=0.3))
+                poll = asyncio.ensure_future(_poll_queues(plane.edges["us"], {"us-5": url}, 0.05, hold=door.hold_unresponsive, silent_s=0.3))
                 try:
                     await asyncio.sleep(0.2)
                     assert door.dead_workers() == frozenset()
@@ -1538,8 +1533,6 @@ def test_a_worker_silent_to_the_load_poll_is_held_dead_until_it_answers() -> Non
                     assert metric(await t.metrics(), "kvcompass_door_worker_failures_total", reason="unresponsive", worker="us-5") == 1.0
                 finally:
                     await _cancel_task(poll)
-        finally:
-            await runner.cleanup()
 
     run(go())
 
