@@ -134,13 +134,13 @@ FOLLOW_UPS: tuple[FollowUps, ...] = ("after-parent", "on-time")
 KvPool = Literal["shared", "unbounded"]
 KV_POOLS: tuple[KvPool, ...] = ("shared", "unbounded")
 
-# Requests built for the schemes a chunk of 2**bits at a time, and chunks kept (Simulator._request).
 IDLE_SETTLE_MS = 60_000.0
 """A quiet fleet ticks this long before skipping (600 broadcasts: remote estimates halved 600
 times, below 2^-500 of any queue); see ``Simulator._next_tick``."""
 IDLE_RESUME_MS = 1_000.0
 """Ticks resume this long before the next arrival (ten broadcasts), so it is routed on
 estimates as fresh as in a run that never skipped."""
+# Requests built for the schemes a chunk of 2**bits at a time, and chunks kept (Simulator._request).
 _ROW_CHUNK_BITS = 10
 _ROW_CHUNKS_KEPT = 4
 
@@ -195,7 +195,7 @@ class SimConfig:
     arrive before its parent's answer and find less of its prompt cached)."""
     skip_idle: bool = True
     """Tick through a quiet fleet only as long as its state takes to settle (``IDLE_SETTLE_MS``),
-    then skip to ``IDLE_RESUME_MS`` before the next arrival (see ``Simulator._tick``): a trace
+    then skip to ``IDLE_RESUME_MS`` before the next arrival (``Simulator._next_tick``): a trace
     with idle hours (an operator's own log replayed at its own times) took minutes of ticks per
     idle day. False ticks through every idle millisecond (the differential test's reference)."""
     kv_pool: KvPool = "shared"
