@@ -809,6 +809,29 @@ def test_stop_drains_in_flight_requests_and_refuses_new_ones() -> None:
 
 
 
+def test_a_stream_still_open_when_the_drain_ends_is_told_so_and_ends_cleanly() -> None:
+    """Past the grace the door cuts what still streams: the client gets an error event with
+    code ``draining`` and a whole chunked body (found in review: cut mid-body, the client saw
+    only that the response ended prematurely)."""
+    plane = make_plane()
+    fleet = Fleet(chunks=3)
+
+    async def go() -> None:
+        fleet.gate = asyncio.Event()  # never set: the worker's stream stays open
+        async with rig(plane, fleet) as t:
+            async with t.client.post("/v1/completions", json={"prompt": "stream me", "stream": True}) as r:
+                await r.content.readuntil(b"\n\n")
+                try:
+                    await t.door.stop(grace_s=0.3)
+                    rest = sse_events(await r.read())  # the body ends cleanly: read() does not raise
+                finally:
+                    fleet.gate.set()  # lets the fake worker's handler end
+            err = json.loads(rest[-1][len(b"data: ") :])["error"]
+            assert err["code"] == "draining" and "shutting down" in err["message"]
+
+    run(go())
+
+
 def test_a_peer_door_hands_off_a_request_to_a_less_loaded_worker_of_its_region() -> None:
     plane = make_plane()
     ids = prompt_ids(7, 8192)

@@ -60,6 +60,7 @@ the upstream connection pool.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import json
@@ -1239,6 +1240,16 @@ class FrontDoor:
             self._timed(choice, prep, last=True)
         except ConnectionResetError:
             pass  # the client went away; the upstream response is closed by the caller
+        except asyncio.CancelledError:
+            # The drain's grace ran out with this stream still open: the client is told so in
+            # the stream, which then ends cleanly (found in review: it was cut mid-body, "the
+            # response ended prematurely"), and the cancellation goes on.
+            if self.draining:
+                err = error_body(503, "the door is shutting down; the stream was cut at the end of its drain", code="draining")
+                with contextlib.suppress(ConnectionResetError, OSError, RuntimeError):
+                    await write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                    await end()
+            raise
         return resp
 
     async def _proxy_batch(self, request: Request, preps: Sequence[_Prepared]) -> StreamResponse:
