@@ -16,7 +16,8 @@ from grpclib.client import Channel
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.events import SendTrailingMetadata, listen
 from grpclib.exceptions import StreamTerminatedError
-from grpclib.protocol import H2Protocol, StreamClosedError
+from grpclib.protocol import H2Protocol
+from h2.exceptions import StreamClosedError  # what grpclib raises, from its own HTTP/2 library
 from grpclib.server import Server
 
 from kvcompass.errors import InvalidArgumentError
