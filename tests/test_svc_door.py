@@ -1560,6 +1560,53 @@ def test_a_worker_silent_to_the_load_poll_is_held_dead_until_it_answers() -> Non
     run(go())
 
 
+def test_requests_waiting_on_a_worker_that_goes_silent_are_routed_again() -> None:
+    """A request sent to a worker that hangs waits for its answer's head (30 s here, 600 by
+    default); when the load poll finds the worker silent, the door gives up on that wait and
+    routes the request again, as for a connection that failed before any byte."""
+    from _support import serve_app
+    from aiohttp import web
+
+    from kvcompass.cli.services import _poll_queues
+
+    plane = make_plane()
+    ids = prompt_ids(4, 2048)
+    cache_prefix(plane, "us-5", ids)
+    fleet = Fleet()
+    hung = bound_socket()  # us-5's engine: accepts connections, never answers
+    hung.listen(8)
+    answering = asyncio.Event()
+    answering.set()
+
+    async def load(request: web.Request) -> web.Response:
+        await answering.wait()
+        return web.json_response({"queue_ms": 0.0})
+
+    async def go() -> None:
+        app = web.Application()
+        app.router.add_get("/kvcompass/load", load)
+        urls = {"us-5": f"http://127.0.0.1:{hung.getsockname()[1]}"}
+        async with serve_app(app) as url, rig(plane, fleet, urls=urls, config=DoorConfig(head_timeout_s=30, dead_cooldown_s=60)) as t:
+            poll = asyncio.ensure_future(_poll_queues(plane.edges["us"], {"us-5": url}, 0.05, hold=t.door.door.hold_unresponsive, silent_s=0.3))
+            try:
+                sent = asyncio.ensure_future(complete(t.client, {"prompt": ids.tolist(), "stream": False}))
+                await asyncio.sleep(0.3)
+                assert not sent.done()  # waiting on us-5's head
+                answering.clear()  # us-5 hangs: its load poll goes unanswered too
+                status, headers, _ = await sent
+                assert status == 200 and headers["x-kvcompass-worker"] not in ("us-5", "")
+                m = await t.metrics()
+                assert metric(m, "kvcompass_door_retries_total") == 1.0
+            finally:
+                answering.set()
+                await _cancel_task(poll)
+
+    try:
+        run(go())
+    finally:
+        hung.close()
+
+
 async def _until(cond: Callable[[], bool], within_s: float = 5.0) -> None:
     """Wait until ``cond()`` holds (a failed assertion past ``within_s``): a bound for slow
     hosts, not a timing claim."""

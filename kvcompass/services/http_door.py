@@ -144,6 +144,8 @@ def valid_tenant(name: str) -> bool:
 _KEY_SLOT = "kvcompass_api_key"
 """Where a request keeps the grants of its API key once looked up (the request's storage)."""
 
+_SILENT = "it stopped answering the edge's load poll"
+
 FailureReason = Literal["connect", "timeout", "status_5xx", "disconnect", "midstream", "unresponsive"]
 
 
@@ -495,6 +497,7 @@ class FrontDoor:
         self.metrics = _Metrics(registry if registry is not None else CollectorRegistry())
         self._dead: dict[str, float] = {}
         self._unresponsive: set[str] = set()  # held dead by hold_unresponsive
+        self._awaiting: dict[str, set[UpstreamResponse]] = {}  # exchanges waiting for a head, by worker
         # Workers that have reported usage.prompt_tokens_details: a later usage without it means
         # nothing was cached (vLLM omits the field then); from the others it means "unknown".
         self._reports_cached: set[str] = set()
@@ -679,6 +682,10 @@ class FrontDoor:
             if worker not in self._unresponsive:
                 self._unresponsive.add(worker)
                 self.metrics.failures.labels(worker, "unresponsive").inc()
+                # Requests waiting for its answer's head are routed again (nothing of them
+                # reached their clients yet); once bytes flowed a stream ends as any failure.
+                for resp in list(self._awaiting.get(worker, ())):
+                    resp.abandon(_SILENT)
             self._dead[worker] = self._clock() + self.config.dead_cooldown_s
         elif worker in self._unresponsive:
             self._unresponsive.discard(worker)
@@ -1124,9 +1131,25 @@ class FrontDoor:
             # workers (found in review). Past the head deadline the worker's /health decides.
             head_timeout = self.config.answer_timeout_s
             watch = _AnswerWatch(self, peer or self.urls[choice.worker])
+        # The exchange waiting for its head, where hold_unresponsive can abandon it.
+        awaiting = self._awaiting.setdefault(choice.worker, set())
+        current: list[UpstreamResponse] = []
+
+        def on_exchange(resp: UpstreamResponse) -> None:
+            if current:
+                awaiting.discard(current.pop())
+            current.append(resp)
+            awaiting.add(resp)
+            if watch is not None:
+                watch.watching(resp)
+            if choice.worker in self._unresponsive:
+                resp.abandon(_SILENT)
+
         try:
-            up = await session.post(url, prep.raw, headers, head_timeout=head_timeout, slot_timeout=self.config.head_timeout_s, on_exchange=None if watch is None else watch.watching)
-        except UpstreamAbandoned:
+            up = await session.post(url, prep.raw, headers, head_timeout=head_timeout, slot_timeout=self.config.head_timeout_s, on_exchange=on_exchange)
+        except UpstreamAbandoned as e:
+            if str(e) == _SILENT:
+                raise _WorkerFailed("unresponsive", f"{choice.worker}: {_SILENT}") from None
             why = watch.failed if watch is not None else "abandoned"
             raise _WorkerFailed("timeout", f"{choice.worker}: no answer after {self.config.head_timeout_s:g} s and {why}") from None
         except UpstreamBusy as e:
@@ -1145,6 +1168,8 @@ class FrontDoor:
         except UpstreamError as e:
             raise _WorkerFailed("disconnect", f"{choice.worker}: {e!r}") from None
         finally:
+            if current:
+                awaiting.discard(current[0])
             if watch is not None:
                 watch.close()
         try:
