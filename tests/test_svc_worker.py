@@ -614,3 +614,19 @@ def test_stop_strings_and_stop_token_ids_end_a_sequence_as_vllm_does() -> None:
                 assert st == 400 and err["error"]["param"] == next(iter(bad)), err
 
     run(main())
+
+
+def test_stops_take_the_lists_order_and_a_stop_tokens_text_is_kept_only_when_asked() -> None:
+    """As vLLM checks them (found in review): the first string of the list that the text holds
+    wins, not the earliest in the text; ``include_stop_str_in_output`` keeps a stop token's
+    text too. And ``echo`` with ``max_tokens`` 0 (the prompt alone) passes the sampling check."""
+    from kvcompass.services.emulated_worker import _Stops
+    from kvcompass.services.openai_api import sampling_fields
+
+    s = _Stops(("b", "ab"), frozenset(), False)
+    assert s.feed(1, "x") == "" and s.feed(2, "ab") == "xa" and s.reason == "b"
+    t = _Stops((), frozenset({7}), True)
+    assert t.feed(1, "x") == "x" and t.feed(7, "y") == "y" and t.reason == 7
+    u = _Stops((), frozenset({7}), False)
+    assert u.feed(1, "x") == "x" and u.feed(7, "y") == "" and u.reason == 7
+    assert sampling_fields({"prompt": "x", "echo": True, "max_tokens": 0}) == 1

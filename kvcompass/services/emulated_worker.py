@@ -243,8 +243,9 @@ class _Job:
 
 class _Stops:
     """One sequence's ``stop`` strings and ``stop_token_ids`` as vLLM applies them: the text
-    ends before the first stop string found (with it when ``include_stop_str_in_output``), a
-    stop token ends it and is not shown, ``finish_reason`` is then ``"stop"`` and
+    ends before the first of the stop strings (in the list's order) that it holds (with it when
+    ``include_stop_str_in_output``), a stop token ends it and is shown only with that flag,
+    ``finish_reason`` is then ``"stop"`` (before ``"length"`` on the last token) and
     ``stop_reason`` the string or the token id. A stream holds back the last ``len(longest
     stop) - 1`` characters until they cannot begin a stop string, so no client sees text that a
     stop string later takes back (found in review: the emulated worker ignored ``stop``)."""
@@ -262,14 +263,16 @@ class _Stops:
         """The text that may go out after this token; :attr:`reason` is set once it stopped."""
         if token in self.ids:
             self.reason = token
+            if self.include:
+                self.text += piece
             return self._out(len(self.text))
         start = max(0, len(self.text) - self.hold)
         self.text += piece
-        hits = [(k, x) for x in self.strings if (k := self.text.find(x, start)) >= 0]
-        if hits:
-            k, x = min(hits)
-            self.reason = x
-            return self._out(k + len(x) if self.include else k)
+        for x in self.strings:  # the first string of the list that is found, as vLLM checks them
+            k = self.text.find(x, start)
+            if k >= 0:
+                self.reason = x
+                return self._out(k + len(x) if self.include else k)
         return self._out(len(self.text) - self.hold)
 
     def flush(self) -> str:

@@ -147,12 +147,16 @@ _SAMPLING_BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
 def sampling_fields(body: Mapping[str, Any]) -> int:
     """The request's sampling fields checked as vLLM checks them, so a client gets the engine's
     400 from the door (no WAN round trip) and from the emulated worker alike: ``max_tokens``
-    and ``max_completion_tokens`` at least 1 (found in review: 0 was served), ``n`` at least 1,
+    and ``max_completion_tokens`` at least 1 (found in review: 0 was served; 0 with ``echo``,
+    the prompt alone, passes), ``n`` at least 1,
     ``temperature`` not negative, ``top_p`` in (0, 1], the penalties in [-2, 2]; integers
     bounded as the engines bound them (1e300 became a 301-digit integer the door carried on).
     Returns ``n`` (1 when absent)."""
-    int_field(body, "max_tokens", 1, MAX_INT32)
-    int_field(body, "max_completion_tokens", 1, MAX_INT32)
+    # echo with max_tokens 0 asks for the prompt alone (vLLM's echo_without_generation: scoring a
+    # prompt); anything else generates at least one token.
+    least = 0 if body.get("echo") is True else 1
+    int_field(body, "max_tokens", least, MAX_INT32)
+    int_field(body, "max_completion_tokens", least, MAX_INT32)
     n = int_field(body, "n", 1, MAX_INT32) or 1
     for name, (low, high, low_in, high_in) in _SAMPLING_BOUNDS.items():
         v = body.get(name)
