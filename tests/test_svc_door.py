@@ -1554,7 +1554,13 @@ def test_a_worker_silent_to_the_load_poll_is_held_dead_until_it_answers() -> Non
                     status, headers, _ = await complete(t.client, {"prompt": ids.tolist()})
                     assert status == 200 and headers["x-kvcompass-worker"] == "us-5"
                     assert metric(await t.metrics(), "kvcompass_door_worker_failures_total", reason="unresponsive", worker="us-5") == 1.0
+                    # A poller that ends leaves nobody held for a silence it no longer watches.
+                    answering.clear()
+                    await _until(lambda: door.dead_workers() == {"us-5"})
+                    await _cancel_task(poll)
+                    assert door.dead_workers() == frozenset()
                 finally:
+                    answering.set()
                     await _cancel_task(poll)
 
     run(go())

@@ -492,24 +492,32 @@ async def _poll_queues(
         async def one(w: str, url: str) -> None:
             try:
                 async with http.get(url.rstrip("/") + LOAD_PATH) as r:
+                    answered[w] = time.monotonic()  # an answer, whatever it says
                     if r.status == 404:
                         left.pop(w, None)
                         return
-                    answered[w] = time.monotonic()  # an answer, whatever it says
                     if r.status != 200:
                         return
-                    q = (await r.json()).get("queue_ms")
+                    body = await r.json()
+                    q = body.get("queue_ms") if isinstance(body, dict) else None
             except (aiohttp.ClientError, TimeoutError, ValueError):
                 return
             finally:
-                if hold is not None and w in left:
+                # A worker dropped from polling (404) is told it answered, or it stayed held.
+                if hold is not None:
                     hold(w, time.monotonic() - answered[w] >= silent_s)
             if isinstance(q, (int, float)) and not isinstance(q, bool) and q >= 0:
                 edge.set_local_queue(w, float(q), time.monotonic())
 
-        while left:
-            await asyncio.gather(*(one(w, u) for w, u in list(left.items())))
-            await asyncio.sleep(period_s)
+        try:
+            while left:
+                await asyncio.gather(*(one(w, u) for w, u in list(left.items())))
+                await asyncio.sleep(period_s)
+        finally:
+            # No poll, no silence to go by: nobody stays held dead for it (found in review).
+            if hold is not None:
+                for w in urls:
+                    hold(w, False)
 
 
 async def _wait_peers(path: str, edge: Any, region: str, stop: asyncio.Event, ssl_context: Any = None, token: str | None = None) -> Any:
