@@ -832,6 +832,37 @@ def test_a_stream_still_open_when_the_drain_ends_is_told_so_and_ends_cleanly() -
     run(go())
 
 
+def test_a_batched_stream_cut_by_the_drain_ends_every_prompt_and_its_body() -> None:
+    """A batch of two prompts: one streaming, one still waiting for its worker's head when the
+    grace ends. Both end with a ``draining`` error event and the merged stream with its
+    ``[DONE]`` (found in review: the waiting prompt never finished, so the body was cut)."""
+    plane = make_plane()
+    held = prompt_ids(4, 2048)
+    cache_prefix(plane, "us-5", held)
+    fleet = Fleet(chunks=3)
+    hung = bound_socket()  # us-5 accepts and never answers
+    hung.listen(8)
+
+    async def go() -> None:
+        fleet.gate = asyncio.Event()
+        urls = {"us-5": f"http://127.0.0.1:{hung.getsockname()[1]}"}
+        async with rig(plane, fleet, urls=urls, config=DoorConfig(head_timeout_s=30)) as t:
+            async with t.client.post("/v1/completions", json={"prompt": [held.tolist(), prompt_ids(9, 64).tolist()], "stream": True}) as r:
+                await r.content.readuntil(b"\n\n")
+                try:
+                    await t.door.stop(grace_s=0.3)
+                    events = sse_events(await r.read())
+                finally:
+                    fleet.gate.set()
+            errors = [json.loads(e[len(b"data: ") :])["error"] for e in events if e.startswith(b'data: {"error"')]
+            assert [e["code"] for e in errors] == ["draining", "draining"] and events[-1] == b"data: [DONE]"
+
+    try:
+        run(go())
+    finally:
+        hung.close()
+
+
 def test_a_peer_door_hands_off_a_request_to_a_less_loaded_worker_of_its_region() -> None:
     plane = make_plane()
     ids = prompt_ids(7, 8192)

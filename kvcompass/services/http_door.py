@@ -1287,7 +1287,19 @@ class FrontDoor:
             sink = _BatchStream(request, len(preps), preps[0].client_usage_asked)
             for prep in preps:
                 prep.sink = sink
-            got = await asyncio.gather(*(self._proxy(request, prep) for prep in preps), return_exceptions=True)
+            try:
+                got = await asyncio.gather(*(self._proxy(request, prep) for prep in preps), return_exceptions=True)
+            except asyncio.CancelledError:
+                # The drain's grace ran out: the prompts that were streaming said so and ended
+                # (_relay_stream); those still waiting for a worker end here, so the merged
+                # stream gets its [DONE] and a whole body (found in review: cut).
+                if self.draining and sink.resp is not None:
+                    err = error_body(503, "the door is shutting down; the prompt was not answered before the end of its drain", code="draining")
+                    with contextlib.suppress(ConnectionResetError, OSError, RuntimeError):
+                        while sink.left > 0:
+                            await sink.write(0, b"data: " + json.dumps(err).encode() + b"\n\n")
+                            await sink.finish()
+                raise
             failed = [(i, g) for i, g in enumerate(got) if isinstance(g, BaseException) or not isinstance(g, StreamResponse) or not g.prepared]
             if sink.resp is None:
                 for _, g in failed:
@@ -1525,6 +1537,11 @@ class _BatchStream:
             # door's single-prompt streams do (found in review: batched chunks had none).
             obj["usage"] = None
         return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+    @property
+    def left(self) -> int:
+        """Prompts whose stream has not ended."""
+        return self._left
 
     async def finish(self) -> None:
         """One prompt's stream ended; after the last, the summed usage (if asked) and ``[DONE]``."""
