@@ -546,7 +546,8 @@ def test_a_scheme_that_cannot_run_on_the_topology_is_found_before_any_run(tmp_pa
         '[regions]\nus = {}\neu = {}\n[[workers]]\nregion = "us"\ncount = 3\nid_prefix = "us-"\n'
     )
     argv = ["simulate", "--topology", str(topo), "--trace", "mixed", "--max-requests", "30", "--rates", "2", "--seed", "1"]
-    assert main([*argv, "--schemes", "oracle,kvcompass-no-xregion"]) == 2
+    assert main([*argv, "--schemes", "oracle,kvcompass-no-xregion", "--out", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()  # refused before --out is made
     cap = capsys.readouterr()
     assert "kvcompass-no-xregion cannot run on this topology" in cap.err and "region 'eu' has no indexed worker" in cap.err
     assert "[1/" not in cap.err  # nothing ran

@@ -274,11 +274,11 @@ def _simulate(args: argparse.Namespace) -> int:
         raise UsageError(f"--closed-loop must be >= 1 outstanding requests (or 0, open loop), got {args.closed_loop}")
     if args.closed_loop and (args.sensitivity or args.false_hits):
         raise UsageError("--sensitivity and --false-hits run open loop; leave out --closed-loop")
-    if args.out is not None:
-        _prepare_out(args.out, _simulate_outputs())
     faults = {"wan_jitter": args.wan_jitter / 100, "patch_loss": args.patch_loss / 100, "patch_delay_ms": args.patch_delay_ms}
     topology = topology_of(args.topology, args.rtt_matrix)
     schemes = _runnable(schemes, topology, args.schemes.strip() == "all")
+    if args.out is not None:  # once the topology and the schemes are known good (found in review: an empty --out was left)
+        _prepare_out(args.out, _simulate_outputs())
     edgeless = [r.name for r in topology.regions if r.edges == 0]
     if edgeless:
         # A stated limit of the model (docs/simulator.md, "What the model leaves out").

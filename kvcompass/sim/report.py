@@ -22,6 +22,7 @@ Figures are drawn with matplotlib's Agg canvas (no display, no pyplot global sta
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -99,6 +100,9 @@ def comparison_text(results: Results, loads: Mapping[str, float] | None = None) 
             best = (min if lower else max)(others, key=fig.__getitem__)
             ref = fig[best]
             ratio = fig["kvcompass"] / ref if ref > 0 else float("nan")
+            if not math.isfinite(ratio):
+                verdicts.append(f"{label} not comparable ({best}'s is {ref:g})")
+                continue
             won = ratio < 1 if lower else ratio > 1
             verdicts.append(f"{label} {ratio:.2f}x {best}'s ({'better' if won else 'equal' if ratio == 1 else 'worse'})")
         lines.append(f"kvcompass against the best other: {'; '.join(verdicts)}")
