@@ -225,7 +225,9 @@ def read_chat_template(value: str, base_dir: Path | None = None) -> tuple[str, s
     """``(source, origin)`` of an operator's template as vLLM reads ``--chat-template``: the file
     ``value`` names (relative to ``base_dir``, a topology file's directory) when it opens, else
     ``value`` itself when it holds ``{``, ``}`` or a newline (an inline template), else an
-    InvalidArgumentError: a path that does not open is a mistake, not a one-line template."""
+    InvalidArgumentError: a path that does not open is a mistake, not a one-line template. An
+    inline template is taken as written, as current vLLM takes it (its older releases decoded
+    backslash escapes in it first: with one of those, give the template as a file)."""
     if not isinstance(value, str) or not value:
         raise InvalidArgumentError(f"a chat template must be a file's path or a Jinja template, got {value!r}")
     p = Path(value)
