@@ -6,6 +6,7 @@ costs only its answer; ``kv_pool="unbounded"`` admits everything at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -164,3 +165,28 @@ def test_a_client_reading_slowly_does_not_hold_the_pool() -> None:
                 sock.close()
 
     run(main(), timeout=60)
+
+
+def test_a_request_whose_client_leaves_while_it_waits_for_room_is_aborted() -> None:
+    """C waits for room behind A's sequence; its client goes away. The worker aborts C at once,
+    as vLLM aborts a disconnected request (found in review: C stayed first in line until A
+    ended, holding D, which fits, behind it)."""
+
+    async def main() -> None:
+        async with emulated(vram_tokens=2048, time_scale=0.5) as w, aiohttp.ClientSession() as s:
+            url = w.http_url + "/v1/completions"
+            async with s.post(url, json={"prompt": list(range(1, 1025)), "max_tokens": 401, "stream": True}) as ra:
+                await _first_token(ra)  # A decodes, holding 89 of 128 blocks
+                c = asyncio.ensure_future(post(s, url, {"prompt": list(range(5000, 6024)), "max_tokens": 2}))
+                async with asyncio.timeout(5):
+                    while w.stats.kv_waits < 1:
+                        await asyncio.sleep(0.01)
+                c.cancel()  # C's client goes away
+                with contextlib.suppress(asyncio.CancelledError):
+                    await c
+                st, _, _ = await post(s, url, {"prompt": list(range(9000, 9016)), "max_tokens": 2})  # D: 2 blocks
+                assert st == 200 and w.running == 1  # served while A still decodes
+                assert w.waiting == 0
+                await ra.read()
+
+    run(main(), timeout=30)

@@ -542,6 +542,8 @@ class EmulatedWorker(AsyncResource):
         for job in jobs:
             if not job.done.done():
                 job.done.cancel()
+                if job is self._kv_waiting:
+                    self._kv_room.set()  # the prefill loop lets it go at once
             elif not job.done.cancelled() and job.done.exception() is None and job.done.result()[2] >= 0:
                 self._kv_release(job.done.result()[2])
 
@@ -772,14 +774,34 @@ class EmulatedWorker(AsyncResource):
                 released = True
                 self._release_jobs(jobs)
 
+        # A client gone while its request waits (for its prefill, for room) aborts it, as vLLM
+        # aborts a disconnected request: its prefills are cancelled and its KV let go (found
+        # in review: an abandoned request kept its place first in line for room).
+        gone = False
+
+        def client_gone() -> None:
+            nonlocal gone
+            gone = True
+            if jobs:
+                release()
+
+        aborted = OpenAIError(400, "the client closed its connection before the answer: the request was aborted", code="client_closed")
+        forget = request.on_disconnect(client_gone)
         try:
             req = await self._parse(request, chat)
             self.stats.requests += 1
             cached = prompt_tokens_n = 0
             # A list of prompts is prefilled prompt by prompt, as vLLM's scheduler would.
             jobs = self._queue_prefills(req.prompts, req.cache_salt, req.max_tokens, req.n)
+            if gone:
+                raise aborted
             for tokens, job in zip(req.prompts, jobs):
-                v, d, _ = await job.done
+                try:
+                    v, d, _ = await job.done
+                except asyncio.CancelledError:
+                    if gone:
+                        raise aborted from None
+                    raise
                 # vLLM's usage names the last prompt's cached tokens, not their sum
                 # (request_output_to_completion_response: last_final_res.num_cached_tokens).
                 cached = v + d
@@ -806,6 +828,7 @@ class EmulatedWorker(AsyncResource):
                 return await self._stream(request, req, headers, usage, release)
             return await self._whole(req, headers, usage)
         finally:
+            forget()
             release()
             self._inflight -= 1
             if not self._inflight:

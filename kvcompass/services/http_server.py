@@ -35,6 +35,7 @@ when it writes (``ConnectionResetError``), so the door's relay closes the upstre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import http
 import json
@@ -127,6 +128,15 @@ class Request:
     def complete(self) -> bool:
         """The whole body has arrived (most requests: it came with the head)."""
         return self._complete
+
+    def on_disconnect(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` once, from the event loop, if the client closes its side of the
+        connection (or loses it) before the returned function is called; a handler calls that
+        when it is done. A handler that waits (for a prefill, for a pool's room) is not
+        cancelled when its client goes away; one that should give up then, as an engine aborts
+        a disconnected request (vLLM under uvicorn, which takes the client's end of sending for
+        its going away), asks here. The server itself still answers a half-closed client."""
+        return self._conn.watch_lost(callback)
 
     async def read(self) -> bytes:
         """The whole body. :class:`~kvcompass.errors.MessageTooLargeError` past the server's
@@ -425,6 +435,10 @@ class App:
         return resp
 
 
+def _nothing() -> None:
+    return None
+
+
 class _Connection(asyncio.Protocol):
     """One client connection: parses heads and bodies, runs one handler at a time, in order."""
 
@@ -456,6 +470,27 @@ class _Connection(asyncio.Protocol):
         self._trailers_too_big = False
         self._trailer_size = 0
         self._head_size = 0
+        self._lost_watchers: list[Callable[[], None]] = []
+        self._client_done = False  # the client closed its side, or the connection is lost
+
+    def watch_lost(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """:meth:`Request.on_disconnect`."""
+        if self._client_done:
+            asyncio.get_running_loop().call_soon(callback)
+            return _nothing
+        self._lost_watchers.append(callback)
+
+        def forget() -> None:
+            with contextlib.suppress(ValueError):
+                self._lost_watchers.remove(callback)
+
+        return forget
+
+    def _client_gone(self) -> None:
+        self._client_done = True
+        watchers, self._lost_watchers = self._lost_watchers, []
+        for callback in watchers:
+            asyncio.get_running_loop().call_soon(callback)
 
     # -- transport events -----------------------------------------------------------------------
 
@@ -483,6 +518,7 @@ class _Connection(asyncio.Protocol):
         self.lost = True
         self.server.connections.discard(self)
         self._disarm_head()
+        self._client_gone()
         gone = ConnectionResetError("the client closed the connection")
         if self._current is not None and not self._current._complete:
             self._current._fail(gone)
@@ -520,6 +556,7 @@ class _Connection(asyncio.Protocol):
                 self._arm_head()  # a head begun and not whole: its deadline runs from now
 
     def eof_received(self) -> bool | None:
+        self._client_gone()
         if self._current is not None and not self._current._complete:
             # A half-close: the client can still read its answer, a 400 (found in review: as a
             # ConnectionResetError it was taken for a handler's bug, a 500 and a traceback).
