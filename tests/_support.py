@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import struct
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
@@ -165,3 +165,15 @@ async def serve_app(app: Any) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+async def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait until ``cond()`` holds, failing past ``timeout`` seconds: a bound for slow hosts,
+    not a timing claim."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, "condition not reached"
+        await asyncio.sleep(0.005)

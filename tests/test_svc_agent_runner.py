@@ -16,6 +16,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from _support import wait_until
 from kvcompass.agent import BlockStored, WorkerAgent, encode_batch
 from kvcompass.discovery.key_ops import KeyOpBatch
 from kvcompass.discovery.topology import load_topology
@@ -69,14 +70,6 @@ def net(batches: Sequence[KeyOpBatch], shards: int = SHARDS) -> dict[int, int]:
             else:
                 state.pop(k, None)
     return state
-
-
-async def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, "condition not reached"
-        await asyncio.sleep(0.005)
 
 
 @contextlib.asynccontextmanager

@@ -7,7 +7,6 @@ responses teach the edge, and the door drains."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import socket
 import time
@@ -1551,10 +1550,10 @@ def test_a_worker_silent_to_the_load_poll_is_held_dead_until_it_answers() -> Non
     and nothing marked it dead (found in review). The edge's load poll of it goes unanswered, so
     the door holds it dead while it is silent, counts that once, and lets it back in on its
     first answer (not after a cooldown)."""
-    from _support import serve_app
+    from _support import serve_app, wait_until
     from aiohttp import web
 
-    from kvcompass.cli.services import _poll_queues
+    from kvcompass.cli.services import _cancel, _poll_queues
 
     plane = make_plane()
     ids = prompt_ids(4, 2048)
@@ -1577,22 +1576,22 @@ def test_a_worker_silent_to_the_load_poll_is_held_dead_until_it_answers() -> Non
                     await asyncio.sleep(0.2)
                     assert door.dead_workers() == frozenset()
                     answering.clear()
-                    await _until(lambda: door.dead_workers() == {"us-5"})
+                    await wait_until(lambda: door.dead_workers() == {"us-5"})
                     status, headers, _ = await complete(t.client, {"prompt": ids.tolist()})
                     assert status == 200 and headers["x-kvcompass-worker"] != "us-5"  # the holder, held dead
                     answering.set()
-                    await _until(lambda: door.dead_workers() == frozenset())  # its first answer, well inside the 60 s cooldown
+                    await wait_until(lambda: door.dead_workers() == frozenset())  # its first answer, well inside the 60 s cooldown
                     status, headers, _ = await complete(t.client, {"prompt": ids.tolist()})
                     assert status == 200 and headers["x-kvcompass-worker"] == "us-5"
                     assert metric(await t.metrics(), "kvcompass_door_worker_failures_total", reason="unresponsive", worker="us-5") == 1.0
                     # A poller that ends leaves nobody held for a silence it no longer watches.
                     answering.clear()
-                    await _until(lambda: door.dead_workers() == {"us-5"})
-                    await _cancel_task(poll)
+                    await wait_until(lambda: door.dead_workers() == {"us-5"})
+                    await _cancel(poll)
                     assert door.dead_workers() == frozenset()
                 finally:
                     answering.set()
-                    await _cancel_task(poll)
+                    await _cancel(poll)
 
     run(go())
 
@@ -1604,7 +1603,7 @@ def test_requests_waiting_on_a_worker_that_goes_silent_are_routed_again() -> Non
     from _support import serve_app
     from aiohttp import web
 
-    from kvcompass.cli.services import _poll_queues
+    from kvcompass.cli.services import _cancel, _poll_queues
 
     plane = make_plane()
     ids = prompt_ids(4, 2048)
@@ -1636,7 +1635,7 @@ def test_requests_waiting_on_a_worker_that_goes_silent_are_routed_again() -> Non
                 assert metric(m, "kvcompass_door_retries_total") == 1.0
             finally:
                 answering.set()
-                await _cancel_task(poll)
+                await _cancel(poll)
 
     try:
         run(go())
@@ -1644,16 +1643,3 @@ def test_requests_waiting_on_a_worker_that_goes_silent_are_routed_again() -> Non
         hung.close()
 
 
-async def _until(cond: Callable[[], bool], within_s: float = 5.0) -> None:
-    """Wait until ``cond()`` holds (a failed assertion past ``within_s``): a bound for slow
-    hosts, not a timing claim."""
-    deadline = time.monotonic() + within_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
-
-
-async def _cancel_task(task: asyncio.Future[Any]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task

@@ -16,6 +16,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from _support import wait_until
 from kvcompass.agent import BlockStored, decode_message, decode_payload
 from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.services.emulated_worker import EmulatedWorker, WorkerConfig, serve_worker
@@ -60,14 +61,6 @@ def sse_events(text: str) -> list[Any]:
         payload = block[len("data: ") :]
         out.append(payload if payload == "[DONE]" else json.loads(payload))
     return out
-
-
-async def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, "condition not reached"
-        await asyncio.sleep(0.005)
 
 
 # ---- completions ------------------------------------------------------------------------------
