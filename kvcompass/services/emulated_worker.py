@@ -785,7 +785,6 @@ class EmulatedWorker(AsyncResource):
             if jobs:
                 release()
 
-        aborted = OpenAIError(400, "the client closed its connection before the answer: the request was aborted", code="client_closed")
         forget = request.on_disconnect(client_gone)
         try:
             req = await self._parse(request, chat)
@@ -794,13 +793,13 @@ class EmulatedWorker(AsyncResource):
             # A list of prompts is prefilled prompt by prompt, as vLLM's scheduler would.
             jobs = self._queue_prefills(req.prompts, req.cache_salt, req.max_tokens, req.n)
             if gone:
-                raise aborted
+                raise _aborted()
             for tokens, job in zip(req.prompts, jobs):
                 try:
                     v, d, _ = await job.done
                 except asyncio.CancelledError:
                     if gone:
-                        raise aborted from None
+                        raise _aborted() from None
                     raise
                 # vLLM's usage names the last prompt's cached tokens, not their sum
                 # (request_output_to_completion_response: last_final_res.num_cached_tokens).
@@ -1014,6 +1013,12 @@ class EmulatedWorker(AsyncResource):
             raise OpenAIError(400, "include_stop_str_in_output must be a boolean", "include_stop_str_in_output", "invalid_type")
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         return _Request(chat, prompts, max_tokens, stream, include_usage, rid, salt, n, tuple(x for x in stops if x), frozenset(ids), include)
+
+def _aborted() -> OpenAIError:
+    """What a request whose client closed its connection while it waited ends with (nobody is
+    likely to read it)."""
+    return OpenAIError(400, "the client closed its connection before the answer: the request was aborted", code="client_closed")
+
 
 def _bind(sock: zmq.asyncio.Socket, endpoint: str | None, host: str) -> str:
     """Bind ``sock`` (a random port on ``host`` without ``endpoint``). A ZMQ error is an

@@ -679,14 +679,15 @@ class FrontDoor:
         eight requests hung while it looked healthy). Held dead while silent (counted once a
         silence), and let back in on its first answer, not after a cooldown."""
         if silent:
-            if worker not in self._unresponsive:
-                self._unresponsive.add(worker)
-                self.metrics.failures.labels(worker, "unresponsive").inc()
-                # Requests waiting for its answer's head are routed again (nothing of them
-                # reached their clients yet); once bytes flowed a stream ends as any failure.
-                for resp in list(self._awaiting.get(worker, ())):
-                    resp.abandon(_SILENT)
-            self._dead[worker] = self._clock() + self.config.dead_cooldown_s
+            if worker in self._unresponsive:
+                self._dead[worker] = self._clock() + self.config.dead_cooldown_s  # still silent
+                return
+            self._unresponsive.add(worker)
+            self.mark_dead(worker, "unresponsive")
+            # Requests waiting for its answer's head are routed again (nothing of them reached
+            # their clients yet); once bytes flowed a stream ends as any failure does.
+            for resp in list(self._awaiting.get(worker, ())):
+                resp.abandon(_SILENT)
         elif worker in self._unresponsive:
             self._unresponsive.discard(worker)
             self._dead.pop(worker, None)
@@ -1270,9 +1271,8 @@ class FrontDoor:
             # the stream, which then ends cleanly (found in review: it was cut mid-body, "the
             # response ended prematurely"), and the cancellation goes on.
             if self.draining:
-                err = error_body(503, "the door is shutting down; the stream was cut at the end of its drain", code="draining")
                 with contextlib.suppress(ConnectionResetError, OSError, RuntimeError):
-                    await write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                    await write(_drain_event("the stream was cut"))
                     await end()
             raise
         return resp
@@ -1294,10 +1294,9 @@ class FrontDoor:
                 # (_relay_stream); those still waiting for a worker end here, so the merged
                 # stream gets its [DONE] and a whole body (found in review: cut).
                 if self.draining and sink.resp is not None:
-                    err = error_body(503, "the door is shutting down; the prompt was not answered before the end of its drain", code="draining")
                     with contextlib.suppress(ConnectionResetError, OSError, RuntimeError):
                         while sink.left > 0:
-                            await sink.write(0, b"data: " + json.dumps(err).encode() + b"\n\n")
+                            await sink.write(0, _drain_event("the prompt was not answered"))
                             await sink.finish()
                 raise
             failed = [(i, g) for i, g in enumerate(got) if isinstance(g, BaseException) or not isinstance(g, StreamResponse) or not g.prepared]
@@ -1599,6 +1598,12 @@ FRONT_DOOR = "kvcompass_front_door"
 
 
 # -- helpers -------------------------------------------------------------------------------------------
+
+
+def _drain_event(what: str) -> bytes:
+    """The SSE error event a stream still open at the end of a drain's grace ends with."""
+    err = error_body(503, f"the door is shutting down; {what} at the end of its drain", code="draining")
+    return b"data: " + json.dumps(err).encode() + b"\n\n"
 
 
 def _cached_tokens(usage: Mapping[str, Any]) -> int | None:
