@@ -744,6 +744,12 @@ def test_a_follow_up_is_sent_only_once_its_parents_answer_reached_the_client(sch
     # The rate actually sent: the drawn schedule's on time, lower once follow-ups wait.
     drawn = (len(reqs) - 1) / ((float(reqs.arrival_ms.max()) - float(reqs.arrival_ms.min())) / 1e3)
     assert on_time.sent_req_s == pytest.approx(drawn) and waited.sent_req_s < drawn
+    # Mid-run, over the second and third quartiles of the sends: on time it is the drawn
+    # schedule's own, which the summary carries beside it.
+    t = np.sort(reqs.arrival_ms)
+    lo, hi = len(t) // 4, 3 * len(t) // 4
+    assert on_time.drawn_mid_req_s == waited.drawn_mid_req_s == pytest.approx((hi - lo) / ((t[hi] - t[lo]) / 1e3))
+    assert on_time.sent_mid_req_s == pytest.approx(on_time.drawn_mid_req_s) and waited.sent_mid_req_s <= waited.drawn_mid_req_s
     # The drain: from the last send to the last answer.
     c = waited.records._c
     assert waited.drain_s == pytest.approx((float((c["arrival_ms"] + c["e2e_ms"]).max()) - float(c["arrival_ms"].max())) / 1e3)

@@ -14,7 +14,7 @@ from kvcompass.sim.summary import Summary
 from kvcompass.sim.report import ABLATION_FIGURE, FIGURES, records_to_frame, summaries_to_frame, summary_row, write_figures, write_tables
 from kvcompass.sim.workload import synthetic_mixed
 
-KEYS = {"ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "throughput_tok_s", "hit_rate", "xregion_hit_rate", "false_hit_rate", "peak_load_factor", "requests", "demoted_blocks", "evicted_blocks", "kv_waits", "sent_req_s"}
+KEYS = {"ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "throughput_tok_s", "hit_rate", "xregion_hit_rate", "false_hit_rate", "peak_load_factor", "requests", "demoted_blocks", "evicted_blocks", "kv_waits", "sent_req_s", "sent_mid_req_s"}
 
 
 @pytest.fixture(scope="module")

@@ -120,7 +120,7 @@ from kvcompass.errors import AgentSequenceError, InvalidArgumentError, KVCompass
 from kvcompass.index_types import Namespace, Tier
 from kvcompass.engine.cache import DEFAULT_DRAM_TOKENS, DEFAULT_VRAM_TOKENS, Policy, PrefixCache, salt_seed, worker_capacities
 from kvcompass.engine.costs import CostModel
-from kvcompass.sim.summary import RecordTable, Summary, summarize
+from kvcompass.sim.summary import RecordTable, Summary, mid_rate, summarize
 from kvcompass.sim.schemes import Choice, Fleet, Scheme, make_scheme, salt_key, scheme_params
 from kvcompass.sim.requests import Request, RequestTable
 from kvcompass.sim.workload import check_context, collector_paused
@@ -670,7 +670,10 @@ class Simulator:
                 self._engine_holds_caches = False
         # Cache churn, for telling a run that reached steady state from one that never filled.
         stats = [x.cache.stats for x in self._by_index]
-        return dataclasses.replace(summary, demoted_blocks=sum(c.demoted_blocks for c in stats), evicted_blocks=sum(c.evicted_blocks for c in stats), kv_waits=kv_waits)
+        drawn = mid_rate(self._requests.arrival_ms) if not self.config.closed_loop else 0.0
+        return dataclasses.replace(
+            summary, demoted_blocks=sum(c.demoted_blocks for c in stats), evicted_blocks=sum(c.evicted_blocks for c in stats), kv_waits=kv_waits, drawn_mid_req_s=drawn
+        )
 
     def _records(self) -> RecordTable:
         """The engine's record columns as a :class:`RecordTable` (no object per request)."""
