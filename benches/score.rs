@@ -115,7 +115,7 @@ fn bench(c: &mut Criterion) {
     let tables: Vec<RouteTable<'_, LudoView>> =
         (0..3).map(|r| RouteTable { region: r as u32, workers: &sc.workers[r], shards: &sc.views[r] }).collect();
     let wa = WorkerArrays { region: &sc.region, beta: &sc.beta, wan: &sc.wan, tq: &sc.tq, belief: &sc.belief };
-    let open = ScoreParams { gamma: 0.01, lambda: 0.1, closure: false };
+    let open = ScoreParams { gamma: 0.01, lambda: 0.1, closure: false, block: 0 };
     let closed = ScoreParams { closure: true, ..open };
 
     let mut scratch = RouteScratch::new();

@@ -127,6 +127,8 @@ class BlockCache:
         """Bytes of this thread's chain memo (shared by every cache)."""
     def lookup(self, tokens: npt.NDArray[np.uint32], salt_seed: int) -> tuple[int, int]:
         """``(vram_blocks, dram_blocks)`` of the longest cached prefix."""
+    def prompt_hit(self, tokens: npt.NDArray[np.uint32], salt_seed: int) -> tuple[int, int]:
+        """``(vram_blocks, dram_blocks)`` the prompt takes when scheduled: never its last token."""
     def place_vram(self, tokens: npt.NDArray[np.uint32], salt_seed: int, now: float, salt: int, request: bool, events: bool = True) -> list[_RawStored | _RawRemoved]:
         """Admit (``request``) or copy the prompt's full blocks into VRAM; the raw events, stores
         as ``(True, medium, hashes, parent, tokens, salt)`` and removals as ``(False, medium, hashes)``."""

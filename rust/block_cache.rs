@@ -238,6 +238,14 @@ fn broken() -> CoreError {
     CoreError::InvalidArgument("no evictable leaf in a full tier: the cache invariants are broken".into())
 }
 
+/// Full blocks of a prompt of `tokens` tokens an engine may take from its prefix cache. vLLM's
+/// scheduler caps a hit at `tokens - 1` (`max_cache_hit_length` in its `kv_cache_manager.py`):
+/// the last token is computed again for the logits of the first output token, and the hit is in
+/// whole blocks, so a prompt of whole blocks that is all cached recomputes its last block.
+pub fn reusable_blocks(tokens: usize, block_size: usize) -> usize {
+    tokens.saturating_sub(1) / block_size.max(1)
+}
+
 impl BlockCache {
     /// `vram_blocks >= 1`; `dram_blocks` may be 0 (no offloading). `name_seed` varies how this
     /// cache names blocks (see [`Self::chain`]).
@@ -423,6 +431,18 @@ impl BlockCache {
     pub fn lookup_base(&self, base: &[u64]) -> (usize, usize) {
         let (k, v) = self.walk(base.len(), |i| self.name(base[i]), None);
         (v, k - v)
+    }
+
+    /// `(vram_blocks, dram_blocks)` a prompt of `tokens` tokens whose full blocks are `chain`
+    /// (named by this cache, or seed-free with `base`) takes from this cache when it is
+    /// scheduled: the longest cached prefix of at most [`reusable_blocks`] blocks.
+    pub fn prompt_hit(&self, chain: &[u64], tokens: usize, base: bool) -> (usize, usize) {
+        let head = &chain[..chain.len().min(reusable_blocks(tokens, self.block_size()))];
+        if base {
+            self.lookup_base(head)
+        } else {
+            self.lookup(head)
+        }
     }
 
     /// `(vram_blocks, dram_blocks)` of the longest cached prefix of `chain`.

@@ -95,6 +95,12 @@ pub struct ScoreParams {
     pub lambda: f64,
     /// Require a worker to hold every shorter planned prefix before its longer hit counts.
     pub closure: bool,
+    /// The engines' KV block size, tokens (0: no cap). A match is capped at the whole blocks
+    /// before the prompt's last token, what an engine reuses of it: vLLM computes the last token
+    /// again for the first output's logits (`max_cache_hit_length = num_tokens - 1`), so a
+    /// prompt whose whole length is indexed reuses all but its last block, and claiming the
+    /// whole prompt read as a false hit when the worker reported what it reused.
+    pub block: u32,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -252,6 +258,18 @@ pub fn route_with<V: TierLookup>(
             matches,
             tiers,
         );
+    }
+
+    if params.block > 0 {
+        let cap = u32::try_from(prompt_len.saturating_sub(1) / params.block as usize * params.block as usize).unwrap_or(u32::MAX);
+        for (m, t) in matches.iter_mut().zip(tiers.iter_mut()) {
+            if *m > cap {
+                *m = cap;
+                if cap == 0 {
+                    *t = TIER_ABSENT;
+                }
+            }
+        }
     }
 
     scores.clear();
@@ -698,6 +716,7 @@ mod tests {
             gamma,
             lambda,
             closure,
+            block: 0,
         }
     }
 
@@ -1312,7 +1331,7 @@ mod tests {
                 belief: &case.belief,
             };
             for closure in [false, true] {
-                let p = ScoreParams { gamma: case.gamma, lambda: case.lambda, closure };
+                let p = ScoreParams { gamma: case.gamma, lambda: case.lambda, closure, block: 0 };
                 let r = route(&ns(), &case.tokens, &case.plan, &views, &ws, &p).unwrap();
                 let (m, tier, scores, win) = naive(&case, closure);
                 prop_assert_eq!(&r.matches, &m);
@@ -1403,7 +1422,7 @@ mod tests {
             let (beta, wan, tq, belief) = (col(0), col(1), col(2), col(3));
             let ws =
                 WorkerArrays { region: &region, beta: &beta, wan: &wan, tq: &tq, belief: &belief };
-            let p = ScoreParams { gamma, lambda, closure };
+            let p = ScoreParams { gamma, lambda, closure, block: 0 };
             if let Ok(r) = route(&ns(), &tokens, &plan, &views, &ws, &p) {
                 prop_assert!(r.scores.iter().all(|s| !s.is_nan()));
                 prop_assert!(r.winner < region.len());

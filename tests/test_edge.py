@@ -595,7 +595,7 @@ def test_edge_core_refuses_inconsistent_wiring() -> None:
     edge = fleet.edge("A", {"A": PLAN_A}, {"A": 2.0})
     workers = {"region": [0, 0], "beta": [BETA, BETA], "wan": [1.0, 1.0], "local": [True, True], "eligible": [True, True], "fields": [(0, 0), (0, 1)]}
     params = {"load_aware": True, "lambda_max": 1.0, "tau_ms": 200.0, "gamma": GAMMA, "closure": True, "tie_ms": 0.0, "speculative_ttl_s": 1.0}
-    params |= {"charge": False, "migration": False, "value_bits": 32, "spec_capacity": 64, "spec_fp_bits": 16}
+    params |= {"charge": False, "migration": False, "value_bits": 32, "spec_capacity": 64, "spec_fp_bits": 16, "block_size": 16}
 
     def core(w: dict[str, object], p: dict[str, object], plan: list[list[int]] = [PLAN_A]) -> object:
         return kc._core.EdgeCore(edge._router, edge._queues, w, plan, 256, [kc._core.LudoView(0, 0)], p)  # type: ignore[arg-type]

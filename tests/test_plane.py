@@ -70,7 +70,10 @@ def test_removal_and_offload_flow_through(plane: LocalPlane) -> None:
     eu = agent_for(plane, "eu-1")
     feed(plane, eu, encode_batch([stored(prompt, 1)], seq=0))
     d = plane.edges["eu"].route(prompt, NS, now=0.0)
-    assert (d.worker, d.expected_match, d.tier) == ("eu-1", 2048, Tier.VRAM)
+    # The whole 2048-token prompt is indexed; an engine reuses all but its last block.
+    assert (d.worker, d.expected_match, d.tier) == ("eu-1", 2048 - BLOCK, Tier.VRAM)
+    longer = np.append(prompt, np.uint32(7))
+    assert plane.edges["eu"].lookup(longer, NS, now=0.0).expected_match == 2048  # a longer prompt reuses it all
     # Offload to CPU: stored again on CPU, removed from GPU -> the index says DRAM.
     n = 2048 // BLOCK
     feed(plane, eu, encode_batch([stored(prompt, 1, medium="CPU"), BlockRemoved(tuple(range(1, 1 + n)), "GPU")], seq=1))

@@ -93,6 +93,18 @@ def test_lookup_is_the_longest_cached_prefix_in_whole_blocks_split_by_tier() -> 
     check_invariants(c)
 
 
+def test_a_prompt_never_reuses_its_last_token() -> None:
+    """What an engine takes from its cache when it schedules a prompt: vLLM caps the hit at
+    ``num_tokens - 1`` (the last token is computed for the first output's logits) in whole
+    blocks, so a prompt of whole blocks, all cached, recomputes its last block (found in review:
+    such a prompt computed nothing and its TTFT was the round trip alone)."""
+    c = PrefixCache(2, vram_tokens=8, dram_tokens=0)
+    c.admit([1, 2, 3, 4, 5], now=1.0)
+    assert c.lookup([1, 2, 3, 4]) == (4, 0) and c.prompt_hit([1, 2, 3, 4]) == (2, 0)
+    assert c.prompt_hit([1, 2, 3, 4, 5]) == (4, 0)  # the partial last block is computed anyway
+    assert c.prompt_hit([1, 2]) == (0, 0) and c.prompt_hit([1]) == (0, 0) and c.prompt_hit([]) == (0, 0)
+
+
 def test_lookup_changes_nothing() -> None:
     c = PrefixCache(2, 4, 4, "lfu")
     c.admit([1, 2, 3, 4], 1.0)

@@ -356,8 +356,8 @@ def test_tenants_never_reuse_each_others_cache(scheme: str, testbed: Topology) -
     s = simulate(testbed, reqs, scheme)
     by_id = {r.id: r for r in s.records}
     assert by_id[0].reused == by_id[1].reused == 0  # b's first prompt finds nothing of a's
-    if scheme != "oracle":  # cache-aware schemes find each tenant's own copy
-        assert by_id[2].reused == by_id[3].reused == 2048
+    if scheme != "oracle":  # cache-aware schemes find each tenant's own copy (all but the last block: vLLM recomputes it)
+        assert by_id[2].reused == by_id[3].reused == 2048 - 16
     assert all(r.false_hit is False for r in s.records)
 
 

@@ -17,7 +17,10 @@ pinned from the Rust engine. Every entry but the ``*/kv-pool*`` ones gives each 
 VRAM for its cache beside any number of running sequences (``kv_pool="unbounded"``, as they were
 pinned); the ``*/kv-pool*`` entries, where sequences and cache share one KV pool (the default
 since the twenty-seventh session), are pinned from the Rust engine (``kv-pool-disaggregated``
-again since decode instances are bounded by their pools, twenty-ninth session)."""
+again since decode instances are bounded by their pools, twenty-ninth session). The
+``*hot-preamble*`` entries (prompts of exactly 4,096 tokens, a plan length, all cached) are
+re-pinned since a prompt never reuses its last token, as vLLM schedules it, and KVCompass's
+edges claim no more than that (thirty-second session)."""
 
 from __future__ import annotations
 

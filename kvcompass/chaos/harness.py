@@ -515,6 +515,7 @@ class ChaosHarness:
             {r: self.plan.rtt_ms(region, r) for r in targets},
             old.params,
             seed=self._edge_seed[region] + 7919 * int(self.now + 1),
+            block_size=self.topology.block_size,
         )
 
     # ---- the workload --------------------------------------------------------------------------
@@ -551,7 +552,7 @@ class ChaosHarness:
                 excluded.append(d.worker)  # the door's connection failed: retry elsewhere
                 self.retried += 1
                 continue
-            v, dr = w.cache.lookup(tokens)
+            v, dr = w.cache.prompt_hit(tokens)
             edge.on_response(d.worker, d.expected_match, v + dr, None, self.now / 1e3)
             self._publish(w, w.cache.admit(tokens, self.now / 1e3))
             return

@@ -249,6 +249,10 @@ class Edge:
     ascending prefix lengths this edge queries toward region ``r`` (every worker region and the
     edge's own); ``rtt_ms[r]`` the RTT from this edge's region to ``r`` (own region: the
     in-region RTT). ``seed`` seeds the only randomness (tie-breaks, migration targets).
+    ``block_size``: the engines' KV block size; a claim is capped at the whole blocks before a
+    prompt's last token, which is all an engine reuses of it (``ScoreParams::block`` in
+    ``rust/score.rs``; 0 leaves claims uncapped). :func:`kvcompass.discovery.plane.wire_edge`
+    passes the topology's.
     """
 
     def __init__(
@@ -260,11 +264,14 @@ class Edge:
         rtt_ms: Mapping[str, float],
         params: EdgeParams = EdgeParams(),
         seed: int = 0,
+        block_size: int = 0,
     ) -> None:
         self._params = params
         self._region = region
         self._layout = layout
         self._check_workers(layout, workers, params)
+        if not 0 <= block_size < 2**32:
+            raise TopologyError(f"block_size = {block_size}: must be a block size in tokens, or 0 (matches not capped)")
         if not params.fingerprints and layout.fp_bits != 0:
             raise TopologyError(
                 f"EdgeParams(fingerprints=False) needs views without fingerprints, but the layout has fp_bits={layout.fp_bits}; "
@@ -382,6 +389,7 @@ class Edge:
                 "value_bits": layout.value_bits,
                 "spec_capacity": _SPEC_CAPACITY,
                 "spec_fp_bits": _SPEC_FP_BITS,
+                "block_size": block_size,
             },
         )
         self._draw = self._rng.random

@@ -52,7 +52,7 @@ def wire_edge(plan: LevelPlan, layout: IndexLayout, region: str, params: EdgePar
     # queue vectors, piggybacked on its requests' answers (found in review: such a topology
     # loaded, then KVCompass stopped at "unknown region" mid-run).
     peers = list(dict.fromkeys([*targets, *plan.edge_regions]))
-    return Edge(region, layout, workers, {r: plan.lengths(region, r) for r in targets}, {r: plan.rtt_ms(region, r) for r in peers}, params, seed=seed)
+    return Edge(region, layout, workers, {r: plan.lengths(region, r) for r in targets}, {r: plan.rtt_ms(region, r) for r in peers}, params, seed=seed, block_size=plan.topology.block_size)
 
 
 def build_edge(topology: Topology, region: str, routing: str = "kvcompass", seed: int = 0, handoff: bool = True) -> Edge:

@@ -270,6 +270,16 @@ class PrefixCache:
         v, d = self._core.lookup(arr, seed)
         return v * self.block_size, d * self.block_size
 
+    def prompt_hit(self, tokens: Tokens, salt: str | None = None) -> tuple[int, int]:
+        """``(vram_hit_tokens, dram_hit_tokens)`` the prompt ``tokens`` reuses when an engine
+        schedules it: :meth:`lookup` of all but its last token. vLLM computes the last token
+        again for the first output's logits (``max_cache_hit_length = num_tokens - 1``), so a
+        prompt of whole blocks that is all cached recomputes its last block, and its usage's
+        ``cached_tokens`` says so. Changes nothing."""
+        arr, seed, _ = self._args(tokens, salt)
+        v, d = self._core.prompt_hit(arr, seed)
+        return v * self.block_size, d * self.block_size
+
     # ---- mutation ---------------------------------------------------------------------------
 
     def admit(self, tokens: Tokens, now: float, salt: str | None = None) -> list[Event]:

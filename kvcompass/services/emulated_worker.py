@@ -17,7 +17,8 @@ simulated one does and the two can be compared.
    ``{"error": {"message", "type", "param", "code"}}``. Text prompts and chat messages are
    tokenized with the deployment's tokenizer (:mod:`kvcompass.engine.tokenizer`); a prompt
    of token ids is taken as it is (any u32, as trace replays send).
-2. Enqueue on the FIFO prefill server. At prefill start ``(vram, dram) = cache.lookup(prompt)``
+2. Enqueue on the FIFO prefill server. At prefill start ``(vram, dram) = cache.prompt_hit(prompt)``
+   (the longest cached prefix of all but the last token, as vLLM schedules it)
    and the prefill takes ``cost.prefill_ms(uncached) + cost.reload_ms(dram)`` modelled ms,
    slept for ``time_scale`` times that (0: no sleeping at all, for tests); with chunked GPU
    sharing (``WorkerConfig.gpu_sharing``, the default, as in the simulator) it runs in chunks
@@ -526,7 +527,7 @@ class EmulatedWorker(AsyncResource):
         bs = self.config.block_size
         jobs = []
         for i, tokens in enumerate(prompts):
-            v, d = self.cache.lookup(tokens, salt)
+            v, d = self.cache.prompt_hit(tokens, salt)
             est = self._estimate_ms(len(tokens), v, d)
             job = _Job(tokens, est, loop.create_future(), salt, KvPool.extra_blocks(len(tokens), answer, sequences, bs), i == 0)
             self._waiting_ms += est
@@ -627,7 +628,7 @@ class EmulatedWorker(AsyncResource):
             if job.done.cancelled() or (self._kv is not None and handle < 0):  # the client went away while it waited
                 self._metrics.update_load()
                 continue
-            v, d = self.cache.lookup(job.tokens, job.salt)
+            v, d = self.cache.prompt_hit(job.tokens, job.salt)
             ms = self._estimate_ms(len(job.tokens), v, d)
             self._running_ms = ms
             self._running_end = loop.time() + ms * scale / 1e3

@@ -28,7 +28,7 @@ float, as when all of it was Python (``tests/data/sim_golden.json`` pins every s
 2. Forward over the WAN: one way is half the topology's RTT between the two regions (the
    in-region RTT when they are the same).
 3. Prompts are prefilled in FIFO order. At prefill start ``(vram_hit, dram_hit) =
-   cache.lookup(tokens)`` and the prefill computes ``cost.prefill_ms(uncached) +
+   cache.prompt_hit(tokens)`` (never the last token, as vLLM schedules) and the prefill computes ``cost.prefill_ms(uncached) +
    cost.reload_ms(dram_hit)`` at the worker's own prefill rate (the topology's
    ``beta_ms_per_token``, which the edges score with; ``SimConfig.cost`` gives the rest), in steps it shares with the decode batch (see GPU sharing
    below). At prefill end ``cache.admit(tokens)``; its KV events go to

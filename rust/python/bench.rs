@@ -120,7 +120,7 @@ fn bench_route_ns<'py>(py: Python<'py>, router: PyRef<'py, PyRouter>, tokens: &B
     let tokens = u32_vec("tokens", tokens)?;
     let (region, beta, wan, tq, belief) = (u32_vec("region", region)?, f64_vec("beta", beta)?, f64_vec("wan", wan)?, f64_vec("tq", tq)?, f64_vec("belief", belief)?);
     let w = WorkerArrays { region: &region, beta: &beta, wan: &wan, tq: &tq, belief: &belief };
-    let params = ScoreParams { gamma, lambda: lam, closure };
+    let params = ScoreParams { gamma, lambda: lam, closure, block: 0 };
     let r = &*router;
     let mut out = samples(n)?;
     let out = py.detach(|| {

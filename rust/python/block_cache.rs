@@ -150,6 +150,18 @@ impl PyBlockCache {
         .map_err(core_err)
     }
 
+    /// `(vram_blocks, dram_blocks)` the prompt `tokens` takes from the cache when an engine
+    /// schedules it: the longest cached prefix, never its last token (vLLM's cap).
+    fn prompt_hit(&mut self, py: Python<'_>, tokens: &Bound<'_, PyAny>, salt_seed: u64) -> PyResult<(usize, usize)> {
+        let tokens = u32_vec("tokens", tokens)?;
+        let inner = &mut self.inner;
+        py.detach(|| {
+            let chain = inner.chain(&tokens, salt_seed)?;
+            Ok(inner.prompt_hit(&chain, tokens.len(), false))
+        })
+        .map_err(core_err)
+    }
+
     /// Every full block of `tokens` (up to VRAM capacity) into VRAM; `request`: an admit (hit
     /// statistics counted), else a copy. Returns the events (empty unless `events`).
     #[pyo3(signature = (tokens, salt_seed, now, salt, request, events=true))]

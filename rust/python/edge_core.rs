@@ -99,6 +99,8 @@ struct Params {
     value_bits: u8,
     spec_capacity: u64,
     spec_fp_bits: u8,
+    /// The engines' KV block size (`ScoreParams::block`; 0: matches not capped).
+    block_size: u32,
 }
 
 impl Params {
@@ -240,7 +242,7 @@ impl PyEdgeCore {
         };
         let router = self.router.lock().map_err(|_| poisoned())?.clone_ref(py);
         let w = WorkerArrays { region: &self.w.region, beta: &self.w.beta, wan: &self.w.wan, tq: &tq, belief: &belief };
-        let params = ScoreParams { gamma: self.p.gamma, lambda: lam, closure: self.p.closure };
+        let params = ScoreParams { gamma: self.p.gamma, lambda: lam, closure: self.p.closure, block: self.p.block_size };
         let mut res = router.get().route_arrays(py, &ns, tokens, &w, &params, own_region.then_some(0), Some(self.p.tie_ms))?;
         // The commit reads the estimates and beliefs the scores used: both copies move in.
         res.belief = belief;

@@ -249,7 +249,7 @@ impl PyRouter {
         let (q, bel) = (readonly_of::<f64>("tq", "float64", tq)?, readonly_of::<f64>("belief", "float64", belief)?);
         let tokens = slice_of("tokens", &tok)?;
         let w = WorkerArrays { region: slice_of("region", &reg)?, beta: slice_of("beta", &b)?, wan: slice_of("wan", &wn)?, tq: slice_of("tq", &q)?, belief: slice_of("belief", &bel)? };
-        let params = ScoreParams { gamma, lambda: lam, closure };
+        let params = ScoreParams { gamma, lambda: lam, closure, block: 0 };
         self.route_arrays(py, &ns, tokens, &w, &params, only_region, tie_ms)
     }
 

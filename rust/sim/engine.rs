@@ -11,7 +11,7 @@ pub use policy::{Baseline, CoordinatorState, DynamoState, History, SGLangState, 
 #[path = "policy.rs"]
 mod policy;
 pub(crate) use policy::py_floordiv;
-use crate::block_cache::{BlockCache, Event, TokenSource, DRAM, VRAM};
+use crate::block_cache::{reusable_blocks, BlockCache, Event, TokenSource, DRAM, VRAM};
 use super::kv_pool::KvPool;
 use crate::error::{CoreError, Result, MAX_ELEMENTS};
 use crate::chunk_hash::{block_chain, block_chain_extend, block_chain_root};
@@ -1629,7 +1629,7 @@ impl Engine {
     fn estimate_now(&self, w: u32, job: u32) -> Result<f64> {
         let x = &self.workers[w as usize];
         let j = &self.jobs[job as usize];
-        let (v, d) = lookup_base(&x.cache, &j.chain);
+        let (v, d) = prompt_hit(&x.cache, &j.chain, j.input_length);
         Ok(self.estimate(x, j.input_length, v, d))
     }
 
@@ -1738,7 +1738,7 @@ impl Engine {
         let x = &self.workers[w as usize];
         let j = &mut self.jobs[job as usize];
         j.start_ms = now;
-        let (v, d) = lookup_base(&x.cache, &j.chain);
+        let (v, d) = prompt_hit(&x.cache, &j.chain, j.input_length);
         j.vram_hit = v;
         j.dram_hit = d;
         Ok(job)
@@ -2325,7 +2325,11 @@ impl Engine {
         r.queue_ms[i] = j.start_ms - j.at_worker_ms;
         r.vram_hit[i] = j.vram_hit;
         r.dram_hit[i] = j.dram_hit;
-        r.claimed[i] = j.claimed;
+        // A claim counts against what an engine could reuse of the prompt (all but its last
+        // token, `BlockCache::prompt_hit`): a router that names the whole prompt's blocks on
+        // the worker that holds them made no false claim.
+        let b = self.block_size as usize;
+        r.claimed[i] = j.claimed.min((reusable_blocks(j.input_length as usize, b) * b) as i64);
         self.free_job(job); // nothing refers to a completed job again
         self.done += 1;
         if !self.child.is_empty() {
@@ -2355,8 +2359,10 @@ fn lookup(cache: &BlockCache, tokens: &[u32], salt_seed: u64) -> Result<(u64, u6
     Ok((v as u64 * b, d as u64 * b))
 }
 
-fn lookup_base(cache: &BlockCache, base: &[u64]) -> (u64, u64) {
-    let (v, d) = cache.lookup_base(base);
+/// `(vram, dram)` hit tokens of a prompt of `tokens` tokens whose seed-free chain is `base`, as
+/// the engine schedules it ([`BlockCache::prompt_hit`]: never its last token).
+fn prompt_hit(cache: &BlockCache, base: &[u64], tokens: u64) -> (u64, u64) {
+    let (v, d) = cache.prompt_hit(base, tokens as usize, true);
     let b = cache.block_size() as u64;
     (v as u64 * b, d as u64 * b)
 }
