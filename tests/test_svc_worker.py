@@ -139,7 +139,7 @@ def test_sse_stream_format_completions() -> None:
             url = w.http_url + "/v1/completions"
             prompt = list(range(50))
             _, _, whole = await post(s, url, {"prompt": prompt, "max_tokens": 4})
-            async with s.post(url, json={"prompt": prompt, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            async with s.post(url, json={"prompt": prompt, "max_tokens": 4, "stream": True, "stream_options": {}}) as r:  # include_usage defaults to true, as in vLLM
                 assert r.status == 200
                 assert r.headers["Content-Type"].startswith("text/event-stream")
                 assert r.headers[CACHED_HEADER] == "48" and float(r.headers[QUEUE_HEADER]) >= 0
@@ -261,7 +261,7 @@ BAD: list[tuple[str, object, bytes | None, int, str | None, str | None]] = [
     ("/v1/completions", {"prompt": "hi", "n": 1.5}, None, 400, "n", "invalid_type"),
     ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3}, None, 400, "best_of", None),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, None, 400, "stream", None),
-    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, None, 400, "stream_options", None),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, None, 400, "stream_options", "invalid_value"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 2}, None, 400, "logprobs", None),
     ("/v1/completions", {"prompt": "hi", "echo": True}, None, 400, "echo", None),
     ("/v1/completions", {"prompt": "hi", "cache_salt": ""}, None, 400, "cache_salt", None),

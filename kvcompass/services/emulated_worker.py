@@ -90,7 +90,7 @@ from kvcompass.discovery.layout import WorkerSpec
 from kvcompass.errors import DrainingError, InvalidArgumentError
 from kvcompass.services.http_server import App, HttpServer, Request, Response, StreamResponse, json_response, path_tail
 from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, MODELS_PREFIX, OpenAIError, add_routes, decode_json_object
-from kvcompass.services.openai_api import int_field, model_card, model_not_found, models_list, prompt_batch, request_tokens, sampling_fields
+from kvcompass.services.openai_api import int_field, model_card, model_not_found, models_list, prompt_batch, request_tokens, sampling_fields, stream_usage
 from kvcompass.engine.tokenizer import Tokenizer, load_tokenizer
 from kvcompass.engine.cache import DEFAULT_DRAM_TOKENS, DEFAULT_VRAM_TOKENS, Policy, PrefixCache, worker_capacities
 from kvcompass.engine.costs import CostModel
@@ -973,17 +973,7 @@ class EmulatedWorker(AsyncResource):
             stream = False
         if not isinstance(stream, bool):
             raise OpenAIError(400, f"stream must be a boolean, got {type(stream).__name__}", "stream")
-        opts = body.get("stream_options")
-        include_usage = False
-        if opts is not None:
-            if not stream:
-                raise OpenAIError(400, "stream_options is only allowed when stream is true", "stream_options")
-            if not isinstance(opts, dict):
-                raise OpenAIError(400, "stream_options must be an object", "stream_options")
-            inc = opts.get("include_usage", False)
-            if not isinstance(inc, bool):
-                raise OpenAIError(400, "stream_options.include_usage must be a boolean", "stream_options.include_usage")
-            include_usage = inc
+        include_usage = stream_usage(body, stream)
         max_param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = int_field(body, max_param, 1)
         if max_tokens is None:

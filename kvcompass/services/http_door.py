@@ -102,6 +102,7 @@ from kvcompass.services.openai_api import (
     prompt_batch,
     request_tokens,
     sampling_fields,
+    stream_usage,
 )
 from kvcompass.services.lifecycle import AsyncResource, bind_socket
 from kvcompass.services.loop_metrics import Counter, Gauge, Histogram
@@ -840,15 +841,8 @@ class FrontDoor:
             stream = False
         if not isinstance(stream, bool):
             raise OpenAIError(400, "stream must be a boolean", "stream", "invalid_type")
+        client_usage = stream_usage(body, stream)
         opts = body.get("stream_options")
-        client_usage = False
-        if opts is not None:
-            if not isinstance(opts, dict):
-                raise OpenAIError(400, "stream_options must be an object", "stream_options", "invalid_type")
-            iu = opts.get("include_usage", False)
-            if not isinstance(iu, bool):
-                raise OpenAIError(400, "stream_options.include_usage must be a boolean", "stream_options.include_usage", "invalid_type")
-            client_usage = iu
         n = sampling_fields(body)
         named = request.headers.get(NAMESPACE_HEADER)
         if named is not None and not _TENANT_RE.fullmatch(named):
@@ -895,9 +889,11 @@ class FrontDoor:
                 400, f"cache_salt is set by the edge from the tenant in {NAMESPACE_HEADER}; send that header instead", "cache_salt", "cache_salt_not_allowed"
             )
         extra: dict[str, Any] = {}
-        if stream and (not client_usage or batch is not None):
+        if stream:
             # The usage chunk is where a stream reports cached_tokens; ask for it, strip it later
-            # (a batch's streams always report it: the door sums them into one).
+            # (a batch's streams always report it: the door sums them into one). Asked for in
+            # so many words even when the client's options imply it: SGLang's include_usage
+            # defaults to false where vLLM's defaults to true.
             extra["stream_options"] = {**(opts or {}), "include_usage": True}
         if salt is not None:
             extra["cache_salt"] = salt

@@ -170,6 +170,24 @@ def sampling_fields(body: Mapping[str, Any]) -> int:
     return n
 
 
+def stream_usage(body: Mapping[str, Any], stream: bool) -> bool:
+    """Whether a streamed answer ends with a usage chunk, as vLLM reads ``stream_options``: only
+    with ``stream`` true (a 400 otherwise), and ``include_usage`` true unless it says otherwise
+    (vLLM's ``StreamOptions.include_usage`` defaults to true; found in review: ``{}`` lost the
+    usage at the door and the emulated worker alike); null reads as false, as vLLM reads it."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise OpenAIError(400, "stream_options must be an object", "stream_options", "invalid_type")
+    if not stream:
+        raise OpenAIError(400, "stream_options is only allowed when stream is true", "stream_options", "invalid_value")
+    inc = opts.get("include_usage", True)
+    if inc is not None and not isinstance(inc, bool):
+        raise OpenAIError(400, "stream_options.include_usage must be a boolean", "stream_options.include_usage", "invalid_type")
+    return bool(inc)
+
+
 def model_card(model: str, created: int, **extra: Any) -> dict[str, Any]:
     """One model as ``GET /v1/models`` lists it and ``GET /v1/models/{model}`` answers it
     (OpenAI's ``Model`` object; ``extra`` adds vLLM's fields such as ``max_model_len``)."""
