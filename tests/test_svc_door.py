@@ -486,7 +486,7 @@ def test_a_batch_prompt_lost_mid_stream_is_named_in_its_error_event() -> None:
     run(go())
 
 
-@pytest.mark.parametrize("failure", ["refused", "http500", "silent"])
+@pytest.mark.parametrize("failure", ["refused", "http503", "silent"])
 def test_a_dead_worker_is_routed_around(failure: str) -> None:
     plane = make_plane()
     ids = prompt_ids(4, 2048)
@@ -500,8 +500,8 @@ def test_a_dead_worker_is_routed_around(failure: str) -> None:
     elif failure == "silent":
         urls["us-5"] = f"http://127.0.0.1:{silent.getsockname()[1]}"
     else:
-        fleet.status["us-5"] = 500
-    reason = {"refused": "connect", "http500": "status_5xx", "silent": "timeout"}[failure]
+        fleet.status["us-5"] = 503
+    reason = {"refused": "connect", "http503": "status_503", "silent": "timeout"}[failure]
 
     async def go() -> None:
         async with rig(plane, fleet, urls=urls, config=DoorConfig(head_timeout_s=0.3, connect_timeout_s=0.3)) as t:
@@ -523,6 +523,34 @@ def test_a_dead_worker_is_routed_around(failure: str) -> None:
         run(go())
     finally:
         silent.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_error_is_the_request_answer_not_the_worker_death(stream: bool) -> None:
+    """A 500 (or any status but 503) is relayed as the engine gave it, once: an engine fails one
+    request while it serves the rest (found in review: a poison request marked every worker of
+    the region dead, ran on three of them, and its client got the door's 502). When every
+    worker answers 503 the client gets the last one's answer."""
+    plane = make_plane()
+    ids = prompt_ids(4, 2048)
+    cache_prefix(plane, "us-5", ids)
+    fleet = Fleet()
+    fleet.status["us-5"] = 500
+
+    async def go() -> None:
+        async with rig(plane, fleet) as t:
+            status, headers, body = await complete(t.client, {"prompt": ids.tolist(), "stream": stream})
+            assert status == 500 and body["error"]["message"] == "boom" and headers["x-kvcompass-worker"] == "us-5"
+            assert [c[0] for c in fleet.calls] == ["us-5"] and t.door.door.dead_workers() == frozenset()
+            m = await t.metrics()
+            assert metric(m, "kvcompass_door_retries_total") == 0.0
+            for w in [w for w in t.door.door.urls]:
+                fleet.status[w] = 503
+            status, _, body = await complete(t.client, {"prompt": ids.tolist(), "stream": stream})
+            assert status == 503 and body["error"]["message"] == "boom"
+            assert len(t.door.door.dead_workers()) == t.door.door.config.max_attempts
+
+    run(go())
 
 
 def test_a_whole_answer_slower_than_the_head_deadline_is_waited_for_while_the_worker_is_healthy() -> None:

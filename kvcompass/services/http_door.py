@@ -30,9 +30,12 @@ sans-I/O; this module owns the sockets, the clock and the retries.
    ``--enable-prompt-tokens-details``) is *not* read as "reused nothing": it reports with
    ``claimed=0``, which leaves the belief alone.
 
-**Dead workers.** A connection failure, a timeout before the response head, or a 5xx before any
-byte was relayed marks the worker dead for ``dead_cooldown_s`` and the request is routed again
-without it (at most ``max_attempts`` workers per request). Once bytes went to the client a
+**Dead workers.** A connection failure, a timeout before the response head, or a 503 (the
+worker says it cannot serve: draining, overloaded) marks the worker dead for
+``dead_cooldown_s`` and the request is routed again without it (at most ``max_attempts``
+workers per request; when every one answered 503 the client gets the last one's answer). Any
+other status, a 500 included, is the request's own answer and is relayed as the engine gave it:
+an engine fails one request with a 500 while it serves the rest. Once bytes went to the client a
 failure cannot be retried: the stream ends with an SSE error event instead. A worker that stops
 answering the edge's load poll (hung, not gone: its port still accepts) is held dead while it
 stays silent (:meth:`FrontDoor.hold_unresponsive`), and back as soon as it answers.
@@ -146,8 +149,10 @@ _KEY_SLOT = "kvcompass_api_key"
 """Where a request keeps the grants of its API key once looked up (the request's storage)."""
 
 _SILENT = "it stopped answering the edge's load poll"
+_REFUSAL_BYTES = 64 * 1024
+"""The most of a 503's body the door keeps to relay should no other worker serve the request."""
 
-FailureReason = Literal["connect", "timeout", "status_5xx", "disconnect", "midstream", "unresponsive"]
+FailureReason = Literal["connect", "timeout", "status_503", "disconnect", "midstream", "unresponsive"]
 
 
 class TokenizerLike(Protocol):
@@ -455,10 +460,15 @@ class _AnswerWatch:
 
 
 class _WorkerFailed(Exception):
-    def __init__(self, reason: FailureReason, detail: str) -> None:
+    """The worker could not serve the request: routed again without it. ``reply``: what it
+    answered (status, body, content type) when it answered at all, for the client should no
+    other worker serve."""
+
+    def __init__(self, reason: FailureReason, detail: str, reply: tuple[int, bytes, str] | None = None) -> None:
         super().__init__(detail)
         self.reason: FailureReason = reason
         self.detail = detail
+        self.reply = reply
 
 
 
@@ -1054,6 +1064,9 @@ class FrontDoor:
                 last = f
         if last is None:
             raise OpenAIError(503, "no worker is available to serve this request", code="no_worker")
+        if last.reply is not None:  # the last worker's own refusal, as it gave it
+            status, body, ctype = last.reply
+            return Response(status=status, body=body, content_type=ctype or "application/json")
         raise OpenAIError(502, f"{len(tried)} worker(s) failed; last: {last.detail}", code="upstream_error")
 
     # -- forwarding ------------------------------------------------------------------------------
@@ -1170,8 +1183,19 @@ class FrontDoor:
             if watch is not None:
                 watch.close()
         try:
-            if up.status >= 500:
-                raise _WorkerFailed("status_5xx", f"{choice.worker} answered {up.status}")
+            if up.status == 503:
+                # The worker says it cannot serve now (draining, overloaded): routed again without
+                # it. Any other status is this request's answer, relayed as the engine gave it:
+                # an engine answers 500 for one request's failure (vLLM's "recoverable"
+                # EngineGenerateError) while it serves the rest, so a 500 is no sign of death
+                # (found in review: one poison request marked a region's workers dead and ran
+                # three times, and its client got the door's 502 instead of the engine's error).
+                try:
+                    data = await up.read(limit=_REFUSAL_BYTES)
+                except (UpstreamError, TimeoutError):
+                    data = b""
+                reply = (503, data, up.headers.get("Content-Type", "")) if data else None
+                raise _WorkerFailed("status_503", f"{choice.worker} answered 503", reply)
             fb = self._header_feedback(up)
             if peer is not None:
                 served = up.headers.get(WORKER_HEADER)
