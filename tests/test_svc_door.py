@@ -102,6 +102,8 @@ class Fleet:
     logprob_token: str | None = None
     """A token text each stream chunk names in its logprobs (e.g. ``usage``, unescaped bytes)."""
     calls: list[tuple[str, dict[str, Any], dict[str, str]]] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)
+    """Workers whose client (the door) had closed the connection when they finished a delay."""
 
     def served(self) -> list[str]:
         return [c[0] for c in self.calls]
@@ -112,6 +114,8 @@ class Fleet:
         self.calls.append((wid, body, dict(request.headers)))
         if wid in self.delay_s:
             await asyncio.sleep(self.delay_s[wid])
+            if request.transport is None or request.transport.is_closing():
+                self.left.append(wid)
         st = self.status.get(wid)
         if st is not None:
             return web.json_response({"error": {"message": "boom", "type": "server_error", "param": None, "code": None}}, status=st)
@@ -254,8 +258,10 @@ def metric(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-async def complete(client: aiohttp.ClientSession, body: dict[str, Any], path: str = "/v1/completions", **headers: str) -> tuple[int, dict[str, Any], Any]:
-    async with client.post(path, json=body, headers=headers) as r:
+async def complete(
+    client: aiohttp.ClientSession, body: dict[str, Any], path: str = "/v1/completions", timeout: aiohttp.ClientTimeout | None = None, **headers: str
+) -> tuple[int, dict[str, Any], Any]:
+    async with client.post(path, json=body, headers=headers, timeout=timeout) as r:
         return r.status, dict(r.headers), await r.json()
 
 
@@ -631,15 +637,71 @@ def test_a_worker_that_cannot_be_connected_to_in_time_is_retried_not_a_504() -> 
     run(go())
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_takes_its_request_with_it(stream: bool) -> None:
+    """A client gone before its answer: the door closes its exchange with the worker (an engine
+    then aborts the request, as vLLM aborts a disconnected one), and neither marks the worker
+    dead nor tries another (found in review: a whole answer whose client timed out kept the
+    worker generating to the end)."""
+    from _support import wait_until
+
+    plane = make_plane()
+    ids = prompt_ids(4, 2048)
+    cache_prefix(plane, "us-5", ids)
+    fleet = Fleet(delay_s={"us-5": 1.0})
+
+    async def go() -> None:
+        async with rig(plane, fleet) as t:
+            with pytest.raises(asyncio.TimeoutError):
+                await complete(t.client, {"prompt": ids.tolist(), "stream": stream}, timeout=aiohttp.ClientTimeout(total=0.2))
+            await wait_until(lambda: fleet.left == ["us-5"], timeout=3.0)
+            assert fleet.served() == ["us-5"] and t.door.door.dead_workers() == frozenset()
+            m = await t.metrics()
+            assert metric(m, "kvcompass_door_retries_total") == 0.0 and metric(m, "kvcompass_door_inflight_requests") == 0.0
+
+    run(go())
+
+
+def test_a_stream_from_a_worker_that_went_silent_ends_with_an_error_event() -> None:
+    """The edge's load poll finds a worker silent while one of its streams is flowing: the
+    stream ends at once with an error event (found in review: it stayed open, silent, until the
+    read deadline)."""
+    plane = make_plane()
+    ids = prompt_ids(4, 2048)
+    cache_prefix(plane, "us-5", ids)
+    fleet = Fleet(gate=asyncio.Event())
+
+    async def go() -> None:
+        async with rig(plane, fleet) as t:
+            async with t.client.post("/v1/completions", json={"prompt": ids.tolist(), "stream": True}) as r:
+                await r.content.readuntil(b"\n\n")  # the first event; the worker then stalls
+                t.door.door.hold_unresponsive("us-5", True)
+                rest = sse_events(await asyncio.wait_for(r.read(), 2.0))
+            err = json.loads(rest[0][len(b"data: ") :])["error"]
+            assert err["code"] == "upstream_error" and "us-5 failed mid-stream" in err["message"]
+            m = await t.metrics()
+            assert metric(m, "kvcompass_door_worker_failures_total", reason="unresponsive", worker="us-5") == 1.0
+            assert metric(m, "kvcompass_door_worker_failures_total", reason="midstream", worker="us-5") == 0.0
+            assert fleet.gate is not None
+            fleet.gate.set()
+
+    run(go())
+
+
 def test_when_every_worker_fails_the_client_gets_a_502() -> None:
+    """Three workers tried: unreachable ones end in the door's 502; ones that all answered 503
+    in the last one's own answer."""
     plane = make_plane()
     fleet = Fleet(status={w: 503 for w in plane.edges["us"].workers})
 
     async def go() -> None:
         async with rig(plane, fleet, config=DoorConfig(max_attempts=3)) as t:
             status, _, body = await complete(t.client, {"prompt": prompt_ids(5, 300).tolist()})
-            assert status == 502 and body["error"]["code"] == "upstream_error"
+            assert status == 503 and body["error"]["message"] == "boom"
             assert len(fleet.calls) == 3 and len(set(fleet.served())) == 3
+        async with rig(make_plane(), Fleet(), urls={w: dead_url() for w in plane.edges["us"].workers}, config=DoorConfig(max_attempts=3)) as t:
+            status, _, body = await complete(t.client, {"prompt": prompt_ids(5, 300).tolist()})
+            assert status == 502 and body["error"]["code"] == "upstream_error" and body["error"]["message"].startswith("3 worker(s) failed")
 
     run(go())
 
@@ -1582,11 +1644,13 @@ def test_the_answer_watch_needs_two_silent_probes_and_remembers_a_verdict_reache
     run(go())
 
 
-def test_a_worker_silent_to_the_load_poll_is_held_dead_until_it_answers() -> None:
+@pytest.mark.parametrize("engine", ["emulated", "vllm"])
+def test_a_worker_silent_to_the_load_poll_is_held_dead_until_it_answers(engine: str) -> None:
     """A hung worker still accepts connections: requests sent to it wait out the head deadline
     and nothing marked it dead (found in review). The edge's load poll of it goes unanswered, so
     the door holds it dead while it is silent, counts that once, and lets it back in on its
-    first answer (not after a cooldown)."""
+    first answer (not after a cooldown). A real vLLM has no load endpoint (404): its ``/health``
+    is polled for silence instead (found in review: it was dropped from polling, never held)."""
     from _support import serve_app, wait_until
     from aiohttp import web
 
@@ -1603,9 +1667,16 @@ def test_a_worker_silent_to_the_load_poll_is_held_dead_until_it_answers() -> Non
         await answering.wait()  # cleared: hung (the poll gives up on it)
         return web.json_response({"queue_ms": 0.0})
 
+    async def health(request: web.Request) -> web.Response:
+        await answering.wait()
+        return web.Response()
+
     async def go() -> None:
         app = web.Application()
-        app.router.add_get("/kvcompass/load", load)
+        if engine == "emulated":
+            app.router.add_get("/kvcompass/load", load)
+        else:
+            app.router.add_get("/health", health)
         async with serve_app(app) as url, rig(plane, fleet, config=DoorConfig(dead_cooldown_s=60)) as t:
                 door = t.door.door
                 poll = asyncio.ensure_future(_poll_queues(plane.edges["us"], {"us-5": url}, 0.05, hold=door.hold_unresponsive, silent_s=0.3))

@@ -190,3 +190,24 @@ def test_a_request_whose_client_leaves_while_it_waits_for_room_is_aborted() -> N
                 await ra.read()
 
     run(main(), timeout=30)
+
+
+def test_a_whole_answer_whose_client_leaves_stops_decoding() -> None:
+    """A non-streamed request's client goes away while its sequence decodes: the worker stops it
+    at the next token and lets go of its KV, as vLLM aborts a disconnected request (found in
+    review: it decoded its 400 tokens for nobody)."""
+    from _support import wait_until
+
+    async def main() -> None:
+        async with emulated(vram_tokens=2048, time_scale=0.5) as w, aiohttp.ClientSession() as s:
+            url = w.http_url + "/v1/completions"
+            c = asyncio.ensure_future(post(s, url, {"prompt": list(range(1, 1025)), "max_tokens": 400}))
+            await wait_until(lambda: w.running == 1, timeout=5.0)
+            c.cancel()  # its client goes away mid-answer
+            with contextlib.suppress(asyncio.CancelledError):
+                await c
+            await wait_until(lambda: w.running == 0, timeout=2.0)  # 400 tokens would take far longer
+            st, _, _ = await post(s, url, {"prompt": list(range(9000, 9016)), "max_tokens": 2})
+            assert st == 200
+
+    run(main(), timeout=30)

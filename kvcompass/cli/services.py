@@ -19,7 +19,7 @@ from typing import Any
 from kvcompass.errors import KVCompassError, UsageError
 from kvcompass.services import lifecycle
 from kvcompass.services.lifecycle import announce, on_signals, stop_on_signals
-from kvcompass.services.wire import LOAD_PATH
+from kvcompass.services.wire import HEALTH_PATH, LOAD_PATH
 
 __all__ = ["TOPOLOGY_HELP", "add_parsers", "parse_hostports", "tls_args"]
 
@@ -476,14 +476,18 @@ async def _poll_queues(
     carry one: an estimate that only responses refresh stays at its last value for a worker the
     edge stopped choosing *because* it looked busy, and the edge would then keep paying WAN
     round trips to other regions while that worker sits idle. A worker without the endpoint
-    (a real vLLM) is dropped from polling; one that does not answer keeps its last reading, and
-    ``hold(worker, silent)`` (the door's :meth:`~kvcompass.services.http_door.FrontDoor.hold_unresponsive`)
-    hears after every poll whether it has been silent for ``silent_s``."""
+    (a real vLLM answers it 404) is polled at its ``/health`` instead, for its silence alone
+    (found in review: it was dropped, so a hung vLLM kept its share of requests until the head
+    deadline, minutes); one without either is dropped. One that does not answer keeps its last
+    reading, and ``hold(worker, silent)`` (the door's
+    :meth:`~kvcompass.services.http_door.FrontDoor.hold_unresponsive`) hears after every poll
+    whether it has been silent for ``silent_s``."""
     import time
 
     import aiohttp
 
     left = dict(urls)
+    paths = dict.fromkeys(urls, LOAD_PATH)
     timeout = aiohttp.ClientTimeout(total=max(0.05, min(1.0, 2 * period_s)))
     conn = aiohttp.TCPConnector(ssl=ssl_context if ssl_context is not None else True)
     answered = {w: time.monotonic() for w in urls}
@@ -491,12 +495,15 @@ async def _poll_queues(
 
         async def one(w: str, url: str) -> None:
             try:
-                async with http.get(url.rstrip("/") + LOAD_PATH) as r:
+                async with http.get(url.rstrip("/") + paths[w]) as r:
                     answered[w] = time.monotonic()  # an answer, whatever it says
                     if r.status == 404:
-                        left.pop(w, None)
+                        if paths[w] == LOAD_PATH:
+                            paths[w] = HEALTH_PATH
+                        else:
+                            left.pop(w, None)
                         return
-                    if r.status != 200:
+                    if r.status != 200 or paths[w] != LOAD_PATH:
                         return
                     body = await r.json()
                     q = body.get("queue_ms") if isinstance(body, dict) else None

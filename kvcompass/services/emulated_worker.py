@@ -91,6 +91,7 @@ from kvcompass.errors import DrainingError, InvalidArgumentError
 from kvcompass.services.http_server import App, HttpServer, Request, Response, StreamResponse, json_response, path_tail
 from kvcompass.services.openai_api import INLINE_TOKENIZE_CHARS, MODELS_PREFIX, OpenAIError, add_routes, decode_json_object
 from kvcompass.services.openai_api import int_field, model_card, model_not_found, models_list, prompt_batch, request_tokens, sampling_fields, stream_usage
+from kvcompass.services.openai_api import client_closed
 from kvcompass.engine.tokenizer import Tokenizer, load_tokenizer
 from kvcompass.engine.cache import DEFAULT_DRAM_TOKENS, DEFAULT_VRAM_TOKENS, Policy, PrefixCache, worker_capacities
 from kvcompass.engine.costs import CostModel
@@ -794,13 +795,13 @@ class EmulatedWorker(AsyncResource):
             # A list of prompts is prefilled prompt by prompt, as vLLM's scheduler would.
             jobs = self._queue_prefills(req.prompts, req.cache_salt, req.max_tokens, req.n)
             if gone:
-                raise _aborted()
+                raise client_closed()
             for tokens, job in zip(req.prompts, jobs):
                 try:
                     v, d, _ = await job.done
                 except asyncio.CancelledError:
                     if gone:
-                        raise _aborted() from None
+                        raise client_closed() from None
                     raise
                 # vLLM's usage names the last prompt's cached tokens, not their sum
                 # (request_output_to_completion_response: last_final_res.num_cached_tokens).
@@ -826,7 +827,7 @@ class EmulatedWorker(AsyncResource):
             }
             if req.stream:
                 return await self._stream(request, req, headers, usage, release)
-            return await self._whole(req, headers, usage)
+            return await self._whole(req, headers, usage, lambda: gone)
         finally:
             forget()
             release()
@@ -856,12 +857,18 @@ class EmulatedWorker(AsyncResource):
         """The usage with the tokens the sequences generated (a stop ends one early)."""
         return {**usage, "completion_tokens": sum(made), "total_tokens": usage["prompt_tokens"] + sum(made)}
 
-    async def _whole(self, req: _Request, headers: dict[str, str], usage: dict[str, Any]) -> Response:
+    async def _whole(self, req: _Request, headers: dict[str, str], usage: dict[str, Any], gone: Callable[[], bool]) -> Response:
+        """The answer in one body. A client gone while its sequences decode aborts them at the
+        next token, as vLLM aborts a disconnected request (found in review: they decoded to the
+        end for nobody)."""
+
         async def one(i: int) -> tuple[str, str, str | int | None, int]:
             texts: list[str] = []
             end: list[Any] = ["length", None]
 
             async def put(text: str, finish: str | None, reason: str | int | None) -> None:
+                if gone():
+                    raise client_closed()
                 texts.append(text)
                 if finish is not None:
                     end[:] = [finish, reason]
@@ -1004,12 +1011,6 @@ class EmulatedWorker(AsyncResource):
             raise OpenAIError(400, "include_stop_str_in_output must be a boolean", "include_stop_str_in_output", "invalid_type")
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         return _Request(chat, prompts, max_tokens, stream, include_usage, rid, salt, n, tuple(x for x in stops if x), frozenset(ids), include)
-
-def _aborted() -> OpenAIError:
-    """What a request whose client closed its connection while it waited ends with (nobody is
-    likely to read it)."""
-    return OpenAIError(400, "the client closed its connection before the answer: the request was aborted", code="client_closed")
-
 
 def _bind(sock: zmq.asyncio.Socket, endpoint: str | None, host: str) -> str:
     """Bind ``sock`` (a random port on ``host`` without ``endpoint``). A ZMQ error is an

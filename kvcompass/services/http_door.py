@@ -103,6 +103,7 @@ from kvcompass.services.openai_api import (
     models_list,
     parse_json,
     prompt_batch,
+    client_closed,
     request_tokens,
     sampling_fields,
     stream_usage,
@@ -113,6 +114,7 @@ from kvcompass.services.metrics import export_counter
 from kvcompass.services.upstream import UpstreamAbandoned, UpstreamBusy, UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTooLarge
 from kvcompass.services.wire import (
     HANDOFF_HEADER,
+    HEALTH_PATH,
     MIGRATION_HEADER,
     NAMESPACE_HEADER,
     QUEUE_MS_HEADER,
@@ -149,6 +151,7 @@ _KEY_SLOT = "kvcompass_api_key"
 """Where a request keeps the grants of its API key once looked up (the request's storage)."""
 
 _SILENT = "it stopped answering the edge's load poll"
+_CLIENT_GONE = "the client closed its connection"
 _REFUSAL_BYTES = 64 * 1024
 """The most of a 503's body the door keeps to relay should no other worker serve the request."""
 
@@ -431,7 +434,7 @@ class _AnswerWatch:
         alive, why = session is None, ""
         if session is not None:
             try:
-                up = await session.post(self.base + "/health", b"", {}, head_timeout=self.door.config.connect_timeout_s, method=b"GET")
+                up = await session.post(self.base + HEALTH_PATH, b"", {}, head_timeout=self.door.config.connect_timeout_s, method=b"GET")
                 up.close()
                 alive = True
             except UpstreamBusy:
@@ -509,6 +512,7 @@ class FrontDoor:
         self._dead: dict[str, float] = {}
         self._unresponsive: set[str] = set()  # held dead by hold_unresponsive
         self._awaiting: dict[str, set[UpstreamResponse]] = {}  # exchanges waiting for a head, by worker
+        self._relaying: dict[str, set[UpstreamResponse]] = {}  # streams being relayed, by worker
         # Workers that have reported usage.prompt_tokens_details: a later usage without it means
         # nothing was cached (vLLM omits the field then); from the others it means "unknown".
         self._reports_cached: set[str] = set()
@@ -696,8 +700,10 @@ class FrontDoor:
             self._unresponsive.add(worker)
             self.mark_dead(worker, "unresponsive")
             # Requests waiting for its answer's head are routed again (nothing of them reached
-            # their clients yet); once bytes flowed a stream ends as any failure does.
-            for resp in list(self._awaiting.get(worker, ())):
+            # their clients yet); a stream already flowing ends with an error event, as any
+            # failure mid-stream does (found in review: it stayed open, silent, until the read
+            # deadline, minutes, its in-flight slot held even after its client left).
+            for resp in [*self._awaiting.get(worker, ()), *self._relaying.get(worker, ())]:
                 resp.abandon(_SILENT)
         elif worker in self._unresponsive:
             self._unresponsive.discard(worker)
@@ -1144,6 +1150,17 @@ class FrontDoor:
         # The exchange waiting for its head, where hold_unresponsive can abandon it.
         awaiting = self._awaiting.setdefault(choice.worker, set())
         current: list[UpstreamResponse] = []
+        # A client that goes away takes its request with it: the exchange is abandoned and its
+        # connection closed, so the engine aborts the request as vLLM aborts a disconnected one
+        # (found in review: a whole answer whose client timed out kept its GPU generating to the
+        # end, and an SDK's retries made that several generations).
+        gone = False
+
+        def client_gone() -> None:
+            nonlocal gone
+            gone = True
+            for resp in current:
+                resp.abandon(_CLIENT_GONE)
 
         def on_exchange(resp: UpstreamResponse) -> None:
             if current:
@@ -1154,79 +1171,91 @@ class FrontDoor:
                 watch.watching(resp)
             if choice.worker in self._unresponsive:
                 resp.abandon(_SILENT)
+            if gone:
+                resp.abandon(_CLIENT_GONE)
 
+        forget = request.on_disconnect(client_gone)
         try:
-            up = await session.post(url, prep.raw, headers, head_timeout=head_timeout, slot_timeout=self.config.head_timeout_s, on_exchange=on_exchange)
-        except UpstreamAbandoned as e:
-            if str(e) == _SILENT:
-                raise _WorkerFailed("unresponsive", f"{choice.worker}: {_SILENT}") from None
-            why = watch.failed if watch is not None else "abandoned"
-            raise _WorkerFailed("timeout", f"{choice.worker}: no answer after {self.config.head_timeout_s:g} s and {why}") from None
-        except UpstreamBusy as e:
-            # The door's own connection limit, shared by every worker: not this worker's fault
-            # (found in review: each such wait marked a healthy worker dead), and no other
-            # worker would be reached sooner.
-            raise OpenAIError(503, f"the door's upstream connections are all busy: {e}", code="busy") from None
-        except UpstreamConnectError as e:  # a connect timeout too: unreachable, not slow
-            raise _WorkerFailed("connect", f"{choice.worker}: {e}") from None
-        except TimeoutError as e:
-            if watch is not None:
-                # Alive by its /health all along, only slower than answer_timeout_s: a 504 for
-                # this request, not the worker's death, and no other worker repeats it.
-                raise OpenAIError(504, f"{choice.worker} gave no answer within {head_timeout:g} s", code="upstream_timeout") from None
-            raise _WorkerFailed("timeout", f"{choice.worker}: no response head: {e!r}") from None
-        except UpstreamError as e:
-            raise _WorkerFailed("disconnect", f"{choice.worker}: {e!r}") from None
-        finally:
-            if current:
-                awaiting.discard(current[0])
-            if watch is not None:
-                watch.close()
-        try:
-            if up.status == 503:
-                # The worker says it cannot serve now (draining, overloaded): routed again without
-                # it. Any other status is this request's answer, relayed as the engine gave it:
-                # an engine answers 500 for one request's failure (vLLM's "recoverable"
-                # EngineGenerateError) while it serves the rest, so a 500 is no sign of death
-                # (found in review: one poison request marked a region's workers dead and ran
-                # three times, and its client got the door's 502 instead of the engine's error).
-                try:
-                    data = await up.read(limit=_REFUSAL_BYTES)
-                except (UpstreamError, TimeoutError):
-                    data = b""
-                reply = (503, data, up.headers.get("Content-Type", "")) if data else None
-                raise _WorkerFailed("status_503", f"{choice.worker} answered 503", reply)
-            fb = self._header_feedback(up)
-            if peer is not None:
-                served = up.headers.get(WORKER_HEADER)
-                if served is not None and served != choice.worker and self._region_of.get(served) == choice.region:
-                    # The peer door moved it: that worker served, on no claim of ours.
-                    choice = _Choice(served, choice.region, 0, None)
-            ctype = up.headers.get("Content-Type", "")
-            if prep.stream and up.status == 200 and ctype.startswith("text/event-stream"):
-                return await self._relay_stream(request, prep, choice, up, fb, delay)
             try:
-                data = await up.read(limit=self.config.max_response_bytes)
-            except UpstreamTooLarge as e:
-                # Not the worker's health, and not for another worker to repeat: said as it is.
-                raise OpenAIError(502, f"{choice.worker}: {e}; this edge relays at most {self.config.max_response_bytes} bytes of a whole answer", code="upstream_too_large") from None
-            except (UpstreamError, TimeoutError) as e:
-                raise _WorkerFailed("disconnect", f"{choice.worker}: body lost: {e!r}") from None
+                up = await session.post(url, prep.raw, headers, head_timeout=head_timeout, slot_timeout=self.config.head_timeout_s, on_exchange=on_exchange)
+            except UpstreamAbandoned as e:
+                if str(e) == _CLIENT_GONE:
+                    raise client_closed() from None
+                if str(e) == _SILENT:
+                    raise _WorkerFailed("unresponsive", f"{choice.worker}: {_SILENT}") from None
+                why = watch.failed if watch is not None else "abandoned"
+                raise _WorkerFailed("timeout", f"{choice.worker}: no answer after {self.config.head_timeout_s:g} s and {why}") from None
+            except UpstreamBusy as e:
+                # The door's own connection limit, shared by every worker: not this worker's fault
+                # (found in review: each such wait marked a healthy worker dead), and no other
+                # worker would be reached sooner.
+                raise OpenAIError(503, f"the door's upstream connections are all busy: {e}", code="busy") from None
+            except UpstreamConnectError as e:  # a connect timeout too: unreachable, not slow
+                raise _WorkerFailed("connect", f"{choice.worker}: {e}") from None
+            except TimeoutError as e:
+                if watch is not None:
+                    # Alive by its /health all along, only slower than answer_timeout_s: a 504 for
+                    # this request, not the worker's death, and no other worker repeats it.
+                    raise OpenAIError(504, f"{choice.worker} gave no answer within {head_timeout:g} s", code="upstream_timeout") from None
+                raise _WorkerFailed("timeout", f"{choice.worker}: no response head: {e!r}") from None
+            except UpstreamError as e:
+                raise _WorkerFailed("disconnect", f"{choice.worker}: {e!r}") from None
+            finally:
+                if current:
+                    awaiting.discard(current[0])
+                if watch is not None:
+                    watch.close()
+            try:
+                if up.status == 503:
+                    # The worker says it cannot serve now (draining, overloaded): routed again without
+                    # it. Any other status is this request's answer, relayed as the engine gave it:
+                    # an engine answers 500 for one request's failure (vLLM's "recoverable"
+                    # EngineGenerateError) while it serves the rest, so a 500 is no sign of death
+                    # (found in review: one poison request marked a region's workers dead and ran
+                    # three times, and its client got the door's 502 instead of the engine's error).
+                    try:
+                        data = await up.read(limit=_REFUSAL_BYTES)
+                    except (UpstreamError, TimeoutError):
+                        data = b""
+                    reply = (503, data, up.headers.get("Content-Type", "")) if data else None
+                    raise _WorkerFailed("status_503", f"{choice.worker} answered 503", reply)
+                fb = self._header_feedback(up)
+                if peer is not None:
+                    served = up.headers.get(WORKER_HEADER)
+                    if served is not None and served != choice.worker and self._region_of.get(served) == choice.region:
+                        # The peer door moved it: that worker served, on no claim of ours.
+                        choice = _Choice(served, choice.region, 0, None)
+                ctype = up.headers.get("Content-Type", "")
+                if prep.stream and up.status == 200 and ctype.startswith("text/event-stream"):
+                    return await self._relay_stream(request, prep, choice, up, fb, delay)
+                try:
+                    data = await up.read(limit=self.config.max_response_bytes)
+                except UpstreamTooLarge as e:
+                    # Not the worker's health, and not for another worker to repeat: said as it is.
+                    raise OpenAIError(502, f"{choice.worker}: {e}; this edge relays at most {self.config.max_response_bytes} bytes of a whole answer", code="upstream_too_large") from None
+                except UpstreamAbandoned as e:
+                    if str(e) == _CLIENT_GONE:
+                        raise client_closed() from None
+                    raise _WorkerFailed("disconnect", f"{choice.worker}: body lost: {e!r}") from None
+                except (UpstreamError, TimeoutError) as e:
+                    raise _WorkerFailed("disconnect", f"{choice.worker}: body lost: {e!r}") from None
+            finally:
+                # A connection whose body was not read to the end cannot be reused.
+                if up.at_eof():
+                    up.release()
+                else:
+                    up.close()
+            if delay:
+                await asyncio.sleep(delay)
+            if 200 <= up.status < 300:
+                self._usage_reused(data, fb)
+                self._learn(choice, fb, counted=prep.handoff is None)
+                self._timed(choice, prep, first=True, last=True)
+            headers = self._reply_headers(request, choice)
+            headers["Content-Type"] = ctype or "application/json"
+            return Response(body=data, status=up.status, headers=headers)
         finally:
-            # A connection whose body was not read to the end cannot be reused.
-            if up.at_eof():
-                up.release()
-            else:
-                up.close()
-        if delay:
-            await asyncio.sleep(delay)
-        if 200 <= up.status < 300:
-            self._usage_reused(data, fb)
-            self._learn(choice, fb, counted=prep.handoff is None)
-            self._timed(choice, prep, first=True, last=True)
-        headers = self._reply_headers(request, choice)
-        headers["Content-Type"] = ctype or "application/json"
-        return Response(body=data, status=up.status, headers=headers)
+            forget()
 
     async def _relay_stream(
         self, request: Request, prep: _Prepared, choice: _Choice, up: UpstreamResponse, fb: _Feedback, delay: float
@@ -1249,6 +1278,8 @@ class FrontDoor:
         # From here on bytes reached the client: no retry, whatever happens.
         buf = b""
         first = True
+        relaying = self._relaying.setdefault(choice.worker, set())
+        relaying.add(up)
         try:
             try:
                 async for data in up.iter_chunks():
@@ -1269,7 +1300,10 @@ class FrontDoor:
                                 first = False
                                 self._timed(choice, prep, first=True)
             except (UpstreamError, TimeoutError) as e:
-                self.mark_dead(choice.worker, "midstream")
+                if isinstance(e, UpstreamAbandoned) and str(e) == _CLIENT_GONE:
+                    return resp  # nobody left to tell
+                if choice.worker not in self._unresponsive:  # held dead already
+                    self.mark_dead(choice.worker, "midstream")
                 # In a batch's merged stream the client must learn which prompt's choices were
                 # cut (found in review: a mid-stream failure named only the worker).
                 which = f"prompt[{prep.prompt_index}]: " if prep.prompt_index is not None else ""
@@ -1295,6 +1329,8 @@ class FrontDoor:
                     await write(_drain_event("the stream was cut"))
                     await end()
             raise
+        finally:
+            relaying.discard(up)
         return resp
 
     async def _proxy_batch(self, request: Request, preps: Sequence[_Prepared]) -> StreamResponse:

@@ -26,6 +26,7 @@ import numpy.typing as npt
 from kvcompass import _core
 from kvcompass.errors import KVCompassError
 from kvcompass.services.status import http_of
+from kvcompass.services.wire import HEALTH_PATH
 
 if TYPE_CHECKING:  # http_server imports this module for its error class
     from kvcompass.services.http_server import App, Handler
@@ -111,7 +112,7 @@ def add_routes(app: App, *, completions: Handler, chat: Handler, models: Handler
     app.add_post("/v1/chat/completions", chat)
     app.add_get("/v1/models", models)
     app.add_get_prefix(MODELS_PREFIX, model)
-    app.add_get("/health", health)
+    app.add_get(HEALTH_PATH, health)
     app.add_get("/metrics", metrics)
 
 
@@ -186,6 +187,13 @@ def stream_usage(body: Mapping[str, Any], stream: bool) -> bool:
     if inc is not None and not isinstance(inc, bool):
         raise OpenAIError(400, "stream_options.include_usage must be a boolean", "stream_options.include_usage", "invalid_type")
     return bool(inc)
+
+
+def client_closed() -> OpenAIError:
+    """What a request whose client closed its connection before the answer ends with (nobody is
+    likely to read it): the door and the emulated worker both abort such a request, as vLLM
+    aborts a disconnected one."""
+    return OpenAIError(400, "the client closed its connection before the answer: the request was aborted", code="client_closed")
 
 
 def model_card(model: str, created: int, **extra: Any) -> dict[str, Any]:

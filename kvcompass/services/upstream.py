@@ -239,11 +239,16 @@ class UpstreamResponse:
             self._head_waiter.set_result(None)
 
     def abandon(self, reason: str) -> None:
-        """Stop waiting for the head (the post raises :class:`UpstreamAbandoned`); nothing once
-        the head arrived. Why not cancel the waiting task: a cancellation cannot be told from
-        the server's own (a drain) and races the head's arrival (found in review)."""
+        """Stop waiting: for the head (the post raises :class:`UpstreamAbandoned`) or, once it
+        came, for the rest of the body (reading it raises it, and the connection is closed, so
+        the server sees its client go: an engine aborts the request). Nothing once the body is
+        complete. Why not cancel the waiting task: a cancellation cannot be told from the
+        server's own (a drain) and races the head's arrival (found in review)."""
         if not self._head_waiter.done():
             self._head_waiter.set_exception(UpstreamAbandoned(reason))
+        elif not self._done:
+            self._fail(UpstreamAbandoned(reason))
+            self._conn.abort()
 
     def _head_late(self, seconds: float | None) -> None:
         """The head deadline passed (a timer of :meth:`UpstreamPool._exchange`)."""

@@ -10,6 +10,7 @@ __all__ = [
     "CACHED_HEADER",
     "EXCHANGE_PATH",
     "HANDOFF_HEADER",
+    "HEALTH_PATH",
     "INGEST_PATH",
     "LOAD_PATH",
     "MIGRATION_HEADER",
@@ -54,6 +55,9 @@ QUEUE_VECTOR_HEADER = "x-kvcompass-queue-vector"
 """A region's per-worker queue vector piggybacked on a response from a remote door."""
 LOAD_PATH = "/kvcompass/load"
 """A worker's live queue reading, polled by its own region's edge."""
+HEALTH_PATH = "/health"
+"""An OpenAI server's liveness (vLLM's, SGLang's, the emulated worker's and the door's own):
+polled for silence where a worker has no load endpoint, probed while a whole answer is awaited."""
 
 # HTTP, door -> door
 REGION_HEADER = "x-kvcompass-region"
