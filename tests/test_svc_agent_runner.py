@@ -118,7 +118,7 @@ def test_runner_sends_what_the_agent_makes_of_the_same_frames() -> None:
     async def main() -> None:
         async with worker_and_tap() as (w, tap, s):
             sink = Collect()
-            runner = AgentRunner(new_agent(), sink, w.events_endpoint, w.replay_endpoint)
+            runner = AgentRunner(new_agent(), sink, w.events_endpoint, w.replay_endpoint, catch_up=False)
             await runner.start()
             try:
                 await wait_until(lambda: w.subscribers == 2)
@@ -165,11 +165,42 @@ def test_lost_message_is_repaired_through_replay() -> None:
         reference = new_agent()
         for seq, payload in ring:
             reference.on_message([b"", seq.to_bytes(8, "big"), payload])
-        assert runner.stats.replays == 1 and runner.stats.replay_failures == 0
+        # The catch-up at start (an empty ring) and the gap's.
+        assert runner.stats.replays == 2 and runner.stats.replay_failures == 0
         assert runner.agent.stats.gaps == 1 and runner.agent.stats.resyncs == 0
         assert runner.agent.held() == reference.held()
         assert net(sink.batches) == {k: int(t) for k, t in reference.held().items()}
-        assert w.stats.replay_requests == 1
+        assert w.stats.replay_requests == 2
+
+    run(main())
+
+
+def test_an_agent_started_beside_a_running_engine_claims_its_cache_at_once() -> None:
+    """The agent's process restarts (a crash, a rolling upgrade) while its engine keeps running
+    and publishes nothing (idle, or serving full hits): the new agent replays the engine's ring
+    first and claims what the engine holds, with no event of the engine's (found in review: it
+    withdrew every claim and learned them again only at the engine's next event)."""
+
+    async def main() -> None:
+        async with worker_and_tap() as (w, tap, s):
+            first = AgentRunner(new_agent(), Collect(), w.events_endpoint, w.replay_endpoint)
+            await first.start()
+            try:
+                await wait_until(lambda: w.subscribers == 2)
+                for p in PROMPTS[:3]:
+                    await complete(s, w, p)
+                await wait_until(lambda: first.agent.last_seq == w.next_seq - 1)
+            finally:
+                await first.stop()
+            held = first.agent.held()
+            sink = Collect()
+            second = AgentRunner(new_agent(incarnation=INC + 1), sink, w.events_endpoint, w.replay_endpoint)
+            await second.start()
+            try:
+                await wait_until(lambda: net(sink.batches) == {k: int(t) for k, t in held.items()})
+            finally:
+                await second.stop()
+            assert held and second.agent.held() == held and second.stats.replays == 1 and second.agent.stats.resyncs == 0
 
     run(main())
 
@@ -292,7 +323,7 @@ def test_replay_reply_layouts(topic_in_replay: bool) -> None:
     async def main() -> None:
         async with fake_engine(topic_in_replay=topic_in_replay) as eng:
             sink = Collect()
-            runner = AgentRunner(new_agent(), sink, eng.events, eng.replay)
+            runner = AgentRunner(new_agent(), sink, eng.events, eng.replay, catch_up=False)
             await runner.start()
             try:
                 await eng.subscribed()
@@ -316,7 +347,7 @@ def test_unanswered_replay_times_out_and_resyncs() -> None:
     async def main() -> None:
         async with fake_engine(answer=False) as eng:
             sink = Collect()
-            runner = AgentRunner(new_agent(), sink, eng.events, eng.replay, replay_timeout_s=0.2)
+            runner = AgentRunner(new_agent(), sink, eng.events, eng.replay, replay_timeout_s=0.2, catch_up=False)
             await runner.start()
             try:
                 await eng.subscribed()
@@ -619,7 +650,7 @@ def _bad_events_beside_a_good_one(n_bad: int) -> tuple[AgentRunner, dict[int, in
     async def main() -> tuple[AgentRunner, dict[int, int], list[int]]:
         async with fake_engine() as engine:
             sink = Collect()
-            runner = AgentRunner(new_agent(), sink, engine.events, engine.replay)
+            runner = AgentRunner(new_agent(), sink, engine.events, engine.replay, catch_up=False)
             await runner.start()
             try:
                 await engine.subscribed()

@@ -401,6 +401,18 @@ class WorkerAgent:
             b = self._buffer.pop(b.seq)
         return self._accept(b, live=False)
 
+    def catch_up(self) -> AgentOutput:
+        """What an agent that starts beside a running engine asks first: a replay from seq 0, for
+        everything the engine's ring still holds, before any live message (found in review: a
+        restarted agent withdrew its worker's claims with its opening reset and learned them
+        again only from the engine's next event, which an idle engine, or one serving only full
+        hits, never publishes). Nothing once a message was taken or a replay is under way."""
+        if self._last_seq >= 0 or self._replay_from is not None or self._buffer:
+            return AgentOutput()
+        self._replay_from = 0
+        self._stats.replay_requests += 1
+        return AgentOutput(replay=ReplayRequest(0))
+
     def on_replay_failed(self, *, forget: bool = False) -> AgentOutput:
         """The replay could not be had: resync (see the module notes); a no-op without a gap."""
         if self._replay_from is None and not self._buffer:

@@ -111,7 +111,10 @@ class AgentRunner:
     """Feeds ``agent`` from the engine at ``events`` (and ``replay``), sending its batches to
     ``sink``. ``await start()`` / ``await stop()``, or ``await run()`` until cancelled.
 
-    ``ctx``: a ZMQ asyncio context to use (None: the runner makes and terminates its own)."""
+    ``ctx``: a ZMQ asyncio context to use (None: the runner makes and terminates its own).
+    ``catch_up``: with a ``replay`` endpoint, first replay what the engine's ring holds
+    (:meth:`WorkerAgent.catch_up`), so an agent restarted beside a running engine claims its
+    cache at once instead of at the engine's next event."""
 
     def __init__(
         self,
@@ -124,6 +127,7 @@ class AgentRunner:
         replay_timeout_s: float = 2.0,
         ctx: zmq.asyncio.Context | None = None,
         heartbeat_s: float | None = None,
+        catch_up: bool = True,
     ) -> None:
         if not isinstance(events, str) or "://" not in events:
             raise InvalidArgumentError(f"events must be a ZMQ endpoint such as tcp://HOST:PORT, got {events!r}")
@@ -141,6 +145,7 @@ class AgentRunner:
         self.replay = replay
         self.topic = topic
         self.replay_timeout_s = float(replay_timeout_s)
+        self.catch_up = bool(catch_up)
         self.stats = RunnerStats()
         self._own_ctx = ctx is None
         self._ctx = ctx
@@ -303,6 +308,11 @@ class AgentRunner:
                     await t
 
     async def _read(self, sub: zmq.asyncio.Socket) -> None:
+        if self.replay is not None and self.catch_up:
+            # First what the engine's ring holds (WorkerAgent.catch_up); live messages published
+            # meanwhile wait in the SUB socket, connected already.
+            async with self._lock:
+                await self._handle(self.agent.catch_up())
         while True:
             frames = await sub.recv_multipart()
             self.stats.messages += 1
