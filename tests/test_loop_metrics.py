@@ -75,6 +75,8 @@ def test_a_child_is_made_once_per_label_values() -> None:
     c.labels(200).inc()
     c.labels("200").inc()
     assert c.labels(status="200").value == 2
+    c.clear()  # prometheus_client's clear: every series gone, made afresh on next use
+    assert c.labels("200").value == 0
 
 
 def test_misuse_is_refused_as_prometheus_client_refuses_it() -> None:

@@ -339,6 +339,7 @@ class _Metrics:
         self.queue = Gauge(p + "worker_queue_estimate_ms", "The edge's queue estimate per worker (ms)", ["worker"], registry=registry)
         self.dead = Gauge(p + "worker_dead", "1 while the worker is excluded after a failure", ["worker"], registry=registry)
         self.healthy = Gauge(p + "edge_healthy", "1 while every view of the edge is current", registry=registry)
+        self.stale = Gauge(p + "shard_stale_seconds", "Seconds a shard's subscription has not been current (listed only while it is not)", ["shard"], registry=registry)
         self.inflight = Gauge(p + "inflight_requests", "Completion requests in progress", registry=registry)
         self.tenant_requests = Counter(p + "tenant_requests", "Completion requests admitted, by tenant (the API key's)", ["tenant"], registry=registry)
         self.auth_refusals = Counter(p + "auth_refusals", "Completion requests refused for their credentials, by reason (key, rate, concurrency, tenant, model, handoff)", ["reason"], registry=registry)
@@ -733,9 +734,13 @@ class FrontDoor:
         return json_response(model_card(model, self._created))
 
     async def health(self, request: Request) -> Response:
-        """Readiness with the reason when not ready: draining, a view behind its writer, or a
-        shard whose subscription has been down past ``stale_grace_s`` (its views may be behind
-        without the edge knowing; the door still routes on what it has)."""
+        """Readiness: 503 while draining or before every view received its first snapshot
+        (nothing to route on yet). A view behind its writer, or a shard whose subscription has
+        been down past ``stale_grace_s`` (its views may be behind without the edge knowing), is
+        said in the status (``behind``, ``stale``) with a 200: the door still routes on what it
+        has, and one maintenance unit down must not take every door of every region out of
+        its load balancer (found in review: the Kubernetes readiness probe did just that).
+        ``kvcompass_door_shard_stale_seconds`` is the figure to alert on."""
         e = self.edge
         stale = {str(k): round(v, 1) for k, v in (self.stale_shards() if self.stale_shards is not None else {}).items()}
         body: dict[str, Any] = {
@@ -746,13 +751,16 @@ class FrontDoor:
             "stale_shards": stale,
             "dead_workers": sorted(self.dead_workers()),
         }
+        ready = True
         if self.draining:
-            body["status"] = "draining"
+            body["status"], ready = "draining", False
+        elif e.uninitialised:
+            body["status"], ready = "starting", False
         elif not e.healthy:
             body["status"] = "behind"
         elif any(v > self.config.stale_grace_s for v in stale.values()):
             body["status"] = "stale"
-        return json_response(body, status=200 if body["status"] == "ok" else 503)
+        return json_response(body, status=200 if ready else 503)
 
     async def metrics_endpoint(self, request: Request) -> Response:
         m, e = self.metrics, self.edge
@@ -762,6 +770,9 @@ class FrontDoor:
             m.queue.labels(w).set(e.queue_estimate(w))
             m.dead.labels(w).set(1.0 if w in dead else 0.0)
         m.healthy.set(1.0 if e.healthy else 0.0)
+        m.stale.clear()
+        for shard, s in (self.stale_shards() if self.stale_shards is not None else {}).items():
+            m.stale.labels(str(shard)).set(s)
         return Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # -- completions -----------------------------------------------------------------------------

@@ -147,6 +147,11 @@ class _Family(abc.ABC, Generic[C]):
             c = self._children[key] = self._new()
         return c
 
+    def clear(self) -> None:
+        """Drop every child of a labelled metric (prometheus_client's ``clear``): for a gauge
+        whose series exist only while a condition holds."""
+        self._children.clear()
+
     def _one(self) -> C:
         """The child of an unlabelled metric (ValueError for a labelled one, as prometheus_client)."""
         c = self._only
