@@ -1109,6 +1109,51 @@ def test_a_unit_that_stops_reading_does_not_hang_a_send(world: World) -> None:
     run(go())
 
 
+def test_a_hung_unit_holds_the_other_shards_only_briefly(world: World) -> None:
+    """Review, thirty-second session: a unit that accepts connections and answers nothing (a
+    stopped process) held every other shard's updates through its whole retry ladder (20
+    acknowledgement deadlines, 200 s with the defaults), then for a deadline at every probe. Now
+    a unit that acknowledged nothing for ``give_up_s`` is given up on at its next failure, and
+    a probe with no answer within ``probe_wait_s`` goes on in the background, its shard owed."""
+
+    async def go() -> None:
+        held: list[asyncio.StreamWriter] = []
+
+        async def stuck(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            held.append(w)  # never read, never answer
+
+        server = await asyncio.start_server(stuck, "127.0.0.1", 0)
+        hung = 1
+        try:
+            async with _units_one_down(world, hung) as (units, services, asia, live_chans, _):
+                live_chans[hung] = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+                opts: dict[str, Any] = {"max_attempts": 20, "ack_timeout_s": 0.3, "give_up_s": 0.3, "probe_wait_s": 0.05, "down_retry_s": 0.2, "backoff_s": (0.01, 0.01)}
+                async with IngestClient("asia-0", live_chans, asia.on_rejected, **opts) as client:
+                    t0 = time.monotonic()
+                    report = await client.send(cache(asia, prompt(95), 1000, seq=0))
+                    assert report.unreachable == (hung,) and report.batches >= 1
+                    assert len(held) == 1 and time.monotonic() - t0 < 3 * 0.3  # one deadline, not twenty
+                    await asyncio.sleep(0.25)
+                    t0 = time.monotonic()
+                    report = await client.send(asia.heartbeat())  # the hung shard's probe goes out
+                    assert report.unreachable == (hung,) and report.batches >= 1 and time.monotonic() - t0 < 0.25
+                    assert hung in client._probing
+                    report = await client.send(asia.heartbeat())  # its probe still out: skipped at once
+                    assert report.unreachable == (hung,)
+                    await asyncio.sleep(0.5)  # the probe's deadline passed: down again, not probing
+                    assert hung not in client._probing and client._down[hung] > time.monotonic() - 0.5
+                    for svc in services:
+                        await svc.flush_now()
+                    assert all(len(u.held("asia-0")) for u in units if u.shard != hung)
+        finally:
+            for w in held:
+                w.close()
+            server.close()
+            await server.wait_closed()
+
+    run(go())
+
+
 def test_an_edge_reports_its_views_entries(world: World) -> None:
     """Review, twenty-fifth session: kvcompass_index_entries, documented for views too, stayed 0
     on every edge (only the units set it)."""

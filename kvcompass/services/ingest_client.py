@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ssl
 import logging
 import time
@@ -213,10 +214,15 @@ class IngestClient(AsyncResource):
     and :meth:`send` returns only once all of its batches are, so a caller that awaits it (the
     agent runner does) stops reading engine events while a unit is slow.
 
-    A unit unreachable after ``max_attempts`` does not stop the others: its shard is left out
-    of sends for ``down_retry_s`` (its batches dropped, the shard marked owed), and the first
-    send after that re-reports the shard in full (``on_rejected``) before anything else. One
-    unit left down used to end every agent's runner, over and over (found in review).
+    A unit unreachable after ``max_attempts``, or that acknowledged nothing for ``give_up_s``
+    and then failed, does not stop the others: its shard is left out of sends for ``down_retry_s`` (its
+    batches dropped, the shard marked owed), and the first send after that re-reports the shard
+    in full (``on_rejected``) before anything else, in one attempt (a probe). A probe that has
+    no answer within ``probe_wait_s`` goes on in the background, its shard's batches dropped
+    and owed meanwhile, so a hung unit (its port open, nothing answering) holds the other
+    shards' sends for at most that long. One unit left down used to end every agent's runner,
+    over and over; later a hung one held every shard's updates for 200 s, then 10 s of every 15
+    (found in review).
     """
 
     def __init__(
@@ -233,6 +239,8 @@ class IngestClient(AsyncResource):
         ssl_context: ssl.SSLContext | None = None,
         ack_timeout_s: float = 10.0,
         down_retry_s: float = 5.0,
+        give_up_s: float = 5.0,
+        probe_wait_s: float = 0.5,
     ) -> None:
         if window < 1 or max_attempts < 1 or max_resets < 0:
             raise ValueError("window and max_attempts must be >= 1 and max_resets >= 0")
@@ -240,7 +248,13 @@ class IngestClient(AsyncResource):
             raise ValueError(f"ack_timeout_s must be > 0, got {ack_timeout_s}")
         if not down_retry_s >= 0:
             raise ValueError(f"down_retry_s must be >= 0, got {down_retry_s}")
+        if not (give_up_s >= 0 and probe_wait_s >= 0):
+            raise ValueError(f"give_up_s and probe_wait_s must be >= 0, got {give_up_s} and {probe_wait_s}")
         self._down_retry = down_retry_s
+        self._give_up = give_up_s
+        self._probe_wait = probe_wait_s
+        self._probing: dict[int, asyncio.Task[tuple[list[int], list[KeyOpBatch]]]] = {}  # shard -> a probe left running
+        self._failed: BaseException | None = None  # a final refusal a background probe met
         self._down: dict[int, float] = {}  # shard -> monotonic time before which it is skipped
         self._owed: set[int] = set()  # shards that missed batches: re-reported before the next
         self.last_unreachable: str | None = None
@@ -274,13 +288,16 @@ class IngestClient(AsyncResource):
             if b.shard not in self._units:
                 raise ValueError(f"no maintenance unit configured for shard {b.shard}")
             by_shard.setdefault(b.shard, []).append(b)
+        if self._failed is not None:
+            e, self._failed = self._failed, None
+            raise e
         totals = [0, 0, 0, 0, 0, 0]
         unreachable: set[int] = set()
         probe: set[int] = set()
         while by_shard:
             now = time.monotonic()
             for shard in list(by_shard):
-                if self._down.get(shard, 0.0) > now:  # still down: what it misses is owed
+                if self._down.get(shard, 0.0) > now or shard in self._probing:  # down, or its probe still out: owed
                     del by_shard[shard]
                     self._owed.add(shard)
                     unreachable.add(shard)
@@ -298,10 +315,29 @@ class IngestClient(AsyncResource):
                         by_shard[shard] = mine
                     self._owed.discard(shard)
             shards = sorted(by_shard)
-            results = await asyncio.gather(*(self._send_unit(self._units[s], by_shard[s], 1 if s in probe else self._max_attempts) for s in shards), return_exceptions=True)
+            tasks = {s: asyncio.ensure_future(self._send_unit(self._units[s], by_shard[s], 1 if s in probe else self._max_attempts)) for s in shards}
+            try:
+                ladders = [t for s, t in tasks.items() if s not in probe]
+                if ladders:
+                    await asyncio.wait(ladders)
+                probes = [t for s, t in tasks.items() if s in probe]
+                if probes:
+                    await asyncio.wait(probes, timeout=self._probe_wait)
+            except BaseException:
+                for t in tasks.values():
+                    t.cancel()
+                raise
             probe.clear()
             by_shard = {}
-            for shard, r in zip(shards, results):
+            for shard in shards:
+                t = tasks[shard]
+                if not t.done():  # a probe with no answer yet: it goes on without holding the rest
+                    self._probing[shard] = t
+                    t.add_done_callback(functools.partial(self._probe_ended, shard))
+                    self._owed.add(shard)
+                    unreachable.add(shard)
+                    continue
+                r = t.exception() or t.result()
                 if isinstance(r, ConnectionError):
                     _log.warning("worker %s: %s; its batches wait for a re-report in %g s", self.worker, r, self._down_retry)
                     self.last_unreachable = str(r)
@@ -319,6 +355,26 @@ class IngestClient(AsyncResource):
         n_ok, applied, dups, resets, reconnects, ops = totals
         return SendReport(n_ok, applied, dups, resets, reconnects, unreachable=tuple(sorted(unreachable)), ops=ops)
 
+    def _probe_ended(self, shard: int, t: asyncio.Task[tuple[list[int], list[KeyOpBatch]]]) -> None:
+        """A probe left running in the background ended: its unit is back (its shard stays owed
+        for what was dropped meanwhile: the next send re-reports it), down again, or refused for
+        good (raised by the next send)."""
+        self._probing.pop(shard, None)
+        if t.cancelled():
+            return
+        e = t.exception()
+        if e is None:
+            self._down.pop(shard, None)
+            _, extra = t.result()
+            for b in extra:  # a re-report of another shard: owed there too
+                self._owed.add(b.shard)
+        elif isinstance(e, ConnectionError):
+            _log.warning("worker %s: %s; its batches wait for a re-report in %g s", self.worker, e, self._down_retry)
+            self.last_unreachable = str(e)
+            self._down[shard] = time.monotonic() + self._down_retry
+        else:
+            self._failed = e
+
     async def _send_unit(self, u: _UnitStream, batches: Sequence[KeyOpBatch], max_attempts: int) -> tuple[list[int], list[KeyOpBatch]]:
         n_ok = applied = dups = resets = reconnects = ops = 0
         extra: list[KeyOpBatch] = []
@@ -326,6 +382,7 @@ class IngestClient(AsyncResource):
         inflight: deque[KeyOpBatch] = deque()
         reset_floor = 0  # acks of batches below this seq predate the last reset: ignore them
         failures = 0
+        last_ok = time.monotonic()  # the start, then the last acknowledgement
         async with u.lock:
             try:
                 while todo or inflight:
@@ -350,7 +407,7 @@ class IngestClient(AsyncResource):
                     except _Lost as e:
                         await u.drop()
                         failures += 1
-                        if failures >= max_attempts:
+                        if failures >= max_attempts or time.monotonic() - last_ok >= self._give_up:
                             raise ConnectionError(f"maintenance unit of shard {u.shard} unreachable after {failures} attempts: {e}") from e
                         reconnects += 1
                         self.reconnects += 1
@@ -374,6 +431,7 @@ class IngestClient(AsyncResource):
                         b0 = inflight[0] if inflight else None
                         raise _rejected(u.shard, b0.seq if b0 else 0, e.status, None, e.message or "") from None
                     failures = 0
+                    last_ok = time.monotonic()
                     b = inflight.popleft()
                     if ack.code == 0:
                         n_ok += 1
@@ -408,6 +466,10 @@ class IngestClient(AsyncResource):
 
     async def close(self) -> None:
         """End every stream and close the channels this client opened."""
+        for t in list(self._probing.values()):
+            t.cancel()
+            with contextlib.suppress(BaseException):
+                await t
         for u in self._units.values():
             async with u.lock:
                 await u.drop()
