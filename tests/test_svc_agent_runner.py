@@ -343,6 +343,32 @@ def test_replay_reply_layouts(topic_in_replay: bool) -> None:
     run(main())
 
 
+def test_a_gap_the_ring_cannot_fill_is_logged_and_counted(caplog: pytest.LogCaptureFixture) -> None:
+    """The engine's ring no longer holds the lost message: the agent resyncs, the runner says so
+    in a warning, and the count is one of the exported agent counters (found in review: silent)."""
+    from kvcompass.agent.agent import AGENT_COUNTERS, AgentStats
+
+    assert set(AGENT_COUNTERS) <= set(AgentStats.__dataclass_fields__)
+
+    async def main() -> None:
+        async with fake_engine() as eng:
+            runner = AgentRunner(new_agent(), Collect(), eng.events, eng.replay, catch_up=False)
+            await runner.start()
+            try:
+                await eng.subscribed()
+                await eng.publish(0, prompt(0))
+                await eng.publish(1, prompt(1), send=False)
+                del eng.ring[1]  # gone from the ring too
+                await eng.publish(2, prompt(2))
+                await wait_until(lambda: runner.agent.last_seq == 2)
+            finally:
+                await runner.stop()
+        assert runner.agent.stats.resyncs == 1
+        assert sum("could not be filled from its replay ring" in r.getMessage() for r in caplog.records) == 1
+
+    run(main())
+
+
 def test_unanswered_replay_times_out_and_resyncs() -> None:
     async def main() -> None:
         async with fake_engine(answer=False) as eng:

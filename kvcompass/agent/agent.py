@@ -158,7 +158,7 @@ from kvcompass.records import fast_init
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["TENANT_SALT_PREFIX", "AgentOutput", "AgentStats", "ReplayRequest", "WorkerAgent", "boot_incarnation", "medium_tier"]
+__all__ = ["AGENT_COUNTERS", "TENANT_SALT_PREFIX", "AgentOutput", "AgentStats", "ReplayRequest", "WorkerAgent", "boot_incarnation", "medium_tier"]
 
 _Frames = Sequence[bytes | bytearray | memoryview]
 
@@ -271,6 +271,23 @@ class AgentStats:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+AGENT_COUNTERS: dict[str, str] = {
+    "gaps": "Gaps in the engine's message sequence (each repaired by a replay, or by a resync)",
+    "resyncs": "Gaps the engine's replay ring could not fill: everything re-reported, and claims that events lost beyond the ring touched may be stale",
+    "restarts": "Engine restarts seen (a new incarnation: every claim withdrawn, then learned again)",
+    "duplicates": "Re-delivered engine messages ignored",
+    "stale": "Engine messages older than the digest window and the newest applied one, dropped",
+    "orphans": "Blocks stored under a parent the agent did not know (not indexed until the parent is)",
+    "unindexed": "Blocks stored with LoRA or extra keys, and their descendants: not indexed",
+    "unknown_removals": "Removals of a block or medium the agent did not hold",
+    "unplaced_copies": "Blocks a token-less copy named that the agent could not place",
+    "other_groups": "Stores of a KV cache group other than 0 (a hybrid model: claims may be stale)",
+    "conflicts": "Blocks stored again with another size, known hashes under unknown parents, adoption cycles",
+}
+"""The :class:`AgentStats` fields an agent's driver exports (``kvcompass_agent_<field>_total``),
+with their meaning: what an operator watches to know whether the index can be trusted."""
 
 
 class WorkerAgent:

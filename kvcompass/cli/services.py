@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
+import math
 import os
 import signal
 import sys
@@ -225,6 +227,19 @@ def _units(text: str, shards: int) -> dict[int, str]:
     return dict(enumerate(addrs))
 
 
+def check_state_dir(flag: str, path: str | None) -> None:
+    """A file the process will write: its directory must exist and be writable, checked before
+    anything starts (found in review: a maintenance unit started, said it was ready and never
+    persisted anything; ``kvcompass up`` came up whole, then failed naming a temporary file)."""
+    if path is None:
+        return
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d):
+        raise UsageError(f"{flag} {path!r}: its directory does not exist")
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path!r}: its directory is not writable")
+
+
 def _check_port(name: str, v: int) -> None:
     if not 0 <= v < 65536:
         raise UsageError(f"{name} must be 0..65535, got {v}")
@@ -246,6 +261,7 @@ async def _maintenance(args: argparse.Namespace) -> int:
         raise UsageError(f"--shard must be 0..{layout.shards - 1}, got {args.shard}")
     _check_port("--port", args.port)
     _check_port("--metrics-port", args.metrics_port)
+    check_state_dir("--state-file", args.state_file)
 
     tokens = load_tokens(args.tokens_file, layout.workers) if args.tokens_file is not None else None
     for name in ("max_keys", "memory_budget", "view_budget"):
@@ -550,12 +566,15 @@ async def _agent(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry, Counter
 
     from kvcompass.index_types import Namespace
+    from kvcompass.agent.agent import AGENT_COUNTERS
     from kvcompass.services.agent_runner import AgentRunner, agent_for_worker
     from kvcompass.services.ingest_client import IngestClient, SendReport
     from kvcompass.services.metrics import MetricsServer, export_counter
 
     topo = _load(args.topology)
     _check_port("--metrics-port", args.metrics_port)
+    if not (math.isfinite(args.heartbeat_s) and args.heartbeat_s >= 0):
+        raise UsageError(f"--heartbeat-s must be a number of seconds >= 0 (0: off), got {args.heartbeat_s}")
     agent = agent_for_worker(topo, args.worker, Namespace(args.model, args.tenant))
     units = _units(args.maintenance, topo.shards)
     token = args.token if args.token is not None else _read_secret(args.token_file, "--token-file") if args.token_file is not None else None
@@ -586,6 +605,10 @@ async def _agent(args: argparse.Namespace) -> int:
         ("kvcompass_agent_engine_disconnects", lambda: runner.stats.engine_gone),
     ):
         export_counter(reg, name, name.removeprefix("kvcompass_agent_").replace("_", " "), fn, {"worker": args.worker})
+    # What the agent made of the stream (found in review: none of it was exported, so a gap the
+    # replay could not fill, after which claims may be stale, showed nowhere).
+    for field, doc in AGENT_COUNTERS.items():
+        export_counter(reg, f"kvcompass_agent_{field}", doc, functools.partial(lambda f: getattr(agent.stats, f), field), {"worker": args.worker})
     metrics = MetricsServer(reg, lambda: runner.running)
     stop = asyncio.Event()
     code = 0

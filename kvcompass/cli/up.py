@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from typing import Any
 
-from kvcompass.cli.services import TOPOLOGY_HELP
+from kvcompass.cli.services import TOPOLOGY_HELP, check_state_dir
 from kvcompass.errors import UsageError
 
 __all__ = ["add_parsers"]
@@ -81,10 +80,7 @@ def up_main(args: argparse.Namespace) -> int:
         raise UsageError("--key-burst needs --key-rate")
     if args.open and args.key_rate is not None:
         raise UsageError("--key-rate limits API keys, which --open does without")
-    if args.state_file is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.state_file))):
-        # Checked before anything starts (found in review: the whole cluster came up first,
-        # then failed naming a temporary file).
-        raise UsageError(f"--state-file {args.state_file!r}: its directory does not exist")
+    check_state_dir("--state-file", args.state_file)
     cfg = ClusterConfig(
         topology=args.topology, routing=args.routing, time_scale=args.time_scale, wan_delay=not args.no_wan_delay, handoff=not args.no_handoff,
         workers_per_region=args.workers_per_region, max_workers=args.max_workers, state_file=args.state_file, run_dir=args.run_dir,

@@ -159,6 +159,7 @@ class AgentRunner:
         self._last_sent = 0.0
         self._hb: asyncio.Task[None] | None = None
         self._gone = 0  # engine disconnections seen: a message read before one is handled after it
+        self._resyncs = agent.stats.resyncs  # resyncs already logged
         # What ended the heartbeats, if a sink error did: the runner then ends with it.
         self._fatal: BaseException | None = None
         self._reader: asyncio.Task[object] | None = None
@@ -355,6 +356,20 @@ class AgentRunner:
         replay = out.replay
         while replay is not None:
             replay = await self._replay(replay)
+        self._log_resyncs()
+
+    def _log_resyncs(self) -> None:
+        """A warning for each gap the engine's ring could not fill (found in review: silent, and
+        after one the index may claim blocks that events lost beyond the ring removed)."""
+        n = self.agent.stats.resyncs
+        if n > self._resyncs:
+            _log.warning(
+                "worker %s: %d gap(s) in the engine's events could not be filled from its replay ring; everything the agent knows was re-reported, "
+                "and blocks that the lost events removed may stay claimed until the engine stores or removes them again",
+                self.agent.worker_id,
+                n - self._resyncs,
+            )
+            self._resyncs = n
 
     async def _replay(self, req: ReplayRequest) -> ReplayRequest | None:
         """Run one replay to its end; returns a further request if the agent makes one."""
