@@ -688,6 +688,24 @@ def test_a_stream_from_a_worker_that_went_silent_ends_with_an_error_event() -> N
     run(go())
 
 
+def test_a_split_batch_gives_each_prompt_its_own_request_id() -> None:
+    """vLLM names a request by its ``x-request-id``: the prompts of a split batch, run side by
+    side and often on one worker, each get the client's id with ``-i`` (found in review: one id
+    for all of them collided in the engine); a single prompt keeps it as sent."""
+    plane = make_plane()
+    fleet = Fleet()
+
+    async def go() -> None:
+        async with rig(plane, fleet) as t:
+            prompts = [prompt_ids(i, 64).tolist() for i in range(3)]
+            status, _, _ = await complete(t.client, {"prompt": prompts}, **{"x-request-id": "abc"})
+            assert status == 200 and sorted({k.lower(): v for k, v in c[2].items()}.get("x-request-id", "") for c in fleet.calls) == ["abc-0", "abc-1", "abc-2"]
+            status, _, _ = await complete(t.client, {"prompt": prompts[0]}, **{"x-request-id": "abc"})
+            assert status == 200 and {k.lower(): v for k, v in fleet.calls[-1][2].items()}.get("x-request-id") == "abc"
+
+    run(go())
+
+
 def test_when_every_worker_fails_the_client_gets_a_502() -> None:
     """Three workers tried: unreachable ones end in the door's 502; ones that all answered 503
     in the last one's own answer."""

@@ -463,6 +463,14 @@ class _AnswerWatch:
             self.probe.cancel()
 
 
+def _nth_request(headers: dict[str, str], i: int) -> dict[str, str]:
+    """Prompt ``i``'s headers of a split batch: its own ``x-request-id`` (the client's with
+    ``-i``), since the split prompts run side by side, often on one worker, and vLLM names a
+    request by that header: one id for all of them collided there (found in review)."""
+    rid = headers.get("x-request-id")
+    return headers if rid is None else {**headers, "x-request-id": f"{rid}-{i}"}
+
+
 class _WorkerFailed(Exception):
     """The worker could not serve the request: routed again without it. ``reply``: what it
     answered (status, body, content type) when it answered at all, for the client should no
@@ -963,7 +971,7 @@ class FrontDoor:
         if batch is None:
             return [_Prepared(request.path, raws[0], token_lists[0], ns, stream, client_usage, headers, handoff)]
         return [
-            _Prepared(request.path, r, t, ns, stream, True, headers, None, batch_index=i * n, client_usage_asked=client_usage, prompt_index=i)
+            _Prepared(request.path, r, t, ns, stream, True, _nth_request(headers, i), None, batch_index=i * n, client_usage_asked=client_usage, prompt_index=i)
             for i, (r, t) in enumerate(zip(raws, token_lists))
         ]
 
