@@ -461,9 +461,10 @@ def test_a_worker_lost_mid_stream_ends_the_stream_with_an_error_event() -> None:
                 first = await r.content.readuntil(b"\n\n")
                 fleet.gate.set()
                 events = sse_events(await r.read())
-            # Bytes had reached the client, so no retry: the stream ends with an error event.
+            # Bytes had reached the client, so no retry: the stream ends with an error event and
+            # [DONE], as vLLM ends a stream that failed.
             assert json.loads(first[len(b"data: ") :])["choices"][0]["text"] == "t0"
-            assert len(events) == 1 and json.loads(events[0][len(b"data: ") :])["error"]["code"] == "upstream_error"
+            assert len(events) == 2 and json.loads(events[0][len(b"data: ") :])["error"]["code"] == "upstream_error" and events[1] == b"data: [DONE]"
             assert fleet.served() == ["us-5"] and t.door.door.dead_workers() == {"us-5"}
             assert metric(await t.metrics(), "kvcompass_door_worker_failures_total", reason="midstream", worker="us-5") == 1.0
 
@@ -943,7 +944,8 @@ def test_a_stream_still_open_when_the_drain_ends_is_told_so_and_ends_cleanly() -
                     rest = sse_events(await r.read())  # the body ends cleanly: read() does not raise
                 finally:
                     fleet.gate.set()  # lets the fake worker's handler end
-            err = json.loads(rest[-1][len(b"data: ") :])["error"]
+            assert rest[-1] == b"data: [DONE]"
+            err = json.loads(rest[-2][len(b"data: ") :])["error"]
             assert err["code"] == "draining" and "shutting down" in err["message"]
 
     run(go())
@@ -1584,7 +1586,8 @@ def test_a_stream_whose_event_never_ends_is_cut_with_an_error_event() -> None:
                 raw = await resp.read()
             events = sse_events(raw)
             assert events[0].startswith(b"data: {")
-            err = json.loads(events[-1][len(b"data: "):])["error"]
+            assert events[-1] == b"data: [DONE]"
+            err = json.loads(events[-2][len(b"data: "):])["error"]
             assert err["code"] == "upstream_error" and "exceeds 4194304 bytes" in err["message"], err
             assert len(raw) < 1 << 20  # the endless event was not relayed
 

@@ -36,7 +36,7 @@ worker says it cannot serve: draining, overloaded) marks the worker dead for
 workers per request; when every one answered 503 the client gets the last one's answer). Any
 other status, a 500 included, is the request's own answer and is relayed as the engine gave it:
 an engine fails one request with a 500 while it serves the rest. Once bytes went to the client a
-failure cannot be retried: the stream ends with an SSE error event instead. A worker that stops
+failure cannot be retried: the stream ends with an SSE error event and ``[DONE]`` instead, as vLLM ends one. A worker that stops
 answering the edge's load poll (hung, not gone: its port still accepts) is held dead while it
 stays silent (:meth:`FrontDoor.hold_unresponsive`), and back as soon as it answers.
 
@@ -1294,6 +1294,9 @@ class FrontDoor:
             offset = prep.batch_index or 0
             write = functools.partial(sink.write, offset)
             end = sink.finish
+        # An error event ends a stream as vLLM ends one, with [DONE] after it (a batch's merged
+        # stream gets its one [DONE] when its last prompt ends).
+        done = _DONE if sink is None else b""
         # From here on bytes reached the client: no retry, whatever happens.
         buf = b""
         first = True
@@ -1327,7 +1330,7 @@ class FrontDoor:
                 # cut (found in review: a mid-stream failure named only the worker).
                 which = f"prompt[{prep.prompt_index}]: " if prep.prompt_index is not None else ""
                 err = error_body(502, f"{which}worker {choice.worker} failed mid-stream: {e!r}", code="upstream_error")
-                await write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                await write(b"data: " + json.dumps(err).encode() + b"\n\n" + done)
                 await end()
                 return resp
             if buf.strip():
@@ -1345,7 +1348,7 @@ class FrontDoor:
             # response ended prematurely"), and the cancellation goes on.
             if self.draining:
                 with contextlib.suppress(ConnectionResetError, OSError, RuntimeError):
-                    await write(_drain_event("the stream was cut"))
+                    await write(_drain_event("the stream was cut") + done)
                     await end()
             raise
         finally:
@@ -1673,6 +1676,9 @@ FRONT_DOOR = "kvcompass_front_door"
 
 
 # -- helpers -------------------------------------------------------------------------------------------
+
+
+_DONE = b"data: [DONE]\n\n"
 
 
 def _drain_event(what: str) -> bytes:
