@@ -405,6 +405,27 @@ def test_unanswered_replay_times_out_and_resyncs() -> None:
     run(main())
 
 
+def test_a_malformed_message_is_counted_once_though_its_gap_replays_it() -> None:
+    """The gap a malformed live message leaves asks for a replay, which brings the same bytes
+    back: counted once (found in review: once per replay that covered it)."""
+
+    async def main() -> None:
+        async with fake_engine() as eng:
+            runner = AgentRunner(new_agent(), Collect(), eng.events, eng.replay, catch_up=False)
+            await runner.start()
+            try:
+                await eng.subscribed()
+                await eng.publish(0, prompt(0))
+                await eng.publish(1, prompt(1), payload=b"\xc1 not msgpack")
+                await eng.publish(2, prompt(2))
+                await wait_until(lambda: runner.agent.last_seq == 2)
+            finally:
+                await runner.stop()
+        assert eng.requests == [1] and runner.stats.malformed == 1
+
+    run(main())
+
+
 def test_malformed_message_is_skipped_without_replay_socket() -> None:
     async def main() -> None:
         async with fake_engine() as eng:

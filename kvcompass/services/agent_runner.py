@@ -330,14 +330,20 @@ class AgentRunner:
                 if out is not None:
                     await self._handle(out)
 
-    def _decoded(self, decode: Callable[[], AgentOutput], what: str) -> AgentOutput | None:
+    def _decoded(self, decode: Callable[[], AgentOutput], what: str, *, live: bool = True) -> AgentOutput | None:
         """``decode()``, or None for a message the agent cannot read (counted and logged; the
-        stream goes on: a whole message that is not msgpack is the engine's to resend)."""
+        stream goes on: a whole message that is not msgpack is the engine's to resend). A
+        replayed copy is neither counted nor logged again: the gap a malformed live message
+        leaves asks for a replay that brings it back (found in review: each bad message
+        counted once per replay that covered it)."""
         try:
             return decode()
         except InvalidEventError as e:
-            self.stats.malformed += 1
-            _log.warning("worker %s: skipping a malformed %s: %s", self.agent.worker_id, what, e)
+            if live:
+                self.stats.malformed += 1
+                _log.warning("worker %s: skipping a malformed %s: %s", self.agent.worker_id, what, e)
+            else:
+                _log.debug("worker %s: skipping a malformed %s: %s", self.agent.worker_id, what, e)
             return None
 
     def _log_skipped(self) -> None:
@@ -400,7 +406,7 @@ class AgentRunner:
             if reply is None:
                 _log.warning("worker %s: ignoring a replay reply of %d frames", self.agent.worker_id, len(frames))
                 continue
-            out = self._decoded(lambda: self.agent.on_replay(reply), "replayed message")
+            out = self._decoded(lambda: self.agent.on_replay(reply), "replayed message", live=False)
             if out is None:
                 continue
             self._log_skipped()
