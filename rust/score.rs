@@ -95,12 +95,27 @@ pub struct ScoreParams {
     pub lambda: f64,
     /// Require a worker to hold every shorter planned prefix before its longer hit counts.
     pub closure: bool,
-    /// The engines' KV block size, tokens (0: no cap). A match is capped at the whole blocks
-    /// before the prompt's last token, what an engine reuses of it: vLLM computes the last token
+    /// The engines' KV block size, tokens (0: no cap). A match is scored, and claimed by a
+    /// commit, as at most the whole blocks before the prompt's last token, what an engine reuses
+    /// of it (the route's `matches` stay what the index holds): vLLM computes the last token
     /// again for the first output's logits (`max_cache_hit_length = num_tokens - 1`), so a
     /// prompt whose whole length is indexed reuses all but its last block, and claiming the
     /// whole prompt read as a false hit when the worker reported what it reused.
     pub block: u32,
+}
+
+impl ScoreParams {
+    /// The most of a prompt of `prompt_len` tokens an engine reuses from its cache (see
+    /// [`ScoreParams::block`]; every match when `block` is 0): what a match is scored and
+    /// claimed as.
+    #[inline]
+    pub fn reusable(&self, prompt_len: usize) -> u32 {
+        if self.block == 0 {
+            return u32::MAX;
+        }
+        let b = self.block as usize;
+        u32::try_from(prompt_len.saturating_sub(1) / b * b).unwrap_or(u32::MAX)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -260,17 +275,9 @@ pub fn route_with<V: TierLookup>(
         );
     }
 
-    if params.block > 0 {
-        let cap = u32::try_from(prompt_len.saturating_sub(1) / params.block as usize * params.block as usize).unwrap_or(u32::MAX);
-        for (m, t) in matches.iter_mut().zip(tiers.iter_mut()) {
-            if *m > cap {
-                *m = cap;
-                if cap == 0 {
-                    *t = TIER_ABSENT;
-                }
-            }
-        }
-    }
+    // Scored on what an engine reuses of the match; `matches` keeps what the index holds (the
+    // planned length a speculative entry or a migration is about).
+    let cap = params.reusable(prompt_len);
 
     scores.clear();
     scores.reserve(w_count);
@@ -288,7 +295,7 @@ pub fn route_with<V: TierLookup>(
         } else {
             worker_score(
                 prompt_len,
-                matches[w],
+                matches[w].min(cap),
                 tiers[w],
                 workers.beta[w],
                 workers.wan[w],

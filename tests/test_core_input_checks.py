@@ -226,7 +226,7 @@ BEL = np.ones(2)
 
 
 def _params(**kw: Any) -> dict[str, Any]:
-    p: dict[str, Any] = {"load_aware": True, "lambda_max": 1.0, "tau_ms": 100.0, "gamma": 0.005, "closure": True, "tie_ms": 0.0, "speculative_ttl_s": 1.0, "charge": True, "migration": False, "value_bits": 32, "spec_capacity": 1024, "spec_fp_bits": 0}
+    p: dict[str, Any] = {"load_aware": True, "lambda_max": 1.0, "tau_ms": 100.0, "gamma": 0.005, "closure": True, "tie_ms": 0.0, "speculative_ttl_s": 1.0, "charge": True, "migration": False, "value_bits": 32, "spec_capacity": 1024, "spec_fp_bits": 0, "block_size": 0}
     p.update(kw)
     return p
 

@@ -69,10 +69,10 @@ def test_the_cache_keeps_what_the_reservations_leave() -> None:
     topo = _one_worker(4096, dram_tokens=8192)
     reqs = [chain_request(0, 0.0, "a", 1, 2048), chain_request(1, 500.0, "a", 2, 1024, output=3000), chain_request(2, 60_000.0, "a", 1, 2048)]
     shared, unbounded = simulate(topo, reqs, "oracle"), simulate(topo, reqs, "oracle", kv_pool="unbounded")
-    assert unbounded.demoted_blocks == 0 and _by_id(unbounded)[2].vram_hit == 2048
+    assert unbounded.demoted_blocks == 0 and _by_id(unbounded)[2].vram_hit == 2048 - 16  # all but the last block: vLLM recomputes it
     assert shared.demoted_blocks >= 128 - 68
     r2 = _by_id(shared)[2]
-    assert r2.vram_hit + r2.dram_hit == 2048 and r2.dram_hit >= (128 - 68) * 16
+    assert r2.vram_hit + r2.dram_hit == 2048 - 16 and r2.dram_hit >= (128 - 68 - 1) * 16  # the last block is recomputed
 
 
 def test_a_prompt_larger_than_the_pool_runs_alone() -> None:

@@ -663,6 +663,46 @@ def test_a_client_that_leaves_takes_its_request_with_it(stream: bool) -> None:
     run(go())
 
 
+def test_a_client_that_leaves_while_a_503_is_read_is_not_retried_elsewhere() -> None:
+    """Review: the client left while the door read a worker's 503 body; the read's abandonment
+    was taken for a lost body and the request went on to another worker, which got it whole."""
+    from _support import serve_app, wait_until
+    from aiohttp import web
+
+    plane = make_plane()
+    ids = prompt_ids(4, 2048)
+    cache_prefix(plane, "us-5", ids)
+    asked: list[str] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        asked.append(request.match_info["wid"])
+        resp = web.StreamResponse(status=503, headers={"Content-Type": "application/json"})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        await resp.write(b'{"error": ')
+        await asyncio.sleep(1.0)  # the body trickles
+        await resp.write(b'{"message": "draining"}}')
+        await resp.write_eof()
+        return resp
+
+    async def go() -> None:
+        app = web.Application()
+        app.router.add_post("/w/{wid}/v1/completions", handler)
+        async with serve_app(app) as base:
+            urls = {w: f"{base}/w/{w}" for w in plane.edges["us"].workers}
+            async with rig(plane, Fleet(), urls=urls) as t:
+                with pytest.raises(asyncio.TimeoutError):
+                    await complete(t.client, {"prompt": ids.tolist()}, timeout=aiohttp.ClientTimeout(total=0.3))
+                await wait_until(lambda: metric_now(t) == 0.0, timeout=3.0)
+                await asyncio.sleep(0.3)
+                assert asked == ["us-5"] and metric(await t.metrics(), "kvcompass_door_retries_total") == 0.0
+
+    def metric_now(t: Any) -> float:
+        return float(t.door.door.metrics.inflight._one().value)
+
+    run(go())
+
+
 def test_a_stream_from_a_worker_that_went_silent_ends_with_an_error_event() -> None:
     """The edge's load poll finds a worker silent while one of its streams is flowing: the
     stream ends at once with an error event (found in review: it stayed open, silent, until the

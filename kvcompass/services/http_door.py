@@ -467,8 +467,8 @@ def _nth_request(headers: dict[str, str], i: int) -> dict[str, str]:
     """Prompt ``i``'s headers of a split batch: its own ``x-request-id`` (the client's with
     ``-i``), since the split prompts run side by side, often on one worker, and vLLM names a
     request by that header: one id for all of them collided there (found in review)."""
-    rid = headers.get("x-request-id")
-    return headers if rid is None else {**headers, "x-request-id": f"{rid}-{i}"}
+    name = next((h for h in headers if h.lower() == "x-request-id"), None)  # as forward_headers spells it
+    return headers if name is None else {**headers, name: f"{headers[name]}-{i}"}
 
 
 class _WorkerFailed(Exception):
@@ -1069,6 +1069,8 @@ class FrontDoor:
         tried: set[str] = set()
         last: _WorkerFailed | None = None
         for attempt in range(self.config.max_attempts):
+            if request.disconnected:  # its client left: nobody to serve (found in review: retried)
+                raise client_closed()
             choice = self._handoff(prep) if attempt == 0 and prep.handoff is not None else None
             if choice is None:
                 choice = self._route(prep, self._excluded(tried, skip_dead=True, local_only=prep.handoff is not None))
@@ -1234,6 +1236,10 @@ class FrontDoor:
                     # three times, and its client got the door's 502 instead of the engine's error).
                     try:
                         data = await up.read(limit=_REFUSAL_BYTES)
+                    except UpstreamAbandoned as e:
+                        if str(e) == _CLIENT_GONE:
+                            raise client_closed() from None
+                        data = b""
                     except (UpstreamError, TimeoutError):
                         data = b""
                     reply = (503, data, up.headers.get("Content-Type", "")) if data else None
@@ -1279,6 +1285,17 @@ class FrontDoor:
     async def _relay_stream(
         self, request: Request, prep: _Prepared, choice: _Choice, up: UpstreamResponse, fb: _Feedback, delay: float
     ) -> StreamResponse:
+        """:meth:`_relay`, the stream registered where :meth:`hold_unresponsive` finds it from
+        the moment its head arrived (found in review: not during the WAN delay and the client's
+        head, when a worker found silent left it waiting)."""
+        relaying = self._relaying.setdefault(choice.worker, set())
+        relaying.add(up)
+        try:
+            return await self._relay(request, prep, choice, up, fb, delay)
+        finally:
+            relaying.discard(up)
+
+    async def _relay(self, request: Request, prep: _Prepared, choice: _Choice, up: UpstreamResponse, fb: _Feedback, delay: float) -> StreamResponse:
         if delay:
             await asyncio.sleep(delay)
         headers = self._reply_headers(request, choice)
@@ -1300,8 +1317,6 @@ class FrontDoor:
         # From here on bytes reached the client: no retry, whatever happens.
         buf = b""
         first = True
-        relaying = self._relaying.setdefault(choice.worker, set())
-        relaying.add(up)
         try:
             try:
                 async for data in up.iter_chunks():
@@ -1351,8 +1366,6 @@ class FrontDoor:
                     await write(_drain_event("the stream was cut") + done)
                     await end()
             raise
-        finally:
-            relaying.discard(up)
         return resp
 
     async def _proxy_batch(self, request: Request, preps: Sequence[_Prepared]) -> StreamResponse:

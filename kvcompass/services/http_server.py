@@ -129,6 +129,12 @@ class Request:
         """The whole body has arrived (most requests: it came with the head)."""
         return self._complete
 
+    @property
+    def disconnected(self) -> bool:
+        """The client closed its side of the connection, or lost it (:meth:`on_disconnect`'s
+        event, for a handler about to start more work)."""
+        return self._conn._client_done
+
     def on_disconnect(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call ``callback`` once, from the event loop, if the client closes its side of the
         connection (or loses it) before the returned function is called; a handler calls that

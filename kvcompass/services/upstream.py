@@ -478,6 +478,8 @@ class UpstreamPool:
         assert conn.transport is not None
         if conn.closed:
             resp._fail(UpstreamDisconnected("the connection was closed"))
+        elif resp._head_waiter.done():
+            pass  # abandoned by on_exchange (its client gone, its server silent): nothing is sent
         else:
             conn.transport.write(head + body if len(body) < 65536 else head)
             if len(body) >= 65536:

@@ -242,12 +242,17 @@ impl PyEdgeCore {
         };
         let router = self.router.lock().map_err(|_| poisoned())?.clone_ref(py);
         let w = WorkerArrays { region: &self.w.region, beta: &self.w.beta, wan: &self.w.wan, tq: &tq, belief: &belief };
-        let params = ScoreParams { gamma: self.p.gamma, lambda: lam, closure: self.p.closure, block: self.p.block_size };
+        let params = self.score_params(lam);
         let mut res = router.get().route_arrays(py, &ns, tokens, &w, &params, own_region.then_some(0), Some(self.p.tie_ms))?;
         // The commit reads the estimates and beliefs the scores used: both copies move in.
         res.belief = belief;
         res.tq = tq;
         Ok(res)
+    }
+
+    /// The route's score parameters at capacity price `lam`.
+    fn score_params(&self, lam: f64) -> ScoreParams {
+        ScoreParams { gamma: self.p.gamma, lambda: lam, closure: self.p.closure, block: self.p.block_size }
     }
 
     /// The side effects of sending the prompt of `res` to worker `w` (none without `effects`)
@@ -261,8 +266,12 @@ impl PyEdgeCore {
             return Err(PyValueError::new_err(format!("commit: worker {w} of {} workers, or a route made by another edge", self.w.region.len())));
         }
         check_now(now)?;
-        let (m, tier, score, b, lam) = (res.matches[w], res.tiers[w], res.scores[w], res.belief[w], res.lam);
+        let (held, tier, score, b, lam) = (res.matches[w], res.tiers[w], res.scores[w], res.belief[w], res.lam);
         let len = res.prompt_len;
+        // Claimed (and scored) as what the engine reuses of it; the index's own length decides
+        // the speculative entries below.
+        let m = held.min(self.score_params(lam).reusable(len));
+        let tier = if m == 0 { ABSENT } else { tier };
         // Same operation order as the core's score, so the terms add up to it bit for bit.
         let remaining = len as f64 - b * f64::from(m);
         let prefill = if remaining > 0.0 { (1.0 + lam) * self.w.beta[w] * remaining } else { 0.0 };
@@ -271,7 +280,7 @@ impl PyEdgeCore {
         if effects && self.p.speculative_ttl_s > 0.0 {
             let plan = &self.plan[self.w.region[w] as usize];
             spec = &plan[..plan.partition_point(|&c| c as usize <= len)];
-            if spec.last().is_some_and(|&last| m >= last) && tier == VRAM {
+            if spec.last().is_some_and(|&last| held >= last) && tier == VRAM {
                 spec = &[]; // already claimed in full (by the index or a live entry): nothing to add
             }
         }
