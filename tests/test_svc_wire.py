@@ -1154,6 +1154,47 @@ def test_a_hung_unit_holds_the_other_shards_only_briefly(world: World) -> None:
     run(go())
 
 
+def test_a_slow_unit_back_from_down_is_not_kept_out_by_its_probes(world: World) -> None:
+    """Review: a unit back from down but slower to acknowledge than ``probe_wait_s`` had its
+    probe go to the background, stayed owed after it succeeded, and was probed again with a full
+    re-report at every send, every batch of its shard dropped, for good. Now an answered probe
+    leaves the shard owed only for what was dropped meanwhile, and that re-report takes the
+    ladder, which waits for a slow unit."""
+
+    async def go() -> None:
+        dead = 1
+        async with _units_one_down(world, dead) as (_, _, asia, live_chans, real):
+            resets = [0]
+
+            def counting(shard: int | None = None) -> Sequence[KeyOpBatch]:
+                resets[0] += shard == dead
+                return asia.on_rejected(shard)
+
+            opts: dict[str, Any] = {"max_attempts": 2, "backoff_s": (0.001, 0.002), "down_retry_s": 0.05, "probe_wait_s": 0.05}
+            async with IngestClient("asia-0", live_chans, counting, **opts) as client:
+                await client.send(cache(asia, prompt(93), 1000, seq=0))  # the unit is down
+                u = type(client._units[dead])(dead, real, {"x-kvcompass-worker": "asia-0"})  # back, and slow
+                recv = u.recv
+
+                async def slow_recv() -> Any:
+                    await asyncio.sleep(0.1)  # every acknowledgement takes longer than a probe waits
+                    return await recv()
+
+                u.recv = slow_recv  # type: ignore[method-assign]
+                client._units[dead] = u
+                await asyncio.sleep(0.1)
+                resets[0] = 0
+                left_out = []
+                for _ in range(12):
+                    r = await client.send(asia.heartbeat())
+                    left_out.append(dead in r.unreachable)
+                    await asyncio.sleep(0.05)
+                assert not any(left_out[-6:]), left_out  # served again, through the ladder
+                assert resets[0] <= 2, resets
+
+    run(go())
+
+
 def test_an_edge_reports_its_views_entries(world: World) -> None:
     """Review, twenty-fifth session: kvcompass_index_entries, documented for views too, stayed 0
     on every edge (only the units set it)."""

@@ -193,6 +193,11 @@ class _UnitStream:
             await st.send_message(msg)
 
 
+def _read_outcome(t: asyncio.Task[object]) -> None:
+    if not t.cancelled():
+        t.exception()
+
+
 async def _close_quietly(stack: contextlib.AsyncExitStack) -> None:
     # Leaving a half-open stream cancels it (RST_STREAM); whatever the server said last no
     # longer matters to us.
@@ -304,8 +309,12 @@ class IngestClient(AsyncResource):
                 elif shard in self._owed:  # back (or to be tried): the re-report goes first
                     # A shard given up on is tried once, not max_attempts times: a unit left
                     # down held every other shard's sends (gathered with it) for the whole
-                    # retry ladder, 14 s of every 19 (found in review).
-                    probe.add(shard)
+                    # retry ladder, 14 s of every 19 (found in review). One whose unit has
+                    # answered since (owed for what was dropped while its probe was out) goes
+                    # through the ladder: a probe's short wait made a merely slow unit a loop of
+                    # background re-reports, every batch of its shard dropped (review).
+                    if shard in self._down:
+                        probe.add(shard)
                     fresh = list(self._on_rejected(shard))
                     for b in fresh:
                         if b.shard != shard:
@@ -326,18 +335,22 @@ class IngestClient(AsyncResource):
             except BaseException:
                 for t in tasks.values():
                     t.cancel()
+                    t.add_done_callback(_read_outcome)  # nothing left for a finalizer to log
                 raise
             probe.clear()
             by_shard = {}
+            # Every ended task's outcome read before any is raised: an exception left unread is
+            # logged by the task's finalizer whenever the collector gets to it (found in review:
+            # in the middle of a later compile, which CPython 3.11 then failed).
+            outcomes = {s: (t.exception() or t.result()) for s, t in tasks.items() if t.done()}
             for shard in shards:
                 t = tasks[shard]
                 if not t.done():  # a probe with no answer yet: it goes on without holding the rest
                     self._probing[shard] = t
                     t.add_done_callback(functools.partial(self._probe_ended, shard))
-                    self._owed.add(shard)
                     unreachable.add(shard)
                     continue
-                r = t.exception() or t.result()
+                r = outcomes[shard]
                 if isinstance(r, ConnectionError):
                     _log.warning("worker %s: %s; its batches wait for a re-report in %g s", self.worker, r, self._down_retry)
                     self.last_unreachable = str(r)
@@ -356,9 +369,9 @@ class IngestClient(AsyncResource):
         return SendReport(n_ok, applied, dups, resets, reconnects, unreachable=tuple(sorted(unreachable)), ops=ops)
 
     def _probe_ended(self, shard: int, t: asyncio.Task[tuple[list[int], list[KeyOpBatch]]]) -> None:
-        """A probe left running in the background ended: its unit is back (its shard stays owed
-        for what was dropped meanwhile: the next send re-reports it), down again, or refused for
-        good (raised by the next send)."""
+        """A probe left running in the background ended: its unit is back (owed only if batches
+        of its shard were dropped meanwhile: the next send re-reports it through the ladder),
+        down again, or refused for good (raised by the next send)."""
         self._probing.pop(shard, None)
         if t.cancelled():
             return
@@ -372,8 +385,10 @@ class IngestClient(AsyncResource):
             _log.warning("worker %s: %s; its batches wait for a re-report in %g s", self.worker, e, self._down_retry)
             self.last_unreachable = str(e)
             self._down[shard] = time.monotonic() + self._down_retry
+            self._owed.add(shard)
         else:
             self._failed = e
+            self._owed.add(shard)
 
     async def _send_unit(self, u: _UnitStream, batches: Sequence[KeyOpBatch], max_attempts: int) -> tuple[list[int], list[KeyOpBatch]]:
         n_ok = applied = dups = resets = reconnects = ops = 0
