@@ -369,6 +369,32 @@ def test_a_gap_the_ring_cannot_fill_is_logged_and_counted(caplog: pytest.LogCapt
     run(main())
 
 
+@pytest.mark.parametrize("answer", [True, False])
+def test_a_catch_up_past_seq_0_or_unanswered_is_no_lost_gap(answer: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """A fresh agent's catch-up on a long-running engine, whose ring starts past seq 0, or on an
+    engine not answering its replay socket yet, lost nothing it ever knew: no resync, no
+    warning (found in review: both counted one, the figure operators are told to alert on)."""
+
+    async def main() -> None:
+        async with fake_engine(answer=answer) as eng:
+            for seq in (5, 6):
+                await eng.publish(seq, prompt(seq), send=False)  # in the ring from before the agent
+            runner = AgentRunner(new_agent(), Collect(), eng.events, eng.replay, replay_timeout_s=0.2)
+            await runner.start()
+            try:
+                await wait_until(lambda: runner.stats.replays == 1 and (runner.agent.last_seq == 6 if answer else runner.stats.replay_failures == 1))
+            finally:
+                await runner.stop()
+        assert runner.agent.stats.resyncs == 0 and not any("could not be filled" in r.getMessage() for r in caplog.records)
+        reference = new_agent()
+        if answer:
+            for i, seq in enumerate((5, 6)):
+                reference.on_message([b"", i.to_bytes(8, "big"), eng.ring[seq]])
+        assert runner.agent.held() == reference.held()
+
+    run(main())
+
+
 def test_unanswered_replay_times_out_and_resyncs() -> None:
     async def main() -> None:
         async with fake_engine(answer=False) as eng:

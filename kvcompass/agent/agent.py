@@ -363,6 +363,9 @@ class WorkerAgent:
         self._seen_order: deque[int] = deque()
         self._buffer: dict[int, EngineBatch] = {}
         self._replay_from: int | None = None
+        # A catch_up replay under way: a ring that starts past seq 0, or an engine not answering
+        # yet, is the expected start of a fresh agent, not a gap it failed to fill.
+        self._catching_up = False
         # Skipped events not yet taken by the driver (for its log): (seq, event), the latest 256.
         self._skips: deque[tuple[int, SkippedEvent]] = deque(maxlen=256)
 
@@ -401,6 +404,7 @@ class WorkerAgent:
         """Take one replay reply ``(seq, payload)``; the end frame (seq -1) closes the replay."""
         b = self._decode(decode_replay, frames)
         if b is None:
+            self._catching_up = False
             if self._replay_from is None:
                 return AgentOutput()
             self._replay_from = None
@@ -427,6 +431,7 @@ class WorkerAgent:
         if self._last_seq >= 0 or self._replay_from is not None or self._buffer:
             return AgentOutput()
         self._replay_from = 0
+        self._catching_up = True
         self._stats.replay_requests += 1
         return AgentOutput(replay=ReplayRequest(0))
 
@@ -434,6 +439,11 @@ class WorkerAgent:
         """The replay could not be had: resync (see the module notes); a no-op without a gap."""
         if self._replay_from is None and not self._buffer:
             return AgentOutput()
+        if self._catching_up and not self._buffer:  # nothing missed yet: only nothing learnt
+            self._catching_up = False
+            self._replay_from = None
+            return AgentOutput(self._flush())
+        self._catching_up = False
         self._resync(forget=forget)
         return AgentOutput(self._flush())
 
@@ -609,8 +619,10 @@ class WorkerAgent:
             # Buffering it filled the buffer on a long-running engine, whose resync then jumped
             # past the rest of the replay, dropped as duplicates: removals in it never reached
             # the index (found in review). The history before b.seq is gone either way: resync
-            # from here (every shard re-reported) and take the rest of the replay in order.
-            self._stats.resyncs += 1
+            # from here (every shard re-reported) and take the rest of the replay in order. A
+            # fresh agent's catch-up starting past seq 0 loses nothing it ever knew: no resync.
+            if not (self._catching_up and self._last_seq == -1):
+                self._stats.resyncs += 1
             self._reset_pending = set(range(self.shards))
             for s in [s for s in self._buffer if s < b.seq]:  # live ones from inside the lost span:
                 del self._buffer[s]  # applied after it they would claim what it may have removed
@@ -659,6 +671,7 @@ class WorkerAgent:
         self._seen_order.clear()
         self._buffer.clear()
         self._replay_from = None
+        self._catching_up = False
 
     def take_skipped(self) -> list[tuple[int, SkippedEvent]]:
         """The events skipped since the last call, as ``(seq, event)`` (the latest 256), for
