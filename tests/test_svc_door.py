@@ -1277,6 +1277,33 @@ def test_health_names_stale_shards_past_the_grace_and_stays_ready() -> None:
     run(go())
 
 
+def test_a_door_whose_unit_is_down_past_the_grace_becomes_ready_without_its_snapshot() -> None:
+    """A door (re)started while one maintenance unit is down never gets that shard's first
+    snapshot: it is starting (503) within the grace, then ready and stale, routing on what it
+    has (found in review: it stayed 503 for as long as the unit was down)."""
+    from kvcompass.discovery.plane import wire_edge
+
+    plane = make_plane()
+    fresh = wire_edge(plane.plan, plane.layout, "us", plane.edges["us"].params)
+    for (t, s), v in plane.edges["us"]._views.items():  # every view but shard 1's is current
+        if s != 1:
+            fresh._views[(t, s)] = v
+    plane.edges["us"] = fresh
+    down: dict[int, float] = {1: 3.0}
+
+    async def go() -> None:
+        async with rig(plane, Fleet(), config=DoorConfig(stale_grace_s=10.0)) as t:
+            t.door.door.stale_shards = lambda: down
+            async with t.client.get("/health") as r:
+                assert r.status == 503 and (await r.json())["status"] == "starting"
+            down[1] = 12.0
+            async with t.client.get("/health") as r:
+                body = await r.json()
+                assert r.status == 200 and body["status"] == "stale" and body["uninitialised"] > 0
+
+    run(go())
+
+
 def test_a_short_body_gets_408_and_one_client_cannot_hold_every_slot() -> None:
     # issue 19 finding 3: a body shorter than its Content-Length held the connection forever;
     # hundreds of one client's streams starved the others.

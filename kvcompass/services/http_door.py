@@ -743,14 +743,16 @@ class FrontDoor:
 
     async def health(self, request: Request) -> Response:
         """Readiness: 503 while draining or before every view received its first snapshot
-        (nothing to route on yet). A view behind its writer, or a shard whose subscription has
+        (nothing to route on yet), short of a shard whose unit has been down past
+        ``stale_grace_s``, which is said as stale. A view behind its writer, or a shard whose subscription has
         been down past ``stale_grace_s`` (its views may be behind without the edge knowing), is
         said in the status (``behind``, ``stale``) with a 200: the door still routes on what it
         has, and one maintenance unit down must not take every door of every region out of
         its load balancer (found in review: the Kubernetes readiness probe did just that).
         ``kvcompass_door_shard_stale_seconds`` is the figure to alert on."""
         e = self.edge
-        stale = {str(k): round(v, 1) for k, v in (self.stale_shards() if self.stale_shards is not None else {}).items()}
+        down = dict(self.stale_shards()) if self.stale_shards is not None else {}
+        stale = {str(k): round(v, 1) for k, v in down.items()}
         body: dict[str, Any] = {
             "status": "ok",
             "region": e.region,
@@ -762,12 +764,16 @@ class FrontDoor:
         ready = True
         if self.draining:
             body["status"], ready = "draining", False
-        elif e.uninitialised:
+        elif any(down.get(shard, 0.0) <= self.config.stale_grace_s for _, shard in e.uninitialised):
+            # Views still waiting for a first snapshot from a unit that is answering, or has not
+            # been down for long: starting. One whose unit has been down past the grace does
+            # not hold the door back (found in review: a door restarted while one unit was down
+            # never became ready).
             body["status"], ready = "starting", False
+        elif e.uninitialised or any(v > self.config.stale_grace_s for v in down.values()):
+            body["status"] = "stale"
         elif not e.healthy:
             body["status"] = "behind"
-        elif any(v > self.config.stale_grace_s for v in stale.values()):
-            body["status"] = "stale"
         return json_response(body, status=200 if ready else 503)
 
     async def metrics_endpoint(self, request: Request) -> Response:
