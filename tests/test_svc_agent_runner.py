@@ -431,32 +431,15 @@ def test_unanswered_replay_times_out_and_resyncs() -> None:
     run(main())
 
 
-def test_a_malformed_message_is_counted_once_though_its_gap_replays_it() -> None:
-    """The gap a malformed live message leaves asks for a replay, which brings the same bytes
-    back: counted once (found in review: once per replay that covered it)."""
+@pytest.mark.parametrize("replay", [False, True])
+def test_malformed_message_is_skipped_and_counted_once(replay: bool) -> None:
+    """Without a replay socket the gap it leaves is resynced; with one, the replay brings the
+    same bytes back, and it is still counted once (found in review: once per replay)."""
 
-    async def main() -> None:
-        async with fake_engine() as eng:
-            runner = AgentRunner(new_agent(), Collect(), eng.events, eng.replay, catch_up=False)
-            await runner.start()
-            try:
-                await eng.subscribed()
-                await eng.publish(0, prompt(0))
-                await eng.publish(1, prompt(1), payload=b"\xc1 not msgpack")
-                await eng.publish(2, prompt(2))
-                await wait_until(lambda: runner.agent.last_seq == 2)
-            finally:
-                await runner.stop()
-        assert eng.requests == [1] and runner.stats.malformed == 1
-
-    run(main())
-
-
-def test_malformed_message_is_skipped_without_replay_socket() -> None:
     async def main() -> None:
         async with fake_engine() as eng:
             sink = Collect()
-            runner = AgentRunner(new_agent(), sink, eng.events)  # no replay endpoint
+            runner = AgentRunner(new_agent(), sink, eng.events, eng.replay if replay else None, catch_up=False)
             await runner.start()
             try:
                 await eng.subscribed()
@@ -466,6 +449,9 @@ def test_malformed_message_is_skipped_without_replay_socket() -> None:
                 await wait_until(lambda: runner.agent.last_seq == 2)
             finally:
                 await runner.stop()
+        if replay:
+            assert eng.requests == [1] and runner.stats.malformed == 1
+            return
         assert runner.stats.malformed == 1 and runner.stats.replay_failures == 1 and runner.stats.replays == 0
         assert runner.agent.stats.resyncs == 1
         assert net(sink.batches) == {k: int(t) for k, t in runner.agent.held().items()} != {}

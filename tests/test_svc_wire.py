@@ -1085,28 +1085,38 @@ def test_a_unit_that_stops_reading_does_not_hang_a_send(world: World) -> None:
     ever. Here the "unit" accepts connections and never reads a byte."""
 
     async def go() -> None:
-        held: list[asyncio.StreamWriter] = []
+        async with _stuck_server() as (port, held):
+            await check(port, held)
 
-        async def stuck(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-            held.append(w)  # never read, never answer
-
-        server = await asyncio.start_server(stuck, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
+    async def check(port: int, held: list[asyncio.StreamWriter]) -> None:
         n = 100_000  # 0.9 MB: past the 64 KiB an HTTP/2 stream may send before any credit
         keys = np.arange(1, n + 1, dtype=np.uint64) * world.layout.shards
         big = [KeyOpBatch("asia-0", 1, 0, 1, keys, np.ones(n, np.uint8), True)]
-        try:
-            async with IngestClient("asia-0", {0: f"127.0.0.1:{port}"}, lambda s: (), max_attempts=2, ack_timeout_s=0.3, backoff_s=(0.01, 0.01)) as client:
-                report = await asyncio.wait_for(client.send(big), 10)
-                assert report.unreachable == (0,) and report.ops == 0
-                assert len(held) == 2  # the second attempt came on a fresh connection
-        finally:
-            for w in held:
-                w.close()
-            server.close()
-            await server.wait_closed()
+        async with IngestClient("asia-0", {0: f"127.0.0.1:{port}"}, lambda s: (), max_attempts=2, ack_timeout_s=0.3, backoff_s=(0.01, 0.01)) as client:
+            report = await asyncio.wait_for(client.send(big), 10)
+            assert report.unreachable == (0,) and report.ops == 0
+            assert len(held) == 2  # the second attempt came on a fresh connection
 
     run(go())
+
+
+@contextlib.asynccontextmanager
+async def _stuck_server() -> AsyncIterator[tuple[int, list[asyncio.StreamWriter]]]:
+    """A "unit" that accepts connections and never reads a byte or answers (a stopped process):
+    its port and the connections it holds."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def stuck(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        held.append(w)
+
+    server = await asyncio.start_server(stuck, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1], held
+    finally:
+        for w in held:
+            w.close()
+        server.close()
+        await server.wait_closed()
 
 
 def test_a_hung_unit_holds_the_other_shards_only_briefly(world: World) -> None:
@@ -1117,39 +1127,27 @@ def test_a_hung_unit_holds_the_other_shards_only_briefly(world: World) -> None:
     a probe with no answer within ``probe_wait_s`` goes on in the background, its shard owed."""
 
     async def go() -> None:
-        held: list[asyncio.StreamWriter] = []
-
-        async def stuck(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-            held.append(w)  # never read, never answer
-
-        server = await asyncio.start_server(stuck, "127.0.0.1", 0)
         hung = 1
-        try:
-            async with _units_one_down(world, hung) as (units, services, asia, live_chans, _):
-                live_chans[hung] = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
-                opts: dict[str, Any] = {"max_attempts": 20, "ack_timeout_s": 0.3, "give_up_s": 0.3, "probe_wait_s": 0.05, "down_retry_s": 0.2, "backoff_s": (0.01, 0.01)}
-                async with IngestClient("asia-0", live_chans, asia.on_rejected, **opts) as client:
-                    t0 = time.monotonic()
-                    report = await client.send(cache(asia, prompt(95), 1000, seq=0))
-                    assert report.unreachable == (hung,) and report.batches >= 1
-                    assert len(held) == 1 and time.monotonic() - t0 < 3 * 0.3  # one deadline, not twenty
-                    await asyncio.sleep(0.25)
-                    t0 = time.monotonic()
-                    report = await client.send(asia.heartbeat())  # the hung shard's probe goes out
-                    assert report.unreachable == (hung,) and report.batches >= 1 and time.monotonic() - t0 < 0.25
-                    assert hung in client._probing
-                    report = await client.send(asia.heartbeat())  # its probe still out: skipped at once
-                    assert report.unreachable == (hung,)
-                    await asyncio.sleep(0.5)  # the probe's deadline passed: down again, not probing
-                    assert hung not in client._probing and client._down[hung] > time.monotonic() - 0.5
-                    for svc in services:
-                        await svc.flush_now()
-                    assert all(len(u.held("asia-0")) for u in units if u.shard != hung)
-        finally:
-            for w in held:
-                w.close()
-            server.close()
-            await server.wait_closed()
+        async with _stuck_server() as (port, held), _units_one_down(world, hung) as (units, services, asia, live_chans, _):
+            live_chans[hung] = f"127.0.0.1:{port}"
+            opts: dict[str, Any] = {"max_attempts": 20, "ack_timeout_s": 0.3, "give_up_s": 0.3, "probe_wait_s": 0.05, "down_retry_s": 0.2, "backoff_s": (0.01, 0.01)}
+            async with IngestClient("asia-0", live_chans, asia.on_rejected, **opts) as client:
+                t0 = time.monotonic()
+                report = await client.send(cache(asia, prompt(95), 1000, seq=0))
+                assert report.unreachable == (hung,) and report.batches >= 1
+                assert len(held) == 1 and time.monotonic() - t0 < 3 * 0.3  # one deadline, not twenty
+                await asyncio.sleep(0.25)
+                t0 = time.monotonic()
+                report = await client.send(asia.heartbeat())  # the hung shard's probe goes out
+                assert report.unreachable == (hung,) and report.batches >= 1 and time.monotonic() - t0 < 0.25
+                assert hung in client._probing
+                report = await client.send(asia.heartbeat())  # its probe still out: skipped at once
+                assert report.unreachable == (hung,)
+                await asyncio.sleep(0.5)  # the probe's deadline passed: down again, not probing
+                assert hung not in client._probing and client._down[hung] > time.monotonic() - 0.5
+                for svc in services:
+                    await svc.flush_now()
+                assert all(len(u.held("asia-0")) for u in units if u.shard != hung)
 
     run(go())
 
