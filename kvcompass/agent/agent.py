@@ -439,7 +439,7 @@ class WorkerAgent:
         """The replay could not be had: resync (see the module notes); a no-op without a gap."""
         if self._replay_from is None and not self._buffer:
             return AgentOutput()
-        if self._catching_up and not self._buffer:  # nothing missed yet: only nothing learnt
+        if self._catching_up and not self._buffer:  # nothing was missed; nothing was learnt either
             self._catching_up = False
             self._replay_from = None
             return AgentOutput(self._flush())

@@ -36,7 +36,9 @@ worker says it cannot serve: draining, overloaded) marks the worker dead for
 workers per request; when every one answered 503 the client gets the last one's answer). Any
 other status, a 500 included, is the request's own answer and is relayed as the engine gave it:
 an engine fails one request with a 500 while it serves the rest. Once bytes went to the client a
-failure cannot be retried: the stream ends with an SSE error event and ``[DONE]`` instead, as vLLM ends one. A worker that stops
+failure cannot be retried: the stream ends with an SSE error event and ``[DONE]``, as vLLM ends
+one. A client that leaves takes its request with it (the exchange is abandoned, its connection
+closed, nothing retried). A worker that stops
 answering the edge's load poll (hung, not gone: its port still accepts) is held dead while it
 stays silent (:meth:`FrontDoor.hold_unresponsive`), and back as soon as it answers.
 
@@ -742,14 +744,14 @@ class FrontDoor:
         return json_response(model_card(model, self._created))
 
     async def health(self, request: Request) -> Response:
-        """Readiness: 503 while draining or before every view received its first snapshot
-        (nothing to route on yet), short of a shard whose unit has been down past
-        ``stale_grace_s``, which is said as stale. A view behind its writer, or a shard whose subscription has
-        been down past ``stale_grace_s`` (its views may be behind without the edge knowing), is
-        said in the status (``behind``, ``stale``) with a 200: the door still routes on what it
-        has, and one maintenance unit down must not take every door of every region out of
-        its load balancer (found in review: the Kubernetes readiness probe did just that).
-        ``kvcompass_door_shard_stale_seconds`` is the figure to alert on."""
+        """Readiness. 503 while draining (``draining``) or while a view waits for its first
+        snapshot from a unit not down past ``stale_grace_s`` (``starting``: nothing to route on
+        yet). A shard down past the grace (its views may be behind without the edge knowing, or
+        empty) or a view behind its writer is said in the status (``stale``, ``behind``) with a
+        200: the door still routes on what it has, and one maintenance unit down must not take
+        every door of every region out of its load balancer (found in review: the Kubernetes
+        readiness probe did just that). ``kvcompass_door_shard_stale_seconds`` is the figure to
+        alert on."""
         e = self.edge
         down = dict(self.stale_shards()) if self.stale_shards is not None else {}
         stale = {str(k): round(v, 1) for k, v in down.items()}
