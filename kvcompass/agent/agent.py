@@ -533,6 +533,12 @@ class WorkerAgent:
         return self._incarnation
 
     @property
+    def resyncs(self) -> int:
+        """``stats.resyncs`` without bringing the forest's counters up to date (a driver reads
+        it after every message)."""
+        return self._stats.resyncs
+
+    @property
     def last_seq(self) -> int:
         """The last applied engine seq of this incarnation (-1 before the first)."""
         return self._last_seq

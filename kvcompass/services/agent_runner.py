@@ -159,7 +159,7 @@ class AgentRunner:
         self._last_sent = 0.0
         self._hb: asyncio.Task[None] | None = None
         self._gone = 0  # engine disconnections seen: a message read before one is handled after it
-        self._resyncs = agent.stats.resyncs  # resyncs already logged
+        self._resyncs = agent.resyncs  # resyncs already logged
         # What ended the heartbeats, if a sink error did: the runner then ends with it.
         self._fatal: BaseException | None = None
         self._reader: asyncio.Task[object] | None = None
@@ -367,7 +367,7 @@ class AgentRunner:
     def _log_resyncs(self) -> None:
         """A warning for each gap the engine's ring could not fill (found in review: silent, and
         after one the index may claim blocks that events lost beyond the ring removed)."""
-        n = self.agent.stats.resyncs
+        n = self.agent.resyncs
         if n > self._resyncs:
             _log.warning(
                 "worker %s: %d gap(s) in the engine's events could not be filled from its replay ring; everything the agent knows was re-reported, "

@@ -932,11 +932,12 @@ class FrontDoor:
                 400, f"cache_salt is set by the edge from the tenant in {NAMESPACE_HEADER}; send that header instead", "cache_salt", "cache_salt_not_allowed"
             )
         extra: dict[str, Any] = {}
-        if stream:
+        if stream and (opts is None or opts.get("include_usage") is not True):
             # The usage chunk is where a stream reports cached_tokens; ask for it, strip it later
             # (a batch's streams always report it: the door sums them into one). Asked for in
             # so many words even when the client's options imply it: SGLang's include_usage
-            # defaults to false where vLLM's defaults to true.
+            # defaults to false where vLLM's defaults to true. A body that says so already is
+            # forwarded as it came.
             extra["stream_options"] = {**(opts or {}), "include_usage": True}
         if salt is not None:
             extra["cache_salt"] = salt
